@@ -1,0 +1,399 @@
+"""
+Step 8 -- A fused cross-entropy loss in Triton with online softmax.
+
+What it computes
+----------------
+For each token row r with logits z (length V = 128,256 for LLaMA-3) and target t::
+
+    loss_r = logsumexp(z) - z[t]                       (0 if t == ignore_index)
+    dloss_r / dz = softmax(z) - onehot(t)
+
+reduced by ``mean`` (over non-ignored rows), ``sum`` or ``none``; the exact
+semantics of ``F.cross_entropy(logits.float(), targets, ...)``, which is what HF's
+LLaMA loss calls. The loss is float32, the gradient has the logits' dtype.
+
+Why a custom kernel
+-------------------
+The logits are the largest tensor of LLaMA-3 training: [tokens, 128256], 2 GB in
+bf16 at 8,192 tokens. HF upcasts them to float32 (4 GB), log_softmax writes
+another 4 GB, and backward builds a float32 gradient (4 GB) before casting it to
+bf16. This step is limited by memory *capacity* as much as by bandwidth.
+
+Online softmax (Milakov & Gimelshein, 2018) computes logsumexp in one streaming
+pass over vocabulary chunks with two running scalars, the maximum m and the sum
+d of exp(z - m). When a chunk raises the maximum, the old sum is rescaled::
+
+    m_new = max(m, max(chunk))
+    d     = d * exp(m - m_new) + sum(exp(chunk - m_new))
+
+No softmax tensor is ever written. Memory traffic of this kernel:
+
+* forward with gradient (training): read the logits (pass 1), read them again
+  (pass 2, often served by L2 since the row was just read) and write the
+  gradient: 2 reads + 1 write of [N, V] at most, and nothing else of that size.
+* forward only (``no_grad``): 1 read.
+
+Design choices, each marked in the code:
+
+1. The gradient is written by the *forward* launch (pass 2), while the row is
+   still hot in L2, instead of re-reading the logits from HBM in backward.
+   This is what makes the loss cheaper than a separate forward and backward.
+2. The gradient written in forward assumes an upstream gradient of 1 (the
+   common case: ``loss.backward()``). Backward launches a tiny kernel that
+   reads the upstream gradient *on the device* and rescales only when it is not
+   1 -- no ``.item()``, no host synchronization, so the loss and its backward can
+   be captured in a CUDA graph.
+3. ``mean`` divides by the number of non-ignored targets, counted on the device.
+   If every target is ignored the loss is 0 and the gradient is 0 (PyTorch
+   returns NaN, which would kill a training run on an all-padding batch).
+4. Row offsets are 64-bit: rows x V passes 2**31 at 16,744 rows of LLaMA-3.
+5. Opt-in in-place mode (``inplace_backward=True``) writes the gradient into the
+   logits buffer itself and saves [N, V] of memory. The logits' autograd version
+   counter is bumped, so any other op that saved them for its backward fails
+   loudly instead of silently using the overwritten values. Only use it when
+   nothing else needs the logits after the loss (the usual LM-head case).
+6. ``exp2`` with log2(e) folded into the logits: the GPU's fast exponential is
+   base 2, so exp(x) costs a multiply plus ex2.
+
+Out-of-range targets (not in [0, V) and not ignore_index) are a bug in the
+caller. On CPU tensors we raise a ValueError naming the first bad one. On CUDA,
+checking would need a host synchronization, so by default the kernel makes the
+loss of such a row NaN (and its gradient NaN): never a silent number. Pass
+``check_targets=True`` to get the ValueError on CUDA too, at the cost of a sync.
+
+Triton concepts new in this step (see rmsnorm_kernel.py for the basics)
+-----------------------------------------------------------------------
+* A loop over chunks inside one program, carrying scalar state (m, d) between
+  iterations: rows too long for registers are streamed.
+* ``tl.constexpr`` flags (WRITE_GRAD) that remove whole code paths at compile time.
+* Scalar loads of a device value (the target, the count of valid rows, the
+  upstream gradient) used to steer the computation without the host knowing it.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# Imported first: it switches on the Triton interpreter when there is no GPU.
+from rmsnorm_kernel import SUPPORTED_DTYPES, check_kernel_device
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
+LN2 = 0.6931471805599453  # ln(2):    ln(y)  == log2(y) * LN2
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+# --------------------------------------------------------------------------------
+# The reference: what HF's LLaMA loss computes. Tests compare against it and
+# against its float64 version; the benchmark times it as "PyTorch eager".
+# --------------------------------------------------------------------------------
+def cross_entropy_reference(logits, targets, ignore_index=-100, reduction="mean"):
+    """``F.cross_entropy(logits.float(), targets)`` on [..., V] logits, as HF does."""
+    v = logits.shape[-1]
+    return F.cross_entropy(
+        logits.float().reshape(-1, v), targets.reshape(-1).long(), ignore_index=ignore_index, reduction=reduction
+    ).reshape(targets.shape if reduction == "none" else ())
+
+
+# --------------------------------------------------------------------------------
+# Forward kernel (computes the loss and, when training, the gradient)
+# --------------------------------------------------------------------------------
+@triton.jit
+def _cross_entropy_fwd_kernel(
+    LOGITS,  # logits; row r starts at (r // inner) * stride_outer + (r % inner) * stride_inner
+    TARGETS,  # [N] int32 or int64 target ids
+    LOSS,  # [N] float32 output: per-row loss, 0 for ignored rows
+    GRAD,  # gradient output, same row layout with grad strides (may alias LOGITS)
+    N_VALID,  # [1] float32: number of non-ignored targets, counted on the device
+    inner,  # rows per outer index (T for [B, T, V] logits)
+    stride_outer,
+    stride_inner,
+    grad_stride_outer,
+    grad_stride_inner,
+    V,
+    ignore_index,
+    MEAN: tl.constexpr,  # reduction == "mean": scale the gradient by 1 / N_VALID
+    WRITE_GRAD: tl.constexpr,  # training: write d(loss)/d(logits) in pass 2
+    BLOCK_V: tl.constexpr,  # vocabulary chunk streamed per loop iteration
+):
+    # One program per token row. The row index is 64-bit from the start so that
+    # every offset computed from it is too (design choice 4).
+    row = tl.program_id(0).to(tl.int64)
+    outer = row // inner
+    logits_row = LOGITS + outer * stride_outer + (row - outer * inner) * stride_inner
+
+    target = tl.load(TARGETS + row).to(tl.int64)
+    ignored = target == ignore_index
+    in_range = (target >= 0) & (target < V)
+    offs = tl.arange(0, BLOCK_V)
+
+    # ---- pass 1: online logsumexp, in the base-2 domain (design choice 6) -------
+    # m is the running max of z * log2(e), d the running sum of 2^(z*log2e - m).
+    m = float("-inf")
+    d = 0.0
+    for start in range(0, V, BLOCK_V):
+        cols = start + offs
+        z = tl.load(logits_row + cols, mask=(cols < V) & ~ignored, other=float("-inf")).to(tl.float32)
+        z = z * LOG2E
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        # While every logit seen so far is -inf, m_new is -inf too and z - m_new
+        # would be NaN; shifting by 0 instead keeps d at exactly 0.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        d = d * tl.exp2(m - m_safe) + tl.sum(tl.exp2(z - m_safe), axis=0)
+        m = m_new
+    # logsumexp in base 2. Ignored rows loaded nothing (m = -inf): give them a
+    # finite stand-in so pass 2 computes 0 * finite, not 0 * inf.
+    lse2 = tl.where(ignored, 0.0, m + tl.log2(d))
+    lse = lse2 * LN2
+
+    # The target logit is one scalar load, not a search through the chunks. Out of
+    # range targets read index 0 but their loss is forced to NaN just below.
+    safe_target = tl.where(in_range, target, 0)
+    z_target = tl.load(logits_row + safe_target, mask=~ignored, other=0.0).to(tl.float32)
+    loss = tl.where(ignored, 0.0, tl.where(in_range, lse - z_target, float("nan")))
+    tl.store(LOSS + row, loss)
+
+    # ---- pass 2: the gradient, while the row is still in L2 (design choice 1) ---
+    if WRITE_GRAD:
+        if MEAN:
+            scale = 1.0 / tl.maximum(tl.load(N_VALID), 1.0)
+        else:
+            scale = 1.0
+        # Ignored rows get a zero gradient, out-of-range rows a NaN one.
+        scale = tl.where(ignored, 0.0, tl.where(in_range, scale, float("nan")))
+        grad_row = GRAD + outer * grad_stride_outer + (row - outer * inner) * grad_stride_inner
+        for start in range(0, V, BLOCK_V):
+            cols = start + offs
+            col_mask = cols < V
+            # Ignored rows skip the load (masked lanes move no memory).
+            z = tl.load(logits_row + cols, mask=col_mask & ~ignored, other=0.0).to(tl.float32)
+            p = tl.exp2(z * LOG2E - lse2)  # softmax, never stored on its own
+            g = (p - tl.where(cols == target, 1.0, 0.0)) * scale
+            tl.store(grad_row + cols, g.to(GRAD.dtype.element_ty), mask=col_mask)
+
+
+# --------------------------------------------------------------------------------
+# Backward kernel: apply the upstream gradient (design choice 2)
+# --------------------------------------------------------------------------------
+# Chain rule: d(out)/d(logits) = upstream * d(loss)/d(logits). The forward pass
+# wrote the gradient for upstream == 1. This kernel reads the upstream value on
+# the device; rows whose upstream gradient is exactly 1 (every row after
+# loss.backward() on a mean or sum) return after one scalar load, so the common
+# case costs a few microseconds instead of another pass over [N, V].
+@triton.jit
+def _cross_entropy_bwd_scale_kernel(
+    GRAD,  # gradient written by the forward kernel (may alias the logits)
+    GRAD_OUT,  # upstream gradient: a scalar (stride 0) or one value per row
+    stride_go,
+    inner,
+    grad_stride_outer,
+    grad_stride_inner,
+    V,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    g_out = tl.load(GRAD_OUT + row * stride_go).to(tl.float32)
+    if g_out != 1.0:
+        outer = row // inner
+        grad_row = GRAD + outer * grad_stride_outer + (row - outer * inner) * grad_stride_inner
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < V
+            g = tl.load(grad_row + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(grad_row + cols, (g * g_out).to(GRAD.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------
+# Launch helpers
+# --------------------------------------------------------------------------------
+# Vocabulary chunk and warps per program on the GPU. 8,192 bf16 values = 16 KB per
+# iteration, 16 fp32 values per thread with 16 warps: wide enough to keep many
+# loads in flight, small enough to stay in registers.
+BLOCK_V_GPU = 8192
+NUM_WARPS_GPU = 16
+
+
+def _block_v(v, device):
+    if device.type == "cuda":
+        return min(BLOCK_V_GPU, triton.next_power_of_2(v))
+    # The interpreter runs each block op as one NumPy call: bigger is faster.
+    return min(32768, triton.next_power_of_2(v))
+
+
+def _row_layout(t):
+    """Describe [..., V] as (outer, inner) row indices with two strides, without copying.
+
+    Returns (tensor, inner, stride_outer, stride_inner). A slice such as
+    logits[:, :-1, :] keeps its strides; only layouts that cannot be described by
+    two strides (rare: >3-d, non-mergeable) or a non-unit vocabulary stride copy.
+    """
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    if t.dim() == 2:
+        return t, max(t.shape[0], 1), 0, t.stride(0)
+    if t.dim() > 3:
+        try:
+            t = t.view(-1, t.shape[-2], t.shape[-1])
+        except RuntimeError:
+            t = t.reshape(-1, t.shape[-2], t.shape[-1])
+    return t, max(t.shape[1], 1), t.stride(0), t.stride(1)
+
+
+def _check_inputs(logits, targets, ignore_index, reduction):
+    if not isinstance(logits, torch.Tensor) or not isinstance(targets, torch.Tensor):
+        raise TypeError("cross_entropy expects tensors for logits and targets")
+    if logits.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"cross_entropy: unsupported logits dtype {logits.dtype}; use float32, float16 or bfloat16")
+    if targets.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cross_entropy: targets must be int64 or int32 class indices, got {targets.dtype}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"cross_entropy: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if logits.dim() < 2:
+        raise ValueError(f"cross_entropy: logits must be [..., V] with at least 2 dims, got shape {tuple(logits.shape)}")
+    if tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"cross_entropy: targets shape {tuple(targets.shape)} does not match logits shape "
+            f"{tuple(logits.shape)} (expected {tuple(logits.shape[:-1])})"
+        )
+    if logits.shape[-1] < 1:
+        raise ValueError("cross_entropy: vocabulary size must be at least 1")
+    if not isinstance(ignore_index, int):
+        raise TypeError(f"cross_entropy: ignore_index must be an int, got {type(ignore_index).__name__}")
+    check_kernel_device(logits, targets)
+
+
+def _check_target_range(targets, v, ignore_index):
+    """Raise on a target outside [0, V) that is not ignore_index (synchronizes on CUDA)."""
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= v))
+    if bool(bad.any()):
+        idx = int(bad.reshape(-1).nonzero()[0])
+        value = int(targets.reshape(-1)[idx])
+        raise ValueError(
+            f"cross_entropy: target {value} at flat position {idx} is out of range for a vocabulary "
+            f"of {v} (valid: 0..{v - 1}, or ignore_index={ignore_index})"
+        )
+
+
+# --------------------------------------------------------------------------------
+# Autograd function
+# --------------------------------------------------------------------------------
+class TritonCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index, reduction, write_grad, inplace_backward):
+        v = logits.shape[-1]
+        lead_shape = logits.shape[:-1]
+        n_rows = targets.numel()
+        rows, inner, s_outer, s_inner = _row_layout(logits)
+        tgt = targets.reshape(-1)
+        loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+
+        # Where the gradient goes: a fresh [N, V] buffer, or (opt-in) the logits
+        # themselves when they were not copied by _row_layout.
+        grad = None
+        g_outer, g_inner = 0, 0
+        if write_grad:
+            if inplace_backward and rows.data_ptr() == logits.data_ptr() and rows.shape[-1] == v:
+                grad, g_outer, g_inner = rows, s_outer, s_inner
+            else:
+                grad = torch.empty(lead_shape + (v,), dtype=logits.dtype, device=logits.device)
+                _, _, g_outer, g_inner = _row_layout(grad)
+
+        # Count valid targets on the device: no .item(), so no host sync.
+        n_valid = (tgt != ignore_index).sum(dtype=torch.float32).reshape(1)
+        if n_rows > 0:
+            block_v = _block_v(v, logits.device)
+            _cross_entropy_fwd_kernel[(n_rows,)](
+                rows, tgt, loss, grad if grad is not None else loss, n_valid,
+                inner, s_outer, s_inner, g_outer, g_inner, v, ignore_index,
+                MEAN=reduction == "mean", WRITE_GRAD=write_grad, BLOCK_V=block_v,
+                num_warps=NUM_WARPS_GPU if logits.device.type == "cuda" else 4,
+            )
+        if write_grad and grad is rows:
+            # In-place mode: the logits now hold the gradient. Bump their version
+            # counter so autograd rejects any other backward that saved them.
+            torch.autograd.graph.increment_version(logits)
+
+        # What backward hands to autograd: the buffer, or the logits tensor itself.
+        ctx.grad = logits.detach() if (grad is not None and grad is rows) else grad
+        ctx.layout = (inner, g_outer, g_inner, v, n_rows)
+        ctx.reduction = reduction
+        ctx.used = False
+
+        if reduction == "mean":
+            return loss.sum() / n_valid.clamp(min=1.0).squeeze(0)
+        if reduction == "sum":
+            return loss.sum()
+        return loss.view(lead_shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        if ctx.grad is None:
+            raise RuntimeError(
+                "cross_entropy: no gradient was prepared in forward (the forward ran without "
+                "grad mode or with logits that did not require grad)"
+            )
+        if ctx.used:
+            raise RuntimeError(
+                "cross_entropy: backward called twice through the same graph; the fused loss "
+                "prepares its gradient once (do not use retain_graph=True through it)"
+            )
+        ctx.used = True
+        grad = ctx.grad
+        ctx.grad = None  # release our reference once autograd owns the gradient
+        inner, g_outer, g_inner, v, n_rows = ctx.layout
+        if n_rows > 0:
+            rows = _row_layout(grad)[0]
+            if ctx.reduction == "none":
+                go = grad_output.reshape(-1)
+                stride_go = go.stride(0)
+            else:
+                go = grad_output.reshape(1)
+                stride_go = 0  # one scalar for every row
+            _cross_entropy_bwd_scale_kernel[(n_rows,)](
+                rows, go, stride_go, inner, g_outer, g_inner, v,
+                BLOCK_V=_block_v(v, grad.device),
+                num_warps=NUM_WARPS_GPU if grad.device.type == "cuda" else 4,
+            )
+        return grad, None, None, None, None, None
+
+
+def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", inplace_backward=False, check_targets=None):
+    """Fused cross-entropy with the semantics of ``F.cross_entropy(logits.float(), targets)``.
+
+    logits: [..., V] float32/float16/bfloat16 (may be non-contiguous, e.g. a slice).
+    targets: [...] int64 or int32; ``ignore_index`` entries contribute nothing.
+    reduction: "mean" (over non-ignored targets; 0 if there are none), "sum", "none".
+    inplace_backward: write the gradient into the logits buffer (saves [N, V]
+        memory; the logits' values are destroyed and their version is bumped).
+    check_targets: raise on out-of-range targets. Default: on for CPU tensors, off
+        on CUDA (checking needs a host sync; unchecked bad rows give a NaN loss).
+    """
+    _check_inputs(logits, targets, ignore_index, reduction)
+    if check_targets is None:
+        check_targets = logits.device.type == "cpu"
+    if check_targets:
+        _check_target_range(targets, logits.shape[-1], ignore_index)
+    write_grad = torch.is_grad_enabled() and logits.requires_grad
+    return TritonCrossEntropyFunction.apply(logits, targets, ignore_index, reduction, write_grad, inplace_backward)
+
+
+class TritonCrossEntropyLoss(nn.Module):
+    """Drop-in for ``nn.CrossEntropyLoss`` on [..., V] logits; forward(logits, targets)."""
+
+    def __init__(self, ignore_index=-100, reduction="mean", inplace_backward=False):
+        super().__init__()
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.inplace_backward = inplace_backward
+
+    def forward(self, logits, targets):
+        return cross_entropy(logits, targets, self.ignore_index, self.reduction, self.inplace_backward)
+
+    def extra_repr(self):
+        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, inplace_backward={self.inplace_backward}"

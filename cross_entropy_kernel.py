@@ -75,7 +75,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # Imported first: it switches on the Triton interpreter when there is no GPU.
-from rmsnorm_kernel import SUPPORTED_DTYPES, check_kernel_device
+from rmsnorm_kernel import SUPPORTED_DTYPES, cast_to, check_kernel_device, interpreter_active
 
 import triton
 import triton.language as tl
@@ -118,6 +118,7 @@ def _cross_entropy_fwd_kernel(
     MEAN: tl.constexpr,  # reduction == "mean": scale the gradient by 1 / N_VALID
     WRITE_GRAD: tl.constexpr,  # training: write d(loss)/d(logits) in pass 2
     BLOCK_V: tl.constexpr,  # vocabulary chunk streamed per loop iteration
+    SOFT_BF16: tl.constexpr,  # interpreter only: round to bf16 by hand (rmsnorm_kernel.cast_to)
 ):
     # One program per token row. The row index is 64-bit from the start so that
     # every offset computed from it is too (design choice 4).
@@ -172,7 +173,7 @@ def _cross_entropy_fwd_kernel(
             z = tl.load(logits_row + cols, mask=col_mask & ~ignored, other=0.0).to(tl.float32)
             p = tl.exp2(z * LOG2E - lse2)  # softmax, never stored on its own
             g = (p - tl.where(cols == target, 1.0, 0.0)) * scale
-            tl.store(grad_row + cols, g.to(GRAD.dtype.element_ty), mask=col_mask)
+            tl.store(grad_row + cols, cast_to(g, GRAD.dtype.element_ty, SOFT_BF16), mask=col_mask)
 
 
 # --------------------------------------------------------------------------------
@@ -193,6 +194,7 @@ def _cross_entropy_bwd_scale_kernel(
     grad_stride_inner,
     V,
     BLOCK_V: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     g_out = tl.load(GRAD_OUT + row * stride_go).to(tl.float32)
@@ -203,7 +205,7 @@ def _cross_entropy_bwd_scale_kernel(
             cols = start + tl.arange(0, BLOCK_V)
             mask = cols < V
             g = tl.load(grad_row + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(grad_row + cols, (g * g_out).to(GRAD.dtype.element_ty), mask=mask)
+            tl.store(grad_row + cols, cast_to(g * g_out, GRAD.dtype.element_ty, SOFT_BF16), mask=mask)
 
 
 # --------------------------------------------------------------------------------
@@ -308,7 +310,7 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
             _cross_entropy_fwd_kernel[(n_rows,)](
                 rows, tgt, loss, grad if grad is not None else loss, n_valid,
                 inner, s_outer, s_inner, g_outer, g_inner, v, ignore_index,
-                MEAN=reduction == "mean", WRITE_GRAD=write_grad, BLOCK_V=block_v,
+                MEAN=reduction == "mean", WRITE_GRAD=write_grad, BLOCK_V=block_v, SOFT_BF16=interpreter_active(),
                 num_warps=NUM_WARPS_GPU if logits.device.type == "cuda" else 4,
             )
         if write_grad and grad is rows:
@@ -355,7 +357,7 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
                 stride_go = 0  # one scalar for every row
             _cross_entropy_bwd_scale_kernel[(n_rows,)](
                 rows, go, stride_go, inner, g_outer, g_inner, v,
-                BLOCK_V=_block_v(v, grad.device),
+                BLOCK_V=_block_v(v, grad.device), SOFT_BF16=interpreter_active(),
                 num_warps=NUM_WARPS_GPU if grad.device.type == "cuda" else 4,
             )
         return grad, None, None, None, None, None

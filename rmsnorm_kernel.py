@@ -91,6 +91,24 @@ def rmsnorm_reference(x, weight, eps=1e-6, compute_dtype=torch.float32):
 
 
 # --------------------------------------------------------------------------------
+# Rounding to the output dtype
+# --------------------------------------------------------------------------------
+# GPUs round float32 -> bfloat16 to nearest-even. Triton's CPU interpreter
+# truncates instead, which would make CPU results 2-3x less accurate than the GPU's
+# and than PyTorch's. In the interpreter (SOFT_BF16=True) we round by hand: add
+# half an ulp of bf16 (plus the tie-breaking bit) to the float32 bits and clear
+# the low 16 bits; the cast that follows is then exact. On the GPU the flag is
+# False and this is a plain hardware cast.
+@triton.jit
+def cast_to(x, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
+    if SOFT_BF16 and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+# --------------------------------------------------------------------------------
 # Forward kernel
 # --------------------------------------------------------------------------------
 @triton.jit
@@ -105,6 +123,7 @@ def _rmsnorm_fwd_kernel(
     eps,
     BLOCK_N: tl.constexpr,  # power of two >= n_cols: one row fits in one block
     ROWS: tl.constexpr,  # rows per program (> 1 only for short rows)
+    SOFT_BF16: tl.constexpr,  # interpreter: round to bf16 by hand (see cast_to)
 ):
     # Each program normalizes ROWS consecutive rows. For LLaMA (H = 4096) ROWS is 1:
     # one row is 8 KB of bf16, enough work for 8 warps. For short rows we give one
@@ -132,9 +151,9 @@ def _rmsnorm_fwd_kernel(
     # HF semantics: round the normalized value to the input dtype, then multiply
     # by the weight. The product is computed in float32 and rounded once when it
     # is stored, exactly what PyTorch's bf16 * bf16 multiply does.
-    x_hat = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+    x_hat = cast_to(x * rstd[:, None], X.dtype.element_ty, SOFT_BF16).to(tl.float32)
     y = x_hat * w[None, :]
-    tl.store(Y + rows64[:, None] * n_cols + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + rows64[:, None] * n_cols + cols[None, :], cast_to(y, Y.dtype.element_ty, SOFT_BF16), mask=mask)
     tl.store(RSTD + rows64, rstd, mask=row_mask)
 
 
@@ -171,6 +190,7 @@ def _rmsnorm_bwd_kernel(
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
 ):
     # A *persistent* grid: a fixed number of programs (a few per SM) each walk over
     # many row blocks, pid, pid + num_programs, ... Keeping the program alive lets
@@ -201,7 +221,7 @@ def _rmsnorm_bwd_kernel(
         # mean_j(g_j * x_hat_j) per row; masked columns are 0 on both sides.
         c = tl.sum(g * x_hat, axis=1) / n_cols
         dx = (g - x_hat * c[:, None]) * rstd[:, None]
-        tl.store(DX + rows64[:, None] * n_cols + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        tl.store(DX + rows64[:, None] * n_cols + cols[None, :], cast_to(dx, DX.dtype.element_ty, SOFT_BF16), mask=mask)
 
         if COMPUTE_DW:
             dw_acc += tl.sum(dy * x_hat, axis=0)
@@ -218,6 +238,7 @@ def _rmsnorm_dw_reduce_kernel(
     n_cols,
     BLOCK_P: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
 ):
     # Sum the partial weight gradients column-wise, in float32, and round once.
     # One launch instead of partial.sum(0) followed by .to(dtype).
@@ -230,13 +251,13 @@ def _rmsnorm_dw_reduce_kernel(
         mask = (prow < n_partial)[:, None] & col_mask[None, :]
         part = tl.load(DW_PARTIAL + prow[:, None].to(tl.int64) * n_cols + cols[None, :], mask=mask, other=0.0)
         acc += tl.sum(part, axis=0)
-    tl.store(DW + cols, acc.to(DW.dtype.element_ty), mask=col_mask)
+    tl.store(DW + cols, cast_to(acc, DW.dtype.element_ty, SOFT_BF16), mask=col_mask)
 
 
 # --------------------------------------------------------------------------------
 # Launch helpers: checks, block sizes, grid
 # --------------------------------------------------------------------------------
-def _interpreter_active():
+def interpreter_active():
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -246,7 +267,7 @@ def check_kernel_device(*tensors):
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on the same device, got {sorted(str(d) for d in devices)}")
     device = tensors[0].device
-    if device.type == "cpu" and not _interpreter_active():
+    if device.type == "cpu" and not interpreter_active():
         raise RuntimeError(
             "CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before "
             "triton is imported, or move the tensors to a CUDA device"
@@ -332,7 +353,7 @@ def rmsnorm_forward(x, weight, eps):
         grid = (triton.cdiv(n_rows, rows),)
         _rmsnorm_fwd_kernel[grid](
             x2, weight, y, rstd, x2.stride(0), n_rows, n_cols, eps,
-            BLOCK_N=block_n, ROWS=rows, num_warps=num_warps,
+            BLOCK_N=block_n, ROWS=rows, SOFT_BF16=interpreter_active(), num_warps=num_warps,
         )
     return y.view(x.shape), rstd
 
@@ -357,7 +378,8 @@ def rmsnorm_backward(dy, x, weight, rstd, compute_dw=True):
         _rmsnorm_bwd_kernel[(n_programs,)](
             dy2, x2, weight, rstd, dx, dw_partial,
             dy2.stride(0), x2.stride(0), n_rows, n_cols, n_programs, triton.cdiv(n_blocks, n_programs),
-            BLOCK_N=block_n, ROWS=rows, COMPUTE_DW=compute_dw, num_warps=num_warps,
+            BLOCK_N=block_n, ROWS=rows, COMPUTE_DW=compute_dw, SOFT_BF16=interpreter_active(),
+            num_warps=num_warps,
         )
     if compute_dw:
         if n_rows == 0:
@@ -365,7 +387,8 @@ def rmsnorm_backward(dy, x, weight, rstd, compute_dw=True):
         else:
             block_c = 256
             _rmsnorm_dw_reduce_kernel[(triton.cdiv(n_cols, block_c),)](
-                dw_partial, dw, n_programs, n_cols, BLOCK_P=32, BLOCK_C=block_c, num_warps=4,
+                dw_partial, dw, n_programs, n_cols, BLOCK_P=32, BLOCK_C=block_c,
+                SOFT_BF16=interpreter_active(), num_warps=4,
             )
     return dx.view(x.shape), dw
 

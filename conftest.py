@@ -1,0 +1,80 @@
+"""Shared pieces of the correctness tests (pytest loads this file first).
+
+* Without CUDA, kernels run through the Triton interpreter on CPU tensors; the
+  variable must be set before triton is imported, which is why it is here.
+* ``rel_err`` and ``no_worse`` implement the project's definition of correct:
+  compare with a float64 truth, and require the kernel's error to be no worse
+  than about twice the error of the PyTorch path at the same dtype.
+* ``Report`` prints the playbook-style PASSED/FAILED lines when a test file is
+  run as a plain script.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# An absolute floor on relative error, a tenth of the dtype's unit roundoff: when
+# the PyTorch path happens to be nearly exact, "2x its error" alone would demand
+# more than the dtype can represent.
+ERROR_FLOOR = {torch.float32: 1.2e-8, torch.float16: 9.8e-5, torch.bfloat16: 7.8e-4}
+
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+
+
+def rel_err(x, ref):
+    """||x - ref|| / ||ref|| in float64; NaN anywhere gives inf (never passes)."""
+    x = x.detach().double()
+    ref = ref.detach().double()
+    if torch.isnan(x).any():
+        return float("inf")
+    num = (x - ref).norm().item()
+    den = ref.norm().item()
+    return num / den if den > 0 else num
+
+
+def no_worse(err_ours, err_torch, dtype, factor=2.0):
+    return err_ours <= factor * err_torch + ERROR_FLOOR[dtype]
+
+
+class Report:
+    """Collects check lines for the script mode of a test file."""
+
+    def __init__(self, title):
+        self.failed = 0
+        self.passed = 0
+        print(title)
+        print("=" * 72)
+
+    def section(self, title):
+        print(f"\n{title}")
+
+    def line(self, label, ok, detail=""):
+        status = "PASSED" if ok else "FAILED"
+        self.passed += ok
+        self.failed += not ok
+        print(f"  {label:<34} {detail:<30} {status}")
+
+    def run(self, label, fn):
+        """Run a pytest-style check function; an AssertionError is a failure."""
+        try:
+            detail = fn()
+            self.line(label, True, detail or "")
+        except pytest.skip.Exception as e:
+            print(f"  {label:<34} skipped: {e}")
+        except Exception as e:  # noqa: BLE001 - a script report shows every failure
+            self.line(label, False, f"{type(e).__name__}: {e}"[:200])
+
+    def finish(self, name):
+        print("=" * 72)
+        verdict = "PASSED" if self.failed == 0 else "FAILED"
+        print(f"All {name} tests {verdict}: {self.passed} passed, {self.failed} failed")
+        return 0 if self.failed == 0 else 1

@@ -1,0 +1,337 @@
+"""
+Step 6 -- Correctness tests for the fused RMSNorm (rmsnorm_kernel.py).
+
+Every check compares against a float64 truth (the HF formula evaluated in
+float64) and requires our error to be no worse than about twice the error of
+the PyTorch path (HF ``LlamaRMSNorm`` in eager mode) at the same dtype.
+
+Usage:
+    python rmsnorm_test.py          # readable PASSED/FAILED report
+    python -m pytest rmsnorm_test.py
+
+Without a GPU the kernels run through the Triton interpreter on CPU tensors;
+tests marked GPU-only (64-bit offsets, CUDA graphs, determinism) are skipped.
+"""
+
+import sys
+
+import pytest
+import torch
+
+from conftest import DEVICE, DTYPES, Report, gpu_only, no_worse, rel_err
+from rmsnorm_kernel import (
+    MAX_HIDDEN_SIZE,
+    TritonRMSNorm,
+    TritonRMSNormFunction,
+    rmsnorm,
+    rmsnorm_reference,
+    replace_rmsnorm,
+)
+
+EPS = 1e-6
+
+
+def make_inputs(shape, dtype, seed=0, weight_dtype=None):
+    """Random input, random non-unit weight and a random upstream gradient."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = shape[-1]
+    x = (torch.randn(shape, generator=g) * 2.0 + 0.3).to(dtype)
+    w = (1.0 + 0.5 * torch.randn(hidden, generator=g)).to(weight_dtype or dtype)
+    dy = torch.randn(shape, generator=g).to(torch.promote_types(dtype, w.dtype))
+    return x.to(DEVICE), w.to(DEVICE), dy.to(DEVICE)
+
+
+def run_ours(x, w, dy):
+    x = x.detach().requires_grad_()
+    w = w.detach().requires_grad_()
+    y = rmsnorm(x, w, EPS)
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad
+
+
+def run_torch(x, w, dy, compute_dtype=torch.float32):
+    x = x.detach().requires_grad_()
+    w = w.detach().requires_grad_()
+    y = rmsnorm_reference(x, w, EPS, compute_dtype)
+    y.backward(dy.to(y.dtype))
+    return y.detach(), x.grad, w.grad
+
+
+def compare_to_truth(x, w, dy):
+    """Errors of ours and of PyTorch vs float64 for y, dx, dw; asserts the budget."""
+    ours = run_ours(x, w, dy)
+    torch_path = run_torch(x, w, dy)
+    truth = run_torch(x.double(), w.double(), dy.double(), torch.float64)
+    parts = []
+    for name, a, b, t in zip(("y", "dx", "dw"), ours, torch_path, truth):
+        assert a.dtype == b.dtype, f"{name}: dtype {a.dtype}, PyTorch gives {b.dtype}"
+        assert a.shape == b.shape, f"{name}: shape {tuple(a.shape)}, PyTorch gives {tuple(b.shape)}"
+        e_ours, e_torch = rel_err(a, t), rel_err(b, t)
+        assert no_worse(e_ours, e_torch, x.dtype), f"{name}: error {e_ours:.2e} vs PyTorch {e_torch:.2e}"
+        parts.append(f"{name} {e_ours:.1e}/{e_torch:.1e}")
+    return "  ".join(parts)
+
+
+# (label, shape, dtype): irregular hidden sizes, 1 and 7 rows, every dtype,
+# many short rows (several rows per program) and a 3-D [batch, seq, hidden] input.
+CASES = [
+    ("fp32 7x41", (7, 41), "fp32"),
+    ("fp32 1x4097", (1, 4097), "fp32"),
+    ("fp32 2x3x123", (2, 3, 123), "fp32"),
+    ("bf16 7x123", (7, 123), "bf16"),
+    ("bf16 1x4097", (1, 4097), "bf16"),
+    ("bf16 300x64 (many rows/program)", (300, 64), "bf16"),
+    ("bf16 4x4096 (LLaMA hidden)", (4, 4096), "bf16"),
+    ("fp16 7x4097", (7, 4097), "fp16"),
+    ("fp16 5x41", (5, 41), "fp16"),
+]
+
+
+@pytest.mark.parametrize("label,shape,dtype", CASES, ids=[c[0] for c in CASES])
+def test_matches_float64_truth(label, shape, dtype):
+    compare_to_truth(*make_inputs(shape, DTYPES[dtype]))
+
+
+def check_weight_dtype_promotion():
+    # A float32 weight on bf16 activations: HF promotes the product to float32.
+    x, w, dy = make_inputs((5, 123), torch.bfloat16, weight_dtype=torch.float32)
+    detail = compare_to_truth(x, w, dy)
+    assert rmsnorm(x, w).dtype == torch.float32
+    return detail
+
+
+def check_non_contiguous():
+    # Input and upstream gradient as strided views (every other row / a column slice).
+    x, w, dy = make_inputs((14, 200), torch.bfloat16)
+    xs = x[::2, :123]
+    dys = dy[::2, :123].t().contiguous().t()  # column-major: stride(-1) != 1
+    ws = w[:123].contiguous()
+    assert not xs.is_contiguous() and not dys.is_contiguous()
+    return compare_to_truth(xs, ws, dys)
+
+
+def check_no_grad_forward():
+    x, w, _ = make_inputs((7, 123), torch.float32)
+    with torch.no_grad():
+        y = rmsnorm(x, w, EPS)
+    assert not y.requires_grad
+    ref = rmsnorm_reference(x.double(), w.double(), EPS, torch.float64)
+    err = rel_err(y, ref)
+    assert err < 1e-6, f"no_grad forward error {err:.2e}"
+    return f"y {err:.1e}"
+
+
+def check_only_x_requires_grad():
+    # Frozen weight (e.g. LoRA): dw is skipped, dx still right.
+    x, w, dy = make_inputs((7, 123), torch.float32)
+    xg = x.detach().requires_grad_()
+    y = rmsnorm(xg, w, EPS)
+    y.backward(dy)
+    assert w.grad is None
+    xr = x.double().requires_grad_()
+    rmsnorm_reference(xr, w.double(), EPS, torch.float64).backward(dy.double())
+    err = rel_err(xg.grad, xr.grad)
+    assert err < 1e-5, f"dx error {err:.2e}"
+    return f"dx {err:.1e}"
+
+
+def check_bad_inputs():
+    x, w, _ = make_inputs((4, 32), torch.float32)
+    with pytest.raises(ValueError, match="does not match the hidden size"):
+        rmsnorm(x, w[:31])
+    with pytest.raises(TypeError, match="unsupported input dtype"):
+        rmsnorm(x.double(), w)
+    with pytest.raises(TypeError, match="unsupported input dtype"):
+        rmsnorm(x.to(torch.int32), w)
+    with pytest.raises(ValueError, match="same device"):
+        rmsnorm(x, w.to("meta"))
+    with pytest.raises(ValueError, match="exceeds the supported maximum"):
+        rmsnorm(torch.empty(1, MAX_HIDDEN_SIZE + 1, device=DEVICE), torch.empty(MAX_HIDDEN_SIZE + 1, device=DEVICE))
+    with pytest.raises(ValueError, match="eps must be"):
+        rmsnorm(x, w, eps=-1.0)
+    return "5 kinds rejected"
+
+
+def check_module_shares_parameter():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    hf = LlamaRMSNorm(123, eps=1e-5).to(DEVICE)
+    with torch.no_grad():
+        hf.weight.mul_(torch.linspace(0.5, 1.5, 123, device=DEVICE))
+    ours = TritonRMSNorm.from_llama_rmsnorm(hf)
+    assert ours.weight is hf.weight, "from_llama_rmsnorm must reuse the same Parameter object"
+    assert ours.variance_epsilon == 1e-5
+    x, _, _ = make_inputs((3, 123), torch.float32)
+    err = rel_err(ours(x), hf(x))
+    assert err < 1e-6, f"module output differs from LlamaRMSNorm by {err:.2e}"
+    fresh = TritonRMSNorm(41, eps=1e-6)
+    assert fresh.weight.shape == (41,) and fresh.variance_epsilon == 1e-6
+    return f"y vs HF {err:.1e}"
+
+
+def check_replace_in_llama_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(DEVICE)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.mul_(1.0 + 0.3 * torch.randn_like(p))
+    ids = torch.randint(0, 257, (2, 16), device=DEVICE)
+    with torch.no_grad():
+        before = model(ids).logits
+    count = replace_rmsnorm(model)
+    assert count == 2 * 2 + 1, f"replaced {count}, expected 5 (2 per layer + final norm)"
+    assert sum(isinstance(m, TritonRMSNorm) for m in model.modules()) == 5
+    assert replace_rmsnorm(model) == 0, "a second pass must find nothing left to replace"
+    with torch.no_grad():
+        after = model(ids).logits
+    err = rel_err(after, before)
+    assert err < 1e-5, f"patched model output differs by {err:.2e}"
+    return f"{count} modules, logits {err:.1e}"
+
+
+def test_weight_dtype_promotion():
+    check_weight_dtype_promotion()
+
+
+def test_non_contiguous():
+    check_non_contiguous()
+
+
+def test_no_grad_forward():
+    check_no_grad_forward()
+
+
+def test_only_x_requires_grad():
+    check_only_x_requires_grad()
+
+
+def test_bad_inputs():
+    check_bad_inputs()
+
+
+def test_module_shares_parameter():
+    check_module_shares_parameter()
+
+
+def test_replace_in_llama_model():
+    check_replace_in_llama_model()
+
+
+# ---------------------------------------------------------------- GPU-only checks
+def check_int64_offsets():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    # 524,800 x 4,096 = 2.15e9 elements > 2**31: int32 offsets would wrap.
+    rows, hidden = 524_800, 4096
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    w = (1.0 + 0.5 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
+    x.requires_grad_()
+    w.requires_grad_()
+    y = rmsnorm(x, w, EPS)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    tail = slice(rows - 1024, rows)  # the rows beyond 2**31 elements
+    xt = x.detach()[tail].double().requires_grad_()
+    wt = w.detach().double().requires_grad_()
+    yt = rmsnorm_reference(xt, wt, EPS, torch.float64)
+    yt.backward(dy[tail].double())
+    e_y, e_dx = rel_err(y[tail], yt), rel_err(x.grad[tail], xt.grad)
+    assert e_y < 1e-2 and e_dx < 1e-2, f"tail rows wrong: y {e_y:.2e} dx {e_dx:.2e}"
+    # dw over all rows, against a float32 reduction done in PyTorch.
+    x_hat = x.detach().float() * torch.rsqrt(x.detach().float().pow(2).mean(-1, keepdim=True) + EPS)
+    dw_ref = (dy.float() * x_hat).sum(0)
+    e_dw = rel_err(w.grad, dw_ref)
+    assert e_dw < 1e-2, f"dw error {e_dw:.2e}"
+    return f"y {e_y:.1e} dx {e_dx:.1e} dw {e_dw:.1e}"
+
+
+def check_cuda_graph_capture():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    x, w, dy = make_inputs((256, 4096), torch.bfloat16)
+    x.requires_grad_()
+    w.requires_grad_()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up compiles the kernels outside the capture
+        for _ in range(2):
+            x.grad = w.grad = None
+            rmsnorm(x, w, EPS).backward(dy)
+    torch.cuda.current_stream().wait_stream(s)
+    x.grad = w.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = rmsnorm(x, w, EPS)
+        y.backward(dy)
+    with torch.no_grad():
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    y_ref, dx_ref, dw_ref = run_ours(x, w, dy)
+    assert torch.equal(y, y_ref) and torch.equal(x.grad, dx_ref) and torch.equal(w.grad, dw_ref)
+    return "replay == eager, bitwise"
+
+
+def check_determinism():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    x, w, dy = make_inputs((16384, 4096), torch.bfloat16)
+    a, b = run_ours(x, w, dy), run_ours(x, w, dy)
+    assert all(torch.equal(p, q) for p, q in zip(a, b)), "two identical runs differ"
+    return "y, dx, dw bitwise equal"
+
+
+@gpu_only
+def test_int64_offsets():
+    check_int64_offsets()
+
+
+@gpu_only
+def test_cuda_graph_capture():
+    check_cuda_graph_capture()
+
+
+@gpu_only
+def test_determinism():
+    check_determinism()
+
+
+def main():
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (Triton interpreter)"
+    report = Report(f"RMSNorm Correctness Tests on {where}\n(error vs float64: ours / PyTorch eager, relative)")
+    by_dtype = {"fp32": "Float32", "bf16": "BFloat16", "fp16": "Float16"}
+    for i, dt in enumerate(("fp32", "bf16", "fp16"), 1):
+        report.section(f"Test {i}: {by_dtype[dt]}")
+        for label, shape, dtype in CASES:
+            if dtype == dt:
+                report.run(label, lambda s=shape, d=dtype: compare_to_truth(*make_inputs(s, DTYPES[d])))
+    report.section("Test 4: Edge cases and API")
+    for label, fn in [
+        ("fp32 weight, bf16 input", check_weight_dtype_promotion),
+        ("non-contiguous x and dy", check_non_contiguous),
+        ("forward under no_grad", check_no_grad_forward),
+        ("frozen weight (dx only)", check_only_x_requires_grad),
+        ("bad inputs raise", check_bad_inputs),
+        ("from_llama_rmsnorm", check_module_shares_parameter),
+        ("replace_rmsnorm on LLaMA", check_replace_in_llama_model),
+    ]:
+        report.run(label, fn)
+    report.section("Test 5: GPU only")
+    for label, fn in [
+        ("64-bit offsets (2.15e9 elements)", check_int64_offsets),
+        ("CUDA graph capture", check_cuda_graph_capture),
+        ("bitwise determinism", check_determinism),
+    ]:
+        report.run(label, fn)
+    return report.finish("RMSNorm")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -52,8 +52,8 @@ Design choices, each marked in the code:
    counter is bumped, so any other op that saved them for its backward fails
    loudly instead of silently using the overwritten values. Only use it when
    nothing else needs the logits after the loss (the usual LM-head case).
-6. ``exp2`` with log2(e) folded into the logits: the GPU's fast exponential is
-   base 2, so exp(x) costs a multiply plus ex2.
+6. ``exp2`` with a log2(e) factor: the GPU's fast exponential is base 2, so
+   exp(t) costs a multiply plus one ex2 instruction.
 
 Out-of-range targets (not in [0, V) and not ignore_index) are a bug in the
 caller. On CPU tensors we raise a ValueError naming the first bad one. On CUDA,
@@ -80,8 +80,10 @@ from rmsnorm_kernel import SUPPORTED_DTYPES, cast_to, check_kernel_device, inter
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
-LN2 = 0.6931471805599453  # ln(2):    ln(y)  == log2(y) * LN2
+from triton.language.extra import libdevice
+
+# Module-level constants used inside @triton.jit code must be declared constexpr.
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(t) == exp2(t * LOG2E)
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -96,6 +98,33 @@ def cross_entropy_reference(logits, targets, ignore_index=-100, reduction="mean"
     return F.cross_entropy(
         logits.float().reshape(-1, v), targets.reshape(-1).long(), ignore_index=ignore_index, reduction=reduction
     ).reshape(targets.shape if reduction == "none" else ())
+
+
+# --------------------------------------------------------------------------------
+# exp, fast or precise
+# --------------------------------------------------------------------------------
+# The fast path (bf16/fp16 logits) is exp2(t * log2 e): one multiply and the GPU's
+# ex2.approx instruction, ~2 ulp of float32, far below bf16's resolution. Float32
+# logits deserve a float32-accurate exp, as PyTorch's expf is: libdevice's exp on
+# the GPU; in the CPU interpreter (which has no libdevice) NumPy's exp.
+@triton.jit
+def _log(t, INTERPRET: tl.constexpr):
+    # Once per row, so always the accurate one.
+    if INTERPRET:
+        return tl.log(t)
+    else:
+        return libdevice.log(t)
+
+
+@triton.jit
+def _exp(t, PRECISE: tl.constexpr, INTERPRET: tl.constexpr):
+    if PRECISE:
+        if INTERPRET:
+            return tl.exp(t)
+        else:
+            return libdevice.exp(t)
+    else:
+        return tl.exp2(t * LOG2E)
 
 
 # --------------------------------------------------------------------------------
@@ -119,6 +148,8 @@ def _cross_entropy_fwd_kernel(
     WRITE_GRAD: tl.constexpr,  # training: write d(loss)/d(logits) in pass 2
     BLOCK_V: tl.constexpr,  # vocabulary chunk streamed per loop iteration
     SOFT_BF16: tl.constexpr,  # interpreter only: round to bf16 by hand (rmsnorm_kernel.cast_to)
+    PRECISE_EXP: tl.constexpr,  # float32 logits: float32-accurate exp (see _exp)
+    INTERPRET: tl.constexpr,  # running in the CPU interpreter
 ):
     # One program per token row. The row index is 64-bit from the start so that
     # every offset computed from it is too (design choice 4).
@@ -131,30 +162,35 @@ def _cross_entropy_fwd_kernel(
     in_range = (target >= 0) & (target < V)
     offs = tl.arange(0, BLOCK_V)
 
-    # ---- pass 1: online logsumexp, in the base-2 domain (design choice 6) -------
-    # m is the running max of z * log2(e), d the running sum of 2^(z*log2e - m).
+    # ---- pass 1: online logsumexp ----------------------------------------------
+    # m is the running max of the logits, d the running sum of exp(z - m).
     m = float("-inf")
     d = 0.0
     for start in range(0, V, BLOCK_V):
         cols = start + offs
         z = tl.load(logits_row + cols, mask=(cols < V) & ~ignored, other=float("-inf")).to(tl.float32)
-        z = z * LOG2E
         m_new = tl.maximum(m, tl.max(z, axis=0))
         # While every logit seen so far is -inf, m_new is -inf too and z - m_new
         # would be NaN; shifting by 0 instead keeps d at exactly 0.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        d = d * tl.exp2(m - m_safe) + tl.sum(tl.exp2(z - m_safe), axis=0)
+        # We subtract before exponentiating: z - m is exact for the terms that
+        # matter (z close to m), while z * log2(e) would carry the rounding of
+        # |z| * log2(e) into every term.
+        d = d * _exp(m - m_safe, PRECISE_EXP, INTERPRET) + tl.sum(_exp(z - m_safe, PRECISE_EXP, INTERPRET), axis=0)
         m = m_new
-    # logsumexp in base 2. Ignored rows loaded nothing (m = -inf): give them a
-    # finite stand-in so pass 2 computes 0 * finite, not 0 * inf.
-    lse2 = tl.where(ignored, 0.0, m + tl.log2(d))
-    lse = lse2 * LN2
+    # logsumexp = m + log(d). We keep the two parts apart, as PyTorch's
+    # log_softmax does: m + log(d) would round at the scale of m (ulp(12) ~ 1e-6),
+    # while (z - m) - log(d) stays exact where the probabilities are large.
+    # Ignored rows loaded nothing (m = -inf, d = 0): give them finite stand-ins so
+    # pass 2 computes 0 * finite, not 0 * inf.
+    m = tl.where(ignored, 0.0, m)
+    log_d = _log(tl.where(ignored, 1.0, d), INTERPRET)
 
     # The target logit is one scalar load, not a search through the chunks. Out of
     # range targets read index 0 but their loss is forced to NaN just below.
     safe_target = tl.where(in_range, target, 0)
     z_target = tl.load(logits_row + safe_target, mask=~ignored, other=0.0).to(tl.float32)
-    loss = tl.where(ignored, 0.0, tl.where(in_range, lse - z_target, float("nan")))
+    loss = tl.where(ignored, 0.0, tl.where(in_range, (m - z_target) + log_d, float("nan")))
     tl.store(LOSS + row, loss)
 
     # ---- pass 2: the gradient, while the row is still in L2 (design choice 1) ---
@@ -171,7 +207,7 @@ def _cross_entropy_fwd_kernel(
             col_mask = cols < V
             # Ignored rows skip the load (masked lanes move no memory).
             z = tl.load(logits_row + cols, mask=col_mask & ~ignored, other=0.0).to(tl.float32)
-            p = tl.exp2(z * LOG2E - lse2)  # softmax, never stored on its own
+            p = _exp((z - m) - log_d, PRECISE_EXP, INTERPRET)  # softmax, never stored on its own
             g = (p - tl.where(cols == target, 1.0, 0.0)) * scale
             tl.store(grad_row + cols, cast_to(g, GRAD.dtype.element_ty, SOFT_BF16), mask=col_mask)
 
@@ -311,6 +347,7 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
                 rows, tgt, loss, grad if grad is not None else loss, n_valid,
                 inner, s_outer, s_inner, g_outer, g_inner, v, ignore_index,
                 MEAN=reduction == "mean", WRITE_GRAD=write_grad, BLOCK_V=block_v, SOFT_BF16=interpreter_active(),
+                PRECISE_EXP=logits.dtype == torch.float32, INTERPRET=interpreter_active(),
                 num_warps=NUM_WARPS_GPU if logits.device.type == "cuda" else 4,
             )
         if write_grad and grad is rows:
@@ -333,15 +370,15 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
-        if ctx.grad is None:
-            raise RuntimeError(
-                "cross_entropy: no gradient was prepared in forward (the forward ran without "
-                "grad mode or with logits that did not require grad)"
-            )
         if ctx.used:
             raise RuntimeError(
                 "cross_entropy: backward called twice through the same graph; the fused loss "
                 "prepares its gradient once (do not use retain_graph=True through it)"
+            )
+        if ctx.grad is None:
+            raise RuntimeError(
+                "cross_entropy: no gradient was prepared in forward (the forward ran without "
+                "grad mode or with logits that did not require grad)"
             )
         ctx.used = True
         grad = ctx.grad

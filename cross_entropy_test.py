@@ -1,0 +1,467 @@
+"""
+Step 9 -- Correctness and memory tests for the fused cross-entropy (cross_entropy_kernel.py).
+
+Every check compares against a float64 truth (``F.cross_entropy`` on float64
+logits) and requires our error to be no worse than about twice the error of the
+PyTorch path HF uses (``F.cross_entropy(logits.float(), ...)``) at the same dtype.
+
+Usage:
+    python cross_entropy_test.py          # readable PASSED/FAILED report (+ memory on GPU)
+    python -m pytest cross_entropy_test.py
+
+Without a GPU the kernels run through the Triton interpreter on CPU tensors;
+tests marked GPU-only (64-bit offsets, CUDA graphs, memory, determinism) are skipped.
+"""
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import DEVICE, DTYPES, Report, gpu_only, no_worse, rel_err
+from cross_entropy_kernel import TritonCrossEntropyLoss, cross_entropy, cross_entropy_reference
+
+IGNORE = -100
+
+
+def make_inputs(lead, v, dtype, seed=0, ignore_frac=0.25, scale=3.0):
+    """Random logits (a few large values, like a trained LM head) and targets with some ignored."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(*lead, v, generator=g) * scale
+    targets = torch.randint(0, v, lead, generator=g)
+    ignored = torch.rand(lead, generator=g) < ignore_frac
+    targets[ignored] = IGNORE
+    return logits.to(dtype).to(DEVICE), targets.to(DEVICE)
+
+
+def loss_and_grad(fn, logits, targets, reduction, upstream):
+    x = logits.detach().requires_grad_()
+    loss = fn(x, targets, ignore_index=IGNORE, reduction=reduction)
+    loss.backward(upstream.to(loss.dtype))
+    return loss.detach(), x.grad
+
+
+def truth(logits, targets, reduction, upstream):
+    x = logits.detach().double().requires_grad_()
+    v = x.shape[-1]
+    loss = F.cross_entropy(x.reshape(-1, v), targets.reshape(-1).long(), ignore_index=IGNORE, reduction=reduction)
+    loss = loss.reshape(targets.shape) if reduction == "none" else loss
+    loss.backward(upstream.double())
+    return loss.detach(), x.grad
+
+
+def compare_to_truth(logits, targets, reduction="mean", upstream=None):
+    if upstream is None:
+        shape = targets.shape if reduction == "none" else ()
+        upstream = torch.ones(shape, device=DEVICE) if reduction != "none" else torch.rand(shape, device=DEVICE) + 0.5
+    l_ours, g_ours = loss_and_grad(cross_entropy, logits, targets, reduction, upstream)
+    l_torch, g_torch = loss_and_grad(cross_entropy_reference, logits, targets, reduction, upstream)
+    l_true, g_true = truth(logits, targets, reduction, upstream)
+    assert l_ours.dtype == torch.float32, f"loss dtype {l_ours.dtype}, expected float32"
+    assert g_ours.dtype == logits.dtype and g_ours.shape == logits.shape
+    # The loss is always float32 (for both paths): judge it against float32's budget.
+    e_l, e_lt = rel_err(l_ours, l_true), rel_err(l_torch, l_true)
+    assert no_worse(e_l, e_lt, torch.float32), f"loss error {e_l:.2e} vs PyTorch {e_lt:.2e}"
+    e_g, e_gt = rel_err(g_ours, g_true), rel_err(g_torch, g_true)
+    assert no_worse(e_g, e_gt, logits.dtype), f"grad error {e_g:.2e} vs PyTorch {e_gt:.2e}"
+    return f"loss {e_l:.1e}/{e_lt:.1e}  grad {e_g:.1e}/{e_gt:.1e}"
+
+
+# (label, leading shape, vocab, dtype, reduction): irregular vocabularies
+# (2, 123, 4097, 128257), 1 and 7 rows, every dtype and reduction, 3-D input.
+CASES = [
+    ("fp32 7x123 mean", (7,), 123, "fp32", "mean"),
+    ("fp32 1x2 sum", (1,), 2, "fp32", "sum"),
+    ("fp32 7x4097 none", (7,), 4097, "fp32", "none"),
+    ("bf16 7x128257 mean", (7,), 128257, "bf16", "mean"),
+    ("bf16 1x128257 sum", (1,), 128257, "bf16", "sum"),
+    ("bf16 2x5x123 mean (3-D)", (2, 5), 123, "bf16", "mean"),
+    ("bf16 7x2 none", (7,), 2, "bf16", "none"),
+    ("fp16 7x123 mean", (7,), 123, "fp16", "mean"),
+    ("fp16 3x4097 none", (3,), 4097, "fp16", "none"),
+]
+
+
+@pytest.mark.parametrize("label,lead,v,dtype,reduction", CASES, ids=[c[0] for c in CASES])
+def test_matches_float64_truth(label, lead, v, dtype, reduction):
+    logits, targets = make_inputs(lead, v, DTYPES[dtype], ignore_frac=0.0 if lead == (1,) else 0.25)
+    compare_to_truth(logits, targets, reduction)
+
+
+def check_sliced_logits():
+    # The causal-LM shift: logits[:, :-1, :] and labels[:, 1:], no .contiguous().
+    full, labels = make_inputs((2, 9), 1000, torch.bfloat16)
+    sliced, shifted = full[:, :-1, :], labels[:, 1:]
+    assert not sliced.is_contiguous() and not shifted.is_contiguous()
+    return compare_to_truth(sliced, shifted, "mean")
+
+
+def check_non_contiguous_upstream():
+    logits, targets = make_inputs((6,), 123, torch.float32)
+    upstream = (torch.rand(12, device=DEVICE) + 0.5)[::2]
+    assert not upstream.is_contiguous()
+    return compare_to_truth(logits, targets, "none", upstream)
+
+
+def check_scaled_upstream():
+    # e.g. loss / gradient_accumulation_steps: the backward rescale kernel runs.
+    logits, targets = make_inputs((7,), 321, torch.bfloat16)
+    return compare_to_truth(logits, targets, "mean", torch.tensor(0.25, device=DEVICE))
+
+
+def check_all_ignored():
+    logits, _ = make_inputs((5,), 123, torch.bfloat16)
+    targets = torch.full((5,), IGNORE, device=DEVICE)
+    for reduction in ("mean", "sum"):
+        x = logits.detach().requires_grad_()
+        loss = cross_entropy(x, targets, ignore_index=IGNORE, reduction=reduction)
+        loss.backward()
+        assert loss.item() == 0.0, f"{reduction}: all-ignored loss {loss.item()}, expected 0.0"
+        assert torch.count_nonzero(x.grad) == 0 and not torch.isnan(x.grad).any(), "gradient must be exactly 0"
+    x = logits.detach().requires_grad_()
+    per_row = cross_entropy(x, targets, ignore_index=IGNORE, reduction="none")
+    assert torch.count_nonzero(per_row) == 0
+    return "loss 0.0, grad 0 (PyTorch: NaN)"
+
+
+def check_extreme_logits():
+    details = []
+    for dtype in (torch.float32, torch.bfloat16):
+        logits, targets = make_inputs((7,), 300, dtype, ignore_frac=0.0)
+        logits[:, :50] = 1e4
+        logits[:, 50:100] = -1e4
+        logits[:, 100:150] = float("-inf")
+        logits[0] = float("-inf")  # a row of -inf except its target: loss 0
+        logits[0, targets[0]] = 5.0
+        targets[(targets >= 100) & (targets < 150)] = 200  # a target at -inf has infinite loss
+        targets[1] = 7  # a target sitting on the +1e4 plateau
+        details.append(compare_to_truth(logits, targets, "mean"))
+    return details[-1]
+
+
+def check_no_grad_forward():
+    logits, targets = make_inputs((7,), 4097, torch.bfloat16)
+    with torch.no_grad():
+        loss = cross_entropy(logits.requires_grad_(), targets)
+    assert not loss.requires_grad
+    l_true = truth(logits, targets, "mean", torch.tensor(1.0, device=DEVICE))[0]
+    err = rel_err(loss, l_true)
+    assert err < 1e-6, f"loss error {err:.2e}"
+    return f"loss {err:.1e}"
+
+
+def check_int32_targets():
+    logits, targets = make_inputs((7,), 123, torch.float32)
+    return compare_to_truth(logits, targets.to(torch.int32), "mean")
+
+
+def check_logits_untouched():
+    logits, targets = make_inputs((7,), 1000, torch.bfloat16)
+    x = logits.clone().requires_grad_()
+    cross_entropy(x, targets).backward()
+    assert torch.equal(x.detach(), logits), "default mode must not modify the logits"
+    return "bitwise unchanged after fwd+bwd"
+
+
+def check_inplace_mode():
+    logits, targets = make_inputs((7,), 1000, torch.bfloat16)
+    _, g_ref = loss_and_grad(cross_entropy, logits, targets, "mean", torch.tensor(1.0, device=DEVICE))
+    w = torch.ones((), device=DEVICE, requires_grad=True)
+    x = logits * w  # a non-leaf, like the LM head's output
+    version = x._version
+    loss = cross_entropy(x, targets, inplace_backward=True)
+    assert x._version > version, "in-place mode must bump the logits' version counter"
+    (g,) = torch.autograd.grad(loss, x)
+    assert torch.equal(g, g_ref), "in-place gradient differs from the default mode"
+    # Misuse: another op saved the logits for its backward -> loud error, not garbage.
+    x = logits.float() * w
+    side = x.pow(2).sum()  # pow saves its input
+    loss = cross_entropy(x, targets, inplace_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (loss + side).backward()
+    return "same grad; misuse raises"
+
+
+def check_backward_twice():
+    logits, targets = make_inputs((3,), 50, torch.float32)
+    x = logits.requires_grad_()
+    loss = cross_entropy(x, targets)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward called twice"):
+        loss.backward()
+    return "clear RuntimeError"
+
+
+def check_module():
+    logits, targets = make_inputs((2, 5), 123, torch.float32)
+    module = TritonCrossEntropyLoss(ignore_index=IGNORE, reduction="sum")
+    a = module(logits, targets)
+    b = cross_entropy(logits, targets, IGNORE, "sum")
+    assert torch.equal(a, b)
+    return "module == functional"
+
+
+def check_bad_inputs():
+    logits, targets = make_inputs((4,), 10, torch.float32, ignore_frac=0.0)
+    with pytest.raises(ValueError, match="does not match logits shape"):
+        cross_entropy(logits, targets[:3])
+    bad = targets.clone()
+    bad[2] = 10
+    with pytest.raises(ValueError, match="target 10 at flat position 2 is out of range"):
+        cross_entropy(logits, bad)
+    bad[2] = -3
+    with pytest.raises(ValueError, match="out of range"):
+        cross_entropy(logits, bad)
+    with pytest.raises(TypeError, match="unsupported logits dtype"):
+        cross_entropy(logits.double(), targets)
+    with pytest.raises(TypeError, match="targets must be int64 or int32"):
+        cross_entropy(logits, targets.float())
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        cross_entropy(logits, targets, reduction="avg")
+    with pytest.raises(ValueError, match="same device"):
+        cross_entropy(logits, targets.to("meta"))
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        cross_entropy(logits[0], targets[0])
+    return "8 kinds rejected"
+
+
+def test_sliced_logits():
+    check_sliced_logits()
+
+
+def test_non_contiguous_upstream():
+    check_non_contiguous_upstream()
+
+
+def test_scaled_upstream():
+    check_scaled_upstream()
+
+
+def test_all_ignored():
+    check_all_ignored()
+
+
+def test_extreme_logits():
+    check_extreme_logits()
+
+
+def test_no_grad_forward():
+    check_no_grad_forward()
+
+
+def test_int32_targets():
+    check_int32_targets()
+
+
+def test_logits_untouched():
+    check_logits_untouched()
+
+
+def test_inplace_mode():
+    check_inplace_mode()
+
+
+def test_backward_twice():
+    check_backward_twice()
+
+
+def test_module():
+    check_module()
+
+
+def test_bad_inputs():
+    check_bad_inputs()
+
+
+# ---------------------------------------------------------------- GPU-only checks
+def _need_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+
+
+def check_int64_offsets():
+    _need_gpu()
+    # 16,800 x 128,256 = 2.15e9 elements > 2**31. The playbook's kernel hits an
+    # illegal memory access here; ours must give the right loss and gradient.
+    n, v = 16_800, 128_256
+    torch.manual_seed(0)
+    logits = (torch.randn(n, v, device="cuda", dtype=torch.bfloat16) * 2).requires_grad_()
+    targets = torch.randint(0, v, (n,), device="cuda")
+    loss = cross_entropy(logits, targets)
+    loss.backward()
+    ref_sum = 0.0
+    for start in range(0, n, 2048):  # reference in chunks: float64 of all of it would not fit
+        ref_sum += F.cross_entropy(logits.detach()[start : start + 2048].double(), targets[start : start + 2048], reduction="sum").item()
+    e_loss = abs(loss.item() - ref_sum / n) / (ref_sum / n)
+    tail = slice(n - 64, n)  # rows whose offsets exceed 2**31
+    xt = logits.detach()[tail].double().requires_grad_()
+    (F.cross_entropy(xt, targets[tail], reduction="sum") / n).backward()
+    e_grad = rel_err(logits.grad[tail], xt.grad)
+    assert e_loss < 1e-5 and e_grad < 1e-2, f"loss {e_loss:.2e} grad {e_grad:.2e}"
+    return f"loss {e_loss:.1e}  tail grad {e_grad:.1e}"
+
+
+def check_cuda_graph_capture():
+    _need_gpu()
+    logits, targets = make_inputs((1024,), 128256, torch.bfloat16)
+    logits.requires_grad_()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # compile kernels outside the capture
+        for _ in range(2):
+            torch.autograd.grad(cross_entropy(logits, targets), logits)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = cross_entropy(logits, targets)
+        (grad,) = torch.autograd.grad(loss * 0.5, logits)  # exercises the device-side rescale too
+    new_logits, new_targets = make_inputs((1024,), 128256, torch.bfloat16, seed=1)
+    with torch.no_grad():
+        logits.copy_(new_logits)
+        targets.copy_(new_targets)
+    graph.replay()
+    torch.cuda.synchronize()
+    x = new_logits.clone().requires_grad_()
+    ref_loss = cross_entropy(x, new_targets)
+    (ref_grad,) = torch.autograd.grad(ref_loss * 0.5, x)
+    assert torch.equal(loss, ref_loss) and torch.equal(grad, ref_grad), "graph replay differs from eager"
+    return "replay == eager, bitwise"
+
+
+def check_determinism():
+    _need_gpu()
+    logits, targets = make_inputs((4096,), 128256, torch.bfloat16)
+    one = torch.tensor(1.0, device="cuda")
+    a = loss_and_grad(cross_entropy, logits, targets, "mean", one)
+    b = loss_and_grad(cross_entropy, logits, targets, "mean", one)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), "two identical runs differ"
+    return "loss, grad bitwise equal"
+
+
+def check_out_of_range_on_gpu():
+    _need_gpu()
+    logits, targets = make_inputs((8,), 1000, torch.bfloat16, ignore_frac=0.0)
+    targets[3] = 5000
+    loss = cross_entropy(logits, targets)  # unchecked by default on CUDA: no host sync
+    assert torch.isnan(loss).item(), "an out-of-range target must never give a finite loss"
+    with pytest.raises(ValueError, match="out of range"):
+        cross_entropy(logits, targets, check_targets=True)
+    torch.cuda.synchronize()  # the context is still healthy
+    return "NaN by default; check_targets=True raises"
+
+
+def peak_extra_mb(fn):
+    """Peak memory during fn() above what was allocated before it, in MB."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def memory_comparison(n=8192, v=128256):
+    """Peak extra memory of forward+backward, beyond the caller's logits and targets."""
+    logits, targets = make_inputs((n,), v, torch.bfloat16)
+    results = {}
+    for name, fn, kwargs in [
+        ("PyTorch (HF: logits.float())", cross_entropy_reference, {}),
+        ("Fused Triton CE", cross_entropy, {}),
+        ("Fused Triton CE, in-place grad", cross_entropy, {"inplace_backward": True}),
+    ]:
+        x = logits.detach().clone().requires_grad_()  # the caller's logits: allocated before, not counted
+
+        def step(fn=fn, kwargs=kwargs, x=x):
+            loss = fn(x, targets, **kwargs)
+            (g,) = torch.autograd.grad(loss, x)
+            del g, loss
+
+        results[name] = peak_extra_mb(step)
+        del x
+        torch.cuda.empty_cache()
+    return results
+
+
+def check_memory():
+    _need_gpu()
+    res = memory_comparison()
+    grad_mb = 8192 * 128256 * 2 / 2**20  # the bf16 logits gradient itself
+    ours, torch_mb, inplace = res["Fused Triton CE"], res["PyTorch (HF: logits.float())"], res["Fused Triton CE, in-place grad"]
+    assert ours <= grad_mb + 64, f"fused CE used {ours:.0f} MB, more than the gradient ({grad_mb:.0f} MB) + 64 MB"
+    assert inplace <= 64, f"in-place fused CE used {inplace:.0f} MB beyond the logits"
+    assert ours < torch_mb
+    return f"ours {ours:.0f} MB, in-place {inplace:.0f} MB, PyTorch {torch_mb:.0f} MB"
+
+
+@gpu_only
+def test_int64_offsets():
+    check_int64_offsets()
+
+
+@gpu_only
+def test_cuda_graph_capture():
+    check_cuda_graph_capture()
+
+
+@gpu_only
+def test_determinism():
+    check_determinism()
+
+
+@gpu_only
+def test_out_of_range_on_gpu():
+    check_out_of_range_on_gpu()
+
+
+@gpu_only
+def test_memory():
+    check_memory()
+
+
+def main():
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (Triton interpreter)"
+    report = Report(f"Cross-Entropy Correctness Tests on {where}\n(error vs float64: ours / PyTorch, relative)")
+    names = {"fp32": "Float32", "bf16": "BFloat16", "fp16": "Float16"}
+    for i, dt in enumerate(("fp32", "bf16", "fp16"), 1):
+        report.section(f"Test {i}: {names[dt]}")
+        for label, lead, v, dtype, reduction in CASES:
+            if dtype == dt:
+                report.run(label, lambda l=lead, v=v, d=dtype, r=reduction: compare_to_truth(
+                    *make_inputs(l, v, DTYPES[d], ignore_frac=0.0 if l == (1,) else 0.25), r))
+    report.section("Test 4: Edge cases and API")
+    for label, fn in [
+        ("logits[:, :-1] slice, no copy", check_sliced_logits),
+        ("non-contiguous upstream grad", check_non_contiguous_upstream),
+        ("upstream grad 0.25", check_scaled_upstream),
+        ("all targets ignored", check_all_ignored),
+        ("extreme logits (+-1e4, -inf)", check_extreme_logits),
+        ("forward under no_grad", check_no_grad_forward),
+        ("int32 targets", check_int32_targets),
+        ("logits not modified", check_logits_untouched),
+        ("in-place gradient mode", check_inplace_mode),
+        ("backward twice", check_backward_twice),
+        ("TritonCrossEntropyLoss", check_module),
+        ("bad inputs raise", check_bad_inputs),
+    ]:
+        report.run(label, fn)
+    report.section("Test 5: GPU only")
+    for label, fn in [
+        ("64-bit offsets (16,800 x 128,256)", check_int64_offsets),
+        ("CUDA graph capture", check_cuda_graph_capture),
+        ("bitwise determinism", check_determinism),
+        ("out-of-range target on CUDA", check_out_of_range_on_gpu),
+        ("peak memory (8192 x 128256)", check_memory),
+    ]:
+        report.run(label, fn)
+    if torch.cuda.is_available():
+        print("\nMemory Comparison: peak extra memory of forward+backward, 8,192 x 128,256 bf16")
+        print("(beyond the caller's logits and targets; the logits gradient is counted)")
+        print("-" * 72)
+        for name, mb in memory_comparison().items():
+            print(f"  {name:<34} {mb:10,.0f} MB")
+    return report.finish("cross-entropy")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Developer tool (GPU): sweep launch parameters of our kernels and print the timings.
+
+Not a tutorial step: it records the evidence behind the constants chosen in
+rmsnorm_kernel.py and cross_entropy_kernel.py (see NOTES.md).
+
+Usage: python .ci/tune_kernels.py [--json PATH] [--quick]
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+import cross_entropy_kernel as ce  # noqa: E402
+import rmsnorm_kernel as rk  # noqa: E402
+
+
+def bench(fn):
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def copy_bandwidth():
+    a = torch.randn(512 * 2**20 // 2, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    ms = bench(lambda: b.copy_(a))
+    return 2 * a.numel() * 2 / ms / 1e9  # TB/s, read + write
+
+
+def rmsnorm_sweep(rows_list, results):
+    h = 4096
+    orig = rk._launch_config
+    for n in rows_list:
+        x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = (1 + 0.5 * torch.randn(h, device="cuda")).to(torch.bfloat16).requires_grad_()
+        dy = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+        nbytes = n * h * 2
+        for fwd_warps in (4, 8, 16):
+            rk._launch_config = lambda c, fw=fwd_warps: (triton.next_power_of_2(c), 1, fw)
+            ms = bench(lambda: rk.rmsnorm(x.detach(), w.detach()))
+            tbs = 2 * nbytes / ms / 1e9
+            results.append(dict(kernel="rmsnorm_fwd", rows=n, warps=fwd_warps, ms=ms, tbs=tbs))
+            print(f"rmsnorm fwd   rows={n:6d} warps={fwd_warps:2d}            {ms * 1e3:8.1f} us {tbs:5.2f} TB/s", flush=True)
+        for warps in (8, 16):
+            for per_sm in (1, 2, 4, 8):
+                rk._launch_config = lambda c, fw=warps: (triton.next_power_of_2(c), 1, fw)
+                rk.BWD_PROGRAMS_PER_SM = per_sm
+                ms = bench(lambda: torch.autograd.grad(rk.rmsnorm(x, w), (x, w), dy))
+                tbs = 5 * nbytes / ms / 1e9
+                results.append(dict(kernel="rmsnorm_fwdbwd", rows=n, warps=warps, per_sm=per_sm, ms=ms, tbs=tbs))
+                print(f"rmsnorm f+b   rows={n:6d} warps={warps:2d} per_sm={per_sm}   {ms * 1e3:8.1f} us {tbs:5.2f} TB/s", flush=True)
+        del x, dy
+    rk._launch_config = orig
+    rk.BWD_PROGRAMS_PER_SM = 4
+
+
+def ce_sweep(rows_list, results, quick):
+    v = 128256
+    blocks = (4096, 8192, 16384) if quick else (2048, 4096, 8192, 16384, 32768)
+    for n in rows_list:
+        logits = (torch.randn(n, v, device="cuda", dtype=torch.bfloat16) * 2).requires_grad_()
+        targets = torch.randint(0, v, (n,), device="cuda")
+        nbytes = n * v * 2
+        for block in blocks:
+            for warps in (4, 8, 16, 32):
+                if block // (32 * warps) < 1:
+                    continue
+                ce.BLOCK_V_GPU, ce.NUM_WARPS_GPU = block, warps
+                try:
+                    ms = bench(lambda: torch.autograd.grad(ce.cross_entropy(logits, targets), logits))
+                    ms_f = bench(lambda: ce.cross_entropy(logits.detach(), targets))
+                except Exception as e:  # noqa: BLE001 - a config may not compile
+                    print(f"ce block={block} warps={warps}: {type(e).__name__} {e}"[:200])
+                    continue
+                results.append(dict(kernel="ce", rows=n, block=block, warps=warps, ms_fwdbwd=ms, ms_fwd=ms_f))
+                print(f"ce rows={n:6d} block={block:6d} warps={warps:2d}  fwd {ms_f:7.3f} ms ({nbytes / ms_f / 1e9:4.2f} TB/s)"
+                      f"  fwd+bwd {ms:7.3f} ms ({2 * nbytes / ms / 1e9:4.2f} TB/s 1R+1W)", flush=True)
+        del logits
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--json")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", choices=["rmsnorm", "ce"])
+    args = p.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
+    results = [dict(kernel="copy", tbs=copy_bandwidth())]
+    print(f"device copy bandwidth: {results[0]['tbs']:.2f} TB/s")
+    if args.only in (None, "rmsnorm"):
+        rmsnorm_sweep((4096, 16384, 65536), results)
+    if args.only in (None, "ce"):
+        ce_sweep((1024, 8192) if args.quick else (1024, 4096, 8192, 16384), results, args.quick)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -70,7 +70,7 @@ class Report:
             self.line(label, True, detail or "")
         except pytest.skip.Exception as e:
             print(f"  {label:<34} skipped: {e}")
-        except Exception as e:  # noqa: BLE001 - a script report shows every failure
+        except (Exception, pytest.fail.Exception) as e:  # noqa: BLE001 - the report shows every failure
             self.line(label, False, f"{type(e).__name__}: {e}"[:200])
 
     def finish(self, name):

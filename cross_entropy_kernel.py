@@ -247,18 +247,24 @@ def _cross_entropy_bwd_scale_kernel(
 # --------------------------------------------------------------------------------
 # Launch helpers
 # --------------------------------------------------------------------------------
-# Vocabulary chunk and warps per program on the GPU. 8,192 bf16 values = 16 KB per
-# iteration, 16 fp32 values per thread with 16 warps: wide enough to keep many
-# loads in flight, small enough to stay in registers.
+# Vocabulary chunk and warps per program on the GPU, from a sweep on an H200
+# (.ci/tune_kernels.py, NOTES.md): 8,192 bf16 values = 16 KB per iteration and 8
+# warps (32 values per thread) was fastest at 8,192 rows; few rows (<= 2,048, too
+# few programs to fill the GPU) prefer 16,384-wide chunks with 4 warps.
 BLOCK_V_GPU = 8192
-NUM_WARPS_GPU = 16
+NUM_WARPS_GPU = 8
+FEW_ROWS = 2048
+BLOCK_V_FEW_ROWS, NUM_WARPS_FEW_ROWS = 16384, 4
 
 
-def _block_v(v, device):
-    if device.type == "cuda":
-        return min(BLOCK_V_GPU, triton.next_power_of_2(v))
-    # The interpreter runs each block op as one NumPy call: bigger is faster.
-    return min(32768, triton.next_power_of_2(v))
+def _launch_config(v, n_rows, device):
+    """(BLOCK_V, num_warps) for a vocabulary size and row count."""
+    if device.type != "cuda":
+        # The interpreter runs each block op as one NumPy call: bigger is faster.
+        return min(32768, triton.next_power_of_2(v)), 4
+    if n_rows <= FEW_ROWS:
+        return min(BLOCK_V_FEW_ROWS, triton.next_power_of_2(v)), NUM_WARPS_FEW_ROWS
+    return min(BLOCK_V_GPU, triton.next_power_of_2(v)), NUM_WARPS_GPU
 
 
 def _row_layout(t):
@@ -342,13 +348,13 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
         # Count valid targets on the device: no .item(), so no host sync.
         n_valid = (tgt != ignore_index).sum(dtype=torch.float32).reshape(1)
         if n_rows > 0:
-            block_v = _block_v(v, logits.device)
+            block_v, num_warps = _launch_config(v, n_rows, logits.device)
             _cross_entropy_fwd_kernel[(n_rows,)](
                 rows, tgt, loss, grad if grad is not None else loss, n_valid,
                 inner, s_outer, s_inner, g_outer, g_inner, v, ignore_index,
                 MEAN=reduction == "mean", WRITE_GRAD=write_grad, BLOCK_V=block_v, SOFT_BF16=interpreter_active(),
                 PRECISE_EXP=logits.dtype == torch.float32, INTERPRET=interpreter_active(),
-                num_warps=NUM_WARPS_GPU if logits.device.type == "cuda" else 4,
+                num_warps=num_warps,
             )
         if write_grad and grad is rows:
             # In-place mode: the logits now hold the gradient. Bump their version
@@ -392,10 +398,10 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
             else:
                 go = grad_output.reshape(1)
                 stride_go = 0  # one scalar for every row
+            block_v, num_warps = _launch_config(v, n_rows, grad.device)
             _cross_entropy_bwd_scale_kernel[(n_rows,)](
                 rows, go, stride_go, inner, g_outer, g_inner, v,
-                BLOCK_V=_block_v(v, grad.device), SOFT_BF16=interpreter_active(),
-                num_warps=NUM_WARPS_GPU if grad.device.type == "cuda" else 4,
+                BLOCK_V=block_v, SOFT_BF16=interpreter_active(), num_warps=num_warps,
             )
         return grad, None, None, None, None, None
 

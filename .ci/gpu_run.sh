@@ -1,19 +1,36 @@
 #!/usr/bin/env bash
-# Developer tool: the GPU verification run (device tool). Usage: bash .ci/gpu_run.sh [tests|tune|bench|all]
+# Developer tool: GPU verification runs through the device tool.
+#   bash .ci/gpu_run.sh tests|tune|bench|e2e ...
+# Logs go to $OUT/logs.tgz (one file: the device tool returns at most 8).
 set -o pipefail
 export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-what=${1:-all}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/logs
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/env.txt"
-python3 -c "import torch, triton, transformers, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/env.txt"
-if [[ $what == tests || $what == all ]]; then
-  python3 -m pytest -q -p no:cacheprovider rmsnorm_test.py cross_entropy_test.py 2>&1 | tee "$OUT/pytest.log" | tail -15
-  python3 rmsnorm_test.py > "$OUT/rmsnorm_test.log" 2>&1; tail -8 "$OUT/rmsnorm_test.log"
-  python3 cross_entropy_test.py > "$OUT/ce_test.log" 2>&1; tail -14 "$OUT/ce_test.log"
-fi
-if [[ $what == tune || $what == all ]]; then
-  python3 .ci/tune_kernels.py --quick --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log"
-fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee /tmp/logs/env.txt
+python3 -c "import torch, triton, transformers, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a /tmp/logs/env.txt
+for what in "$@"; do
+  case $what in
+    tests)
+      python3 -m pytest -q -p no:cacheprovider 2>&1 | tee /tmp/logs/pytest.log | tail -8
+      python3 rmsnorm_test.py > /tmp/logs/rmsnorm_test.log 2>&1; tail -3 /tmp/logs/rmsnorm_test.log
+      python3 cross_entropy_test.py > /tmp/logs/ce_test.log 2>&1; tail -12 /tmp/logs/ce_test.log ;;
+    tune)
+      python3 .ci/tune_kernels.py --only overhead 2>&1 | tee /tmp/logs/overhead.log ;;
+    bench)
+      python3 benchmark_kernels.py --kernel all --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee /tmp/logs/bench.log | tail -60 ;;
+    e2e)
+      for cfg in "1 512" "2 2048"; do
+        set -- $cfg
+        for s in baseline optimized; do
+          python3 finetune_$s.py --random-init --batch-size $1 --seq-len $2 --steps 12 --json "/tmp/logs/ft_${s}_$1x$2.json" 2>&1 | tee "/tmp/logs/ft_${s}_$1x$2.log" | tail -8
+        done
+      done ;;
+    profile)
+      python3 profile_baseline.py --random-init --batch-size 1 --seq-len 512 2>&1 | tee /tmp/logs/profile_baseline.log | tail -45
+      python3 profile_baseline.py --random-init --batch-size 1 --seq-len 512 --use-custom-rmsnorm --use-custom-ce 2>&1 | tee /tmp/logs/profile_custom.log | tail -45
+      cp traces/*.json /tmp/logs/ 2>/dev/null; find traces -name "*summary*" -exec cp {} /tmp/logs/ \; ;;
+  esac
+done
+tar czf "$OUT/logs.tgz" -C /tmp logs

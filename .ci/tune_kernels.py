@@ -83,15 +83,53 @@ def ce_sweep(rows_list, results, quick):
         del logits
 
 
+def cpu_overhead(results):
+    """Per-call host time of each path on a tiny tensor (GPU work negligible): launch cost."""
+    import time
+
+    import torch.nn.functional as F
+
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    y = torch.empty_like(x)
+    rstd = torch.empty(1, device="cuda")
+    logits = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    tgt = torch.zeros(1, dtype=torch.long, device="cuda")
+    cases = {
+        "raw fwd kernel launch": lambda: rk._rmsnorm_fwd_kernel[(1,)](
+            x, w, y, rstd, 4096, 1, 4096, 1e-6, BLOCK_N=4096, ROWS=1, SOFT_BF16=False, num_warps=8),
+        "ours rmsnorm fwd (no grad)": lambda: rk.rmsnorm(x.detach(), w.detach()),
+        "F.rms_norm fwd": lambda: F.rms_norm(x.detach(), (4096,), w.detach(), 1e-6),
+        "ours rmsnorm fwd+bwd": lambda: torch.autograd.grad(rk.rmsnorm(x, w), (x, w), dy),
+        "F.rms_norm fwd+bwd": lambda: torch.autograd.grad(F.rms_norm(x, (4096,), w, 1e-6), (x, w), dy),
+        "ours CE fwd+bwd": lambda: torch.autograd.grad(ce.cross_entropy(logits, tgt), logits),
+        "F.cross_entropy fwd+bwd": lambda: torch.autograd.grad(F.cross_entropy(logits.float(), tgt), logits),
+    }
+    for name, fn in cases.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(300):
+            fn()
+        torch.cuda.synchronize()
+        us = (time.perf_counter() - t) / 300 * 1e6
+        results.append(dict(kernel="cpu_overhead", case=name, us=us))
+        print(f"host time per call  {name:<28} {us:7.1f} us", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--only", choices=["rmsnorm", "ce"])
+    p.add_argument("--only", choices=["rmsnorm", "ce", "overhead"])
     args = p.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
     results = [dict(kernel="copy", tbs=copy_bandwidth())]
     print(f"device copy bandwidth: {results[0]['tbs']:.2f} TB/s")
+    if args.only in (None, "overhead"):
+        cpu_overhead(results)
     if args.only in (None, "rmsnorm"):
         rmsnorm_sweep((4096, 16384, 65536), results)
     if args.only in (None, "ce"):

@@ -42,7 +42,9 @@ Design choices, each marked in the code:
    common case: ``loss.backward()``). Backward launches a tiny kernel that
    reads the upstream gradient *on the device* and rescales only when it is not
    1 -- no ``.item()``, no host synchronization, so the loss and its backward can
-   be captured in a CUDA graph.
+   be captured in a CUDA graph. With ``reduction="none"`` (a weight per token,
+   rarely all 1) backward instead recomputes the gradient from the logits with
+   the upstream gradient applied before the single rounding to bf16.
 3. ``mean`` divides by the number of non-ignored targets, counted on the device.
    If every target is ignored the loss is 0 and the gradient is 0 (PyTorch
    returns NaN, which would kill a training run on an all-padding batch).
@@ -137,6 +139,8 @@ def _cross_entropy_fwd_kernel(
     LOSS,  # [N] float32 output: per-row loss, 0 for ignored rows
     GRAD,  # gradient output, same row layout with grad strides (may alias LOGITS)
     N_VALID,  # [1] float32: number of non-ignored targets, counted on the device
+    UPSTREAM,  # upstream gradient, one value per row (stride_up) or one scalar (stride_up = 0)
+    stride_up,
     inner,  # rows per outer index (T for [B, T, V] logits)
     stride_outer,
     stride_inner,
@@ -146,6 +150,7 @@ def _cross_entropy_fwd_kernel(
     ignore_index,
     MEAN: tl.constexpr,  # reduction == "mean": scale the gradient by 1 / N_VALID
     WRITE_GRAD: tl.constexpr,  # training: write d(loss)/d(logits) in pass 2
+    HAS_UPSTREAM: tl.constexpr,  # scale the gradient by UPSTREAM (else by 1)
     BLOCK_V: tl.constexpr,  # vocabulary chunk streamed per loop iteration
     SOFT_BF16: tl.constexpr,  # interpreter only: round to bf16 by hand (rmsnorm_kernel.cast_to)
     PRECISE_EXP: tl.constexpr,  # float32 logits: float32-accurate exp (see _exp)
@@ -195,10 +200,11 @@ def _cross_entropy_fwd_kernel(
 
     # ---- pass 2: the gradient, while the row is still in L2 (design choice 1) ---
     if WRITE_GRAD:
+        scale = 1.0
         if MEAN:
             scale = 1.0 / tl.maximum(tl.load(N_VALID), 1.0)
-        else:
-            scale = 1.0
+        if HAS_UPSTREAM:
+            scale = scale * tl.load(UPSTREAM + row * stride_up).to(tl.float32)
         # Ignored rows get a zero gradient, out-of-range rows a NaN one.
         scale = tl.where(ignored, 0.0, tl.where(in_range, scale, float("nan")))
         grad_row = GRAD + outer * grad_stride_outer + (row - outer * inner) * grad_stride_inner
@@ -324,6 +330,22 @@ def _check_target_range(targets, v, ignore_index):
 # --------------------------------------------------------------------------------
 # Autograd function
 # --------------------------------------------------------------------------------
+def _launch_forward(rows, layout, tgt, loss, grad, grad_layout, n_valid, ignore_index, mean, upstream=None):
+    """One launch of the forward kernel: loss per row and, if ``grad`` is given, the gradient."""
+    inner, s_outer, s_inner = layout
+    g_outer, g_inner = grad_layout
+    v, n_rows = rows.shape[-1], tgt.numel()
+    block_v, num_warps = _launch_config(v, n_rows, rows.device)
+    _cross_entropy_fwd_kernel[(n_rows,)](
+        rows, tgt, loss, grad if grad is not None else loss, n_valid,
+        upstream if upstream is not None else loss, upstream.stride(0) if upstream is not None else 0,
+        inner, s_outer, s_inner, g_outer, g_inner, v, ignore_index,
+        MEAN=mean, WRITE_GRAD=grad is not None, HAS_UPSTREAM=upstream is not None,
+        BLOCK_V=block_v, SOFT_BF16=interpreter_active(),
+        PRECISE_EXP=rows.dtype == torch.float32, INTERPRET=interpreter_active(), num_warps=num_warps,
+    )
+
+
 class TritonCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, ignore_index, reduction, write_grad, inplace_backward):
@@ -333,13 +355,26 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
         rows, inner, s_outer, s_inner = _row_layout(logits)
         tgt = targets.reshape(-1)
         loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+        inplace = inplace_backward and rows.data_ptr() == logits.data_ptr() and rows.shape[-1] == v
+
+        # reduction="none" is the one case where the upstream gradient is normally
+        # not 1 (a weight per token). Rescaling a gradient already rounded to bf16
+        # would round twice, so there backward recomputes the gradient from the
+        # saved logits with the upstream gradient applied before the only rounding
+        # (one more read of the logits). In-place mode has no logits left to reread
+        # and keeps the fused path.
+        ctx.recompute = write_grad and reduction == "none" and not inplace
+        ctx.layout = (inner, s_outer, s_inner)
+        ctx.ignore_index = ignore_index
+        ctx.reduction = reduction
+        ctx.used = False
 
         # Where the gradient goes: a fresh [N, V] buffer, or (opt-in) the logits
         # themselves when they were not copied by _row_layout.
         grad = None
         g_outer, g_inner = 0, 0
-        if write_grad:
-            if inplace_backward and rows.data_ptr() == logits.data_ptr() and rows.shape[-1] == v:
+        if write_grad and not ctx.recompute:
+            if inplace:
                 grad, g_outer, g_inner = rows, s_outer, s_inner
             else:
                 grad = torch.empty(lead_shape + (v,), dtype=logits.dtype, device=logits.device)
@@ -348,24 +383,18 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
         # Count valid targets on the device: no .item(), so no host sync.
         n_valid = (tgt != ignore_index).sum(dtype=torch.float32).reshape(1)
         if n_rows > 0:
-            block_v, num_warps = _launch_config(v, n_rows, logits.device)
-            _cross_entropy_fwd_kernel[(n_rows,)](
-                rows, tgt, loss, grad if grad is not None else loss, n_valid,
-                inner, s_outer, s_inner, g_outer, g_inner, v, ignore_index,
-                MEAN=reduction == "mean", WRITE_GRAD=write_grad, BLOCK_V=block_v, SOFT_BF16=interpreter_active(),
-                PRECISE_EXP=logits.dtype == torch.float32, INTERPRET=interpreter_active(),
-                num_warps=num_warps,
-            )
-        if write_grad and grad is rows:
+            _launch_forward(rows, ctx.layout, tgt, loss, grad, (g_outer, g_inner), n_valid, ignore_index,
+                            mean=reduction == "mean")
+        if grad is not None and grad is rows:
             # In-place mode: the logits now hold the gradient. Bump their version
             # counter so autograd rejects any other backward that saved them.
             torch.autograd.graph.increment_version(logits)
 
         # What backward hands to autograd: the buffer, or the logits tensor itself.
         ctx.grad = logits.detach() if (grad is not None and grad is rows) else grad
-        ctx.layout = (inner, g_outer, g_inner, v, n_rows)
-        ctx.reduction = reduction
-        ctx.used = False
+        ctx.grad_layout = (inner, g_outer, g_inner, v, n_rows)
+        if ctx.recompute:
+            ctx.save_for_backward(logits, targets)
 
         if reduction == "mean":
             return loss.sum() / n_valid.clamp(min=1.0).squeeze(0)
@@ -381,15 +410,25 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
                 "cross_entropy: backward called twice through the same graph; the fused loss "
                 "prepares its gradient once (do not use retain_graph=True through it)"
             )
+        ctx.used = True
+        if ctx.recompute:
+            logits, targets = ctx.saved_tensors
+            rows = _row_layout(logits)[0]
+            tgt = targets.reshape(-1)
+            grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+            if tgt.numel() > 0:
+                scratch = torch.empty(tgt.numel(), dtype=torch.float32, device=logits.device)
+                _launch_forward(rows, ctx.layout, tgt, scratch, grad, _row_layout(grad)[2:], scratch,
+                                ctx.ignore_index, mean=False, upstream=grad_output.reshape(-1))
+            return grad, None, None, None, None, None
         if ctx.grad is None:
             raise RuntimeError(
                 "cross_entropy: no gradient was prepared in forward (the forward ran without "
                 "grad mode or with logits that did not require grad)"
             )
-        ctx.used = True
         grad = ctx.grad
         ctx.grad = None  # release our reference once autograd owns the gradient
-        inner, g_outer, g_inner, v, n_rows = ctx.layout
+        inner, g_outer, g_inner, v, n_rows = ctx.grad_layout
         if n_rows > 0:
             rows = _row_layout(grad)[0]
             if ctx.reduction == "none":

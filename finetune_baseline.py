@@ -24,10 +24,7 @@ TITLE = "Fine-tuning: baseline (PyTorch / HF)"
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description="LLaMA fine-tuning loop with PyTorch / HF ops (the baseline).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    parser = argparse.ArgumentParser(description="LLaMA fine-tuning loop with PyTorch / HF ops (the baseline).")
     common.add_model_args(parser, custom_kernels_default=False)
     common.add_finetune_args(parser)
     return parser.parse_args(argv)

@@ -29,8 +29,7 @@ TITLE = "Fine-tuning: optimized (Triton kernels)"
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        description="LLaMA fine-tuning loop with the Triton RMSNorm and cross-entropy kernels.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="LLaMA fine-tuning loop with the Triton RMSNorm and cross-entropy kernels."
     )
     common.add_model_args(parser, custom_kernels_default=True)
     common.add_finetune_args(parser)

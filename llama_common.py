@@ -110,7 +110,7 @@ def add_model_args(parser, custom_kernels_default=False):
     """Flags shared by every script that builds a model and trains it."""
     g = parser.add_argument_group("model and data")
     g.add_argument("--model", default=DEFAULT_MODEL, help="HF hub id or local directory (default: %(default)s)")
-    g.add_argument("--random-init", action="store_true", help="skip the weights: random init in the model's architecture")
+    g.add_argument("--random-init", action="store_true", help="no weights: random init in the model's architecture")
     g.add_argument(
         "--tiny",
         action=argparse.BooleanOptionalAction,
@@ -118,9 +118,9 @@ def add_model_args(parser, custom_kernels_default=False):
         help="small random LLaMA, float32 (default: on when there is no GPU and --model is not given)",
     )
     g.add_argument("--batch-size", type=positive_int, default=2, help="sequences per step (default: %(default)s)")
-    g.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (default: 2048, --tiny: 128)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic data (default: %(default)s)")
-    g.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: 1e-5, --tiny: 1e-3)")
+    g.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: 2048; --tiny: 128)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: %(default)s)")
+    g.add_argument("--lr", type=float, help="AdamW learning rate (default: 1e-5; --tiny: 1e-3)")
     k = parser.add_argument_group("custom Triton kernels")
     k.add_argument(
         "--use-custom-rmsnorm",
@@ -148,13 +148,14 @@ def add_finetune_args(parser):
         default=2,
         help="untimed steps first: kernel compilation, cuBLAS autotuning (default: %(default)s)",
     )
-    g.add_argument("--log-every", type=positive_int, default=1, help="print a step line every N steps (default: %(default)s)")
-    g.add_argument("--json", metavar="PATH", default=None, help="write config, environment, losses, times and memory here")
+    g.add_argument("--log-every", type=positive_int, default=1, help="a step line every N steps (default: %(default)s)")
+    g.add_argument("--json", metavar="PATH", help="write config, environment, losses, times and memory here")
     return parser
 
 
 def resolve_defaults(args):
     """Fill the defaults that depend on the hardware and on --tiny."""
+    args.model = os.path.expanduser(args.model)
     if args.tiny is None:
         # A laptop cannot train 8B parameters; an explicit --model says the user means it.
         args.tiny = not torch.cuda.is_available() and args.model == DEFAULT_MODEL
@@ -265,6 +266,8 @@ def _from_pretrained(model_id, device, dtype, **kwargs):
 
 def try_pretrained(model_id, device, dtype):
     """Return (model, None) with real weights, or (None, reason) when they cannot be had."""
+    if looks_like_path(model_id) and not os.path.exists(model_id):
+        return None, "no such file or directory"
     if os.path.exists(model_id):
         try:
             return _from_pretrained(model_id, device, dtype), None
@@ -273,8 +276,12 @@ def try_pretrained(model_id, device, dtype):
         except Exception as e:  # noqa: BLE001
             return None, _one_line(e)
     # Already in the local cache? Then no network is needed at all.
-    with contextlib.suppress(Exception):
+    try:
         return _from_pretrained(model_id, device, dtype, local_files_only=True), None
+    except torch.OutOfMemoryError:
+        raise
+    except Exception:  # noqa: BLE001, S110 - not cached (or only partly): ask the hub
+        pass
     problem = hub_problem(model_id)
     if problem:
         return None, problem
@@ -287,26 +294,50 @@ def try_pretrained(model_id, device, dtype):
         return None, _one_line(e)
 
 
-def config_for(model_id):
-    """The architecture of ``model_id`` without its weights; exits if it cannot be found."""
-    if model_id == DEFAULT_MODEL:
+def is_default_model(model_id):
+    """The default hub id, or a local copy of it (a directory named Llama-3.1-8B)."""
+    name = os.path.basename(os.path.normpath(model_id)).lower()
+    return model_id == DEFAULT_MODEL or name in ("llama-3.1-8b", "meta-llama-3.1-8b")
+
+
+def looks_like_path(model_id):
+    # Hub ids are "org/name"; anything else with a slash, a dot or a tilde in front is a path.
+    return model_id.startswith(("/", ".", "~")) or model_id.count("/") > 1
+
+
+def config_for(model_id, weights_problem=None):
+    """The architecture of ``model_id`` without its weights; exits if it cannot be found.
+
+    ``weights_problem`` is why the weights could not be loaded, if we tried: it is
+    quoted in the error, and a hub that already failed is not asked again.
+    """
+    if is_default_model(model_id):
         return llama31_8b_config()
+    why = f"weights: {weights_problem}; " if weights_problem else ""
+    if looks_like_path(model_id) and not os.path.exists(model_id):
+        raise SystemExit(f"error: --model {model_id}: no such file or directory")
     if os.path.exists(model_id):
         try:
             return AutoConfig.from_pretrained(model_id)
         except Exception as e:  # noqa: BLE001
-            raise SystemExit(f"error: cannot read a model config in {model_id!r}: {_one_line(e)}") from None
+            raise SystemExit(f"error: cannot use {model_id!r} ({why}config: {_one_line(e)})") from None
     with contextlib.suppress(Exception):
         return AutoConfig.from_pretrained(model_id, local_files_only=True)
-    problem = hub_problem(model_id)
+    problem = weights_problem or hub_problem(model_id)
     if problem is None:
         with contextlib.suppress(Exception):
             return AutoConfig.from_pretrained(model_id)
         problem = "its config.json could not be downloaded"
     raise SystemExit(
-        f"error: no architecture for {model_id!r} ({problem}); only the default "
-        f"{DEFAULT_MODEL} config is bundled. Pass a local --model PATH, or --tiny."
+        f"error: cannot use {model_id!r} ({problem}) and its architecture is unknown: only the "
+        f"default {DEFAULT_MODEL} config is bundled. Pass a local --model PATH, or --tiny."
     )
+
+
+def check_seq_len(seq_len, config):
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if max_pos is not None and seq_len > max_pos:
+        raise SystemExit(f"error: --seq-len {seq_len} is longer than the model's maximum of {max_pos} positions")
 
 
 def build_random(config, device, dtype):
@@ -325,29 +356,38 @@ def load_model(args):
     resolve_defaults(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # bf16 is what LLaMA is trained in on GPUs; CPUs do float32 well and bf16 slowly.
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    # The tiny model is for learning and tests: float32 everywhere, so its losses
+    # can be compared to 1e-4 on any device.
+    dtype = torch.bfloat16 if device.type == "cuda" and not args.tiny else torch.float32
     torch.manual_seed(args.seed)  # same seed, same random weights, in every script
 
+    model = None
     try:
         if args.tiny:
             name, source = "tiny LLaMA (2 layers, hidden 128, vocab 8192)", "random init (--tiny)"
-            model = build_random(tiny_config(), device, dtype)
+            config = tiny_config()
         elif args.random_init:
             name, source = args.model, "random init (--random-init)"
-            model = build_random(config_for(args.model), device, dtype)
+            config = config_for(args.model)
         else:
-            name = args.model
+            name, source = args.model, "pretrained weights"
             model, reason = try_pretrained(args.model, device, dtype)
-            source = "pretrained weights"
             if model is None:
-                print(f"Could not load weights for {args.model}: {reason}. Continuing with random weights in the same architecture.")
+                config = config_for(args.model, weights_problem=reason)
+                print(
+                    f"Could not load weights for {args.model}: {reason}. "
+                    f"Continuing with random weights in the same architecture."
+                )
                 source = "random init (weights unavailable)"
-                model = build_random(config_for(args.model), device, dtype)
+        if model is None:
+            check_seq_len(args.seq_len, config)  # before spending a minute building 8B parameters
+            model = build_random(config, device, dtype)
     except torch.OutOfMemoryError:
         raise SystemExit(
             f"error: out of memory while loading {args.model} in {dtype} on {device}; "
             f"it needs 2 bytes per parameter on the GPU (use a smaller --model, or --tiny)"
         ) from None
+    check_seq_len(args.seq_len, model.config)
 
     model.config.use_cache = False  # training: no KV cache
     n_params = sum(p.numel() for p in model.parameters())
@@ -365,11 +405,6 @@ def load_model(args):
     print(f"Model:         {name} [{type(model).__name__}], {source}")
     size = f"{n_params / 1e9:.2f} B" if n_params >= 1e9 else f"{n_params / 1e6:.1f} M"
     print(f"Parameters:    {n_params:,} ({size}), dtype {info['dtype']}, on {device}")
-
-    if max_pos is not None and args.seq_len > max_pos:
-        raise SystemExit(
-            f"error: --seq-len {args.seq_len} is longer than the model's maximum of {max_pos} positions"
-        )
     return model, info
 
 
@@ -488,8 +523,8 @@ def peak_memory():
 
 
 @contextlib.contextmanager
-def exit_on_oom(args, what):
-    """Turn an out-of-memory error into one line that says what to reduce."""
+def exit_on_oom(args, what, model):
+    """Turn an out-of-memory error into one line: what was attempted, what to reduce."""
     try:
         yield
     except RuntimeError as e:  # torch.OutOfMemoryError is a RuntimeError, so is a failed CPU allocation
@@ -497,11 +532,15 @@ def exit_on_oom(args, what):
         if not isinstance(e, torch.OutOfMemoryError) and not cpu_oom:
             raise
         where = "GPU" if isinstance(e, torch.OutOfMemoryError) else "CPU"
-        hint = "" if args.use_custom_ce else ", or add --use-custom-ce (no fp32 copy of the logits)"
+        name = "the tiny LLaMA" if args.tiny else args.model
+        # Weights, gradients and AdamW's two moments: 4 tensors the size of the model,
+        # before a single activation is stored.
+        state_gib = sum(4 * p.numel() * p.element_size() for p in model.parameters()) / 2**30
+        hint = "" if args.use_custom_ce else ", or add --use-custom-ce (no float32 copy of the logits)"
         raise SystemExit(
-            f"error: out of {where} memory while {what} with batch {args.batch_size} x seq "
-            f"{args.seq_len} ({args.batch_size * args.seq_len:,} tokens per step); reduce "
-            f"--batch-size or --seq-len{hint}"
+            f"error: out of {where} memory while {what} {name} with batch {args.batch_size} x seq "
+            f"{args.seq_len} ({args.batch_size * args.seq_len:,} tokens per step; weights, gradients "
+            f"and AdamW state alone take {state_gib:.1f} GiB); reduce --batch-size or --seq-len{hint}"
         ) from None
 
 
@@ -516,7 +555,7 @@ def run_training(args, model, loss_fn):
         torch.cuda.reset_peak_memory_stats()  # the peak of training, weights included
 
     steps = []
-    with exit_on_oom(args, "training"):
+    with exit_on_oom(args, "training", model):
         for i in range(total):
             input_ids, labels = next(batches)
             warmup = i < args.warmup_steps
@@ -580,8 +619,7 @@ def run_finetune(args, title, script):
     print_banner(title, env)
     model, model_info = load_model(args)
     print(f"Batch:         {args.batch_size} x {args.seq_len} tokens, lr {args.lr:g}, seed {args.seed}")
-    with exit_on_oom(args, "patching the model"):
-        loss_fn = apply_kernels(model, args.use_custom_rmsnorm, args.use_custom_ce)
+    loss_fn = apply_kernels(model, args.use_custom_rmsnorm, args.use_custom_ce)
     results = run_training(args, model, loss_fn)
     results["kernels"] = {"rmsnorm": args.use_custom_rmsnorm, "ce": args.use_custom_ce}
     print_results(f"{title}: results", results)

@@ -1,0 +1,254 @@
+"""
+Tests of the fine-tune scripts and their shared loader (CPU, --tiny, seconds each).
+
+* the baseline and the optimized script give the same losses, step by step;
+* the optimized run really swapped the RMSNorm modules and used the Triton loss;
+* --json writes the documented fields;
+* bad input ends with a one-line message and a non-zero exit, never a traceback;
+* the default model falls back to its bundled config quickly when the hub
+  cannot serve the weights.
+
+Usage:
+    python -m pytest finetune_test.py -v
+    python finetune_test.py
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import finetune_baseline
+import finetune_optimized
+import llama_common as common
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TINY = ["--tiny", "--batch-size", "2", "--seq-len", "32", "--steps", "3", "--warmup-steps", "1"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One baseline and one optimized run, with spies on the kernels (shared by tests)."""
+    out = tmp_path_factory.mktemp("runs")
+    spy = {"ce_calls": 0, "models": []}
+    real_ce, real_replace = common.cross_entropy, common.replace_rmsnorm
+
+    def ce_spy(*args, **kwargs):
+        spy["ce_calls"] += 1
+        return real_ce(*args, **kwargs)
+
+    def replace_spy(model):
+        spy["models"].append(model)
+        return real_replace(model)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(common, "cross_entropy", ce_spy)
+        mp.setattr(common, "replace_rmsnorm", replace_spy)
+        base = finetune_baseline.main(TINY + ["--json", str(out / "baseline.json")])
+        base_spy = dict(spy, models=list(spy["models"]))
+        opt = finetune_optimized.main(TINY + ["--json", str(out / "optimized.json")])
+    return {"base": base, "opt": opt, "base_spy": base_spy, "spy": spy, "dir": out}
+
+
+def test_same_losses(runs):
+    base, opt = runs["base"]["losses"], runs["opt"]["losses"]
+    assert len(base) == len(opt) == 4
+    for step, (b, o) in enumerate(zip(base, opt), start=1):
+        assert abs(b - o) <= 1e-4, f"step {step}: baseline {b:.6f} vs optimized {o:.6f}"
+
+
+def test_optimized_used_the_kernels(runs):
+    from rmsnorm_kernel import TritonRMSNorm
+
+    # The baseline touched neither kernel.
+    assert runs["base_spy"]["ce_calls"] == 0 and runs["base_spy"]["models"] == []
+    # The optimized run computed every step's loss with the Triton cross-entropy ...
+    assert runs["spy"]["ce_calls"] == 4
+    # ... and no HF RMSNorm is left in its model: 2 layers x 2 + the final norm.
+    (model,) = runs["spy"]["models"]
+    kinds = [type(m).__name__ for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert kinds == ["TritonRMSNorm"] * 5
+    assert all(isinstance(m, TritonRMSNorm) for m in model.modules() if type(m).__name__.endswith("RMSNorm"))
+
+
+def test_optimized_prints_active_kernels(capsys):
+    finetune_optimized.main(TINY[:-4] + ["--steps", "1", "--warmup-steps", "0", "--no-use-custom-ce"])
+    out = capsys.readouterr().out
+    assert "replaced 5 RMSNorm modules with TritonRMSNorm" in out
+    assert "Kernels:       rmsnorm\n" in out
+
+
+def test_json_fields(runs):
+    with open(runs["dir"] / "optimized.json") as f:
+        doc = json.load(f)
+    for key in ("script", "config", "environment", "model", "kernels", "steps", "losses", "step_times_s",
+                "tokens_per_sec", "time_per_step_s", "peak_memory_bytes", "peak_memory_kind", "warmup_steps"):
+        assert key in doc, key
+    assert doc["script"] == "finetune_optimized.py"
+    assert doc["kernels"] == {"rmsnorm": True, "ce": True}
+    assert doc["config"]["seq_len"] == 32 and doc["config"]["batch_size"] == 2 and doc["config"]["tiny"] is True
+    for key in ("device", "gpu", "python", "torch", "triton", "transformers", "cuda", "date"):
+        assert key in doc["environment"], key
+    assert doc["model"]["parameters"] > 0 and doc["model"]["dtype"] == "float32"
+    assert [s["warmup"] for s in doc["steps"]] == [True, False, False, False]
+    assert len(doc["losses"]) == len(doc["step_times_s"]) == 4
+    assert doc["tokens_per_sec"] > 0 and doc["peak_memory_bytes"] > 0
+
+
+def test_loss_functions_agree_on_padding():
+    """HF's loss and ours agree with ignored labels in the middle and at the end."""
+    torch.manual_seed(0)
+    args = common.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--seq-len", "16"]))
+    model, _ = common.load_model(args)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16)).to(model.device)
+    labels = ids.clone()
+    labels[0, 5:9] = common.IGNORE_INDEX
+    labels[1, -3:] = common.IGNORE_INDEX
+    hf = common.hf_loss(model, ids, labels)
+    ours = common.triton_ce_loss(model, ids, labels)
+    assert abs(hf.item() - ours.item()) < 1e-5
+
+
+# --------------------------------------------------------------------------------
+# Bad input: one line, non-zero exit
+# --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
+        (["--seq-len", "-5"], "argument --seq-len: must be at least 1, got -5"),
+        (["--steps", "0"], "argument --steps: must be at least 1, got 0"),
+    ],
+)
+def test_bad_numbers(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        finetune_baseline.main(["--tiny"] + argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_seq_len_beyond_max_positions():
+    with pytest.raises(SystemExit) as e:
+        finetune_baseline.main(["--tiny", "--seq-len", "4096", "--steps", "1"])
+    assert "--seq-len 4096 is longer than the model's maximum of 2048 positions" in str(e.value.code)
+
+
+def test_out_of_memory(monkeypatch):
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.91 GiB")
+
+    monkeypatch.setattr(common, "train_step", oom)
+    with pytest.raises(SystemExit) as e:
+        finetune_baseline.main(TINY)
+    msg = str(e.value.code)
+    assert "out of GPU memory while training the tiny LLaMA with batch 2 x seq 32" in msg
+    assert "AdamW state alone take 0.0 GiB" in msg
+    assert "reduce --batch-size or --seq-len" in msg and "--use-custom-ce" in msg
+    assert "\n" not in msg
+
+
+@pytest.fixture
+def gpt2_dir(tmp_path):
+    """A local model directory with a config only (GPT-2: LayerNorm, no RMSNorm)."""
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=512, n_positions=64, bos_token_id=0,
+               eos_token_id=0).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_no_rmsnorm_modules(gpt2_dir, capsys):
+    with pytest.raises(SystemExit) as e:
+        finetune_optimized.main(["--model", gpt2_dir, "--seq-len", "16", "--steps", "1"])
+    assert "--use-custom-rmsnorm found no RMSNorm modules to replace in GPT2LMHeadModel" in str(e.value.code)
+    # On the way it said, in one line, why the weights were not loaded.
+    assert f"Could not load weights for {gpt2_dir}: OSError" in capsys.readouterr().out
+
+
+def test_missing_path_and_unknown_id():
+    with pytest.raises(SystemExit) as e:
+        finetune_baseline.main(["--model", "/no/such/dir/model", "--steps", "1"])
+    assert "no such file or directory" in str(e.value.code)
+    start = time.time()
+    with pytest.raises(SystemExit) as e:
+        finetune_baseline.main(["--model", "nobody-xyz/no-such-model-xyz", "--steps", "1"])
+    assert "its architecture is unknown" in str(e.value.code)
+    assert time.time() - start < 30, "a failing hub lookup must not hang"
+
+
+def test_no_traceback_from_the_command_line():
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "finetune_baseline.py"), "--tiny", "--seq-len", "99999"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "error: --seq-len 99999 is longer than the model's maximum of 2048 positions" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------------------
+# The default model without the hub: bundled config, quickly
+# --------------------------------------------------------------------------------
+def test_bundled_config_is_llama31_8b():
+    config = common.llama31_8b_config()
+    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (4096, 14336, 32)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.vocab_size) == (32, 8, 128256)
+    assert config.rope_parameters["rope_type"] == "llama3" and config.rope_parameters["rope_theta"] == 500000.0
+    assert config.max_position_embeddings == 131072 and config.tie_word_embeddings is False
+
+
+def test_default_model_falls_back_to_random_weights(monkeypatch, capsys):
+    """Weights unavailable -> one line with the reason, then the 8B architecture.
+
+    Built on the meta device (no memory) and with downloads blocked, so the test
+    never fetches 16 GB even on a machine with hub access.
+    """
+    real_build = common.build_random
+
+    def no_download(model_id, device, dtype, **kwargs):
+        if not kwargs.get("local_files_only"):
+            raise OSError("download blocked by the test")
+        raise OSError("not in the local cache")
+
+    monkeypatch.setattr(common, "_from_pretrained", no_download)
+    def build_on_meta(config, device, dtype):
+        return real_build(config, torch.device("meta"), dtype)  # shapes only, no memory
+
+    monkeypatch.setattr(common, "build_random", build_on_meta)
+    args = finetune_baseline.parse_args(["--no-tiny", "--seq-len", "16"])
+    start = time.time()
+    model, info = common.load_model(args)
+    assert time.time() - start < 30
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("Could not load weights")]
+    assert len(lines) == 1 and "Continuing with random weights in the same architecture" in lines[0]
+    assert info["parameters"] == 8_030_261_248
+    assert info["source"] == "random init (weights unavailable)"
+
+
+def test_tiny_is_the_default_without_gpu():
+    args = common.resolve_defaults(finetune_baseline.parse_args([]))
+    assert args.tiny is (not torch.cuda.is_available())
+    assert args.seq_len == (128 if args.tiny else 2048)
+
+
+def test_random_init_from_a_local_config(tmp_path, capsys):
+    common.tiny_config().save_pretrained(tmp_path)
+    finetune_baseline.main(["--model", str(tmp_path), "--random-init", "--seq-len", "16", "--steps", "1",
+                            "--warmup-steps", "0"])
+    assert f"Model:         {tmp_path} [LlamaForCausalLM], random init (--random-init)" in capsys.readouterr().out
+
+
+def test_hub_check_is_quick():
+    start = time.time()
+    problem = common.hub_problem(common.DEFAULT_MODEL)
+    assert problem is None or isinstance(problem, str)
+    assert time.time() - start < 30
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

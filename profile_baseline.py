@@ -1,0 +1,420 @@
+"""
+Step 3 -- Profile a LLaMA training step and find where the time goes.
+
+Runs one warm-up training step (forward, loss, backward, AdamW), then profiles the
+next step(s) with torch.profiler and prints:
+
+1. the top-20 operations by self device time (self CPU time without a GPU), with
+   the rows that are not work filtered out (profiler step markers, our
+   forward/backward/optimizer ranges, autograd bookkeeping, CUDA runtime calls,
+   memcpy/memset rows already counted in the op that issued them);
+2. a summary by category -- matrix multiply, attention, RMSNorm,
+   cross-entropy/softmax, other elementwise, optimizer, memory copies, other --
+   with each category's share of the time and its number of calls;
+3. when the plain baseline was profiled before, the change per category.
+
+It writes, under ``traces/<name>/`` (``<name>`` from the flags: ``baseline``,
+``custom-rmsnorm``, ``custom-ce``, ``custom-rmsnorm-ce``):
+
+* ``trace.json``          Chrome / Perfetto trace (open in https://ui.perfetto.dev)
+* ``tensorboard/``        the same trace for TensorBoard (``tensorboard_trace_handler``)
+* ``summary.json``        the category summary and every operator row
+
+The forward, backward and optimizer phases are NVTX ranges on a GPU, so an Nsight
+Systems capture is readable too::
+
+    nsys profile -t cuda,nvtx -o traces/nsys_baseline python profile_baseline.py
+
+Usage:
+    python profile_baseline.py                                    # Step 3: the baseline
+    python profile_baseline.py --use-custom-rmsnorm               # Step 7: re-profile
+    python profile_baseline.py --use-custom-rmsnorm --use-custom-ce   # Step 10
+    python profile_baseline.py --tiny --seq-len 64                # CPU, Triton interpreter
+
+How the categories are assigned. Every RMSNorm module and HF's loss function run
+inside a profiler range named "category: RMSNorm" / "category: cross-entropy/softmax"
+(see label_model), so all their operators count there: PyTorch's casts and
+multiplies too, which by name look like any other. Their backward operators are
+found through autograd's sequence numbers (a backward node carries the number of
+the forward operator that made it). The optimizer step is a range too. Everything
+else is classified by operator or kernel name (aten::mm, flash attention, ...).
+"""
+
+import argparse
+import json
+import os
+import shutil
+from collections import defaultdict
+
+import llama_common as common  # first: it switches on the Triton interpreter before triton loads
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
+
+CATEGORIES = [
+    # (category, lower-case substrings of operator / kernel / autograd-node names)
+    ("RMSNorm", ("rmsnorm", "aten::pow", "aten::rsqrt", "aten::mean", "powbackward", "rsqrtbackward", "meanbackward")),
+    ("attention", ("attention", "flash", "fmha", "sdpa", "scaled_dot_product")),
+    ("cross-entropy/softmax", ("cross_entropy", "crossentropy", "_ce_", "softmax", "nll_loss", "nllloss")),
+    ("matrix multiply", ("aten::mm", "aten::bmm", "aten::addmm", "aten::matmul", "aten::linear", "mmbackward",
+                         "gemm", "cutlass", "nvjet", "cublas")),
+    ("optimizer", ("adam", "optimizer", "_foreach_")),
+    ("memory copies", ("copy", "aten::to", "aten::clone", "aten::contiguous", "aten::cat", "memcpy", "memset",
+                       "aten::fill_", "aten::zero_", "aten::empty")),
+    ("other elementwise", ("aten::mul", "aten::add", "aten::sub", "aten::div", "aten::neg", "aten::silu",
+                           "aten::sigmoid", "aten::cos", "aten::sin", "aten::exp", "aten::sqrt", "aten::sum",
+                           "aten::where", "elementwise", "reduce_kernel")),
+]
+CATEGORY_NAMES = [name for name, _ in CATEGORIES] + ["other"]
+GENERIC = ("memory copies", "other elementwise", "other")  # categories a context may refine
+PHASES = ("forward", "backward", "optimizer")  # the record_function ranges of llama_common.train_step
+LABEL = "category: "  # prefix of the ranges label_model puts around modules
+NODE = "autograd::engine::evaluate_function: "  # prefix of a backward node's range
+BASELINE = "baseline"
+
+
+# --------------------------------------------------------------------------------
+# Flags and names
+# --------------------------------------------------------------------------------
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Profile LLaMA training steps; summarize by category.")
+    common.add_model_args(parser, custom_kernels_default=False)
+    g = parser.add_argument_group("profiling")
+    g.add_argument("--steps", type=common.positive_int, default=1, help="profiled steps, after 1 warm-up (default: 1)")
+    g.add_argument("--trace-dir", default="traces", help="where <name>/ is written (default: traces)")
+    g.add_argument("--top", type=common.positive_int, default=20, help="rows of the operator table (default: 20)")
+    return parser.parse_args(argv)
+
+
+def profile_name(args):
+    """traces/<name>: 'baseline', or 'custom-' plus the kernels in use."""
+    kernels = [k for k, on in (("rmsnorm", args.use_custom_rmsnorm), ("ce", args.use_custom_ce)) if on]
+    return "custom-" + "-".join(kernels) if kernels else BASELINE
+
+
+# --------------------------------------------------------------------------------
+# Classification
+# --------------------------------------------------------------------------------
+def category_of_name(name):
+    low = name.lower()
+    for category, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return category
+    return "other"
+
+
+def label_model(model):
+    """Wrap every RMSNorm module and HF's loss function in a named profiler range.
+
+    PyTorch's RMSNorm is pow, mean, add, rsqrt, two multiplies and two casts; by
+    name, the multiplies and casts look like any other. Inside a range called
+    "category: RMSNorm" they are unmistakable, in the trace and in the summary.
+    The ranges cost one record_function per call, the same with or without the
+    custom kernels.
+    """
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.forward = _in_range(LABEL + "RMSNorm", module.forward)
+    if hasattr(model, "loss_function"):  # HF's loss: float32 copy of the logits, log-softmax, NLL
+        model.loss_function = _in_range(LABEL + "cross-entropy/softmax", model.loss_function)
+
+
+def _in_range(name, fn):
+    def wrapped(*args, **kwargs):
+        with torch.profiler.record_function(name):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def labelled_forward_ops(events):
+    """{sequence number: category} of the forward operators inside a category range.
+
+    Autograd tags each backward node with the sequence number of the forward
+    operator that created it: that is how backward work finds its category.
+    """
+    labels = {}
+    for evt in events:
+        if evt.sequence_nr >= 0:
+            parent = evt.cpu_parent
+            while parent is not None and not parent.name.startswith(LABEL):
+                parent = parent.cpu_parent
+            if parent is not None:
+                labels[evt.sequence_nr] = parent.name[len(LABEL):]
+    return labels
+
+
+def classify(evt, labels, name=None):
+    """Category of an operator event; ``name`` overrides the name used (kernel rows).
+
+    In order: inside a category range; inside the optimizer step; in the backward
+    of a labelled forward operator; by name, refined by the backward node's name
+    (aten::mul inside PowBackward0 is RMSNorm's).
+    """
+    node = None
+    parent = evt.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(LABEL):
+            return parent.name[len(LABEL):]
+        if parent.name == "optimizer" or parent.name.startswith("Optimizer."):
+            return "optimizer"
+        if node is None and parent.name.startswith(NODE):
+            node = parent
+        parent = parent.cpu_parent
+    if node is not None and node.sequence_nr in labels:
+        return labels[node.sequence_nr]
+    category = category_of_name(name or evt.name)
+    if category in GENERIC and node is not None:
+        refined = category_of_name(node.name[len(NODE):])
+        if refined not in GENERIC:
+            return refined
+    return category
+
+
+def is_noise(name, user_annotations):
+    """Rows that are markers or bookkeeping, not work of their own."""
+    return (
+        name in user_annotations  # forward / backward / optimizer / Optimizer.step#...
+        or name.startswith("ProfilerStep")
+        or name.startswith(NODE)
+        or name == "[memory]"
+        or name.startswith("cuda")  # runtime API: cudaLaunchKernel, cudaDeviceSynchronize, ...
+        or name.startswith("cuLaunch")
+        or name.startswith("Memcpy")  # device rows already counted in aten::copy_ etc.
+        or name.startswith("Memset")
+    )
+
+
+def short_kernel_name(name):
+    """'void at::native::foo_kernel<...>(...)' -> 'at::native::foo_kernel'."""
+    name = name.removeprefix("void ")
+    for sep in ("<", "("):
+        name = name.split(sep, 1)[0]
+    return name.strip()
+
+
+# --------------------------------------------------------------------------------
+# Rows: (name, category) -> time and calls, every unit of work counted once
+# --------------------------------------------------------------------------------
+def _add(rows, name, category, us, calls):
+    row = rows[(name, category)]
+    row[0] += us
+    row[1] += calls
+
+
+def cpu_rows(events):
+    """Without a GPU: self CPU time of each operator (the Triton interpreter's time
+    lands in the autograd Function that launched the kernel)."""
+    annotations = {e.name for e in events if e.is_user_annotation}
+    labels = labelled_forward_ops(events)
+    rows = defaultdict(lambda: [0.0, 0])
+    for evt in events:
+        if evt.device_type != DeviceType.CPU or is_noise(evt.name, annotations):
+            continue
+        _add(rows, evt.name, classify(evt, labels), evt.self_cpu_time_total, 1)
+    return rows
+
+
+def gpu_rows(events):
+    """With a GPU: device time of the kernels, named after the aten operator that
+    launched them (readable: aten::mm, not a 200-character cuBLAS kernel name), or
+    after the kernel itself when no aten operator did (our Triton kernels)."""
+    annotations = {e.name for e in events if e.is_user_annotation}
+    labels = labelled_forward_ops(events)
+    rows = defaultdict(lambda: [0.0, 0])
+    attributed = defaultdict(lambda: [0.0, 0])  # kernel name -> time, launches seen through an operator
+    for evt in events:
+        if evt.device_type != DeviceType.CPU or not evt.kernels:
+            continue
+        if evt.name.startswith("aten::"):
+            _add(rows, evt.name, classify(evt, labels), sum(k.duration for k in evt.kernels), 1)
+        else:
+            for k in evt.kernels:
+                name = short_kernel_name(k.name)
+                _add(rows, name, classify(evt, labels, name), k.duration, 1)
+        for k in evt.kernels:
+            attributed[k.name][0] += k.duration
+            attributed[k.name][1] += 1
+    # Device work that no CPU operator claimed: count it under its own name, so the
+    # rows add up to the whole device time.
+    device = defaultdict(lambda: [0.0, 0])
+    for evt in events:
+        if evt.device_type == DeviceType.CUDA and not evt.is_user_annotation and evt.name not in annotations:
+            device[evt.name][0] += evt.time_range.elapsed_us()
+            device[evt.name][1] += 1
+    for name, (us, n) in device.items():
+        rest = us - attributed[name][0]
+        if rest > 0.5:
+            short = short_kernel_name(name)
+            _add(rows, short, category_of_name(short), rest, max(n - attributed[name][1], 0))
+    return rows
+
+
+def summarize(rows, steps):
+    """Category totals and the sorted operator list, times in ms per profiled step."""
+    total = sum(us for us, _ in rows.values()) or 1.0
+    categories = {c: {"ms_per_step": 0.0, "share": 0.0, "calls_per_step": 0.0} for c in CATEGORY_NAMES}
+    ops = []
+    for (name, category), (us, calls) in rows.items():
+        categories[category]["ms_per_step"] += us / 1000 / steps
+        categories[category]["share"] += us / total
+        categories[category]["calls_per_step"] += calls / steps
+        ops.append({"name": name, "category": category, "ms_per_step": us / 1000 / steps,
+                    "share": us / total, "calls_per_step": calls / steps})
+    ops.sort(key=lambda op: -op["ms_per_step"])
+    return total / 1000 / steps, categories, ops
+
+
+# --------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------
+def print_top(ops, top, time_kind):
+    print()
+    print("=" * 96)
+    print(f"Top {top} operations by {time_kind} (per step; noise rows filtered)")
+    print("=" * 96)
+    print(f"{'Name':<52} {'Category':<22} {time_kind.split()[1] + ' ms':>9} {'%':>6} {'Calls':>6}")
+    print("-" * 96)
+    for op in ops[:top]:
+        name = op["name"] if len(op["name"]) <= 52 else op["name"][:49] + "..."
+        print(
+            f"{name:<52} {op['category']:<22} {op['ms_per_step']:9.3f} "
+            f"{op['share'] * 100:5.1f}% {op['calls_per_step']:6.0f}"
+        )
+
+
+def print_categories(categories, total_ms, time_kind):
+    print()
+    print("=" * 72)
+    print(f"Summary by category ({time_kind}, per step)")
+    print("=" * 72)
+    print(f"{'Category':<24} {'ms':>10} {'share':>8} {'calls':>8}")
+    print("-" * 72)
+    for name in CATEGORY_NAMES:
+        c = categories[name]
+        print(f"{name:<24} {c['ms_per_step']:10.3f} {c['share'] * 100:7.1f}% {c['calls_per_step']:8.0f}")
+    print("-" * 72)
+    print(f"{'total':<24} {total_ms:10.3f} {100.0:7.1f}%")
+
+
+def print_comparison(before, after):
+    """Before (plain baseline) / after (this run), per category."""
+    print()
+    print("=" * 72)
+    print(f"Change per category: {before['name']} -> {after['name']} (ms per step)")
+    print("=" * 72)
+    keys = ("device", "model", "batch_size", "seq_len")
+    differ = [k for k in keys if before["setup"].get(k) != after["setup"].get(k)]
+    if differ:
+        print(f"Note: the baseline summary was taken with a different {', '.join(differ)}; the comparison may mislead.")
+    if after["environment"].get("triton_interpreter"):
+        print("Note: CPU run; the Triton interpreter executes kernels in Python, so custom kernels look slow here.")
+    print(f"{'Category':<24} {'before':>10} {'after':>10} {'change':>10}")
+    print("-" * 72)
+    rows = [(n, before["categories"][n]["ms_per_step"], after["categories"][n]["ms_per_step"]) for n in CATEGORY_NAMES]
+    rows.append(("total", before["total_ms_per_step"], after["total_ms_per_step"]))
+    for name, b, a in rows:
+        change = f"{(a - b) / b * 100:+9.1f}%" if b > 0 else ("      new" if a > 0 else "        -")
+        print(f"{name:<24} {b:10.3f} {a:10.3f} {change:>10}")
+
+
+# --------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------
+def main(argv=None):
+    args = common.resolve_defaults(parse_args(argv))
+    name = profile_name(args)
+    out_dir = os.path.join(args.trace_dir, name)
+    on_gpu = torch.cuda.is_available()
+    time_kind = "self device time" if on_gpu else "self CPU time"
+
+    env = common.environment_info()
+    common.print_banner(f"Profile: {name}", env)
+    model, model_info = common.load_model(args)
+    print(f"Batch:         {args.batch_size} x {args.seq_len} tokens; 1 warm-up step, {args.steps} profiled")
+    loss_fn = common.apply_kernels(model, args.use_custom_rmsnorm, args.use_custom_ce)
+    label_model(model)
+    optimizer = common.make_optimizer(model, args.lr)
+    device = next(model.parameters()).device
+    batches = common.synthetic_batches(args.batch_size, args.seq_len, model.config.vocab_size, args.seed, device)
+
+    # A fresh directory: the TensorBoard handler adds a file per run, and an old
+    # one would be read as part of this profile.
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tb_dir = os.path.join(out_dir, "tensorboard")
+    chrome_path = os.path.join(out_dir, "trace.json")
+    tb_handler = tensorboard_trace_handler(tb_dir, worker_name=name)
+
+    def save_traces(prof):
+        # A profile can be exported once; the TensorBoard file is a Chrome trace
+        # too, so the Perfetto copy is that same file.
+        tb_handler(prof)
+        newest = max((os.path.join(tb_dir, f) for f in os.listdir(tb_dir)), key=os.path.getmtime)
+        shutil.copyfile(newest, chrome_path)
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with common.exit_on_oom(args, "profiling", model):
+        # Warm-up: the first step pays for cuBLAS/Triton compilation and for the
+        # optimizer's state allocation; profiling it would blame the wrong ops.
+        input_ids, labels = next(batches)
+        common.train_step(model, optimizer, loss_fn, input_ids, labels)
+        common.sync()
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        profiler = profile(activities=activities, record_shapes=True, profile_memory=True, on_trace_ready=save_traces)
+        with profiler as prof:
+            for _ in range(args.steps):
+                input_ids, labels = next(batches)
+                common.train_step(model, optimizer, loss_fn, input_ids, labels)
+                common.sync()
+                prof.step()
+    peak_bytes, peak_kind = common.peak_memory()
+
+    events = prof.events()
+    rows = gpu_rows(events) if on_gpu else cpu_rows(events)
+    total_ms, categories, ops = summarize(rows, args.steps)
+    print_top(ops, args.top, time_kind)
+    print_categories(categories, total_ms, time_kind)
+    print(f"\nPeak memory: {peak_bytes / 2**30:.2f} GiB ({peak_kind})")
+
+    summary = {
+        "name": name,
+        "time_kind": time_kind,
+        "profiled_steps": args.steps,
+        "total_ms_per_step": total_ms,
+        "categories": categories,
+        "ops": ops,  # every row, largest first
+        "peak_memory_bytes": peak_bytes,
+        "peak_memory_kind": peak_kind,
+        # What must match for a before/after comparison to mean anything.
+        "setup": {
+            "device": env["gpu"],
+            "model": model_info["name"],
+            "batch_size": args.batch_size,
+            "seq_len": args.seq_len,
+        },
+        "config": vars(args),
+        "environment": env,
+        "model": model_info,
+        "traces": {"chrome": chrome_path, "tensorboard": tb_dir},
+    }
+    summary_path = os.path.join(out_dir, "summary.json")
+    with open(summary_path, "w") as f:
+        json.dump(summary, f, indent=2)
+
+    baseline_path = os.path.join(args.trace_dir, BASELINE, "summary.json")
+    if name != BASELINE and os.path.exists(baseline_path):
+        with open(baseline_path) as f:
+            print_comparison(json.load(f), summary)
+    elif name != BASELINE:
+        print(f"\n(No {baseline_path} yet: run without --use-custom-* flags first to get a before/after table.)")
+
+    print(f"\nChrome/Perfetto trace: {chrome_path}  (open in https://ui.perfetto.dev)")
+    print(f"TensorBoard trace:     {tb_dir}/")
+    print(f"Summary:               {summary_path}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

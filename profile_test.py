@@ -1,0 +1,218 @@
+"""
+Tests of profile_baseline.py (CPU, --tiny).
+
+* a profile run writes the Chrome trace, the TensorBoard trace and summary.json,
+  and prints the top-operations table and the category summary;
+* a run with the custom kernels finds them (in the RMSNorm and cross-entropy
+  categories) and prints the change against the saved baseline summary;
+* the classification by name, and the GPU attribution of kernels to operators,
+  checked on hand-made profiler events (the GPU path cannot run on a CPU).
+
+Usage:
+    python -m pytest profile_test.py -v
+    python profile_test.py
+"""
+
+import contextlib
+import glob
+import io
+import json
+import sys
+import torch
+from collections import namedtuple
+from types import SimpleNamespace
+
+import pytest
+from torch.autograd import DeviceType
+
+import profile_baseline as pb
+
+TINY = ["--tiny", "--batch-size", "2", "--seq-len", "32"]
+
+
+@pytest.fixture(scope="module")
+def profiles(tmp_path_factory):
+    """The plain baseline, then both custom kernels, into one trace directory."""
+    trace_dir = tmp_path_factory.mktemp("traces")
+    outputs = {}
+    for name, flags in (("baseline", []), ("custom-rmsnorm-ce", ["--use-custom-rmsnorm", "--use-custom-ce"])):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            summary = pb.main(TINY + flags + ["--trace-dir", str(trace_dir)])
+        outputs[name] = (summary, buf.getvalue())
+    return trace_dir, outputs
+
+
+def test_traces_written(profiles):
+    trace_dir, _ = profiles
+    for name in ("baseline", "custom-rmsnorm-ce"):
+        with open(trace_dir / name / "trace.json") as f:
+            trace = json.load(f)
+        assert len(trace["traceEvents"]) > 100
+        assert len(glob.glob(str(trace_dir / name / "tensorboard" / "*.pt.trace.json"))) == 1
+        with open(trace_dir / name / "summary.json") as f:
+            summary = json.load(f)
+        assert set(summary["categories"]) == set(pb.CATEGORY_NAMES)
+        assert abs(sum(c["share"] for c in summary["categories"].values()) - 1.0) < 1e-6
+
+
+def test_table_and_summary_printed(profiles):
+    _, outputs = profiles
+    summary, out = outputs["baseline"]
+    kind = "self device time" if torch.cuda.is_available() else "self CPU time"
+    assert f"Top 20 operations by {kind}" in out
+    assert f"Summary by category ({kind}, per step)" in out
+    for category in pb.CATEGORY_NAMES:
+        assert f"\n{category} " in out, category
+    assert "Peak memory:" in out
+    table = out.split("Top 20 operations")[1].split("Summary by category")[0]
+    rows = table.split("-" * 96 + "\n")[1].strip().split("\n=")[0].splitlines()
+    assert len(rows) == 20
+    # Noise rows are filtered out of the table.
+    for noise in ("ProfilerStep", "autograd::engine", "Optimizer.step", "[memory]"):
+        assert noise not in table
+    assert not any(line.split()[0] in pb.PHASES for line in rows)
+    # The baseline's work is where we expect it.
+    cats = summary["categories"]
+    assert cats["matrix multiply"]["share"] > 0.05
+    assert cats["cross-entropy/softmax"]["calls_per_step"] > 0 and cats["RMSNorm"]["calls_per_step"] > 0
+    assert cats["optimizer"]["share"] > 0
+    if torch.cuda.is_available():
+        return  # on a GPU the rows are kernels; the operator-level checks below are for the CPU profile
+    # PyTorch's RMSNorm, multiplies included, forward and backward, counts as RMSNorm;
+    # the MLP's multiplies do not.
+    ops = {(op["name"], op["category"]): op["calls_per_step"] for op in summary["ops"]}
+    for name in ("aten::pow", "aten::mean", "aten::rsqrt", "aten::mul"):
+        assert (name, "RMSNorm") in ops, name
+    assert ops[("aten::mul", "RMSNorm")] > 5 * 2  # 5 norms x 2 multiplies, plus backward
+    assert ("aten::mul", "other elementwise") in ops
+    assert ("aten::_log_softmax", "cross-entropy/softmax") in ops
+
+
+def test_custom_kernels_show_up(profiles):
+    _, outputs = profiles
+    summary, out = outputs["custom-rmsnorm-ce"]
+    ops = {(op["name"], op["category"]) for op in summary["ops"]}
+    if torch.cuda.is_available():  # GPU rows are kernels: ours by their Triton names
+        assert ("_rmsnorm_fwd_kernel", "RMSNorm") in ops and ("_rmsnorm_bwd_kernel", "RMSNorm") in ops
+        assert ("_cross_entropy_fwd_kernel", "cross-entropy/softmax") in ops
+    else:
+        assert ("TritonRMSNormFunction", "RMSNorm") in ops
+        assert ("TritonRMSNormFunctionBackward", "RMSNorm") in ops
+        assert ("TritonCrossEntropyFunction", "cross-entropy/softmax") in ops
+    # HF's log-softmax is gone, and so is the eager RMSNorm's pow.
+    names = {op["name"] for op in summary["ops"]}
+    assert "aten::_log_softmax" not in names and "aten::pow" not in names
+    assert "Change per category: baseline -> custom-rmsnorm-ce" in out
+    assert "replaced 5 RMSNorm modules" in out
+
+
+def test_out_of_memory(monkeypatch, tmp_path):
+    import torch
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.91 GiB")
+
+    monkeypatch.setattr(pb.common, "train_step", oom)
+    with pytest.raises(SystemExit) as e:
+        pb.main(TINY + ["--trace-dir", str(tmp_path)])
+    assert "out of GPU memory while profiling the tiny LLaMA with batch 2 x seq 32" in str(e.value.code)
+
+
+def test_profile_names():
+    def name(*flags):
+        return pb.profile_name(pb.parse_args(list(flags)))
+
+    assert name() == "baseline"
+    assert name("--use-custom-rmsnorm") == "custom-rmsnorm"
+    assert name("--use-custom-ce") == "custom-ce"
+    assert name("--use-custom-rmsnorm", "--use-custom-ce") == "custom-rmsnorm-ce"
+
+
+@pytest.mark.parametrize(
+    "name, category",
+    [
+        ("aten::mm", "matrix multiply"),
+        ("aten::addmm", "matrix multiply"),
+        ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", "matrix multiply"),
+        ("aten::_flash_attention_forward", "attention"),
+        ("aten::_scaled_dot_product_efficient_attention_backward", "attention"),
+        ("aten::pow", "RMSNorm"),
+        ("aten::rsqrt", "RMSNorm"),
+        ("_rmsnorm_fwd_kernel", "RMSNorm"),
+        ("_rmsnorm_dw_reduce_kernel", "RMSNorm"),
+        ("aten::_log_softmax", "cross-entropy/softmax"),
+        ("aten::nll_loss_forward", "cross-entropy/softmax"),
+        ("_cross_entropy_fwd_kernel", "cross-entropy/softmax"),
+        ("aten::_fused_adamw_", "optimizer"),
+        ("aten::copy_", "memory copies"),
+        ("aten::_to_copy", "memory copies"),
+        ("aten::mul", "other elementwise"),
+        ("aten::silu_backward", "other elementwise"),
+        ("aten::embedding_dense_backward", "other"),
+    ],
+)
+def test_category_of_name(name, category):
+    assert pb.category_of_name(name) == category
+
+
+# --------------------------------------------------------------------------------
+# The GPU path on hand-made events: every microsecond of device time counted once
+# --------------------------------------------------------------------------------
+Kernel = namedtuple("Kernel", ["name", "device", "duration"])
+
+
+def _cpu(name, parent=None, kernels=(), annotation=False, seq=-1):
+    return SimpleNamespace(name=name, device_type=DeviceType.CPU, cpu_parent=parent, sequence_nr=seq,
+                           kernels=[Kernel(k, 0, us) for k, us in kernels], is_user_annotation=annotation)
+
+
+def _gpu(name, us, annotation=False):
+    span = SimpleNamespace(elapsed_us=lambda: us)
+    return SimpleNamespace(name=name, device_type=DeviceType.CUDA, cpu_parent=None, kernels=[], sequence_nr=-1,
+                           is_user_annotation=annotation, time_range=span)
+
+
+def test_gpu_rows_attribution():
+    step = _cpu("ProfilerStep*", annotation=True)
+    fwd = _cpu("forward", step, annotation=True)
+    opt = _cpu("optimizer", step, annotation=True)
+    node = _cpu("autograd::engine::evaluate_function: PowBackward0", step)
+    norm = _cpu("category: RMSNorm", fwd, annotation=True)
+    norm_mul = _cpu("aten::mul", norm, [("void at::native::vectorized_elementwise_kernel<4>(int)", 4.0)], seq=7)
+    norm_mul_bwd = _cpu("autograd::engine::evaluate_function: MulBackward0", step, seq=7)
+    events = [
+        step, fwd, opt, node, norm, norm_mul, norm_mul_bwd,
+        _cpu("aten::mul", norm_mul_bwd, [("void at::native::vectorized_elementwise_kernel<4>(int)", 6.0)]),
+        _cpu("aten::mm", fwd, [("sm90_xmma_gemm_bf16", 100.0)]),
+        _cpu("TritonRMSNormFunction", fwd, [("_rmsnorm_fwd_kernel", 10.0)]),
+        _cpu("aten::mul", node, [("void at::native::vectorized_elementwise_kernel<4>(int)", 5.0)]),
+        _cpu("aten::mul", fwd, [("void at::native::vectorized_elementwise_kernel<4>(int)", 3.0)]),
+        _cpu("aten::_fused_adamw_", opt, [("void at::native::fused_adam_kernel<>(...)", 20.0)]),
+        _cpu("cudaLaunchKernel", fwd),
+        # Device side: the kernels above, an input copy no operator claimed, and
+        # the GPU copy of a user annotation, which is not work.
+        _gpu("sm90_xmma_gemm_bf16", 100.0),
+        _gpu("_rmsnorm_fwd_kernel", 10.0),
+        _gpu("void at::native::vectorized_elementwise_kernel<4>(int)", 18.0),
+        _gpu("void at::native::fused_adam_kernel<>(...)", 20.0),
+        _gpu("Memcpy HtoD (Pageable -> Device)", 2.0),
+        _gpu("forward", 500.0, annotation=True),
+    ]
+    rows = pb.gpu_rows(events)
+    assert rows[("aten::mm", "matrix multiply")] == [100.0, 1]
+    assert rows[("_rmsnorm_fwd_kernel", "RMSNorm")] == [10.0, 1]
+    # RMSNorm's multiplies: inside its range (4), in the backward of an operator of
+    # that range (6, found by sequence number), inside PowBackward0 (5).
+    assert rows[("aten::mul", "RMSNorm")] == [15.0, 3]
+    assert rows[("aten::mul", "other elementwise")] == [3.0, 1]
+    assert rows[("aten::_fused_adamw_", "optimizer")] == [20.0, 1]
+    assert rows[("Memcpy HtoD", "memory copies")] == [2.0, 1]
+    assert sum(us for us, _ in rows.values()) == 150.0  # all device work, once, without the annotation
+    total_ms, categories, ops = pb.summarize(rows, steps=1)
+    assert abs(total_ms - 0.150) < 1e-9
+    assert abs(categories["RMSNorm"]["share"] - 25 / 150) < 1e-9
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

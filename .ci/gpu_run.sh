@@ -18,6 +18,8 @@ for what in "$@"; do
       python3 cross_entropy_test.py > /tmp/logs/ce_test.log 2>&1; tail -12 /tmp/logs/ce_test.log ;;
     tune)
       python3 .ci/tune_kernels.py --only overhead 2>&1 | tee /tmp/logs/overhead.log ;;
+    probe)
+      python3 .ci/host_probe.py 2>&1 | tee /tmp/logs/probe.log | head -60 ;;
     bench)
       python3 benchmark_kernels.py --kernel all --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee /tmp/logs/bench.log | tail -60 ;;
     e2e)

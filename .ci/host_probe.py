@@ -53,3 +53,14 @@ for _ in range(200):
 torch.cuda.synchronize()
 prof.disable()
 pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+print(f"{'rmsnorm fwd, grad enabled':<28} {host_us(lambda: rk.rmsnorm(x, w)):8.1f} us", flush=True)
+yy = rk.rmsnorm(x, w)
+print(f"{'autograd.grad only':<28} {host_us(lambda: torch.autograd.grad(rk.rmsnorm(x, w), (x, w), dy)) :8.1f} us", flush=True)
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+with profile(activities=[ProfilerActivity.CPU]) as p:
+    for _ in range(50):
+        torch.autograd.grad(rk.rmsnorm(x, w), (x, w), dy)
+    torch.cuda.synchronize()
+print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))

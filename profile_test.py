@@ -18,11 +18,11 @@ import glob
 import io
 import json
 import sys
-import torch
 from collections import namedtuple
 from types import SimpleNamespace
 
 import pytest
+import torch
 from torch.autograd import DeviceType
 
 import profile_baseline as pb

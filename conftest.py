@@ -27,7 +27,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # more than the dtype can represent.
 ERROR_FLOOR = {torch.float32: 1.2e-8, torch.float16: 9.8e-5, torch.bfloat16: 7.8e-4}
 
-gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def need_gpu():
+    """Skip the calling check (in pytest and in the script report) without CUDA."""
+    if not ON_GPU:
+        pytest.skip("needs a CUDA GPU")
 
 
 def rel_err(x, ref):

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import DEVICE, DTYPES, Report, gpu_only, no_worse, rel_err
+from conftest import DEVICE, DTYPES, Report, need_gpu, no_worse, rel_err
 from cross_entropy_kernel import TritonCrossEntropyLoss, cross_entropy, cross_entropy_reference
 
 IGNORE = -100
@@ -230,62 +230,9 @@ def check_bad_inputs():
     return "8 kinds rejected"
 
 
-def test_sliced_logits():
-    check_sliced_logits()
-
-
-def test_non_contiguous_upstream():
-    check_non_contiguous_upstream()
-
-
-def test_scaled_upstream():
-    check_scaled_upstream()
-
-
-def test_all_ignored():
-    check_all_ignored()
-
-
-def test_extreme_logits():
-    check_extreme_logits()
-
-
-def test_no_grad_forward():
-    check_no_grad_forward()
-
-
-def test_int32_targets():
-    check_int32_targets()
-
-
-def test_logits_untouched():
-    check_logits_untouched()
-
-
-def test_inplace_mode():
-    check_inplace_mode()
-
-
-def test_backward_twice():
-    check_backward_twice()
-
-
-def test_module():
-    check_module()
-
-
-def test_bad_inputs():
-    check_bad_inputs()
-
-
 # ---------------------------------------------------------------- GPU-only checks
-def _need_gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-
-
 def check_int64_offsets():
-    _need_gpu()
+    need_gpu()
     # 16,800 x 128,256 = 2.15e9 elements > 2**31. The playbook's kernel hits an
     # illegal memory access here; ours must give the right loss and gradient.
     n, v = 16_800, 128_256
@@ -307,7 +254,7 @@ def check_int64_offsets():
 
 
 def check_cuda_graph_capture():
-    _need_gpu()
+    need_gpu()
     logits, targets = make_inputs((1024,), 128256, torch.bfloat16)
     logits.requires_grad_()
     s = torch.cuda.Stream()
@@ -334,7 +281,7 @@ def check_cuda_graph_capture():
 
 
 def check_determinism():
-    _need_gpu()
+    need_gpu()
     logits, targets = make_inputs((4096,), 128256, torch.bfloat16)
     one = torch.tensor(1.0, device="cuda")
     a = loss_and_grad(cross_entropy, logits, targets, "mean", one)
@@ -344,7 +291,7 @@ def check_determinism():
 
 
 def check_out_of_range_on_gpu():
-    _need_gpu()
+    need_gpu()
     logits, targets = make_inputs((8,), 1000, torch.bfloat16, ignore_frac=0.0)
     targets[3] = 5000
     loss = cross_entropy(logits, targets)  # unchecked by default on CUDA: no host sync
@@ -388,7 +335,7 @@ def memory_comparison(n=8192, v=128256):
 
 
 def check_memory():
-    _need_gpu()
+    need_gpu()
     res = memory_comparison()
     grad_mb = 8192 * 128256 * 2 / 2**20  # the bf16 logits gradient itself
     ours, torch_mb, inplace = res["Fused Triton CE"], res["PyTorch (HF: logits.float())"], res["Fused Triton CE, in-place grad"]
@@ -398,29 +345,33 @@ def check_memory():
     return f"ours {ours:.0f} MB, in-place {inplace:.0f} MB, PyTorch {torch_mb:.0f} MB"
 
 
-@gpu_only
-def test_int64_offsets():
-    check_int64_offsets()
+# One list of checks serves both pytest and the script report.
+EDGE_CHECKS = [
+    ("logits[:, :-1] slice, no copy", check_sliced_logits),
+    ("non-contiguous upstream grad", check_non_contiguous_upstream),
+    ("upstream grad 0.25", check_scaled_upstream),
+    ("all targets ignored", check_all_ignored),
+    ("extreme logits (+-1e4, -inf)", check_extreme_logits),
+    ("forward under no_grad", check_no_grad_forward),
+    ("int32 targets", check_int32_targets),
+    ("logits not modified", check_logits_untouched),
+    ("in-place gradient mode", check_inplace_mode),
+    ("backward twice", check_backward_twice),
+    ("TritonCrossEntropyLoss", check_module),
+    ("bad inputs raise", check_bad_inputs),
+]
+GPU_CHECKS = [
+    ("64-bit offsets (16,800 x 128,256)", check_int64_offsets),
+    ("CUDA graph capture", check_cuda_graph_capture),
+    ("bitwise determinism", check_determinism),
+    ("out-of-range target on CUDA", check_out_of_range_on_gpu),
+    ("peak memory (8192 x 128256)", check_memory),
+]
 
 
-@gpu_only
-def test_cuda_graph_capture():
-    check_cuda_graph_capture()
-
-
-@gpu_only
-def test_determinism():
-    check_determinism()
-
-
-@gpu_only
-def test_out_of_range_on_gpu():
-    check_out_of_range_on_gpu()
-
-
-@gpu_only
-def test_memory():
-    check_memory()
+@pytest.mark.parametrize("label,check", EDGE_CHECKS + GPU_CHECKS, ids=[c[0] for c in EDGE_CHECKS + GPU_CHECKS])
+def test_check(label, check):
+    check()
 
 
 def main():
@@ -434,29 +385,10 @@ def main():
                 report.run(label, lambda l=lead, v=v, d=dtype, r=reduction: compare_to_truth(
                     *make_inputs(l, v, DTYPES[d], ignore_frac=0.0 if l == (1,) else 0.25), r))
     report.section("Test 4: Edge cases and API")
-    for label, fn in [
-        ("logits[:, :-1] slice, no copy", check_sliced_logits),
-        ("non-contiguous upstream grad", check_non_contiguous_upstream),
-        ("upstream grad 0.25", check_scaled_upstream),
-        ("all targets ignored", check_all_ignored),
-        ("extreme logits (+-1e4, -inf)", check_extreme_logits),
-        ("forward under no_grad", check_no_grad_forward),
-        ("int32 targets", check_int32_targets),
-        ("logits not modified", check_logits_untouched),
-        ("in-place gradient mode", check_inplace_mode),
-        ("backward twice", check_backward_twice),
-        ("TritonCrossEntropyLoss", check_module),
-        ("bad inputs raise", check_bad_inputs),
-    ]:
+    for label, fn in EDGE_CHECKS:
         report.run(label, fn)
     report.section("Test 5: GPU only")
-    for label, fn in [
-        ("64-bit offsets (16,800 x 128,256)", check_int64_offsets),
-        ("CUDA graph capture", check_cuda_graph_capture),
-        ("bitwise determinism", check_determinism),
-        ("out-of-range target on CUDA", check_out_of_range_on_gpu),
-        ("peak memory (8192 x 128256)", check_memory),
-    ]:
+    for label, fn in GPU_CHECKS:
         report.run(label, fn)
     if torch.cuda.is_available():
         print("\nMemory Comparison: peak extra memory of forward+backward, 8,192 x 128,256 bf16")

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from conftest import DEVICE, DTYPES, Report, gpu_only, no_worse, rel_err
+from conftest import DEVICE, DTYPES, Report, need_gpu, no_worse, rel_err
 from rmsnorm_kernel import (
     MAX_HIDDEN_SIZE,
     TritonRMSNorm,
@@ -196,38 +196,9 @@ def check_replace_in_llama_model():
     return f"{count} modules, logits {err:.1e}"
 
 
-def test_weight_dtype_promotion():
-    check_weight_dtype_promotion()
-
-
-def test_non_contiguous():
-    check_non_contiguous()
-
-
-def test_no_grad_forward():
-    check_no_grad_forward()
-
-
-def test_only_x_requires_grad():
-    check_only_x_requires_grad()
-
-
-def test_bad_inputs():
-    check_bad_inputs()
-
-
-def test_module_shares_parameter():
-    check_module_shares_parameter()
-
-
-def test_replace_in_llama_model():
-    check_replace_in_llama_model()
-
-
 # ---------------------------------------------------------------- GPU-only checks
 def check_int64_offsets():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+    need_gpu()
     # 524,800 x 4,096 = 2.15e9 elements > 2**31: int32 offsets would wrap.
     rows, hidden = 524_800, 4096
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
@@ -253,8 +224,7 @@ def check_int64_offsets():
 
 
 def check_cuda_graph_capture():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+    need_gpu()
     x, w, dy = make_inputs((256, 4096), torch.bfloat16)
     x.requires_grad_()
     w.requires_grad_()
@@ -280,27 +250,33 @@ def check_cuda_graph_capture():
 
 
 def check_determinism():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+    need_gpu()
     x, w, dy = make_inputs((16384, 4096), torch.bfloat16)
     a, b = run_ours(x, w, dy), run_ours(x, w, dy)
     assert all(torch.equal(p, q) for p, q in zip(a, b)), "two identical runs differ"
     return "y, dx, dw bitwise equal"
 
 
-@gpu_only
-def test_int64_offsets():
-    check_int64_offsets()
+# One list of checks serves both pytest and the script report.
+EDGE_CHECKS = [
+    ("fp32 weight, bf16 input", check_weight_dtype_promotion),
+    ("non-contiguous x and dy", check_non_contiguous),
+    ("forward under no_grad", check_no_grad_forward),
+    ("frozen weight (dx only)", check_only_x_requires_grad),
+    ("bad inputs raise", check_bad_inputs),
+    ("from_llama_rmsnorm", check_module_shares_parameter),
+    ("replace_rmsnorm on LLaMA", check_replace_in_llama_model),
+]
+GPU_CHECKS = [
+    ("64-bit offsets (2.15e9 elements)", check_int64_offsets),
+    ("CUDA graph capture", check_cuda_graph_capture),
+    ("bitwise determinism", check_determinism),
+]
 
 
-@gpu_only
-def test_cuda_graph_capture():
-    check_cuda_graph_capture()
-
-
-@gpu_only
-def test_determinism():
-    check_determinism()
+@pytest.mark.parametrize("label,check", EDGE_CHECKS + GPU_CHECKS, ids=[c[0] for c in EDGE_CHECKS + GPU_CHECKS])
+def test_check(label, check):
+    check()
 
 
 def main():
@@ -313,22 +289,10 @@ def main():
             if dtype == dt:
                 report.run(label, lambda s=shape, d=dtype: compare_to_truth(*make_inputs(s, DTYPES[d])))
     report.section("Test 4: Edge cases and API")
-    for label, fn in [
-        ("fp32 weight, bf16 input", check_weight_dtype_promotion),
-        ("non-contiguous x and dy", check_non_contiguous),
-        ("forward under no_grad", check_no_grad_forward),
-        ("frozen weight (dx only)", check_only_x_requires_grad),
-        ("bad inputs raise", check_bad_inputs),
-        ("from_llama_rmsnorm", check_module_shares_parameter),
-        ("replace_rmsnorm on LLaMA", check_replace_in_llama_model),
-    ]:
+    for label, fn in EDGE_CHECKS:
         report.run(label, fn)
     report.section("Test 5: GPU only")
-    for label, fn in [
-        ("64-bit offsets (2.15e9 elements)", check_int64_offsets),
-        ("CUDA graph capture", check_cuda_graph_capture),
-        ("bitwise determinism", check_determinism),
-    ]:
+    for label, fn in GPU_CHECKS:
         report.run(label, fn)
     return report.finish("RMSNorm")
 

@@ -264,34 +264,31 @@ def _from_pretrained(model_id, device, dtype, **kwargs):
     )
 
 
+def _attempt_pretrained(model_id, device, dtype, **kwargs):
+    """(model, None) or (None, one-line reason); running out of memory is not a reason to fall back."""
+    try:
+        return _from_pretrained(model_id, device, dtype, **kwargs), None
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any loading problem becomes the reason we print
+        return None, _one_line(e)
+
+
 def try_pretrained(model_id, device, dtype):
     """Return (model, None) with real weights, or (None, reason) when they cannot be had."""
     if looks_like_path(model_id) and not os.path.exists(model_id):
         return None, "no such file or directory"
     if os.path.exists(model_id):
-        try:
-            return _from_pretrained(model_id, device, dtype), None
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            return None, _one_line(e)
+        return _attempt_pretrained(model_id, device, dtype)
     # Already in the local cache? Then no network is needed at all.
-    try:
-        return _from_pretrained(model_id, device, dtype, local_files_only=True), None
-    except torch.OutOfMemoryError:
-        raise
-    except Exception:  # noqa: BLE001, S110 - not cached (or only partly): ask the hub
-        pass
-    problem = hub_problem(model_id)
+    model, _ = _attempt_pretrained(model_id, device, dtype, local_files_only=True)
+    if model is not None:
+        return model, None
+    problem = hub_problem(model_id)  # not cached (or only partly): ask the hub
     if problem:
         return None, problem
     print(f"Downloading {model_id} from the HF hub (once; later runs use the cache)...")
-    try:
-        return _from_pretrained(model_id, device, dtype), None
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as e:  # noqa: BLE001
-        return None, _one_line(e)
+    return _attempt_pretrained(model_id, device, dtype)
 
 
 def is_default_model(model_id):

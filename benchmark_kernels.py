@@ -453,6 +453,15 @@ def _guard(stage):
         return "ERR", None, f"{type(exc).__name__}: {exc}".strip()
 
 
+def _record_stage(rec, status_key, value_key, stage):
+    """Run a guarded stage into rec: its status, its value, its message; free memory if it failed."""
+    rec[status_key], rec[value_key], message = _guard(stage)
+    if message:
+        rec["messages"].append(message)
+    if rec[status_key] != "ok":
+        _free_memory()
+
+
 def _empty_record(bench, provider, shape):
     return {
         "provider": provider.name,
@@ -536,11 +545,7 @@ def measure(bench, provider, shape, seed, bench_ms):
         warmup, rep = bench_ms
         return triton.testing.do_bench(fwd, warmup=warmup, rep=rep, return_mode="median")
 
-    rec["fwd_status"], rec["fwd_ms"], message = _guard(forward_stage)
-    if message:
-        rec["messages"].append(message)
-    if rec["fwd_status"] != "ok":
-        _free_memory()
+    _record_stage(rec, "fwd_status", "fwd_ms", forward_stage)
 
     # Stage 2: the first forward+backward (compiles the backward), then memory, then timing.
     def first_fwdbwd():
@@ -573,14 +578,8 @@ def measure(bench, provider, shape, seed, bench_ms):
             warmup, rep = bench_ms
             return triton.testing.do_bench(fwdbwd, warmup=warmup, rep=rep, return_mode="median")
 
-        rec["memory_status"], rec["peak_extra_MB"], message = _guard(memory_stage)
-        if message:
-            rec["messages"].append(message)
-        if rec["memory_status"] != "ok":
-            _free_memory()
-        rec["fwdbwd_status"], rec["fwdbwd_ms"], message = _guard(timing_stage)
-        if message:
-            rec["messages"].append(message)
+        _record_stage(rec, "memory_status", "peak_extra_MB", memory_stage)
+        _record_stage(rec, "fwdbwd_status", "fwdbwd_ms", timing_stage)
 
     if not ON_GPU:
         # Nothing was timed or measured: say so instead of leaving an "ok" without a number.

@@ -77,7 +77,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # Imported first: it switches on the Triton interpreter when there is no GPU.
-from rmsnorm_kernel import SUPPORTED_DTYPES, cast_to, check_kernel_device, interpreter_active
+from rmsnorm_kernel import INTERPRET, SUPPORTED_DTYPES, cast_to, check_kernel_device
 
 import triton
 import triton.language as tl
@@ -341,8 +341,8 @@ def _launch_forward(rows, layout, tgt, loss, grad, grad_layout, n_valid, ignore_
         upstream if upstream is not None else loss, upstream.stride(0) if upstream is not None else 0,
         inner, s_outer, s_inner, g_outer, g_inner, v, ignore_index,
         MEAN=mean, WRITE_GRAD=grad is not None, HAS_UPSTREAM=upstream is not None,
-        BLOCK_V=block_v, SOFT_BF16=interpreter_active(),
-        PRECISE_EXP=rows.dtype == torch.float32, INTERPRET=interpreter_active(), num_warps=num_warps,
+        BLOCK_V=block_v, SOFT_BF16=INTERPRET,
+        PRECISE_EXP=rows.dtype == torch.float32, INTERPRET=INTERPRET, num_warps=num_warps,
     )
 
 
@@ -364,7 +364,6 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
         # (one more read of the logits). In-place mode has no logits left to reread
         # and keeps the fused path.
         ctx.recompute = write_grad and reduction == "none" and not inplace
-        ctx.layout = (inner, s_outer, s_inner)
         ctx.ignore_index = ignore_index
         ctx.reduction = reduction
         ctx.used = False
@@ -383,7 +382,7 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
         # Count valid targets on the device: no .item(), so no host sync.
         n_valid = (tgt != ignore_index).sum(dtype=torch.float32).reshape(1)
         if n_rows > 0:
-            _launch_forward(rows, ctx.layout, tgt, loss, grad, (g_outer, g_inner), n_valid, ignore_index,
+            _launch_forward(rows, (inner, s_outer, s_inner), tgt, loss, grad, (g_outer, g_inner), n_valid, ignore_index,
                             mean=reduction == "mean")
         if grad is not None and grad is rows:
             # In-place mode: the logits now hold the gradient. Bump their version
@@ -392,7 +391,6 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
 
         # What backward hands to autograd: the buffer, or the logits tensor itself.
         ctx.grad = logits.detach() if (grad is not None and grad is rows) else grad
-        ctx.grad_layout = (inner, g_outer, g_inner, v, n_rows)
         if ctx.recompute:
             ctx.save_for_backward(logits, targets)
 
@@ -413,12 +411,12 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
         ctx.used = True
         if ctx.recompute:
             logits, targets = ctx.saved_tensors
-            rows = _row_layout(logits)[0]
+            rows, *layout = _row_layout(logits)
             tgt = targets.reshape(-1)
             grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
             if tgt.numel() > 0:
                 scratch = torch.empty(tgt.numel(), dtype=torch.float32, device=logits.device)
-                _launch_forward(rows, ctx.layout, tgt, scratch, grad, _row_layout(grad)[2:], scratch,
+                _launch_forward(rows, layout, tgt, scratch, grad, _row_layout(grad)[2:], scratch,
                                 ctx.ignore_index, mean=False, upstream=grad_output.reshape(-1))
             return grad, None, None, None, None, None
         if ctx.grad is None:
@@ -428,9 +426,9 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
             )
         grad = ctx.grad
         ctx.grad = None  # release our reference once autograd owns the gradient
-        inner, g_outer, g_inner, v, n_rows = ctx.grad_layout
+        rows, inner, g_outer, g_inner = _row_layout(grad)  # the layout forward wrote it with
+        v, n_rows = grad.shape[-1], grad.numel() // grad.shape[-1]
         if n_rows > 0:
-            rows = _row_layout(grad)[0]
             if ctx.reduction == "none":
                 go = grad_output.reshape(-1)
                 stride_go = go.stride(0)
@@ -440,7 +438,7 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
             block_v, num_warps = _launch_config(v, n_rows, grad.device)
             _cross_entropy_bwd_scale_kernel[(n_rows,)](
                 rows, go, stride_go, inner, g_outer, g_inner, v,
-                BLOCK_V=block_v, SOFT_BF16=interpreter_active(), num_warps=num_warps,
+                BLOCK_V=block_v, SOFT_BF16=INTERPRET, num_warps=num_warps,
             )
         return grad, None, None, None, None, None
 

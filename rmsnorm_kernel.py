@@ -63,6 +63,10 @@ if not torch.cuda.is_available():
     # lesson works on a laptop. This must happen before triton is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Triton reads the variable once, when it is imported (just below); so do we,
+# instead of looking it up on every launch.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
 import triton
 import triton.language as tl
 
@@ -260,17 +264,13 @@ def _rmsnorm_dw_reduce_kernel(
 # --------------------------------------------------------------------------------
 # Launch helpers: checks, block sizes, grid
 # --------------------------------------------------------------------------------
-def interpreter_active():
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def check_kernel_device(*tensors):
     """All tensors on one device that Triton can run on; a clear error otherwise."""
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on the same device, got {sorted(str(d) for d in devices)}")
     device = tensors[0].device
-    if device.type == "cpu" and not interpreter_active():
+    if device.type == "cpu" and not INTERPRET:
         raise RuntimeError(
             "CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before "
             "triton is imported, or move the tensors to a CUDA device"
@@ -358,7 +358,7 @@ def rmsnorm_forward(x, weight, eps):
         grid = (triton.cdiv(n_rows, rows),)
         _rmsnorm_fwd_kernel[grid](
             x2, weight, y, rstd, x2.stride(0), n_rows, n_cols, eps,
-            BLOCK_N=block_n, ROWS=rows, SOFT_BF16=interpreter_active(), num_warps=num_warps,
+            BLOCK_N=block_n, ROWS=rows, SOFT_BF16=INTERPRET, num_warps=num_warps,
         )
     return y.view(x.shape), rstd
 
@@ -383,7 +383,7 @@ def rmsnorm_backward(dy, x, weight, rstd, compute_dw=True):
         _rmsnorm_bwd_kernel[(n_programs,)](
             dy2, x2, weight, rstd, dx, dw_partial,
             dy2.stride(0), x2.stride(0), n_rows, n_cols, n_programs, triton.cdiv(n_blocks, n_programs),
-            BLOCK_N=block_n, ROWS=rows, COMPUTE_DW=compute_dw, SOFT_BF16=interpreter_active(),
+            BLOCK_N=block_n, ROWS=rows, COMPUTE_DW=compute_dw, SOFT_BF16=INTERPRET,
             num_warps=num_warps,
         )
     if compute_dw:
@@ -393,7 +393,7 @@ def rmsnorm_backward(dy, x, weight, rstd, compute_dw=True):
             block_c = 256
             _rmsnorm_dw_reduce_kernel[(triton.cdiv(n_cols, block_c),)](
                 dw_partial, dw, n_programs, n_cols, BLOCK_P=32, BLOCK_C=block_c,
-                SOFT_BF16=interpreter_active(), num_warps=4,
+                SOFT_BF16=INTERPRET, num_warps=4,
             )
     return dx.view(x.shape), dw
 

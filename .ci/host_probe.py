@@ -1,20 +1,26 @@
-"""Developer tool (GPU): where does the host time of our autograd wrappers go?"""
+"""Developer tool (GPU): where does the host time of our autograd wrappers go?
+
+Times (perf_counter, tiny tensors so the GPU work is negligible) the same RMSNorm
+work called directly, through Function.apply, through autograd with the engine's
+worker thread and with multithreading off, and a do-nothing Python Function as the
+floor; then cProfiles the backward inside the autograd worker thread.
+"""
 import cProfile
+import io
 import pstats
 import sys
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
-import cross_entropy_kernel as ce  # noqa: E402
 import rmsnorm_kernel as rk  # noqa: E402
 
 
-def host_us(fn, n=300):
-    for _ in range(20):
+def host_us(fn, n=400):
+    for _ in range(30):
         fn()
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -24,43 +30,83 @@ def host_us(fn, n=300):
     return (time.perf_counter() - t) / n * 1e6
 
 
-x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-w = torch.ones(4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-dy = torch.randn_like(x)
-y, rstd = rk.rmsnorm_forward(x.detach(), w.detach(), 1e-6)
-cases = {
-    "rmsnorm_forward direct": lambda: rk.rmsnorm_forward(x.detach(), w.detach(), 1e-6),
-    "rmsnorm_backward direct": lambda: rk.rmsnorm_backward(dy, x.detach(), w.detach(), rstd),
-    "rmsnorm_backward no dw": lambda: rk.rmsnorm_backward(dy, x.detach(), w.detach(), rstd, compute_dw=False),
-    "autograd fwd+bwd": lambda: torch.autograd.grad(rk.rmsnorm(x, w), (x, w), dy),
-}
-for name, fn in cases.items():
-    print(f"{name:<28} {host_us(fn):8.1f} us", flush=True)
+class Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy
 
 
-def in_thread():
-    print(f"{'backward direct, other thread':<28} {host_us(cases['rmsnorm_backward direct']):8.1f} us", flush=True)
+class EmptyLike(torch.autograd.Function):
+    """Allocates like ours but launches nothing: isolates allocation + engine cost."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return torch.empty_like(dy), torch.empty(dy.shape[-1], device=dy.device, dtype=dy.dtype)
 
 
-t = threading.Thread(target=in_thread)
-t.start()
-t.join()
+PROFILE = {"on": False, "prof": cProfile.Profile()}
+_orig_backward = rk.rmsnorm_backward
+
+
+def profiled_backward(*a, **k):
+    if not PROFILE["on"]:
+        return _orig_backward(*a, **k)
+    PROFILE["prof"].enable()
+    try:
+        return _orig_backward(*a, **k)
+    finally:
+        PROFILE["prof"].disable()
+
+
+rk.rmsnorm_backward = profiled_backward
+
+for rows in (1, 4096):
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.rand(4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    y, rstd = rk.rmsnorm_forward(x.detach(), w.detach(), 1e-6)
+    cases = {
+        "F.rms_norm autograd fwd+bwd": lambda: torch.autograd.grad(F.rms_norm(x, (4096,), w, 1e-6), (x, w), dy),
+        "Identity Function fwd+bwd": lambda: torch.autograd.grad(Identity.apply(x), (x,), dy),
+        "EmptyLike Function fwd+bwd": lambda: torch.autograd.grad(EmptyLike.apply(x, w), (x, w), dy),
+        "rmsnorm_forward direct": lambda: rk.rmsnorm_forward(x.detach(), w.detach(), 1e-6),
+        "rmsnorm_backward direct": lambda: _orig_backward(dy, x.detach(), w.detach(), rstd),
+        "rmsnorm fwd (apply, grad on)": lambda: rk.rmsnorm(x, w),
+        "rmsnorm autograd fwd+bwd": lambda: torch.autograd.grad(rk.rmsnorm(x, w), (x, w), dy),
+    }
+    print(f"--- {rows} x 4096 bf16", flush=True)
+    for name, fn in cases.items():
+        print(f"{name:<36} {host_us(fn):8.1f} us", flush=True)
+    torch.autograd.set_multithreading_enabled(False)
+    for name in ("Identity Function fwd+bwd", "EmptyLike Function fwd+bwd", "rmsnorm autograd fwd+bwd"):
+        print(f"{name + ' (no MT)':<36} {host_us(cases[name]):8.1f} us", flush=True)
+    torch.autograd.set_multithreading_enabled(True)
+
+PROFILE["on"] = True
+for _ in range(300):
+    torch.autograd.grad(rk.rmsnorm(x, w), (x, w), dy)
+torch.cuda.synchronize()
+PROFILE["on"] = False
+s = io.StringIO()
+pstats.Stats(PROFILE["prof"], stream=s).sort_stats("tottime").print_stats(25)
+print("cProfile of rmsnorm_backward inside the autograd worker thread (300 calls):")
+print(s.getvalue())
 
 prof = cProfile.Profile()
 prof.enable()
-for _ in range(200):
-    rk.rmsnorm_backward(dy, x.detach(), w.detach(), rstd)
+for _ in range(300):
+    rk.rmsnorm(x, w)
 torch.cuda.synchronize()
 prof.disable()
-pstats.Stats(prof).sort_stats("tottime").print_stats(18)
-
-print(f"{'rmsnorm fwd, grad enabled':<28} {host_us(lambda: rk.rmsnorm(x, w)):8.1f} us", flush=True)
-yy = rk.rmsnorm(x, w)
-print(f"{'autograd.grad only':<28} {host_us(lambda: torch.autograd.grad(rk.rmsnorm(x, w), (x, w), dy)) :8.1f} us", flush=True)
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-with profile(activities=[ProfilerActivity.CPU]) as p:
-    for _ in range(50):
-        torch.autograd.grad(rk.rmsnorm(x, w), (x, w), dy)
-    torch.cuda.synchronize()
-print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+s = io.StringIO()
+pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+print("cProfile of rmsnorm forward through Function.apply (300 calls):")
+print(s.getvalue())

@@ -4,6 +4,8 @@ Steps 7 and 10 -- Benchmark the fused kernels against every peer.
 Usage:
     python benchmark_kernels.py --kernel rmsnorm
     python benchmark_kernels.py --kernel cross_entropy
+    python benchmark_kernels.py --kernel swiglu
+    python benchmark_kernels.py --kernel flce       # LM head + loss: TFLOP/s and memory
     python benchmark_kernels.py --kernel all --json bench.json --plot bench.png
     python benchmark_kernels.py --quick        # short run; on CPU: tiny shapes, no timings
 
@@ -61,9 +63,15 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
-from cross_entropy_kernel import cross_entropy, cross_entropy_reference  # noqa: E402
+from cross_entropy_kernel import (  # noqa: E402
+    cross_entropy,
+    cross_entropy_reference,
+    fused_linear_cross_entropy,
+    linear_cross_entropy_reference,
+)
 from llama_common import environment_info  # noqa: E402
 from rmsnorm_kernel import rmsnorm, rmsnorm_reference  # noqa: E402
+from swiglu_kernel import swiglu, swiglu_reference  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -97,20 +105,32 @@ def _free_memory():
         torch.cuda.empty_cache()
 
 
-def _liger_version():
+def _version(package):
     try:
-        return importlib.metadata.version("liger-kernel")
+        return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return None
 
 
-def _liger_availability():
-    """None when Liger-Kernel can run here, else the reason shown in its cells."""
-    if _liger_version() is None:
+def _liger_version():
+    return _version("liger-kernel")
+
+
+def _gpu_package_availability(package):
+    """None when ``package`` can run here, else the reason shown in its cells."""
+    if _version(package) is None:
         return NOT_INSTALLED
     if not ON_GPU:
-        return SKIPPED_CPU  # its Triton kernels do not run in the CPU interpreter
+        return SKIPPED_CPU  # their Triton kernels do not run in the CPU interpreter
     return None
+
+
+def _liger_availability():
+    return _gpu_package_availability("liger-kernel")
+
+
+def _cce_availability():
+    return _gpu_package_availability("cut-cross-entropy")
 
 
 def _cuda_only():
@@ -172,6 +192,7 @@ class KernelBench:
     name = ""
     title = ""
     error_label = "|err|"
+    rate_unit = "GB/s"  # "TFLOP/s" for benches that define flops()
 
     def shapes(self, quick):
         raise NotImplementedError
@@ -199,8 +220,16 @@ class KernelBench:
         raise NotImplementedError
 
     def bytes_moved(self, shape):
-        """{"fwd": bytes, "fwdbwd": bytes} of the byte formula."""
+        """{"fwd": bytes, "fwdbwd": bytes} of the byte formula (None: not bandwidth-bound)."""
         raise NotImplementedError
+
+    def flops(self, shape):
+        """{"fwd": FLOPs, "fwdbwd": FLOPs} for matmul-bound work, reported as TFLOP/s; else None."""
+        return None
+
+    def counted_as_inputs_bytes(self, shape):
+        """Bytes of the returned gradients that the peak-memory column leaves out (default: none)."""
+        return 0
 
     def truth(self, inputs):
         """Computed before any provider runs on the inputs (some overwrite them)."""
@@ -435,7 +464,211 @@ class CrossEntropyBench(KernelBench):
         return lines
 
 
-KERNELS = {bench.name: bench for bench in (RMSNormBench(), CrossEntropyBench())}
+# --------------------------------------------------------------------------------
+# SwiGLU (the LLaMA MLP's activation)
+# --------------------------------------------------------------------------------
+class SwiGLUBench(KernelBench):
+    name = "swiglu"
+    title = "SwiGLU"
+    error_label = "max |err|"
+    intermediate = 14336  # LLaMA-3.1-8B
+
+    def shapes(self, quick):
+        if not ON_GPU:
+            return [{"tokens": 64, "intermediate": 300}]
+        tokens = (16384,) if quick else (4096, 16384)
+        return [{"tokens": n, "intermediate": self.intermediate} for n in tokens]
+
+    def make_inputs(self, shape):
+        n, i = shape["tokens"], shape["intermediate"]
+        gate = torch.randn(n, i, device=DEVICE, dtype=DTYPE).requires_grad_(True)
+        up = torch.randn(n, i, device=DEVICE, dtype=DTYPE).requires_grad_(True)
+        dy = torch.randn(n, i, device=DEVICE, dtype=DTYPE)
+        return {"gate": gate, "up": up, "upstream": dy}
+
+    def args(self, inputs):
+        return inputs["gate"], inputs["up"]
+
+    def wrt(self, inputs):
+        return inputs["gate"], inputs["up"]
+
+    def providers(self):
+        def ours(shape):
+            return swiglu
+
+        def eager(shape):
+            return swiglu_reference  # F.silu(gate) * up, as HF's LlamaMLP
+
+        def compiled(shape):
+            return _compiled(swiglu_reference)
+
+        def liger(shape):
+            _quiet_liger_logs()
+            from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+            return LigerSiLUMulFunction.apply
+
+        return [
+            Provider("ours (Triton)", ours),
+            Provider("PyTorch eager (HF)", eager),
+            Provider("torch.compile (HF)", compiled, _cuda_only),
+            Provider("Liger-Kernel", liger, _liger_availability),
+        ]
+
+    def bytes_moved(self, shape):
+        nbytes = shape["tokens"] * shape["intermediate"] * (torch.finfo(DTYPE).bits // 8)
+        # fwd: read gate, read up, write y. fwd+bwd: that, then read dy, gate, up and
+        # write dgate, dup: 8 passes over [N, I].
+        return {"fwd": 3 * nbytes, "fwdbwd": 8 * nbytes}
+
+    def error(self, out, inputs, truth):
+        g, u = inputs["gate"].detach(), inputs["up"].detach()
+        worst = 0.0
+        for lo, hi in _chunks(g.shape[0], g.shape[1]):
+            ref = swiglu_reference(g[lo:hi].double(), u[lo:hi].double())
+            worst = max(worst, (out[lo:hi].double() - ref).abs().max().item())
+        return worst
+
+    def header(self, shapes):
+        inter = ", ".join(f"{s['intermediate']:,}" for s in shapes[:1])
+        return f"SwiGLU benchmark -- silu(gate) * up, intermediate size {inter}, {str(DTYPE).replace('torch.', '')}"
+
+    def footnotes(self, shapes):
+        lines = [
+            "Bytes (N tokens, I intermediate, 2 B per bf16 element):",
+            "  fwd     = read gate + read up + write y                                 = 3*N*I*2",
+            "  fwd+bwd = fwd + read dy + read gate + read up + write dgate + write dup  = 8*N*I*2",
+        ]
+        for shape in shapes:
+            nb = self.bytes_moved(shape)
+            lines.append(
+                f"  N = {shape['tokens']:>6,}: fwd {nb['fwd'] / 1e6:,.1f} MB, fwd+bwd {nb['fwdbwd'] / 1e6:,.1f} MB"
+            )
+        lines += [
+            "Peak extra memory (fwd+bwd): max_memory_allocated() during one forward + backward minus the memory",
+            "  allocated just before it (gate, up and dy are the caller's). Floor: y + dgate + dup = 3*N*I*2.",
+            "max |err|: forward output vs silu(gate) * up evaluated in float64, max over all elements.",
+        ]
+        return lines
+
+
+# --------------------------------------------------------------------------------
+# Fused linear cross-entropy (LM head + loss)
+# --------------------------------------------------------------------------------
+class FusedLinearCrossEntropyBench(KernelBench):
+    name = "flce"
+    title = "Linear + cross-entropy"
+    error_label = "loss |err|"
+    rate_unit = "TFLOP/s"
+    hidden = 4096
+    vocab = 128256
+
+    def shapes(self, quick):
+        if not ON_GPU:
+            return [{"tokens": 32, "hidden": 64, "vocab": 1000}]
+        tokens = (4096,) if quick else (4096, 16384)
+        return [{"tokens": n, "hidden": self.hidden, "vocab": self.vocab} for n in tokens]
+
+    def make_inputs(self, shape):
+        n, h, v = shape["tokens"], shape["hidden"], shape["vocab"]
+        hidden = torch.randn(n, h, device=DEVICE, dtype=DTYPE).requires_grad_(True)
+        # Logits of a few units, like a trained LM head's.
+        weight = (torch.randn(v, h, device=DEVICE) * (2.0 / h**0.5)).to(DTYPE).requires_grad_(True)
+        targets = torch.randint(0, v, (n,), device=DEVICE)
+        return {"hidden": hidden, "weight": weight, "targets": targets, "upstream": torch.ones((), device=DEVICE)}
+
+    def args(self, inputs):
+        return inputs["hidden"], inputs["weight"], inputs["targets"]
+
+    def wrt(self, inputs):
+        return inputs["hidden"], inputs["weight"]
+
+    def providers(self):
+        def ours(shape):
+            return fused_linear_cross_entropy
+
+        def eager(shape):
+            return linear_cross_entropy_reference  # lm_head, then logits.float() and F.cross_entropy
+
+        def compiled(shape):
+            return _compiled(linear_cross_entropy_reference)
+
+        def liger(shape):
+            _quiet_liger_logs()
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+            loss = LigerFusedLinearCrossEntropyLoss(ignore_index=-100, reduction="mean")
+            return lambda hidden, weight, targets: loss(weight, hidden, targets)
+
+        def cce(shape):
+            from cut_cross_entropy import linear_cross_entropy
+
+            # Its defaults: the "cce" kernels, mean over non-ignored targets.
+            return lambda hidden, weight, targets: linear_cross_entropy(hidden, weight, targets)
+
+        return [
+            Provider("ours (Triton + cuBLAS)", ours),
+            Provider("PyTorch eager (HF)", eager),
+            Provider("torch.compile (HF)", compiled, _cuda_only),
+            Provider("Liger-Kernel FLCE", liger, _liger_availability),
+            Provider("Apple cut-cross-entropy", cce, _cce_availability),
+        ]
+
+    def bytes_moved(self, shape):
+        return None  # matmul-bound: reported as TFLOP/s
+
+    def flops(self, shape):
+        # One [N, H] x [H, V] matmul forward; two of the same size in backward
+        # (d hidden and d weight). The softmax is negligible next to them.
+        mm = 2 * shape["tokens"] * shape["hidden"] * shape["vocab"]
+        return {"fwd": mm, "fwdbwd": 3 * mm}
+
+    def counted_as_inputs_bytes(self, shape):
+        # The returned d hidden [N, H] and d weight [V, H]: a training step holds
+        # these anyway (as .grad), so they are not "extra".
+        b = torch.finfo(DTYPE).bits // 8
+        return (shape["tokens"] + shape["vocab"]) * shape["hidden"] * b
+
+    def truth(self, inputs):
+        hidden, weight, targets = inputs["hidden"].detach(), inputs["weight"].detach().double(), inputs["targets"]
+        total = 0.0
+        for lo, hi in _chunks(hidden.shape[0], weight.shape[0]):
+            logits = hidden[lo:hi].double() @ weight.t()
+            total += F.cross_entropy(logits, targets[lo:hi], reduction="sum").item()
+        return total / max(int((targets != -100).sum().item()), 1)
+
+    def error(self, out, inputs, truth):
+        return abs(float(out.double().item()) - truth)
+
+    def header(self, shapes):
+        s = shapes[0]
+        return (f"Linear + cross-entropy benchmark -- hidden {s['hidden']:,} -> vocabulary {s['vocab']:,}, "
+                f"{str(DTYPE).replace('torch.', '')}, mean")
+
+    def footnotes(self, shapes):
+        lines = [
+            "TFLOP/s = matmul FLOPs / latency: fwd = 2*N*H*V (the LM head), fwd+bwd = 3 x that (plus d hidden",
+            "  and d weight). Providers that recompute the logits in backward do more work than counted.",
+            "Peak extra memory (fwd+bwd): max_memory_allocated() during one forward + backward minus the memory",
+            "  allocated just before it (hidden, weight, targets) minus the two returned gradients",
+            "  (d hidden [N, H] + d weight [V, H], which training holds as .grad anyway). What remains is",
+            "  logits, their gradient, copies and chunk buffers.",
+        ]
+        for shape in shapes:
+            logits = shape["tokens"] * shape["vocab"] * (torch.finfo(DTYPE).bits // 8)
+            lines.append(f"  N = {shape['tokens']:>6,}: the bf16 logits alone would be {logits / 1e6:,.0f} MB")
+        lines += [
+            "Apple cut-cross-entropy filters small gradient entries by default (filter_eps='auto'), an",
+            "  approximation; the others compute the exact gradient.",
+            "loss |err|: |loss - the same loss with hidden @ weight.T and the softmax in float64|.",
+        ]
+        return lines
+
+
+KERNELS = {
+    bench.name: bench
+    for bench in (RMSNormBench(), CrossEntropyBench(), SwiGLUBench(), FusedLinearCrossEntropyBench())
+}
 
 
 # --------------------------------------------------------------------------------
@@ -468,6 +701,7 @@ def _empty_record(bench, provider, shape):
         "shape": dict(shape),
         "label": bench.shape_label(shape),
         "bytes": bench.bytes_moved(shape),
+        "flops": bench.flops(shape),
         "fwd_status": None,
         "fwdbwd_status": None,
         "memory_status": None,
@@ -477,6 +711,8 @@ def _empty_record(bench, provider, shape):
         "fwdbwd_GBps": None,
         "fwd_pct_copy": None,
         "fwdbwd_pct_copy": None,
+        "fwd_TFLOPs": None,
+        "fwdbwd_TFLOPs": None,
         "speedup_fwd": None,
         "speedup_fwdbwd": None,
         "peak_extra_MB": None,
@@ -570,7 +806,7 @@ def measure(bench, provider, shape, seed, bench_ms):
             _sync()
             peak = torch.cuda.max_memory_allocated()
             del grads
-            return (peak - before) / 1e6
+            return (peak - before - bench.counted_as_inputs_bytes(shape)) / 1e6
 
         def timing_stage():
             if not ON_GPU:
@@ -607,12 +843,20 @@ def _derive(records, copy_bw, ours_name):
             ms = rec[f"{p}_ms"]
             if ms is None:
                 continue
-            gbps = rec["bytes"][p] / (ms * 1e-3) / 1e9
-            rec[f"{p}_GBps"] = gbps
-            if copy_bw:
-                rec[f"{p}_pct_copy"] = 100.0 * gbps / copy_bw
+            if rec.get("bytes"):
+                gbps = rec["bytes"][p] / (ms * 1e-3) / 1e9
+                rec[f"{p}_GBps"] = gbps
+                if copy_bw:
+                    rec[f"{p}_pct_copy"] = 100.0 * gbps / copy_bw
+            if rec.get("flops"):
+                rec[f"{p}_TFLOPs"] = rec["flops"][p] / (ms * 1e-3) / 1e12
             if ours is not None and ours[f"{p}_ms"] and rec is not ours:
                 rec[f"speedup_{p}"] = ms / ours[f"{p}_ms"]
+
+
+def _rate(rec, p):
+    """The rate column: TFLOP/s for matmul-bound work, else effective bandwidth."""
+    return rec[f"{p}_TFLOPs"] if rec.get("flops") else rec[f"{p}_GBps"]
 
 
 def run_kernel(bench, quick, bench_ms, copy_bw, seed):
@@ -630,6 +874,7 @@ def run_kernel(bench, quick, bench_ms, copy_bw, seed):
         "ours": providers[0].name,
         "shapes": shapes,
         "error_label": bench.error_label,
+        "rate_unit": bench.rate_unit,
         "footnotes": bench.footnotes(shapes),
         "results": records,
     }
@@ -655,7 +900,7 @@ def _cells(rec, label, error_label):
         status = rec[f"{p}_status"]
         row.append(_fmt(rec[f"{p}_ms"] * 1e3 if rec[f"{p}_ms"] is not None else None, status, ",.1f"))
         # A failed or skipped pass shows its status once, in the latency cell.
-        row.append(_fmt(rec[f"{p}_GBps"], None, ",.0f"))
+        row.append(_fmt(_rate(rec, p), None, ",.0f"))
         row.append(_fmt(rec[f"{p}_pct_copy"], None, ".0f") + ("%" if rec[f"{p}_pct_copy"] is not None else ""))
         row.append(_fmt(rec[f"speedup_{p}"], None, ".2f") + ("x" if rec[f"speedup_{p}"] is not None else ""))
     row.append(_fmt(rec["peak_extra_MB"], rec["memory_status"], ",.1f"))
@@ -666,10 +911,11 @@ def _cells(rec, label, error_label):
 def format_table(kernel_result):
     """The aligned table of one kernel: one block of provider rows per shape."""
     error_label = kernel_result["error_label"]
+    unit = kernel_result.get("rate_unit", "GB/s")
     headers = [
         "tokens", "provider",
-        "fwd us", "GB/s", "%copy", "ours x",
-        "fwd+bwd us", "GB/s", "%copy", "ours x",
+        "fwd us", unit, "%copy", "ours x",
+        "fwd+bwd us", unit, "%copy", "ours x",
         "peak MB", error_label,
     ]
     blocks = []
@@ -701,7 +947,8 @@ def _env_lines(env, copy_bw, bench_ms):
     versions = (
         f"Python {env.get('python')} | torch {env.get('torch')} | triton {env.get('triton')} | "
         f"transformers {env.get('transformers')} | CUDA {env.get('cuda')} | "
-        f"Liger-Kernel {env.get('liger_kernel') or NOT_INSTALLED}"
+        f"Liger-Kernel {env.get('liger_kernel') or NOT_INSTALLED} | "
+        f"cut-cross-entropy {env.get('cut_cross_entropy') or NOT_INSTALLED}"
     )
     if ON_GPU:
         warmup, rep = bench_ms
@@ -776,16 +1023,18 @@ def plot_results(results, path):
                 labels.append(rec["label"])
         lookup = {(r["label"], r["provider"]): r for r in kres["results"]}
         width = 0.8 / max(len(providers), 1)
+        unit = kres.get("rate_unit", "GB/s")
+        line_at = copy_bw if unit == "GB/s" else None  # the copy bandwidth is a bandwidth
         for col, p in enumerate(PASSES):
             ax = axes[row][col]
             drawn = False
-            top = max([copy_bw or 0.0] + [r[f"{p}_GBps"] or 0.0 for r in kres["results"]])
+            top = max([line_at or 0.0] + [_rate(r, p) or 0.0 for r in kres["results"]])
             for k, prov in enumerate(providers):
                 xs, ys = [], []
                 for i, label in enumerate(labels):
                     rec = lookup.get((label, prov))
                     x = i - 0.4 + width * (k + 0.5)
-                    value = rec and rec[f"{p}_GBps"]
+                    value = rec and _rate(rec, p)
                     if value:
                         xs.append(x)
                         ys.append(value)
@@ -795,13 +1044,13 @@ def plot_results(results, path):
                                 va="bottom", fontsize=7, color="dimgray")
                 ax.bar(xs, ys, width, label=prov, color=cmap(k % 10))
                 drawn = drawn or bool(ys)
-            if copy_bw:
-                ax.axhline(copy_bw, color="black", linestyle="--", linewidth=1,
-                           label=f"device copy {copy_bw:,.0f} GB/s")
+            if line_at:
+                ax.axhline(line_at, color="black", linestyle="--", linewidth=1,
+                           label=f"device copy {line_at:,.0f} GB/s")
             ax.set_xticks(range(len(labels)))
             ax.set_xticklabels(labels)
             ax.set_xlabel("tokens")
-            ax.set_ylabel("effective bandwidth (GB/s)")
+            ax.set_ylabel("effective bandwidth (GB/s)" if unit == "GB/s" else unit)
             ax.set_title(f"{kres['title']} {PASS_LABEL[p]}")
             if drawn:
                 ax.set_ylim(0, top * 1.35)  # room for the legend above the bars
@@ -843,11 +1092,12 @@ def main(argv=None):
 
     env = dict(environment_info())
     env["liger_kernel"] = _liger_version()
+    env["cut_cross_entropy"] = _version("cut-cross-entropy")
     copy_bw = measure_copy_bandwidth(bench_ms) if ON_GPU else None
     env["copy_bandwidth_GBps"] = copy_bw
 
     print(RULE)
-    print("Kernel benchmark -- ours (Triton) vs PyTorch eager, PyTorch native, torch.compile, Liger-Kernel")
+    print("Kernel benchmark -- ours (Triton) vs PyTorch eager, PyTorch native, torch.compile, Liger-Kernel, cut-cross-entropy")
     print(RULE)
     for line in _env_lines(env, copy_bw, bench_ms):
         print(line)

@@ -534,6 +534,11 @@ class TritonCrossEntropyLoss(nn.Module):
 #
 # The weight gradient has no bias term: LLaMA's LM head has none.
 
+def linear_cross_entropy_reference(hidden, weight, targets, ignore_index=-100, reduction="mean"):
+    """The plain path: the LM head matmul, then HF's loss on the [..., V] logits."""
+    return cross_entropy_reference(hidden @ weight.t(), targets, ignore_index, reduction)
+
+
 # The chunk-size rule: chunk bytes ~ sqrt(logits bytes * FLCE_CHUNK_UNIT). Both the
 # chunk count (drift) and the chunk (memory) grow as the square root of the size:
 # 4,096 x 128256 bf16 -> 4 chunks of 1,024 rows; 16,384 -> 8 chunks of 2,048.

@@ -26,6 +26,7 @@ from cross_entropy_kernel import (
     cross_entropy,
     cross_entropy_reference,
     fused_linear_cross_entropy,
+    linear_cross_entropy_reference,
 )
 
 IGNORE = -100
@@ -376,11 +377,6 @@ GPU_CHECKS = [
 
 
 # ------------------------------------------------- fused linear cross-entropy (step 13)
-# The plain path it replaces: the LM head matmul, then HF's loss on the logits.
-def linear_then_ce(hidden, weight, targets, ignore_index=IGNORE, reduction="mean"):
-    return cross_entropy_reference(hidden @ weight.t(), targets, ignore_index, reduction)
-
-
 def make_flce_inputs(lead, h, v, dtype, seed=0, ignore_frac=0.25):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(*lead, h, generator=g)
@@ -403,8 +399,8 @@ def flce_compare_to_truth(hidden, weight, targets, reduction="mean", upstream=No
     if upstream is None:
         upstream = torch.rand(targets.shape, device=DEVICE) + 0.5 if reduction == "none" else torch.tensor(1.0, device=DEVICE)
     ours = flce_loss_and_grads(fused_linear_cross_entropy, hidden, weight, targets, reduction, upstream, chunk_rows=chunk_rows)
-    plain = flce_loss_and_grads(linear_then_ce, hidden, weight, targets, reduction, upstream)
-    true = flce_loss_and_grads(linear_then_ce, hidden.double(), weight.double(), targets, reduction, upstream.double())
+    plain = flce_loss_and_grads(linear_cross_entropy_reference, hidden, weight, targets, reduction, upstream)
+    true = flce_loss_and_grads(linear_cross_entropy_reference, hidden.double(), weight.double(), targets, reduction, upstream.double())
     assert ours[0].dtype == torch.float32 and ours[1].dtype == hidden.dtype and ours[2].dtype == weight.dtype
     assert ours[1].shape == hidden.shape and ours[2].shape == weight.shape
     details = []
@@ -453,10 +449,10 @@ def check_flce_frozen_weight():
     h = hidden.detach().requires_grad_()
     fused_linear_cross_entropy(h, weight, targets, ignore_index=IGNORE, chunk_rows=5).backward()
     h_ref = hidden.detach().requires_grad_()
-    linear_then_ce(h_ref, weight, targets).backward()
+    linear_cross_entropy_reference(h_ref, weight, targets).backward()
     assert weight.grad is None
     truth_h = hidden.double().requires_grad_()
-    linear_then_ce(truth_h, weight.double(), targets).backward()
+    linear_cross_entropy_reference(truth_h, weight.double(), targets).backward()
     err, err_ref = rel_err(h.grad, truth_h.grad), rel_err(h_ref.grad, truth_h.grad)
     assert no_worse(err, err_ref, torch.bfloat16, 3.0), f"dh error {err:.2e} vs plain {err_ref:.2e}"
     return f"dh {err:.1e}/{err_ref:.1e}, no dW"
@@ -478,8 +474,8 @@ def check_flce_no_grad():
     with torch.no_grad():
         loss = fused_linear_cross_entropy(hidden.requires_grad_(), weight, targets, ignore_index=IGNORE, chunk_rows=4)
     assert not loss.requires_grad
-    ref = linear_then_ce(hidden.detach(), weight, targets)
-    truth_loss = linear_then_ce(hidden.detach().double(), weight.double(), targets)
+    ref = linear_cross_entropy_reference(hidden.detach(), weight, targets)
+    truth_loss = linear_cross_entropy_reference(hidden.detach().double(), weight.double(), targets)
     err, err_ref = rel_err(loss, truth_loss), rel_err(ref, truth_loss)
     assert no_worse(err, err_ref, torch.float32), f"loss error {err:.2e} vs plain {err_ref:.2e}"
     return f"loss {err:.1e}/{err_ref:.1e}"
@@ -547,7 +543,7 @@ def flce_memory(n=4096, h=4096, v=128256):
     hidden, weight, targets = make_flce_inputs((n,), h, v, torch.bfloat16)
     grads_mb = (hidden.numel() + weight.numel()) * 2 / 2**20
     results = {}
-    for name, fn in (("plain (matmul, then HF loss)", linear_then_ce), ("fused linear CE", fused_linear_cross_entropy)):
+    for name, fn in (("plain (matmul, then HF loss)", linear_cross_entropy_reference), ("fused linear CE", fused_linear_cross_entropy)):
         hh, ww = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
 
         def step(fn=fn, hh=hh, ww=ww):

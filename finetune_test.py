@@ -2,7 +2,8 @@
 Tests of the fine-tune scripts and their shared loader (CPU, --tiny, seconds each).
 
 * the baseline and the optimized script give the same losses, step by step;
-* the optimized run really swapped the RMSNorm modules and used the Triton loss;
+* the optimized run really swapped the RMSNorm and MLP modules and used the fused
+  linear cross-entropy, without ever running the LM head (no logits);
 * --json writes the documented fields;
 * bad input ends with a one-line message and a non-zero exit, never a traceback;
 * the default model falls back to its bundled config quickly when the hub
@@ -34,19 +35,28 @@ TINY = ["--tiny", "--batch-size", "2", "--seq-len", "32", "--steps", "3", "--war
 def runs(tmp_path_factory):
     """One baseline and one optimized run, with spies on the kernels (shared by tests)."""
     out = tmp_path_factory.mktemp("runs")
-    spy = {"ce_calls": 0, "models": []}
-    real_ce, real_replace = common.cross_entropy, common.replace_rmsnorm
+    spy = {"ce_calls": 0, "flce_calls": 0, "lm_head_calls": 0, "models": []}
+    real_ce, real_flce, real_replace = common.cross_entropy, common.fused_linear_cross_entropy, common.replace_rmsnorm
 
     def ce_spy(*args, **kwargs):
         spy["ce_calls"] += 1
         return real_ce(*args, **kwargs)
 
+    def flce_spy(*args, **kwargs):
+        spy["flce_calls"] += 1
+        return real_flce(*args, **kwargs)
+
+    def count_lm_head(*_):
+        spy["lm_head_calls"] += 1
+
     def replace_spy(model):
         spy["models"].append(model)
+        model.lm_head.register_forward_hook(count_lm_head)  # logits computed = LM head called
         return real_replace(model)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(common, "cross_entropy", ce_spy)
+        mp.setattr(common, "fused_linear_cross_entropy", flce_spy)
         mp.setattr(common, "replace_rmsnorm", replace_spy)
         base = finetune_baseline.main(TINY + ["--json", str(out / "baseline.json")])
         base_spy = dict(spy, models=list(spy["models"]))
@@ -64,22 +74,35 @@ def test_same_losses(runs):
 def test_optimized_used_the_kernels(runs):
     from rmsnorm_kernel import TritonRMSNorm
 
-    # The baseline touched neither kernel.
-    assert runs["base_spy"]["ce_calls"] == 0 and runs["base_spy"]["models"] == []
-    # The optimized run computed every step's loss with the Triton cross-entropy ...
-    assert runs["spy"]["ce_calls"] == 4
-    # ... and no HF RMSNorm is left in its model: 2 layers x 2 + the final norm.
+    from swiglu_kernel import TritonLlamaMLP
+
+    # The baseline touched no kernel.
+    base = runs["base_spy"]
+    assert base["ce_calls"] == base["flce_calls"] == 0 and base["models"] == []
+    # The optimized run computed every step's loss with the fused linear cross-entropy
+    # (which supersedes the plain one) and never ran the LM head: no logits at all ...
+    assert runs["spy"]["flce_calls"] == 4 and runs["spy"]["ce_calls"] == 0
+    assert runs["spy"]["lm_head_calls"] == 0
+    # ... and no HF RMSNorm is left in its model: 2 layers x 2 + the final norm;
+    # both MLPs run the fused SwiGLU.
     (model,) = runs["spy"]["models"]
     kinds = [type(m).__name__ for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
     assert kinds == ["TritonRMSNorm"] * 5
     assert all(isinstance(m, TritonRMSNorm) for m in model.modules() if type(m).__name__.endswith("RMSNorm"))
+    mlps = [m for m in model.modules() if type(m).__name__.endswith("MLP")]
+    assert len(mlps) == 2 and all(isinstance(m, TritonLlamaMLP) for m in mlps)
 
 
 def test_optimized_prints_active_kernels(capsys):
-    finetune_optimized.main(TINY[:-4] + ["--steps", "1", "--warmup-steps", "0", "--no-use-custom-ce"])
+    finetune_optimized.main(TINY[:-4] + ["--steps", "1", "--warmup-steps", "0", "--no-use-custom-flce",
+                                         "--no-use-custom-swiglu"])
     out = capsys.readouterr().out
     assert "replaced 5 RMSNorm modules with TritonRMSNorm" in out
-    assert "Kernels:       rmsnorm\n" in out
+    assert "Kernels:       rmsnorm, ce\n" in out
+    finetune_optimized.main(TINY[:-4] + ["--steps", "1", "--warmup-steps", "0", "--no-use-custom-rmsnorm"])
+    out = capsys.readouterr().out
+    assert "replaced 2 LLaMA MLPs with TritonLlamaMLP" in out and "supersedes --use-custom-ce" in out
+    assert "Kernels:       swiglu, flce\n" in out
 
 
 def test_json_fields(runs):
@@ -89,7 +112,7 @@ def test_json_fields(runs):
                 "tokens_per_sec", "time_per_step_s", "peak_memory_bytes", "peak_memory_kind", "warmup_steps"):
         assert key in doc, key
     assert doc["script"] == "finetune_optimized.py"
-    assert doc["kernels"] == {"rmsnorm": True, "ce": True}
+    assert doc["kernels"] == {"rmsnorm": True, "swiglu": True, "ce": True, "flce": True}
     assert doc["config"]["seq_len"] == 32 and doc["config"]["batch_size"] == 2 and doc["config"]["tiny"] is True
     for key in ("device", "gpu", "python", "torch", "triton", "transformers", "cuda", "date"):
         assert key in doc["environment"], key
@@ -110,7 +133,8 @@ def test_loss_functions_agree_on_padding():
     labels[1, -3:] = common.IGNORE_INDEX
     hf = common.hf_loss(model, ids, labels)
     ours = common.triton_ce_loss(model, ids, labels)
-    assert abs(hf.item() - ours.item()) < 1e-5
+    fused = common.triton_flce_loss(model, ids, labels)
+    assert abs(hf.item() - ours.item()) < 1e-5 and abs(hf.item() - fused.item()) < 1e-5
 
 
 # --------------------------------------------------------------------------------
@@ -147,7 +171,7 @@ def test_out_of_memory(monkeypatch):
     msg = str(e.value.code)
     assert "out of GPU memory while training the tiny LLaMA with batch 2 x seq 32" in msg
     assert "AdamW state alone take 0.0 GiB" in msg
-    assert "reduce --batch-size or --seq-len" in msg and "--use-custom-ce" in msg
+    assert "reduce --batch-size or --seq-len" in msg and "--use-custom-flce" in msg
     assert "\n" not in msg
 
 

@@ -43,8 +43,9 @@ import transformers  # noqa: E402
 import triton  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
-from cross_entropy_kernel import cross_entropy  # noqa: E402
+from cross_entropy_kernel import cross_entropy, fused_linear_cross_entropy  # noqa: E402
 from rmsnorm_kernel import replace_rmsnorm  # noqa: E402
+from swiglu_kernel import replace_swiglu  # noqa: E402
 
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B"
 IGNORE_INDEX = -100  # HF's label value for "no loss at this position"
@@ -134,8 +135,29 @@ def add_model_args(parser, custom_kernels_default=False):
         default=custom_kernels_default,
         help="compute the loss with the Triton cross-entropy on the model's logits (default: %(default)s)",
     )
-    # Issue 5 adds --use-custom-flce and --use-custom-swiglu here.
+    k.add_argument(
+        "--use-custom-flce",
+        action=argparse.BooleanOptionalAction,
+        default=custom_kernels_default,
+        help="fused linear cross-entropy: LM head + loss in chunks, the logits are never built "
+        "(supersedes --use-custom-ce; default: %(default)s)",
+    )
+    k.add_argument(
+        "--use-custom-swiglu",
+        action=argparse.BooleanOptionalAction,
+        default=custom_kernels_default,
+        help="replace every LLaMA MLP with one whose SiLU * up is the fused Triton SwiGLU (default: %(default)s)",
+    )
     return parser
+
+
+# The kernels a run can switch on, in the order they are applied and reported.
+KERNELS = ("rmsnorm", "swiglu", "ce", "flce")
+
+
+def kernels_from_args(args):
+    """{kernel name: on/off} from the --use-custom-* flags."""
+    return {name: getattr(args, f"use_custom_{name}") for name in KERNELS}
 
 
 def add_finetune_args(parser):
@@ -430,25 +452,57 @@ def triton_ce_loss(model, input_ids, labels):
     return cross_entropy(logits, shift_labels(labels), ignore_index=IGNORE_INDEX)
 
 
-def apply_kernels(model, use_rmsnorm=False, use_ce=False):
-    """Patch ``model`` with the requested Triton kernels; return the loss function.
+def triton_flce_loss(model, input_ids, labels):
+    """The same loss with the LM head fused into it: the decoder's hidden states go
+    straight into the fused linear cross-entropy, so no [B, T, V] logits exist."""
+    hidden = model.get_decoder()(input_ids=input_ids).last_hidden_state  # [B, T, H]
+    weight = model.get_output_embeddings().weight  # [V, H], possibly tied to the embedding
+    return fused_linear_cross_entropy(hidden, weight, shift_labels(labels), ignore_index=IGNORE_INDEX)
 
-    Each kernel is one block: a module swap, or a different loss function. New
-    kernels (issue 5: SwiGLU, fused linear cross-entropy) slot in as more blocks.
-    """
+
+def _check_flce_head(model):
+    """The fused loss computes hidden @ W.T: refuse heads that do more than that."""
+    head = model.get_output_embeddings()
+    extras = [a for a in ("final_logit_softcapping", "logit_scale") if getattr(model.config, a, None)]
+    if head is None or not isinstance(head, torch.nn.Linear) or head.bias is not None or extras:
+        raise SystemExit(
+            f"error: --use-custom-flce needs an LM head that is a plain bias-free Linear "
+            f"({type(model).__name__} has {type(head).__name__}{', ' + ', '.join(extras) if extras else ''}); "
+            f"run with --no-use-custom-flce"
+        )
+
+
+def apply_kernels(model, kernels):
+    """Patch ``model`` with the kernels switched on in ``kernels`` ({name: bool}, see
+    KERNELS); return the loss function. Each kernel is one block: a module swap, or
+    a different loss function."""
     active = []
-    if use_rmsnorm:
-        count = replace_rmsnorm(model)
+    swaps = (
+        ("rmsnorm", replace_rmsnorm, "RMSNorm modules", "TritonRMSNorm",
+         "modules named *RMSNorm with weight and variance_epsilon"),
+        ("swiglu", replace_swiglu, "LLaMA MLPs", "TritonLlamaMLP (fused SwiGLU)",
+         "modules named *MLP with gate_proj, up_proj, down_proj and a SiLU act_fn"),
+    )
+    for name, replace, noun, new, looks_for in swaps:
+        if not kernels.get(name):
+            continue
+        count = replace(model)
         if count == 0:
             raise SystemExit(
-                f"error: --use-custom-rmsnorm found no RMSNorm modules to replace in "
-                f"{type(model).__name__} (it looks for modules named *RMSNorm with weight "
-                f"and variance_epsilon); run without it"
+                f"error: --use-custom-{name} found no {noun} to replace in {type(model).__name__} "
+                f"(it looks for {looks_for}); run without it"
             )
-        print(f"Custom RMSNorm: replaced {count} RMSNorm modules with TritonRMSNorm")
-        active.append("rmsnorm")
+        what = f"{noun} with {new}"
+        print(f"Custom {name + ':':<8}replaced {count} {what}")
+        active.append(name)
     loss_fn = hf_loss
-    if use_ce:
+    if kernels.get("flce"):
+        _check_flce_head(model)
+        loss_fn = triton_flce_loss
+        note = " (supersedes --use-custom-ce)" if kernels.get("ce") else ""
+        print(f"Custom loss:   fused linear cross-entropy, LM head + loss in chunks, no logits{note}")
+        active.append("flce")
+    elif kernels.get("ce"):
         loss_fn = triton_ce_loss
         print("Custom loss:   Triton cross-entropy on the model's [B, T, V] logits (not copied)")
         active.append("ce")
@@ -533,7 +587,7 @@ def exit_on_oom(args, what, model):
         # Weights, gradients and AdamW's two moments: 4 tensors the size of the model,
         # before a single activation is stored.
         state_gib = sum(4 * p.numel() * p.element_size() for p in model.parameters()) / 2**30
-        hint = "" if args.use_custom_ce else ", or add --use-custom-ce (no float32 copy of the logits)"
+        hint = "" if args.use_custom_flce else ", or add --use-custom-flce (no logits at all)"
         raise SystemExit(
             f"error: out of {where} memory while {what} {name} with batch {args.batch_size} x seq "
             f"{args.seq_len} ({args.batch_size * args.seq_len:,} tokens per step; weights, gradients "
@@ -616,9 +670,10 @@ def run_finetune(args, title, script):
     print_banner(title, env)
     model, model_info = load_model(args)
     print(f"Batch:         {args.batch_size} x {args.seq_len} tokens, lr {args.lr:g}, seed {args.seed}")
-    loss_fn = apply_kernels(model, args.use_custom_rmsnorm, args.use_custom_ce)
+    kernels = kernels_from_args(args)
+    loss_fn = apply_kernels(model, kernels)
     results = run_training(args, model, loss_fn)
-    results["kernels"] = {"rmsnorm": args.use_custom_rmsnorm, "ce": args.use_custom_ce}
+    results["kernels"] = kernels
     print_results(f"{title}: results", results)
     if args.json:
         write_json(args.json, script, args, env, model_info, results)

@@ -89,7 +89,7 @@ def parse_args(argv=None):
 
 def profile_name(args):
     """traces/<name>: 'baseline', or 'custom-' plus the kernels in use."""
-    kernels = [k for k, on in (("rmsnorm", args.use_custom_rmsnorm), ("ce", args.use_custom_ce)) if on]
+    kernels = [k for k, on in common.kernels_from_args(args).items() if on]
     return "custom-" + "-".join(kernels) if kernels else BASELINE
 
 
@@ -333,7 +333,7 @@ def main(argv=None):
     common.print_banner(f"Profile: {name}", env)
     model, model_info = common.load_model(args)
     print(f"Batch:         {args.batch_size} x {args.seq_len} tokens; 1 warm-up step, {args.steps} profiled")
-    loss_fn = common.apply_kernels(model, args.use_custom_rmsnorm, args.use_custom_ce)
+    loss_fn = common.apply_kernels(model, common.kernels_from_args(args))
     label_model(model)
     optimizer = common.make_optimizer(model, args.lr)
     device = next(model.parameters()).device

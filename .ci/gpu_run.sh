@@ -20,6 +20,8 @@ for what in "$@"; do
       python3 .ci/tune_kernels.py --only overhead 2>&1 | tee /tmp/logs/overhead.log ;;
     probe)
       python3 .ci/host_probe.py 2>&1 | tee /tmp/logs/probe.log | head -60 ;;
+    bench1)
+      python3 benchmark_kernels.py --kernel "$BENCH_KERNEL" --json "$OUT/bench_$BENCH_KERNEL.json" 2>&1 | tee /tmp/logs/bench_$BENCH_KERNEL.log | tail -40 ;;
     bench)
       python3 benchmark_kernels.py --kernel all --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee /tmp/logs/bench.log | tail -60 ;;
     e2e)
@@ -28,6 +30,13 @@ for what in "$@"; do
         for s in baseline optimized; do
           python3 finetune_$s.py --random-init --batch-size $1 --seq-len $2 --steps 12 --json "/tmp/logs/ft_${s}_$1x$2.json" 2>&1 | tee "/tmp/logs/ft_${s}_$1x$2.log" | tail -8
         done
+      done ;;
+    maxseq)
+      python3 .ci/max_seq_len.py --random-init --json /tmp/logs/maxseq_baseline.json 2>&1 | tee /tmp/logs/maxseq_baseline.log | grep -v Warning | tail -14
+      python3 .ci/max_seq_len.py --random-init --all-kernels --json /tmp/logs/maxseq_optimized.json 2>&1 | tee /tmp/logs/maxseq_optimized.log | grep -v Warning | tail -14 ;;
+    e2e2k)
+      for s in baseline optimized; do
+        python3 finetune_$s.py --random-init --batch-size 2 --seq-len 2048 --steps 12 --json "/tmp/logs/ft_${s}_2x2048.json" 2>&1 | tee "/tmp/logs/ft_${s}_2x2048.log" | tail -9
       done ;;
     profile)
       python3 profile_baseline.py --random-init --batch-size 1 --seq-len 512 2>&1 | tee /tmp/logs/profile_baseline.log | tail -45

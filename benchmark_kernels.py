@@ -1075,7 +1075,8 @@ def plot_results(results, path):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kernel", choices=[*KERNELS, "all"], default="all", help="which kernel to benchmark")
+    parser.add_argument("--kernel", nargs="+", choices=[*KERNELS, "all"], default=["all"],
+                        help="which kernels to benchmark (one or more, or all)")
     parser.add_argument("--json", metavar="PATH", help="write every number and the environment to this file")
     parser.add_argument("--plot", metavar="PATH.png", help="draw effective bandwidth per provider and size")
     parser.add_argument("--quick", action="store_true",
@@ -1088,7 +1089,7 @@ def main(argv=None):
     args = parse_args(argv)
     started = time.perf_counter()
     bench_ms = QUICK_BENCH_MS if args.quick else FULL_BENCH_MS
-    names = list(KERNELS) if args.kernel == "all" else [args.kernel]
+    names = list(KERNELS) if "all" in args.kernel else list(dict.fromkeys(args.kernel))
 
     env = dict(environment_info())
     env["liger_kernel"] = _liger_version()

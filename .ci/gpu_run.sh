@@ -21,7 +21,7 @@ for what in "$@"; do
     probe)
       python3 .ci/host_probe.py 2>&1 | tee /tmp/logs/probe.log | head -60 ;;
     bench1)
-      python3 benchmark_kernels.py --kernel "$BENCH_KERNEL" --json "$OUT/bench_$BENCH_KERNEL.json" 2>&1 | tee /tmp/logs/bench_$BENCH_KERNEL.log | tail -40 ;;
+      python3 benchmark_kernels.py --kernel $BENCH_KERNELS --json "$OUT/bench_$BENCH_NAME.json" --plot "$OUT/bench_$BENCH_NAME.png" 2>&1 | tee /tmp/logs/bench_$BENCH_NAME.log | tail -80 ;;
     bench)
       python3 benchmark_kernels.py --kernel all --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee /tmp/logs/bench.log | tail -60 ;;
     e2e)

@@ -344,6 +344,55 @@ def swiglu(gate, up):
 
 
 # --------------------------------------------------------------------------------
+# Optimization: recompute the MLP's hidden activation instead of saving it
+# --------------------------------------------------------------------------------
+# down_proj = F.linear(h, W) saves its input h = silu(gate) * up for the weight
+# gradient dW = dout^T @ h: a third [N, I] tensor per layer kept from forward to
+# backward, next to gate and up. But h is a cheap function of gate and up, which
+# are saved anyway. This Function runs SwiGLU and the down projection together,
+# saves only (gate, up, W), and recomputes h in backward with one more forward
+# launch (read gate and up, write h: 6 B per element, ~0.1 ms per layer at
+# 4096 x 14336 on an H100).
+#
+# What it buys: 117 MB per layer at 2 x 2048 tokens of LLaMA-3.1-8B, 3.8 GB over
+# the 32 layers, at the moment of peak memory (the end of forward). The matmuls
+# are the same cuBLAS calls autograd would make, so the results are identical.
+class TritonSwiGLUDownProjFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, weight):
+        out = F.linear(swiglu_forward(gate, up), weight)  # h dies here
+        ctx.save_for_backward(gate, up, weight)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        gate, up, weight = ctx.saved_tensors
+        need_gate, need_up, need_w = ctx.needs_input_grad
+        dw = None
+        if need_w:
+            h = swiglu_forward(gate, up)  # the recomputation: same kernel, same bits as forward
+            dw = dout.reshape(-1, dout.shape[-1]).t() @ h.reshape(-1, h.shape[-1])
+            del h
+        dg = du = None
+        if need_gate or need_up:
+            dh = dout @ weight  # [..., I]
+            dg, du = swiglu_backward(dh, gate, up, need_gate, need_up)
+        return dg, du, dw
+
+
+def swiglu_down_proj(gate, up, weight):
+    """``F.linear(swiglu(gate, up), weight)`` that saves gate and up only (h is recomputed)."""
+    _check_inputs(gate, up)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != gate.shape[-1]:
+        raise ValueError(
+            f"swiglu_down_proj: weight must be [H, {gate.shape[-1]}], got "
+            f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}"
+        )
+    return TritonSwiGLUDownProjFunction.apply(gate, up, weight)
+
+
+# --------------------------------------------------------------------------------
 # Drop-in module and model patching
 # --------------------------------------------------------------------------------
 class TritonLlamaMLP(nn.Module):
@@ -384,11 +433,21 @@ class TritonLlamaMLP(nn.Module):
         new.down_proj = mlp.down_proj
         return new
 
+    # Recompute h = silu(gate) * up in backward instead of keeping it (see
+    # TritonSwiGLUDownProjFunction). Only for a plain bias-free nn.Linear
+    # down_proj: a LoRA or quantized wrapper must see h itself.
+    recompute_hidden = True
+
     def forward(self, x):
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        down = self.down_proj
+        if self.recompute_hidden and type(down) is nn.Linear and down.bias is None:
+            return swiglu_down_proj(gate, up, down.weight)
+        return down(swiglu(gate, up))
 
     def extra_repr(self):
-        return f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, act=fused SwiGLU"
+        return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, act=fused SwiGLU, "
+                f"recompute_hidden={self.recompute_hidden}")
 
 
 def _is_silu(act_fn):

@@ -270,6 +270,51 @@ def check_replace_in_llama_model():
     return f"{count} MLPs, loss {e_loss:.1e}, grads {e_grad:.1e}"
 
 
+def _saved_bytes(fn):
+    """Bytes autograd keeps from forward to backward while fn() builds the graph."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+def check_recompute_hidden():
+    # TritonLlamaMLP's default recomputes h = silu(gate) * up in backward instead of
+    # letting down_proj save it: same results, one [N, I] tensor less kept alive.
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(0)
+    mlp = TritonLlamaMLP.from_llama_mlp(LlamaMLP(_tiny_llama_config()).to(DEVICE, torch.bfloat16))
+    truth_mlp = copy.deepcopy(mlp.down_proj).double(), copy.deepcopy(mlp.gate_proj).double(), copy.deepcopy(mlp.up_proj).double()
+    x, _, _ = make_inputs((3, 7, 64), torch.bfloat16, seed=5)
+    dy = torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(6)).to(DEVICE, torch.bfloat16)
+    results, saved = {}, {}
+    for recompute in (True, False):
+        mlp.recompute_hidden = recompute
+        for p in mlp.parameters():
+            p.grad = None
+        xx = x.detach().requires_grad_()
+        y, saved[recompute] = _saved_bytes(lambda xx=xx: mlp(xx))
+        y.backward(dy)
+        results[recompute] = [y.detach(), xx.grad] + [p.grad.clone() for p in mlp.parameters()]
+    h_bytes = 3 * 7 * 123 * 2
+    assert saved[False] - saved[True] == h_bytes, f"saved {saved[True]} vs {saved[False]} bytes, expected {h_bytes} fewer"
+    down, gate, up = truth_mlp
+    xt = x.detach().double().requires_grad_()
+    yt = down(torch.nn.functional.silu(gate(xt)) * up(xt))
+    yt.backward(dy.double())
+    true = [yt.detach(), xt.grad, gate.weight.grad, up.weight.grad, down.weight.grad]
+    for name, a, b, t in zip(("y", "dx", "dW_gate", "dW_up", "dW_down"), results[True], results[False], true):
+        e_a, e_b = rel_err(a, t), rel_err(b, t)
+        assert no_worse(e_a, e_b, torch.bfloat16), f"{name}: recompute {e_a:.2e} vs saved {e_b:.2e}"
+    return f"same results, {saved[False] - saved[True]} B less saved (= h)"
+
+
 # ---------------------------------------------------------------- GPU-only checks
 def check_int64_offsets():
     need_gpu()
@@ -332,6 +377,7 @@ EDGE_CHECKS = [
     ("bad inputs raise", check_bad_inputs),
     ("from_llama_mlp (fp32, bf16)", check_from_llama_mlp),
     ("replace_swiglu on LLaMA", check_replace_in_llama_model),
+    ("recompute h instead of saving it", check_recompute_hidden),
 ]
 GPU_CHECKS = [
     ("64-bit offsets (2.15e9 elements)", check_int64_offsets),

@@ -183,6 +183,10 @@ def is_noise(name, user_annotations):
         or name.startswith("cuLaunch")
         or name.startswith("Memcpy")  # device rows already counted in aten::copy_ etc.
         or name.startswith("Memset")
+        # Emitted by the CUDA runtime when the host has queued so many launches
+        # that it must wait (e.g. fused AdamW's hundreds of launches at a large
+        # batch). It lists the kernels it waited behind, which are not its own.
+        or name == "Command Buffer Full"
     )
 
 
@@ -224,16 +228,21 @@ def gpu_rows(events):
     labels = labelled_forward_ops(events)
     rows = defaultdict(lambda: [0.0, 0])
     attributed = defaultdict(lambda: [0.0, 0])  # kernel name -> time, launches seen through an operator
+    counted = set()  # a kernel event is counted once, whatever lists it
     for evt in events:
-        if evt.device_type != DeviceType.CPU or not evt.kernels:
+        if evt.device_type != DeviceType.CPU or not evt.kernels or is_noise(evt.name, annotations):
+            continue
+        kernels = [k for k in evt.kernels if id(k) not in counted]
+        counted.update(id(k) for k in kernels)
+        if not kernels:
             continue
         if evt.name.startswith("aten::"):
-            _add(rows, evt.name, classify(evt, labels), sum(k.duration for k in evt.kernels), 1)
+            _add(rows, evt.name, classify(evt, labels), sum(k.duration for k in kernels), 1)
         else:
-            for k in evt.kernels:
+            for k in kernels:
                 name = short_kernel_name(k.name)
                 _add(rows, name, classify(evt, labels, name), k.duration, 1)
-        for k in evt.kernels:
+        for k in kernels:
             attributed[k.name][0] += k.duration
             attributed[k.name][1] += 1
     # Device work that no CPU operator claimed: count it under its own name, so the

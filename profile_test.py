@@ -181,6 +181,12 @@ def test_gpu_rows_attribution():
     norm = _cpu("category: RMSNorm", fwd, annotation=True)
     norm_mul = _cpu("aten::mul", norm, [("void at::native::vectorized_elementwise_kernel<4>(int)", 4.0)], seq=7)
     norm_mul_bwd = _cpu("autograd::engine::evaluate_function: MulBackward0", step, seq=7)
+    adam = _cpu("aten::_fused_adamw_", opt, [("void at::native::fused_adam_kernel<>(...)", 20.0)])
+    launch = _cpu("cudaLaunchKernel", adam)
+    # Seen on an H200 at 2 x 2048: the runtime's "Command Buffer Full" marker lists
+    # kernels it waited behind, the same kernel objects many times over.
+    buffer_full = SimpleNamespace(name="Command Buffer Full", device_type=DeviceType.CPU, cpu_parent=launch,
+                                  sequence_nr=-1, kernels=adam.kernels * 3, is_user_annotation=False)
     events = [
         step, fwd, opt, node, norm, norm_mul, norm_mul_bwd,
         _cpu("aten::mul", norm_mul_bwd, [("void at::native::vectorized_elementwise_kernel<4>(int)", 6.0)]),
@@ -188,7 +194,9 @@ def test_gpu_rows_attribution():
         _cpu("TritonRMSNormFunction", fwd, [("_rmsnorm_fwd_kernel", 10.0)]),
         _cpu("aten::mul", node, [("void at::native::vectorized_elementwise_kernel<4>(int)", 5.0)]),
         _cpu("aten::mul", fwd, [("void at::native::vectorized_elementwise_kernel<4>(int)", 3.0)]),
-        _cpu("aten::_fused_adamw_", opt, [("void at::native::fused_adam_kernel<>(...)", 20.0)]),
+        adam,
+        launch,
+        buffer_full,
         _cpu("cudaLaunchKernel", fwd),
         # Device side: the kernels above, an input copy no operator claimed, and
         # the GPU copy of a user annotation, which is not work.

@@ -60,8 +60,9 @@ def truth(logits, targets, reduction, upstream):
 
 def compare_to_truth(logits, targets, reduction="mean", upstream=None):
     if upstream is None:
-        shape = targets.shape if reduction == "none" else ()
-        upstream = torch.ones(shape, device=DEVICE) if reduction != "none" else torch.rand(shape, device=DEVICE) + 0.5
+        # A per-token weight for "none" (seeded: the check must not depend on test order).
+        g = torch.Generator().manual_seed(1)
+        upstream = torch.ones((), device=DEVICE) if reduction != "none" else (torch.rand(targets.shape, generator=g) + 0.5).to(DEVICE)
     l_ours, g_ours = loss_and_grad(cross_entropy, logits, targets, reduction, upstream)
     l_torch, g_torch = loss_and_grad(cross_entropy_reference, logits, targets, reduction, upstream)
     l_true, g_true = truth(logits, targets, reduction, upstream)
@@ -138,8 +139,10 @@ def check_sliced_logits():
 
 
 def check_non_contiguous_upstream():
-    logits, targets = make_inputs((6,), 123, torch.float32)
-    upstream = (torch.rand(12, device=DEVICE) + 0.5)[::2]
+    # 64 rows: at float32 a handful of rows make the error norm a coin toss at the
+    # 1-ulp level (a few elements dominate it), for PyTorch and for us alike.
+    logits, targets = make_inputs((64,), 123, torch.float32)
+    upstream = (torch.rand(128, generator=torch.Generator().manual_seed(2)) + 0.5).to(DEVICE)[::2]
     assert not upstream.is_contiguous()
     return compare_to_truth(logits, targets, "none", upstream)
 
@@ -431,7 +434,8 @@ def flce_loss_and_grads(fn, hidden, weight, targets, reduction, upstream, **kwar
 def flce_compare_to_truth(hidden, weight, targets, reduction="mean", upstream=None, chunk_rows=None, factor=3.0):
     """Ours vs the plain path, both against float64; the issue's bar: no worse than ~3x."""
     if upstream is None:
-        upstream = torch.rand(targets.shape, device=DEVICE) + 0.5 if reduction == "none" else torch.tensor(1.0, device=DEVICE)
+        g = torch.Generator().manual_seed(1)
+        upstream = (torch.rand(targets.shape, generator=g) + 0.5).to(DEVICE) if reduction == "none" else torch.tensor(1.0, device=DEVICE)
     ours = flce_loss_and_grads(fused_linear_cross_entropy, hidden, weight, targets, reduction, upstream, chunk_rows=chunk_rows)
     plain = flce_loss_and_grads(linear_cross_entropy_reference, hidden, weight, targets, reduction, upstream)
     true = flce_loss_and_grads(linear_cross_entropy_reference, hidden.double(), weight.double(), targets, reduction, upstream.double())

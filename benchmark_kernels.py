@@ -5,6 +5,7 @@ Usage:
     python benchmark_kernels.py --kernel rmsnorm
     python benchmark_kernels.py --kernel cross_entropy
     python benchmark_kernels.py --kernel swiglu
+    python benchmark_kernels.py --kernel rope
     python benchmark_kernels.py --kernel flce       # LM head + loss: TFLOP/s and memory
     python benchmark_kernels.py --kernel all --json bench.json --plot bench.png
     python benchmark_kernels.py --quick        # short run; on CPU: tiny shapes, no timings
@@ -71,6 +72,7 @@ from cross_entropy_kernel import (  # noqa: E402
 )
 from llama_common import environment_info  # noqa: E402
 from rmsnorm_kernel import rmsnorm, rmsnorm_reference  # noqa: E402
+from rope_kernel import rope, rope_reference  # noqa: E402
 from swiglu_kernel import swiglu, swiglu_reference  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
@@ -665,9 +667,95 @@ class FusedLinearCrossEntropyBench(KernelBench):
         return lines
 
 
+# --------------------------------------------------------------------------------
+# RoPE (rotary position embedding of queries and keys)
+# --------------------------------------------------------------------------------
+class RoPEBench(KernelBench):
+    name = "rope"
+    title = "RoPE"
+    error_label = "max |err|"
+    heads, kv_heads, head_dim, seq = 32, 8, 128, 2048  # LLaMA-3.1-8B
+
+    def shapes(self, quick):
+        if not ON_GPU:
+            return [{"tokens": 2 * 16, "batch": 2, "seq": 16, "heads": 4, "kv_heads": 2, "head_dim": 16}]
+        batches = (2,) if quick else (2, 8)
+        return [{"tokens": b * self.seq, "batch": b, "seq": self.seq, "heads": self.heads,
+                 "kv_heads": self.kv_heads, "head_dim": self.head_dim} for b in batches]
+
+    def make_inputs(self, shape):
+        b, t, d = shape["batch"], shape["seq"], shape["head_dim"]
+        # As HF's attention makes them: [B, T, H*D] projections viewed as [B, H, T, D].
+        q = torch.randn(b, t, shape["heads"], d, device=DEVICE, dtype=DTYPE).transpose(1, 2).requires_grad_(True)
+        k = torch.randn(b, t, shape["kv_heads"], d, device=DEVICE, dtype=DTYPE).transpose(1, 2).requires_grad_(True)
+        angles = torch.arange(t, device=DEVICE).float()[:, None] * (500000.0 ** (-torch.arange(0, d, 2, device=DEVICE) / d))
+        emb = torch.cat((angles, angles), dim=-1).expand(b, t, d)
+        cos, sin = emb.cos().to(DTYPE).contiguous(), emb.sin().to(DTYPE).contiguous()
+        upstream = (torch.randn_like(q), torch.randn_like(k))
+        return {"q": q, "k": k, "cos": cos, "sin": sin, "upstream": upstream}
+
+    def args(self, inputs):
+        return inputs["q"], inputs["k"], inputs["cos"], inputs["sin"]
+
+    def wrt(self, inputs):
+        return inputs["q"], inputs["k"]
+
+    def providers(self):
+        def ours(shape):
+            return rope
+
+        def eager(shape):
+            return rope_reference  # HF's apply_rotary_pos_emb
+
+        def compiled(shape):
+            return _compiled(rope_reference)
+
+        def liger(shape):
+            _quiet_liger_logs()
+            from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+            return liger_rotary_pos_emb
+
+        return [
+            Provider("ours (Triton)", ours),
+            Provider("PyTorch eager (HF)", eager),
+            Provider("torch.compile (HF)", compiled, _cuda_only),
+            Provider("Liger-Kernel", liger, _liger_availability),
+        ]
+
+    def bytes_moved(self, shape):
+        b = torch.finfo(DTYPE).bits // 8
+        qk = shape["tokens"] * (shape["heads"] + shape["kv_heads"]) * shape["head_dim"] * b
+        table = 2 * shape["tokens"] * shape["head_dim"] * b  # cos and sin
+        # fwd: read q, k, cos, sin; write q', k'. bwd: read dq', dk', cos, sin; write dq, dk.
+        return {"fwd": 2 * qk + table, "fwdbwd": 4 * qk + 2 * table}
+
+    def error(self, out, inputs, truth):
+        args = [t.detach().double() for t in self.args(inputs)]
+        ref = rope_reference(*args)
+        return max((o.double() - r).abs().max().item() for o, r in zip(out, ref))
+
+    def header(self, shapes):
+        s = shapes[0]
+        return (f"RoPE benchmark -- {s['heads']} query + {s['kv_heads']} key heads of {s['head_dim']}, seq {s['seq']:,}, "
+                f"{str(DTYPE).replace('torch.', '')}")
+
+    def footnotes(self, shapes):
+        lines = [
+            "Bytes (tokens N, Hq query + Hk key heads of D, 2 B per bf16 element):",
+            "  fwd     = read q, k + write q', k' + read cos, sin           = 2*N*(Hq+Hk)*D*2 + 2*N*D*2",
+            "  fwd+bwd = fwd + read dq', dk' + write dq, dk + read cos, sin = 4*N*(Hq+Hk)*D*2 + 4*N*D*2",
+            "q and k are the transposed [B, H, T, D] views HF's attention builds; cos, sin are [B, T, D].",
+            "Peak extra memory (fwd+bwd): max_memory_allocated() during one forward + backward minus the memory",
+            "  allocated just before it (q, k, cos, sin and the upstream gradients are the caller's).",
+            "max |err|: q' and k' vs HF's formula evaluated in float64, max over all elements.",
+        ]
+        return lines
+
+
 KERNELS = {
     bench.name: bench
-    for bench in (RMSNormBench(), CrossEntropyBench(), SwiGLUBench(), FusedLinearCrossEntropyBench())
+    for bench in (RMSNormBench(), CrossEntropyBench(), SwiGLUBench(), RoPEBench(), FusedLinearCrossEntropyBench())
 }
 
 
@@ -761,12 +849,18 @@ def measure(bench, provider, shape, seed, bench_ms):
 
     def fwdbwd():
         out = op(*args)
-        grad_out = upstream_as.get(out.dtype)
-        if grad_out is None:
-            grad_out = upstream_as[out.dtype] = upstream.to(out.dtype)
+        # An op may return several tensors (RoPE: q and k), each with its upstream gradient.
+        outs = out if isinstance(out, tuple) else (out,)
+        ups = upstream if isinstance(upstream, tuple) else (upstream,)
+        grads_out = []
+        for i, (o, u) in enumerate(zip(outs, ups)):
+            g = upstream_as.get((i, o.dtype))
+            if g is None:
+                g = upstream_as[(i, o.dtype)] = u.to(o.dtype)
+            grads_out.append(g)
         # autograd.grad returns the gradients instead of accumulating into .grad,
         # so repeated calls neither pile up nor need .grad cleared.
-        return torch.autograd.grad(out, wrt, grad_out)
+        return torch.autograd.grad(outs, wrt, grads_out)
 
     # Stage 1: the first forward (compilation / JIT happens here), its error, its timing.
     def forward_stage():

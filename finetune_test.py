@@ -35,7 +35,15 @@ TINY = ["--tiny", "--batch-size", "2", "--seq-len", "32", "--steps", "3", "--war
 def runs(tmp_path_factory):
     """One baseline and one optimized run, with spies on the kernels (shared by tests)."""
     out = tmp_path_factory.mktemp("runs")
-    spy = {"ce_calls": 0, "flce_calls": 0, "lm_head_calls": 0, "models": []}
+    import rope_kernel
+
+    spy = {"ce_calls": 0, "flce_calls": 0, "lm_head_calls": 0, "rope_calls": 0, "models": []}
+    real_rope = rope_kernel.rope_forward
+
+    def rope_spy(*args, **kwargs):
+        spy["rope_calls"] += 1
+        return real_rope(*args, **kwargs)
+
     real_ce, real_flce, real_replace = common.cross_entropy, common.fused_linear_cross_entropy, common.replace_rmsnorm
 
     def ce_spy(*args, **kwargs):
@@ -58,6 +66,7 @@ def runs(tmp_path_factory):
         mp.setattr(common, "cross_entropy", ce_spy)
         mp.setattr(common, "fused_linear_cross_entropy", flce_spy)
         mp.setattr(common, "replace_rmsnorm", replace_spy)
+        mp.setattr(rope_kernel, "rope_forward", rope_spy)
         base = finetune_baseline.main(TINY + ["--json", str(out / "baseline.json")])
         base_spy = dict(spy, models=list(spy["models"]))
         opt = finetune_optimized.main(TINY + ["--json", str(out / "optimized.json")])
@@ -83,6 +92,8 @@ def test_optimized_used_the_kernels(runs):
     # (which supersedes the plain one) and never ran the LM head: no logits at all ...
     assert runs["spy"]["flce_calls"] == 4 and runs["spy"]["ce_calls"] == 0
     assert runs["spy"]["lm_head_calls"] == 0
+    # The fused RoPE ran in both attention layers of every step, and only there.
+    assert base["rope_calls"] == 0 and runs["spy"]["rope_calls"] == 2 * 4
     # ... and no HF RMSNorm is left in its model: 2 layers x 2 + the final norm;
     # both MLPs run the fused SwiGLU.
     (model,) = runs["spy"]["models"]
@@ -95,14 +106,15 @@ def test_optimized_used_the_kernels(runs):
 
 def test_optimized_prints_active_kernels(capsys):
     finetune_optimized.main(TINY[:-4] + ["--steps", "1", "--warmup-steps", "0", "--no-use-custom-flce",
-                                         "--no-use-custom-swiglu"])
+                                         "--no-use-custom-swiglu", "--no-use-custom-rope"])
     out = capsys.readouterr().out
     assert "replaced 5 RMSNorm modules with TritonRMSNorm" in out
     assert "Kernels:       rmsnorm, ce\n" in out
     finetune_optimized.main(TINY[:-4] + ["--steps", "1", "--warmup-steps", "0", "--no-use-custom-rmsnorm"])
     out = capsys.readouterr().out
     assert "replaced 2 LLaMA MLPs with TritonLlamaMLP" in out and "supersedes --use-custom-ce" in out
-    assert "Kernels:       swiglu, flce\n" in out
+    assert "fused RoPE in 2 attention modules" in out
+    assert "Kernels:       swiglu, rope, flce\n" in out
 
 
 def test_json_fields(runs):
@@ -112,7 +124,7 @@ def test_json_fields(runs):
                 "tokens_per_sec", "time_per_step_s", "peak_memory_bytes", "peak_memory_kind", "warmup_steps"):
         assert key in doc, key
     assert doc["script"] == "finetune_optimized.py"
-    assert doc["kernels"] == {"rmsnorm": True, "swiglu": True, "ce": True, "flce": True}
+    assert doc["kernels"] == {"rmsnorm": True, "swiglu": True, "rope": True, "ce": True, "flce": True}
     assert doc["config"]["seq_len"] == 32 and doc["config"]["batch_size"] == 2 and doc["config"]["tiny"] is True
     for key in ("device", "gpu", "python", "torch", "triton", "transformers", "cuda", "date"):
         assert key in doc["environment"], key

@@ -45,6 +45,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig  # noqa: 
 
 from cross_entropy_kernel import cross_entropy, fused_linear_cross_entropy  # noqa: E402
 from rmsnorm_kernel import replace_rmsnorm  # noqa: E402
+from rope_kernel import patched_rope, rope_patch_targets  # noqa: E402
 from swiglu_kernel import replace_swiglu  # noqa: E402
 
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B"
@@ -136,6 +137,13 @@ def add_model_args(parser, custom_kernels_default=False):
         help="compute the loss with the Triton cross-entropy on the model's logits (default: %(default)s)",
     )
     k.add_argument(
+        "--use-custom-rope",
+        action=argparse.BooleanOptionalAction,
+        default=custom_kernels_default,
+        help="rotary position embedding with the fused Triton kernel, inside this model's forward only "
+        "(default: %(default)s)",
+    )
+    k.add_argument(
         "--use-custom-flce",
         action=argparse.BooleanOptionalAction,
         default=custom_kernels_default,
@@ -152,7 +160,7 @@ def add_model_args(parser, custom_kernels_default=False):
 
 
 # The kernels a run can switch on, in the order they are applied and reported.
-KERNELS = ("rmsnorm", "swiglu", "ce", "flce")
+KERNELS = ("rmsnorm", "swiglu", "rope", "ce", "flce")
 
 
 def kernels_from_args(args):
@@ -506,8 +514,30 @@ def apply_kernels(model, kernels):
         loss_fn = triton_ce_loss
         print("Custom loss:   Triton cross-entropy on the model's [B, T, V] logits (not copied)")
         active.append("ce")
+    if kernels.get("rope"):
+        # RoPE is a function HF's attention looks up by name, not a module: it is
+        # swapped only while this model's forward runs (backward needs no patch).
+        _, count = rope_patch_targets(model)
+        if count == 0:
+            raise SystemExit(
+                f"error: --use-custom-rope found no attention modules using apply_rotary_pos_emb in "
+                f"{type(model).__name__}; run without it"
+            )
+        print(f"Custom rope:   fused RoPE in {count} attention modules, during this model's forward")
+        loss_fn = _with_rope(loss_fn)
+        active.append("rope")
+    active = [name for name in KERNELS if name in active]  # one order in every report
     print(f"Kernels:       {', '.join(active) if active else 'none (PyTorch / HF)'}")
     return loss_fn
+
+
+def _with_rope(loss_fn):
+    def loss_with_fused_rope(model, input_ids, labels):
+        with patched_rope(model):
+            return loss_fn(model, input_ids, labels)
+
+    loss_with_fused_rope.__doc__ = f"{loss_fn.__name__} with the fused RoPE patched in during the forward."
+    return loss_with_fused_rope
 
 
 # --------------------------------------------------------------------------------

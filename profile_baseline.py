@@ -56,13 +56,15 @@ CATEGORIES = [
     # (category, lower-case substrings of operator / kernel / autograd-node names)
     ("RMSNorm", ("rmsnorm", "aten::pow", "aten::rsqrt", "aten::mean", "powbackward", "rsqrtbackward", "meanbackward")),
     ("attention", ("attention", "flash", "fmha", "sdpa", "scaled_dot_product")),
+    ("SwiGLU (silu * up)", ("swiglu", "aten::silu", "silubackward")),
+    ("RoPE", ("_rope_", "ropefunction")),
     ("cross-entropy/softmax", ("cross_entropy", "crossentropy", "_ce_", "softmax", "nll_loss", "nllloss")),
     ("matrix multiply", ("aten::mm", "aten::bmm", "aten::addmm", "aten::matmul", "aten::linear", "mmbackward",
                          "gemm", "cutlass", "nvjet", "cublas")),
     ("optimizer", ("adam", "optimizer", "_foreach_")),
     ("memory copies", ("copy", "aten::to", "aten::clone", "aten::contiguous", "aten::cat", "memcpy", "memset",
                        "aten::fill_", "aten::zero_", "aten::empty")),
-    ("other elementwise", ("aten::mul", "aten::add", "aten::sub", "aten::div", "aten::neg", "aten::silu",
+    ("other elementwise", ("aten::mul", "aten::add", "aten::sub", "aten::div", "aten::neg",
                            "aten::sigmoid", "aten::cos", "aten::sin", "aten::exp", "aten::sqrt", "aten::sum",
                            "aten::where", "elementwise", "reduce_kernel")),
 ]
@@ -116,6 +118,10 @@ def label_model(model):
     for module in model.modules():
         if type(module).__name__.endswith("RMSNorm"):
             module.forward = _in_range(LABEL + "RMSNorm", module.forward)
+        # HF's MLP: silu is a module of its own (its multiply by up is not).
+        act = getattr(module, "act_fn", None)
+        if type(module).__name__.endswith("MLP") and isinstance(act, torch.nn.Module):
+            act.forward = _in_range(LABEL + "SwiGLU (silu * up)", act.forward)
     if hasattr(model, "loss_function"):  # HF's loss: float32 copy of the logits, log-softmax, NLL
         model.loss_function = _in_range(LABEL + "cross-entropy/softmax", model.loss_function)
 

@@ -148,7 +148,11 @@ def test_profile_names():
         ("aten::copy_", "memory copies"),
         ("aten::_to_copy", "memory copies"),
         ("aten::mul", "other elementwise"),
-        ("aten::silu_backward", "other elementwise"),
+        ("aten::silu_backward", "SwiGLU (silu * up)"),
+        ("_swiglu_bwd_kernel", "SwiGLU (silu * up)"),
+        ("_rope_fwd_kernel", "RoPE"),
+        ("TritonRoPEFunctionBackward", "RoPE"),
+        ("_cross_entropy_split_finish_kernel", "cross-entropy/softmax"),
         ("aten::embedding_dense_backward", "other"),
     ],
 )

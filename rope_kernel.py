@@ -1,0 +1,639 @@
+"""
+Step 14 -- Fused rotary position embedding (RoPE) in Triton, forward and backward.
+
+What it computes
+----------------
+LLaMA tells attention where each token sits by *rotating* its query and key
+vectors by an angle that grows with the position. Every attention layer of
+Hugging Face's LLaMA does, right after the q/k projections::
+
+    q = q_proj(h).view(B, T, nh, D).transpose(1, 2)      # [B, nh, T, D]
+    k = k_proj(h).view(B, T, n_kv, D).transpose(1, 2)    # [B, n_kv, T, D]
+    cos, sin = position_embeddings                       # [B, T, D], no grad
+    q_embed, k_embed = apply_rotary_pos_emb(q, k, cos, sin)
+
+    apply_rotary_pos_emb:  x * cos + rotate_half(x) * sin      (cos, sin broadcast over heads)
+    rotate_half(x)      =  cat(-x[..., D/2:], x[..., :D/2])
+
+Split a head vector into halves x1 = x[..., :D/2] and x2 = x[..., D/2:], and the
+same for cos (c1, c2) and sin (s1, s2). Then the formula is, element by element::
+
+    y1 = x1 * c1 - x2 * s1
+    y2 = x2 * c2 + x1 * s2
+
+For the real RoPE tables c1 == c2 = cos(theta_i) and s1 == s2 = sin(theta_i)
+(HF builds them as cat(freqs, freqs)), so each pair (x1[i], x2[i]) is turned by
+the angle theta_i = position * base^(-2i/D). We use the halves separately
+anyway: that is what HF computes, whatever tables it is given.
+
+Dtype behaviour, reproduced exactly. In bf16 each product is its own PyTorch
+kernel, computed in float32 and rounded to bf16; the sum is rounded once more::
+
+    y1 = round( round(x1 * c1) - round(x2 * s1) )
+
+(negating before or after the rounding gives the same bits). The fused kernel
+rounds at the same two places, so a patched model computes the same numbers as
+an unpatched one, bit for bit. The result dtype is
+``torch.promote_types(q.dtype, cos.dtype)``, as in PyTorch.
+
+Why a custom kernel
+-------------------
+RoPE is a handful of multiply-adds per element on q and k: pure memory traffic.
+Eager PyTorch runs it as 5 kernels per tensor in forward (mul, neg, cat, mul,
+add) and about 9 in backward (two muls, a neg, two ``slice_backward``s that
+each fill a zero tensor and copy a half into it, two adds to sum the three
+gradient contributions). In bf16 (2 bytes per element of q or k)::
+
+    forward   x*cos 4 B, neg (half) 2 B, cat 4 B, *sin 4 B, add 6 B     ~ 20 B / element
+    backward  g*cos 4 B, g*sin 4 B, neg 2 B, 2 slice_backward 8 B,
+              2 adds 12 B                                                ~ 30 B / element
+
+The fused forward reads q and k once and writes q_embed and k_embed once
+(4 B / element); the fused backward reads the upstream gradient and writes the
+input gradient (4 B / element). cos and sin are a [T, D] table shared by all
+heads: each program reads its token's row once and reuses it for every head.
+
+For LLaMA-3.1-8B (nh = 32, n_kv = 8, D = 128) at 2 x 2048 tokens, one layer's q
+and k hold 4096 x (32 + 8) x 128 = 21.0 M elements. Eager: 50 B x 21 M = 1.05 GB
+and 28 launches per layer, 34 GB and ~900 launches per training step over the
+32 layers. Fused: 8 B x 21 M = 168 MB and 2 launches per layer, 5.4 GB per step.
+Memory capacity hardly changes: eager autograd keeps only cos and sin (q and k
+are not needed to differentiate x * cos with respect to x), and so do we.
+
+Measured on one H200 (torch 2.11, triton 3.6, copy bandwidth 4.24 TB/s), that
+shape in bf16, GPU time per layer (CUDA-graph replay, so Python overhead is
+excluded): eager forward 301 us, forward + backward 589 us, i.e. 19 ms per
+step over 32 layers; fused 23.5 us and 48 us (3.66 and 3.58 TB/s effective by
+the byte counts above, 85-86% of copy speed), 1.5 ms per step. Launched from
+Python one call at a time, both versions are limited by host time at this size
+(ours costs ~65 us of Python per forward call, measured on tiny tensors; see
+NOTES.md on the host time of autograd Functions). In a training step that host
+time overlaps with GPU work already queued (the large matmuls); how much of it
+hides is for the end-to-end measurement to show.
+
+Triton concepts new in this step (see rmsnorm_kernel.py, swiglu_kernel.py)
+--------------------------------------------------------------------------
+* A 4-D strided tensor. HF's q is a *transposed view*: logically [B, nh, T, D],
+  physically the [B, T, nh, D] output of q_proj. The kernel takes the element
+  (b, h, t, d) at ``base + b*stride_b + h*stride_h + t*stride_t + d``, so the
+  view is read in place, whatever its layout (only the last dimension must be
+  contiguous). The outputs get the same layout (``torch.empty_like`` keeps the
+  strides of a dense view), so attention downstream sees what it sees today.
+* One program per token (b, t), all heads of q and k: the program loads the
+  token's cos/sin row once and rotates [heads, D/2] tiles of q, then of k. In
+  the HF layout a token's heads are one contiguous nh x D block (8 KB of bf16
+  for LLaMA's q), so each tile is a compact, fully used piece of memory.
+* Broadcasting inside the kernel: the [D/2] cos/sin vectors are used against a
+  [heads, D/2] tile with ``c[None, :]``; a cos table shared by the whole batch
+  ([1, T, D]) is addressed with a batch stride of 0.
+* The backward of a rotation is its transpose, i.e. the rotation by -theta: it
+  needs only the upstream gradient and cos/sin, no saved activations.
+* ``enable_fp_fusion=False``: forbid the compiler from merging ``a*b - c*d`` into
+  a fused multiply-add, which rounds once instead of twice. PyTorch rounds twice
+  (separate kernels), and so must we if float32 results are to match its bits.
+
+Using it in a model
+-------------------
+``patched_rope(model)`` is a context manager that swaps HF's module-level
+``apply_rotary_pos_emb`` for ours while a forward pass runs and puts the
+original back afterwards. See the end of this file for why it is scoped.
+
+Nothing runs on import. See rope_test.py for the checks.
+"""
+
+import contextlib
+import sys
+
+import torch
+
+# Imported first: it switches on the Triton interpreter when there is no GPU.
+from rmsnorm_kernel import INTERPRET, SUPPORTED_DTYPES, cast_to, check_kernel_device
+
+import triton
+import triton.language as tl
+
+
+# --------------------------------------------------------------------------------
+# The reference: Hugging Face's eager formula. Tests compare against it (and its
+# float64 version); the benchmark times it as "PyTorch eager".
+# --------------------------------------------------------------------------------
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_reference(q, k, cos, sin, unsqueeze_dim=1):
+    """HF ``apply_rotary_pos_emb``: ``x * cos + rotate_half(x) * sin`` for q and k."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (_rotate_half(q) * sin)
+    k_embed = (k * cos) + (_rotate_half(k) * sin)
+    return q_embed, k_embed
+
+
+# --------------------------------------------------------------------------------
+# Forward kernel
+# --------------------------------------------------------------------------------
+@triton.jit
+def _round(x, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
+    # Round a float32 value to dtype and come back to float32: what storing an
+    # intermediate tensor of that dtype does in eager PyTorch.
+    return cast_to(x, dtype, SOFT_BF16).to(tl.float32)
+
+
+@triton.jit
+def _rope_fwd_heads(
+    X,  # [B, H, T, D] input, last dim contiguous
+    Y,  # [B, H, T, D] output, last dim contiguous, promoted dtype
+    x_tok,  # int64 offset of (b, 0, t, 0) in X
+    y_tok,  # int64 offset of (b, 0, t, 0) in Y
+    stride_xh,
+    stride_yh,
+    n_heads,
+    half,  # D / 2
+    d,  # [BLOCK_D] column indices 0 .. BLOCK_D-1
+    d_mask,  # [BLOCK_D] d < half
+    c1, c2, s1, s2,  # [BLOCK_D] float32 halves of this token's cos and sin rows
+    BLOCK_H: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
+):
+    OUT: tl.constexpr = Y.dtype.element_ty
+    # All heads of the token, BLOCK_H at a time (LLaMA-3.1-8B: 4 trips for q, 1 for k).
+    for h0 in range(0, n_heads, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        mask = (h < n_heads)[:, None] & d_mask[None, :]
+        # 64-bit offsets: in a contiguous [B, H, T, D] q, h * stride_h = h * T * D
+        # passes 2**31 at 32 heads of 512K tokens (b and t are int64 already).
+        h64 = h.to(tl.int64)
+        x_ptrs = X + x_tok + h64[:, None] * stride_xh + d[None, :]
+        y_ptrs = Y + y_tok + h64[:, None] * stride_yh + d[None, :]
+        x1 = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptrs + half, mask=mask, other=0.0).to(tl.float32)
+
+        # HF's order of rounding: each product to the output dtype, then the sum.
+        # For float32 outputs _round is a no-op and the kernel is launched with
+        # enable_fp_fusion=False, so the products are not folded into an FMA.
+        y1 = _round(x1 * c1[None, :], OUT, SOFT_BF16) - _round(x2 * s1[None, :], OUT, SOFT_BF16)
+        y2 = _round(x2 * c2[None, :], OUT, SOFT_BF16) + _round(x1 * s2[None, :], OUT, SOFT_BF16)
+        tl.store(y_ptrs, cast_to(y1, OUT, SOFT_BF16), mask=mask)
+        tl.store(y_ptrs + half, cast_to(y2, OUT, SOFT_BF16), mask=mask)
+
+
+@triton.jit
+def _load_cos_sin(COS, SIN, b, t, stride_cb, stride_ct, stride_sb, stride_st, half, d, d_mask):
+    # This token's rows of the tables, split in halves, in float32. A table
+    # shared by the batch ([1, T, D]) comes with stride_cb == 0.
+    c_row = COS + b * stride_cb + t * stride_ct
+    s_row = SIN + b * stride_sb + t * stride_st
+    c1 = tl.load(c_row + d, mask=d_mask, other=0.0).to(tl.float32)
+    c2 = tl.load(c_row + half + d, mask=d_mask, other=0.0).to(tl.float32)
+    s1 = tl.load(s_row + d, mask=d_mask, other=0.0).to(tl.float32)
+    s2 = tl.load(s_row + half + d, mask=d_mask, other=0.0).to(tl.float32)
+    return c1, c2, s1, s2
+
+
+@triton.jit
+def _rope_fwd_kernel(
+    Q,  # [B, nh, T, D] query (HF: a transposed view of [B, T, nh, D]); last dim contiguous
+    K,  # [B, n_kv, T, D] key, same kind of layout (its strides may differ from Q's)
+    COS,  # [B or 1, T, D] cosine table; batch stride 0 when shared by the batch
+    SIN,  # [B or 1, T, D] sine table, same shape and dtype as COS
+    QO,  # [B, nh, T, D] output q_embed, laid out like Q
+    KO,  # [B, n_kv, T, D] output k_embed, laid out like K
+    seq_len,
+    n_q_heads,
+    n_k_heads,
+    half,  # D / 2
+    stride_qb, stride_qh, stride_qt,
+    stride_kb, stride_kh, stride_kt,
+    stride_qob, stride_qoh, stride_qot,
+    stride_kob, stride_koh, stride_kot,
+    stride_cb, stride_ct,
+    stride_sb, stride_st,
+    BLOCK_D: tl.constexpr,  # power of two >= D / 2
+    BLOCK_HQ: tl.constexpr,  # q heads per tile
+    BLOCK_HK: tl.constexpr,  # k heads per tile
+    SOFT_BF16: tl.constexpr,  # interpreter: round to bf16 by hand (see cast_to)
+):
+    # One program per token: pid = b * T + t.
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // seq_len
+    t = pid % seq_len
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < half
+
+    # The token's cos/sin row: loaded once, used for every q head and every k head.
+    c1, c2, s1, s2 = _load_cos_sin(COS, SIN, b, t, stride_cb, stride_ct, stride_sb, stride_st, half, d, d_mask)
+
+    # Both tensors in one launch: one launch instead of two, and k reuses the
+    # cos/sin row already in registers.
+    _rope_fwd_heads(Q, QO, b * stride_qb + t * stride_qt, b * stride_qob + t * stride_qot,
+                    stride_qh, stride_qoh, n_q_heads, half, d, d_mask, c1, c2, s1, s2,
+                    BLOCK_HQ, SOFT_BF16)
+    _rope_fwd_heads(K, KO, b * stride_kb + t * stride_kt, b * stride_kob + t * stride_kot,
+                    stride_kh, stride_koh, n_k_heads, half, d, d_mask, c1, c2, s1, s2,
+                    BLOCK_HK, SOFT_BF16)
+
+
+# --------------------------------------------------------------------------------
+# Backward kernel
+# --------------------------------------------------------------------------------
+# Derivation (per head, per pair i < D/2; g = dL/dy, the upstream gradient):
+#
+#   y1 = x1 * c1 - x2 * s1          dy1/dx1 =  c1    dy1/dx2 = -s1
+#   y2 = x2 * c2 + x1 * s2          dy2/dx1 =  s2    dy2/dx2 =  c2
+#
+#   dx1 = g1 * dy1/dx1 + g2 * dy2/dx1 =  g1 * c1 + g2 * s2
+#   dx2 = g1 * dy1/dx2 + g2 * dy2/dx2 = -g1 * s1 + g2 * c2
+#
+# In matrix form the forward is y = R x with R = [[c1, -s1], [s2, c2]] and the
+# backward is dx = R^T g. For the real tables (c1 = c2 = cos, s1 = s2 = sin) R is
+# the rotation by +theta and R^T the rotation by -theta: the backward rotates
+# the gradient back. (With HF's attention_scaling != 1 the tables are scaled,
+# R^T is no longer R's inverse; the formula above is the transpose either way.)
+#
+# Only g, cos and sin appear: nothing from the forward pass but the two small
+# tables is kept. The roundings of the forward have no derivative; we compute
+# in float32 and round once, where eager PyTorch rounds each of its ~5
+# intermediate gradients to bf16 (so ours is slightly more accurate). In
+# float32, eager autograd computes exactly fl(fl(g1*c1) + fl(g2*s2)) (the other
+# contributions it adds are zeros), and so do we with FMA contraction off: a
+# float32 model gets the same gradient bits with or without the patch.
+@triton.jit
+def _rope_bwd_heads(
+    G,  # [B, H, T, D] upstream gradient, last dim contiguous
+    DX,  # [B, H, T, D] input gradient, laid out like the forward input
+    g_tok,
+    dx_tok,
+    stride_gh,
+    stride_dxh,
+    n_heads,
+    half,
+    d,
+    d_mask,
+    c1, c2, s1, s2,
+    BLOCK_H: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
+):
+    OUT: tl.constexpr = DX.dtype.element_ty
+    for h0 in range(0, n_heads, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        mask = (h < n_heads)[:, None] & d_mask[None, :]
+        h64 = h.to(tl.int64)
+        g_ptrs = G + g_tok + h64[:, None] * stride_gh + d[None, :]
+        dx_ptrs = DX + dx_tok + h64[:, None] * stride_dxh + d[None, :]
+        g1 = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+        g2 = tl.load(g_ptrs + half, mask=mask, other=0.0).to(tl.float32)
+        dx1 = g1 * c1[None, :] + g2 * s2[None, :]
+        dx2 = g2 * c2[None, :] - g1 * s1[None, :]
+        tl.store(dx_ptrs, cast_to(dx1, OUT, SOFT_BF16), mask=mask)
+        tl.store(dx_ptrs + half, cast_to(dx2, OUT, SOFT_BF16), mask=mask)
+
+
+@triton.jit
+def _rope_bwd_kernel(
+    DQO,  # [B, nh, T, D] gradient of q_embed; any strides, last dim contiguous
+    DKO,  # [B, n_kv, T, D] gradient of k_embed
+    COS,  # [B or 1, T, D], as in forward
+    SIN,  # [B or 1, T, D]
+    DQ,  # [B, nh, T, D] output gradient of q, laid out like q was
+    DK,  # [B, n_kv, T, D] output gradient of k, laid out like k was
+    seq_len,
+    n_q_heads,
+    n_k_heads,
+    half,
+    stride_gqb, stride_gqh, stride_gqt,
+    stride_gkb, stride_gkh, stride_gkt,
+    stride_dqb, stride_dqh, stride_dqt,
+    stride_dkb, stride_dkh, stride_dkt,
+    stride_cb, stride_ct,
+    stride_sb, stride_st,
+    BLOCK_D: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    COMPUTE_DQ: tl.constexpr,  # False when q needs no gradient: its loop is compiled out
+    COMPUTE_DK: tl.constexpr,  # False when k needs no gradient
+    SOFT_BF16: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // seq_len
+    t = pid % seq_len
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < half
+    c1, c2, s1, s2 = _load_cos_sin(COS, SIN, b, t, stride_cb, stride_ct, stride_sb, stride_st, half, d, d_mask)
+    if COMPUTE_DQ:
+        _rope_bwd_heads(DQO, DQ, b * stride_gqb + t * stride_gqt, b * stride_dqb + t * stride_dqt,
+                        stride_gqh, stride_dqh, n_q_heads, half, d, d_mask, c1, c2, s1, s2,
+                        BLOCK_HQ, SOFT_BF16)
+    if COMPUTE_DK:
+        _rope_bwd_heads(DKO, DK, b * stride_gkb + t * stride_gkt, b * stride_dkb + t * stride_dkt,
+                        stride_gkh, stride_dkh, n_k_heads, half, d, d_mask, c1, c2, s1, s2,
+                        BLOCK_HK, SOFT_BF16)
+
+
+# --------------------------------------------------------------------------------
+# Launch helpers: checks, tile sizes, grid
+# --------------------------------------------------------------------------------
+# Elements per [heads, D/2] tile. Each program moves all of its token's q and k,
+# 2 x (32 + 8) x 128 x 2 B = 20 KB for LLaMA-3.1-8B, BLOCK_H heads at a time;
+# the loop over head blocks keeps registers bounded for any head count. With
+# D/2 = 64, a 512-element tile is 8 heads: q takes 4 trips, k one.
+# Sweep on an H200 (2 x 2048 tokens, 32/8 heads, D = 128, bf16, CUDA-graph
+# timing; tiles 512-4096 x 1/2/4/8 warps): the forward ran 23.4-27.6 us for
+# every setting (near copy speed); the backward 24.7 us with 512 x 4 warps,
+# 26-29 us for most others and 34 us with 2048+ x 8 warps.
+TILE_ELEMENTS = 512
+NUM_WARPS = 4
+
+
+def _launch_config(half, n_q_heads, n_k_heads):
+    """(BLOCK_D, BLOCK_HQ, BLOCK_HK) for a head dim D = 2 * half."""
+    block_d = triton.next_power_of_2(max(half, 1))
+    rows = max(1, TILE_ELEMENTS // block_d)
+    block_hq = min(triton.next_power_of_2(max(n_q_heads, 1)), rows)
+    block_hk = min(triton.next_power_of_2(max(n_k_heads, 1)), rows)
+    return block_d, block_hq, block_hk
+
+
+def _last_dim_contiguous(t):
+    """The kernels need stride(-1) == 1; anything else (rare) is copied."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _table_strides(table, batch, seq_len):
+    """(batch stride, time stride) of a [B or 1, T or 1, D] table; 0 where it broadcasts."""
+    sb = table.stride(0) if table.shape[0] == batch else 0
+    st = table.stride(1) if table.shape[1] == seq_len else 0
+    return sb, st
+
+
+def _normalize_unsqueeze_dim(unsqueeze_dim):
+    # cos/sin are [B, T, D]; unsqueeze(1) fits q as [B, H, T, D] (HF LLaMA's
+    # layout), unsqueeze(2) fits q as [B, T, H, D]. Negative forms name the same
+    # positions of a 3-D tensor.
+    if unsqueeze_dim in (1, -3):
+        return 1
+    if unsqueeze_dim in (2, -2):
+        return 2
+    raise NotImplementedError(
+        f"rope: unsqueeze_dim={unsqueeze_dim!r} is not supported; use 1 for q, k as [B, heads, T, D] "
+        "(HF LLaMA) or 2 for q, k as [B, T, heads, D], with cos, sin as [B, T, D]"
+    )
+
+
+def _check_inputs(q, k, cos, sin, layout):
+    """Clear errors for bad input; layout 1: q, k are [B, H, T, D], layout 2: [B, T, H, D]."""
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"rope expects tensors for q, k, cos and sin, got {type(t).__name__} for {name}")
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"rope: unsupported {name} dtype {t.dtype}; use float32, float16 or bfloat16")
+    if cos.dtype != sin.dtype:
+        raise TypeError(f"rope: cos and sin must have the same dtype, got {cos.dtype} and {sin.dtype}")
+    layout_name = "[B, heads, T, D]" if layout == 1 else "[B, T, heads, D]"
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() != 4:
+            raise ValueError(f"rope: {name} must be 4-D {layout_name}, got shape {tuple(t.shape)}")
+    t_axis = 2 if layout == 1 else 1
+    batch, seq_len, head_dim = q.shape[0], q.shape[t_axis], q.shape[3]
+    if head_dim % 2:
+        raise ValueError(f"rope: the head dim D must be even (it is split into two halves), got D = {head_dim}")
+    if (k.shape[0], k.shape[t_axis], k.shape[3]) != (batch, seq_len, head_dim):
+        raise ValueError(
+            f"rope: k's batch, T and D do not match q's: k {tuple(k.shape)} vs q {tuple(q.shape)} "
+            f"(both {layout_name}, the head counts may differ)"
+        )
+    for name, t in (("cos", cos), ("sin", sin)):
+        ok = t.dim() == 3 and t.shape[0] in (1, batch) and t.shape[1] in (1, seq_len) and t.shape[2] == head_dim
+        if not ok:
+            raise ValueError(
+                f"rope: {name} shape {tuple(t.shape)} does not fit q's [B, T, D] = "
+                f"[{batch}, {seq_len}, {head_dim}] (B and T may be 1 to broadcast); it is "
+                f"unsqueezed at dim {layout} to broadcast over the heads of q {layout_name}"
+            )
+    check_kernel_device(q, k, cos, sin)
+
+
+def rope_forward(q, k, cos, sin):
+    """Launch the forward kernel on [B, H, T, D] tensors. Returns (q_embed, k_embed).
+
+    The outputs have the inputs' layout (``empty_like`` keeps the strides of a dense
+    tensor such as HF's transposed view) and dtype promote_types(x.dtype, cos.dtype).
+    """
+    q, k = _last_dim_contiguous(q), _last_dim_contiguous(k)
+    cos, sin = _last_dim_contiguous(cos), _last_dim_contiguous(sin)
+    q_out = torch.empty_like(q, dtype=torch.promote_types(q.dtype, cos.dtype))
+    k_out = torch.empty_like(k, dtype=torch.promote_types(k.dtype, cos.dtype))
+    batch, n_q, seq_len, head_dim = q.shape
+    n_k = k.shape[1]
+    if batch * seq_len * head_dim > 0 and n_q + n_k > 0:
+        half = head_dim // 2
+        block_d, block_hq, block_hk = _launch_config(half, n_q, n_k)
+        _rope_fwd_kernel[(batch * seq_len,)](
+            q, k, cos, sin, q_out, k_out,
+            seq_len, n_q, n_k, half,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            q_out.stride(0), q_out.stride(1), q_out.stride(2),
+            k_out.stride(0), k_out.stride(1), k_out.stride(2),
+            *_table_strides(cos, batch, seq_len), *_table_strides(sin, batch, seq_len),
+            BLOCK_D=block_d, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, SOFT_BF16=INTERPRET,
+            num_warps=NUM_WARPS,
+            enable_fp_fusion=False,  # round a*b and c*d separately, as PyTorch does
+        )
+    return q_out, k_out
+
+
+def rope_backward(dq_out, dk_out, cos, sin, q_layout, k_layout):
+    """Launch the backward kernel. Returns (dq, dk); each is None if its gradient is None.
+
+    dq_out, dk_out: gradients of q_embed, k_embed (any strides) or None.
+    q_layout, k_layout: (shape, strides, dtype) of the forward inputs; the input
+    gradients are created with that layout, so the transpose and view that made
+    q from q_proj's output are undone by autograd without a copy.
+    """
+    compute_dq, compute_dk = dq_out is not None, dk_out is not None
+    if not (compute_dq or compute_dk):
+        return None, None
+    cos, sin = _last_dim_contiguous(cos), _last_dim_contiguous(sin)
+    dq = dk = None
+    if compute_dq:
+        dq_out = _last_dim_contiguous(dq_out)
+        dq = torch.empty_strided(q_layout[0], q_layout[1], dtype=q_layout[2], device=dq_out.device)
+    if compute_dk:
+        dk_out = _last_dim_contiguous(dk_out)
+        dk = torch.empty_strided(k_layout[0], k_layout[1], dtype=k_layout[2], device=dk_out.device)
+    # A switched-off side gets the other side's tensors as placeholders: its
+    # loop is compiled out, so they are never read or written.
+    gq, gk = (dq_out if compute_dq else dk_out), (dk_out if compute_dk else dq_out)
+    xq, xk = (dq if compute_dq else dk), (dk if compute_dk else dq)
+    batch, _, seq_len, head_dim = (q_layout if compute_dq else k_layout)[0]
+    n_q = q_layout[0][1] if compute_dq else 0
+    n_k = k_layout[0][1] if compute_dk else 0
+    if batch * seq_len * head_dim > 0 and n_q + n_k > 0:
+        half = head_dim // 2
+        block_d, block_hq, block_hk = _launch_config(half, n_q, n_k)
+        _rope_bwd_kernel[(batch * seq_len,)](
+            gq, gk, cos, sin, xq, xk,
+            seq_len, n_q, n_k, half,
+            gq.stride(0), gq.stride(1), gq.stride(2),
+            gk.stride(0), gk.stride(1), gk.stride(2),
+            xq.stride(0), xq.stride(1), xq.stride(2),
+            xk.stride(0), xk.stride(1), xk.stride(2),
+            *_table_strides(cos, batch, seq_len), *_table_strides(sin, batch, seq_len),
+            BLOCK_D=block_d, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
+            COMPUTE_DQ=compute_dq, COMPUTE_DK=compute_dk, SOFT_BF16=INTERPRET,
+            num_warps=NUM_WARPS,
+            enable_fp_fusion=False,  # float32 gradients with eager PyTorch's bits (see above)
+        )
+    return dq, dk
+
+
+# --------------------------------------------------------------------------------
+# Autograd function
+# --------------------------------------------------------------------------------
+class TritonRoPEFunction(torch.autograd.Function):
+    """RoPE on q, k in the [B, H, T, D] layout; gradients for q and k only.
+
+    cos and sin are treated as constants (HF computes them under no_grad): their
+    gradient is never computed. ``rope()`` sends inputs whose cos or sin
+    requires grad to the reference formula instead.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        # Copy a table whose last dim is strided once, here, so that backward
+        # reads the same compact table.
+        cos, sin = _last_dim_contiguous(cos), _last_dim_contiguous(sin)
+        q_embed, k_embed = rope_forward(q, k, cos, sin)
+        # Only the two small tables are kept for backward (a rotation's gradient
+        # needs no activations), and the layout that dq and dk should have.
+        ctx.save_for_backward(cos, sin)
+        ctx.q_layout = (q.shape, q_embed.stride(), q.dtype)
+        ctx.k_layout = (k.shape, k_embed.stride(), k.dtype)
+        # As in eager PyTorch, an output whose input needs no gradient (a frozen
+        # k, say) does not require grad either.
+        for embed, needed in zip((q_embed, k_embed), ctx.needs_input_grad[:2]):
+            if not needed:
+                ctx.mark_non_differentiable(embed)
+        # An output that does not reach the loss gets None instead of a tensor
+        # of zeros: nothing to read, nothing to launch for it.
+        ctx.set_materialize_grads(False)
+        return q_embed, k_embed
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dq_embed, dk_embed):
+        cos, sin = ctx.saved_tensors
+        need_q, need_k = ctx.needs_input_grad[:2]
+        dq, dk = rope_backward(
+            dq_embed if need_q else None, dk_embed if need_k else None, cos, sin, ctx.q_layout, ctx.k_layout
+        )
+        return dq, dk, None, None
+
+
+def rope(q, k, cos, sin, unsqueeze_dim=1):
+    """Fused RoPE with HF ``apply_rotary_pos_emb``'s signature, numbers and dtypes.
+
+    q: [B, nh, T, D], k: [B, n_kv, T, D] (unsqueeze_dim=1, HF LLaMA's layout; any
+    strides with a contiguous last dim, e.g. HF's transposed views), or
+    [B, T, nh, D] and [B, T, n_kv, D] with unsqueeze_dim=2. cos, sin: [B, T, D]
+    (B or T may be 1 to broadcast), same dtype. D must be even.
+    Returns (q_embed, k_embed), laid out like q and k. Differentiable in q and k.
+
+    cos and sin are constants for the kernels. If one of them requires grad
+    (while grad mode is on), this falls back to ``rope_reference`` so that its
+    gradient is still right; HF computes them under no_grad, so a model never
+    takes that path.
+    """
+    layout = _normalize_unsqueeze_dim(unsqueeze_dim)
+    _check_inputs(q, k, cos, sin, layout)
+    if layout == 2:
+        # [B, T, H, D] is [B, H, T, D] with two strides swapped: transposed views
+        # in, transposed views back out, no copies.
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        # The kernels do not compute gradients for the tables: use the reference
+        # formula (same numbers, eager speed) so that they are still right.
+        q_embed, k_embed = rope_reference(q, k, cos, sin, unsqueeze_dim=1)
+    else:
+        q_embed, k_embed = TritonRoPEFunction.apply(q, k, cos, sin)
+    if layout == 2:
+        return q_embed.transpose(1, 2), k_embed.transpose(1, 2)
+    return q_embed, k_embed
+
+
+# HF's name and signature, so the function can replace the one in a model's
+# python module (see patched_rope below).
+apply_rotary_pos_emb = rope
+
+
+# --------------------------------------------------------------------------------
+# Model patching, scoped to a `with` block
+# --------------------------------------------------------------------------------
+# HF's attention layers call the *module-level* function: LlamaAttention.forward
+# looks up ``apply_rotary_pos_emb`` in the globals of modeling_llama.py on every
+# call. Assigning our function to that module attribute therefore switches every
+# LLaMA attention layer to the fused kernel; there is no submodule to replace.
+#
+# Why a context manager and not a permanent patch: the attribute belongs to the
+# python module, not to one model. A global assignment would silently change
+# every other LLaMA model in the process as well: the unpatched baseline that a
+# test or benchmark compares against in the same session, a reference model, a
+# teacher. ``patched_rope(model)`` makes the swap only for the duration of the
+# ``with`` block and then restores exactly what was there before, so
+#
+#     with patched_rope(model):
+#         loss = model(ids, labels=ids).loss      # fused RoPE
+#     loss.backward()                             # no patch needed here
+#
+# Backward needs no patch: the graph built inside the block holds our
+# Function's nodes, whose backward calls rope_backward directly and never looks
+# up the module attribute. (Gradient checkpointing recomputes the forward during
+# backward, outside the block, with HF's function; it gives the same forward
+# bits for bf16/fp16, only not the fused speed. Put backward inside the block to
+# fuse the recomputation too.)
+#
+# Caveats: while the block runs, *any* model whose attention lives in the same
+# python module uses the fused kernel too (the scope is time, not the object),
+# and the swap is not thread-safe. Nesting is fine: an inner block restores what
+# the outer one installed, the outer one restores HF's original.
+def rope_patch_targets(model):
+    """Python modules whose ``apply_rotary_pos_emb`` feeds ``model``'s attention layers.
+
+    Returns (modules, count): the distinct python modules
+    (``sys.modules[type(m).__module__]``) of every submodule whose class name ends
+    with "Attention" and whose python module defines a function
+    ``apply_rotary_pos_emb``; count is the number of such attention submodules.
+    """
+    modules = {}
+    count = 0
+    for sub in model.modules():
+        cls = type(sub)
+        if not cls.__name__.endswith("Attention"):
+            continue
+        pymod = sys.modules.get(cls.__module__)
+        if pymod is None or not callable(vars(pymod).get("apply_rotary_pos_emb")):
+            continue
+        modules.setdefault(pymod.__name__, pymod)
+        count += 1
+    return list(modules.values()), count
+
+
+@contextlib.contextmanager
+def patched_rope(model):
+    """Use the fused RoPE in ``model``'s attention layers inside a ``with`` block.
+
+    Yields the number of attention layers affected. On exit (also on an
+    exception) each python module gets back exactly the function it had on entry.
+    """
+    modules, count = rope_patch_targets(model)
+    saved = [(pymod, vars(pymod)["apply_rotary_pos_emb"]) for pymod in modules]
+    try:
+        for pymod, _ in saved:
+            pymod.apply_rotary_pos_emb = apply_rotary_pos_emb
+        yield count
+    finally:
+        for pymod, original in reversed(saved):
+            pymod.apply_rotary_pos_emb = original

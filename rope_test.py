@@ -1,5 +1,5 @@
 """
-Step 15 -- Correctness tests for the fused RoPE (rope_kernel.py).
+Step 14 (tests) -- Correctness tests for the fused RoPE (rope_kernel.py).
 
 Every check compares against a float64 truth (HF's formula evaluated in float64,
 gradients by autograd) and requires our error to be no worse than about twice

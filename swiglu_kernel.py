@@ -1,5 +1,5 @@
 """
-Step 11 -- A fused SwiGLU in Triton, forward and backward.
+Step 12 -- A fused SwiGLU in Triton, forward and backward.
 
 What it computes
 ----------------

@@ -1,5 +1,5 @@
 """
-Step 12 -- Correctness tests for the fused SwiGLU (swiglu_kernel.py).
+Step 12 (tests) -- Correctness tests for the fused SwiGLU (swiglu_kernel.py).
 
 Every check compares against a float64 truth (``F.silu(gate) * up`` evaluated in
 float64, gradients by autograd) and requires our error to be no worse than

@@ -35,9 +35,16 @@ TINY = ["--tiny", "--batch-size", "2", "--seq-len", "32", "--steps", "3", "--war
 def runs(tmp_path_factory):
     """One baseline and one optimized run, with spies on the kernels (shared by tests)."""
     out = tmp_path_factory.mktemp("runs")
+    import adamw_kernel
     import rope_kernel
 
-    spy = {"ce_calls": 0, "flce_calls": 0, "lm_head_calls": 0, "rope_calls": 0, "models": []}
+    spy = {"ce_calls": 0, "flce_calls": 0, "lm_head_calls": 0, "rope_calls": 0, "adamw_calls": 0, "models": []}
+    real_adamw = adamw_kernel.adamw_step
+
+    def adamw_spy(*args, **kwargs):
+        spy["adamw_calls"] += 1
+        return real_adamw(*args, **kwargs)
+
     real_rope = rope_kernel.rope_forward
 
     def rope_spy(*args, **kwargs):
@@ -67,6 +74,7 @@ def runs(tmp_path_factory):
         mp.setattr(common, "fused_linear_cross_entropy", flce_spy)
         mp.setattr(common, "replace_rmsnorm", replace_spy)
         mp.setattr(rope_kernel, "rope_forward", rope_spy)
+        mp.setattr(adamw_kernel, "adamw_step", adamw_spy)
         base = finetune_baseline.main(TINY + ["--json", str(out / "baseline.json")])
         base_spy = dict(spy, models=list(spy["models"]))
         opt = finetune_optimized.main(TINY + ["--json", str(out / "optimized.json")])
@@ -94,6 +102,9 @@ def test_optimized_used_the_kernels(runs):
     assert runs["spy"]["lm_head_calls"] == 0
     # The fused RoPE ran in both attention layers of every step, and only there.
     assert base["rope_calls"] == 0 and runs["spy"]["rope_calls"] == 2 * 4
+    # The Triton AdamW updated every parameter at every step (the baseline: PyTorch's).
+    n_params = len(list(runs["spy"]["models"][0].parameters()))
+    assert base["adamw_calls"] == 0 and runs["spy"]["adamw_calls"] == n_params * 4
     # ... and no HF RMSNorm is left in its model: 2 layers x 2 + the final norm;
     # both MLPs run the fused SwiGLU.
     (model,) = runs["spy"]["models"]
@@ -106,7 +117,7 @@ def test_optimized_used_the_kernels(runs):
 
 def test_optimized_prints_active_kernels(capsys):
     finetune_optimized.main(TINY[:-4] + ["--steps", "1", "--warmup-steps", "0", "--no-use-custom-flce",
-                                         "--no-use-custom-swiglu", "--no-use-custom-rope"])
+                                         "--no-use-custom-swiglu", "--no-use-custom-rope", "--no-use-custom-adamw"])
     out = capsys.readouterr().out
     assert "replaced 5 RMSNorm modules with TritonRMSNorm" in out
     assert "Kernels:       rmsnorm, ce\n" in out
@@ -114,7 +125,7 @@ def test_optimized_prints_active_kernels(capsys):
     out = capsys.readouterr().out
     assert "replaced 2 LLaMA MLPs with TritonLlamaMLP" in out and "supersedes --use-custom-ce" in out
     assert "fused RoPE in 2 attention modules" in out
-    assert "Kernels:       swiglu, rope, flce\n" in out
+    assert "Kernels:       swiglu, rope, flce, adamw\n" in out
 
 
 def test_json_fields(runs):
@@ -124,7 +135,8 @@ def test_json_fields(runs):
                 "tokens_per_sec", "time_per_step_s", "peak_memory_bytes", "peak_memory_kind", "warmup_steps"):
         assert key in doc, key
     assert doc["script"] == "finetune_optimized.py"
-    assert doc["kernels"] == {"rmsnorm": True, "swiglu": True, "rope": True, "ce": True, "flce": True}
+    assert doc["kernels"] == {"rmsnorm": True, "swiglu": True, "rope": True, "ce": True, "flce": True,
+                               "adamw": True}
     assert doc["config"]["seq_len"] == 32 and doc["config"]["batch_size"] == 2 and doc["config"]["tiny"] is True
     for key in ("device", "gpu", "python", "torch", "triton", "transformers", "cuda", "date"):
         assert key in doc["environment"], key

@@ -350,7 +350,7 @@ def main(argv=None):
     print(f"Batch:         {args.batch_size} x {args.seq_len} tokens; 1 warm-up step, {args.steps} profiled")
     loss_fn = common.apply_kernels(model, common.kernels_from_args(args))
     label_model(model)
-    optimizer = common.make_optimizer(model, args.lr)
+    optimizer = common.make_optimizer(model, args.lr, use_triton=args.use_custom_adamw)
     device = next(model.parameters()).device
     batches = common.synthetic_batches(args.batch_size, args.seq_len, model.config.vocab_size, args.seed, device)
 

@@ -54,7 +54,7 @@ def main():
     print(f"model ready in {time.perf_counter() - t0:.0f} s", flush=True)
     kernels = common.kernels_from_args(args)
     loss_fn = common.apply_kernels(model, kernels)
-    optimizer = common.make_optimizer(model, 1e-5)
+    optimizer = common.make_optimizer(model, 1e-5, use_triton=args.use_custom_adamw)
     vocab = model.config.vocab_size
     tried = []
     ok, bad = 0, None

@@ -1,0 +1,365 @@
+"""
+Step 15 -- A fused AdamW step in Triton.
+
+What it computes
+----------------
+After every backward pass the optimizer moves each parameter p against its
+gradient g. AdamW keeps two running averages per parameter, the first moment m
+(``exp_avg``) and the second moment v (``exp_avg_sq``), and a step counter t
+that starts at 1 for the first update. With learning rate lr, betas
+(beta1, beta2), eps and weight decay wd, one step is::
+
+    p <- p - lr * wd * p                        # decoupled weight decay
+    m <- m + (1 - beta1) * (g - m)              # = beta1 * m + (1 - beta1) * g
+    v <- beta2 * v + (1 - beta2) * g * g
+    bc1 = 1 - beta1 ** t                        # bias corrections: m and v start
+    bc2 = 1 - beta2 ** t                        # at 0 and would be too small early on
+    p <- p - (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
+
+"Decoupled" (the W in AdamW, Loshchilov & Hutter) means the decay shrinks the
+parameter directly instead of being added to the gradient, where Adam's
+per-element scaling would distort it. This is exactly ``torch.optim.AdamW`` with
+``amsgrad=False, maximize=False``. The state m and v has the parameter's dtype
+(bf16 parameters get bf16 state, as in PyTorch); we compute in float32 from the
+loaded values and round each result once, when it is stored.
+
+Why it is worth a kernel
+------------------------
+Per parameter the step reads p, g, m, v and writes p, m, v: seven accesses of
+2 bytes in bf16, 14 B per parameter, for some 15 FLOPs. An H200 moves ~4.2 TB/s,
+i.e. 300e9 parameters per second at 14 B each; their arithmetic, ~5 TFLOP/s, is
+under a tenth of its ~60 TFLOP/s of float32. The step is bound by bandwidth,
+and its floor is the time to stream 14 B per parameter once.
+
+For LLaMA-3.1-8B (8.03e9 parameters) that is 112 GB per step, 27 ms at copy
+bandwidth. PyTorch's ``AdamW(fused=True)`` (``aten::_fused_adamw_``) took
+42-44 ms per step in our profiles (README, Step 3), ~2.6 TB/s: at a batch of
+2 x 2048 tokens on an H200 it is the single largest bandwidth-bound operation
+of the training step. The unfused ``foreach`` implementation is worse: it runs
+a dozen list-wide ops (mul, lerp, mul, addcmul, sqrt, div, add, addcdiv), each
+a full pass over one or two state-sized tensors.
+
+Triton concepts new in this step (see rmsnorm_kernel.py for the basics)
+-----------------------------------------------------------------------
+* A 1-D elementwise kernel over a flat tensor: a contiguous tensor of any shape
+  is just ``numel`` consecutive elements, so program i takes elements
+  [i * BLOCK, (i + 1) * BLOCK) and masks the tail. No rows, no strides.
+* Offsets in 64 bits: the embedding and LM head of a large-vocabulary model, or
+  any flattened tensor, can hold more than 2**31 elements.
+* Scalars computed on the host and passed as kernel arguments: the bias
+  corrections depend only on the step count, a Python int the optimizer keeps,
+  so ``lr / bc1`` and ``sqrt(bc2)`` are computed once per tensor in Python
+  (double precision) instead of once per element, and no tensor has to be
+  read back from the GPU (no ``.item()``, no host synchronization).
+* Updating three tensors in place: each program loads its slice of p, g, m, v,
+  and stores p, m, v back to the same addresses. Every element is read and
+  written by exactly one program, so no two programs race.
+* One launch per parameter tensor. PyTorch's fused optimizer packs many
+  tensors into one launch through pointer tables; we do not need to. The
+  tensors of a LLaMA model are large (a 4096 x 14336 MLP weight is 0.8 GB of
+  traffic per step, ~0.2 ms of GPU time) while a launch costs the host tens of
+  microseconds, and launches are asynchronous: the host queues the next kernels
+  while the GPU is still busy, so the GPU never waits. The few tiny tensors
+  (RMSNorm weights, 4096 elements) cost a launch each and hide behind the big
+  ones. LLaMA-3.1-8B has 291 parameter tensors: 291 launches per step.
+
+Measured
+--------
+One NVIDIA H200 (torch 2.11, triton 3.6, copy bandwidth 4.24 TB/s), a step over
+81 bf16 tensors shaped like 9 LLaMA-3.1-8B layers (1.96e9 parameters), counting
+14 B per parameter, ``triton.testing.do_bench`` median:
+
+    TritonAdamW                         6.76 ms   4.06 TB/s   96% of copy
+    torch.optim.AdamW(fused=True)      10.05 ms   2.73 TB/s   64%
+    torch.optim.AdamW(foreach=True)    25.5  ms   1.08 TB/s   25%
+
+Scaled to the full 8.03e9 parameters: ~28 ms per step instead of ~41 ms. The
+host needed 2.4 ms to queue the 81 launches (~30 us each), a third of the
+GPU's time. With float32 parameters and state (28 B per parameter; the first
+two layers' 18 tensors) the step runs at 4.0 TB/s, the fused PyTorch kernel at
+3.5 TB/s: its shortfall is mostly a bf16 one.
+
+What it does not do: the step counter lives on the host, so the update cannot
+be captured once in a CUDA graph and replayed for later steps (the replay would
+reuse step t's bias corrections); PyTorch's ``capturable=True`` keeps the step
+on the GPU for that. No AMSGrad, no ``maximize``, no sparse gradients.
+
+Nothing runs on import. See adamw_test.py for the checks.
+"""
+
+import math
+
+import torch
+
+# Imported first: it switches on the Triton interpreter when there is no GPU.
+from rmsnorm_kernel import INTERPRET, SUPPORTED_DTYPES, cast_to, check_kernel_device
+
+import triton
+import triton.language as tl
+
+
+# --------------------------------------------------------------------------------
+# The reference: the update written out op by op in plain PyTorch, like the
+# single-tensor ``torch.optim.AdamW`` (which does the first moment as one lerp),
+# rounding after every op at the tensors' dtype. With float64 inputs it is the
+# truth the tests compare against.
+# --------------------------------------------------------------------------------
+def adamw_reference(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay):
+    """One AdamW step (t = ``step``, counted from 1); returns new tensors (p, m, v)."""
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    p = p * (1 - lr * weight_decay)
+    m = m + (1 - beta1) * (g - m)
+    v = beta2 * v + (1 - beta2) * g * g
+    denom = v.sqrt() / math.sqrt(bias_correction2) + eps
+    p = p - (lr / bias_correction1) * m / denom
+    return p, m, v
+
+
+# --------------------------------------------------------------------------------
+# The kernel
+# --------------------------------------------------------------------------------
+@triton.jit
+def _adamw_kernel(
+    P,  # [n] parameter, flat and contiguous; updated in place
+    G,  # [n] gradient, P's dtype; read only
+    M,  # [n] first moment exp_avg, P's dtype; updated in place
+    V,  # [n] second moment exp_avg_sq, P's dtype; updated in place
+    n_elements,
+    lr_wd,  # lr * weight_decay
+    one_minus_beta1,  # 1 - beta1, from the host in double precision, then rounded once
+    beta2,
+    one_minus_beta2,  # 1 - beta2
+    step_size,  # lr / (1 - beta1**t)
+    bc2_sqrt,  # sqrt(1 - beta2**t)
+    eps,
+    BLOCK: tl.constexpr,  # elements per program (power of two)
+    PRECISE: tl.constexpr,  # float32 parameters: IEEE-rounded sqrt and division
+    SOFT_BF16: tl.constexpr,  # interpreter: round to bf16 by hand (see cast_to)
+):
+    # 64-bit offsets: pid * BLOCK overflows int32 for tensors of more than 2**31
+    # elements. The int64 arithmetic is a few instructions per program, and the
+    # contiguity of the arange still lets Triton issue 16-byte vector accesses.
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_elements
+
+    # Load in the storage dtype, compute in float32 (PyTorch's "opmath").
+    p = tl.load(P + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(M + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(V + offs, mask=mask, other=0.0).to(tl.float32)
+
+    # Decoupled weight decay. p - (lr * wd) * p equals p * (1 - lr * wd), but rounds
+    # better: the float32 rounding of the scalar lr * wd (up to 6e-8 relative) lands on
+    # the small term, instead of scaling every parameter by a slightly wrong
+    # factor close to 1.
+    p = p - lr_wd * p
+
+    # Moments. m + (1 - beta1) * (g - m) is the lerp PyTorch uses.
+    m = m + one_minus_beta1 * (g - m)
+    v = beta2 * v + one_minus_beta2 * (g * g)
+
+    # The bias-corrected update, with m and v in float32 registers (not yet
+    # rounded to the storage dtype, as in PyTorch's fused kernel).
+    if PRECISE:
+        # Float32 parameters: sqrt and divisions rounded as IEEE requires, like
+        # PyTorch's kernels. Two divisions per element cost nothing visible here:
+        # the step is bandwidth-bound.
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+        p = p - step_size * tl.div_rn(m, denom)
+    else:
+        # bf16/fp16: the approximate float32 sqrt and division (~2 ulp of float32)
+        # are invisible after rounding to 16 bits.
+        denom = tl.sqrt(v) / bc2_sqrt + eps
+        p = p - step_size * (m / denom)
+
+    tl.store(P + offs, cast_to(p, P.dtype.element_ty, SOFT_BF16), mask=mask)
+    tl.store(M + offs, cast_to(m, M.dtype.element_ty, SOFT_BF16), mask=mask)
+    tl.store(V + offs, cast_to(v, V.dtype.element_ty, SOFT_BF16), mask=mask)
+
+
+# --------------------------------------------------------------------------------
+# Launch configuration and checks
+# --------------------------------------------------------------------------------
+# Elements per program and warps. 2048 elements with 4 warps is 16 elements per
+# thread: two 16-byte loads per bf16 tensor (four per float32 tensor), enough
+# bytes in flight to cover HBM latency. A sweep on an H200 (torch 2.11, triton
+# 3.6; 81 LLaMA-shaped bf16 tensors, 1.96e9 parameters, copy bandwidth 4.24 TB/s)
+# at 14 B per parameter:
+#
+#     BLOCK x warps   1024x4  2048x4  2048x8  4096x4  4096x8  8192x8  8192x16  16384x16
+#     TB/s            4.07    4.06    4.05    3.48    3.97    3.85    3.13     3.53
+#
+# The three smallest tiles tie at 96% of copy bandwidth (6.76 ms); bigger tiles
+# with too few warps, or 16 warps, fall behind.
+BLOCK = 2048
+NUM_WARPS = 4
+
+
+def _shape(t):
+    return tuple(t.shape)
+
+
+def _check_tensors(param, grad, exp_avg=None, exp_avg_sq=None):
+    """Clear errors for everything the kernel cannot handle (state is optional)."""
+    if not isinstance(param, torch.Tensor) or not isinstance(grad, torch.Tensor):
+        raise TypeError(
+            f"adamw: expects tensors for the parameter and its gradient, got "
+            f"{type(param).__name__} and {type(grad).__name__}"
+        )
+    shape = _shape(param)
+    if grad.layout != torch.strided:
+        raise RuntimeError(
+            f"adamw: sparse gradients are not supported (parameter of shape {shape}, gradient layout "
+            f"{grad.layout}); use a dense embedding (sparse=False) or torch.optim.SparseAdam"
+        )
+    if param.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"adamw: parameter of shape {shape} has unsupported dtype {param.dtype}; "
+            "use float32, float16 or bfloat16"
+        )
+    if grad.dtype != param.dtype:
+        raise TypeError(
+            f"adamw: gradient dtype {grad.dtype} differs from the parameter's {param.dtype} "
+            f"(parameter of shape {shape}); the kernel reads both in the parameter's dtype"
+        )
+    if grad.shape != param.shape:
+        raise ValueError(f"adamw: gradient shape {_shape(grad)} does not match the parameter shape {shape}")
+    if not param.is_contiguous():
+        raise ValueError(
+            f"adamw: parameter of shape {shape} (strides {param.stride()}) is not contiguous; "
+            "the kernel updates it in place as one flat array. Make the parameter contiguous "
+            "before creating the optimizer"
+        )
+    for name, s in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if s is None:
+            continue
+        if not isinstance(s, torch.Tensor) or s.dtype != param.dtype or s.shape != param.shape:
+            what = f"{s.dtype} {_shape(s)}" if isinstance(s, torch.Tensor) else type(s).__name__
+            raise ValueError(
+                f"adamw: state {name} must be a {param.dtype} tensor of shape {shape} like its parameter, got {what}"
+            )
+        if not s.is_contiguous():
+            raise ValueError(f"adamw: state {name} of the parameter of shape {shape} is not contiguous")
+    tensors = [t for t in (param, grad, exp_avg, exp_avg_sq) if t is not None]
+    check_kernel_device(*tensors)
+
+
+def adamw_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
+    """One fused AdamW update of ``param``, ``exp_avg`` and ``exp_avg_sq`` in place.
+
+    param, exp_avg, exp_avg_sq: contiguous tensors of one shape and dtype
+    (float32, float16 or bfloat16); grad: the same shape and dtype (a
+    non-contiguous gradient is copied, since it is only read). ``step`` is the
+    Python int count of this update, 1 for the first. Hyperparameters are
+    Python numbers. One kernel launch, no host synchronization.
+    """
+    _check_tensors(param, grad, exp_avg, exp_avg_sq)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"adamw: step must be a Python int >= 1 (the count of this update), got {step!r}")
+    if not grad.is_contiguous():
+        grad = grad.contiguous()
+    n = param.numel()
+    if n == 0:
+        return
+    # Host scalars, in double precision, from the Python step count. Triton passes
+    # Python floats to the kernel as float32.
+    bias_correction1 = 1.0 - beta1**step
+    bias_correction2 = 1.0 - beta2**step
+    block, num_warps = BLOCK, NUM_WARPS
+    _adamw_kernel[(triton.cdiv(n, block),)](
+        param, grad, exp_avg, exp_avg_sq, n,
+        float(lr) * float(weight_decay), 1.0 - float(beta1), float(beta2), 1.0 - float(beta2),
+        float(lr) / bias_correction1, math.sqrt(bias_correction2), float(eps),
+        BLOCK=block, PRECISE=param.dtype == torch.float32, SOFT_BF16=INTERPRET,
+        num_warps=num_warps,
+    )
+
+
+# --------------------------------------------------------------------------------
+# The optimizer
+# --------------------------------------------------------------------------------
+def _check_hyperparameters(lr, betas, eps, weight_decay):
+    """The same conditions torch.optim.AdamW enforces, with clear messages."""
+    if isinstance(lr, torch.Tensor):
+        raise TypeError("TritonAdamW: lr must be a Python number (a tensor lr would need a host sync per step)")
+    if not 0.0 <= lr:
+        raise ValueError(f"TritonAdamW: invalid learning rate {lr}; it must be >= 0")
+    if not 0.0 <= eps:
+        raise ValueError(f"TritonAdamW: invalid eps {eps}; it must be >= 0")
+    try:
+        beta1, beta2 = betas
+    except (TypeError, ValueError):
+        raise ValueError(f"TritonAdamW: betas must be a pair (beta1, beta2), got {betas!r}") from None
+    for i, beta in enumerate((beta1, beta2)):
+        if isinstance(beta, torch.Tensor) or not 0.0 <= beta < 1.0:
+            raise ValueError(f"TritonAdamW: invalid beta{i + 1} {beta!r}; it must be a number in [0, 1)")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"TritonAdamW: invalid weight_decay {weight_decay}; it must be >= 0")
+
+
+class TritonAdamW(torch.optim.Optimizer):
+    """``torch.optim.AdamW`` (amsgrad=False, maximize=False) with one fused Triton kernel per parameter.
+
+    Parameters must be contiguous float32/float16/bfloat16 tensors on a CUDA device
+    (or on the CPU with the Triton interpreter). Per parameter the state is
+    ``step`` (a Python int), ``exp_avg`` and ``exp_avg_sq`` (the parameter's
+    dtype), created on its first update; parameters whose ``.grad`` is None are
+    skipped. Param groups, ``zero_grad``, ``state_dict`` and
+    ``load_state_dict`` come from ``torch.optim.Optimizer``.
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
+        _check_hyperparameters(lr, betas, eps, weight_decay)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group):
+        # A group may override any default; check what it will actually use.
+        if isinstance(param_group, dict):
+            merged = {**self.defaults, **param_group}
+            _check_hyperparameters(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+        super().add_param_group(param_group)
+
+    def __setstate__(self, state):
+        # Runs inside load_state_dict. A state dict saved by torch.optim.AdamW keeps
+        # its step as a tensor: turn it into our Python int once, here, rather than
+        # synchronizing on every step. And refuse options this kernel does not have.
+        for group in state.get("param_groups", []):
+            for option in ("amsgrad", "maximize"):
+                if group.get(option, False):
+                    raise ValueError(f"TritonAdamW: a param group asks for {option}=True, which is not supported")
+        for param_state in state.get("state", {}).values():
+            if isinstance(param_state.get("step"), torch.Tensor):
+                param_state["step"] = int(param_state["step"].item())
+        super().__setstate__(state)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One AdamW update of every parameter that has a gradient; returns closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                grad = p.grad
+                if grad is None:
+                    continue
+                # Check before creating state, so a rejected parameter leaves none.
+                _check_tensors(p, grad)
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                step = state["step"] + 1
+                adamw_step(
+                    p, grad, state["exp_avg"], state["exp_avg_sq"], step,
+                    group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                )
+                # Counted only once the launch went through: a failed step changes nothing.
+                state["step"] = step
+        return loss

@@ -1,0 +1,522 @@
+"""
+Step 15 (tests) -- Correctness tests for the fused AdamW step (adamw_kernel.py).
+
+The truth is the same update evaluated in float64 (``adamw_reference`` on float64
+copies of the parameters, gradients and moments). "PyTorch" is
+``torch.optim.AdamW(fused=False, foreach=False)`` at the parameters' dtype, run
+side by side on identical copies with identical gradients. After 1 and after 5
+steps our error in p, m and v must be no worse than about twice PyTorch's.
+
+Usage:
+    python adamw_test.py           # readable PASSED/FAILED report
+    python -m pytest adamw_test.py
+
+Without a GPU the kernel runs through the Triton interpreter on CPU tensors;
+tests marked GPU-only (64-bit offsets, determinism, CPU tensors on the GPU
+path) are skipped.
+"""
+
+import copy
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import adamw_kernel
+from adamw_kernel import TritonAdamW, adamw_reference, adamw_step
+from conftest import DEVICE, DTYPES, Report, need_gpu, no_worse, rel_err
+
+# Non-trivial hyperparameters: every term of the update matters (a large decay,
+# short memories, an eps that is not negligible next to sqrt(v) for small grads).
+HP = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+
+# Irregular sizes: one element, a partial block, one element past a full block
+# (4097 = 4096 + 1: the masked tail of a second program), a 3-D tensor.
+SHAPES = [(1,), (7,), (4097,), (3, 41, 5)]
+
+# Per tensor, a loose bound on the error against the truth after the steps. The
+# "no worse than PyTorch" criterion is taken over all tensors of a case together
+# (a 1-element tensor alone would make it a coin toss between two roundings);
+# this bound makes sure that none of the small tensors was skipped or garbled.
+# The error is the tensor's root-mean-square error over the root-mean-square of
+# the whole case's truth: a moment that happens to cancel to ~0 in a 1-element
+# tensor must not count as a 100% error. Parameters start at a scale of 0.1, so
+# a missed update (lr = 1e-2 per step) is an error of 10% or more, far above these.
+PER_TENSOR_TOL = {torch.float32: 1e-6, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def _generator(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def make_params(shapes, dtype, seed=0):
+    """Random parameters of scale 0.1 (not unit: the update is then ~10% per step)."""
+    g = _generator(seed)
+    return [(torch.randn(s, generator=g) * 0.1 + 0.01).to(DEVICE, dtype) for s in shapes]
+
+
+def make_grads(shapes, dtype, seed):
+    """Fresh gradients; magnitudes spread over decades, so that eps matters for some.
+
+    float16 is the exception: its smallest normal number is 6e-5, so the state
+    v = (1 - beta2) * g**2 loses precision for |g| < 0.04 and becomes 0 below
+    |g| ~ 1e-3, where m / (sqrt(v) + eps) then explodes (by ~1/eps). That is a
+    property of float16 optimizer state, the same in PyTorch, not of the kernel
+    (mixed-precision training keeps float32 state for this reason). So float16
+    gradients stay at magnitudes of 0.05 and above.
+    """
+    g = _generator(1000 + seed)
+    grads = []
+    for s in shapes:
+        x = torch.randn(s, generator=g)
+        if dtype == torch.float16:
+            x = torch.where(x < 0, -1.0, 1.0) * (0.05 + x.abs())
+        else:
+            x = x * torch.rand(s, generator=g) ** 4
+        grads.append(x.to(DEVICE, dtype))
+    return grads
+
+
+class Truth:
+    """The float64 trajectory: adamw_reference on float64 copies, one step at a time."""
+
+    def __init__(self, params, groups):
+        self.p = [t.detach().double() for t in params]
+        self.m = [torch.zeros_like(t) for t in self.p]
+        self.v = [torch.zeros_like(t) for t in self.p]
+        self.groups = groups  # per tensor: its hyperparameters
+        self.t = 0
+
+    def step(self, grads):
+        self.t += 1
+        for i, (g, hp) in enumerate(zip(grads, self.groups)):
+            if g is None:
+                continue
+            self.p[i], self.m[i], self.v[i] = adamw_reference(
+                self.p[i], g.double(), self.m[i], self.v[i], self.t,
+                hp["lr"], hp["betas"][0], hp["betas"][1], hp["eps"], hp["weight_decay"],
+            )
+
+
+def run_side_by_side(shapes, dtype, n_steps, group_hps=None, seed=0):
+    """Ours, PyTorch's AdamW and the float64 truth from the same start with the same grads.
+
+    group_hps: hyperparameters per tensor (one param group per tensor); default
+    HP for all tensors in one group. Returns (ours, theirs, truth, opt_ours, opt_torch).
+    """
+    init = make_params(shapes, dtype, seed)
+    ours = [nn.Parameter(t.clone()) for t in init]
+    theirs = [nn.Parameter(t.clone()) for t in init]
+    if group_hps is None:
+        opt_ours = TritonAdamW(ours, **HP)
+        opt_torch = torch.optim.AdamW(theirs, **HP, fused=False, foreach=False)
+        hps = [HP] * len(shapes)
+    else:
+        opt_ours = TritonAdamW([{"params": [p], **hp} for p, hp in zip(ours, group_hps)], **HP)
+        opt_torch = torch.optim.AdamW(
+            [{"params": [p], **hp} for p, hp in zip(theirs, group_hps)], **HP, fused=False, foreach=False
+        )
+        hps = [{**HP, **hp} for hp in group_hps]
+    truth = Truth(init, hps)
+    for t in range(1, n_steps + 1):
+        grads = make_grads(shapes, dtype, seed * 100 + t)
+        for p, q, g in zip(ours, theirs, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt_ours.step()
+        opt_torch.step()
+        truth.step(grads)
+    return ours, theirs, truth, opt_ours, opt_torch
+
+
+def _flat(tensors):
+    return torch.cat([t.detach().reshape(-1).double().cpu() for t in tensors])
+
+
+def _rms(t):
+    t = t.detach().double()
+    return (t.norm() / max(1, t.numel()) ** 0.5).item()
+
+
+def compare_to_truth(shapes, dtype, n_steps, group_hps=None):
+    """Our p, m, v against the truth, no worse than twice PyTorch's error; returns a summary."""
+    ours, theirs, truth, opt_ours, opt_torch = run_side_by_side(shapes, dtype, n_steps, group_hps)
+    tol = PER_TENSOR_TOL[dtype]
+    parts = []
+    for name, key, true in (("p", None, truth.p), ("m", "exp_avg", truth.m), ("v", "exp_avg_sq", truth.v)):
+        a = [p if key is None else opt_ours.state[p][key] for p in ours]
+        b = [q if key is None else opt_torch.state[q][key] for q in theirs]
+        scale = _rms(_flat(true))
+        for x, y, t in zip(a, b, true):
+            assert x.dtype == y.dtype == dtype and x.shape == y.shape, f"{name}: {x.dtype} {tuple(x.shape)}"
+            e = _rms(x.double() - t) / scale
+            assert e <= tol, f"{name} of a {tuple(x.shape)} tensor: error {e:.2e} > {tol:.0e}"
+        e_ours, e_torch = rel_err(_flat(a), _flat(true)), rel_err(_flat(b), _flat(true))
+        assert no_worse(e_ours, e_torch, dtype), f"{name}: error {e_ours:.2e} vs PyTorch {e_torch:.2e}"
+        parts.append(f"{name} {e_ours:.1e}/{e_torch:.1e}")
+    for p in ours:
+        assert opt_ours.state[p]["step"] == n_steps and isinstance(opt_ours.state[p]["step"], int)
+    return "  ".join(parts)
+
+
+# (label, dtype, steps): every dtype after one step and after five, all SHAPES at once.
+CASES = [(f"{dt} {n} step{'s' if n > 1 else ''}, sizes 1/7/4097/3x41x5", dt, n) for dt in DTYPES for n in (1, 5)]
+
+
+@pytest.mark.parametrize("label,dtype,steps", CASES, ids=[c[0] for c in CASES])
+def test_matches_float64_truth(label, dtype, steps):
+    compare_to_truth(SHAPES, DTYPES[dtype], steps)
+
+
+# ---------------------------------------------------------------- edge cases and API
+def check_param_groups():
+    # One group per tensor: different lr, decay, betas, eps; lr = 0 leaves p alone
+    # (but still advances m and v, as in PyTorch).
+    groups = [
+        {"lr": 1e-2},
+        {"lr": 3e-3, "weight_decay": 0.0},
+        {"lr": 1e-2, "betas": (0.5, 0.9), "eps": 1e-3},
+        {"lr": 0.0},
+    ]
+    shapes = [(7,), (4097,), (3, 41, 5), (41,)]
+    detail = compare_to_truth(shapes, torch.float32, 3, group_hps=groups)
+    ours, _, _, opt, _ = run_side_by_side(shapes, torch.float32, 2, group_hps=groups)
+    assert torch.equal(ours[3].detach(), make_params(shapes, torch.float32)[3]), "lr = 0 must not move p"
+    assert opt.state[ours[3]]["exp_avg"].abs().sum() > 0, "lr = 0 still updates the moments"
+    return detail
+
+
+def _count_launches(fn):
+    """Wrap adamw_kernel.adamw_step (which TritonAdamW calls) to count launches."""
+    calls = []
+    original = adamw_kernel.adamw_step
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    adamw_kernel.adamw_step = counting
+    try:
+        fn()
+    finally:
+        adamw_kernel.adamw_step = original
+    return calls
+
+
+def check_param_without_grad():
+    params = [nn.Parameter(t) for t in make_params([(7,), (4097,), (5, 3)], torch.float32)]
+    before = [p.detach().clone() for p in params]
+    opt = TritonAdamW(params, **HP)
+    params[0].grad = torch.randn(7, device=DEVICE)
+    params[2].grad = torch.randn(5, 3, device=DEVICE)
+    calls = _count_launches(opt.step)
+    assert calls == [(7,), (5, 3)], f"launches for shapes {calls}, expected one per parameter with a gradient"
+    assert params[1] not in opt.state, "no state for a parameter that never had a gradient"
+    assert torch.equal(params[1].detach(), before[1]), "a parameter without gradient must not move"
+    assert not torch.equal(params[0].detach(), before[0]) and not torch.equal(params[2].detach(), before[2])
+    # zero_grad (from the base class) sets grads to None: the next step skips everything.
+    opt.zero_grad()
+    assert all(p.grad is None for p in params)
+    snap = [p.detach().clone() for p in params]
+    assert _count_launches(opt.step) == []
+    assert all(torch.equal(p.detach(), s) for p, s in zip(params, snap))
+    assert opt.state[params[0]]["step"] == 1
+    return "skipped, no state; 1 launch per param with grad"
+
+
+def check_state_dict_round_trip():
+    shapes = [(7,), (4097,), (3, 41, 5)]
+    for dtype in (torch.float32, torch.bfloat16):
+        a = [nn.Parameter(t) for t in make_params(shapes, dtype)]
+        opt_a = TritonAdamW([{"params": a[:2]}, {"params": a[2:], "lr": 3e-3}], **HP)
+        for t in (1, 2):
+            for p, g in zip(a, make_grads(shapes, dtype, t)):
+                p.grad = g
+            opt_a.step()
+        saved = copy.deepcopy(opt_a.state_dict())
+        assert saved["state"][0]["step"] == 2 and saved["param_groups"][1]["lr"] == 3e-3
+        # A fresh optimizer on copies of the parameters, loaded from the saved state.
+        b = [nn.Parameter(p.detach().clone()) for p in a]
+        opt_b = TritonAdamW([{"params": b[:2]}, {"params": b[2:]}], lr=1.0)
+        opt_b.load_state_dict(saved)
+        assert opt_b.param_groups[1]["lr"] == 3e-3 and opt_b.state[b[0]]["step"] == 2
+        for t in (3, 4):
+            for p, q, g in zip(a, b, make_grads(shapes, dtype, t)):
+                p.grad, q.grad = g.clone(), g.clone()
+            opt_a.step()
+            opt_b.step()
+        for p, q in zip(a, b):
+            assert torch.equal(p, q), "parameters differ after the round trip"
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(opt_a.state[p][key], opt_b.state[q][key]), f"{key} differs after the round trip"
+            assert opt_b.state[q]["step"] == 4
+    return "continues bit for bit (fp32, bf16)"
+
+
+def check_load_torch_state_dict():
+    # A checkpoint of torch.optim.AdamW (tensor steps, extra group options) loads
+    # into ours and continues like PyTorch would.
+    shapes = [(7,), (4097,)]
+    theirs = [nn.Parameter(t) for t in make_params(shapes, torch.float32)]
+    opt_torch = torch.optim.AdamW(theirs, **HP, foreach=False)
+    for t in (1, 2):
+        for p, g in zip(theirs, make_grads(shapes, torch.float32, t)):
+            p.grad = g
+        opt_torch.step()
+    ours = [nn.Parameter(p.detach().clone()) for p in theirs]
+    opt = TritonAdamW(ours)
+    opt.load_state_dict(copy.deepcopy(opt_torch.state_dict()))
+    assert opt.state[ours[0]]["step"] == 2 and isinstance(opt.state[ours[0]]["step"], int)
+    for t in (3, 4, 5):
+        for p, q, g in zip(ours, theirs, make_grads(shapes, torch.float32, t)):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        opt_torch.step()
+    err = max(rel_err(p, q) for p, q in zip(ours, theirs))
+    assert err < 1e-6, f"after loading PyTorch's state: {err:.2e} from PyTorch"
+    bad = copy.deepcopy(opt_torch.state_dict())
+    bad["param_groups"][0]["amsgrad"] = True
+    with pytest.raises(ValueError, match="amsgrad=True"):
+        TritonAdamW(ours).load_state_dict(bad)
+    return f"continues like PyTorch ({err:.1e}); amsgrad refused"
+
+
+def check_closure_and_empty():
+    w = nn.Parameter(torch.randn(4, 3, device=DEVICE))
+    empty = nn.Parameter(torch.zeros(0, 5, device=DEVICE))
+    opt = TritonAdamW([w, empty], **HP)
+    x = torch.randn(6, 4, device=DEVICE)
+
+    def closure():
+        opt.zero_grad()
+        loss = (x @ w).pow(2).sum()
+        loss.backward()  # the optimizer runs the closure with grad enabled
+        empty.grad = torch.zeros(0, 5, device=DEVICE)
+        return loss
+
+    with torch.no_grad():
+        loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and w.grad is not None
+    assert opt.state[empty]["step"] == 1 and opt.state[empty]["exp_avg"].shape == (0, 5)
+    return "closure loss returned; empty param ok"
+
+
+def check_bad_inputs():
+    kinds = 0
+
+    def p_and_grad(t):
+        p = nn.Parameter(t)
+        p.grad = torch.randn_like(p)
+        return p
+
+    # Not contiguous: the message names the parameter's shape; no state, no change.
+    p = p_and_grad(torch.randn(6, 8, device=DEVICE).t())
+    opt = TritonAdamW([p])
+    with pytest.raises(ValueError, match=r"shape \(8, 6\).*not contiguous"):
+        opt.step()
+    assert p not in opt.state
+    kinds += 1
+    # Gradient dtype differs from the parameter's (allowed by autograd via grad_dtype).
+    p = nn.Parameter(torch.randn(5, device=DEVICE))
+    p.grad_dtype = None
+    p.grad = torch.randn(5, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="gradient dtype torch.bfloat16 differs"):
+        TritonAdamW([p]).step()
+    kinds += 1
+    # Sparse gradients, from an embedding with sparse=True.
+    emb = nn.Embedding(10, 4, sparse=True).to(DEVICE)
+    emb(torch.tensor([1, 3], device=DEVICE)).sum().backward()
+    assert emb.weight.grad.is_sparse
+    with pytest.raises(RuntimeError, match="sparse gradients are not supported"):
+        TritonAdamW(emb.parameters()).step()
+    kinds += 1
+    # Unsupported parameter dtype.
+    with pytest.raises(TypeError, match="unsupported dtype torch.float64"):
+        TritonAdamW([p_and_grad(torch.randn(3, device=DEVICE, dtype=torch.float64))]).step()
+    kinds += 1
+    # Hyperparameters, in the constructor and in a param group.
+    good = [nn.Parameter(torch.randn(3, device=DEVICE))]
+    for kwargs, match in (
+        (dict(lr=-1e-3), "invalid learning rate"),
+        (dict(eps=-1.0), "invalid eps"),
+        (dict(betas=(1.0, 0.999)), "invalid beta1"),
+        (dict(betas=(0.9, -0.1)), "invalid beta2"),
+        (dict(betas=0.9), "betas must be a pair"),
+        (dict(weight_decay=-0.1), "invalid weight_decay"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            TritonAdamW(good, **kwargs)
+        kinds += 1
+    with pytest.raises(ValueError, match="invalid learning rate"):
+        TritonAdamW([{"params": good, "lr": -1.0}])
+    kinds += 1
+    with pytest.raises(TypeError, match="Python number"):
+        TritonAdamW(good, lr=torch.tensor(1e-3))
+    kinds += 1
+    # The functional form: state of the wrong dtype, bad step count, mixed devices.
+    q, g = torch.randn(5, device=DEVICE), torch.randn(5, device=DEVICE)
+    with pytest.raises(ValueError, match="state exp_avg must be a torch.float32"):
+        adamw_step(q, g, torch.zeros(5, device=DEVICE, dtype=torch.bfloat16), torch.zeros_like(q), 1, **_flat_hp())
+    with pytest.raises(ValueError, match="step must be a Python int >= 1"):
+        adamw_step(q, g, torch.zeros_like(q), torch.zeros_like(q), 0, **_flat_hp())
+    with pytest.raises(ValueError, match="same device"):
+        adamw_step(q, g.to("meta"), torch.zeros_like(q), torch.zeros_like(q), 1, **_flat_hp())
+    kinds += 3
+    return f"{kinds} kinds rejected"
+
+
+def _flat_hp():
+    return dict(lr=HP["lr"], beta1=HP["betas"][0], beta2=HP["betas"][1], eps=HP["eps"], weight_decay=HP["weight_decay"])
+
+
+def check_non_contiguous_grad():
+    # The gradient is only read: a non-contiguous one is copied, same result.
+    shape = (41, 5)
+    init = make_params([shape], torch.float32)[0]
+    g = make_grads([(5, 41)], torch.float32, 1)[0].t()
+    assert not g.is_contiguous()
+    a, b = nn.Parameter(init.clone()), nn.Parameter(init.clone())
+    a.grad, b.grad = g, g.contiguous()
+    TritonAdamW([a], **HP).step()
+    TritonAdamW([b], **HP).step()
+    assert torch.equal(a, b)
+    return "copied, same result"
+
+
+def _tiny_llama(seed):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).to(DEVICE)
+
+
+def check_tiny_llama_training():
+    # Three full training steps of a tiny LLaMA, float32: ours and PyTorch's AdamW
+    # must keep the models together (the gradients depend on the parameters, so
+    # any difference in an update would feed back).
+    ours, theirs = _tiny_llama(0), _tiny_llama(0)
+    opt = TritonAdamW(ours.parameters(), **HP)
+    opt_torch = torch.optim.AdamW(theirs.parameters(), **HP)
+    g = _generator(7)
+    for _ in range(3):
+        ids = torch.randint(0, 257, (2, 16), generator=g).to(DEVICE)
+        for model, o in ((ours, opt), (theirs, opt_torch)):
+            o.zero_grad()
+            model(ids, labels=ids).loss.backward()
+            o.step()
+    n_tensors = sum(1 for _ in ours.parameters())
+    assert len(opt.state) == n_tensors
+    err = max(rel_err(p, q) for p, q in zip(ours.parameters(), theirs.parameters()))
+    moved = min(rel_err(p, q) for p, q in zip(ours.parameters(), _tiny_llama(0).parameters()))
+    assert moved > 1e-3, "the parameters did not move"
+    assert err < 1e-6, f"parameters differ from PyTorch's AdamW by up to {err:.2e} (relative)"
+    return f"{n_tensors} tensors, max rel diff {err:.1e}"
+
+
+# ---------------------------------------------------------------- GPU-only checks
+def check_int64_offsets():
+    need_gpu()
+    # 2**31 + 5 bf16 elements per tensor (4.3 GB; p, g, m, v: 17 GB): the last
+    # programs address elements beyond 2**31, where int32 offsets would wrap.
+    n = 2**31 + 5
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    p = torch.empty(n, device="cuda", dtype=dtype).normal_(0.0, 0.1)
+    g = torch.empty(n, device="cuda", dtype=dtype).normal_()
+    m = torch.empty(n, device="cuda", dtype=dtype).normal_(0.0, 0.1)
+    v = torch.empty(n, device="cuda", dtype=dtype).uniform_(0.0, 0.1)
+    # The first elements, and the last 10,000: they straddle element 2**31 and
+    # end with the partial last block (the masked tail).
+    sample = torch.cat([torch.arange(0, 3, device="cuda"), torch.arange(n - 10_000, n, device="cuda")])
+    before = [t[sample].clone() for t in (p, g, m, v)]
+    step = 3
+    hp = _flat_hp()
+    adamw_step(p, g, m, v, step, **hp)
+    torch.cuda.synchronize()
+    args = (step, hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"])
+    truth = adamw_reference(*[t.double() for t in before], *args)
+    peer = adamw_reference(*before, *args)
+    parts = []
+    for name, ours, theirs, true in zip("pmv", (p[sample], m[sample], v[sample]), peer, truth):
+        e_ours, e_torch = rel_err(ours, true), rel_err(theirs, true)
+        assert no_worse(e_ours, e_torch, dtype), f"{name} near/after 2**31: {e_ours:.2e} vs PyTorch {e_torch:.2e}"
+        parts.append(f"{name} {e_ours:.1e}/{e_torch:.1e}")
+    return "  ".join(parts)
+
+
+def check_deterministic():
+    need_gpu()
+    shapes = [(4096, 4096), (1024, 4096), (4097,)]
+    results = []
+    for _ in range(2):
+        params = [nn.Parameter(t) for t in make_params(shapes, torch.bfloat16)]
+        opt = TritonAdamW(params, **HP)
+        for t in range(1, 4):
+            for p, g in zip(params, make_grads(shapes, torch.bfloat16, t)):
+                p.grad = g
+            opt.step()
+        state = [opt.state[p][k] for p in params for k in ("exp_avg", "exp_avg_sq")]
+        results.append([p.detach() for p in params] + state)
+    assert all(torch.equal(a, b) for a, b in zip(*results)), "two identical runs differ"
+    return "two runs bit for bit equal"
+
+
+def check_cpu_tensor_on_gpu_path():
+    need_gpu()
+    p = nn.Parameter(torch.randn(5))
+    p.grad = torch.randn(5)
+    with pytest.raises(RuntimeError, match="Triton interpreter"):
+        TritonAdamW([p]).step()
+    return "clear error"
+
+
+# One list of checks serves both pytest and the script report.
+EDGE_CHECKS = [
+    ("param groups (lr, wd, betas, eps)", check_param_groups),
+    ("param without grad; zero_grad", check_param_without_grad),
+    ("state_dict round trip", check_state_dict_round_trip),
+    ("load torch AdamW state_dict", check_load_torch_state_dict),
+    ("closure; empty parameter", check_closure_and_empty),
+    ("non-contiguous gradient", check_non_contiguous_grad),
+    ("bad inputs raise", check_bad_inputs),
+    ("tiny LLaMA, 3 training steps", check_tiny_llama_training),
+]
+GPU_CHECKS = [
+    ("64-bit offsets (2**31 + 5 elements)", check_int64_offsets),
+    ("deterministic", check_deterministic),
+    ("CPU tensors on the GPU path", check_cpu_tensor_on_gpu_path),
+]
+
+
+@pytest.mark.parametrize("label,check", EDGE_CHECKS + GPU_CHECKS, ids=[c[0] for c in EDGE_CHECKS + GPU_CHECKS])
+def test_check(label, check):
+    check()
+
+
+def main():
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (Triton interpreter)"
+    report = Report(
+        f"AdamW Correctness Tests on {where}\n"
+        "(error vs float64 over all tensors: ours / torch.optim.AdamW, relative)"
+    )
+    names = {"fp32": "Float32", "bf16": "BFloat16", "fp16": "Float16"}
+    for i, dt in enumerate(("fp32", "bf16", "fp16"), 1):
+        report.section(f"Test {i}: {names[dt]}")
+        for label, dtype, steps in CASES:
+            if dtype == dt:
+                report.run(label, lambda d=dtype, n=steps: compare_to_truth(SHAPES, DTYPES[d], n))
+    report.section("Test 4: Optimizer API and edge cases")
+    for label, fn in EDGE_CHECKS:
+        report.run(label, fn)
+    report.section("Test 5: GPU only")
+    for label, fn in GPU_CHECKS:
+        report.run(label, fn)
+    return report.finish("AdamW")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

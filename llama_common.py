@@ -507,8 +507,8 @@ def apply_kernels(model, kernels):
                 f"error: --use-custom-{name} found no {noun} to replace in {type(model).__name__} "
                 f"(it looks for {looks_for}); run without it"
             )
-        what = f"{noun} with {new}"
-        print(f"Custom {name + ':':<8}replaced {count} {what}")
+        label = f"Custom {name}:"
+        print(f"{label:<14} replaced {count} {noun} with {new}")
         active.append(name)
     loss_fn = hf_loss
     if kernels.get("flce"):

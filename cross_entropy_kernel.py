@@ -56,9 +56,6 @@ Design choices, each marked in the code:
    nothing else needs the logits after the loss (the usual LM-head case).
 6. ``exp2`` with a log2(e) factor: the GPU's fast exponential is base 2, so
    exp(t) costs a multiply plus one ex2 instruction.
-7. Few rows (<= 2,048): each row is split over several programs, so that
-   enough memory traffic is in flight to reach the bandwidth (see the split
-   kernels below).
 
 Out-of-range targets (not in [0, V) and not ignore_index) are a bug in the
 caller. On CPU tensors we raise a ValueError naming the first bad one. On CUDA,
@@ -142,9 +139,9 @@ def _exp(t, PRECISE: tl.constexpr, INTERPRET: tl.constexpr):
 # --------------------------------------------------------------------------------
 # Forward kernel (computes the loss and, when training, the gradient)
 # --------------------------------------------------------------------------------
-# The row work is written as three @triton.jit helpers (Triton inlines them), so
-# that the one-program-per-row kernel below and the split-row kernels further down
-# (design choice 7) share every line of arithmetic.
+# The row work is written as three @triton.jit helpers (Triton inlines them): the
+# online logsumexp, the loss, the gradient. The kernel below reads as the
+# algorithm, and each helper can be read (and changed) on its own.
 @triton.jit
 def _row_stats(logits_row, col_start, n_blocks, V, ignored, BLOCK_V: tl.constexpr, PRECISE_EXP: tl.constexpr,
                INTERPRET: tl.constexpr):
@@ -256,73 +253,6 @@ def _cross_entropy_fwd_kernel(
 
 
 # --------------------------------------------------------------------------------
-# Optimization: split each row over several programs when rows are few (choice 7)
-# --------------------------------------------------------------------------------
-# With one program per row, 1,024 rows are 1,024 programs, each streaming 256 KB
-# one chunk after another: too little memory traffic in flight to reach the
-# bandwidth (the forward alone ran at 46% of copy speed on an H100). Here SPLITS
-# programs share a row, each owning SPLIT_V columns, in two launches:
-#
-#   1. each program computes (m, d) of its columns -> [N, SPLITS] float32 scratch
-#   2. each program combines the SPLITS partials of its row into the row's
-#      logsumexp (a few scalars), split 0 writes the loss, and every program
-#      writes the gradient of its own columns.
-#
-# Same traffic as the one-program kernel (2 reads + 1 write when training, plus
-# 8 bytes per (row, split)), SPLITS times the parallelism. The two (m, d) merge
-# exactly like two chunks of the online softmax: d = d1 e^(m1 - m) + d2 e^(m2 - m).
-@triton.jit
-def _cross_entropy_split_stats_kernel(
-    LOGITS, TARGETS,  # as in _cross_entropy_fwd_kernel
-    M_PART, D_PART,  # [N, SPLITS] float32 outputs: (m, d) of each row's column slice
-    inner, stride_outer, stride_inner, V, ignore_index,
-    SPLITS: tl.constexpr,  # programs per row (grid axis 1)
-    BLOCKS_PER_SPLIT: tl.constexpr,  # SPLIT_V / BLOCK_V
-    BLOCK_V: tl.constexpr, PRECISE_EXP: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    outer = row // inner
-    logits_row = LOGITS + outer * stride_outer + (row - outer * inner) * stride_inner
-    target = tl.load(TARGETS + row).to(tl.int64)
-    m, d = _row_stats(logits_row, split * (BLOCKS_PER_SPLIT * BLOCK_V), BLOCKS_PER_SPLIT, V,
-                      target == ignore_index, BLOCK_V, PRECISE_EXP, INTERPRET)
-    tl.store(M_PART + row * SPLITS + split, m)
-    tl.store(D_PART + row * SPLITS + split, d)
-
-
-@triton.jit
-def _cross_entropy_split_finish_kernel(
-    LOGITS, TARGETS, LOSS, GRAD, N_VALID, UPSTREAM, stride_up,  # as in _cross_entropy_fwd_kernel
-    M_PART, D_PART,  # [N, SPLITS] from _cross_entropy_split_stats_kernel
-    inner, stride_outer, stride_inner, grad_stride_outer, grad_stride_inner, V, ignore_index,
-    MEAN: tl.constexpr, WRITE_GRAD: tl.constexpr, HAS_UPSTREAM: tl.constexpr,
-    SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
-    BLOCK_V: tl.constexpr, SOFT_BF16: tl.constexpr, PRECISE_EXP: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    outer = row // inner
-    logits_row = LOGITS + outer * stride_outer + (row - outer * inner) * stride_inner
-    target = tl.load(TARGETS + row).to(tl.int64)
-    # Merge the row's partial (m, d): one small vector load each.
-    parts = tl.arange(0, SPLITS_POW2)
-    m_parts = tl.load(M_PART + row * SPLITS + parts, mask=parts < SPLITS, other=float("-inf"))
-    d_parts = tl.load(D_PART + row * SPLITS + parts, mask=parts < SPLITS, other=0.0)
-    m = tl.max(m_parts, axis=0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    d = tl.sum(d_parts * _exp(m_parts - m_safe, PRECISE_EXP, INTERPRET), axis=0)
-    m, log_d, loss = _row_loss(logits_row, target, V, ignore_index, m, d, INTERPRET)
-    if split == 0:
-        tl.store(LOSS + row, loss)
-    if WRITE_GRAD:
-        grad_row = GRAD + outer * grad_stride_outer + (row - outer * inner) * grad_stride_inner
-        _row_grad(logits_row, grad_row, split * (BLOCKS_PER_SPLIT * BLOCK_V), BLOCKS_PER_SPLIT, V, target,
-                  ignore_index, m, log_d, N_VALID, UPSTREAM, row * stride_up, MEAN, HAS_UPSTREAM, BLOCK_V,
-                  SOFT_BF16, PRECISE_EXP, INTERPRET)
-
-
-# --------------------------------------------------------------------------------
 # Backward kernel: apply the upstream gradient (design choice 2)
 # --------------------------------------------------------------------------------
 # Chain rule: d(out)/d(logits) = upstream * d(loss)/d(logits). The forward pass
@@ -365,13 +295,6 @@ BLOCK_V_GPU = 8192
 NUM_WARPS_GPU = 8
 FEW_ROWS = 2048
 BLOCK_V_FEW_ROWS, NUM_WARPS_FEW_ROWS = 16384, 4
-# Split rows (design choice 7) at or below FEW_ROWS rows: SPLIT_V_GPU columns per
-# program, streamed in BLOCK_V_GPU chunks. In the interpreter, smaller slices so
-# that the CPU tests cover the split path at their vocabulary sizes.
-SPLIT_V_GPU = 16384
-BLOCK_V_SPLIT_CPU, SPLIT_BLOCKS_CPU = 1024, 2
-# Tests set this to True / False to force one path; None chooses by shape.
-FORCE_SPLIT = None
 
 
 def _launch_config(v, n_rows, device):
@@ -441,21 +364,8 @@ def _check_target_range(targets, v, ignore_index):
 # --------------------------------------------------------------------------------
 # Autograd function
 # --------------------------------------------------------------------------------
-def _split_plan(v, n_rows, device):
-    """Design choice 7: (splits, BLOCK_V, blocks per split, num_warps), or None for one program per row."""
-    if FORCE_SPLIT is False:
-        return None
-    on_gpu = device.type == "cuda"
-    block_v = min(BLOCK_V_GPU if on_gpu else BLOCK_V_SPLIT_CPU, triton.next_power_of_2(v))
-    blocks = SPLIT_V_GPU // BLOCK_V_GPU if on_gpu else SPLIT_BLOCKS_CPU
-    splits = triton.cdiv(v, block_v * blocks)
-    if FORCE_SPLIT is None and (n_rows > FEW_ROWS or splits < 2):
-        return None
-    return splits, block_v, blocks, NUM_WARPS_GPU if on_gpu else 4
-
-
 def _launch_forward(rows, layout, tgt, loss, grad, grad_layout, n_valid, ignore_index, mean, upstream=None):
-    """The forward kernel(s): loss per row and, if ``grad`` is given, the gradient."""
+    """One launch of the forward kernel: loss per row and, if ``grad`` is given, the gradient."""
     inner, s_outer, s_inner = layout
     g_outer, g_inner = grad_layout
     v, n_rows = rows.shape[-1], tgt.numel()
@@ -464,27 +374,11 @@ def _launch_forward(rows, layout, tgt, loss, grad, grad_layout, n_valid, ignore_
     stride_up = upstream.stride(0) if upstream is not None else 0
     flags = dict(MEAN=mean, WRITE_GRAD=grad is not None, HAS_UPSTREAM=upstream is not None, SOFT_BF16=INTERPRET,
                  PRECISE_EXP=rows.dtype == torch.float32, INTERPRET=INTERPRET)
-    plan = _split_plan(v, n_rows, rows.device)
-    if plan is None:
-        block_v, num_warps = _launch_config(v, n_rows, rows.device)
-        _cross_entropy_fwd_kernel[(n_rows,)](
-            rows, tgt, loss, grad_arg, n_valid, up_arg, stride_up,
-            inner, s_outer, s_inner, g_outer, g_inner, v, ignore_index,
-            BLOCK_V=block_v, num_warps=num_warps, **flags,
-        )
-        return
-    splits, block_v, blocks, num_warps = plan
-    parts = torch.empty((2, n_rows, splits), dtype=torch.float32, device=rows.device)  # (m, d) per slice
-    _cross_entropy_split_stats_kernel[(n_rows, splits)](
-        rows, tgt, parts[0], parts[1], inner, s_outer, s_inner, v, ignore_index,
-        SPLITS=splits, BLOCKS_PER_SPLIT=blocks, BLOCK_V=block_v, PRECISE_EXP=flags["PRECISE_EXP"],
-        INTERPRET=INTERPRET, num_warps=num_warps,
-    )
-    _cross_entropy_split_finish_kernel[(n_rows, splits)](
-        rows, tgt, loss, grad_arg, n_valid, up_arg, stride_up, parts[0], parts[1],
+    block_v, num_warps = _launch_config(v, n_rows, rows.device)
+    _cross_entropy_fwd_kernel[(n_rows,)](
+        rows, tgt, loss, grad_arg, n_valid, up_arg, stride_up,
         inner, s_outer, s_inner, g_outer, g_inner, v, ignore_index,
-        SPLITS=splits, SPLITS_POW2=triton.next_power_of_2(splits), BLOCKS_PER_SPLIT=blocks, BLOCK_V=block_v,
-        num_warps=num_warps, **flags,
+        BLOCK_V=block_v, num_warps=num_warps, **flags,
     )
 
 

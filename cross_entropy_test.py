@@ -97,39 +97,6 @@ def test_matches_float64_truth(label, lead, v, dtype, reduction):
     compare_to_truth(logits, targets, reduction)
 
 
-# Both kernel paths on the same cases: one program per row, and rows split over
-# several programs (design choice 7, chosen automatically for few rows on the GPU).
-PATH_CASES = [c for c in CASES if c[0] in ("fp32 7x4097 none", "bf16 7x128257 mean", "bf16 2x5x123 mean (3-D)")]
-
-
-@pytest.mark.parametrize("force", [True, False], ids=["split rows", "one program per row"])
-@pytest.mark.parametrize("label,lead,v,dtype,reduction", PATH_CASES, ids=[c[0] for c in PATH_CASES])
-def test_both_kernel_paths(monkeypatch, force, label, lead, v, dtype, reduction):
-    import cross_entropy_kernel
-
-    monkeypatch.setattr(cross_entropy_kernel, "FORCE_SPLIT", force)
-    logits, targets = make_inputs(lead, v, DTYPES[dtype])
-    compare_to_truth(logits, targets, reduction)
-
-
-def check_split_rows_edge_cases():
-    # Split rows merge per-slice (max, sum): slices that are all -inf, a row whose
-    # maximum sits in the last slice, ignored rows, an upstream gradient per row.
-    import cross_entropy_kernel
-
-    old = cross_entropy_kernel.FORCE_SPLIT
-    cross_entropy_kernel.FORCE_SPLIT = True
-    try:
-        logits, targets = make_inputs((6,), 5000, torch.float32, ignore_frac=0.0)
-        logits[0, :4096] = float("-inf")  # the first two 2,048-column slices hold nothing
-        targets[0] = 4500
-        logits[1, -3] = 1e4  # the maximum, in the last slice
-        targets[2] = IGNORE
-        return compare_to_truth(logits, targets, "none")
-    finally:
-        cross_entropy_kernel.FORCE_SPLIT = old
-
-
 def check_sliced_logits():
     # The causal-LM shift: logits[:, :-1, :] and labels[:, 1:], no .contiguous().
     full, labels = make_inputs((2, 9), 1000, torch.bfloat16)
@@ -395,7 +362,6 @@ EDGE_CHECKS = [
     ("upstream grad 0.25", check_scaled_upstream),
     ("all targets ignored", check_all_ignored),
     ("extreme logits (+-1e4, -inf)", check_extreme_logits),
-    ("split rows: -inf slices, ignored", check_split_rows_edge_cases),
     ("forward under no_grad", check_no_grad_forward),
     ("int32 targets", check_int32_targets),
     ("logits not modified", check_logits_untouched),

@@ -152,7 +152,6 @@ def test_profile_names():
         ("_swiglu_bwd_kernel", "SwiGLU (silu * up)"),
         ("_rope_fwd_kernel", "RoPE"),
         ("TritonRoPEFunctionBackward", "RoPE"),
-        ("_cross_entropy_split_finish_kernel", "cross-entropy/softmax"),
         ("aten::embedding_dense_backward", "other"),
     ],
 )

@@ -195,6 +195,7 @@ def _adamw_kernel(
 # with too few warps, or 16 warps, fall behind.
 BLOCK = 2048
 NUM_WARPS = 4
+INTERPRET_MAX_BLOCK = 2**17
 
 
 def _shape(t):
@@ -268,6 +269,11 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, we
     bias_correction1 = 1.0 - beta1**step
     bias_correction2 = 1.0 - beta2**step
     block, num_warps = BLOCK, NUM_WARPS
+    if INTERPRET:
+        # The interpreter runs programs one after another, each with a fixed Python
+        # cost: a handful of big blocks per tensor (at least 4096 elements, so a
+        # 4097-element tensor still tests the masked tail of a second program).
+        block = min(INTERPRET_MAX_BLOCK, max(4096, triton.next_power_of_2(triton.cdiv(n, 8))))
     _adamw_kernel[(triton.cdiv(n, block),)](
         param, grad, exp_avg, exp_avg_sq, n,
         float(lr) * float(weight_decay), 1.0 - float(beta1), float(beta2), 1.0 - float(beta2),

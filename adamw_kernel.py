@@ -33,7 +33,7 @@ and its floor is the time to stream 14 B per parameter once.
 
 For LLaMA-3.1-8B (8.03e9 parameters) that is 112 GB per step, 27 ms at copy
 bandwidth. PyTorch's ``AdamW(fused=True)`` (``aten::_fused_adamw_``) took
-42-44 ms per step in our profiles (README, Step 3), ~2.6 TB/s: at a batch of
+42-44 ms per step in our profiles (README, Steps 10 and 16), ~2.6 TB/s: at a batch of
 2 x 2048 tokens on an H200 it is the single largest bandwidth-bound operation
 of the training step. The unfused ``foreach`` implementation is worse: it runs
 a dozen list-wide ops (mul, lerp, mul, addcmul, sqrt, div, add, addcdiv), each
@@ -65,19 +65,17 @@ Triton concepts new in this step (see rmsnorm_kernel.py for the basics)
 
 Measured
 --------
-One NVIDIA H200 (torch 2.11, triton 3.6, copy bandwidth 4.24 TB/s), a step over
-81 bf16 tensors shaped like 9 LLaMA-3.1-8B layers (1.96e9 parameters), counting
-14 B per parameter, ``triton.testing.do_bench`` median:
+In the full training step (``profile_baseline.py --random-init --batch-size 2
+--seq-len 2048``, one NVIDIA H200, torch 2.11, triton 3.6, README Step 16) the
+optimizer's GPU time per step fell from 43.2 ms (``aten::_fused_adamw_``) to
+27.2 ms (this kernel, 291 launches): 112 GB in 27.2 ms, ~4.1 TB/s.
 
-    TritonAdamW                         6.76 ms   4.06 TB/s   96% of copy
-    torch.optim.AdamW(fused=True)      10.05 ms   2.73 TB/s   64%
-    torch.optim.AdamW(foreach=True)    25.5  ms   1.08 TB/s   25%
-
-Scaled to the full 8.03e9 parameters: ~28 ms per step instead of ~41 ms. The
-host needed 2.4 ms to queue the 81 launches (~30 us each), a third of the
-GPU's time. With float32 parameters and state (28 B per parameter; the first
-two layers' 18 tensors) the step runs at 4.0 TB/s, the fused PyTorch kernel at
-3.5 TB/s: its shortfall is mostly a bf16 one.
+During development an ad-hoc timing (not kept in the repository) on the same
+kind of GPU, over 81 bf16 tensors shaped like 9 LLaMA-3.1-8B layers (1.96e9
+parameters, 14 B each, ``triton.testing.do_bench`` median, copy bandwidth
+4.24 TB/s), gave 6.76 ms (4.06 TB/s) for TritonAdamW, 10.05 ms (2.73 TB/s) for
+``AdamW(fused=True)`` and 25.5 ms (1.08 TB/s) for ``AdamW(foreach=True)``; the
+host queued the 81 launches in 2.4 ms, a third of the GPU's time.
 
 What it does not do: the step counter lives on the host, so the update cannot
 be captured once in a CUDA graph and replayed for later steps (the replay would

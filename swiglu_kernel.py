@@ -53,8 +53,10 @@ which costs a few FLOPs and no memory. For LLaMA-3.1-8B at a batch of
 layer, so dropping silu(gate) frees 3.8 GB across the 32 layers.
 
 In time the gain is modest. Per step at that batch the 32 layers move 53 GB
-naively and 30 GB fused. Measured on one H200 (torch 2.11, triton 3.6, copy
-bandwidth 4.17 TB/s), 4096 x 14336 bf16, per layer: eager forward + backward
+naively and 30 GB fused. Measured during development (an ad-hoc sweep, not kept;
+``benchmark_kernels.py --kernel swiglu`` makes the same comparison, README Step
+7/10 has its H100 run) on one H200 (torch 2.11, triton 3.6, copy bandwidth
+4.17 TB/s), 4096 x 14336 bf16, per layer: eager forward + backward
 400 us; the fused kernels 87 us + 142 us = 229 us (~97% of copy bandwidth by
 the byte counts above); ``torch.compile`` of the same formula 225 us. So about
 13 ms against 7 ms per step, next to some 200 ms of MLP matrix multiplications.

@@ -1112,6 +1112,16 @@ def plot_results(results, path):
     copy_bw = results["environment"].get("copy_bandwidth_GBps")
     fig, axes = plt.subplots(len(kernels), 2, figsize=(15, 4.8 * len(kernels)), squeeze=False)
     cmap = plt.get_cmap("tab10")
+    # One color per kind of provider in every panel, whatever the panel's provider list.
+    palette = {"ours (Triton": 0, "ours (in-place)": 9, "PyTorch eager": 1, "F.": 2, "torch.compile": 3,
+               "Liger-Kernel": 4, "Apple cut-cross-entropy": 5}
+
+    def color(prov, k):
+        for prefix, index in palette.items():
+            if prov.startswith(prefix):
+                return cmap(index)
+        return cmap((6 + k) % 10)
+
     for row, (_, kres) in enumerate(kernels):
         providers = kres["providers"]
         labels = []
@@ -1139,7 +1149,7 @@ def plot_results(results, path):
                         # Say why there is no bar (OOM, ERR, not installed, ...).
                         ax.text(x, top * 0.02, str(rec[f"{p}_status"]), rotation=90, ha="center",
                                 va="bottom", fontsize=7, color="dimgray")
-                ax.bar(xs, ys, width, label=prov, color=cmap(k % 10))
+                ax.bar(xs, ys, width, label=prov, color=color(prov, k))
                 drawn = drawn or bool(ys)
             if line_at:
                 ax.axhline(line_at, color="black", linestyle="--", linewidth=1,
@@ -1161,7 +1171,7 @@ def plot_results(results, path):
         f"{env.get('gpu')} | torch {env.get('torch')} | triton {env.get('triton')} | {env.get('date')}"
         " -- higher is better"
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.98))  # leave the top strip to the suptitle
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -1179,11 +1189,21 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true",
                         help="short run: fewer shapes and repetitions (CPU: tiny shapes, no timings)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot-from", metavar="JSON",
+                        help="measure nothing: redraw --plot from the JSON of an earlier run")
     return parser.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.plot_from:
+        if not args.plot:
+            raise SystemExit("error: --plot-from needs --plot PATH.png (where to draw)")
+        with open(args.plot_from) as f:
+            results = json.load(f)
+        plot_results(results, args.plot)
+        print(f"Wrote {args.plot} from {args.plot_from}")
+        return results
     started = time.perf_counter()
     bench_ms = QUICK_BENCH_MS if args.quick else FULL_BENCH_MS
     names = list(KERNELS) if "all" in args.kernel else list(dict.fromkeys(args.kernel))

@@ -94,6 +94,11 @@ def test_quick_run_writes_tables_json_and_plot(tmp_path):
 
     assert png_path.stat().st_size > 10_000
 
+    # --plot-from redraws the plot from the JSON alone, measuring nothing.
+    replot = tmp_path / "replot.png"
+    bk.main(["--plot-from", str(json_path), "--plot", str(replot)])
+    assert replot.stat().st_size > 10_000
+
 
 def _raise_oom(*args):
     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB (simulated)")

@@ -8,13 +8,14 @@ next step(s) with torch.profiler and prints:
    the rows that are not work filtered out (profiler step markers, our
    forward/backward/optimizer ranges, autograd bookkeeping, CUDA runtime calls,
    memcpy/memset rows already counted in the op that issued them);
-2. a summary by category -- matrix multiply, attention, RMSNorm,
-   cross-entropy/softmax, other elementwise, optimizer, memory copies, other --
+2. a summary by category -- RMSNorm, attention, SwiGLU (silu * up), RoPE,
+   cross-entropy/softmax, matrix multiply, optimizer, memory copies, other
+   elementwise, other --
    with each category's share of the time and its number of calls;
 3. when the plain baseline was profiled before, the change per category.
 
 It writes, under ``traces/<name>/`` (``<name>`` from the flags: ``baseline``,
-``custom-rmsnorm``, ``custom-ce``, ``custom-rmsnorm-ce``):
+``custom-rmsnorm``, ``custom-rmsnorm-ce``, ``custom-rmsnorm-swiglu-rope-flce-adamw``, ...):
 
 * ``trace.json``          Chrome / Perfetto trace (open in https://ui.perfetto.dev)
 * ``tensorboard/``        the same trace for TensorBoard (``tensorboard_trace_handler``)
@@ -29,11 +30,14 @@ Usage:
     python profile_baseline.py                                    # Step 3: the baseline
     python profile_baseline.py --use-custom-rmsnorm               # Step 7: re-profile
     python profile_baseline.py --use-custom-rmsnorm --use-custom-ce   # Step 10
+    python profile_baseline.py --use-custom-rmsnorm --use-custom-swiglu --use-custom-rope \
+        --use-custom-flce --use-custom-adamw                       # Step 16: every kernel
     python profile_baseline.py --tiny --seq-len 64                # CPU, Triton interpreter
 
-How the categories are assigned. Every RMSNorm module and HF's loss function run
-inside a profiler range named "category: RMSNorm" / "category: cross-entropy/softmax"
-(see label_model), so all their operators count there: PyTorch's casts and
+How the categories are assigned. Every RMSNorm module, HF's loss function and the
+MLPs' SiLU run inside a profiler range named "category: RMSNorm" /
+"category: cross-entropy/softmax" / "category: SwiGLU (silu * up)" (see
+label_model), so all their operators count there: PyTorch's casts and
 multiplies too, which by name look like any other. Their backward operators are
 found through autograd's sequence numbers (a backward node carries the number of
 the forward operator that made it). The optimizer step is a range too. Everything

@@ -21,6 +21,8 @@ import pytest  # noqa: E402
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_TITLES = {"fp32": "Float32", "bf16": "BFloat16", "fp16": "Float16"}
+WHERE = torch.cuda.get_device_name() if ON_GPU else "CPU (Triton interpreter)"  # for report titles
 
 # An absolute floor on relative error, a tenth of the dtype's unit roundoff: when
 # the PyTorch path happens to be nearly exact, "2x its error" alone would demand
@@ -48,6 +50,29 @@ def no_worse(err_ours, err_torch, dtype, factor=2.0):
     return err_ours <= factor * err_torch + ERROR_FLOOR[dtype]
 
 
+def check_outputs(names, ours, peer, truth, dtypes=None, factor=2.0, peer_name="PyTorch"):
+    """The correctness rule over several outputs at once.
+
+    For each named output: the same dtype and shape as the peer's (the PyTorch
+    path at the same dtype), and an error against the float64 truth ``no_worse``
+    than ``factor`` x the peer's. ``dtypes`` is the error budget's dtype: one for
+    all outputs, one per output, or None for each output's own dtype. Returns
+    the report detail "name ours/peer ...".
+    """
+    if dtypes is None or isinstance(dtypes, torch.dtype):
+        dtypes = [dtypes] * len(names)
+    parts = []
+    for name, a, b, t, dtype in zip(names, ours, peer, truth, dtypes):
+        assert a.dtype == b.dtype, f"{name}: dtype {a.dtype}, {peer_name} gives {b.dtype}"
+        assert a.shape == b.shape, f"{name}: shape {tuple(a.shape)}, {peer_name} gives {tuple(b.shape)}"
+        e_ours, e_peer = rel_err(a, t), rel_err(b, t)
+        assert no_worse(e_ours, e_peer, dtype or a.dtype, factor), (
+            f"{name}: error {e_ours:.2e} vs {peer_name} {e_peer:.2e}"
+        )
+        parts.append(f"{name} {e_ours:.1e}/{e_peer:.1e}")
+    return "  ".join(parts)
+
+
 class Report:
     """Collects check lines for the script mode of a test file."""
 
@@ -59,6 +84,24 @@ class Report:
 
     def section(self, title):
         print(f"\n{title}")
+
+    def checks(self, title, checks):
+        """A section of (label, check) pairs, the lists the pytest parametrizations use."""
+        self.section(title)
+        for label, fn in checks:
+            self.run(label, fn)
+
+    def cases_by_dtype(self, cases, dtype_of, run_case, note=""):
+        """Sections "Test 1..3: Float32 / BFloat16 / Float16" of the cases of each dtype.
+
+        cases: tuples whose first item is the label; dtype_of(case) gives its
+        DTYPES key; run_case(case) runs the check and returns its detail.
+        """
+        for i, dt in enumerate(DTYPES, 1):
+            self.section(f"Test {i}: {DTYPE_TITLES[dt]}{note}")
+            for case in cases:
+                if dtype_of(case) == dt:
+                    self.run(case[0], lambda c=case: run_case(c))
 
     def line(self, label, ok, detail=""):
         status = "PASSED" if ok else "FAILED"

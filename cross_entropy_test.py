@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import DEVICE, DTYPES, Report, need_gpu, no_worse, rel_err
+from conftest import DEVICE, DTYPES, WHERE, Report, check_outputs, need_gpu, no_worse, rel_err
 from cross_entropy_kernel import (
     TritonCrossEntropyLoss,
     TritonFusedLinearCrossEntropyLoss,
@@ -93,8 +93,13 @@ CASES = [
 
 @pytest.mark.parametrize("label,lead,v,dtype,reduction", CASES, ids=[c[0] for c in CASES])
 def test_matches_float64_truth(label, lead, v, dtype, reduction):
+    check_case(lead, v, dtype, reduction)
+
+
+def check_case(lead, v, dtype, reduction):
+    """One CASES row (pytest and the script report)."""
     logits, targets = make_inputs(lead, v, DTYPES[dtype], ignore_frac=0.0 if lead == (1,) else 0.25)
-    compare_to_truth(logits, targets, reduction)
+    return compare_to_truth(logits, targets, reduction)
 
 
 def check_sliced_logits():
@@ -407,12 +412,8 @@ def flce_compare_to_truth(hidden, weight, targets, reduction="mean", upstream=No
     true = flce_loss_and_grads(linear_cross_entropy_reference, hidden.double(), weight.double(), targets, reduction, upstream.double())
     assert ours[0].dtype == torch.float32 and ours[1].dtype == hidden.dtype and ours[2].dtype == weight.dtype
     assert ours[1].shape == hidden.shape and ours[2].shape == weight.shape
-    details = []
-    for name, o, p, t, dtype in zip(("loss", "dh", "dW"), ours, plain, true, (torch.float32, hidden.dtype, weight.dtype)):
-        e_o, e_p = rel_err(o, t), rel_err(p, t)
-        assert no_worse(e_o, e_p, dtype, factor), f"{name} error {e_o:.2e} vs plain path {e_p:.2e}"
-        details.append(f"{name} {e_o:.1e}/{e_p:.1e}")
-    return "  ".join(details)
+    return check_outputs(("loss", "dh", "dW"), ours, plain, true, (torch.float32, hidden.dtype, weight.dtype), factor,
+                         peer_name="the plain path")
 
 
 # (label, leading shape, hidden, vocab, dtype, reduction, chunk_rows): several chunks
@@ -431,7 +432,12 @@ FLCE_CASES = [
 
 @pytest.mark.parametrize("label,lead,h,v,dtype,reduction,chunk", FLCE_CASES, ids=[c[0] for c in FLCE_CASES])
 def test_flce_matches_float64_truth(label, lead, h, v, dtype, reduction, chunk):
-    flce_compare_to_truth(*make_flce_inputs(lead, h, v, DTYPES[dtype]), reduction, chunk_rows=chunk)
+    check_flce_case(lead, h, v, dtype, reduction, chunk)
+
+
+def check_flce_case(lead, h, v, dtype, reduction, chunk):
+    """One FLCE_CASES row (pytest and the script report)."""
+    return flce_compare_to_truth(*make_flce_inputs(lead, h, v, DTYPES[dtype]), reduction, chunk_rows=chunk)
 
 
 def check_flce_shifted_hidden():
@@ -592,25 +598,13 @@ def test_check(label, check):
 
 
 def main():
-    where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (Triton interpreter)"
-    report = Report(f"Cross-Entropy Correctness Tests on {where}\n(error vs float64: ours / PyTorch, relative)")
-    names = {"fp32": "Float32", "bf16": "BFloat16", "fp16": "Float16"}
-    for i, dt in enumerate(("fp32", "bf16", "fp16"), 1):
-        report.section(f"Test {i}: {names[dt]}")
-        for label, lead, v, dtype, reduction in CASES:
-            if dtype == dt:
-                report.run(label, lambda l=lead, v=v, d=dtype, r=reduction: compare_to_truth(
-                    *make_inputs(l, v, DTYPES[d], ignore_frac=0.0 if l == (1,) else 0.25), r))
-    report.section("Test 4: Edge cases and API")
-    for label, fn in EDGE_CHECKS:
-        report.run(label, fn)
-    report.section("Test 5: GPU only")
-    for label, fn in GPU_CHECKS:
-        report.run(label, fn)
+    report = Report(f"Cross-Entropy Correctness Tests on {WHERE}\n(error vs float64: ours / PyTorch, relative)")
+    report.cases_by_dtype(CASES, lambda c: c[3], lambda c: check_case(*c[1:]))
+    report.checks("Test 4: Edge cases and API", EDGE_CHECKS)
+    report.checks("Test 5: GPU only", GPU_CHECKS)
     report.section("Test 6: Fused linear cross-entropy (error vs float64: ours / matmul-then-CE)")
     for label, lead, h, v, dtype, reduction, chunk in FLCE_CASES:
-        report.run(label, lambda a=(lead, h, v, DTYPES[dtype]), r=reduction, c=chunk: flce_compare_to_truth(
-            *make_flce_inputs(*a), r, chunk_rows=c))
+        report.run(label, lambda c=(lead, h, v, dtype, reduction, chunk): check_flce_case(*c))
     for label, fn in FLCE_CHECKS:
         report.run(label, fn)
     if torch.cuda.is_available():

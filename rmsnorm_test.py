@@ -18,11 +18,10 @@ import sys
 import pytest
 import torch
 
-from conftest import DEVICE, DTYPES, Report, need_gpu, no_worse, rel_err
+from conftest import DEVICE, DTYPES, WHERE, Report, check_outputs, need_gpu, rel_err
 from rmsnorm_kernel import (
     MAX_HIDDEN_SIZE,
     TritonRMSNorm,
-    TritonRMSNormFunction,
     rmsnorm,
     rmsnorm_reference,
     replace_rmsnorm,
@@ -62,14 +61,7 @@ def compare_to_truth(x, w, dy):
     ours = run_ours(x, w, dy)
     torch_path = run_torch(x, w, dy)
     truth = run_torch(x.double(), w.double(), dy.double(), torch.float64)
-    parts = []
-    for name, a, b, t in zip(("y", "dx", "dw"), ours, torch_path, truth):
-        assert a.dtype == b.dtype, f"{name}: dtype {a.dtype}, PyTorch gives {b.dtype}"
-        assert a.shape == b.shape, f"{name}: shape {tuple(a.shape)}, PyTorch gives {tuple(b.shape)}"
-        e_ours, e_torch = rel_err(a, t), rel_err(b, t)
-        assert no_worse(e_ours, e_torch, x.dtype), f"{name}: error {e_ours:.2e} vs PyTorch {e_torch:.2e}"
-        parts.append(f"{name} {e_ours:.1e}/{e_torch:.1e}")
-    return "  ".join(parts)
+    return check_outputs(("y", "dx", "dw"), ours, torch_path, truth, x.dtype)
 
 
 # (label, shape, dtype): irregular hidden sizes, 1 and 7 rows, every dtype,
@@ -280,20 +272,10 @@ def test_check(label, check):
 
 
 def main():
-    where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (Triton interpreter)"
-    report = Report(f"RMSNorm Correctness Tests on {where}\n(error vs float64: ours / PyTorch eager, relative)")
-    by_dtype = {"fp32": "Float32", "bf16": "BFloat16", "fp16": "Float16"}
-    for i, dt in enumerate(("fp32", "bf16", "fp16"), 1):
-        report.section(f"Test {i}: {by_dtype[dt]}")
-        for label, shape, dtype in CASES:
-            if dtype == dt:
-                report.run(label, lambda s=shape, d=dtype: compare_to_truth(*make_inputs(s, DTYPES[d])))
-    report.section("Test 4: Edge cases and API")
-    for label, fn in EDGE_CHECKS:
-        report.run(label, fn)
-    report.section("Test 5: GPU only")
-    for label, fn in GPU_CHECKS:
-        report.run(label, fn)
+    report = Report(f"RMSNorm Correctness Tests on {WHERE}\n(error vs float64: ours / PyTorch eager, relative)")
+    report.cases_by_dtype(CASES, lambda c: c[2], lambda c: compare_to_truth(*make_inputs(c[1], DTYPES[c[2]])))
+    report.checks("Test 4: Edge cases and API", EDGE_CHECKS)
+    report.checks("Test 5: GPU only", GPU_CHECKS)
     return report.finish("RMSNorm")
 
 

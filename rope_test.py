@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from conftest import DEVICE, DTYPES, Report, need_gpu, no_worse, rel_err
+from conftest import DEVICE, DTYPES, WHERE, Report, check_outputs, need_gpu, no_worse, rel_err
 from rope_kernel import (
     TritonRoPEFunction,
     apply_rotary_pos_emb,
@@ -87,19 +87,13 @@ def compare_to_truth(q, k, cos, sin, dq_out, dk_out, **kwargs):
     torch_path = run(rope_reference, q, k, cos, sin, dq_out, dk_out, **kwargs)
     truth = run(rope_reference, q.double(), k.double(), cos.double(), sin.double(), dq_out.double(),
                 dk_out.double(), **kwargs)
-    parts = []
-    for name, a, b, t in zip(("q_embed", "k_embed", "dq", "dk"), ours, torch_path, truth):
-        assert a.dtype == b.dtype, f"{name}: dtype {a.dtype}, PyTorch gives {b.dtype}"
-        assert a.shape == b.shape, f"{name}: shape {tuple(a.shape)}, PyTorch gives {tuple(b.shape)}"
-        e_ours, e_torch = rel_err(a, t), rel_err(b, t)
-        assert no_worse(e_ours, e_torch, a.dtype), f"{name}: error {e_ours:.2e} vs PyTorch {e_torch:.2e}"
-        if name.endswith("embed"):
-            assert same_layout(a, b), f"{name}: strides {a.stride()}, PyTorch gives {b.stride()}"
-            if a.dtype == torch.float32:
-                assert rel_err(a, b) <= 1e-7, f"{name}: differs from HF's float32 result by {rel_err(a, b):.2e}"
-            else:
-                assert torch.equal(a, b), f"{name}: not bitwise equal to HF's {a.dtype} result"
-        parts.append(f"{name.split('_')[0]} {e_ours:.1e}/{e_torch:.1e}")
+    detail = check_outputs(("q", "k", "dq", "dk"), ours, torch_path, truth)
+    for name, a, b in zip(("q_embed", "k_embed"), ours, torch_path):
+        assert same_layout(a, b), f"{name}: strides {a.stride()}, PyTorch gives {b.stride()}"
+        if a.dtype == torch.float32:
+            assert rel_err(a, b) <= 1e-7, f"{name}: differs from HF's float32 result by {rel_err(a, b):.2e}"
+        else:
+            assert torch.equal(a, b), f"{name}: not bitwise equal to HF's {a.dtype} result"
     # Gradients come back laid out like q and k when those are dense (HF's
     # views), so autograd's transpose/view upstream is free. (For a non-dense
     # leaf, autograd itself restrides .grad.)
@@ -107,7 +101,8 @@ def compare_to_truth(q, k, cos, sin, dq_out, dk_out, **kwargs):
         if same_layout(torch.empty_like(x), x):
             assert same_layout(grad, x), f"{name}: strides {grad.stride()}, the input has {x.stride()}"
     bitwise = all(torch.equal(a, b) for a, b in zip(ours[:2], torch_path[:2]))
-    return "  ".join(parts[:1] + parts[2:3]) + ("  fwd bitwise" if bitwise else "")
+    shown = detail.split("  ")  # q and dq: k and dk read the same
+    return "  ".join(shown[:1] + shown[2:3]) + ("  fwd bitwise" if bitwise else "")
 
 
 # (label, dtype, D, (nh, n_kv), (B, T), layout): every head dim with every head
@@ -515,23 +510,12 @@ def test_check(label, check):
 
 
 def main():
-    where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (Triton interpreter)"
-    report = Report(f"RoPE Correctness Tests on {where}\n(error vs float64: ours / PyTorch eager, relative)")
-    names = {"fp32": "Float32", "bf16": "BFloat16", "fp16": "Float16"}
-    for i, dt in enumerate(("fp32", "bf16", "fp16"), 1):
-        report.section(f"Test {i}: {names[dt]} (q and dq shown)")
-        for label, dtype, d, heads, bt, layout in CASES:
-            if dtype == dt:
-                report.run(label, lambda c=(dtype, d, heads, bt, layout): compare_to_truth(*_case_inputs(*c)))
-    report.section("Test 4: Edge cases and API")
-    for label, fn in EDGE_CHECKS:
-        report.run(label, fn)
-    report.section("Test 5: Model patching")
-    for label, fn in MODEL_CHECKS:
-        report.run(label, fn)
-    report.section("Test 6: GPU only")
-    for label, fn in GPU_CHECKS:
-        report.run(label, fn)
+    report = Report(f"RoPE Correctness Tests on {WHERE}\n(error vs float64: ours / PyTorch eager, relative)")
+    report.cases_by_dtype(CASES, lambda c: c[1], lambda c: compare_to_truth(*_case_inputs(*c[1:])),
+                          note=" (q and dq shown)")
+    report.checks("Test 4: Edge cases and API", EDGE_CHECKS)
+    report.checks("Test 5: Model patching", MODEL_CHECKS)
+    report.checks("Test 6: GPU only", GPU_CHECKS)
     return report.finish("RoPE")
 
 

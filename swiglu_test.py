@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from conftest import DEVICE, DTYPES, Report, need_gpu, no_worse, rel_err
+from conftest import DEVICE, DTYPES, WHERE, Report, check_outputs, need_gpu, no_worse, rel_err
 from swiglu_kernel import (
     TritonLlamaMLP,
     TritonSwiGLUFunction,
@@ -53,14 +53,7 @@ def compare_to_truth(gate, up, dy):
     ours = run(swiglu, gate, up, dy)
     torch_path = run(swiglu_reference, gate, up, dy)
     truth = run(swiglu_reference, gate.double(), up.double(), dy.double())
-    parts = []
-    for name, a, b, t in zip(("y", "dgate", "dup"), ours, torch_path, truth):
-        assert a.dtype == b.dtype, f"{name}: dtype {a.dtype}, PyTorch gives {b.dtype}"
-        assert a.shape == b.shape, f"{name}: shape {tuple(a.shape)}, PyTorch gives {tuple(b.shape)}"
-        e_ours, e_torch = rel_err(a, t), rel_err(b, t)
-        assert no_worse(e_ours, e_torch, a.dtype), f"{name}: error {e_ours:.2e} vs PyTorch {e_torch:.2e}"
-        parts.append(f"{name} {e_ours:.1e}/{e_torch:.1e}")
-    return "  ".join(parts)
+    return check_outputs(("y", "dgate", "dup"), ours, torch_path, truth)
 
 
 # (label, shape, dtype): irregular intermediate sizes (1, 7, 123, 4097), 1 and 7
@@ -228,10 +221,8 @@ def check_from_llama_mlp():
         got = _mlp_out_and_grads(ours, x, dy)
         ref = _mlp_out_and_grads(hf, x, dy)
         true = _mlp_out_and_grads(truth_mlp, x.double(), dy.double())
-        for name, a, b, t in zip(("y", "dx", "dW_gate", "dW_up", "dW_down"), got, ref, true):
-            assert a.dtype == b.dtype == dtype, f"{name}: dtype {a.dtype}"
-            e_ours, e_hf = rel_err(a, t), rel_err(b, t)
-            assert no_worse(e_ours, e_hf, dtype), f"{dtype} {name}: error {e_ours:.2e} vs HF {e_hf:.2e}"
+        assert all(a.dtype == dtype for a in got), f"{dtype}: dtypes {[a.dtype for a in got]}"
+        check_outputs(("y", "dx", "dW_gate", "dW_up", "dW_down"), got, ref, true, dtype, peer_name=f"HF {dtype}")
         details.append(f"y {rel_err(got[0], true[0]):.1e}/{rel_err(ref[0], true[0]):.1e}")
     fresh = TritonLlamaMLP(cfg)
     assert fresh.gate_proj.weight.shape == (123, 64) and fresh.down_proj.weight.shape == (64, 123)
@@ -309,9 +300,8 @@ def check_recompute_hidden():
     yt = down(torch.nn.functional.silu(gate(xt)) * up(xt))
     yt.backward(dy.double())
     true = [yt.detach(), xt.grad, gate.weight.grad, up.weight.grad, down.weight.grad]
-    for name, a, b, t in zip(("y", "dx", "dW_gate", "dW_up", "dW_down"), results[True], results[False], true):
-        e_a, e_b = rel_err(a, t), rel_err(b, t)
-        assert no_worse(e_a, e_b, torch.bfloat16), f"{name}: recompute {e_a:.2e} vs saved {e_b:.2e}"
+    check_outputs(("y", "dx", "dW_gate", "dW_up", "dW_down"), results[True], results[False], true, torch.bfloat16,
+                  peer_name="h saved")
     return f"same results, {saved[False] - saved[True]} B less saved (= h)"
 
 
@@ -391,20 +381,10 @@ def test_check(label, check):
 
 
 def main():
-    where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (Triton interpreter)"
-    report = Report(f"SwiGLU Correctness Tests on {where}\n(error vs float64: ours / PyTorch eager, relative)")
-    names = {"fp32": "Float32", "bf16": "BFloat16", "fp16": "Float16"}
-    for i, dt in enumerate(("fp32", "bf16", "fp16"), 1):
-        report.section(f"Test {i}: {names[dt]}")
-        for label, shape, dtype in CASES:
-            if dtype == dt:
-                report.run(label, lambda s=shape, d=dtype: compare_to_truth(*make_inputs(s, DTYPES[d])))
-    report.section("Test 4: Edge cases and API")
-    for label, fn in EDGE_CHECKS:
-        report.run(label, fn)
-    report.section("Test 5: GPU only")
-    for label, fn in GPU_CHECKS:
-        report.run(label, fn)
+    report = Report(f"SwiGLU Correctness Tests on {WHERE}\n(error vs float64: ours / PyTorch eager, relative)")
+    report.cases_by_dtype(CASES, lambda c: c[2], lambda c: compare_to_truth(*make_inputs(c[1], DTYPES[c[2]])))
+    report.checks("Test 4: Edge cases and API", EDGE_CHECKS)
+    report.checks("Test 5: GPU only", GPU_CHECKS)
     return report.finish("SwiGLU")
 
 

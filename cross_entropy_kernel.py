@@ -326,26 +326,33 @@ def _row_layout(t):
     return t, max(t.shape[1], 1), t.stride(0), t.stride(1)
 
 
+def _check_targets(op, targets, ignore_index, reduction, rows_name, rows):
+    """The checks cross_entropy and fused_linear_cross_entropy share: targets
+    (dtype, shape [...] of ``rows`` [..., X] without its last dim), ignore_index,
+    reduction. ``op`` names the function in the messages."""
+    if targets.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{op}: targets must be int64 or int32 class indices, got {targets.dtype}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if tuple(targets.shape) != tuple(rows.shape[:-1]):
+        raise ValueError(
+            f"{op}: targets shape {tuple(targets.shape)} does not match {rows_name} shape "
+            f"{tuple(rows.shape)} (expected {tuple(rows.shape[:-1])})"
+        )
+    if not isinstance(ignore_index, int):
+        raise TypeError(f"{op}: ignore_index must be an int, got {type(ignore_index).__name__}")
+
+
 def _check_inputs(logits, targets, ignore_index, reduction):
     if not isinstance(logits, torch.Tensor) or not isinstance(targets, torch.Tensor):
         raise TypeError("cross_entropy expects tensors for logits and targets")
     if logits.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"cross_entropy: unsupported logits dtype {logits.dtype}; use float32, float16 or bfloat16")
-    if targets.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"cross_entropy: targets must be int64 or int32 class indices, got {targets.dtype}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"cross_entropy: reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if logits.dim() < 2:
         raise ValueError(f"cross_entropy: logits must be [..., V] with at least 2 dims, got shape {tuple(logits.shape)}")
-    if tuple(targets.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(
-            f"cross_entropy: targets shape {tuple(targets.shape)} does not match logits shape "
-            f"{tuple(logits.shape)} (expected {tuple(logits.shape[:-1])})"
-        )
     if logits.shape[-1] < 1:
         raise ValueError("cross_entropy: vocabulary size must be at least 1")
-    if not isinstance(ignore_index, int):
-        raise TypeError(f"cross_entropy: ignore_index must be an int, got {type(ignore_index).__name__}")
+    _check_targets("cross_entropy", targets, ignore_index, reduction, "logits", logits)
     check_kernel_device(logits, targets)
 
 
@@ -639,10 +646,6 @@ def _check_flce_inputs(hidden, weight, targets, ignore_index, reduction):
         raise TypeError(
             f"fused_linear_cross_entropy: hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype"
         )
-    if targets.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"fused_linear_cross_entropy: targets must be int64 or int32 class indices, got {targets.dtype}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"fused_linear_cross_entropy: reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if hidden.dim() < 2:
         raise ValueError(f"fused_linear_cross_entropy: hidden must be [N, H] or [B, T, H], got shape {tuple(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -652,13 +655,7 @@ def _check_flce_inputs(hidden, weight, targets, ignore_index, reduction):
         )
     if weight.shape[0] < 1 or hidden.shape[-1] < 1:
         raise ValueError("fused_linear_cross_entropy: vocabulary and hidden size must be at least 1")
-    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(
-            f"fused_linear_cross_entropy: targets shape {tuple(targets.shape)} does not match hidden shape "
-            f"{tuple(hidden.shape)} (expected {tuple(hidden.shape[:-1])})"
-        )
-    if not isinstance(ignore_index, int):
-        raise TypeError(f"fused_linear_cross_entropy: ignore_index must be an int, got {type(ignore_index).__name__}")
+    _check_targets("fused_linear_cross_entropy", targets, ignore_index, reduction, "hidden", hidden)
     check_kernel_device(hidden, weight, targets)
 
 

@@ -125,49 +125,28 @@ def add_model_args(parser, custom_kernels_default=False):
     g.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: %(default)s)")
     g.add_argument("--lr", type=float, help="AdamW learning rate (default: 1e-5; --tiny: 1e-3)")
     k = parser.add_argument_group("custom Triton kernels")
-    k.add_argument(
-        "--use-custom-rmsnorm",
-        action=argparse.BooleanOptionalAction,
-        default=custom_kernels_default,
-        help="replace every RMSNorm module with TritonRMSNorm (default: %(default)s)",
-    )
-    k.add_argument(
-        "--use-custom-ce",
-        action=argparse.BooleanOptionalAction,
-        default=custom_kernels_default,
-        help="compute the loss with the Triton cross-entropy on the model's logits (default: %(default)s)",
-    )
-    k.add_argument(
-        "--use-custom-rope",
-        action=argparse.BooleanOptionalAction,
-        default=custom_kernels_default,
-        help="rotary position embedding with the fused Triton kernel, inside this model's forward only "
-        "(default: %(default)s)",
-    )
-    k.add_argument(
-        "--use-custom-adamw",
-        action=argparse.BooleanOptionalAction,
-        default=custom_kernels_default,
-        help="the fused Triton AdamW step instead of torch.optim.AdamW(fused=True) (default: %(default)s)",
-    )
-    k.add_argument(
-        "--use-custom-flce",
-        action=argparse.BooleanOptionalAction,
-        default=custom_kernels_default,
-        help="fused linear cross-entropy: LM head + loss in chunks, the logits are never built "
-        "(supersedes --use-custom-ce; default: %(default)s)",
-    )
-    k.add_argument(
-        "--use-custom-swiglu",
-        action=argparse.BooleanOptionalAction,
-        default=custom_kernels_default,
-        help="replace every LLaMA MLP with one whose SiLU * up is the fused Triton SwiGLU (default: %(default)s)",
-    )
+    for name, help_text in KERNEL_FLAGS.items():
+        k.add_argument(
+            f"--use-custom-{name}",
+            action=argparse.BooleanOptionalAction,
+            default=custom_kernels_default,
+            help=f"{help_text} (default: %(default)s)",
+        )
     return parser
 
 
-# The kernels a run can switch on, in the order they are applied and reported.
-KERNELS = ("rmsnorm", "swiglu", "rope", "ce", "flce", "adamw")
+# The kernels a run can switch on, in the order they are applied and reported,
+# with the help of their --use-custom-<name> flags.
+KERNEL_FLAGS = {
+    "rmsnorm": "replace every RMSNorm module with TritonRMSNorm",
+    "swiglu": "replace every LLaMA MLP with one whose SiLU * up is the fused Triton SwiGLU",
+    "rope": "rotary position embedding with the fused Triton kernel, inside this model's forward only",
+    "ce": "compute the loss with the Triton cross-entropy on the model's logits",
+    "flce": "fused linear cross-entropy: LM head + loss in chunks, the logits are never built "
+            "(supersedes --use-custom-ce)",
+    "adamw": "the fused Triton AdamW step instead of torch.optim.AdamW(fused=True)",
+}
+KERNELS = tuple(KERNEL_FLAGS)
 
 
 def kernels_from_args(args):

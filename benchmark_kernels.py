@@ -246,6 +246,17 @@ class KernelBench:
     def footnotes(self, shapes):
         return []
 
+    def bytes_lines(self, shapes, extra=lambda nb: ""):
+        """One footnote line per shape: the MB of the byte formula, fwd and fwd+bwd."""
+        lines = []
+        for shape in shapes:
+            nb = self.bytes_moved(shape)
+            lines.append(
+                f"  N = {shape['tokens']:>6,}: fwd {nb['fwd'] / 1e6:,.1f} MB, fwd+bwd {nb['fwdbwd'] / 1e6:,.1f} MB"
+                + extra(nb)
+            )
+        return lines
+
 
 # --------------------------------------------------------------------------------
 # RMSNorm
@@ -341,11 +352,7 @@ class RMSNormBench(KernelBench):
             "  fwd+bwd = fwd + read x + read dy + write dx + read w + write dw",
             "          = 5 passes over [N, H] + 3 weight terms              = 5*N*H*2 + 3*H*2",
         ]
-        for shape in shapes:
-            nb = self.bytes_moved(shape)
-            lines.append(
-                f"  N = {shape['tokens']:>6,}: fwd {nb['fwd'] / 1e6:,.1f} MB, fwd+bwd {nb['fwdbwd'] / 1e6:,.1f} MB"
-            )
+        lines += self.bytes_lines(shapes)
         lines += [
             "Peak extra memory (fwd+bwd): max_memory_allocated() during one forward + backward minus the memory",
             "  allocated just before it. x, w and dy (the caller's) are not counted; y, dx, dw, saved",
@@ -445,12 +452,7 @@ class CrossEntropyBench(KernelBench):
             "  An implementation that reads the logits twice moves 3*N*V*2 bytes from memory and so",
             "  stays below 2/3 of the copy bandwidth on this metric, unless the second read hits in L2.",
         ]
-        for shape in shapes:
-            nb = self.bytes_moved(shape)
-            lines.append(
-                f"  N = {shape['tokens']:>6,}: fwd {nb['fwd'] / 1e6:,.1f} MB, fwd+bwd {nb['fwdbwd'] / 1e6:,.1f} MB"
-                f" (the logits gradient alone: {nb['fwd'] / 1e6:,.1f} MB)"
-            )
+        lines += self.bytes_lines(shapes, lambda nb: f" (the logits gradient alone: {nb['fwd'] / 1e6:,.1f} MB)")
         lines += [
             "Peak extra memory (fwd+bwd): max_memory_allocated() during one loss + backward minus the memory",
             "  allocated just before it; the logits, targets and upstream gradient (the caller's) are not",
@@ -541,11 +543,7 @@ class SwiGLUBench(KernelBench):
             "  fwd     = read gate + read up + write y                                 = 3*N*I*2",
             "  fwd+bwd = fwd + read dy + read gate + read up + write dgate + write dup  = 8*N*I*2",
         ]
-        for shape in shapes:
-            nb = self.bytes_moved(shape)
-            lines.append(
-                f"  N = {shape['tokens']:>6,}: fwd {nb['fwd'] / 1e6:,.1f} MB, fwd+bwd {nb['fwdbwd'] / 1e6:,.1f} MB"
-            )
+        lines += self.bytes_lines(shapes)
         lines += [
             "Peak extra memory (fwd+bwd): max_memory_allocated() during one forward + backward minus the memory",
             "  allocated just before it (gate, up and dy are the caller's). Floor: y + dgate + dup = 3*N*I*2.",

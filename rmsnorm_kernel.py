@@ -463,16 +463,26 @@ def _is_rmsnorm(module):
     )
 
 
+def swap_modules(model, matches, replacement):
+    """Replace every submodule for which ``matches(module)`` holds by ``replacement(module)``.
+
+    Returns the count. We collect first and swap afterwards: changing the module
+    tree while iterating over it is unsafe. The root module itself is never
+    swapped (it has no parent to hold the replacement). The model patchers of the
+    other kernel files use this too.
+    """
+    targets = [(name, module) for name, module in model.named_modules() if name and matches(module)]
+    for name, module in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, replacement(module))
+    return len(targets)
+
+
 def replace_rmsnorm(model):
     """Replace every HF RMSNorm in ``model`` with ``TritonRMSNorm``; return the count.
 
     Modules are found by type name (``LlamaRMSNorm``, ``MistralRMSNorm``, ...) with a
-    ``weight`` and a ``variance_epsilon``. We collect first and swap afterwards:
-    changing the module tree while iterating over it is unsafe.
+    ``weight`` and a ``variance_epsilon``.
     """
-    targets = [(name, module) for name, module in model.named_modules() if _is_rmsnorm(module)]
-    for name, module in targets:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, TritonRMSNorm.from_llama_rmsnorm(module))
-    return len(targets)
+    return swap_modules(model, _is_rmsnorm, TritonRMSNorm.from_llama_rmsnorm)

@@ -85,7 +85,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # Imported first: it switches on the Triton interpreter when there is no GPU.
-from rmsnorm_kernel import INTERPRET, SUPPORTED_DTYPES, _as_rows, cast_to, check_kernel_device
+from rmsnorm_kernel import INTERPRET, SUPPORTED_DTYPES, _as_rows, cast_to, check_kernel_device, swap_modules
 
 import triton
 import triton.language as tl
@@ -473,14 +473,7 @@ def replace_swiglu(model):
     """Replace every SiLU-gated MLP in ``model`` with ``TritonLlamaMLP``; return the count.
 
     Modules are found by type name (``LlamaMLP``, ``MistralMLP``, ``Qwen2MLP``, ...)
-    with ``gate_proj``, ``up_proj``, ``down_proj`` and a SiLU ``act_fn``. We collect
-    first and swap afterwards: changing the module tree while iterating over it is
-    unsafe. The root module itself is never swapped (it has no parent to hold the
-    replacement).
+    with ``gate_proj``, ``up_proj``, ``down_proj`` and a SiLU ``act_fn``
+    (rmsnorm_kernel.swap_modules does the swapping).
     """
-    targets = [(name, module) for name, module in model.named_modules() if name and _is_swiglu_mlp(module)]
-    for name, module in targets:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, TritonLlamaMLP.from_llama_mlp(module))
-    return len(targets)
+    return swap_modules(model, _is_swiglu_mlp, TritonLlamaMLP.from_llama_mlp)

@@ -376,16 +376,14 @@ def _launch_forward(rows, layout, tgt, loss, grad, grad_layout, n_valid, ignore_
     inner, s_outer, s_inner = layout
     g_outer, g_inner = grad_layout
     v, n_rows = rows.shape[-1], tgt.numel()
-    grad_arg = grad if grad is not None else loss  # never written when WRITE_GRAD is False
-    up_arg = upstream if upstream is not None else loss
-    stride_up = upstream.stride(0) if upstream is not None else 0
-    flags = dict(MEAN=mean, WRITE_GRAD=grad is not None, HAS_UPSTREAM=upstream is not None, SOFT_BF16=INTERPRET,
-                 PRECISE_EXP=rows.dtype == torch.float32, INTERPRET=INTERPRET)
     block_v, num_warps = _launch_config(v, n_rows, rows.device)
     _cross_entropy_fwd_kernel[(n_rows,)](
-        rows, tgt, loss, grad_arg, n_valid, up_arg, stride_up,
+        rows, tgt, loss, grad if grad is not None else loss, n_valid,  # GRAD is never written without WRITE_GRAD
+        upstream if upstream is not None else loss, upstream.stride(0) if upstream is not None else 0,
         inner, s_outer, s_inner, g_outer, g_inner, v, ignore_index,
-        BLOCK_V=block_v, num_warps=num_warps, **flags,
+        MEAN=mean, WRITE_GRAD=grad is not None, HAS_UPSTREAM=upstream is not None,
+        BLOCK_V=block_v, SOFT_BF16=INTERPRET,
+        PRECISE_EXP=rows.dtype == torch.float32, INTERPRET=INTERPRET, num_warps=num_warps,
     )
 
 

@@ -387,6 +387,25 @@ def _launch_forward(rows, layout, tgt, loss, grad, grad_layout, n_valid, ignore_
     )
 
 
+def _reduce(loss, n_valid, reduction, lead_shape):
+    """Per-row float32 losses -> the requested reduction (mean over the valid rows, 0 if none)."""
+    if reduction == "mean":
+        return loss.sum() / n_valid.clamp(min=1.0).squeeze(0)
+    if reduction == "sum":
+        return loss.sum()
+    return loss.view(lead_shape)
+
+
+def _claim_backward(ctx, op):
+    """The gradient was prepared once, in forward: a second backward must fail loudly."""
+    if ctx.used:
+        raise RuntimeError(
+            f"{op}: backward called twice through the same graph; the gradient is prepared once "
+            "(do not use retain_graph=True through it)"
+        )
+    ctx.used = True
+
+
 class TritonCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, ignore_index, reduction, write_grad, inplace_backward):
@@ -435,21 +454,12 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
         if ctx.recompute:
             ctx.save_for_backward(logits, targets)
 
-        if reduction == "mean":
-            return loss.sum() / n_valid.clamp(min=1.0).squeeze(0)
-        if reduction == "sum":
-            return loss.sum()
-        return loss.view(lead_shape)
+        return _reduce(loss, n_valid, reduction, lead_shape)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
-        if ctx.used:
-            raise RuntimeError(
-                "cross_entropy: backward called twice through the same graph; the fused loss "
-                "prepares its gradient once (do not use retain_graph=True through it)"
-            )
-        ctx.used = True
+        _claim_backward(ctx, "cross_entropy")
         if ctx.recompute:
             logits, targets = ctx.saved_tensors
             rows, *layout = _row_layout(logits)
@@ -682,21 +692,12 @@ class TritonFusedLinearCrossEntropyFunction(torch.autograd.Function):
         ctx.used = False
         if recompute:
             ctx.save_for_backward(h2, weight, tgt)
-        if reduction == "mean":
-            return loss.sum() / n_valid.clamp(min=1.0).squeeze(0)
-        if reduction == "sum":
-            return loss.sum()
-        return loss.view(lead_shape)
+        return _reduce(loss, n_valid, reduction, lead_shape)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
-        if ctx.used:
-            raise RuntimeError(
-                "fused_linear_cross_entropy: backward called twice through the same graph; the gradients "
-                "are prepared once (do not use retain_graph=True through it)"
-            )
-        ctx.used = True
+        _claim_backward(ctx, "fused_linear_cross_entropy")
         if ctx.recompute:
             h2, weight, tgt = ctx.saved_tensors
             grad_h = torch.empty_like(h2) if ctx.needs_input_grad[0] else None

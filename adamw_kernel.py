@@ -89,8 +89,8 @@ import math
 
 import torch
 
-# Imported first: it switches on the Triton interpreter when there is no GPU.
-from rmsnorm_kernel import INTERPRET, SUPPORTED_DTYPES, cast_to, check_kernel_device
+# First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
+from kernel_common import INTERPRET, SUPPORTED_DTYPES, cast_to, check_kernel_device
 
 import triton
 import triton.language as tl
@@ -133,7 +133,6 @@ def _adamw_kernel(
     eps,
     BLOCK: tl.constexpr,  # elements per program (power of two)
     PRECISE: tl.constexpr,  # float32 parameters: IEEE-rounded sqrt and division
-    SOFT_BF16: tl.constexpr,  # interpreter: round to bf16 by hand (see cast_to)
 ):
     # 64-bit offsets: pid * BLOCK overflows int32 for tensors of more than 2**31
     # elements. The int64 arithmetic is a few instructions per program, and the
@@ -172,9 +171,9 @@ def _adamw_kernel(
         denom = tl.sqrt(v) / bc2_sqrt + eps
         p = p - step_size * (m / denom)
 
-    tl.store(P + offs, cast_to(p, P.dtype.element_ty, SOFT_BF16), mask=mask)
-    tl.store(M + offs, cast_to(m, M.dtype.element_ty, SOFT_BF16), mask=mask)
-    tl.store(V + offs, cast_to(v, V.dtype.element_ty, SOFT_BF16), mask=mask)
+    tl.store(P + offs, cast_to(p, P.dtype.element_ty), mask=mask)
+    tl.store(M + offs, cast_to(m, M.dtype.element_ty), mask=mask)
+    tl.store(V + offs, cast_to(v, V.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------
@@ -276,7 +275,7 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, we
         param, grad, exp_avg, exp_avg_sq, n,
         float(lr) * float(weight_decay), 1.0 - float(beta1), float(beta2), 1.0 - float(beta2),
         float(lr) / bias_correction1, math.sqrt(bias_correction2), float(eps),
-        BLOCK=block, PRECISE=param.dtype == torch.float32, SOFT_BF16=INTERPRET,
+        BLOCK=block, PRECISE=param.dtype == torch.float32,
         num_warps=num_warps,
     )
 

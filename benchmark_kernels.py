@@ -64,12 +64,8 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
-from cross_entropy_kernel import (  # noqa: E402
-    cross_entropy,
-    cross_entropy_reference,
-    fused_linear_cross_entropy,
-    linear_cross_entropy_reference,
-)
+from cross_entropy_kernel import cross_entropy, cross_entropy_reference  # noqa: E402
+from linear_cross_entropy_kernel import fused_linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
 from llama_common import environment_info  # noqa: E402
 from rmsnorm_kernel import rmsnorm, rmsnorm_reference  # noqa: E402
 from rope_kernel import rope, rope_reference  # noqa: E402

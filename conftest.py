@@ -1,7 +1,7 @@
 """Shared pieces of the correctness tests (pytest loads this file first).
 
-* Without CUDA, kernels run through the Triton interpreter on CPU tensors; the
-  variable must be set before triton is imported, which is why it is here.
+* Without CUDA, kernels run through the Triton interpreter on CPU tensors;
+  kernel_common sets the variable before triton is imported, so it comes first.
 * ``rel_err`` and ``no_worse`` implement the project's definition of correct:
   compare with a float64 truth, and require the kernel's error to be no worse
   than about twice the error of the PyTorch path at the same dtype.
@@ -9,14 +9,10 @@
   run as a plain script.
 """
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
+import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")

@@ -72,22 +72,15 @@ Triton concepts new in this step (see rmsnorm_kernel.py for the basics)
   upstream gradient) used to steer the computation without the host knowing it.
 """
 
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# Imported first: it switches on the Triton interpreter when there is no GPU.
-from rmsnorm_kernel import INTERPRET, SUPPORTED_DTYPES, cast_to, check_kernel_device
+# First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
+from kernel_common import SUPPORTED_DTYPES, cast_to, check_kernel_device, exp, log
 
 import triton
 import triton.language as tl
-
-from triton.language.extra import libdevice
-
-# Module-level constants used inside @triton.jit code must be declared constexpr.
-LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(t) == exp2(t * LOG2E)
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -105,53 +98,24 @@ def cross_entropy_reference(logits, targets, ignore_index=-100, reduction="mean"
 
 
 # --------------------------------------------------------------------------------
-# exp, fast or precise
-# --------------------------------------------------------------------------------
-# The fast path (bf16/fp16 logits) is exp2(t * log2 e): one multiply and the GPU's
-# ex2.approx instruction, ~2 ulp of float32, far below bf16's resolution. Float32
-# logits deserve a float32-accurate exp, as PyTorch's expf is: libdevice's exp on
-# the GPU; in the CPU interpreter (which has no libdevice) see _log below.
-# In the CPU interpreter tl.exp / tl.log become NumPy's float32 exp / log, SIMD
-# approximations with errors up to ~3 ulp: measurably worse (2-4x in the float32
-# tests) than both PyTorch's CPU kernels and libdevice on the GPU. The interpreter
-# therefore evaluates them in float64 and rounds once, which is what the GPU's
-# accurate functions come close to.
-@triton.jit
-def _log(t, INTERPRET: tl.constexpr):
-    # Once per row, so always the accurate one.
-    if INTERPRET:
-        return tl.log(t.to(tl.float64)).to(tl.float32)
-    else:
-        return libdevice.log(t)
-
-
-@triton.jit
-def _exp(t, PRECISE: tl.constexpr, INTERPRET: tl.constexpr):
-    if PRECISE:
-        if INTERPRET:
-            return tl.exp(t.to(tl.float64)).to(tl.float32)
-        else:
-            return libdevice.exp(t)
-    else:
-        return tl.exp2(t * LOG2E)
-
-
-# --------------------------------------------------------------------------------
 # Forward kernel (computes the loss and, when training, the gradient)
 # --------------------------------------------------------------------------------
 # The row work is written as three @triton.jit helpers (Triton inlines them): the
 # online logsumexp, the loss, the gradient. The kernel below reads as the
 # algorithm, and each helper can be read (and changed) on its own.
 @triton.jit
-def _row_stats(logits_row, col_start, n_blocks, V, ignored, BLOCK_V: tl.constexpr, PRECISE_EXP: tl.constexpr,
-               INTERPRET: tl.constexpr):
+def _row_stats(logits_row, col_start, n_blocks, V, ignored, BLOCK_V: tl.constexpr, PRECISE_EXP: tl.constexpr):
     """Online logsumexp over columns [col_start, col_start + n_blocks * BLOCK_V) of one row: (m, d)."""
     # m is the running max of the logits, d the running sum of exp(z - m).
     m = float("-inf")
     d = 0.0
+    # Ignored rows load nothing: a column bound of 0 masks every lane. (One bound
+    # instead of `(cols < V) & ~ignored`: the same mask, and the form that
+    # every Triton release's interpreter broadcasts correctly.)
+    n_load = tl.where(ignored, 0, V)
     for i in range(0, n_blocks):
         cols = col_start + i * BLOCK_V + tl.arange(0, BLOCK_V)
-        z = tl.load(logits_row + cols, mask=(cols < V) & ~ignored, other=float("-inf")).to(tl.float32)
+        z = tl.load(logits_row + cols, mask=cols < n_load, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(z, axis=0))
         # While every logit seen so far is -inf, m_new is -inf too and z - m_new
         # would be NaN; shifting by 0 instead keeps d at exactly 0.
@@ -159,13 +123,13 @@ def _row_stats(logits_row, col_start, n_blocks, V, ignored, BLOCK_V: tl.constexp
         # We subtract before exponentiating: z - m is exact for the terms that
         # matter (z close to m), while z * log2(e) would carry the rounding of
         # |z| * log2(e) into every term.
-        d = d * _exp(m - m_safe, PRECISE_EXP, INTERPRET) + tl.sum(_exp(z - m_safe, PRECISE_EXP, INTERPRET), axis=0)
+        d = d * exp(m - m_safe, PRECISE_EXP) + tl.sum(exp(z - m_safe, PRECISE_EXP), axis=0)
         m = m_new
     return m, d
 
 
 @triton.jit
-def _row_loss(logits_row, target, V, ignore_index, m, d, INTERPRET: tl.constexpr):
+def _row_loss(logits_row, target, V, ignore_index, m, d):
     """From the row's (m, d): (m, log d, loss), with the ignore and out-of-range rules applied."""
     ignored = target == ignore_index
     in_range = (target >= 0) & (target < V)
@@ -175,11 +139,11 @@ def _row_loss(logits_row, target, V, ignore_index, m, d, INTERPRET: tl.constexpr
     # Ignored rows loaded nothing (m = -inf, d = 0): give them finite stand-ins so
     # the gradient pass computes 0 * finite, not 0 * inf.
     m = tl.where(ignored, 0.0, m)
-    log_d = _log(tl.where(ignored, 1.0, d), INTERPRET)
+    log_d = log(tl.where(ignored, 1.0, d))
     # The target logit is one scalar load, not a search through the chunks. Out of
     # range targets read index 0 but their loss is forced to NaN just below.
     safe_target = tl.where(in_range, target, 0)
-    z_target = tl.load(logits_row + safe_target, mask=~ignored, other=0.0).to(tl.float32)
+    z_target = tl.load(logits_row + safe_target).to(tl.float32)
     loss = tl.where(ignored, 0.0, tl.where(in_range, (m - z_target) + log_d, float("nan")))
     return m, log_d, loss
 
@@ -187,7 +151,7 @@ def _row_loss(logits_row, target, V, ignore_index, m, d, INTERPRET: tl.constexpr
 @triton.jit
 def _row_grad(logits_row, grad_row, col_start, n_blocks, V, target, ignore_index, m, log_d, N_VALID, UPSTREAM,
               up_offset, MEAN: tl.constexpr, HAS_UPSTREAM: tl.constexpr, BLOCK_V: tl.constexpr,
-              SOFT_BF16: tl.constexpr, PRECISE_EXP: tl.constexpr, INTERPRET: tl.constexpr):
+              PRECISE_EXP: tl.constexpr):
     """Write (softmax - onehot) * scale for columns [col_start, col_start + n_blocks * BLOCK_V)."""
     ignored = target == ignore_index
     in_range = (target >= 0) & (target < V)
@@ -198,14 +162,15 @@ def _row_grad(logits_row, grad_row, col_start, n_blocks, V, target, ignore_index
         scale = scale * tl.load(UPSTREAM + up_offset).to(tl.float32)
     # Ignored rows get a zero gradient, out-of-range rows a NaN one.
     scale = tl.where(ignored, 0.0, tl.where(in_range, scale, float("nan")))
+    n_load = tl.where(ignored, 0, V)  # as in _row_stats: ignored rows load nothing
     for i in range(0, n_blocks):
         cols = col_start + i * BLOCK_V + tl.arange(0, BLOCK_V)
         col_mask = cols < V
-        # Ignored rows skip the load (masked lanes move no memory).
-        z = tl.load(logits_row + cols, mask=col_mask & ~ignored, other=0.0).to(tl.float32)
-        p = _exp((z - m) - log_d, PRECISE_EXP, INTERPRET)  # softmax, never stored on its own
+        # Masked lanes move no memory: ignored rows only write their zeros.
+        z = tl.load(logits_row + cols, mask=cols < n_load, other=0.0).to(tl.float32)
+        p = exp((z - m) - log_d, PRECISE_EXP)  # softmax, never stored on its own
         g = (p - tl.where(cols == target, 1.0, 0.0)) * scale
-        tl.store(grad_row + cols, cast_to(g, grad_row.dtype.element_ty, SOFT_BF16), mask=col_mask)
+        tl.store(grad_row + cols, cast_to(g, grad_row.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
@@ -228,9 +193,7 @@ def _cross_entropy_fwd_kernel(
     WRITE_GRAD: tl.constexpr,  # training: write d(loss)/d(logits) in pass 2
     HAS_UPSTREAM: tl.constexpr,  # scale the gradient by UPSTREAM (else by 1)
     BLOCK_V: tl.constexpr,  # vocabulary chunk streamed per loop iteration
-    SOFT_BF16: tl.constexpr,  # interpreter only: round to bf16 by hand (rmsnorm_kernel.cast_to)
-    PRECISE_EXP: tl.constexpr,  # float32 logits: float32-accurate exp (see _exp)
-    INTERPRET: tl.constexpr,  # running in the CPU interpreter
+    PRECISE_EXP: tl.constexpr,  # float32 logits: float32-accurate exp (kernel_common.exp)
 ):
     # One program per token row. The row index is 64-bit from the start so that
     # every offset computed from it is too (design choice 4).
@@ -241,15 +204,15 @@ def _cross_entropy_fwd_kernel(
     n_blocks = tl.cdiv(V, BLOCK_V)
 
     # ---- pass 1: online logsumexp, then the loss --------------------------------
-    m, d = _row_stats(logits_row, 0, n_blocks, V, target == ignore_index, BLOCK_V, PRECISE_EXP, INTERPRET)
-    m, log_d, loss = _row_loss(logits_row, target, V, ignore_index, m, d, INTERPRET)
+    m, d = _row_stats(logits_row, 0, n_blocks, V, target == ignore_index, BLOCK_V, PRECISE_EXP)
+    m, log_d, loss = _row_loss(logits_row, target, V, ignore_index, m, d)
     tl.store(LOSS + row, loss)
 
     # ---- pass 2: the gradient, while the row is still in L2 (design choice 1) ---
     if WRITE_GRAD:
         grad_row = GRAD + outer * grad_stride_outer + (row - outer * inner) * grad_stride_inner
         _row_grad(logits_row, grad_row, 0, n_blocks, V, target, ignore_index, m, log_d, N_VALID, UPSTREAM,
-                  row * stride_up, MEAN, HAS_UPSTREAM, BLOCK_V, SOFT_BF16, PRECISE_EXP, INTERPRET)
+                  row * stride_up, MEAN, HAS_UPSTREAM, BLOCK_V, PRECISE_EXP)
 
 
 # --------------------------------------------------------------------------------
@@ -270,7 +233,6 @@ def _cross_entropy_bwd_scale_kernel(
     grad_stride_inner,
     V,
     BLOCK_V: tl.constexpr,
-    SOFT_BF16: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     g_out = tl.load(GRAD_OUT + row * stride_go).to(tl.float32)
@@ -281,7 +243,7 @@ def _cross_entropy_bwd_scale_kernel(
             cols = start + tl.arange(0, BLOCK_V)
             mask = cols < V
             g = tl.load(grad_row + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(grad_row + cols, cast_to(g * g_out, GRAD.dtype.element_ty, SOFT_BF16), mask=mask)
+            tl.store(grad_row + cols, cast_to(g * g_out, GRAD.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------
@@ -297,7 +259,7 @@ FEW_ROWS = 2048
 BLOCK_V_FEW_ROWS, NUM_WARPS_FEW_ROWS = 16384, 4
 
 
-def _launch_config(v, n_rows, device):
+def launch_config(v, n_rows, device):
     """(BLOCK_V, num_warps) for a vocabulary size and row count."""
     if device.type != "cuda":
         # The interpreter runs each block op as one NumPy call: bigger is faster.
@@ -326,7 +288,7 @@ def _row_layout(t):
     return t, max(t.shape[1], 1), t.stride(0), t.stride(1)
 
 
-def _check_targets(op, targets, ignore_index, reduction, rows_name, rows):
+def check_targets_and_reduction(op, targets, ignore_index, reduction, rows_name, rows):
     """The checks cross_entropy and fused_linear_cross_entropy share: targets
     (dtype, shape [...] of ``rows`` [..., X] without its last dim), ignore_index,
     reduction. ``op`` names the function in the messages."""
@@ -352,11 +314,11 @@ def _check_inputs(logits, targets, ignore_index, reduction):
         raise ValueError(f"cross_entropy: logits must be [..., V] with at least 2 dims, got shape {tuple(logits.shape)}")
     if logits.shape[-1] < 1:
         raise ValueError("cross_entropy: vocabulary size must be at least 1")
-    _check_targets("cross_entropy", targets, ignore_index, reduction, "logits", logits)
+    check_targets_and_reduction("cross_entropy", targets, ignore_index, reduction, "logits", logits)
     check_kernel_device(logits, targets)
 
 
-def _check_target_range(targets, v, ignore_index):
+def check_target_range(targets, v, ignore_index):
     """Raise on a target outside [0, V) that is not ignore_index (synchronizes on CUDA)."""
     bad = (targets != ignore_index) & ((targets < 0) | (targets >= v))
     if bool(bad.any()):
@@ -371,23 +333,23 @@ def _check_target_range(targets, v, ignore_index):
 # --------------------------------------------------------------------------------
 # Autograd function
 # --------------------------------------------------------------------------------
-def _launch_forward(rows, layout, tgt, loss, grad, grad_layout, n_valid, ignore_index, mean, upstream=None):
+def launch_forward(rows, layout, tgt, loss, grad, grad_layout, n_valid, ignore_index, mean, upstream=None):
     """One launch of the forward kernel: loss per row and, if ``grad`` is given, the gradient."""
     inner, s_outer, s_inner = layout
     g_outer, g_inner = grad_layout
     v, n_rows = rows.shape[-1], tgt.numel()
-    block_v, num_warps = _launch_config(v, n_rows, rows.device)
+    block_v, num_warps = launch_config(v, n_rows, rows.device)
     _cross_entropy_fwd_kernel[(n_rows,)](
         rows, tgt, loss, grad if grad is not None else loss, n_valid,  # GRAD is never written without WRITE_GRAD
         upstream if upstream is not None else loss, upstream.stride(0) if upstream is not None else 0,
         inner, s_outer, s_inner, g_outer, g_inner, v, ignore_index,
         MEAN=mean, WRITE_GRAD=grad is not None, HAS_UPSTREAM=upstream is not None,
-        BLOCK_V=block_v, SOFT_BF16=INTERPRET,
-        PRECISE_EXP=rows.dtype == torch.float32, INTERPRET=INTERPRET, num_warps=num_warps,
+        BLOCK_V=block_v,
+        PRECISE_EXP=rows.dtype == torch.float32, num_warps=num_warps,
     )
 
 
-def _reduce(loss, n_valid, reduction, lead_shape):
+def reduce_loss(loss, n_valid, reduction, lead_shape):
     """Per-row float32 losses -> the requested reduction (mean over the valid rows, 0 if none)."""
     if reduction == "mean":
         return loss.sum() / n_valid.clamp(min=1.0).squeeze(0)
@@ -396,7 +358,7 @@ def _reduce(loss, n_valid, reduction, lead_shape):
     return loss.view(lead_shape)
 
 
-def _claim_backward(ctx, op):
+def claim_backward(ctx, op):
     """The gradient was prepared once, in forward: a second backward must fail loudly."""
     if ctx.used:
         raise RuntimeError(
@@ -442,7 +404,7 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
         # Count valid targets on the device: no .item(), so no host sync.
         n_valid = (tgt != ignore_index).sum(dtype=torch.float32).reshape(1)
         if n_rows > 0:
-            _launch_forward(rows, (inner, s_outer, s_inner), tgt, loss, grad, (g_outer, g_inner), n_valid, ignore_index,
+            launch_forward(rows, (inner, s_outer, s_inner), tgt, loss, grad, (g_outer, g_inner), n_valid, ignore_index,
                             mean=reduction == "mean")
         if grad is not None and grad is rows:
             # In-place mode: the logits now hold the gradient. Bump their version
@@ -454,12 +416,12 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
         if ctx.recompute:
             ctx.save_for_backward(logits, targets)
 
-        return _reduce(loss, n_valid, reduction, lead_shape)
+        return reduce_loss(loss, n_valid, reduction, lead_shape)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
-        _claim_backward(ctx, "cross_entropy")
+        claim_backward(ctx, "cross_entropy")
         if ctx.recompute:
             logits, targets = ctx.saved_tensors
             rows, *layout = _row_layout(logits)
@@ -467,7 +429,7 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
             grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
             if tgt.numel() > 0:
                 scratch = torch.empty(tgt.numel(), dtype=torch.float32, device=logits.device)
-                _launch_forward(rows, layout, tgt, scratch, grad, _row_layout(grad)[2:], scratch,
+                launch_forward(rows, layout, tgt, scratch, grad, _row_layout(grad)[2:], scratch,
                                 ctx.ignore_index, mean=False, upstream=grad_output.reshape(-1))
             return grad, None, None, None, None, None
         if ctx.grad is None:
@@ -486,12 +448,25 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
             else:
                 go = grad_output.reshape(1)
                 stride_go = 0  # one scalar for every row
-            block_v, num_warps = _launch_config(v, n_rows, grad.device)
+            block_v, num_warps = launch_config(v, n_rows, grad.device)
             _cross_entropy_bwd_scale_kernel[(n_rows,)](
                 rows, go, stride_go, inner, g_outer, g_inner, v,
-                BLOCK_V=block_v, SOFT_BF16=INTERPRET, num_warps=num_warps,
+                BLOCK_V=block_v, num_warps=num_warps,
             )
         return grad, None, None, None, None, None
+
+
+def scale_by_upstream(grad, grad_output):
+    """grad *= grad_output (a device scalar), skipped on the device when it is 1."""
+    rows = grad.reshape(-1, grad.shape[-1])
+    n_rows, width = rows.shape
+    if n_rows == 0:
+        return
+    block_v, num_warps = launch_config(width, n_rows, grad.device)
+    _cross_entropy_bwd_scale_kernel[(n_rows,)](
+        rows, grad_output.reshape(1), 0, n_rows, 0, rows.stride(0), width,
+        BLOCK_V=block_v, num_warps=num_warps,
+    )
 
 
 def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", inplace_backward=False, check_targets=None):
@@ -509,7 +484,7 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", inplace_
     if check_targets is None:
         check_targets = logits.device.type == "cpu"
     if check_targets:
-        _check_target_range(targets, logits.shape[-1], ignore_index)
+        check_target_range(targets, logits.shape[-1], ignore_index)
     write_grad = torch.is_grad_enabled() and logits.requires_grad
     return TritonCrossEntropyFunction.apply(logits, targets, ignore_index, reduction, write_grad, inplace_backward)
 
@@ -530,232 +505,3 @@ class TritonCrossEntropyLoss(nn.Module):
 
     def extra_repr(self):
         return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, inplace_backward={self.inplace_backward}"
-
-
-# ================================================================================
-# Step 13 -- Fused linear cross-entropy: the logits are never materialized
-# ================================================================================
-# The LM head turns hidden states [N, H] into logits [N, V] = hidden @ weight.T,
-# and the loss reads nothing else. For LLaMA-3.1-8B (H = 4096, V = 128256) the
-# sizes follow from the shapes (benchmark_kernels.py --kernel flce measures peaks):
-#
-#   tokens   logits [N, V] bf16   their float32 copy (HF)   this step: one bf16 chunk
-#    4,096        1.05 GB               2.1 GB               263 MB (4 chunks of 1,024 rows)
-#   16,384        4.2  GB               8.4 GB               525 MB (8 chunks of 2,048 rows)
-#
-# HF holds the bf16 logits, a float32 copy, a float32 log-softmax and, in
-# backward, a float32 and a bf16 gradient; the fused cross-entropy of step 8
-# still needs the logits and their gradient. This step holds one chunk.
-#
-# The idea: cut the N rows into chunks. For each chunk of C rows
-#
-#   z   = h_c @ W.T                 [C, V]  cuBLAS, into one reused buffer
-#   z   <- softmax(z) - onehot      the cross-entropy kernel above, in place (loss per row too)
-#   dh_c = z @ W                    [C, H]  cuBLAS, straight into the hidden gradient
-#   dW  += z.T @ h_c                [V, H]  cuBLAS, accumulated over chunks
-#
-# so the largest live tensor is one [C, V] chunk. Nothing is computed twice: the
-# three matmuls are the ones the plain path runs (forward, and two in backward);
-# they simply run during forward, chunk by chunk, while the chunk is at hand.
-# Backward is left with rescaling the two gradients by the upstream gradient, and
-# only when it is not 1 (the device-side check of _cross_entropy_bwd_scale_kernel).
-#
-# What it costs:
-# * The gradients ([N, H] and [V, H]) exist from forward on, not from backward on;
-#   training holds them anyway a moment later.
-# * dW is accumulated in the weight's dtype: cuBLAS adds each chunk's product in
-#   float32 and rounds once per chunk, so k chunks add k bf16 roundings. A float32
-#   accumulator would cost V x H x 4 = 2.1 GB, four times the chunk buffer. The
-#   rounding drift grows like sqrt(k): measured on CPU on a CE gradient (N = 4096,
-#   H = 256, V = 2048), the relative error of dW vs float64 is 1.2x the
-#   single-matmul path's at k = 2, 1.5x at k = 4, 2.0x at k = 8 (2.8x at 16, 3.8x
-#   at 32). So the chunk count stays small: it grows only as the square root of
-#   the logits' size (_flce_chunk_rows), and so does the chunk. Liger-Kernel 0.8.5
-#   cuts N into ceil(V / H) = 32 chunks for LLaMA-3 at any N: at 4,096 tokens that
-#   is 128-row matmuls, too small to keep the tensor cores busy.
-# * reduction="none" (an upstream gradient per token) cannot fold the upstream
-#   into a gradient computed in forward without rounding twice; that path saves
-#   hidden and weight and recomputes chunk by chunk in backward (one more matmul).
-#
-# The logits' gradient is rounded to the logits' dtype before the two gradient
-# matmuls, exactly as the plain path's bf16 gradient is, so dh and dW match what
-# `cross_entropy(hidden @ weight.T, targets)` gives.
-#
-# The weight gradient has no bias term: LLaMA's LM head has none.
-
-def linear_cross_entropy_reference(hidden, weight, targets, ignore_index=-100, reduction="mean"):
-    """The plain path: the LM head matmul, then HF's loss on the [..., V] logits."""
-    return cross_entropy_reference(hidden @ weight.t(), targets, ignore_index, reduction)
-
-
-# The chunk-size rule: chunk bytes ~ sqrt(logits bytes * FLCE_CHUNK_UNIT). Both the
-# chunk count (drift) and the chunk (memory) grow as the square root of the size:
-# 4,096 x 128256 bf16 -> 4 chunks of 1,024 rows; 16,384 -> 8 chunks of 2,048.
-FLCE_CHUNK_UNIT = 64 * 2**20
-# Chunk rows are a multiple of this (tensor-core friendly matmul shapes).
-FLCE_ROW_ALIGN = 64
-
-
-def _flce_chunk_rows(n_rows, v, element_size):
-    """Rows per chunk for [n_rows, v] logits of ``element_size`` bytes."""
-    total = n_rows * v * element_size
-    n_chunks = max(1, math.ceil(math.sqrt(total / FLCE_CHUNK_UNIT)))
-    rows = triton.cdiv(n_rows, n_chunks)
-    return max(1, min(n_rows, triton.cdiv(rows, FLCE_ROW_ALIGN) * FLCE_ROW_ALIGN))
-
-
-def _flce_chunks(h2, weight, tgt, loss, n_valid, ignore_index, mean, grad_h, grad_w, chunk_rows, upstream=None):
-    """The chunk loop: loss per row into ``loss``; gradients into ``grad_h`` / ``grad_w`` if given.
-
-    h2: [N, H] contiguous; weight: [V, H]; tgt: [N]; upstream: [N] per-row upstream
-    gradient (backward of reduction="none") or None (upstream 1).
-    """
-    n, v = h2.shape[0], weight.shape[0]
-    write_grad = grad_h is not None or grad_w is not None
-    # One [C, V] buffer for every chunk: the only logits-sized memory of the step.
-    z_buf = torch.empty((min(chunk_rows, n), v), dtype=h2.dtype, device=h2.device)
-    for start in range(0, n, chunk_rows):
-        end = min(start + chunk_rows, n)
-        h_c, z = h2[start:end], z_buf[: end - start]
-        torch.mm(h_c, weight.t(), out=z)  # logits of the chunk, on cuBLAS
-        # Loss per row; when training, the gradient overwrites the logits in place
-        # (row stride v in both roles).
-        _launch_forward(z, (end - start, 0, v), tgt[start:end], loss[start:end], z if write_grad else None, (0, v),
-                        n_valid, ignore_index, mean, upstream[start:end] if upstream is not None else None)
-        if grad_h is not None:
-            torch.mm(z, weight, out=grad_h[start:end])  # rows are independent: no accumulation
-        if grad_w is not None:
-            if start == 0:
-                torch.mm(z.t(), h_c, out=grad_w)
-            else:
-                grad_w.addmm_(z.t(), h_c)  # float32 inside cuBLAS, one rounding per chunk
-
-
-def _scale_by_upstream(grad, grad_output):
-    """grad *= grad_output (a device scalar), skipped on the device when it is 1."""
-    rows = grad.reshape(-1, grad.shape[-1])
-    n_rows, width = rows.shape
-    if n_rows == 0:
-        return
-    block_v, num_warps = _launch_config(width, n_rows, grad.device)
-    _cross_entropy_bwd_scale_kernel[(n_rows,)](
-        rows, grad_output.reshape(1), 0, n_rows, 0, rows.stride(0), width,
-        BLOCK_V=block_v, SOFT_BF16=INTERPRET, num_warps=num_warps,
-    )
-
-
-def _check_flce_inputs(hidden, weight, targets, ignore_index, reduction):
-    if not all(isinstance(t, torch.Tensor) for t in (hidden, weight, targets)):
-        raise TypeError("fused_linear_cross_entropy expects tensors for hidden, weight and targets")
-    for name, t in (("hidden", hidden), ("weight", weight)):
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"fused_linear_cross_entropy: unsupported {name} dtype {t.dtype}; use float32, float16 or bfloat16")
-    if hidden.dtype != weight.dtype:
-        raise TypeError(
-            f"fused_linear_cross_entropy: hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype"
-        )
-    if hidden.dim() < 2:
-        raise ValueError(f"fused_linear_cross_entropy: hidden must be [N, H] or [B, T, H], got shape {tuple(hidden.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"fused_linear_cross_entropy: weight shape {tuple(weight.shape)} does not match hidden size "
-            f"{hidden.shape[-1]} (expected [V, {hidden.shape[-1]}])"
-        )
-    if weight.shape[0] < 1 or hidden.shape[-1] < 1:
-        raise ValueError("fused_linear_cross_entropy: vocabulary and hidden size must be at least 1")
-    _check_targets("fused_linear_cross_entropy", targets, ignore_index, reduction, "hidden", hidden)
-    check_kernel_device(hidden, weight, targets)
-
-
-class TritonFusedLinearCrossEntropyFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index, reduction, need_grad_h, need_grad_w, chunk_rows):
-        lead_shape, h = hidden.shape[:-1], hidden.shape[-1]
-        h2 = hidden.reshape(-1, h).contiguous()  # a view for the usual [B, T, H] activations
-        tgt = targets.reshape(-1)
-        n = tgt.numel()
-        chunk_rows = chunk_rows or _flce_chunk_rows(n, weight.shape[0], hidden.element_size())
-        loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        n_valid = (tgt != ignore_index).sum(dtype=torch.float32).reshape(1)
-        # reduction="none": recompute in backward with the per-token upstream gradient.
-        recompute = reduction == "none" and (need_grad_h or need_grad_w)
-        fused = (need_grad_h or need_grad_w) and not recompute
-        grad_h = torch.empty_like(h2) if fused and need_grad_h else None
-        grad_w = torch.empty_like(weight) if fused and need_grad_w else None
-        if n > 0:
-            _flce_chunks(h2, weight, tgt, loss, n_valid, ignore_index, reduction == "mean", grad_h, grad_w, chunk_rows)
-        elif grad_w is not None:
-            grad_w.zero_()
-        ctx.hidden_shape = hidden.shape
-        ctx.ignore_index, ctx.chunk_rows, ctx.recompute = ignore_index, chunk_rows, recompute
-        ctx.grads = (grad_h, grad_w)
-        ctx.used = False
-        if recompute:
-            ctx.save_for_backward(h2, weight, tgt)
-        return _reduce(loss, n_valid, reduction, lead_shape)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_output):
-        _claim_backward(ctx, "fused_linear_cross_entropy")
-        if ctx.recompute:
-            h2, weight, tgt = ctx.saved_tensors
-            grad_h = torch.empty_like(h2) if ctx.needs_input_grad[0] else None
-            grad_w = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
-            if tgt.numel() > 0:
-                scratch = torch.empty(tgt.numel(), dtype=torch.float32, device=h2.device)
-                _flce_chunks(h2, weight, tgt, scratch, scratch, ctx.ignore_index, False, grad_h, grad_w,
-                             ctx.chunk_rows, upstream=grad_output.reshape(-1))
-            elif grad_w is not None:
-                grad_w.zero_()
-        else:
-            grad_h, grad_w = ctx.grads
-            ctx.grads = None  # autograd owns them from here
-            for g in (grad_h, grad_w):
-                if g is not None:
-                    _scale_by_upstream(g, grad_output)
-        if grad_h is not None:
-            grad_h = grad_h.view(ctx.hidden_shape)
-        return grad_h, grad_w, None, None, None, None, None, None
-
-
-def fused_linear_cross_entropy(hidden, weight, targets, ignore_index=-100, reduction="mean", chunk_rows=None,
-                               check_targets=None):
-    """``cross_entropy(hidden @ weight.T, targets)`` without ever holding the [N, V] logits.
-
-    hidden: [N, H] or [B, T, H]; weight: [V, H] (same dtype); targets: hidden.shape[:-1].
-    Returns the loss (float32) with gradients to hidden and weight; same reductions,
-    ignore_index and all-ignored rule (loss 0, zero gradients) as ``cross_entropy``.
-    chunk_rows: rows per chunk (default: the square-root rule of _flce_chunk_rows).
-    check_targets: as in ``cross_entropy`` (default on for CPU tensors only).
-    """
-    _check_flce_inputs(hidden, weight, targets, ignore_index, reduction)
-    if chunk_rows is not None and (not isinstance(chunk_rows, int) or chunk_rows < 1):
-        raise ValueError(f"fused_linear_cross_entropy: chunk_rows must be a positive int, got {chunk_rows!r}")
-    if check_targets is None:
-        check_targets = hidden.device.type == "cpu"
-    if check_targets:
-        _check_target_range(targets, weight.shape[0], ignore_index)
-    grad_on = torch.is_grad_enabled()
-    return TritonFusedLinearCrossEntropyFunction.apply(
-        hidden, weight, targets, ignore_index, reduction,
-        grad_on and hidden.requires_grad, grad_on and weight.requires_grad, chunk_rows,
-    )
-
-
-class TritonFusedLinearCrossEntropyLoss(nn.Module):
-    """LM head + loss in one: forward(hidden, weight, targets), e.g. with ``model.lm_head.weight``."""
-
-    def __init__(self, ignore_index=-100, reduction="mean", chunk_rows=None):
-        super().__init__()
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-        self.ignore_index = ignore_index
-        self.reduction = reduction
-        self.chunk_rows = chunk_rows
-
-    def forward(self, hidden, weight, targets):
-        return fused_linear_cross_entropy(hidden, weight, targets, self.ignore_index, self.reduction, self.chunk_rows)
-
-    def extra_repr(self):
-        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, chunk_rows={self.chunk_rows}"

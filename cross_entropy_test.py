@@ -20,11 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import DEVICE, DTYPES, WHERE, Report, check_outputs, need_gpu, no_worse, rel_err
-from cross_entropy_kernel import (
-    TritonCrossEntropyLoss,
+from cross_entropy_kernel import TritonCrossEntropyLoss, cross_entropy, cross_entropy_reference
+from linear_cross_entropy_kernel import (
     TritonFusedLinearCrossEntropyLoss,
-    cross_entropy,
-    cross_entropy_reference,
     fused_linear_cross_entropy,
     linear_cross_entropy_reference,
 )

@@ -44,7 +44,8 @@ import triton  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from adamw_kernel import TritonAdamW  # noqa: E402
-from cross_entropy_kernel import cross_entropy, fused_linear_cross_entropy  # noqa: E402
+from cross_entropy_kernel import cross_entropy  # noqa: E402
+from linear_cross_entropy_kernel import fused_linear_cross_entropy  # noqa: E402
 from rmsnorm_kernel import replace_rmsnorm  # noqa: E402
 from rope_kernel import patched_rope, rope_patch_targets  # noqa: E402
 from swiglu_kernel import replace_swiglu  # noqa: E402

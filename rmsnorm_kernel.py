@@ -53,19 +53,11 @@ Nothing runs on import. See rmsnorm_test.py for the checks and
 benchmark_kernels.py for the measurements.
 """
 
-import os
-
 import torch
 import torch.nn as nn
 
-if not torch.cuda.is_available():
-    # No GPU: run the kernels through Triton's interpreter on CPU tensors, so the
-    # lesson works on a laptop. This must happen before triton is imported.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-# Triton reads the variable once, when it is imported (just below); so do we,
-# instead of looking it up on every launch.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
+from kernel_common import SUPPORTED_DTYPES, as_rows, cast_to, check_kernel_device, num_sms, swap_modules
 
 import triton
 import triton.language as tl
@@ -74,8 +66,6 @@ import triton.language as tl
 # LLaMA models use 2,048 - 16,384; beyond this limit we refuse clearly instead of
 # spilling registers into slow local memory.
 MAX_HIDDEN_SIZE = 65536
-
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # --------------------------------------------------------------------------------
@@ -95,24 +85,6 @@ def rmsnorm_reference(x, weight, eps=1e-6, compute_dtype=torch.float32):
 
 
 # --------------------------------------------------------------------------------
-# Rounding to the output dtype
-# --------------------------------------------------------------------------------
-# GPUs round float32 -> bfloat16 to nearest-even. Triton's CPU interpreter
-# truncates instead, which would make CPU results 2-3x less accurate than the GPU's
-# and than PyTorch's. In the interpreter (SOFT_BF16=True) we round by hand: add
-# half an ulp of bf16 (plus the tie-breaking bit) to the float32 bits and clear
-# the low 16 bits; the cast that follows is then exact. On the GPU the flag is
-# False and this is a plain hardware cast.
-@triton.jit
-def cast_to(x, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
-    if SOFT_BF16 and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(dtype)
-
-
-# --------------------------------------------------------------------------------
 # Forward kernel
 # --------------------------------------------------------------------------------
 @triton.jit
@@ -127,7 +99,6 @@ def _rmsnorm_fwd_kernel(
     eps,
     BLOCK_N: tl.constexpr,  # power of two >= n_cols: one row fits in one block
     ROWS: tl.constexpr,  # rows per program (> 1 only for short rows)
-    SOFT_BF16: tl.constexpr,  # interpreter: round to bf16 by hand (see cast_to)
 ):
     # Each program normalizes ROWS consecutive rows. For LLaMA (H = 4096) ROWS is 1:
     # one row is 8 KB of bf16, enough work for 8 warps. For short rows we give one
@@ -158,9 +129,9 @@ def _rmsnorm_fwd_kernel(
     # HF semantics: round the normalized value to the input dtype, then multiply
     # by the weight. The product is computed in float32 and rounded once when it
     # is stored, exactly what PyTorch's bf16 * bf16 multiply does.
-    x_hat = cast_to(x * rstd[:, None], X.dtype.element_ty, SOFT_BF16).to(tl.float32)
+    x_hat = cast_to(x * rstd[:, None], X.dtype.element_ty).to(tl.float32)
     y = x_hat * w[None, :]
-    tl.store(Y + rows64[:, None] * n_cols + cols[None, :], cast_to(y, Y.dtype.element_ty, SOFT_BF16), mask=mask)
+    tl.store(Y + rows64[:, None] * n_cols + cols[None, :], cast_to(y, Y.dtype.element_ty), mask=mask)
     tl.store(RSTD + rows64, rstd, mask=row_mask)
 
 
@@ -197,7 +168,6 @@ def _rmsnorm_bwd_kernel(
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
-    SOFT_BF16: tl.constexpr,
 ):
     # A *persistent* grid: a fixed number of programs (a few per SM) each walk over
     # many row blocks, pid, pid + num_programs, ... Keeping the program alive lets
@@ -228,7 +198,7 @@ def _rmsnorm_bwd_kernel(
         # mean_j(g_j * x_hat_j) per row; masked columns are 0 on both sides.
         c = tl.sum(g * x_hat, axis=1) / n_cols
         dx = (g - x_hat * c[:, None]) * rstd[:, None]
-        tl.store(DX + rows64[:, None] * n_cols + cols[None, :], cast_to(dx, DX.dtype.element_ty, SOFT_BF16), mask=mask)
+        tl.store(DX + rows64[:, None] * n_cols + cols[None, :], cast_to(dx, DX.dtype.element_ty), mask=mask)
 
         if COMPUTE_DW:
             dw_acc += tl.sum(dy * x_hat, axis=0)
@@ -245,7 +215,6 @@ def _rmsnorm_dw_reduce_kernel(
     n_cols,
     BLOCK_P: tl.constexpr,
     BLOCK_C: tl.constexpr,
-    SOFT_BF16: tl.constexpr,
 ):
     # Sum the partial weight gradients column-wise, in float32, and round once.
     # One launch instead of partial.sum(0) followed by .to(dtype).
@@ -258,27 +227,12 @@ def _rmsnorm_dw_reduce_kernel(
         mask = (prow < n_partial)[:, None] & col_mask[None, :]
         part = tl.load(DW_PARTIAL + prow[:, None].to(tl.int64) * n_cols + cols[None, :], mask=mask, other=0.0)
         acc += tl.sum(part, axis=0)
-    tl.store(DW + cols, cast_to(acc, DW.dtype.element_ty, SOFT_BF16), mask=col_mask)
+    tl.store(DW + cols, cast_to(acc, DW.dtype.element_ty), mask=col_mask)
 
 
 # --------------------------------------------------------------------------------
 # Launch helpers: checks, block sizes, grid
 # --------------------------------------------------------------------------------
-def check_kernel_device(*tensors):
-    """All tensors on one device that Triton can run on; a clear error otherwise."""
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on the same device, got {sorted(str(d) for d in devices)}")
-    device = tensors[0].device
-    if device.type == "cpu" and not INTERPRET:
-        raise RuntimeError(
-            "CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before "
-            "triton is imported, or move the tensors to a CUDA device"
-        )
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"unsupported device {device}; use CUDA (or CPU with TRITON_INTERPRET=1)")
-
-
 def _launch_config(n_cols):
     """Block width, rows per program and warps for a row length."""
     block_n = triton.next_power_of_2(n_cols)
@@ -297,28 +251,10 @@ def _launch_config(n_cols):
     return block_n, rows, num_warps
 
 
-_SM_COUNT = {}
-
 # Persistent backward grid: programs per SM. Enough programs in flight per SM to
 # hide memory latency; each extra program costs one [H] float32 partial row. Two
 # (the most that stay resident at H = 4096, 8 warps) measured best (NOTES.md).
 BWD_PROGRAMS_PER_SM = 2
-
-
-def _num_sms(device):
-    if device.type != "cuda":
-        return 4  # the interpreter runs programs one by one; a few is plenty
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
-
-
-def _as_rows(t, n_cols):
-    """View [..., n_cols] as [rows, n_cols] with contiguous columns (copy only if needed)."""
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    return t.reshape(-1, n_cols)
 
 
 def _check_inputs(x, weight, eps):
@@ -347,7 +283,7 @@ def _check_inputs(x, weight, eps):
 def rmsnorm_forward(x, weight, eps):
     """Launch the forward kernel. Returns (y, rstd); y has x's shape."""
     n_cols = x.shape[-1]
-    x2 = _as_rows(x, n_cols)
+    x2 = as_rows(x, n_cols)
     n_rows = x2.shape[0]
     # HF: weight * h.to(input_dtype) follows PyTorch type promotion.
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
@@ -358,7 +294,7 @@ def rmsnorm_forward(x, weight, eps):
         grid = (triton.cdiv(n_rows, rows),)
         _rmsnorm_fwd_kernel[grid](
             x2, weight, y, rstd, x2.stride(0), n_rows, n_cols, eps,
-            BLOCK_N=block_n, ROWS=rows, SOFT_BF16=INTERPRET, num_warps=num_warps,
+            BLOCK_N=block_n, ROWS=rows, num_warps=num_warps,
         )
     return y.view(x.shape), rstd
 
@@ -366,13 +302,13 @@ def rmsnorm_forward(x, weight, eps):
 def rmsnorm_backward(dy, x, weight, rstd, compute_dw=True):
     """Launch the backward kernels. Returns (dx, dw); dw is None if not asked for."""
     n_cols = x.shape[-1]
-    x2 = _as_rows(x, n_cols)
-    dy2 = _as_rows(dy, n_cols)
+    x2 = as_rows(x, n_cols)
+    dy2 = as_rows(dy, n_cols)
     n_rows = x2.shape[0]
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     block_n, rows, num_warps = _launch_config(n_cols)
     n_blocks = triton.cdiv(n_rows, rows)
-    n_programs = max(1, min(n_blocks, _num_sms(x.device) * BWD_PROGRAMS_PER_SM))
+    n_programs = max(1, min(n_blocks, num_sms(x.device) * BWD_PROGRAMS_PER_SM))
     dw = None
     if compute_dw:
         dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
@@ -383,7 +319,7 @@ def rmsnorm_backward(dy, x, weight, rstd, compute_dw=True):
         _rmsnorm_bwd_kernel[(n_programs,)](
             dy2, x2, weight, rstd, dx, dw_partial,
             dy2.stride(0), x2.stride(0), n_rows, n_cols, n_programs, triton.cdiv(n_blocks, n_programs),
-            BLOCK_N=block_n, ROWS=rows, COMPUTE_DW=compute_dw, SOFT_BF16=INTERPRET,
+            BLOCK_N=block_n, ROWS=rows, COMPUTE_DW=compute_dw,
             num_warps=num_warps,
         )
     if compute_dw:
@@ -393,7 +329,7 @@ def rmsnorm_backward(dy, x, weight, rstd, compute_dw=True):
             block_c = 256
             _rmsnorm_dw_reduce_kernel[(triton.cdiv(n_cols, block_c),)](
                 dw_partial, dw, n_programs, n_cols, BLOCK_P=32, BLOCK_C=block_c,
-                SOFT_BF16=INTERPRET, num_warps=4,
+                num_warps=4,
             )
     return dx.view(x.shape), dw
 
@@ -461,22 +397,6 @@ def _is_rmsnorm(module):
         and isinstance(getattr(module, "weight", None), torch.Tensor)
         and hasattr(module, "variance_epsilon")
     )
-
-
-def swap_modules(model, matches, replacement):
-    """Replace every submodule for which ``matches(module)`` holds by ``replacement(module)``.
-
-    Returns the count. We collect first and swap afterwards: changing the module
-    tree while iterating over it is unsafe. The root module itself is never
-    swapped (it has no parent to hold the replacement). The model patchers of the
-    other kernel files use this too.
-    """
-    targets = [(name, module) for name, module in model.named_modules() if name and matches(module)]
-    for name, module in targets:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, replacement(module))
-    return len(targets)
 
 
 def replace_rmsnorm(model):

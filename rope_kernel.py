@@ -108,8 +108,8 @@ import sys
 
 import torch
 
-# Imported first: it switches on the Triton interpreter when there is no GPU.
-from rmsnorm_kernel import INTERPRET, SUPPORTED_DTYPES, cast_to, check_kernel_device
+# First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
+from kernel_common import SUPPORTED_DTYPES, cast_to, check_kernel_device
 
 import triton
 import triton.language as tl
@@ -137,10 +137,10 @@ def rope_reference(q, k, cos, sin, unsqueeze_dim=1):
 # Forward kernel
 # --------------------------------------------------------------------------------
 @triton.jit
-def _round(x, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
+def _round(x, dtype: tl.constexpr):
     # Round a float32 value to dtype and come back to float32: what storing an
     # intermediate tensor of that dtype does in eager PyTorch.
-    return cast_to(x, dtype, SOFT_BF16).to(tl.float32)
+    return cast_to(x, dtype).to(tl.float32)
 
 
 @triton.jit
@@ -157,7 +157,6 @@ def _rope_fwd_heads(
     d_mask,  # [BLOCK_D] d < half
     c1, c2, s1, s2,  # [BLOCK_D] float32 halves of this token's cos and sin rows
     BLOCK_H: tl.constexpr,
-    SOFT_BF16: tl.constexpr,
 ):
     OUT: tl.constexpr = Y.dtype.element_ty
     # All heads of the token, BLOCK_H at a time (LLaMA-3.1-8B: 4 trips for q, 1 for k).
@@ -175,10 +174,10 @@ def _rope_fwd_heads(
         # HF's order of rounding: each product to the output dtype, then the sum.
         # For float32 outputs _round is a no-op and the kernel is launched with
         # enable_fp_fusion=False, so the products are not folded into an FMA.
-        y1 = _round(x1 * c1[None, :], OUT, SOFT_BF16) - _round(x2 * s1[None, :], OUT, SOFT_BF16)
-        y2 = _round(x2 * c2[None, :], OUT, SOFT_BF16) + _round(x1 * s2[None, :], OUT, SOFT_BF16)
-        tl.store(y_ptrs, cast_to(y1, OUT, SOFT_BF16), mask=mask)
-        tl.store(y_ptrs + half, cast_to(y2, OUT, SOFT_BF16), mask=mask)
+        y1 = _round(x1 * c1[None, :], OUT) - _round(x2 * s1[None, :], OUT)
+        y2 = _round(x2 * c2[None, :], OUT) + _round(x1 * s2[None, :], OUT)
+        tl.store(y_ptrs, cast_to(y1, OUT), mask=mask)
+        tl.store(y_ptrs + half, cast_to(y2, OUT), mask=mask)
 
 
 @triton.jit
@@ -215,7 +214,6 @@ def _rope_fwd_kernel(
     BLOCK_D: tl.constexpr,  # power of two >= D / 2
     BLOCK_HQ: tl.constexpr,  # q heads per tile
     BLOCK_HK: tl.constexpr,  # k heads per tile
-    SOFT_BF16: tl.constexpr,  # interpreter: round to bf16 by hand (see cast_to)
 ):
     # One program per token: pid = b * T + t.
     pid = tl.program_id(0).to(tl.int64)
@@ -231,10 +229,10 @@ def _rope_fwd_kernel(
     # cos/sin row already in registers.
     _rope_fwd_heads(Q, QO, b * stride_qb + t * stride_qt, b * stride_qob + t * stride_qot,
                     stride_qh, stride_qoh, n_q_heads, half, d, d_mask, c1, c2, s1, s2,
-                    BLOCK_HQ, SOFT_BF16)
+                    BLOCK_HQ)
     _rope_fwd_heads(K, KO, b * stride_kb + t * stride_kt, b * stride_kob + t * stride_kot,
                     stride_kh, stride_koh, n_k_heads, half, d, d_mask, c1, c2, s1, s2,
-                    BLOCK_HK, SOFT_BF16)
+                    BLOCK_HK)
 
 
 # --------------------------------------------------------------------------------
@@ -275,7 +273,6 @@ def _rope_bwd_heads(
     d_mask,
     c1, c2, s1, s2,
     BLOCK_H: tl.constexpr,
-    SOFT_BF16: tl.constexpr,
 ):
     OUT: tl.constexpr = DX.dtype.element_ty
     for h0 in range(0, n_heads, BLOCK_H):
@@ -288,8 +285,8 @@ def _rope_bwd_heads(
         g2 = tl.load(g_ptrs + half, mask=mask, other=0.0).to(tl.float32)
         dx1 = g1 * c1[None, :] + g2 * s2[None, :]
         dx2 = g2 * c2[None, :] - g1 * s1[None, :]
-        tl.store(dx_ptrs, cast_to(dx1, OUT, SOFT_BF16), mask=mask)
-        tl.store(dx_ptrs + half, cast_to(dx2, OUT, SOFT_BF16), mask=mask)
+        tl.store(dx_ptrs, cast_to(dx1, OUT), mask=mask)
+        tl.store(dx_ptrs + half, cast_to(dx2, OUT), mask=mask)
 
 
 @triton.jit
@@ -315,7 +312,6 @@ def _rope_bwd_kernel(
     BLOCK_HK: tl.constexpr,
     COMPUTE_DQ: tl.constexpr,  # False when q needs no gradient: its loop is compiled out
     COMPUTE_DK: tl.constexpr,  # False when k needs no gradient
-    SOFT_BF16: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     b = pid // seq_len
@@ -326,11 +322,11 @@ def _rope_bwd_kernel(
     if COMPUTE_DQ:
         _rope_bwd_heads(DQO, DQ, b * stride_gqb + t * stride_gqt, b * stride_dqb + t * stride_dqt,
                         stride_gqh, stride_dqh, n_q_heads, half, d, d_mask, c1, c2, s1, s2,
-                        BLOCK_HQ, SOFT_BF16)
+                        BLOCK_HQ)
     if COMPUTE_DK:
         _rope_bwd_heads(DKO, DK, b * stride_gkb + t * stride_gkt, b * stride_dkb + t * stride_dkt,
                         stride_gkh, stride_dkh, n_k_heads, half, d, d_mask, c1, c2, s1, s2,
-                        BLOCK_HK, SOFT_BF16)
+                        BLOCK_HK)
 
 
 # --------------------------------------------------------------------------------
@@ -440,7 +436,7 @@ def rope_forward(q, k, cos, sin):
             q_out.stride(0), q_out.stride(1), q_out.stride(2),
             k_out.stride(0), k_out.stride(1), k_out.stride(2),
             *_table_strides(cos, batch, seq_len), *_table_strides(sin, batch, seq_len),
-            BLOCK_D=block_d, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, SOFT_BF16=INTERPRET,
+            BLOCK_D=block_d, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
             num_warps=NUM_WARPS,
             enable_fp_fusion=False,  # round a*b and c*d separately, as PyTorch does
         )
@@ -485,7 +481,7 @@ def rope_backward(dq_out, dk_out, cos, sin, q_layout, k_layout):
             xk.stride(0), xk.stride(1), xk.stride(2),
             *_table_strides(cos, batch, seq_len), *_table_strides(sin, batch, seq_len),
             BLOCK_D=block_d, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
-            COMPUTE_DQ=compute_dq, COMPUTE_DK=compute_dk, SOFT_BF16=INTERPRET,
+            COMPUTE_DQ=compute_dq, COMPUTE_DK=compute_dk,
             num_warps=NUM_WARPS,
             enable_fp_fusion=False,  # float32 gradients with eager PyTorch's bits (see above)
         )

@@ -84,15 +84,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# Imported first: it switches on the Triton interpreter when there is no GPU.
-from rmsnorm_kernel import INTERPRET, SUPPORTED_DTYPES, _as_rows, cast_to, check_kernel_device, swap_modules
+# First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
+from kernel_common import SUPPORTED_DTYPES, as_rows, cast_to, check_kernel_device, exp, swap_modules
 
 import triton
 import triton.language as tl
-
-# The exp that cross_entropy_kernel.py already chooses between fast (exp2) and
-# float32-accurate (libdevice); reused here for float32 inputs.
-from cross_entropy_kernel import _exp
 
 
 # --------------------------------------------------------------------------------
@@ -115,8 +111,8 @@ def swiglu_reference(gate, up):
 # 4.9e-8 like PyTorch's, against 5.4e-8 with the fast pair). For bf16/fp16 the fast exp2 and
 # approximate division are ~2 ulp of float32, far below the rounding to 16 bits.
 @triton.jit
-def _sigmoid_and_silu(g, PRECISE: tl.constexpr, INTERPRET: tl.constexpr):
-    denom = 1.0 + _exp(-g, PRECISE, INTERPRET)
+def _sigmoid_and_silu(g, PRECISE: tl.constexpr):
+    denom = 1.0 + exp(-g, PRECISE)
     if PRECISE:
         return tl.div_rn(1.0, denom), tl.div_rn(g, denom)
     else:
@@ -156,20 +152,18 @@ def _swiglu_fwd_kernel(
     BLOCK_N: tl.constexpr,  # columns per tile (power of two)
     ROWS: tl.constexpr,  # rows per tile (> 1 only for short rows)
     PRECISE: tl.constexpr,  # float32 input: accurate exp and division
-    SOFT_BF16: tl.constexpr,  # interpreter: round to bf16 by hand (see cast_to)
-    INTERPRET: tl.constexpr,  # interpreter: no libdevice
 ):
     rows, cols, mask = _tile(n_rows, n_cols, BLOCK_N, ROWS)
     # Load in the input dtype, compute in float32 (PyTorch's "opmath" for 16-bit types).
     g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
 
-    _, a = _sigmoid_and_silu(g, PRECISE, INTERPRET)
+    _, a = _sigmoid_and_silu(g, PRECISE)
     # HF semantics: silu's result is rounded to gate's dtype (F.silu returns a
     # bf16 tensor), then multiplied by up in float32 and rounded once on store.
-    a = cast_to(a, G.dtype.element_ty, SOFT_BF16).to(tl.float32)
+    a = cast_to(a, G.dtype.element_ty).to(tl.float32)
     y = a * u
-    tl.store(Y + rows[:, None] * n_cols + cols[None, :], cast_to(y, Y.dtype.element_ty, SOFT_BF16), mask=mask)
+    tl.store(Y + rows[:, None] * n_cols + cols[None, :], cast_to(y, Y.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------
@@ -211,23 +205,21 @@ def _swiglu_bwd_kernel(
     COMPUTE_DG: tl.constexpr,  # False when gate does not require grad: no read of u, no store
     COMPUTE_DU: tl.constexpr,  # False when up does not require grad: no store
     PRECISE: tl.constexpr,
-    SOFT_BF16: tl.constexpr,
-    INTERPRET: tl.constexpr,
 ):
     rows, cols, mask = _tile(n_rows, n_cols, BLOCK_N, ROWS)
     out_offsets = rows[:, None] * n_cols + cols[None, :]
     dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    s, a = _sigmoid_and_silu(g, PRECISE, INTERPRET)
+    s, a = _sigmoid_and_silu(g, PRECISE)
 
     if COMPUTE_DU:
-        a = cast_to(a, G.dtype.element_ty, SOFT_BF16).to(tl.float32)  # as forward rounded it
-        tl.store(DU + out_offsets, cast_to(dy * a, DU.dtype.element_ty, SOFT_BF16), mask=mask)
+        a = cast_to(a, G.dtype.element_ty).to(tl.float32)  # as forward rounded it
+        tl.store(DU + out_offsets, cast_to(dy * a, DU.dtype.element_ty), mask=mask)
 
     if COMPUTE_DG:
         u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dg = dy * u * s * (1.0 + g * (1.0 - s))
-        tl.store(DG + out_offsets, cast_to(dg, DG.dtype.element_ty, SOFT_BF16), mask=mask)
+        tl.store(DG + out_offsets, cast_to(dg, DG.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------
@@ -281,7 +273,7 @@ def swiglu_forward(gate, up):
     # Row-strided views (a slice of a wider tensor) pass through untouched. Only a
     # non-contiguous last dimension (a transposed tensor), or leading dimensions
     # that cannot be merged into one row stride, cost a copy.
-    g2, u2 = _as_rows(gate, n_cols), _as_rows(up, n_cols)
+    g2, u2 = as_rows(gate, n_cols), as_rows(up, n_cols)
     n_rows = g2.shape[0]
     y = torch.empty((n_rows, n_cols), dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
     if n_rows > 0:
@@ -289,7 +281,7 @@ def swiglu_forward(gate, up):
         _swiglu_fwd_kernel[_grid(n_rows, n_cols, block_n, rows)](
             g2, u2, y, g2.stride(0), u2.stride(0), n_rows, n_cols,
             BLOCK_N=block_n, ROWS=rows, PRECISE=gate.dtype == torch.float32,
-            SOFT_BF16=INTERPRET, INTERPRET=INTERPRET, num_warps=num_warps,
+            num_warps=num_warps,
         )
     return y.view(gate.shape)
 
@@ -297,7 +289,7 @@ def swiglu_forward(gate, up):
 def swiglu_backward(dy, gate, up, compute_dgate=True, compute_dup=True):
     """Launch the backward kernel. Returns (d_gate, d_up); each is None if not asked for."""
     n_cols = gate.shape[-1]
-    g2, u2, dy2 = _as_rows(gate, n_cols), _as_rows(up, n_cols), _as_rows(dy, n_cols)
+    g2, u2, dy2 = as_rows(gate, n_cols), as_rows(up, n_cols), as_rows(dy, n_cols)
     n_rows = g2.shape[0]
     dg = torch.empty((n_rows, n_cols), dtype=gate.dtype, device=gate.device) if compute_dgate else None
     du = torch.empty((n_rows, n_cols), dtype=up.dtype, device=up.device) if compute_dup else None
@@ -308,7 +300,7 @@ def swiglu_backward(dy, gate, up, compute_dgate=True, compute_dup=True):
             dg if compute_dgate else du, du if compute_dup else dg,  # a switched-off output is never written
             dy2.stride(0), g2.stride(0), u2.stride(0), n_rows, n_cols,
             BLOCK_N=block_n, ROWS=rows, COMPUTE_DG=compute_dgate, COMPUTE_DU=compute_dup,
-            PRECISE=gate.dtype == torch.float32, SOFT_BF16=INTERPRET, INTERPRET=INTERPRET,
+            PRECISE=gate.dtype == torch.float32,
             num_warps=num_warps,
         )
     return (

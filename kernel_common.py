@@ -1,0 +1,187 @@
+"""
+What every kernel lesson shares: read this file first, then any *_kernel.py.
+
+Each kernel file (rmsnorm, cross_entropy, linear_cross_entropy, swiglu, rope,
+adamw) imports its common ground from here and nothing private from the others:
+
+* ``INTERPRET``: the one switch that runs Triton kernels on a laptop. Without a
+  GPU we set ``TRITON_INTERPRET=1`` before ``triton`` is imported; Triton's
+  interpreter then executes each kernel program with NumPy on CPU tensors
+  (correct, slow, good for learning and for CI).
+* A version check: the interpreter of each Triton release has its own quirks;
+  a combination we know to fail stops here with one line that says what to
+  install, instead of a traceback from inside the interpreter.
+* ``SUPPORTED_DTYPES`` and ``check_kernel_device``: the input checks every
+  launcher does first.
+* ``cast_to``, ``exp``, ``log``: the @triton.jit helpers for rounding to the
+  output dtype and for exponentials, each with the same result on GPU and CPU.
+* ``as_rows``, ``num_sms``: viewing [..., H] as rows, sizing persistent grids.
+* ``swap_modules``: replacing the HF modules of a model with ours.
+
+Nothing runs on import except the interpreter switch and the version check.
+"""
+
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        # Triton builds its own helpers (the combine functions of tl.sum, tl.max)
+        # when it is imported; imported without the interpreter they cannot run on
+        # CPU tensors, and the failure would surface deep inside the first launch.
+        raise ImportError(
+            "triton was imported before the kernels on a machine without a GPU: import the "
+            "*_kernel modules (or kernel_common) before anything that imports triton "
+            "(transformers, torch._dynamo), or set TRITON_INTERPRET=1 in the environment"
+        )
+    # No GPU: run the kernels through Triton's interpreter on CPU tensors. This
+    # must happen before triton is imported (just below).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Triton reads the variable when it is imported; so do we, once.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+import numpy  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.language.extra import libdevice  # noqa: E402
+
+MIN_TRITON = (3, 6)
+
+
+def _version(text):
+    """'3.6.0+git...' -> (3, 6)."""
+    parts = []
+    for piece in text.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def check_versions(triton_version=triton.__version__, numpy_version=numpy.__version__, interpret=INTERPRET):
+    """Refuse the Triton / NumPy combinations known to fail, with what to install."""
+    if _version(triton_version) < MIN_TRITON:
+        raise ImportError(
+            f"triton {triton_version} is too old for these kernels: install triton>=3.6 "
+            f"(pip install -r requirements.txt)"
+        )
+    if interpret and _version(triton_version) < (3, 7) and _version(numpy_version) >= (2, 4):
+        # Triton 3.6's interpreter turns 1-element arrays into Python ints with an
+        # API that NumPy 2.4 removed: every kernel with a runtime loop bound fails.
+        raise ImportError(
+            f"triton {triton_version}'s CPU interpreter does not work with numpy {numpy_version}: "
+            f"pip install 'numpy<2.4' (or triton>=3.9)"
+        )
+
+
+check_versions()
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Inside @triton.jit code a module-level name must be a tl.constexpr; this one
+# lets the kernels choose interpreter-only code paths at compile time, without a
+# flag in every kernel signature.
+IN_INTERPRETER = tl.constexpr(INTERPRET)
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(t) == exp2(t * LOG2E)
+
+
+# --------------------------------------------------------------------------------
+# Rounding to the output dtype
+# --------------------------------------------------------------------------------
+# GPUs round float32 -> bfloat16 to nearest-even. Triton's CPU interpreter
+# truncates instead, which would make CPU results 2-3x less accurate than the GPU's
+# and than PyTorch's. In the interpreter we round by hand: add half an ulp of bf16
+# (plus the tie-breaking bit) to the float32 bits and clear the low 16 bits; the
+# cast that follows is then exact. On the GPU this is a plain hardware cast.
+@triton.jit
+def cast_to(x, dtype: tl.constexpr):
+    if IN_INTERPRETER and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+# --------------------------------------------------------------------------------
+# exp and log, fast or precise
+# --------------------------------------------------------------------------------
+# The fast exp (bf16/fp16 inputs) is exp2(t * log2 e): one multiply and the GPU's
+# ex2.approx instruction, ~2 ulp of float32, far below bf16's resolution. Float32
+# inputs deserve a float32-accurate exp, as PyTorch's expf is: libdevice's exp on
+# the GPU. The CPU interpreter has no libdevice, and its tl.exp / tl.log are
+# NumPy's float32 SIMD approximations (up to ~3 ulp, measurably worse than
+# PyTorch's CPU kernels); there we evaluate in float64 and round once, which is
+# what the GPU's accurate functions come close to.
+@triton.jit
+def exp(t, PRECISE: tl.constexpr):
+    if PRECISE:
+        if IN_INTERPRETER:
+            return tl.exp(t.to(tl.float64)).to(tl.float32)
+        else:
+            return libdevice.exp(t)
+    else:
+        return tl.exp2(t * LOG2E)
+
+
+@triton.jit
+def log(t):
+    # Always the accurate one: the kernels take one log per row, not per element.
+    if IN_INTERPRETER:
+        return tl.log(t.to(tl.float64)).to(tl.float32)
+    else:
+        return libdevice.log(t)
+
+
+# --------------------------------------------------------------------------------
+# Host-side helpers of the launchers
+# --------------------------------------------------------------------------------
+def check_kernel_device(*tensors):
+    """All tensors on one device that Triton can run on; a clear error otherwise."""
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on the same device, got {sorted(str(d) for d in devices)}")
+    device = tensors[0].device
+    if device.type == "cpu" and not INTERPRET:
+        raise RuntimeError(
+            "CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before "
+            "triton is imported, or move the tensors to a CUDA device"
+        )
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {device}; use CUDA (or CPU with TRITON_INTERPRET=1)")
+
+
+def as_rows(t, n_cols):
+    """View [..., n_cols] as [rows, n_cols] with contiguous columns (copy only if needed)."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t.reshape(-1, n_cols)
+
+
+_SM_COUNT = {}
+
+
+def num_sms(device):
+    """Streaming multiprocessors of ``device`` (persistent grids launch a few per SM)."""
+    if device.type != "cuda":
+        return 4  # the interpreter runs programs one by one; a few is plenty
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def swap_modules(model, matches, replacement):
+    """Replace every submodule for which ``matches(module)`` holds by ``replacement(module)``.
+
+    Returns the count. We collect first and swap afterwards: changing the module
+    tree while iterating over it is unsafe. The root module itself is never
+    swapped (it has no parent to hold the replacement).
+    """
+    targets = [(name, module) for name, module in model.named_modules() if name and matches(module)]
+    for name, module in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, replacement(module))
+    return len(targets)

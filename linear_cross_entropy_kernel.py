@@ -1,0 +1,245 @@
+"""
+Step 13 -- Fused linear cross-entropy: the logits are never materialized
+
+The LM head turns hidden states [N, H] into logits [N, V] = hidden @ weight.T,
+and the loss reads nothing else. For LLaMA-3.1-8B (H = 4096, V = 128256) the
+sizes follow from the shapes (benchmark_kernels.py --kernel flce measures peaks):
+
+  tokens   logits [N, V] bf16   their float32 copy (HF)   this step: one bf16 chunk
+   4,096        1.05 GB               2.1 GB               263 MB (4 chunks of 1,024 rows)
+  16,384        4.2  GB               8.4 GB               525 MB (8 chunks of 2,048 rows)
+
+HF holds the bf16 logits, a float32 copy, a float32 log-softmax and, in
+backward, a float32 and a bf16 gradient; the fused cross-entropy of step 8
+still needs the logits and their gradient. This step holds one chunk.
+
+The idea: cut the N rows into chunks. For each chunk of C rows
+
+  z   = h_c @ W.T                 [C, V]  cuBLAS, into one reused buffer
+  z   <- softmax(z) - onehot      Step 8's cross-entropy kernel, in place (and the loss per row)
+  dh_c = z @ W                    [C, H]  cuBLAS, straight into the hidden gradient
+  dW  += z.T @ h_c                [V, H]  cuBLAS, accumulated over chunks
+
+so the largest live tensor is one [C, V] chunk. Nothing is computed twice: the
+three matmuls are the ones the plain path runs (forward, and two in backward);
+they simply run during forward, chunk by chunk, while the chunk is at hand.
+Backward is left with rescaling the two gradients by the upstream gradient, and
+only when it is not 1 (the device-side check of cross_entropy_kernel.scale_by_upstream).
+
+What it costs:
+* The gradients ([N, H] and [V, H]) exist from forward on, not from backward on;
+  training holds them anyway a moment later.
+* dW is accumulated in the weight's dtype: cuBLAS adds each chunk's product in
+  float32 and rounds once per chunk, so k chunks add k bf16 roundings. A float32
+  accumulator would cost V x H x 4 = 2.1 GB, four times the chunk buffer. The
+  rounding drift grows like sqrt(k): measured on CPU on a CE gradient (N = 4096,
+  H = 256, V = 2048), the relative error of dW vs float64 is 1.2x the
+  single-matmul path's at k = 2, 1.5x at k = 4, 2.0x at k = 8 (2.8x at 16, 3.8x
+  at 32). So the chunk count stays small: it grows only as the square root of
+  the logits' size (_flce_chunk_rows), and so does the chunk. Liger-Kernel 0.8.5
+  cuts N into ceil(V / H) = 32 chunks for LLaMA-3 at any N: at 4,096 tokens that
+  is 128-row matmuls, too small to keep the tensor cores busy.
+* reduction="none" (an upstream gradient per token) cannot fold the upstream
+  into a gradient computed in forward without rounding twice; that path saves
+  hidden and weight and recomputes chunk by chunk in backward (one more matmul).
+
+The logits' gradient is rounded to the logits' dtype before the two gradient
+matmuls, exactly as the plain path's bf16 gradient is, so dh and dW match what
+`cross_entropy(hidden @ weight.T, targets)` gives.
+
+The weight gradient has no bias term: LLaMA's LM head has none.
+
+Triton concepts: none new. The work is three cuBLAS matmuls per chunk around
+Step 8's kernel; what this step teaches is the memory plan.
+
+Nothing runs on import. See linear_cross_entropy_test.py for the checks.
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+
+# First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
+from kernel_common import SUPPORTED_DTYPES, check_kernel_device
+
+import triton
+
+# Step 8's building blocks: the loss kernel's launcher (it writes the loss per row
+# and, in place, the gradient of a chunk of logits) and the checks and
+# reduction rules that both losses share.
+from cross_entropy_kernel import (
+    REDUCTIONS,
+    check_target_range,
+    check_targets_and_reduction,
+    claim_backward,
+    cross_entropy_reference,
+    launch_forward,
+    reduce_loss,
+    scale_by_upstream,
+)
+
+
+def linear_cross_entropy_reference(hidden, weight, targets, ignore_index=-100, reduction="mean"):
+    """The plain path: the LM head matmul, then HF's loss on the [..., V] logits."""
+    return cross_entropy_reference(hidden @ weight.t(), targets, ignore_index, reduction)
+
+
+# The chunk-size rule: chunk bytes ~ sqrt(logits bytes * FLCE_CHUNK_UNIT). Both the
+# chunk count (drift) and the chunk (memory) grow as the square root of the size:
+# 4,096 x 128256 bf16 -> 4 chunks of 1,024 rows; 16,384 -> 8 chunks of 2,048.
+FLCE_CHUNK_UNIT = 64 * 2**20
+# Chunk rows are a multiple of this (tensor-core friendly matmul shapes).
+FLCE_ROW_ALIGN = 64
+
+
+def _flce_chunk_rows(n_rows, v, element_size):
+    """Rows per chunk for [n_rows, v] logits of ``element_size`` bytes."""
+    total = n_rows * v * element_size
+    n_chunks = max(1, math.ceil(math.sqrt(total / FLCE_CHUNK_UNIT)))
+    rows = triton.cdiv(n_rows, n_chunks)
+    return max(1, min(n_rows, triton.cdiv(rows, FLCE_ROW_ALIGN) * FLCE_ROW_ALIGN))
+
+
+def _flce_chunks(h2, weight, tgt, loss, n_valid, ignore_index, mean, grad_h, grad_w, chunk_rows, upstream=None):
+    """The chunk loop: loss per row into ``loss``; gradients into ``grad_h`` / ``grad_w`` if given.
+
+    h2: [N, H] contiguous; weight: [V, H]; tgt: [N]; upstream: [N] per-row upstream
+    gradient (backward of reduction="none") or None (upstream 1).
+    """
+    n, v = h2.shape[0], weight.shape[0]
+    write_grad = grad_h is not None or grad_w is not None
+    # One [C, V] buffer for every chunk: the only logits-sized memory of the step.
+    z_buf = torch.empty((min(chunk_rows, n), v), dtype=h2.dtype, device=h2.device)
+    for start in range(0, n, chunk_rows):
+        end = min(start + chunk_rows, n)
+        h_c, z = h2[start:end], z_buf[: end - start]
+        torch.mm(h_c, weight.t(), out=z)  # logits of the chunk, on cuBLAS
+        # Loss per row; when training, the gradient overwrites the logits in place
+        # (row stride v in both roles).
+        launch_forward(z, (end - start, 0, v), tgt[start:end], loss[start:end], z if write_grad else None, (0, v),
+                        n_valid, ignore_index, mean, upstream[start:end] if upstream is not None else None)
+        if grad_h is not None:
+            torch.mm(z, weight, out=grad_h[start:end])  # rows are independent: no accumulation
+        if grad_w is not None:
+            if start == 0:
+                torch.mm(z.t(), h_c, out=grad_w)
+            else:
+                grad_w.addmm_(z.t(), h_c)  # float32 inside cuBLAS, one rounding per chunk
+
+
+def _check_flce_inputs(hidden, weight, targets, ignore_index, reduction):
+    if not all(isinstance(t, torch.Tensor) for t in (hidden, weight, targets)):
+        raise TypeError("fused_linear_cross_entropy expects tensors for hidden, weight and targets")
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"fused_linear_cross_entropy: unsupported {name} dtype {t.dtype}; use float32, float16 or bfloat16")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(
+            f"fused_linear_cross_entropy: hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype"
+        )
+    if hidden.dim() < 2:
+        raise ValueError(f"fused_linear_cross_entropy: hidden must be [N, H] or [B, T, H], got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"fused_linear_cross_entropy: weight shape {tuple(weight.shape)} does not match hidden size "
+            f"{hidden.shape[-1]} (expected [V, {hidden.shape[-1]}])"
+        )
+    if weight.shape[0] < 1 or hidden.shape[-1] < 1:
+        raise ValueError("fused_linear_cross_entropy: vocabulary and hidden size must be at least 1")
+    check_targets_and_reduction("fused_linear_cross_entropy", targets, ignore_index, reduction, "hidden", hidden)
+    check_kernel_device(hidden, weight, targets)
+
+
+class TritonFusedLinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, ignore_index, reduction, need_grad_h, need_grad_w, chunk_rows):
+        lead_shape, h = hidden.shape[:-1], hidden.shape[-1]
+        h2 = hidden.reshape(-1, h).contiguous()  # a view for the usual [B, T, H] activations
+        tgt = targets.reshape(-1)
+        n = tgt.numel()
+        chunk_rows = chunk_rows or _flce_chunk_rows(n, weight.shape[0], hidden.element_size())
+        loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        n_valid = (tgt != ignore_index).sum(dtype=torch.float32).reshape(1)
+        # reduction="none": recompute in backward with the per-token upstream gradient.
+        recompute = reduction == "none" and (need_grad_h or need_grad_w)
+        fused = (need_grad_h or need_grad_w) and not recompute
+        grad_h = torch.empty_like(h2) if fused and need_grad_h else None
+        grad_w = torch.empty_like(weight) if fused and need_grad_w else None
+        if n > 0:
+            _flce_chunks(h2, weight, tgt, loss, n_valid, ignore_index, reduction == "mean", grad_h, grad_w, chunk_rows)
+        elif grad_w is not None:
+            grad_w.zero_()
+        ctx.hidden_shape = hidden.shape
+        ctx.ignore_index, ctx.chunk_rows, ctx.recompute = ignore_index, chunk_rows, recompute
+        ctx.grads = (grad_h, grad_w)
+        ctx.used = False
+        if recompute:
+            ctx.save_for_backward(h2, weight, tgt)
+        return reduce_loss(loss, n_valid, reduction, lead_shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        claim_backward(ctx, "fused_linear_cross_entropy")
+        if ctx.recompute:
+            h2, weight, tgt = ctx.saved_tensors
+            grad_h = torch.empty_like(h2) if ctx.needs_input_grad[0] else None
+            grad_w = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+            if tgt.numel() > 0:
+                scratch = torch.empty(tgt.numel(), dtype=torch.float32, device=h2.device)
+                _flce_chunks(h2, weight, tgt, scratch, scratch, ctx.ignore_index, False, grad_h, grad_w,
+                             ctx.chunk_rows, upstream=grad_output.reshape(-1))
+            elif grad_w is not None:
+                grad_w.zero_()
+        else:
+            grad_h, grad_w = ctx.grads
+            ctx.grads = None  # autograd owns them from here
+            for g in (grad_h, grad_w):
+                if g is not None:
+                    scale_by_upstream(g, grad_output)
+        if grad_h is not None:
+            grad_h = grad_h.view(ctx.hidden_shape)
+        return grad_h, grad_w, None, None, None, None, None, None
+
+
+def fused_linear_cross_entropy(hidden, weight, targets, ignore_index=-100, reduction="mean", chunk_rows=None,
+                               check_targets=None):
+    """``cross_entropy(hidden @ weight.T, targets)`` without ever holding the [N, V] logits.
+
+    hidden: [N, H] or [B, T, H]; weight: [V, H] (same dtype); targets: hidden.shape[:-1].
+    Returns the loss (float32) with gradients to hidden and weight; same reductions,
+    ignore_index and all-ignored rule (loss 0, zero gradients) as ``cross_entropy``.
+    chunk_rows: rows per chunk (default: the square-root rule of _flce_chunk_rows).
+    check_targets: as in ``cross_entropy`` (default on for CPU tensors only).
+    """
+    _check_flce_inputs(hidden, weight, targets, ignore_index, reduction)
+    if chunk_rows is not None and (not isinstance(chunk_rows, int) or chunk_rows < 1):
+        raise ValueError(f"fused_linear_cross_entropy: chunk_rows must be a positive int, got {chunk_rows!r}")
+    if check_targets is None:
+        check_targets = hidden.device.type == "cpu"
+    if check_targets:
+        check_target_range(targets, weight.shape[0], ignore_index)
+    grad_on = torch.is_grad_enabled()
+    return TritonFusedLinearCrossEntropyFunction.apply(
+        hidden, weight, targets, ignore_index, reduction,
+        grad_on and hidden.requires_grad, grad_on and weight.requires_grad, chunk_rows,
+    )
+
+
+class TritonFusedLinearCrossEntropyLoss(nn.Module):
+    """LM head + loss in one: forward(hidden, weight, targets), e.g. with ``model.lm_head.weight``."""
+
+    def __init__(self, ignore_index=-100, reduction="mean", chunk_rows=None):
+        super().__init__()
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.chunk_rows = chunk_rows
+
+    def forward(self, hidden, weight, targets):
+        return fused_linear_cross_entropy(hidden, weight, targets, self.ignore_index, self.reduction, self.chunk_rows)
+
+    def extra_repr(self):
+        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, chunk_rows={self.chunk_rows}"

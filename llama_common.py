@@ -31,6 +31,7 @@ import os
 import platform
 import resource
 import sys
+import tempfile
 import time
 
 import torch
@@ -87,6 +88,70 @@ def print_banner(title, env):
         f"transformers {env['transformers']}, CUDA {env['cuda'] or '-'}"
     )
     print(f"Date:          {env['date']}")
+
+
+# --------------------------------------------------------------------------------
+# Output files: checked before the work, written whole or not at all
+# --------------------------------------------------------------------------------
+def check_output_path(path, flag, directory=False):
+    """Fail now, in one line, if ``path`` cannot be written; return it absolute.
+
+    A run that trains for minutes and then cannot write its results has lost them,
+    so every script checks its output paths before it builds a model. ``directory``:
+    the path is a folder to create (or reuse), not a file.
+    """
+    path = os.path.abspath(os.path.expanduser(path))
+    if directory:
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise SystemExit(f"error: {flag} {path}: exists and is not a directory")
+        parent = path if os.path.isdir(path) else os.path.dirname(path)
+        while not os.path.exists(parent):  # the first existing ancestor must let us create the rest
+            parent = os.path.dirname(parent)
+    else:
+        if os.path.isdir(path):
+            raise SystemExit(f"error: {flag} {path}: is a directory, expected a file path")
+        parent = os.path.dirname(path)
+        if not os.path.isdir(parent):
+            raise SystemExit(f"error: {flag} {path}: directory {parent} does not exist")
+    try:  # os.access says yes to root everywhere; creating a file is the real test
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        raise SystemExit(f"error: {flag} {path}: cannot write in {parent} ({e.strerror})") from None
+    return path
+
+
+def check_input_file(path, flag):
+    """Fail now, in one line, if ``path`` is not a readable file; return it absolute."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: {flag} {path}: no such file")
+    if not os.access(path, os.R_OK):
+        raise SystemExit(f"error: {flag} {path}: not readable")
+    return path
+
+
+def strict_json(value):
+    """``value`` with every float NaN or infinity replaced by None: JSON has no NaN,
+    and a file with a bare NaN in it is rejected by most JSON readers."""
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return None
+    if isinstance(value, dict):
+        return {str(k): strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
+def write_json_atomic(path, doc):
+    """Write ``doc`` as strict JSON to a temporary file beside ``path``, then rename it:
+    a reader (or a crash) never sees half a file, and an older file at ``path``
+    stays whole until the new one is complete."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(strict_json(doc), f, indent=2, allow_nan=False)
+        f.write("\n")
+    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ COPY requirements.txt /tmp/requirements.txt
 RUN pip install --no-cache-dir -r /tmp/requirements.txt
 # Optional: the benchmark's third-party peers (their rows say "not installed" otherwise).
 # RUN pip install --no-cache-dir liger-kernel==0.8.5 cut-cross-entropy==25.1.1
+# (requirements-cpu.txt / requirements-gpu.txt are for machines without this image.)
 
 # The sources are mounted at /workspace by `docker run -v`, not copied in, so
 # edits on the host are live inside the container.

@@ -250,7 +250,7 @@ def _cross_entropy_bwd_scale_kernel(
 # Launch helpers
 # --------------------------------------------------------------------------------
 # Vocabulary chunk and warps per program on the GPU, from a sweep on an H200
-# (.ci/tune_kernels.py, NOTES.md): 8,192 bf16 values = 16 KB per iteration and 8
+# (tools/tune_kernels.py, NOTES.md): 8,192 bf16 values = 16 KB per iteration and 8
 # warps (32 values per thread) was fastest at 8,192 rows; few rows (<= 2,048, too
 # few programs to fill the GPU) prefer 16,384-wide chunks with 4 warps.
 BLOCK_V_GPU = 8192

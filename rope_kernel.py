@@ -578,7 +578,7 @@ apply_rotary_pos_emb = rope
 # Why a context manager and not a permanent patch: the attribute belongs to the
 # python module, not to one model. A global assignment would silently change
 # every other LLaMA model in the process as well: the unpatched baseline that a
-# test or benchmark compares against in the same session, a reference model, a
+# test or benchmark compares against in the same process, a reference model, a
 # teacher. ``patched_rope(model)`` makes the swap only for the duration of the
 # ``with`` block and then restores exactly what was there before, so
 #

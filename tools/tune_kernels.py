@@ -1,13 +1,19 @@
-"""Developer tool (GPU): sweep launch parameters of our kernels and print the timings.
+"""Sweep the launch parameters of the RMSNorm and cross-entropy kernels (GPU only).
 
-Not a tutorial step: it records the evidence behind the constants chosen in
-rmsnorm_kernel.py and cross_entropy_kernel.py (see NOTES.md).
+Not a tutorial step: it produces the evidence behind the constants chosen in
+rmsnorm_kernel.py (warps, backward programs per SM) and cross_entropy_kernel.py
+(vocabulary chunk, warps), recorded in NOTES.md. It monkeypatches those module
+constants, times each setting with triton.testing.do_bench (median) and prints
+effective bandwidth; `overhead` times the host cost of one call on a tiny
+tensor, where the GPU work is negligible.
 
-Usage: python .ci/tune_kernels.py [--json PATH] [--quick]
+Usage (from the repository root, on a CUDA machine):
+    python tools/tune_kernels.py                       # everything, ~5 min on an H100
+    python tools/tune_kernels.py --only ce --quick     # fewer settings
+    python tools/tune_kernels.py --json tune.json
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -19,6 +25,7 @@ from triton.testing import do_bench  # noqa: E402
 
 import cross_entropy_kernel as ce  # noqa: E402
 import rmsnorm_kernel as rk  # noqa: E402
+from llama_common import check_output_path, write_json_atomic  # noqa: E402
 
 
 def bench(fn):
@@ -34,7 +41,7 @@ def copy_bandwidth():
 
 def rmsnorm_sweep(rows_list, results):
     h = 4096
-    orig = rk._launch_config
+    orig_config, orig_per_sm = rk._launch_config, rk.BWD_PROGRAMS_PER_SM
     for n in rows_list:
         x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         w = (1 + 0.5 * torch.randn(h, device="cuda")).to(torch.bfloat16).requires_grad_()
@@ -55,13 +62,14 @@ def rmsnorm_sweep(rows_list, results):
                 results.append(dict(kernel="rmsnorm_fwdbwd", rows=n, warps=warps, per_sm=per_sm, ms=ms, tbs=tbs))
                 print(f"rmsnorm f+b   rows={n:6d} warps={warps:2d} per_sm={per_sm}   {ms * 1e3:8.1f} us {tbs:5.2f} TB/s", flush=True)
         del x, dy
-    rk._launch_config = orig
-    rk.BWD_PROGRAMS_PER_SM = 4
+    rk._launch_config, rk.BWD_PROGRAMS_PER_SM = orig_config, orig_per_sm
 
 
 def ce_sweep(rows_list, results, quick):
     v = 128256
     blocks = (4096, 8192, 16384) if quick else (2048, 4096, 8192, 16384, 32768)
+    orig = ce.BLOCK_V_GPU, ce.NUM_WARPS_GPU, ce.FEW_ROWS
+    ce.FEW_ROWS = 0  # every row count takes the swept (BLOCK_V_GPU, NUM_WARPS_GPU)
     for n in rows_list:
         logits = (torch.randn(n, v, device="cuda", dtype=torch.bfloat16) * 2).requires_grad_()
         targets = torch.randint(0, v, (n,), device="cuda")
@@ -81,6 +89,7 @@ def ce_sweep(rows_list, results, quick):
                 print(f"ce rows={n:6d} block={block:6d} warps={warps:2d}  fwd {ms_f:7.3f} ms ({nbytes / ms_f / 1e9:4.2f} TB/s)"
                       f"  fwd+bwd {ms:7.3f} ms ({2 * nbytes / ms / 1e9:4.2f} TB/s 1R+1W)", flush=True)
         del logits
+    ce.BLOCK_V_GPU, ce.NUM_WARPS_GPU, ce.FEW_ROWS = orig
 
 
 def cpu_overhead(results):
@@ -98,7 +107,7 @@ def cpu_overhead(results):
     tgt = torch.zeros(1, dtype=torch.long, device="cuda")
     cases = {
         "raw fwd kernel launch": lambda: rk._rmsnorm_fwd_kernel[(1,)](
-            x, w, y, rstd, 4096, 1, 4096, 1e-6, BLOCK_N=4096, ROWS=1, SOFT_BF16=False, num_warps=8),
+            x, w, y, rstd, 4096, 1, 4096, 1e-6, BLOCK_N=4096, ROWS=1, num_warps=8),
         "ours rmsnorm fwd (no grad)": lambda: rk.rmsnorm(x.detach(), w.detach()),
         "F.rms_norm fwd": lambda: F.rms_norm(x.detach(), (4096,), w.detach(), 1e-6),
         "ours rmsnorm fwd+bwd": lambda: torch.autograd.grad(rk.rmsnorm(x, w), (x, w), dy),
@@ -120,11 +129,15 @@ def cpu_overhead(results):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--json")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--only", choices=["rmsnorm", "ce", "overhead"])
+    p = argparse.ArgumentParser(description="Sweep launch parameters of the RMSNorm and CE kernels (GPU).")
+    p.add_argument("--json", metavar="PATH", help="write every timing here")
+    p.add_argument("--quick", action="store_true", help="fewer settings and sizes")
+    p.add_argument("--only", choices=["rmsnorm", "ce", "overhead"], help="one sweep instead of all")
     args = p.parse_args()
+    if args.json:
+        args.json = check_output_path(args.json, "--json")
+    if not torch.cuda.is_available():
+        raise SystemExit("error: tune_kernels.py times GPU kernels and needs a CUDA device")
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
     results = [dict(kernel="copy", tbs=copy_bandwidth())]
     print(f"device copy bandwidth: {results[0]['tbs']:.2f} TB/s")
@@ -135,7 +148,8 @@ def main():
     if args.only in (None, "ce"):
         ce_sweep((1024, 8192) if args.quick else (1024, 4096, 8192, 16384), results, args.quick)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        write_json_atomic(args.json, results)
+        print(f"Wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Re-measure what README.md and results/ report, on a CUDA machine, in one go.
+#
+#   bash tools/gpu_verify.sh [OUTDIR] [WHAT...]
+#     WHAT: tests bench e2e profile maxseq (default: tests bench e2e)
+#
+# Each step's full output goes to OUTDIR (default gpu_logs/), together with the
+# JSON the scripts write, and OUTDIR/logs.tgz bundles them. Wheels placed in
+# .whl/ (e.g. liger-kernel, cut-cross-entropy for the benchmark's peers) are
+# installed first into /tmp/site, without touching the system's packages.
+set -o pipefail
+export PYTHONUNBUFFERED=1
+OUTDIR=${1:-gpu_logs}; shift || true
+WHAT=${*:-tests bench e2e}
+mkdir -p "$OUTDIR"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  git rev-parse --short HEAD 2>/dev/null; date -u +%F; } | tee "$OUTDIR/env.txt"
+for what in $WHAT; do
+  case $what in
+    tests)
+      python3 -m pytest -q -p no:cacheprovider 2>&1 | tee "$OUTDIR/pytest_gpu.log" | tail -6 ;;
+    bench)
+      python3 benchmark_kernels.py --kernel all --json "$OUTDIR/bench.json" 2>&1 | tee "$OUTDIR/bench.log" | tail -40 ;;
+    e2e)
+      for shape in "1 512" "2 2048"; do
+        set -- $shape
+        for script in baseline optimized; do
+          python3 finetune_$script.py --random-init --batch-size "$1" --seq-len "$2" --steps 12 \
+            --json "$OUTDIR/ft_${script}_$1x$2.json" 2>&1 | tee "$OUTDIR/ft_${script}_$1x$2.log" | tail -7
+        done
+      done ;;
+    profile)
+      python3 profile_baseline.py --random-init --batch-size 2 --seq-len 2048 --trace-dir "$OUTDIR/traces" 2>&1 \
+        | tee "$OUTDIR/profile_baseline.log" | tail -30
+      python3 profile_baseline.py --random-init --batch-size 2 --seq-len 2048 --all-kernels --trace-dir "$OUTDIR/traces" 2>&1 \
+        | tee "$OUTDIR/profile_optimized.log" | tail -30 ;;
+    maxseq)
+      python3 tools/max_seq_len.py --random-init --json "$OUTDIR/maxseq_baseline.json" 2>&1 | tee "$OUTDIR/maxseq_baseline.log" | tail -5
+      python3 tools/max_seq_len.py --random-init --all-kernels --json "$OUTDIR/maxseq_optimized.json" 2>&1 | tee "$OUTDIR/maxseq_optimized.log" | tail -5 ;;
+    *) echo "unknown step: $what (tests bench e2e profile maxseq)"; exit 2 ;;
+  esac
+done
+tar czf "$OUTDIR/logs.tgz" --exclude=logs.tgz --exclude=traces -C "$OUTDIR" .

@@ -48,6 +48,9 @@ Triton concepts new in this step
 * ``tl.constexpr`` arguments are compile-time constants: Triton builds one
   specialized kernel per value (block sizes, flags).
 * Reductions (``tl.sum``) across a block run inside the program, in registers.
+* ``@triton.jit`` helpers called from a kernel are inlined into it; the ones every
+  kernel shares (``cast_to``: rounding to the output dtype) live in
+  kernel_common.py, with the switch that runs all of this on a CPU.
 
 Nothing runs on import. See rmsnorm_test.py for the checks and
 benchmark_kernels.py for the measurements.

@@ -466,6 +466,6 @@ def replace_swiglu(model):
 
     Modules are found by type name (``LlamaMLP``, ``MistralMLP``, ``Qwen2MLP``, ...)
     with ``gate_proj``, ``up_proj``, ``down_proj`` and a SiLU ``act_fn``
-    (rmsnorm_kernel.swap_modules does the swapping).
+    (kernel_common.swap_modules does the swapping).
     """
     return swap_modules(model, _is_swiglu_mlp, TritonLlamaMLP.from_llama_mlp)

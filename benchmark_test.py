@@ -1,103 +1,159 @@
 """
-Smoke test of benchmark_kernels.py (runs on CPU through the Triton interpreter).
+Tests of benchmark_kernels.py and tools/plot_benchmark.py (CPU: Triton interpreter).
 
 Usage:
     python -m pytest benchmark_test.py
-    python benchmark_test.py          # the same checks as a PASSED/FAILED report
+    python benchmark_test.py          # the same, verbose
 
-It runs the benchmark's ``--quick`` mode end to end (tables, JSON, plot), checks
-that every provider appears with a status, that failing peers (out of memory,
-any other exception) are reported instead of stopping the run, and that the
-byte formulas are the ones the tables print. On CPU nothing is timed; on a GPU
-the same checks also require real latencies for our kernels.
+The benchmark's ``--quick --kernel all`` run happens once (a module fixture) and the
+checks read its table and its JSON: every provider has a row with a status, our
+kernels match the float64 truth as well as PyTorch does, nothing is timed on CPU.
+Other checks: bad paths and bad --kernel names fail in one line before anything is
+measured; failing peers (out of memory, any exception) become OOM / ERR rows; the
+byte formulas and derived numbers; the plot tool redraws from a JSON, this run's or
+the committed results/bench_h100.json and results/bench_h200.json.
 """
 
 import contextlib
 import io
 import json
 import math
-import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 
-# benchmark_kernels switches on the Triton interpreter before triton is imported.
+# benchmark_kernels imports the kernel modules first (the Triton interpreter switch).
 import benchmark_kernels as bk
+from tools import plot_benchmark
 
 ON_GPU = torch.cuda.is_available()
-ENV_KEYS = ("gpu", "python", "torch", "triton", "transformers", "cuda", "date", "liger_kernel", "copy_bandwidth_GBps")
+RESULTS = Path(__file__).resolve().parent / "results"
+ENV_KEYS = ("gpu", "python", "torch", "triton", "transformers", "cuda", "date", "liger_kernel",
+            "cut_cross_entropy", "copy_bandwidth_GBps")
 RECORD_KEYS = (
-    "provider", "shape", "label", "bytes", "fwd_status", "fwdbwd_status", "memory_status",
-    "fwd_ms", "fwdbwd_ms", "fwd_GBps", "fwdbwd_GBps", "fwd_pct_copy", "fwdbwd_pct_copy",
-    "speedup_fwd", "speedup_fwdbwd", "peak_extra_MB", "error", "messages",
+    "provider", "shape", "label", "bytes", "flops", "fwd_status", "fwdbwd_status", "memory_status",
+    "fwd_ms", "fwdbwd_ms", "fwd_GBps", "fwdbwd_GBps", "fwd_pct_copy", "fwdbwd_pct_copy", "fwd_TFLOPs",
+    "fwdbwd_TFLOPs", "speedup_fwd", "speedup_fwdbwd", "peak_extra_MB", "error", "messages",
 )
+# How close to the float64 truth ours must be, per kernel: no worse than twice the
+# PyTorch eager (HF) error plus an absolute floor (bf16 outputs round at ~4e-3 relative).
+EAGER = {"rmsnorm": "PyTorch eager (HF)", "cross_entropy": "PyTorch eager (HF fp32)", "swiglu": "PyTorch eager (HF)",
+         "rope": "PyTorch eager (HF)", "flce": "PyTorch eager (HF)"}
+FLOOR = {"rmsnorm": 1e-3, "cross_entropy": 1e-5, "swiglu": 1e-3, "rope": 1e-3, "flce": 1e-4}
 
 
-def _run_main(argv):
-    """Run the benchmark's main() and return (results dict, printed text)."""
+def run_main(argv):
+    """benchmark_kernels.main(argv): (results, printed text)."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         results = bk.main(argv)
     return results, out.getvalue()
 
 
-def test_quick_run_writes_tables_json_and_plot(tmp_path):
-    json_path, png_path = tmp_path / "bench.json", tmp_path / "bench.png"
-    _, text = _run_main(["--quick", "--kernel", "all", "--json", str(json_path), "--plot", str(png_path)])
+def strict_load(path):
+    """json.load that rejects NaN / Infinity, as strict JSON readers do."""
+    def reject(name):
+        raise ValueError(f"non-standard JSON constant {name}")
 
-    # The tables and their explanations were printed.
-    assert "RMSNorm benchmark" in text and "Cross-entropy benchmark" in text
-    for header in ("tokens", "provider", "fwd us", "fwd+bwd us", "%copy", "ours x", "peak MB", "loss |err|"):
+    return json.loads(Path(path).read_text(), parse_constant=reject)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    json_path = tmp_path_factory.mktemp("bench") / "bench.json"
+    results, text = run_main(["--quick", "--kernel", "all", "--json", str(json_path)])
+    return results, text, json_path
+
+
+def test_quick_run_prints_tables_and_writes_strict_json(quick_run):
+    _, text, json_path = quick_run
+    for title in ("RMSNorm benchmark", "Cross-entropy benchmark", "SwiGLU benchmark", "RoPE benchmark",
+                  "Linear + cross-entropy benchmark"):
+        assert title in text, title
+    for header in ("tokens", "provider", "fwd us", "fwd+bwd us", "%copy", "ours x", "peak MB", "max |err|",
+                   "loss |err|", "TFLOP/s"):
         assert header in text, header
-    assert "5*N*H*2" in text and "2*N*V*2" in text, "byte formulas missing under the tables"
+    # The byte formulas are printed under the tables, with their value at each shape.
+    assert "5*N*H*2 + 3*H*2" in text and "2*N*V*2" in text and "8*N*I*2" in text and "N =     64:" in text
     if not ON_GPU:
         assert "no performance claim" in text and bk.NA_CPU in text
 
-    data = json.loads(json_path.read_text())
+    data = strict_load(json_path)
     for key in ENV_KEYS:
         assert key in data["environment"], key
-    assert set(data["kernels"]) == set(bk.KERNELS)
+    assert data["settings"]["quick"] is True
+    assert list(data["kernels"]) == list(bk.KERNELS)
     for name, kres in data["kernels"].items():
-        bench = bk.KERNELS[name]
-        shapes = bench.shapes(quick=True)
-        assert kres["shapes"] == shapes
+        spec = bk.KERNELS[name]
+        shapes = spec.shapes["quick"] if ON_GPU else spec.shapes["cpu"]
+        assert kres["shapes"] == shapes and kres["providers"] == list(spec.providers)
         assert len(kres["results"]) == len(shapes) * len(kres["providers"])
+        assert kres["footnotes"][: len(spec.formula)] == spec.formula
         for rec in kres["results"]:
             for key in RECORD_KEYS:
                 assert key in rec, (name, key)
-            assert rec["provider"] in kres["providers"]
-            assert rec["fwd_status"] and rec["fwdbwd_status"] and rec["memory_status"]
-            if rec["provider"] != "Liger-Kernel":  # a third-party failure is reported, not ours to fail on
-                assert not any(s in ("ERR", "OOM") for s in (rec["fwd_status"], rec["fwdbwd_status"])), rec
-        ours = [r for r in kres["results"] if r["provider"] == kres["ours"]]
-        assert ours and all(r["error"] is not None and math.isfinite(r["error"]) for r in ours)
-        if ON_GPU:
-            assert all(r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 and r["peak_extra_MB"] >= 0 for r in ours)
-        else:
-            # No timing claims on CPU: no latency, bandwidth or memory anywhere.
-            assert all(r["fwd_ms"] is None and r["fwd_GBps"] is None and r["peak_extra_MB"] is None
-                       for r in kres["results"])
-            compiled = [r for r in kres["results"] if r["provider"].startswith("torch.compile")]
-            assert compiled and all(r["fwd_status"] == bk.SKIPPED_CPU for r in compiled)
-        liger = [r for r in kres["results"] if r["provider"] == "Liger-Kernel"]
-        if bk._liger_version() is None:
-            assert all(r["fwd_status"] == bk.NOT_INSTALLED for r in liger)
+            assert rec["fwd_status"] and rec["fwdbwd_status"] and rec["memory_status"], rec
+            if rec["provider"] in bk.NEEDS:  # optional peers: installed and run, or say why not
+                assert rec["fwd_status"] in ("ok", bk.NA_CPU, bk.NOT_INSTALLED, bk.SKIPPED_CPU, "OOM", "ERR")
+                continue
+            # Every other provider ran (torch.compile too: aot_eager on CPU) and has an error.
+            assert rec["fwd_status"] not in ("ERR", "OOM") and rec["fwdbwd_status"] not in ("ERR", "OOM"), rec
+            assert rec["error"] is not None and math.isfinite(rec["error"]), rec
+            if ON_GPU:
+                assert rec["fwd_ms"] > 0 and rec["fwdbwd_ms"] > 0 and rec["peak_extra_MB"] is not None
+            else:  # no timing claims on CPU: no latency, rate, memory or compile time anywhere
+                assert rec["fwd_status"] == rec["fwdbwd_status"] == rec["memory_status"] == bk.NA_CPU
+                assert all(rec[k] is None for k in ("fwd_ms", "fwdbwd_ms", "fwd_GBps", "fwd_TFLOPs",
+                                                    "peak_extra_MB", "first_fwd_s", "speedup_fwd"))
 
-    # Our cross-entropy loss is as accurate as PyTorch's float32 path (about 1e-7 here).
-    ce = data["kernels"]["cross_entropy"]["results"]
-    err = {r["provider"]: r["error"] for r in ce if r["error"] is not None}
-    assert err["ours (Triton)"] <= 2 * err["PyTorch eager (HF fp32)"] + 1e-5
-    assert err["ours (in-place)"] <= 2 * err["PyTorch eager (HF fp32)"] + 1e-5
-    # RMSNorm output error is bf16 rounding of the output, like the HF formula's.
-    rms = {r["provider"]: r["error"] for r in data["kernels"]["rmsnorm"]["results"] if r["error"] is not None}
-    assert rms["ours (Triton)"] <= 2 * rms["PyTorch eager (HF)"] + 1e-3
 
-    assert png_path.stat().st_size > 10_000
+def test_ours_matches_the_float64_truth(quick_run):
+    results, _, _ = quick_run
+    for name, kres in results["kernels"].items():
+        err = {r["provider"]: r["error"] for r in kres["results"]}
+        ours = [p for p in kres["providers"] if p.startswith("ours")]
+        assert ours and ours[0] == kres["ours"]
+        for provider in ours:
+            assert err[provider] <= 2 * err[EAGER[name]] + FLOOR[name], (name, provider, err)
+    # The losses are computed in float32: far closer than bf16 rounding.
+    ce = {r["provider"]: r["error"] for r in results["kernels"]["cross_entropy"]["results"]}
+    assert ce["ours (Triton)"] < 1e-5 and ce["ours (in-place)"] < 1e-5
 
-    # --plot-from redraws the plot from the JSON alone, measuring nothing.
-    replot = tmp_path / "replot.png"
-    bk.main(["--plot-from", str(json_path), "--plot", str(replot)])
-    assert replot.stat().st_size > 10_000
+
+def test_error_measures_against_the_truth():
+    # error() itself: a wrong output must show a large error (the checks above rely on it).
+    truth = torch.randn(4, 8, dtype=torch.float64)
+    assert bk.error(truth.to(torch.bfloat16), truth) < 2e-2
+    assert bk.error((truth + 1).to(torch.bfloat16), truth) > 0.9
+    assert bk.error((truth.float(), truth.float() * 2), (truth, truth)) >= truth.abs().max().item() - 1e-6
+    assert abs(bk.error(torch.tensor(2.5), 2.0) - 0.5) < 1e-12
+
+
+def test_bad_paths_fail_in_one_line_before_measuring(tmp_path, monkeypatch, capsys):
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("measured before checking the output paths")
+
+    monkeypatch.setattr(bk, "run_kernel", must_not_run)
+    monkeypatch.setattr(bk, "environment_info", must_not_run)
+    cases = [
+        (["--json", str(tmp_path / "missing" / "b.json")], "error: --json"),
+        (["--json", str(tmp_path)], "is a directory"),
+        (["--quick", "--plot", str(tmp_path / "missing" / "b.png")], "error: --plot"),
+    ]
+    for argv, expected in cases:
+        with pytest.raises(SystemExit) as exc:
+            bk.main(argv)
+        message = str(exc.value.code)
+        assert expected in message and "\n" not in message, message
+    assert capsys.readouterr().out == ""  # not even the banner
+
+
+def test_kernel_names_are_validated(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bk.main(["--kernel", "layernorm"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'layernorm'" in capsys.readouterr().err
 
 
 def _raise_oom(*args):
@@ -108,80 +164,74 @@ def _raise_value_error(*args):
     raise ValueError("simulated failure of a peer")
 
 
-def test_failing_peers_are_reported_not_fatal(tmp_path):
-    bench = bk.KERNELS["rmsnorm"]
-    real_providers = bench.providers
-    extra = [
-        bk.Provider("simulated OOM", lambda shape: _raise_oom),
-        bk.Provider("simulated ERR", lambda shape: _raise_value_error),
-    ]
-    bench.providers = lambda: real_providers() + extra
-    try:
-        results, text = _run_main(["--quick", "--kernel", "rmsnorm", "--json", str(tmp_path / "b.json")])
-    finally:
-        del bench.providers  # back to the class method
+def test_failing_peers_are_reported_not_fatal(monkeypatch):
+    providers = dict(bk.RMSNORM.providers)
+    providers["simulated OOM"] = lambda: _raise_oom
+    providers["simulated ERR"] = lambda: _raise_value_error
+    providers["simulated ERR at build"] = lambda: _raise_value_error()
+    monkeypatch.setattr(bk.RMSNORM, "providers", providers)
+    results, text = run_main(["--quick", "--kernel", "rmsnorm"])
     recs = {r["provider"]: r for r in results["kernels"]["rmsnorm"]["results"]}
-    assert recs["simulated OOM"]["fwd_status"] == "OOM" and recs["simulated OOM"]["fwdbwd_status"] == "OOM"
-    assert recs["simulated ERR"]["fwd_status"] == "ERR" and recs["simulated ERR"]["fwdbwd_status"] == "ERR"
-    # The other providers still ran.
-    assert recs["ours (Triton)"]["error"] is not None
-    # The message of the failing peer is printed once, under the table.
-    assert text.count("simulated failure of a peer") == 1
-    assert "ERR simulated ERR" in text
-    assert "Tried to allocate" not in text  # OOM shows as OOM in its cells, no message
+    assert recs["simulated OOM"]["fwd_status"] == recs["simulated OOM"]["fwdbwd_status"] == "OOM"
+    assert recs["simulated OOM"]["memory_status"] == "OOM"
+    assert recs["simulated ERR"]["fwd_status"] == recs["simulated ERR"]["fwdbwd_status"] == "ERR"
+    assert recs["simulated ERR at build"]["fwd_status"] == "ERR"
+    assert recs["ours (Triton)"]["error"] is not None  # the others still ran
+    # Each distinct message printed once under the table (fwd and fwd+bwd both failed).
+    assert text.count("ERR simulated ERR (") == 1 and "simulated failure of a peer" in text
+    assert "Tried to allocate" not in text  # OOM shows in its cells, without a message
+    table = text[text.index("RMSNorm benchmark"):]
+    assert any(line.split()[:3] == ["simulated", "OOM", "OOM"] for line in table.splitlines())
 
 
-def test_byte_formulas():
-    rms = bk.KERNELS["rmsnorm"].bytes_moved({"tokens": 16384, "hidden": 4096})
-    assert rms["fwd"] == 2 * 16384 * 4096 * 2 + 4096 * 2
-    assert rms["fwdbwd"] == 5 * 16384 * 4096 * 2 + 3 * 4096 * 2
-    ce = bk.KERNELS["cross_entropy"].bytes_moved({"tokens": 8192, "vocab": 128256})
-    assert ce["fwd"] == 8192 * 128256 * 2
-    assert ce["fwdbwd"] == 2 * 8192 * 128256 * 2
-    # Effective bandwidth, share of the copy bandwidth and speedup follow from them.
+def test_byte_formulas_and_derived_numbers():
+    rms = bk.RMSNORM.bytes({"tokens": 16384, "hidden": 4096})
+    assert rms == {"fwd": 2 * 16384 * 4096 * 2 + 4096 * 2, "fwdbwd": 5 * 16384 * 4096 * 2 + 3 * 4096 * 2}
+    assert bk.CROSS_ENTROPY.bytes({"tokens": 8192, "vocab": 128256}) == {
+        "fwd": 8192 * 128256 * 2, "fwdbwd": 2 * 8192 * 128256 * 2}
+    assert bk.SWIGLU.bytes({"tokens": 4096, "intermediate": 14336})["fwdbwd"] == 8 * 4096 * 14336 * 2
+    rope = bk.ROPE.bytes({"tokens": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128})
+    assert rope == {"fwd": 85983232, "fwdbwd": 171966464}  # as in results/bench_h100.json
+    assert bk.FLCE.flops({"tokens": 4096, "hidden": 4096, "vocab": 128256}) == {
+        "fwd": 4303557230592, "fwdbwd": 12910671691776}
     recs = [
-        {"provider": "ours", "bytes": rms, "fwd_ms": 0.1, "fwdbwd_ms": 0.4},
-        {"provider": "peer", "bytes": rms, "fwd_ms": 0.3, "fwdbwd_ms": None},
+        {"provider": "ours", "bytes": rms, "flops": None, "fwd_ms": 0.1, "fwdbwd_ms": 0.4},
+        {"provider": "peer", "bytes": rms, "flops": None, "fwd_ms": 0.3, "fwdbwd_ms": None},
     ]
-    bk._derive(recs, copy_bw=3000.0, ours_name="ours")
+    bk.derive(recs, copy_bw=3000.0, ours="ours")
     assert abs(recs[0]["fwd_GBps"] - rms["fwd"] / 1e-4 / 1e9) < 1e-6
     assert abs(recs[0]["fwd_pct_copy"] - 100 * recs[0]["fwd_GBps"] / 3000.0) < 1e-9
     assert abs(recs[1]["speedup_fwd"] - 3.0) < 1e-9
     assert "speedup_fwdbwd" not in recs[1] and "speedup_fwd" not in recs[0]
 
 
-def test_plot_draws_bars(tmp_path):
-    # The CPU run has no timings to draw, so feed the plot made-up numbers.
-    rec = {"label": "4,096", "fwd_status": "ok", "fwdbwd_status": "ok", "fwd_GBps": 2500.0, "fwdbwd_GBps": 1500.0}
-    results = {
-        "environment": {"gpu": "made-up GPU", "torch": "x", "triton": "y", "date": "today",
-                        "copy_bandwidth_GBps": 3000.0},
-        "kernels": {
-            "rmsnorm": {
-                "title": "RMSNorm",
-                "providers": ["ours (Triton)", "PyTorch eager (HF)"],
-                "shapes": [{"tokens": 4096}],
-                "results": [
-                    dict(rec, provider="ours (Triton)"),
-                    dict(rec, provider="PyTorch eager (HF)", fwd_GBps=None, fwd_status="OOM"),
-                ],
-            }
-        },
-    }
-    path = tmp_path / "plot.png"
-    bk.plot_results(results, str(path))
-    assert path.stat().st_size > 10_000
+def test_plot_tool_redraws_from_json(quick_run, tmp_path, capsys):
+    _, _, json_path = quick_run
+    sources = [json_path, RESULTS / "bench_h100.json", RESULTS / "bench_h200.json"]
+    for i, source in enumerate(sources):
+        out = tmp_path / f"plot{i}.png"
+        plot_benchmark.main([str(source), "--out", str(out)])
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000, source
+    assert "Wrote" in capsys.readouterr().out
+    # Bad input and output paths: one line each, nothing drawn.
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"kernels": {}}')
+    for argv, expected in (([str(tmp_path / "none.json"), "--out", str(tmp_path / "x.png")], "no such file"),
+                           ([str(bad), "--out", str(tmp_path / "x.png")], "not a benchmark_kernels.py JSON"),
+                           ([str(sources[1]), "--out", str(tmp_path / "no" / "x.png")], "error: --out")):
+        with pytest.raises(SystemExit) as exc:
+            plot_benchmark.main(argv)
+        assert expected in str(exc.value.code) and "\n" not in str(exc.value.code)
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_plot_option_draws_after_measuring(tmp_path):
+    png = tmp_path / "swiglu.png"
+    run_main(["--quick", "--kernel", "swiglu", "--plot", str(png)])
+    assert png.stat().st_size > 10_000
 
 
 if __name__ == "__main__":
     import sys
 
-    from conftest import Report
-
-    report = Report("Benchmark smoke tests (CPU: Triton interpreter, no timings)")
-    with tempfile.TemporaryDirectory() as tmp:
-        report.run("quick run: tables, JSON, plot", lambda: test_quick_run_writes_tables_json_and_plot(Path(tmp)))
-        report.run("failing peers: OOM / ERR cells", lambda: test_failing_peers_are_reported_not_fatal(Path(tmp)))
-        report.run("byte formulas and derived numbers", test_byte_formulas)
-        report.run("plot with numbers", lambda: test_plot_draws_bars(Path(tmp)))
-    sys.exit(report.finish("benchmark"))
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -61,7 +61,7 @@ def rmsnorm_sweep(rows_list, results):
                 tbs = 5 * nbytes / ms / 1e9
                 results.append(dict(kernel="rmsnorm_fwdbwd", rows=n, warps=warps, per_sm=per_sm, ms=ms, tbs=tbs))
                 print(f"rmsnorm f+b   rows={n:6d} warps={warps:2d} per_sm={per_sm}   {ms * 1e3:8.1f} us {tbs:5.2f} TB/s", flush=True)
-        del x, dy
+        x = dy = None  # free before the next size (the timed lambdas above are done with them)
     rk._launch_config, rk.BWD_PROGRAMS_PER_SM = orig_config, orig_per_sm
 
 
@@ -88,7 +88,7 @@ def ce_sweep(rows_list, results, quick):
                 results.append(dict(kernel="ce", rows=n, block=block, warps=warps, ms_fwdbwd=ms, ms_fwd=ms_f))
                 print(f"ce rows={n:6d} block={block:6d} warps={warps:2d}  fwd {ms_f:7.3f} ms ({nbytes / ms_f / 1e9:4.2f} TB/s)"
                       f"  fwd+bwd {ms:7.3f} ms ({2 * nbytes / ms / 1e9:4.2f} TB/s 1R+1W)", flush=True)
-        del logits
+        logits = None  # free before the next size
     ce.BLOCK_V_GPU, ce.NUM_WARPS_GPU, ce.FEW_ROWS = orig
 
 

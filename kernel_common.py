@@ -177,9 +177,16 @@ def swap_modules(model, matches, replacement):
 
     Returns the count. We collect first and swap afterwards: changing the module
     tree while iterating over it is unsafe. The root module itself is never
-    swapped (it has no parent to hold the replacement).
+    swapped (it has no parent to hold the replacement), and when a match lies
+    inside another match only the outer one is replaced (the inner one goes
+    with it; replacing both would graft the inner replacement onto the new
+    outer module).
     """
-    targets = [(name, module) for name, module in model.named_modules() if name and matches(module)]
+    targets = []
+    for name, module in model.named_modules():  # parents come before their children
+        inside_a_target = any(name.startswith(outer + ".") for outer, _ in targets)
+        if name and not inside_a_target and matches(module):
+            targets.append((name, module))
     for name, module in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -3,14 +3,19 @@ Step 11a -- Fine-tune LLaMA with plain PyTorch / Hugging Face: the baseline.
 
 Runs a full fine-tuning loop (forward, HF's loss, backward, AdamW) on seeded
 synthetic token batches and reports time per step, tokens/sec and peak memory.
-finetune_optimized.py runs the very same loop (both import llama_common) with the
-Triton kernels switched on, so the two reports compare like for like.
+finetune_optimized.py runs the very same loop (llama_common.run_training) with the
+Triton kernels switched in, so the two reports compare like for like. What this
+script trains with is ``plain_hf`` below: HF's own loss and PyTorch's AdamW.
 
 Usage:
     python finetune_baseline.py                      # LLaMA-3.1-8B on a GPU; --tiny on a CPU
     python finetune_baseline.py --random-init        # 8B architecture, no download
     python finetune_baseline.py --tiny --steps 10 --seq-len 64
     python finetune_baseline.py --batch-size 1 --seq-len 4096 --json baseline.json
+    python finetune_baseline.py --use-custom-rmsnorm     # the baseline plus one kernel
+
+Without a GPU the default is a short run of the tiny LLaMA (1 warm-up + 6 steps of 2 x 32
+tokens), the same work as finetune_optimized.py's default.
 
 Without weights (no network, gated model, wrong path) it says why in one line and
 continues with random weights in the same architecture.
@@ -23,6 +28,21 @@ import llama_common as common
 TITLE = "Fine-tuning: baseline (PyTorch / HF)"
 
 
+def plain_hf(model, kernels):
+    """What the baseline trains with: ``(loss_fn, make_optimizer)`` for run_training.
+
+    HF's loss (the model shifts the labels, upcasts the logits to float32 and calls
+    F.cross_entropy) and torch.optim.AdamW. A --use-custom-* flag adds that kernel,
+    switched in exactly as finetune_optimized.py does it.
+    """
+    if any(kernels.values()):
+        from finetune_optimized import apply_kernels  # imported only then: the plain run loads no kernel
+
+        return apply_kernels(model, kernels)
+    print("Kernels:       none (PyTorch / HF)")
+    return common.hf_loss, common.pytorch_adamw
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="LLaMA fine-tuning loop with PyTorch / HF ops (the baseline).")
     common.add_model_args(parser, custom_kernels_default=False)
@@ -32,7 +52,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    return common.run_finetune(args, TITLE, script="finetune_baseline.py")
+    return common.run_finetune(args, TITLE, script="finetune_baseline.py", switch_in=plain_hf)
 
 
 if __name__ == "__main__":

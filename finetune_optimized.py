@@ -2,8 +2,10 @@
 Step 11b (and 16) -- Fine-tune LLaMA with the custom Triton kernels.
 
 The same loop as finetune_baseline.py (same seed, same data, same optimizer
-settings), with every kernel of this repository on by default; the run prints
-which ones are active:
+settings: both run llama_common.run_training), with every kernel of this
+repository on by default. How each one is switched in is the code of this file,
+``apply_kernels`` below, one short block per kernel; the run prints which ones
+are active:
 
 * ``--use-custom-rmsnorm``: every RMSNorm module becomes ``TritonRMSNorm``
   (rmsnorm_kernel.py), sharing the original weight Parameter.
@@ -12,10 +14,10 @@ which ones are active:
   the MLP's hidden activation recomputed in backward instead of stored.
 * ``--use-custom-rope``: the fused rotary embedding (rope_kernel.py), swapped in
   while the model's forward runs.
-* ``--use-custom-flce``: the LM head and the loss fused (cross_entropy_kernel.py,
-  step 13): the [B, T, V] logits are never built. It supersedes
-  ``--use-custom-ce`` (the fused loss on the model's logits), which is what runs
-  with ``--no-use-custom-flce``.
+* ``--use-custom-flce``: the LM head and the loss fused
+  (linear_cross_entropy_kernel.py, step 13): the [B, T, V] logits are never
+  built. It supersedes ``--use-custom-ce`` (the fused loss on the model's logits,
+  cross_entropy_kernel.py), which is what runs with ``--no-use-custom-flce``.
 * ``--use-custom-adamw``: the fused Triton AdamW step (adamw_kernel.py) instead of
   PyTorch's fused AdamW, with the same hyperparameters.
 
@@ -24,17 +26,151 @@ Usage:
     python finetune_optimized.py --no-use-custom-flce   # the fused loss on the logits instead
     python finetune_optimized.py --tiny --steps 10 --seq-len 64 --json optimized.json
 
+Without a GPU the default is a short run of the tiny LLaMA (1 warm-up + 6 steps of 2 x 32
+tokens, under a minute: the kernels run in Triton's interpreter); a run that
+will take more than two minutes prints an estimate after its first step, and
+Ctrl-C keeps the completed steps (--json marks them partial).
+
 With the same flags and seed, its losses match finetune_baseline.py's step by step
 (float32 on CPU: within 1e-4; bf16 on GPU: within bf16 rounding).
 """
 
 import argparse
 
-import llama_common as common
+import torch
+
+import llama_common as common  # before the kernels: loading, data, flags, the training loop
+from adamw_kernel import TritonAdamW
+from cross_entropy_kernel import cross_entropy
+from linear_cross_entropy_kernel import fused_linear_cross_entropy
+from rmsnorm_kernel import replace_rmsnorm
+from rope_kernel import patched_rope, rope_patch_targets
+from swiglu_kernel import replace_swiglu
 
 TITLE = "Fine-tuning: optimized (Triton kernels)"
 
 
+# --------------------------------------------------------------------------------
+# The losses: HF's shifted, ignore-index mean loss, computed by our kernels
+# --------------------------------------------------------------------------------
+def triton_ce_loss(model, input_ids, labels):
+    """The fused Triton cross-entropy on the model's [B, T, V] logits."""
+    logits = model(input_ids=input_ids).logits  # [B, T, V] in the model's dtype; not copied
+    return cross_entropy(logits, common.shift_labels(labels), ignore_index=common.IGNORE_INDEX)
+
+
+def triton_flce_loss(model, input_ids, labels):
+    """The LM head fused into the loss: the decoder's hidden states go straight into
+    the fused linear cross-entropy, so no [B, T, V] logits exist."""
+    hidden = model.get_decoder()(input_ids=input_ids).last_hidden_state  # [B, T, H]
+    weight = model.get_output_embeddings().weight  # [V, H], possibly tied to the embedding
+    return fused_linear_cross_entropy(hidden, weight, common.shift_labels(labels), ignore_index=common.IGNORE_INDEX)
+
+
+def with_fused_rope(loss_fn):
+    """``loss_fn`` with the fused RoPE patched into the model's attention during the forward.
+
+    RoPE is a function HF's attention looks up by name, not a module: it is swapped
+    only while this model's forward runs (backward needs no patch; the autograd
+    nodes already point at our kernel).
+    """
+    def loss_with_fused_rope(model, input_ids, labels):
+        with patched_rope(model):
+            return loss_fn(model, input_ids, labels)
+
+    loss_with_fused_rope.__doc__ = f"{loss_fn.__name__} with the fused RoPE patched in during the forward."
+    return loss_with_fused_rope
+
+
+def check_flce_head(model):
+    """The fused loss computes hidden @ W.T: refuse heads that do more than that."""
+    head = model.get_output_embeddings()
+    extras = [a for a in ("final_logit_softcapping", "logit_scale") if getattr(model.config, a, None)]
+    if head is None or not isinstance(head, torch.nn.Linear) or head.bias is not None or extras:
+        raise SystemExit(
+            f"error: --use-custom-flce needs an LM head that is a plain bias-free Linear "
+            f"({type(model).__name__} has {type(head).__name__}{', ' + ', '.join(extras) if extras else ''}); "
+            f"run with --no-use-custom-flce"
+        )
+
+
+def nothing_found(flag, what, model, looks_for):
+    """A --use-custom-* flag that matched nothing is a mistake, not a silent no-op."""
+    return SystemExit(
+        f"error: --use-custom-{flag} found no {what} in {type(model).__name__} ({looks_for}); run without it"
+    )
+
+
+# --------------------------------------------------------------------------------
+# Switching the kernels in
+# --------------------------------------------------------------------------------
+def apply_kernels(model, kernels):
+    """Switch into ``model`` the kernels that ``kernels`` ({name: on/off}, see
+    common.KERNELS) turns on. Returns ``(loss_fn, make_optimizer)`` for
+    common.run_training: the loss ``loss_fn(model, input_ids, labels)`` and the
+    optimizer factory ``make_optimizer(params, lr)``. Each kernel is one block
+    that prints one line; with every kernel off this is the plain HF baseline.
+    """
+    active = []
+
+    # RMSNorm: a module swap. TritonRMSNorm reuses each module's weight Parameter,
+    # so the optimizer and any weight tying see the same tensors.
+    if kernels.get("rmsnorm"):
+        count = replace_rmsnorm(model)
+        if count == 0:
+            raise nothing_found("rmsnorm", "RMSNorm modules to replace", model,
+                                "it looks for modules named *RMSNorm with weight and variance_epsilon")
+        print(f"Custom rmsnorm: replaced {count} RMSNorm modules with TritonRMSNorm")
+        active.append("rmsnorm")
+
+    # SwiGLU: a module swap too; the MLP keeps its three projections (cuBLAS).
+    if kernels.get("swiglu"):
+        count = replace_swiglu(model)
+        if count == 0:
+            raise nothing_found("swiglu", "LLaMA MLPs to replace", model,
+                                "it looks for modules named *MLP with gate_proj, up_proj, down_proj and a SiLU act_fn")
+        print(f"Custom swiglu: replaced {count} LLaMA MLPs with TritonLlamaMLP (fused SwiGLU)")
+        active.append("swiglu")
+
+    # The loss: a different loss function, nothing in the model changes.
+    loss_fn = common.hf_loss
+    if kernels.get("flce"):
+        check_flce_head(model)
+        loss_fn = triton_flce_loss
+        note = " (supersedes --use-custom-ce)" if kernels.get("ce") else ""
+        print(f"Custom loss:   fused linear cross-entropy, LM head + loss in chunks, no logits{note}")
+        active.append("flce")
+    elif kernels.get("ce"):
+        loss_fn = triton_ce_loss
+        print("Custom loss:   Triton cross-entropy on the model's [B, T, V] logits (not copied)")
+        active.append("ce")
+
+    # RoPE: patched in around the forward, so it wraps whichever loss was chosen.
+    if kernels.get("rope"):
+        _, count = rope_patch_targets(model)
+        if count == 0:
+            raise nothing_found("rope", "attention modules using apply_rotary_pos_emb", model,
+                                "it looks for *Attention modules whose python module defines it")
+        print(f"Custom rope:   fused RoPE in {count} attention modules, during this model's forward")
+        loss_fn = with_fused_rope(loss_fn)
+        active.append("rope")
+
+    # AdamW: a different optimizer class with the same defaults and signature
+    # (one launch per parameter tensor, the update fused into one pass over memory).
+    make_optimizer = common.pytorch_adamw
+    if kernels.get("adamw"):
+        make_optimizer = TritonAdamW
+        print("Custom optim:  fused Triton AdamW step (same hyperparameters as torch.optim.AdamW)")
+        active.append("adamw")
+
+    active = [name for name in common.KERNELS if name in active]  # one order in every report
+    print(f"Kernels:       {', '.join(active) if active else 'none (PyTorch / HF)'}")
+    return loss_fn, make_optimizer
+
+
+# --------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description="LLaMA fine-tuning loop with the fused Triton kernels (all on by default)."
@@ -46,7 +182,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    return common.run_finetune(args, TITLE, script="finetune_optimized.py")
+    return common.run_finetune(args, TITLE, script="finetune_optimized.py", switch_in=apply_kernels)
 
 
 if __name__ == "__main__":

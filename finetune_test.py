@@ -4,16 +4,23 @@ Tests of the fine-tune scripts and their shared loader (CPU, --tiny, seconds eac
 * the baseline and the optimized script give the same losses, step by step;
 * the optimized run really swapped the RMSNorm and MLP modules and used the fused
   linear cross-entropy, without ever running the LM head (no logits);
-* --json writes the documented fields;
+* llama_common imports no kernel: the optimized script switches them in itself;
+* --json writes the documented fields, as strict JSON (NaN as null), atomically;
+* outputs are checked before the work; Ctrl-C keeps the completed steps (partial,
+  exit 130); GPU and CPU out-of-memory errors end in the same one-line advice;
 * bad input ends with a one-line message and a non-zero exit, never a traceback;
+* flags that another flag overrides are reported;
 * the default model falls back to its bundled config quickly when the hub
-  cannot serve the weights.
+  cannot serve the weights;
+* tools/max_seq_len.py refuses to run without a GPU, in one line.
 
 Usage:
     python -m pytest finetune_test.py -v
     python finetune_test.py
 """
 
+import ast
+import importlib.util
 import json
 import os
 import subprocess
@@ -51,7 +58,8 @@ def runs(tmp_path_factory):
         spy["rope_calls"] += 1
         return real_rope(*args, **kwargs)
 
-    real_ce, real_flce, real_replace = common.cross_entropy, common.fused_linear_cross_entropy, common.replace_rmsnorm
+    fo = finetune_optimized
+    real_ce, real_flce, real_replace = fo.cross_entropy, fo.fused_linear_cross_entropy, fo.replace_rmsnorm
 
     def ce_spy(*args, **kwargs):
         spy["ce_calls"] += 1
@@ -70,9 +78,9 @@ def runs(tmp_path_factory):
         return real_replace(model)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(common, "cross_entropy", ce_spy)
-        mp.setattr(common, "fused_linear_cross_entropy", flce_spy)
-        mp.setattr(common, "replace_rmsnorm", replace_spy)
+        mp.setattr(fo, "cross_entropy", ce_spy)
+        mp.setattr(fo, "fused_linear_cross_entropy", flce_spy)
+        mp.setattr(fo, "replace_rmsnorm", replace_spy)
         mp.setattr(rope_kernel, "rope_forward", rope_spy)
         mp.setattr(adamw_kernel, "adamw_step", adamw_spy)
         base = finetune_baseline.main(TINY + ["--json", str(out / "baseline.json")])
@@ -156,8 +164,8 @@ def test_loss_functions_agree_on_padding():
     labels[0, 5:9] = common.IGNORE_INDEX
     labels[1, -3:] = common.IGNORE_INDEX
     hf = common.hf_loss(model, ids, labels)
-    ours = common.triton_ce_loss(model, ids, labels)
-    fused = common.triton_flce_loss(model, ids, labels)
+    ours = finetune_optimized.triton_ce_loss(model, ids, labels)
+    fused = finetune_optimized.triton_flce_loss(model, ids, labels)
     assert abs(hf.item() - ours.item()) < 1e-5 and abs(hf.item() - fused.item()) < 1e-5
 
 
@@ -185,18 +193,35 @@ def test_seq_len_beyond_max_positions():
     assert "--seq-len 4096 is longer than the model's maximum of 2048 positions" in str(e.value.code)
 
 
-def test_out_of_memory(monkeypatch):
+@pytest.mark.parametrize(
+    "error, where",
+    [
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.91 GiB"), "GPU"),
+        (RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: "
+                      "you tried to allocate 4194304000 bytes. Error code 12 (Cannot allocate memory)"), "CPU"),
+    ],
+)
+def test_out_of_memory(monkeypatch, error, where):
     def oom(*args, **kwargs):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.91 GiB")
+        raise error
 
     monkeypatch.setattr(common, "train_step", oom)
     with pytest.raises(SystemExit) as e:
         finetune_baseline.main(TINY)
     msg = str(e.value.code)
-    assert "out of GPU memory while training the tiny LLaMA with batch 2 x seq 32" in msg
+    assert f"out of {where} memory while training the tiny LLaMA with batch 2 x seq 32" in msg
     assert "AdamW state alone take 0.0 GiB" in msg
     assert "reduce --batch-size or --seq-len" in msg and "--use-custom-flce" in msg
     assert "\n" not in msg
+
+
+def test_other_runtime_errors_are_not_called_out_of_memory(monkeypatch):
+    def bug(*args, **kwargs):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    monkeypatch.setattr(common, "train_step", bug)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        finetune_baseline.main(TINY)
 
 
 @pytest.fixture
@@ -280,8 +305,13 @@ def test_default_model_falls_back_to_random_weights(monkeypatch, capsys):
 
 def test_tiny_is_the_default_without_gpu():
     args = common.resolve_defaults(finetune_baseline.parse_args([]))
-    assert args.tiny is (not torch.cuda.is_available())
-    assert args.seq_len == (128 if args.tiny else 2048)
+    on_gpu = torch.cuda.is_available()
+    assert args.tiny is (not on_gpu)
+    # Without a GPU the default run is short: it ends within a minute on a laptop.
+    assert args.seq_len == (2048 if on_gpu else common.CPU_TINY_SEQ_LEN)
+    assert (args.steps, args.warmup_steps) == ((20, 2) if on_gpu else (common.CPU_STEPS, common.CPU_WARMUP_STEPS))
+    explicit = common.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--steps", "3", "--seq-len", "8"]))
+    assert (explicit.steps, explicit.seq_len) == (3, 8)
 
 
 def test_random_init_from_a_local_config(tmp_path, capsys):
@@ -298,5 +328,219 @@ def test_hub_check_is_quick():
     assert time.time() - start < 30
 
 
+# --------------------------------------------------------------------------------
+# Layers: llama_common imports no kernel
+# --------------------------------------------------------------------------------
+def imported_modules(path):
+    """Every module name an ``import`` or ``from ... import`` statement of ``path`` names."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), filename=path)
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_llama_common_imports_no_kernel():
+    names = imported_modules(os.path.join(HERE, "llama_common.py"))
+    kernels = sorted(n for n in names if n.split(".")[0].endswith("_kernel"))
+    assert kernels == [], f"llama_common imports {kernels}; kernels are switched in by finetune_optimized.py"
+    assert "kernel_common" in names  # the interpreter switch is not a kernel
+    assert "finetune_optimized" not in names and "finetune_baseline" not in names  # no arrow points up
+    # The plain baseline shows the HF loop; it reaches the kernels only through a flag.
+    top_level = {n for n in imported_modules(os.path.join(HERE, "finetune_baseline.py"))}
+    assert not any(n.endswith("_kernel") for n in top_level)
+
+
+# --------------------------------------------------------------------------------
+# Outputs: checked before the work, written whole and strict; Ctrl-C keeps the steps
+# --------------------------------------------------------------------------------
+def no_training(monkeypatch):
+    """Make any training step fail the test: a check must stop the run before it."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("training started before the output path was checked")
+
+    monkeypatch.setattr(common, "load_model", forbidden)
+    monkeypatch.setattr(common, "train_step", forbidden)
+
+
+@pytest.mark.parametrize("where, message", [
+    ("missing/out.json", "directory {parent} does not exist"),
+    (".", "is a directory, expected a file path"),
+])
+def test_bad_json_path_fails_before_training(tmp_path, monkeypatch, capsys, where, message):
+    no_training(monkeypatch)
+    path = tmp_path / where
+    with pytest.raises(SystemExit) as e:
+        finetune_optimized.main(TINY + ["--json", str(path)])
+    msg = str(e.value.code)
+    assert msg.startswith("error: --json ") and "\n" not in msg
+    assert message.format(parent=tmp_path / "missing") in msg
+    assert "Model:" not in capsys.readouterr().out  # nothing was built
+
+
+def test_unwritable_json_directory(tmp_path, monkeypatch):
+    if os.geteuid() == 0:
+        pytest.skip("root can write anywhere")
+    no_training(monkeypatch)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        with pytest.raises(SystemExit) as e:
+            finetune_baseline.main(TINY + ["--json", str(locked / "out.json")])
+    finally:
+        locked.chmod(0o700)
+    assert "cannot write in" in str(e.value.code)
+
+
+def strict_loads(text):
+    """json.loads that rejects NaN / Infinity, as most JSON readers do."""
+    def reject(constant):
+        raise ValueError(f"bare {constant} in the JSON")
+
+    return json.loads(text, parse_constant=reject)
+
+
+def test_nan_loss_is_written_as_null(tmp_path, monkeypatch):
+    real_step = common.train_step
+    calls = []
+
+    def nan_on_step_2(*args, **kwargs):
+        calls.append(1)
+        loss = real_step(*args, **kwargs)
+        return torch.tensor(float("nan")) if len(calls) == 2 else loss
+
+    monkeypatch.setattr(common, "train_step", nan_on_step_2)
+    path = tmp_path / "nan.json"
+    path.write_text("old")  # replaced whole, never left half-written
+    finetune_baseline.main(TINY + ["--json", str(path)])
+    doc = strict_loads(path.read_text())
+    assert doc["losses"][1] is None and doc["steps"][1]["loss"] is None
+    assert all(isinstance(x, float) for i, x in enumerate(doc["losses"]) if i != 1)
+    assert doc["partial"] is False
+    assert [p.name for p in tmp_path.iterdir()] == ["nan.json"]  # no temporary file left
+
+
+def test_strict_json_helpers(tmp_path):
+    doc = {"a": float("nan"), "b": [float("inf"), -float("inf"), 1.5], "c": {"d": (2, float("nan"))}}
+    assert common.strict_json(doc) == {"a": None, "b": [None, None, 1.5], "c": {"d": [2, None]}}
+    path = tmp_path / "x.json"
+    common.write_json_atomic(str(path), doc)
+    assert strict_loads(path.read_text())["b"] == [None, None, 1.5]
+    # A document that cannot be written leaves the old file and no temporary file.
+    path.write_text('{"old": true}')
+    with pytest.raises(TypeError):
+        common.write_json_atomic(str(path), {"bad": object()})
+    assert json.loads(path.read_text()) == {"old": True}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]
+
+
+def test_ctrl_c_writes_the_completed_steps(tmp_path, monkeypatch, capsys):
+    real_step = common.train_step
+    calls = []
+
+    def interrupt_on_step_3(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(common, "train_step", interrupt_on_step_3)
+    path = tmp_path / "partial.json"
+    with pytest.raises(SystemExit) as e:
+        finetune_baseline.main(TINY + ["--json", str(path)])
+    assert e.value.code == 130
+    doc = strict_loads(path.read_text())
+    assert doc["partial"] is True and doc["planned_steps"] == 4
+    assert len(doc["losses"]) == len(doc["steps"]) == 2 and doc["timed_steps"] == 1
+    assert doc["tokens_per_sec"] > 0 and doc["peak_memory_bytes"] > 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("Interrupted")]
+    assert lines == [f"Interrupted: 2 of 4 steps completed, wrote them to {path} (marked partial)"]
+    assert "Average throughput" not in out  # no results block for a partial run
+
+
+def test_ctrl_c_before_any_timed_step(monkeypatch, capsys):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(common, "train_step", interrupt)
+    with pytest.raises(SystemExit) as e:
+        finetune_baseline.main(TINY)
+    assert e.value.code == 130
+    assert "Interrupted: 0 of 4 steps completed, not written (no --json)" in capsys.readouterr().out
+
+
+def test_estimate_printed_for_a_long_run(monkeypatch, capsys):
+    monkeypatch.setattr(common, "LONG_RUN_S", 0.0)  # every run is "long"
+    finetune_baseline.main(TINY)
+    out = capsys.readouterr().out
+    (line,) = [line for line in out.splitlines() if line.startswith("Estimate:")]
+    assert "for the remaining 3 steps" in line
+    assert out.index("step    1/4") < out.index("Estimate:") < out.index("step    2/4")
+    monkeypatch.setattr(common, "LONG_RUN_S", 120.0)
+    common.print_estimate(1.0, 10)  # 10 s left: nothing to say
+    assert capsys.readouterr().out == ""
+    common.print_estimate(30.0, 20)
+    assert "up to 10 min for the remaining 20 steps" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------
+# Conflicting flags: what was overridden is printed
+# --------------------------------------------------------------------------------
+def test_tiny_overrides_model(capsys, monkeypatch):
+    monkeypatch.setattr(common, "try_pretrained", lambda *a: pytest.fail("--tiny must not load weights"))
+    args = common.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--model", "some/model"]))
+    assert args.tiny is True
+    assert "Note:          --tiny overrides --model some/model" in capsys.readouterr().out
+    common.resolve_defaults(args)  # a second call says nothing new
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the override happens without a GPU")
+def test_random_init_on_cpu_is_reported(capsys):
+    args = common.resolve_defaults(finetune_baseline.parse_args(["--random-init"]))
+    assert args.tiny is True
+    out = capsys.readouterr().out
+    assert "no GPU, so --tiny is on and --random-init changes nothing" in out
+    assert "--no-tiny --random-init" in out
+    common.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--random-init"]))
+    assert capsys.readouterr().out == ""  # asked for --tiny: nothing was overridden
+
+
+# --------------------------------------------------------------------------------
+# tools/max_seq_len.py
+# --------------------------------------------------------------------------------
+def load_tool(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, "tools", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_max_seq_len_needs_a_gpu(capsys):
+    tool = load_tool("max_seq_len")
+    assert tool.__doc__ and "Usage:" in tool.__doc__
+    with pytest.raises(SystemExit) as e:
+        tool.main(["--random-init", "--all-kernels"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs a CUDA GPU" in err
+
+
+def test_max_seq_len_checks_its_output_first(tmp_path, monkeypatch):
+    tool = load_tool("max_seq_len")
+    monkeypatch.setattr(tool.torch.cuda, "is_available", lambda: True)  # get past the GPU check
+    monkeypatch.setattr(tool.common, "load_model", lambda *a: pytest.fail("built a model before the check"))
+    with pytest.raises(SystemExit) as e:
+        tool.main(["--json", str(tmp_path / "missing" / "maxseq.json")])
+    assert str(e.value.code).startswith("error: --json ") and "does not exist" in str(e.value.code)
+
+
 if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-v"]))
+    raise SystemExit(pytest.main([__file__, *sys.argv[1:]]))

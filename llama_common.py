@@ -1,24 +1,30 @@
 """
-Shared pieces of the profile and fine-tune scripts: one model loader, one training
-step, one training loop.
+Shared pieces of the profile and fine-tune scripts: loading, data, flags, the
+training loop and JSON. It imports no kernel.
 
 profile_baseline.py, finetune_baseline.py and finetune_optimized.py must measure
 exactly the same work, or their numbers cannot be compared. So the work is written
-once, here, and the scripts only choose flags and print results:
+once, here, and the scripts choose what to switch in and print results:
 
-* ``add_model_args`` / ``add_finetune_args``: the flags every script shares.
+* ``add_model_args`` / ``add_finetune_args`` / ``resolve_defaults``: the flags
+  every script shares, and the defaults that depend on the hardware.
 * ``load_model``: real weights with transformers (bf16 + SDPA on GPU); random
   weights in the same architecture when the weights cannot be had (no network,
   gated model, missing path) or with ``--random-init``; ``--tiny`` for laptops and
   tests (the default without a GPU).
-* ``apply_kernels``: swaps in the Triton kernels and returns the loss function.
-* ``train_step`` / ``run_training``: forward, loss, backward, AdamW, with NVTX
-  ranges, synchronized timing, tokens/sec and peak memory.
+* ``hf_loss`` and ``pytorch_adamw``: the baseline's loss and optimizer. The Triton
+  kernels are switched in by finetune_optimized.py, in its own code, which hands
+  ``run_finetune`` another loss function and optimizer.
+* ``train_step`` / ``run_training``: forward, loss, backward, optimizer step, with
+  NVTX ranges, synchronized timing, tokens/sec, peak memory, out-of-memory advice
+  and Ctrl-C handling (the completed steps are kept).
+* ``check_output_path`` / ``write_json_atomic``: output files are checked before
+  the work and written whole (strict JSON, temporary file + rename) or not at all.
 
 Without a GPU the Triton kernels run through Triton's interpreter on CPU tensors.
 The interpreter is switched on by an environment variable that must be set before
-``triton`` is first imported (transformers imports it too), hence the order of the
-imports below: torch, then the variable, then everything else.
+``triton`` is first imported (transformers imports it too): kernel_common sets it,
+so it is imported first.
 
 Nothing runs on import.
 """
@@ -34,22 +40,13 @@ import sys
 import tempfile
 import time
 
+import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
+
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import torch.nn.functional as F  # noqa: E402
-import transformers  # noqa: E402
-import triton  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig  # noqa: E402
-
-from adamw_kernel import TritonAdamW  # noqa: E402
-from cross_entropy_kernel import cross_entropy  # noqa: E402
-from linear_cross_entropy_kernel import fused_linear_cross_entropy  # noqa: E402
-from rmsnorm_kernel import replace_rmsnorm  # noqa: E402
-from rope_kernel import patched_rope, rope_patch_targets  # noqa: E402
-from swiglu_kernel import replace_swiglu  # noqa: E402
+import torch.nn.functional as F
+import transformers
+import triton
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B"
 IGNORE_INDEX = -100  # HF's label value for "no loss at this position"
@@ -148,10 +145,15 @@ def write_json_atomic(path, doc):
     a reader (or a crash) never sees half a file, and an older file at ``path``
     stays whole until the new one is complete."""
     tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(strict_json(doc), f, indent=2, allow_nan=False)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(strict_json(doc), f, indent=2, allow_nan=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # no half-written temporary file left behind
+            os.remove(tmp)
+        raise
 
 
 # --------------------------------------------------------------------------------
@@ -187,7 +189,11 @@ def add_model_args(parser, custom_kernels_default=False):
         help="small random LLaMA, float32 (default: on when there is no GPU and --model is not given)",
     )
     g.add_argument("--batch-size", type=positive_int, default=2, help="sequences per step (default: %(default)s)")
-    g.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: 2048; --tiny: 128)")
+    g.add_argument(
+        "--seq-len",
+        type=positive_int,
+        help=f"tokens per sequence (default: 2048; --tiny: 128, or {CPU_TINY_SEQ_LEN} without a GPU)",
+    )
     g.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: %(default)s)")
     g.add_argument("--lr", type=float, help="AdamW learning rate (default: 1e-5; --tiny: 1e-3)")
     k = parser.add_argument_group("custom Triton kernels")
@@ -220,15 +226,25 @@ def kernels_from_args(args):
     return {name: getattr(args, f"use_custom_{name}") for name in KERNELS}
 
 
+# Defaults on a CPU, where the Triton kernels run in the interpreter (seconds per
+# step even for the tiny model): the default run of either fine-tune script then
+# ends within a minute on a 2-core laptop, with the loss visibly falling.
+CPU_STEPS = 6
+CPU_WARMUP_STEPS = 1  # no compilation, no autotuning: one step to allocate AdamW's state
+CPU_TINY_SEQ_LEN = 32
+
+
 def add_finetune_args(parser):
     """Flags of the fine-tune scripts (the profile script has its own --steps)."""
     g = parser.add_argument_group("training loop")
-    g.add_argument("--steps", type=positive_int, default=20, help="timed training steps (default: %(default)s)")
+    g.add_argument(
+        "--steps", type=positive_int, help=f"timed training steps (default: 20, or {CPU_STEPS} without a GPU)"
+    )
     g.add_argument(
         "--warmup-steps",
         type=non_negative_int,
-        default=2,
-        help="untimed steps first: kernel compilation, cuBLAS autotuning (default: %(default)s)",
+        help=f"untimed steps first: kernel compilation, cuBLAS autotuning (default: 2, or {CPU_WARMUP_STEPS} "
+        f"without a GPU)",
     )
     g.add_argument("--log-every", type=positive_int, default=1, help="a step line every N steps (default: %(default)s)")
     g.add_argument("--json", metavar="PATH", help="write config, environment, losses, times and memory here")
@@ -236,18 +252,44 @@ def add_finetune_args(parser):
 
 
 def resolve_defaults(args):
-    """Fill the defaults that depend on the hardware and on --tiny."""
+    """Fill the defaults that depend on the hardware and on --tiny; print each flag
+    that another one overrides. Call it after the banner; a second call changes nothing."""
+    if getattr(args, "_resolved", False):
+        return args
+    args._resolved = True  # private: left out of the JSON config (see public_config)
+    on_gpu = torch.cuda.is_available()
     args.model = os.path.expanduser(args.model)
+    model_given = args.model != DEFAULT_MODEL
     if args.tiny is None:
         # A laptop cannot train 8B parameters; an explicit --model says the user means it.
-        args.tiny = not torch.cuda.is_available() and args.model == DEFAULT_MODEL
+        args.tiny = not on_gpu and not model_given
+        if args.tiny and args.random_init:
+            note("no GPU, so --tiny is on and --random-init changes nothing "
+                 "(--no-tiny --random-init builds the 8B architecture on the CPU: slow, over 32 GB)")
+    elif args.tiny and model_given:
+        note(f"--tiny overrides --model {args.model}: the tiny LLaMA is built instead")
     if args.seq_len is None:
-        args.seq_len = 128 if args.tiny else 2048
+        args.seq_len = (128 if on_gpu else CPU_TINY_SEQ_LEN) if args.tiny else 2048
     if args.lr is None:
         # Random tiny weights need a big step to show learning in a few steps;
         # 1e-5 is a usual full fine-tuning rate for a pretrained 8B model.
         args.lr = 1e-3 if args.tiny else 1e-5
+    # The fine-tune scripts' loop lengths (the profile script sets its own --steps).
+    if getattr(args, "steps", 0) is None:
+        args.steps = 20 if on_gpu else CPU_STEPS
+    if getattr(args, "warmup_steps", 0) is None:
+        args.warmup_steps = 2 if on_gpu else CPU_WARMUP_STEPS
     return args
+
+
+def note(text):
+    """One line about a flag that was overridden or changes nothing."""
+    print(f"Note:          {text}", flush=True)
+
+
+def public_config(args):
+    """The flags as a dict for the JSON files: no private keys, not the --json path itself."""
+    return {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "json"}
 
 
 # --------------------------------------------------------------------------------
@@ -350,9 +392,9 @@ def _attempt_pretrained(model_id, device, dtype, **kwargs):
     """(model, None) or (None, one-line reason); running out of memory is not a reason to fall back."""
     try:
         return _from_pretrained(model_id, device, dtype, **kwargs), None
-    except torch.OutOfMemoryError:
-        raise
     except Exception as e:  # noqa: BLE001 - any loading problem becomes the reason we print
+        if is_out_of_memory(e):
+            raise
         return None, _one_line(e)
 
 
@@ -461,10 +503,13 @@ def load_model(args):
         if model is None:
             check_seq_len(args.seq_len, config)  # before spending a minute building 8B parameters
             model = build_random(config, device, dtype)
-    except torch.OutOfMemoryError:
+    except RuntimeError as e:
+        if not is_out_of_memory(e):
+            raise
+        where = "GPU" if isinstance(e, torch.OutOfMemoryError) else "CPU"
         raise SystemExit(
-            f"error: out of memory while loading {args.model} in {dtype} on {device}; "
-            f"it needs 2 bytes per parameter on the GPU (use a smaller --model, or --tiny)"
+            f"error: out of {where} memory while loading {args.model} in {str(dtype).replace('torch.', '')} "
+            f"on {device}; it needs {dtype.itemsize} bytes per parameter (use a smaller --model, or --tiny)"
         ) from None
     check_seq_len(args.seq_len, model.config)
 
@@ -488,12 +533,12 @@ def load_model(args):
 
 
 # --------------------------------------------------------------------------------
-# Kernels and the loss
+# The baseline's loss and optimizer (finetune_optimized.py switches in the kernels)
 # --------------------------------------------------------------------------------
 def shift_labels(labels):
     """Targets for causal LM: position t predicts token t+1; the last position predicts nothing.
 
-    [B, T] -> [B, T]: shifted left by one and padded with IGNORE_INDEX, so the loss
+    [B, T] -> [B, T]: shifted left by one and padded with IGNORE_INDEX, so a loss
     can use the model's [B, T, V] logits whole (no slice, no .contiguous() copy of
     the largest tensor of the step). Only the small int64 labels are copied.
     """
@@ -506,93 +551,13 @@ def hf_loss(model, input_ids, labels):
     return model(input_ids=input_ids, labels=labels).loss
 
 
-def triton_ce_loss(model, input_ids, labels):
-    """The same shifted, ignore-index mean loss with the fused Triton cross-entropy."""
-    logits = model(input_ids=input_ids).logits  # [B, T, V] in the model's dtype
-    return cross_entropy(logits, shift_labels(labels), ignore_index=IGNORE_INDEX)
+def pytorch_adamw(params, lr):
+    """torch.optim.AdamW with PyTorch's defaults (betas 0.9/0.999, eps 1e-8, weight decay 0.01).
 
-
-def triton_flce_loss(model, input_ids, labels):
-    """The same loss with the LM head fused into it: the decoder's hidden states go
-    straight into the fused linear cross-entropy, so no [B, T, V] logits exist."""
-    hidden = model.get_decoder()(input_ids=input_ids).last_hidden_state  # [B, T, H]
-    weight = model.get_output_embeddings().weight  # [V, H], possibly tied to the embedding
-    return fused_linear_cross_entropy(hidden, weight, shift_labels(labels), ignore_index=IGNORE_INDEX)
-
-
-def _check_flce_head(model):
-    """The fused loss computes hidden @ W.T: refuse heads that do more than that."""
-    head = model.get_output_embeddings()
-    extras = [a for a in ("final_logit_softcapping", "logit_scale") if getattr(model.config, a, None)]
-    if head is None or not isinstance(head, torch.nn.Linear) or head.bias is not None or extras:
-        raise SystemExit(
-            f"error: --use-custom-flce needs an LM head that is a plain bias-free Linear "
-            f"({type(model).__name__} has {type(head).__name__}{', ' + ', '.join(extras) if extras else ''}); "
-            f"run with --no-use-custom-flce"
-        )
-
-
-def apply_kernels(model, kernels):
-    """Patch ``model`` with the kernels switched on in ``kernels`` ({name: bool}, see
-    KERNELS); return the loss function. Each kernel is one block: a module swap, or
-    a different loss function."""
-    active = []
-    swaps = (
-        ("rmsnorm", replace_rmsnorm, "RMSNorm modules", "TritonRMSNorm",
-         "modules named *RMSNorm with weight and variance_epsilon"),
-        ("swiglu", replace_swiglu, "LLaMA MLPs", "TritonLlamaMLP (fused SwiGLU)",
-         "modules named *MLP with gate_proj, up_proj, down_proj and a SiLU act_fn"),
-    )
-    for name, replace, noun, new, looks_for in swaps:
-        if not kernels.get(name):
-            continue
-        count = replace(model)
-        if count == 0:
-            raise SystemExit(
-                f"error: --use-custom-{name} found no {noun} to replace in {type(model).__name__} "
-                f"(it looks for {looks_for}); run without it"
-            )
-        label = f"Custom {name}:"
-        print(f"{label:<14} replaced {count} {noun} with {new}")
-        active.append(name)
-    loss_fn = hf_loss
-    if kernels.get("flce"):
-        _check_flce_head(model)
-        loss_fn = triton_flce_loss
-        note = " (supersedes --use-custom-ce)" if kernels.get("ce") else ""
-        print(f"Custom loss:   fused linear cross-entropy, LM head + loss in chunks, no logits{note}")
-        active.append("flce")
-    elif kernels.get("ce"):
-        loss_fn = triton_ce_loss
-        print("Custom loss:   Triton cross-entropy on the model's [B, T, V] logits (not copied)")
-        active.append("ce")
-    if kernels.get("rope"):
-        # RoPE is a function HF's attention looks up by name, not a module: it is
-        # swapped only while this model's forward runs (backward needs no patch).
-        _, count = rope_patch_targets(model)
-        if count == 0:
-            raise SystemExit(
-                f"error: --use-custom-rope found no attention modules using apply_rotary_pos_emb in "
-                f"{type(model).__name__}; run without it"
-            )
-        print(f"Custom rope:   fused RoPE in {count} attention modules, during this model's forward")
-        loss_fn = _with_rope(loss_fn)
-        active.append("rope")
-    if kernels.get("adamw"):
-        print("Custom optim:  fused Triton AdamW step (same hyperparameters as torch.optim.AdamW)")
-        active.append("adamw")  # the optimizer itself is built by make_optimizer
-    active = [name for name in KERNELS if name in active]  # one order in every report
-    print(f"Kernels:       {', '.join(active) if active else 'none (PyTorch / HF)'}")
-    return loss_fn
-
-
-def _with_rope(loss_fn):
-    def loss_with_fused_rope(model, input_ids, labels):
-        with patched_rope(model):
-            return loss_fn(model, input_ids, labels)
-
-    loss_with_fused_rope.__doc__ = f"{loss_fn.__name__} with the fused RoPE patched in during the forward."
-    return loss_with_fused_rope
+    fused=True on CUDA: one kernel per step for all parameters instead of a dozen
+    elementwise kernels per tensor. The CPU keeps PyTorch's default implementation.
+    """
+    return torch.optim.AdamW(params, lr=lr, fused=torch.cuda.is_available())
 
 
 # --------------------------------------------------------------------------------
@@ -615,18 +580,6 @@ def synthetic_batches(batch_size, seq_len, vocab_size, seed, device):
         phrase = torch.multinomial(zipf, batch_size * phrase_len, replacement=True, generator=gen)
         ids = phrase.view(batch_size, phrase_len).repeat(1, repeats)[:, :seq_len].to(device)
         yield ids, ids  # labels are the inputs; the loss shifts them
-
-
-def make_optimizer(model, lr, use_triton=False):
-    """AdamW with PyTorch's defaults (betas 0.9/0.999, eps 1e-8, weight decay 0.01).
-
-    use_triton: the fused Triton step (adamw_kernel.py, one launch per tensor at
-    ~96% of copy bandwidth). Otherwise PyTorch's fused=True: one kernel per step
-    for all parameters instead of a dozen elementwise kernels per tensor (CUDA only).
-    """
-    if use_triton:
-        return TritonAdamW(model.parameters(), lr=lr)
-    return torch.optim.AdamW(model.parameters(), lr=lr, fused=torch.cuda.is_available())
 
 
 def phase(name):
@@ -664,21 +617,28 @@ def peak_memory():
     return (rss if sys.platform == "darwin" else rss * 1024), "CPU process peak RSS"
 
 
+def is_out_of_memory(exc):
+    """A GPU out-of-memory error, or a failed CPU allocation (a plain RuntimeError)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "DefaultCPUAllocator" in text)
+
+
 @contextlib.contextmanager
 def exit_on_oom(args, what, model):
-    """Turn an out-of-memory error into one line: what was attempted, what to reduce."""
+    """Turn an out-of-memory error, GPU or CPU, into one line: what was attempted, what to reduce."""
     try:
         yield
     except RuntimeError as e:  # torch.OutOfMemoryError is a RuntimeError, so is a failed CPU allocation
-        cpu_oom = "can't allocate memory" in str(e) or "DefaultCPUAllocator" in str(e)
-        if not isinstance(e, torch.OutOfMemoryError) and not cpu_oom:
+        if not is_out_of_memory(e):
             raise
         where = "GPU" if isinstance(e, torch.OutOfMemoryError) else "CPU"
         name = "the tiny LLaMA" if args.tiny else args.model
         # Weights, gradients and AdamW's two moments: 4 tensors the size of the model,
         # before a single activation is stored.
         state_gib = sum(4 * p.numel() * p.element_size() for p in model.parameters()) / 2**30
-        hint = "" if args.use_custom_flce else ", or add --use-custom-flce (no logits at all)"
+        hint = "" if getattr(args, "use_custom_flce", False) else ", or add --use-custom-flce (no logits at all)"
         raise SystemExit(
             f"error: out of {where} memory while {what} {name} with batch {args.batch_size} x seq "
             f"{args.seq_len} ({args.batch_size * args.seq_len:,} tokens per step; weights, gradients "
@@ -686,10 +646,41 @@ def exit_on_oom(args, what, model):
         ) from None
 
 
-def run_training(args, model, loss_fn):
-    """The fine-tuning loop. Returns a dict of results (see write_json)."""
+LONG_RUN_S = 120  # a run that will take longer than this says so after its first step
+
+
+def print_estimate(first_step_s, steps_left):
+    """After the first step: how long the rest will take, when that is long.
+
+    The first step is the slowest (Triton compilation on a GPU, AdamW's state
+    allocation everywhere), so the figure is an upper bound.
+    """
+    left_s = first_step_s * steps_left
+    if left_s > LONG_RUN_S:
+        print(
+            f"Estimate:      up to {duration(left_s)} for the remaining {steps_left} steps at the first "
+            f"step's pace; fewer --steps or a shorter --seq-len finish sooner (Ctrl-C keeps the steps done)",
+            flush=True,
+        )
+
+
+def duration(seconds):
+    """'45 s', '7 min', '2.5 h': a human reading of a rough estimate."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def run_training(args, model, loss_fn, optimizer):
+    """The fine-tuning loop: ``loss_fn(model, input_ids, labels)`` and ``optimizer``
+    at every step. Returns a dict of results (see write_json).
+
+    Ctrl-C stops the loop between or inside a step: the results then hold the
+    completed steps and ``partial`` is True (the caller writes them and exits 130).
+    """
     device = next(model.parameters()).device
-    optimizer = make_optimizer(model, args.lr, use_triton=args.use_custom_adamw)
     batches = synthetic_batches(args.batch_size, args.seq_len, model.config.vocab_size, args.seed, device)
     tokens = args.batch_size * args.seq_len
     total = args.warmup_steps + args.steps
@@ -697,34 +688,43 @@ def run_training(args, model, loss_fn):
         torch.cuda.reset_peak_memory_stats()  # the peak of training, weights included
 
     steps = []
+    partial = False
     with exit_on_oom(args, "training", model):
-        for i in range(total):
-            input_ids, labels = next(batches)
-            warmup = i < args.warmup_steps
-            sync()  # time only this step's work, not what is still queued
-            start = time.perf_counter()
-            loss = train_step(model, optimizer, loss_fn, input_ids, labels)
-            sync()
-            seconds = time.perf_counter() - start
-            steps.append({"step": i + 1, "loss": loss.item(), "time_s": seconds, "warmup": warmup})
-            if (i + 1) % args.log_every == 0 or i + 1 == total or warmup:
-                tag = "  (warm-up, not timed)" if warmup else f"  {tokens / seconds:>10,.0f} tokens/s"
-                print(f"step {i + 1:>4}/{total}  loss {loss.item():.4f}  {seconds:8.3f} s{tag}", flush=True)
+        try:
+            for i in range(total):
+                input_ids, labels = next(batches)
+                warmup = i < args.warmup_steps
+                sync()  # time only this step's work, not what is still queued
+                start = time.perf_counter()
+                loss = train_step(model, optimizer, loss_fn, input_ids, labels)
+                sync()
+                seconds = time.perf_counter() - start
+                steps.append({"step": i + 1, "loss": loss.item(), "time_s": seconds, "warmup": warmup})
+                if (i + 1) % args.log_every == 0 or i + 1 == total or warmup:
+                    tag = "  (warm-up, not timed)" if warmup else f"  {tokens / seconds:>10,.0f} tokens/s"
+                    print(f"step {i + 1:>4}/{total}  loss {loss.item():.4f}  {seconds:8.3f} s{tag}", flush=True)
+                if i == 0:
+                    print_estimate(seconds, total - 1)
+        except KeyboardInterrupt:
+            partial = True  # keep what is done; the step in progress is lost
 
     timed = [s["time_s"] for s in steps if not s["warmup"]]
     peak_bytes, peak_kind = peak_memory()
     return {
+        "partial": partial,
+        "planned_steps": total,
         "steps": steps,
         "losses": [s["loss"] for s in steps],
         "step_times_s": [s["time_s"] for s in steps],
         "warmup_steps": args.warmup_steps,
         "timed_steps": len(timed),
         "tokens_per_step": tokens,
-        "time_per_step_s": sum(timed) / len(timed),
-        "tokens_per_sec": tokens * len(timed) / sum(timed),
+        # None (null in the JSON) when Ctrl-C came before the first timed step.
+        "time_per_step_s": sum(timed) / len(timed) if timed else None,
+        "tokens_per_sec": tokens * len(timed) / sum(timed) if timed else None,
         "peak_memory_bytes": peak_bytes,
         "peak_memory_kind": peak_kind,
-        "final_loss": steps[-1]["loss"],
+        "final_loss": steps[-1]["loss"] if steps else None,
     }
 
 
@@ -741,31 +741,47 @@ def print_results(title, results):
 
 
 def write_json(path, script, args, env, model_info, results):
-    """--json: everything needed to compare two runs later, in one file."""
+    """--json: everything needed to compare two runs later, in one file (strict JSON,
+    NaN as null, written atomically)."""
     doc = {
         "script": script,
-        "config": {k: v for k, v in vars(args).items() if k != "json"},
+        "config": public_config(args),
         "environment": env,
         "model": model_info,
         **results,
     }
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=2)
-    print(f"Wrote {path}")
+    write_json_atomic(path, doc)
 
 
-def run_finetune(args, title, script):
-    """Everything a fine-tune script does after parsing its flags."""
-    resolve_defaults(args)
+def run_finetune(args, title, script, switch_in):
+    """Everything a fine-tune script does after parsing its flags.
+
+    ``switch_in(model, kernels)`` is the script's own choice of what to train with:
+    it returns ``(loss_fn, make_optimizer)``, a loss ``loss_fn(model, input_ids,
+    labels)`` and an optimizer factory ``make_optimizer(params, lr)``, and prints
+    what it chose. Ctrl-C writes the completed steps (marked partial) and exits 130.
+    """
+    if args.json:
+        args.json = check_output_path(args.json, "--json")  # now, not after minutes of training
     env = environment_info()
     print_banner(title, env)
+    resolve_defaults(args)
     model, model_info = load_model(args)
     print(f"Batch:         {args.batch_size} x {args.seq_len} tokens, lr {args.lr:g}, seed {args.seed}")
     kernels = kernels_from_args(args)
-    loss_fn = apply_kernels(model, kernels)
-    results = run_training(args, model, loss_fn)
+    loss_fn, make_optimizer = switch_in(model, kernels)
+    optimizer = make_optimizer(model.parameters(), lr=args.lr)
+    results = run_training(args, model, loss_fn, optimizer)
     results["kernels"] = kernels
+    if results["partial"]:
+        done = len(results["steps"])
+        if args.json:
+            write_json(args.json, script, args, env, model_info, results)
+        where = f"wrote them to {args.json} (marked partial)" if args.json else "not written (no --json)"
+        print(f"\nInterrupted: {done} of {results['planned_steps']} steps completed, {where}", flush=True)
+        raise SystemExit(130)  # 128 + SIGINT, what a shell reports for Ctrl-C
     print_results(f"{title}: results", results)
     if args.json:
         write_json(args.json, script, args, env, model_info, results)
+        print(f"Wrote {args.json}")
     return results

@@ -21,6 +21,10 @@ It writes, under ``traces/<name>/`` (``<name>`` from the flags: ``baseline``,
 * ``tensorboard/``        the same trace for TensorBoard (``tensorboard_trace_handler``)
 * ``summary.json``        the category summary and every operator row
 
+A new profile is written into a temporary folder beside ``<name>/`` and swapped
+in only when it is complete: a failed or interrupted run leaves the previous
+profile as it was.
+
 The forward, backward and optimizer phases are NVTX ranges on a GPU, so an Nsight
 Systems capture is readable too::
 
@@ -48,6 +52,7 @@ import argparse
 import json
 import os
 import shutil
+import tempfile
 from collections import defaultdict
 
 import llama_common as common  # first: it switches on the Triton interpreter before triton loads
@@ -55,6 +60,8 @@ import llama_common as common  # first: it switches on the Triton interpreter be
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
+
+from finetune_optimized import apply_kernels  # the same kernel switch as the fine-tune script
 
 CATEGORIES = [
     # (category, lower-case substrings of operator / kernel / autograd-node names)
@@ -339,30 +346,29 @@ def print_comparison(before, after):
 
 
 # --------------------------------------------------------------------------------
-# Main
+# Writing a profile: into a temporary folder, swapped in when complete
 # --------------------------------------------------------------------------------
-def main(argv=None):
-    args = common.resolve_defaults(parse_args(argv))
-    name = profile_name(args)
-    out_dir = os.path.join(args.trace_dir, name)
+def swap_in(new_dir, out_dir):
+    """Replace ``out_dir`` with the complete ``new_dir``; the old profile goes last.
+
+    A directory cannot be renamed over a non-empty one, so the old one is first
+    renamed aside, then the new one takes its name, then the old one is deleted.
+    """
+    parent, name = os.path.split(out_dir)
+    old_dir = os.path.join(parent, f".{name}.old-{os.getpid()}")  # hidden, like the new one
+    if os.path.exists(out_dir):
+        os.rename(out_dir, old_dir)
+    os.rename(new_dir, out_dir)
+    shutil.rmtree(old_dir, ignore_errors=True)
+
+
+def profile_steps(args, model, loss_fn, optimizer, batches, work_dir, name):
+    """One warm-up step, then ``args.steps`` profiled steps; the traces go into ``work_dir``.
+
+    Returns the profiler (its events) after the traces are written.
+    """
     on_gpu = torch.cuda.is_available()
-    time_kind = "self device time" if on_gpu else "self CPU time"
-
-    env = common.environment_info()
-    common.print_banner(f"Profile: {name}", env)
-    model, model_info = common.load_model(args)
-    print(f"Batch:         {args.batch_size} x {args.seq_len} tokens; 1 warm-up step, {args.steps} profiled")
-    loss_fn = common.apply_kernels(model, common.kernels_from_args(args))
-    label_model(model)
-    optimizer = common.make_optimizer(model, args.lr, use_triton=args.use_custom_adamw)
-    device = next(model.parameters()).device
-    batches = common.synthetic_batches(args.batch_size, args.seq_len, model.config.vocab_size, args.seed, device)
-
-    # A fresh directory: the TensorBoard handler adds a file per run, and an old
-    # one would be read as part of this profile.
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tb_dir = os.path.join(out_dir, "tensorboard")
-    chrome_path = os.path.join(out_dir, "trace.json")
+    tb_dir = os.path.join(work_dir, "tensorboard")
     tb_handler = tensorboard_trace_handler(tb_dir, worker_name=name)
 
     def save_traces(prof):
@@ -370,7 +376,7 @@ def main(argv=None):
         # too, so the Perfetto copy is that same file.
         tb_handler(prof)
         newest = max((os.path.join(tb_dir, f) for f in os.listdir(tb_dir)), key=os.path.getmtime)
-        shutil.copyfile(newest, chrome_path)
+        shutil.copyfile(newest, os.path.join(work_dir, "trace.json"))
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with common.exit_on_oom(args, "profiling", model):
@@ -388,44 +394,90 @@ def main(argv=None):
                 common.train_step(model, optimizer, loss_fn, input_ids, labels)
                 common.sync()
                 prof.step()
-    peak_bytes, peak_kind = common.peak_memory()
+    return prof
 
-    events = prof.events()
-    rows = gpu_rows(events) if on_gpu else cpu_rows(events)
-    total_ms, categories, ops = summarize(rows, args.steps)
-    print_top(ops, args.top, time_kind)
-    print_categories(categories, total_ms, time_kind)
-    print(f"\nPeak memory: {peak_bytes / 2**30:.2f} GiB ({peak_kind})")
 
-    summary = {
-        "name": name,
-        "time_kind": time_kind,
-        "profiled_steps": args.steps,
-        "total_ms_per_step": total_ms,
-        "categories": categories,
-        "ops": ops,  # every row, largest first
-        "peak_memory_bytes": peak_bytes,
-        "peak_memory_kind": peak_kind,
-        # What must match for a before/after comparison to mean anything.
-        "setup": {
-            "device": env["gpu"],
-            "model": model_info["name"],
-            "batch_size": args.batch_size,
-            "seq_len": args.seq_len,
-        },
-        "config": vars(args),
-        "environment": env,
-        "model": model_info,
-        "traces": {"chrome": chrome_path, "tensorboard": tb_dir},
-    }
+def read_baseline(path):
+    """The saved baseline summary, or None if there is none (or it is unreadable)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------
+def main(argv=None):
+    args = parse_args(argv)
+    # Checked now, in one line, not after the model is built and profiled.
+    args.trace_dir = common.check_output_path(args.trace_dir, "--trace-dir", directory=True)
+    name = profile_name(args)
+    out_dir = os.path.join(args.trace_dir, name)
+    on_gpu = torch.cuda.is_available()
+    time_kind = "self device time" if on_gpu else "self CPU time"
+
+    env = common.environment_info()
+    common.print_banner(f"Profile: {name}", env)
+    common.resolve_defaults(args)
+    model, model_info = common.load_model(args)
+    print(f"Batch:         {args.batch_size} x {args.seq_len} tokens; 1 warm-up step, {args.steps} profiled")
+    loss_fn, make_optimizer = apply_kernels(model, common.kernels_from_args(args))
+    label_model(model)
+    optimizer = make_optimizer(model.parameters(), lr=args.lr)
+    device = next(model.parameters()).device
+    batches = common.synthetic_batches(args.batch_size, args.seq_len, model.config.vocab_size, args.seed, device)
+
+    # The new profile is written beside the old one and swapped in when complete
+    # (a fresh folder also matters for TensorBoard, which would read an older
+    # file in it as part of this profile).
+    os.makedirs(args.trace_dir, exist_ok=True)
+    work_dir = tempfile.mkdtemp(dir=args.trace_dir, prefix=f".{name}.new-")
+    try:
+        prof = profile_steps(args, model, loss_fn, optimizer, batches, work_dir, name)
+        peak_bytes, peak_kind = common.peak_memory()
+
+        events = prof.events()
+        rows = gpu_rows(events) if on_gpu else cpu_rows(events)
+        total_ms, categories, ops = summarize(rows, args.steps)
+        print_top(ops, args.top, time_kind)
+        print_categories(categories, total_ms, time_kind)
+        print(f"\nPeak memory: {peak_bytes / 2**30:.2f} GiB ({peak_kind})")
+
+        chrome_path = os.path.join(out_dir, "trace.json")  # where they will be once swapped in
+        tb_dir = os.path.join(out_dir, "tensorboard")
+        summary = {
+            "name": name,
+            "time_kind": time_kind,
+            "profiled_steps": args.steps,
+            "total_ms_per_step": total_ms,
+            "categories": categories,
+            "ops": ops,  # every row, largest first
+            "peak_memory_bytes": peak_bytes,
+            "peak_memory_kind": peak_kind,
+            # What must match for a before/after comparison to mean anything.
+            "setup": {
+                "device": env["gpu"],
+                "model": model_info["name"],
+                "batch_size": args.batch_size,
+                "seq_len": args.seq_len,
+            },
+            "config": common.public_config(args),
+            "environment": env,
+            "model": model_info,
+            "traces": {"chrome": chrome_path, "tensorboard": tb_dir},
+        }
+        common.write_json_atomic(os.path.join(work_dir, "summary.json"), summary)
+        swap_in(work_dir, out_dir)
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)  # gone already when swapped in
     summary_path = os.path.join(out_dir, "summary.json")
-    with open(summary_path, "w") as f:
-        json.dump(summary, f, indent=2)
 
     baseline_path = os.path.join(args.trace_dir, BASELINE, "summary.json")
-    if name != BASELINE and os.path.exists(baseline_path):
-        with open(baseline_path) as f:
-            print_comparison(json.load(f), summary)
+    baseline = read_baseline(baseline_path) if name != BASELINE else None
+    if baseline is not None:
+        print_comparison(baseline, summary)
     elif name != BASELINE:
         print(f"\n(No {baseline_path} yet: run without --use-custom-* flags first to get a before/after table.)")
 

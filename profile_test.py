@@ -6,7 +6,10 @@ Tests of profile_baseline.py (CPU, --tiny).
 * a run with the custom kernels finds them (in the RMSNorm and cross-entropy
   categories) and prints the change against the saved baseline summary;
 * the classification by name, and the GPU attribution of kernels to operators,
-  checked on hand-made profiler events (the GPU path cannot run on a CPU).
+  checked on hand-made profiler events (the GPU path cannot run on a CPU);
+* outputs: --trace-dir is checked before the work, and a new profile replaces
+  the previous one only when it is complete (a failed run, here out of CPU
+  memory, leaves the old one as it was); summary.json is strict JSON.
 
 Usage:
     python -m pytest profile_test.py -v
@@ -17,6 +20,7 @@ import contextlib
 import glob
 import io
 import json
+import os
 import sys
 from collections import namedtuple
 from types import SimpleNamespace
@@ -108,8 +112,6 @@ def test_custom_kernels_show_up(profiles):
 
 
 def test_out_of_memory(monkeypatch, tmp_path):
-    import torch
-
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.91 GiB")
 
@@ -117,6 +119,56 @@ def test_out_of_memory(monkeypatch, tmp_path):
     with pytest.raises(SystemExit) as e:
         pb.main(TINY + ["--trace-dir", str(tmp_path)])
     assert "out of GPU memory while profiling the tiny LLaMA with batch 2 x seq 32" in str(e.value.code)
+    assert os.listdir(tmp_path) == []  # the unfinished profile left nothing behind
+
+
+# --------------------------------------------------------------------------------
+# Outputs: checked first; a new profile replaces the old one only when complete
+# --------------------------------------------------------------------------------
+def test_bad_trace_dir_fails_before_profiling(tmp_path, monkeypatch):
+    monkeypatch.setattr(pb.common, "load_model", lambda *a: pytest.fail("built a model before the check"))
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    with pytest.raises(SystemExit) as e:
+        pb.main(TINY + ["--trace-dir", str(not_a_dir)])
+    msg = str(e.value.code)
+    assert msg == f"error: --trace-dir {not_a_dir}: exists and is not a directory"
+
+
+def test_rerun_keeps_the_old_profile_until_the_new_one_is_complete(tmp_path, monkeypatch):
+    flags = ["--tiny", "--batch-size", "1", "--seq-len", "16", "--trace-dir", str(tmp_path)]
+    with contextlib.redirect_stdout(io.StringIO()):
+        pb.main(flags)
+    out_dir = tmp_path / "baseline"
+    old = {name: (out_dir / name).read_bytes() for name in ("trace.json", "summary.json")}
+    json.loads(old["summary.json"], parse_constant=lambda c: pytest.fail(f"bare {c}"))  # strict JSON
+
+    # A second run fails inside the profiled step, out of CPU memory: while it
+    # runs and after it failed, the first profile is there, whole.
+    real_step = pb.common.train_step
+    calls = []
+
+    def fail_in_profiled_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # after the warm-up step
+            assert {name: (out_dir / name).read_bytes() for name in old} == old
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8589934592 bytes")
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(pb.common, "train_step", fail_in_profiled_step)
+    with pytest.raises(SystemExit) as e, contextlib.redirect_stdout(io.StringIO()):
+        pb.main(flags)
+    assert "out of CPU memory while profiling the tiny LLaMA with batch 1 x seq 16" in str(e.value.code)
+    assert {name: (out_dir / name).read_bytes() for name in old} == old
+    assert sorted(os.listdir(tmp_path)) == ["baseline"]  # no half-written profile beside it
+
+    # A third run completes: it replaces the first profile, whole.
+    monkeypatch.setattr(pb.common, "train_step", real_step)
+    with contextlib.redirect_stdout(io.StringIO()):
+        pb.main(flags)
+    assert sorted(os.listdir(tmp_path)) == ["baseline"]
+    assert (out_dir / "trace.json").read_bytes() != old["trace.json"]
+    assert len(os.listdir(out_dir / "tensorboard")) == 1
 
 
 def test_profile_names():
@@ -226,4 +278,4 @@ def test_gpu_rows_attribution():
 
 
 if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-v"]))
+    raise SystemExit(pytest.main([__file__, *sys.argv[1:]]))

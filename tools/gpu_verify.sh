@@ -23,7 +23,7 @@ fi
 for what in $WHAT; do
   case $what in
     tests)
-      python3 -m pytest -q -p no:cacheprovider 2>&1 | tee "$OUTDIR/pytest_gpu.log" | tail -6 ;;
+      python3 -m pytest -v -p no:cacheprovider 2>&1 | tee "$OUTDIR/pytest_gpu.log" | tail -6 ;;
     bench)
       python3 benchmark_kernels.py --kernel all --json "$OUTDIR/bench.json" 2>&1 | tee "$OUTDIR/bench.log" | tail -40 ;;
     e2e)
@@ -37,7 +37,8 @@ for what in $WHAT; do
     profile)
       python3 profile_baseline.py --random-init --batch-size 2 --seq-len 2048 --trace-dir "$OUTDIR/traces" 2>&1 \
         | tee "$OUTDIR/profile_baseline.log" | tail -30
-      python3 profile_baseline.py --random-init --batch-size 2 --seq-len 2048 --all-kernels --trace-dir "$OUTDIR/traces" 2>&1 \
+      python3 profile_baseline.py --random-init --batch-size 2 --seq-len 2048 --trace-dir "$OUTDIR/traces" \
+        --use-custom-rmsnorm --use-custom-swiglu --use-custom-rope --use-custom-flce --use-custom-adamw 2>&1 \
         | tee "$OUTDIR/profile_optimized.log" | tail -30 ;;
     maxseq)
       python3 tools/max_seq_len.py --random-init --json "$OUTDIR/maxseq_baseline.json" 2>&1 | tee "$OUTDIR/maxseq_baseline.log" | tail -5

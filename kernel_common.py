@@ -76,7 +76,10 @@ def check_versions(triton_version=triton.__version__, numpy_version=numpy.__vers
         )
 
 
-check_versions()
+try:
+    check_versions()
+except ImportError as e:  # one line for the user, not a traceback through the imports
+    raise SystemExit(f"error: {e}") from None
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

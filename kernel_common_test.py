@@ -64,6 +64,21 @@ def test_triton_imported_first_fails_with_one_line():
     assert "TRITON_INTERPRET=1" in last, f"the whole message must be on one line: {last!r}"
 
 
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's version rule only acts without CUDA")
+def test_mismatched_versions_stop_with_one_line():
+    # Pretend to be triton 3.6 with numpy 2.4 (the pair that breaks the interpreter).
+    code = ("import numpy, triton; numpy.__version__ = '2.4.1'; triton.__version__ = '3.6.0'; "
+            "import rmsnorm_kernel")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "error: triton 3.6.0's CPU interpreter does not work with numpy 2.4.1: pip install 'numpy<2.4' "
+        "(or triton>=3.9)"
+    ], result.stderr[-2000:]
+
+
 def test_as_rows_copies_only_a_non_contiguous_last_dim():
     x = torch.randn(2, 5, 6)
     transposed = x.transpose(1, 2)  # [2, 6, 5], stride(-1) == 6

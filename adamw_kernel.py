@@ -302,6 +302,22 @@ def _check_hyperparameters(lr, betas, eps, weight_decay):
         raise ValueError(f"TritonAdamW: invalid weight_decay {weight_decay}; it must be >= 0")
 
 
+# torch.optim.AdamW options this kernel does not implement. A group that turns one
+# on is refused wherever it enters (constructor, add_param_group, load_state_dict,
+# or an edit of optimizer.param_groups before a step): silently ignoring it would
+# train something other than what was asked for.
+UNSUPPORTED_OPTIONS = ("amsgrad", "maximize", "capturable", "differentiable")
+
+
+def _check_supported(group):
+    for option in UNSUPPORTED_OPTIONS:
+        if group.get(option, False):
+            raise ValueError(
+                f"TritonAdamW: a param group asks for {option}=True, which this kernel does not implement; "
+                f"use torch.optim.AdamW for it"
+            )
+
+
 class TritonAdamW(torch.optim.Optimizer):
     """``torch.optim.AdamW`` (amsgrad=False, maximize=False) with one fused Triton kernel per parameter.
 
@@ -323,6 +339,7 @@ class TritonAdamW(torch.optim.Optimizer):
         if isinstance(param_group, dict):
             merged = {**self.defaults, **param_group}
             _check_hyperparameters(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+            _check_supported(merged)
         super().add_param_group(param_group)
 
     def __setstate__(self, state):
@@ -330,9 +347,7 @@ class TritonAdamW(torch.optim.Optimizer):
         # its step as a tensor: turn it into our Python int once, here, rather than
         # synchronizing on every step. And refuse options this kernel does not have.
         for group in state.get("param_groups", []):
-            for option in ("amsgrad", "maximize"):
-                if group.get(option, False):
-                    raise ValueError(f"TritonAdamW: a param group asks for {option}=True, which is not supported")
+            _check_supported(group)
         for param_state in state.get("state", {}).values():
             if isinstance(param_state.get("step"), torch.Tensor):
                 param_state["step"] = int(param_state["step"].item())
@@ -346,6 +361,7 @@ class TritonAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            _check_supported(group)  # a group edited after construction
             beta1, beta2 = group["betas"]
             for p in group["params"]:
                 grad = p.grad

@@ -275,6 +275,27 @@ def test_load_torch_adamw_state_dict():
         TritonAdamW(ours).load_state_dict(bad)
 
 
+@pytest.mark.parametrize("option", adamw_kernel.UNSUPPORTED_OPTIONS)
+def test_unsupported_options_refused_wherever_they_enter(option):
+    w = nn.Parameter(torch.randn(3, device=DEVICE))
+    v = nn.Parameter(torch.randn(3, device=DEVICE))
+    with pytest.raises(ValueError, match=f"{option}=True"):
+        TritonAdamW([{"params": [w], option: True}])
+    opt = TritonAdamW([w])
+    with pytest.raises(ValueError, match=f"{option}=True"):
+        opt.add_param_group({"params": [v], option: True})
+    # Set on a group after construction: refused at the step, before any update.
+    w.grad = torch.ones_like(w)
+    before = w.detach().clone()
+    opt.param_groups[0][option] = True
+    with pytest.raises(ValueError, match=f"{option}=True"):
+        opt.step()
+    assert torch.equal(w.detach(), before) and len(opt.state) == 0
+    opt.param_groups[0][option] = False  # off is what the kernel does: accepted
+    opt.step()
+    assert not torch.equal(w.detach(), before)
+
+
 def test_closure_and_empty_parameter():
     w = nn.Parameter(torch.randn(4, 3, device=DEVICE))
     empty = nn.Parameter(torch.zeros(0, 5, device=DEVICE))

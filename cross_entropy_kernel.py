@@ -77,7 +77,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
-from kernel_common import SUPPORTED_DTYPES, cast_to, check_kernel_device, exp, log
+from kernel_common import SUPPORTED_DTYPES, cast_to, check_kernel_device, exp, first_order_only, log
 
 import triton
 import triton.language as tl
@@ -318,6 +318,20 @@ def _check_inputs(logits, targets, ignore_index, reduction):
     check_kernel_device(logits, targets)
 
 
+def _may_overlap(t):
+    """Whether two elements of ``t`` may share memory (an expanded or overlapping view).
+
+    Walk the dimensions from the smallest stride up: each stride must step over
+    everything the smaller dimensions span.
+    """
+    span = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride < span:
+            return True
+        span = stride * size
+    return False
+
+
 def check_target_range(targets, v, ignore_index):
     """Raise on a target outside [0, V) that is not ignore_index (synchronizes on CUDA)."""
     bad = (targets != ignore_index) & ((targets < 0) | (targets >= v))
@@ -375,7 +389,7 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
         lead_shape = logits.shape[:-1]
         n_rows = targets.numel()
         rows, inner, s_outer, s_inner = _row_layout(logits)
-        tgt = targets.reshape(-1)
+        tgt = targets.reshape(-1).contiguous()  # the kernel reads target r at TARGETS + r
         loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
         inplace = inplace_backward and rows.data_ptr() == logits.data_ptr() and rows.shape[-1] == v
 
@@ -419,13 +433,14 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
         return reduce_loss(loss, n_valid, reduction, lead_shape)
 
     @staticmethod
+    @first_order_only("cross_entropy")
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
         claim_backward(ctx, "cross_entropy")
         if ctx.recompute:
             logits, targets = ctx.saved_tensors
             rows, *layout = _row_layout(logits)
-            tgt = targets.reshape(-1)
+            tgt = targets.reshape(-1).contiguous()
             grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
             if tgt.numel() > 0:
                 scratch = torch.empty(tgt.numel(), dtype=torch.float32, device=logits.device)
@@ -481,6 +496,13 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", inplace_
         on CUDA (checking needs a host sync; unchecked bad rows give a NaN loss).
     """
     _check_inputs(logits, targets, ignore_index, reduction)
+    if inplace_backward and _may_overlap(logits):
+        # Each row's gradient would overwrite logits that other rows still read.
+        raise ValueError(
+            f"cross_entropy: inplace_backward=True needs logits whose elements do not share memory; "
+            f"these have strides {tuple(logits.stride())} for shape {tuple(logits.shape)} (an expand() "
+            f"or overlapping view): pass logits.contiguous(), or inplace_backward=False"
+        )
     if check_targets is None:
         check_targets = logits.device.type == "cpu"
     if check_targets:

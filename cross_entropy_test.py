@@ -177,6 +177,21 @@ def test_inplace_gradient_mode():
         (loss + side).backward()
 
 
+def test_inplace_refuses_logits_that_share_memory():
+    logits, targets = make_inputs((1,), 50, torch.float32)
+    w = torch.ones((), device=DEVICE, requires_grad=True)
+    expanded = (logits * w).expand(6, 50)  # six rows, one row of memory
+    with pytest.raises(ValueError, match="inplace_backward=True needs logits whose elements do not share memory"):
+        cross_entropy(expanded, targets.expand(6), inplace_backward=True)
+    # The default mode reads them as they are: the same loss as a real copy.
+    loss = cross_entropy(expanded, targets.expand(6))
+    assert torch.allclose(loss, cross_entropy(expanded.contiguous(), targets.expand(6)))
+    # Slices that only skip memory are fine in place (the shifted-logits case).
+    x = make_inputs((2, 9), 50, torch.float32)[0] * w
+    loss = cross_entropy(x[:, :-1], make_inputs((2, 9), 50, torch.float32)[1][:, 1:], inplace_backward=True)
+    assert torch.isfinite(loss)
+
+
 def test_backward_twice_raises():
     logits, targets = make_inputs((3,), 50, torch.float32)
     x = logits.requires_grad_()
@@ -319,6 +334,15 @@ def test_peak_memory():
     assert ours <= grad_mb + 64, f"fused CE used {ours:.0f} MB, more than the gradient ({grad_mb:.0f} MB) + 64 MB"
     assert inplace <= 64, f"in-place fused CE used {inplace:.0f} MB beyond the logits"
     assert ours < torch_mb
+
+
+
+def test_create_graph_is_refused():
+    logits, targets = make_inputs((5,), 33, torch.float32)
+    logits.requires_grad_()
+    loss = cross_entropy(logits, targets, ignore_index=IGNORE)
+    with pytest.raises(RuntimeError, match="cross_entropy: create_graph=True"):
+        torch.autograd.grad(loss, logits, create_graph=True)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ adamw) imports its common ground from here and nothing private from the others:
 Nothing runs on import except the interpreter switch and the version check.
 """
 
+import functools
 import os
 import sys
 
@@ -135,6 +136,30 @@ def log(t):
         return tl.log(t.to(tl.float64)).to(tl.float32)
     else:
         return libdevice.log(t)
+
+
+# --------------------------------------------------------------------------------
+# Autograd: first derivatives only
+# --------------------------------------------------------------------------------
+def first_order_only(op):
+    """Decorator for a ``backward`` whose kernels compute first derivatives only.
+
+    Under ``create_graph=True`` (gradient penalties, Hessian-vector products)
+    autograd runs backward with grad mode on and would record our result as a
+    constant: the second-order term would be silently missing. Refuse instead.
+    Put it above ``@once_differentiable``, which switches grad mode off inside.
+    """
+    def decorate(backward):
+        @functools.wraps(backward)
+        def checked(ctx, *grads):
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    f"{op}: create_graph=True (a second derivative) is not supported by the fused kernel; "
+                    f"use the PyTorch formulation for higher-order gradients"
+                )
+            return backward(ctx, *grads)
+        return checked
+    return decorate
 
 
 # --------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ import torch
 import torch.nn as nn
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
-from kernel_common import SUPPORTED_DTYPES, check_kernel_device
+from kernel_common import SUPPORTED_DTYPES, check_kernel_device, first_order_only
 
 import triton
 
@@ -156,7 +156,7 @@ class TritonFusedLinearCrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, ignore_index, reduction, need_grad_h, need_grad_w, chunk_rows):
         lead_shape, h = hidden.shape[:-1], hidden.shape[-1]
         h2 = hidden.reshape(-1, h).contiguous()  # a view for the usual [B, T, H] activations
-        tgt = targets.reshape(-1)
+        tgt = targets.reshape(-1).contiguous()  # the kernel reads target r at TARGETS + r
         n = tgt.numel()
         chunk_rows = chunk_rows or _flce_chunk_rows(n, weight.shape[0], hidden.element_size())
         loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -179,6 +179,7 @@ class TritonFusedLinearCrossEntropyFunction(torch.autograd.Function):
         return reduce_loss(loss, n_valid, reduction, lead_shape)
 
     @staticmethod
+    @first_order_only("fused_linear_cross_entropy")
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
         claim_backward(ctx, "fused_linear_cross_entropy")

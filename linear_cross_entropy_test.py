@@ -200,5 +200,22 @@ def test_peak_memory():
     assert ours < logits_mb / 3
 
 
+
+def test_strided_targets():
+    hidden, weight, targets = make_inputs((14,), 8, 33, torch.float32)
+    strided = targets.repeat_interleave(2)[::2]  # the same values, every other element of a buffer
+    assert not strided.is_contiguous()
+    a = fused_linear_cross_entropy(hidden, weight, strided, ignore_index=IGNORE)
+    b = fused_linear_cross_entropy(hidden, weight, targets, ignore_index=IGNORE)
+    assert torch.equal(a, b)
+
+def test_create_graph_is_refused():
+    hidden, weight, targets = make_inputs((5,), 8, 33, torch.float32)
+    hidden.requires_grad_()
+    loss = fused_linear_cross_entropy(hidden, weight, targets, ignore_index=IGNORE)
+    with pytest.raises(RuntimeError, match="fused_linear_cross_entropy: create_graph=True"):
+        torch.autograd.grad(loss, hidden, create_graph=True)
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, *sys.argv[1:]]))

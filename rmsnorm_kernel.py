@@ -60,7 +60,15 @@ import torch
 import torch.nn as nn
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
-from kernel_common import SUPPORTED_DTYPES, as_rows, cast_to, check_kernel_device, num_sms, swap_modules
+from kernel_common import (
+    SUPPORTED_DTYPES,
+    as_rows,
+    cast_to,
+    check_kernel_device,
+    first_order_only,
+    num_sms,
+    swap_modules,
+)
 
 import triton
 import triton.language as tl
@@ -343,12 +351,17 @@ def rmsnorm_backward(dy, x, weight, rstd, compute_dw=True):
 class TritonRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
+        # The kernels index the weight as a contiguous [H] vector. A view such as
+        # big[:, 0] or an expand()ed scalar is not one; copying [H] values costs
+        # nothing next to [rows, H], and is a no-op for the usual Parameter.
+        weight = weight.contiguous()
         y, rstd = rmsnorm_forward(x, weight, eps)
         # Save the inputs (already alive in the autograd graph) and 4 bytes per row.
         ctx.save_for_backward(x, weight, rstd)
         return y
 
     @staticmethod
+    @first_order_only("rmsnorm")
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors

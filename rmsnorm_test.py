@@ -100,6 +100,25 @@ def test_non_contiguous_input_and_grad():
     compare_to_truth(xs, ws, dys)
 
 
+@pytest.mark.parametrize("layout", ["column of a matrix", "expanded scalar"])
+def test_weight_of_any_layout(layout):
+    x, w, dy = make_inputs((7, 123), torch.float32)
+    if layout == "column of a matrix":
+        w = torch.stack([w, -w, 2 * w], dim=1)[:, 0]  # stride 3
+    else:
+        w = w[:1].expand(123)  # stride 0: one value read 123 times
+    assert not w.is_contiguous()
+    compare_to_truth(x, w, dy)
+
+
+def test_create_graph_is_refused():
+    x, w, _ = make_inputs((3, 41), torch.float32)
+    x.requires_grad_()
+    y = rmsnorm(x, w, EPS)
+    with pytest.raises(RuntimeError, match="rmsnorm: create_graph=True"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
+
+
 def test_forward_under_no_grad():
     x, w, _ = make_inputs((7, 123), torch.float32)
     with torch.no_grad():

@@ -109,7 +109,7 @@ import sys
 import torch
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
-from kernel_common import SUPPORTED_DTYPES, cast_to, check_kernel_device
+from kernel_common import SUPPORTED_DTYPES, cast_to, check_kernel_device, first_order_only
 
 import triton
 import triton.language as tl
@@ -521,6 +521,7 @@ class TritonRoPEFunction(torch.autograd.Function):
         return q_embed, k_embed
 
     @staticmethod
+    @first_order_only("rope")
     @torch.autograd.function.once_differentiable
     def backward(ctx, dq_embed, dk_embed):
         cos, sin = ctx.saved_tensors

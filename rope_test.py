@@ -442,5 +442,14 @@ def test_cuda_graph_capture():
         assert torch.equal(a, b), f"{name}: replay differs from eager"
 
 
+
+def test_create_graph_is_refused():
+    q, k, cos, sin, _, _ = make_inputs(1, 5, 2, 1, 8, torch.float32)
+    q = q.detach().requires_grad_()
+    q_embed, k_embed = rope(q, k, cos, sin)
+    with pytest.raises(RuntimeError, match="rope: create_graph=True"):
+        torch.autograd.grad(q_embed.sum(), q, create_graph=True)
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, *sys.argv[1:]]))

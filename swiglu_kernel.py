@@ -85,7 +85,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
-from kernel_common import SUPPORTED_DTYPES, as_rows, cast_to, check_kernel_device, exp, swap_modules
+from kernel_common import (
+    SUPPORTED_DTYPES,
+    as_rows,
+    cast_to,
+    check_kernel_device,
+    exp,
+    first_order_only,
+    swap_modules,
+)
 
 import triton
 import triton.language as tl
@@ -321,6 +329,7 @@ class TritonSwiGLUFunction(torch.autograd.Function):
         return swiglu_forward(gate, up)
 
     @staticmethod
+    @first_order_only("swiglu")
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
@@ -356,21 +365,27 @@ class TritonSwiGLUDownProjFunction(torch.autograd.Function):
     def forward(ctx, gate, up, weight):
         out = F.linear(swiglu_forward(gate, up), weight)  # h dies here
         ctx.save_for_backward(gate, up, weight)
+        # Under torch.autocast, F.linear ran in the autocast dtype (weight cast to
+        # bf16, say), but backward runs outside autocast: it redoes that cast
+        # itself, as autograd would have through autocast's own cast op.
+        ctx.compute_dtype = out.dtype
         return out
 
     @staticmethod
+    @first_order_only("swiglu_down_proj")
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         gate, up, weight = ctx.saved_tensors
         need_gate, need_up, need_w = ctx.needs_input_grad
+        dout = dout.to(ctx.compute_dtype)  # no-ops without autocast
         dw = None
         if need_w:
-            h = swiglu_forward(gate, up)  # the recomputation: same kernel, same bits as forward
-            dw = dout.reshape(-1, dout.shape[-1]).t() @ h.reshape(-1, h.shape[-1])
+            h = swiglu_forward(gate, up).to(ctx.compute_dtype)  # the recomputation: same kernel, same bits
+            dw = (dout.reshape(-1, dout.shape[-1]).t() @ h.reshape(-1, h.shape[-1])).to(weight.dtype)
             del h
         dg = du = None
         if need_gate or need_up:
-            dh = dout @ weight  # [..., I]
+            dh = dout @ weight.to(ctx.compute_dtype)  # [..., I]
             dg, du = swiglu_backward(dh, gate, up, need_gate, need_up)
         return dg, du, dw
 

@@ -336,5 +336,37 @@ def test_cuda_graph_capture():
     assert torch.equal(y, y_ref) and torch.equal(dg, dg_ref) and torch.equal(du, du_ref), "replay differs from eager"
 
 
+
+def test_mlp_under_autocast():
+    # Mixed precision as trainers use it: float32 weights, bf16 compute under
+    # torch.autocast. Backward runs outside autocast and must redo its casts.
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(0)
+    hf = LlamaMLP(_tiny_llama_config()).to(DEVICE)
+    ours = TritonLlamaMLP.from_llama_mlp(copy.deepcopy(hf))
+    truth_mlp = copy.deepcopy(hf).double()
+    x, _, _ = make_inputs((2, 5, 64), torch.float32, seed=3)
+    dy = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+
+    def autocast_run(mlp):  # forward under autocast, backward outside it (as trainers do)
+        xg = x.detach().requires_grad_()
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            y = mlp(xg)
+        y.backward(dy.to(y.dtype))
+        return [y.detach(), xg.grad] + [m.weight.grad for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+
+    got, ref = autocast_run(ours), autocast_run(hf)
+    true = _mlp_out_and_grads(truth_mlp, x.double(), dy.double())
+    check_outputs(("y", "dx", "dW_gate", "dW_up", "dW_down"), got, ref, true, torch.bfloat16,
+                  peer_name="HF under autocast")
+
+def test_create_graph_is_refused():
+    gate, up, _ = make_inputs((3, 41), torch.float32)
+    gate.requires_grad_()
+    with pytest.raises(RuntimeError, match="swiglu: create_graph=True"):
+        torch.autograd.grad(swiglu(gate, up).sum(), gate, create_graph=True)
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, *sys.argv[1:]]))

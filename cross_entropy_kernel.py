@@ -393,13 +393,16 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
         loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
         inplace = inplace_backward and rows.data_ptr() == logits.data_ptr() and rows.shape[-1] == v
 
-        # reduction="none" is the one case where the upstream gradient is normally
-        # not 1 (a weight per token). Rescaling a gradient already rounded to bf16
-        # would round twice, so there backward recomputes the gradient from the
-        # saved logits with the upstream gradient applied before the only rounding
-        # (one more read of the logits). In-place mode has no logits left to reread
-        # and keeps the fused path.
-        ctx.recompute = write_grad and reduction == "none" and not inplace
+        # Two cases want the upstream gradient applied *before* the gradient is
+        # rounded to the logits' dtype, so backward recomputes it from the saved
+        # logits (one more read of them) instead of rescaling what forward wrote:
+        # * reduction="none": the upstream is a weight per token, rarely 1, and
+        #   rescaling a rounded gradient would round twice;
+        # * float16 logits: fp16 training scales the loss (by 65536, say) so that
+        #   small gradients survive fp16's narrow range; rounded before the scale
+        #   is known, softmax values below ~6e-8 would already be zero.
+        # In-place mode has no logits left to reread and keeps the fused path.
+        ctx.recompute = write_grad and (reduction == "none" or logits.dtype == torch.float16) and not inplace
         ctx.ignore_index = ignore_index
         ctx.reduction = reduction
         ctx.used = False
@@ -429,6 +432,7 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
         ctx.grad = logits.detach() if (grad is not None and grad is rows) else grad
         if ctx.recompute:
             ctx.save_for_backward(logits, targets)
+            ctx.n_valid = n_valid
 
         return reduce_loss(loss, n_valid, reduction, lead_shape)
 
@@ -442,10 +446,15 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
             rows, *layout = _row_layout(logits)
             tgt = targets.reshape(-1).contiguous()
             grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-            if tgt.numel() > 0:
-                scratch = torch.empty(tgt.numel(), dtype=torch.float32, device=logits.device)
-                launch_forward(rows, layout, tgt, scratch, grad, _row_layout(grad)[2:], scratch,
-                                ctx.ignore_index, mean=False, upstream=grad_output.reshape(-1))
+            n_rows = tgt.numel()
+            if n_rows > 0:
+                scratch = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+                if ctx.reduction == "none":
+                    upstream = grad_output.reshape(-1)  # one weight per row
+                else:
+                    upstream = grad_output.reshape(1).expand(n_rows)  # one scalar, stride 0
+                launch_forward(rows, layout, tgt, scratch, grad, _row_layout(grad)[2:], ctx.n_valid,
+                               ctx.ignore_index, mean=ctx.reduction == "mean", upstream=upstream)
             return grad, None, None, None, None, None
         if ctx.grad is None:
             raise RuntimeError(

@@ -337,6 +337,20 @@ def test_peak_memory():
 
 
 
+@pytest.mark.parametrize("reduction,scale", [("mean", 65536.0), ("sum", 1024.0)])
+def test_fp16_loss_scaling_keeps_small_gradients(reduction, scale):
+    # fp16 training multiplies the loss by a large scale so that small gradients
+    # stay above fp16's smallest value; ours must apply it before rounding.
+    # (The float32 loss itself is checked by the cases above; here the two paths
+    # often differ by one ulp of a single sum, noise for a ratio of errors.)
+    logits, targets = make_inputs((16,), 4000, torch.float16, scale=6.0)
+    upstream = torch.tensor(scale, device=DEVICE)
+    _, g_ours = loss_and_grad(cross_entropy, logits, targets, reduction, upstream)
+    _, g_torch = loss_and_grad(cross_entropy_reference, logits, targets, reduction, upstream)
+    _, g_true = truth(logits, targets, reduction, upstream)
+    check_outputs(("grad",), (g_ours,), (g_torch,), (g_true,), torch.float16)
+    assert (g_ours == 0).sum() <= (g_torch == 0).sum(), "entries flushed to zero that PyTorch keeps"
+
 def test_create_graph_is_refused():
     logits, targets = make_inputs((5,), 33, torch.float32)
     logits.requires_grad_()

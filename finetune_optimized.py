@@ -13,7 +13,7 @@ are active:
   (swiglu_kernel.py): the same projections, the fused SwiGLU between them, and
   the MLP's hidden activation recomputed in backward instead of stored.
 * ``--use-custom-rope``: the fused rotary embedding (rope_kernel.py), swapped in
-  while the model's forward runs.
+  around each attention layer's forward.
 * ``--use-custom-flce``: the LM head and the loss fused
   (linear_cross_entropy_kernel.py, step 13): the [B, T, V] logits are never
   built. It supersedes ``--use-custom-ce`` (the fused loss on the model's logits,
@@ -44,7 +44,7 @@ from adamw_kernel import TritonAdamW
 from cross_entropy_kernel import cross_entropy
 from linear_cross_entropy_kernel import fused_linear_cross_entropy
 from rmsnorm_kernel import replace_rmsnorm
-from rope_kernel import patched_rope, rope_patch_targets
+from rope_kernel import fuse_rope
 from swiglu_kernel import replace_swiglu
 
 TITLE = "Fine-tuning: optimized (Triton kernels)"
@@ -65,21 +65,6 @@ def triton_flce_loss(model, input_ids, labels):
     hidden = model.get_decoder()(input_ids=input_ids).last_hidden_state  # [B, T, H]
     weight = model.get_output_embeddings().weight  # [V, H], possibly tied to the embedding
     return fused_linear_cross_entropy(hidden, weight, common.shift_labels(labels), ignore_index=common.IGNORE_INDEX)
-
-
-def with_fused_rope(loss_fn):
-    """``loss_fn`` with the fused RoPE patched into the model's attention during the forward.
-
-    RoPE is a function HF's attention looks up by name, not a module: it is swapped
-    only while this model's forward runs (backward needs no patch; the autograd
-    nodes already point at our kernel).
-    """
-    def loss_with_fused_rope(model, input_ids, labels):
-        with patched_rope(model):
-            return loss_fn(model, input_ids, labels)
-
-    loss_with_fused_rope.__doc__ = f"{loss_fn.__name__} with the fused RoPE patched in during the forward."
-    return loss_with_fused_rope
 
 
 def check_flce_head(model):
@@ -145,14 +130,15 @@ def apply_kernels(model, kernels):
         print("Custom loss:   Triton cross-entropy on the model's [B, T, V] logits (not copied)")
         active.append("ce")
 
-    # RoPE: patched in around the forward, so it wraps whichever loss was chosen.
+    # RoPE: HF's attention calls a function by name, not a module; fuse_rope wraps
+    # each attention layer's forward so that the call finds ours (also when
+    # gradient checkpointing reruns the layer during backward).
     if kernels.get("rope"):
-        _, count = rope_patch_targets(model)
+        count = fuse_rope(model)
         if count == 0:
             raise nothing_found("rope", "attention modules using apply_rotary_pos_emb", model,
                                 "it looks for *Attention modules whose python module defines it")
-        print(f"Custom rope:   fused RoPE in {count} attention modules, during this model's forward")
-        loss_fn = with_fused_rope(loss_fn)
+        print(f"Custom rope:   fused RoPE in {count} attention modules")
         active.append("rope")
 
     # AdamW: a different optimizer class with the same defaults and signature

@@ -96,6 +96,14 @@ def test_same_losses(runs):
         assert abs(b - o) <= 1e-4, f"step {step}: baseline {b:.6f} vs optimized {o:.6f}"
 
 
+def test_gradient_checkpointing_keeps_the_losses(runs):
+    # Every kernel with each decoder layer recomputed in backward (the fused RoPE
+    # included): the same losses as the plain baseline without checkpointing.
+    ckpt = finetune_optimized.main(TINY + ["--gradient-checkpointing", "--steps", "1"])
+    for step, (b, c) in enumerate(zip(runs["base"]["losses"], ckpt["losses"]), start=1):
+        assert abs(b - c) <= 1e-4, f"step {step}: baseline {b:.6f} vs checkpointed {c:.6f}"
+    assert len(ckpt["losses"]) >= 2
+
 def test_optimized_used_the_kernels(runs):
     from rmsnorm_kernel import TritonRMSNorm
 

@@ -161,8 +161,11 @@ class TritonFusedLinearCrossEntropyFunction(torch.autograd.Function):
         chunk_rows = chunk_rows or _flce_chunk_rows(n, weight.shape[0], hidden.element_size())
         loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
         n_valid = (tgt != ignore_index).sum(dtype=torch.float32).reshape(1)
-        # reduction="none": recompute in backward with the per-token upstream gradient.
-        recompute = reduction == "none" and (need_grad_h or need_grad_w)
+        # Recompute in backward, with the upstream gradient applied before the logits'
+        # gradient is rounded, for reduction="none" (a weight per token) and for
+        # float16 (loss scaling): as in cross_entropy_kernel.py, at the cost of the
+        # LM-head matmul once more.
+        recompute = (reduction == "none" or hidden.dtype == torch.float16) and (need_grad_h or need_grad_w)
         fused = (need_grad_h or need_grad_w) and not recompute
         grad_h = torch.empty_like(h2) if fused and need_grad_h else None
         grad_w = torch.empty_like(weight) if fused and need_grad_w else None
@@ -172,6 +175,7 @@ class TritonFusedLinearCrossEntropyFunction(torch.autograd.Function):
             grad_w.zero_()
         ctx.hidden_shape = hidden.shape
         ctx.ignore_index, ctx.chunk_rows, ctx.recompute = ignore_index, chunk_rows, recompute
+        ctx.reduction, ctx.n_valid = reduction, n_valid
         ctx.grads = (grad_h, grad_w)
         ctx.used = False
         if recompute:
@@ -187,10 +191,15 @@ class TritonFusedLinearCrossEntropyFunction(torch.autograd.Function):
             h2, weight, tgt = ctx.saved_tensors
             grad_h = torch.empty_like(h2) if ctx.needs_input_grad[0] else None
             grad_w = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
-            if tgt.numel() > 0:
-                scratch = torch.empty(tgt.numel(), dtype=torch.float32, device=h2.device)
-                _flce_chunks(h2, weight, tgt, scratch, scratch, ctx.ignore_index, False, grad_h, grad_w,
-                             ctx.chunk_rows, upstream=grad_output.reshape(-1))
+            n = tgt.numel()
+            if n > 0:
+                scratch = torch.empty(n, dtype=torch.float32, device=h2.device)
+                if ctx.reduction == "none":
+                    upstream = grad_output.reshape(-1)  # one weight per row
+                else:
+                    upstream = grad_output.reshape(1).expand(n)  # one scalar, stride 0
+                _flce_chunks(h2, weight, tgt, scratch, ctx.n_valid, ctx.ignore_index, ctx.reduction == "mean",
+                             grad_h, grad_w, ctx.chunk_rows, upstream=upstream)
             elif grad_w is not None:
                 grad_w.zero_()
         else:

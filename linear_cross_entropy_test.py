@@ -209,6 +209,20 @@ def test_strided_targets():
     b = fused_linear_cross_entropy(hidden, weight, targets, ignore_index=IGNORE)
     assert torch.equal(a, b)
 
+def test_fp16_loss_scaling_keeps_small_gradients():
+    # As for cross_entropy: the loss scale must reach the logits' gradient before
+    # it is rounded to fp16 (a sharper head than make_inputs' gives tiny softmax values).
+    hidden, weight, targets = make_inputs((40,), 32, 3000, torch.float16)
+    upstream = torch.tensor(65536.0, device=DEVICE)
+    compare_to_truth(hidden, weight * 4, targets, "mean", upstream, chunk_rows=16)
+    # Vocabulary rows that no target hits get their weight gradient from small
+    # probabilities alone: flushed to zero, the whole row would be lost.
+    _, _, dw_ours = loss_and_grads(fused_linear_cross_entropy, hidden, weight * 4, targets, "mean", upstream,
+                                   chunk_rows=16)
+    _, _, dw_plain = loss_and_grads(linear_cross_entropy_reference, hidden, weight * 4, targets, "mean", upstream)
+    zero_rows = lambda dw: int((dw == 0).all(dim=1).sum())  # noqa: E731
+    assert zero_rows(dw_ours) <= zero_rows(dw_plain), f"{zero_rows(dw_ours)} vs {zero_rows(dw_plain)} rows lost"
+
 def test_create_graph_is_refused():
     hidden, weight, targets = make_inputs((5,), 8, 33, torch.float32)
     hidden.requires_grad_()

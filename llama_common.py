@@ -196,6 +196,12 @@ def add_model_args(parser, custom_kernels_default=False):
     )
     g.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: %(default)s)")
     g.add_argument("--lr", type=float, help="AdamW learning rate (default: 1e-5; --tiny: 1e-3)")
+    g.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute each decoder layer in backward instead of storing its activations "
+             "(HF's gradient_checkpointing_enable, non-reentrant): less memory, ~1/3 more compute",
+    )
     k = parser.add_argument_group("custom Triton kernels")
     for name, help_text in KERNEL_FLAGS.items():
         k.add_argument(
@@ -529,6 +535,11 @@ def load_model(args):
     print(f"Model:         {name} [{type(model).__name__}], {source}")
     size = f"{n_params / 1e9:.2f} B" if n_params >= 1e9 else f"{n_params / 1e6:.1f} M"
     print(f"Parameters:    {n_params:,} ({size}), dtype {info['dtype']}, on {device}")
+    if getattr(args, "gradient_checkpointing", False):
+        # Non-reentrant: it checks that the recomputation saves what the forward
+        # saved, so a kernel swapped in for the forward only would be caught.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        print("Checkpointing: each decoder layer is recomputed in backward (activations not stored)")
     return model, info
 
 

@@ -96,9 +96,11 @@ Triton concepts new in this step (see rmsnorm_kernel.py, swiglu_kernel.py)
 
 Using it in a model
 -------------------
-``patched_rope(model)`` is a context manager that swaps HF's module-level
-``apply_rotary_pos_emb`` for ours while a forward pass runs and puts the
-original back afterwards. See the end of this file for why it is scoped.
+``fuse_rope(model)`` makes each attention layer of ``model`` find our function
+under HF's module-level name ``apply_rotary_pos_emb`` while that layer runs,
+gradient checkpointing's recomputation included; ``patched_rope(model)`` is the
+same swap as a context manager around a whole forward pass. See the end of
+this file for why the swap is scoped.
 
 Nothing runs on import. See rope_test.py for the checks.
 """
@@ -589,10 +591,11 @@ apply_rotary_pos_emb = rope
 #
 # Backward needs no patch: the graph built inside the block holds our
 # Function's nodes, whose backward calls rope_backward directly and never looks
-# up the module attribute. (Gradient checkpointing recomputes the forward during
-# backward, outside the block, with HF's function; it gives the same forward
-# bits for bf16/fp16, only not the fused speed. Put backward inside the block to
-# fuse the recomputation too.)
+# up the module attribute. Gradient checkpointing is the exception: it reruns
+# the attention forward *during* backward, outside the block, where HF's
+# function would produce different saved tensors (PyTorch stops with a
+# CheckpointError). ``fuse_rope(model)`` below scopes the swap to each attention
+# layer's own call instead, so the recomputation gets it too.
 #
 # Caveats: while the block runs, *any* model whose attention lives in the same
 # python module uses the fused kernel too (the scope is time, not the object),
@@ -636,3 +639,40 @@ def patched_rope(model):
     finally:
         for pymod, original in reversed(saved):
             pymod.apply_rotary_pos_emb = original
+
+
+def fuse_rope(model):
+    """Make ``model``'s attention layers use the fused RoPE every time they run.
+
+    Each attention submodule's ``forward`` is wrapped (on the instance: other
+    models are untouched) so that the swap of ``patched_rope`` happens around
+    that call only. Unlike a ``with patched_rope(model)`` block around the
+    model's forward, this also covers gradient checkpointing, which reruns the
+    attention forward during backward. Returns the number of layers wrapped;
+    calling it again wraps nothing twice.
+    """
+    count = 0
+    for sub in model.modules():
+        pymod = sys.modules.get(type(sub).__module__)
+        if (not type(sub).__name__.endswith("Attention") or pymod is None
+                or not callable(vars(pymod).get("apply_rotary_pos_emb"))):
+            continue
+        count += 1
+        if getattr(sub.forward, "_fused_rope", False):
+            continue
+        sub.forward = _forward_with_fused_rope(sub.forward, pymod)
+    return count
+
+
+def _forward_with_fused_rope(forward, pymod):
+    def forward_with_fused_rope(*args, **kwargs):
+        original = vars(pymod)["apply_rotary_pos_emb"]
+        pymod.apply_rotary_pos_emb = apply_rotary_pos_emb
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            pymod.apply_rotary_pos_emb = original
+
+    forward_with_fused_rope._fused_rope = True
+    return forward_with_fused_rope
+

@@ -24,6 +24,7 @@ from conftest import DEVICE, DTYPES, check_outputs, need_gpu, rel_err
 from rope_kernel import (
     TritonRoPEFunction,
     apply_rotary_pos_emb,
+    fuse_rope,
     patched_rope,
     rope,
     rope_patch_targets,
@@ -341,6 +342,33 @@ def test_patched_rope_on_llama_fp32():
     assert e_loss <= 1e-6, f"patched loss differs by {e_loss:.2e}"
     assert e_grad <= 1e-6, f"patched gradients differ by up to {e_grad:.2e}"
 
+
+def test_fuse_rope_with_gradient_checkpointing(monkeypatch):
+    # Checkpointing reruns each attention layer during backward; the fused RoPE
+    # must run there too (else PyTorch's CheckpointError: different saved tensors).
+    import rope_kernel
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.apply_rotary_pos_emb
+    model = _tiny_llama()
+    reference = copy.deepcopy(model)
+    assert fuse_rope(model) == 2 and fuse_rope(model) == 2, "two layers, wrapped once"
+    calls = []
+    real_forward = rope_kernel.rope_forward
+    monkeypatch.setattr(rope_kernel, "rope_forward", lambda *a: calls.append(1) or real_forward(*a))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    loss = model(ids, labels=ids).loss
+    assert modeling_llama.apply_rotary_pos_emb is original, "the swap must end with each layer's call"
+    assert len(calls) == 2, "forward: once per layer"
+    loss.backward()
+    assert len(calls) == 4, "backward: once more per layer (the recomputation)"
+    loss_ref = reference(ids, labels=ids).loss  # HF's function, no checkpointing
+    loss_ref.backward()
+    assert rel_err(loss, loss_ref) <= 1e-6
+    e_grad = max(rel_err(p.grad, r.grad) for p, r in zip(model.parameters(), reference.parameters()))
+    assert e_grad <= 1e-6, f"gradients differ by up to {e_grad:.2e}"
 
 def test_patch_scope_restore_and_nesting():
     from transformers.models.llama import modeling_llama

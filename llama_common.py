@@ -478,6 +478,16 @@ def build_random(config, device, dtype):
         return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
 
 
+def enable_checkpointing(model):
+    """HF's per-layer activation checkpointing, non-reentrant (transformers renamed the
+    method in 5.2x: activation_checkpointing_enable; older releases only have the old name)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def load_model(args):
     """Build the model the flags ask for; return (model, info dict). Prints what it did."""
     resolve_defaults(args)
@@ -538,7 +548,7 @@ def load_model(args):
     if getattr(args, "gradient_checkpointing", False):
         # Non-reentrant: it checks that the recomputation saves what the forward
         # saved, so a kernel swapped in for the forward only would be caught.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
         print("Checkpointing: each decoder layer is recomputed in backward (activations not stored)")
     return model, info
 

@@ -347,6 +347,7 @@ def test_fuse_rope_with_gradient_checkpointing(monkeypatch):
     # Checkpointing reruns each attention layer during backward; the fused RoPE
     # must run there too (else PyTorch's CheckpointError: different saved tensors).
     import rope_kernel
+    from llama_common import enable_checkpointing
     from transformers.models.llama import modeling_llama
 
     original = modeling_llama.apply_rotary_pos_emb
@@ -356,7 +357,7 @@ def test_fuse_rope_with_gradient_checkpointing(monkeypatch):
     calls = []
     real_forward = rope_kernel.rope_forward
     monkeypatch.setattr(rope_kernel, "rope_forward", lambda *a: calls.append(1) or real_forward(*a))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model)
     model.train()
     ids = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     loss = model(ids, labels=ids).loss

@@ -449,12 +449,9 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
             n_rows = tgt.numel()
             if n_rows > 0:
                 scratch = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-                if ctx.reduction == "none":
-                    upstream = grad_output.reshape(-1)  # one weight per row
-                else:
-                    upstream = grad_output.reshape(1).expand(n_rows)  # one scalar, stride 0
                 launch_forward(rows, layout, tgt, scratch, grad, _row_layout(grad)[2:], ctx.n_valid,
-                               ctx.ignore_index, mean=ctx.reduction == "mean", upstream=upstream)
+                               ctx.ignore_index, mean=ctx.reduction == "mean",
+                               upstream=upstream_per_row(grad_output, ctx.reduction, n_rows))
             return grad, None, None, None, None, None
         if ctx.grad is None:
             raise RuntimeError(
@@ -478,6 +475,14 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
                 BLOCK_V=block_v, num_warps=num_warps,
             )
         return grad, None, None, None, None, None
+
+
+def upstream_per_row(grad_output, reduction, n_rows):
+    """The upstream gradient as one value per row for launch_forward, without a copy:
+    reduction="none" has one already; a scalar is expanded (stride 0)."""
+    if reduction == "none":
+        return grad_output.reshape(-1)
+    return grad_output.reshape(1).expand(n_rows)
 
 
 def scale_by_upstream(grad, grad_output):

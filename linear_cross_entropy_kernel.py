@@ -77,6 +77,7 @@ from cross_entropy_kernel import (
     launch_forward,
     reduce_loss,
     scale_by_upstream,
+    upstream_per_row,
 )
 
 
@@ -194,12 +195,8 @@ class TritonFusedLinearCrossEntropyFunction(torch.autograd.Function):
             n = tgt.numel()
             if n > 0:
                 scratch = torch.empty(n, dtype=torch.float32, device=h2.device)
-                if ctx.reduction == "none":
-                    upstream = grad_output.reshape(-1)  # one weight per row
-                else:
-                    upstream = grad_output.reshape(1).expand(n)  # one scalar, stride 0
                 _flce_chunks(h2, weight, tgt, scratch, ctx.n_valid, ctx.ignore_index, ctx.reduction == "mean",
-                             grad_h, grad_w, ctx.chunk_rows, upstream=upstream)
+                             grad_h, grad_w, ctx.chunk_rows, upstream=upstream_per_row(grad_output, ctx.reduction, n))
             elif grad_w is not None:
                 grad_w.zero_()
         else:

@@ -601,6 +601,18 @@ apply_rotary_pos_emb = rope
 # python module uses the fused kernel too (the scope is time, not the object),
 # and the swap is not thread-safe. Nesting is fine: an inner block restores what
 # the outer one installed, the outer one restores HF's original.
+def _rope_attention_layers(model):
+    """(attention submodule, its python module) for every layer whose python module
+    defines the ``apply_rotary_pos_emb`` that its forward calls by name."""
+    for sub in model.modules():
+        cls = type(sub)
+        if not cls.__name__.endswith("Attention"):
+            continue
+        pymod = sys.modules.get(cls.__module__)
+        if pymod is not None and callable(vars(pymod).get("apply_rotary_pos_emb")):
+            yield sub, pymod
+
+
 def rope_patch_targets(model):
     """Python modules whose ``apply_rotary_pos_emb`` feeds ``model``'s attention layers.
 
@@ -609,18 +621,22 @@ def rope_patch_targets(model):
     with "Attention" and whose python module defines a function
     ``apply_rotary_pos_emb``; count is the number of such attention submodules.
     """
-    modules = {}
-    count = 0
-    for sub in model.modules():
-        cls = type(sub)
-        if not cls.__name__.endswith("Attention"):
-            continue
-        pymod = sys.modules.get(cls.__module__)
-        if pymod is None or not callable(vars(pymod).get("apply_rotary_pos_emb")):
-            continue
-        modules.setdefault(pymod.__name__, pymod)
-        count += 1
-    return list(modules.values()), count
+    layers = list(_rope_attention_layers(model))
+    modules = {pymod.__name__: pymod for _, pymod in layers}
+    return list(modules.values()), len(layers)
+
+
+@contextlib.contextmanager
+def _fused_in(pymods):
+    """Our function under HF's name in each python module; the originals come back on exit."""
+    saved = [(pymod, vars(pymod)["apply_rotary_pos_emb"]) for pymod in pymods]
+    try:
+        for pymod, _ in saved:
+            pymod.apply_rotary_pos_emb = apply_rotary_pos_emb
+        yield
+    finally:
+        for pymod, original in reversed(saved):
+            pymod.apply_rotary_pos_emb = original
 
 
 @contextlib.contextmanager
@@ -631,14 +647,8 @@ def patched_rope(model):
     exception) each python module gets back exactly the function it had on entry.
     """
     modules, count = rope_patch_targets(model)
-    saved = [(pymod, vars(pymod)["apply_rotary_pos_emb"]) for pymod in modules]
-    try:
-        for pymod, _ in saved:
-            pymod.apply_rotary_pos_emb = apply_rotary_pos_emb
+    with _fused_in(modules):
         yield count
-    finally:
-        for pymod, original in reversed(saved):
-            pymod.apply_rotary_pos_emb = original
 
 
 def fuse_rope(model):
@@ -652,26 +662,17 @@ def fuse_rope(model):
     calling it again wraps nothing twice.
     """
     count = 0
-    for sub in model.modules():
-        pymod = sys.modules.get(type(sub).__module__)
-        if (not type(sub).__name__.endswith("Attention") or pymod is None
-                or not callable(vars(pymod).get("apply_rotary_pos_emb"))):
-            continue
+    for sub, pymod in _rope_attention_layers(model):
         count += 1
-        if getattr(sub.forward, "_fused_rope", False):
-            continue
-        sub.forward = _forward_with_fused_rope(sub.forward, pymod)
+        if not getattr(sub.forward, "_fused_rope", False):
+            sub.forward = _forward_with_fused_rope(sub.forward, pymod)
     return count
 
 
 def _forward_with_fused_rope(forward, pymod):
     def forward_with_fused_rope(*args, **kwargs):
-        original = vars(pymod)["apply_rotary_pos_emb"]
-        pymod.apply_rotary_pos_emb = apply_rotary_pos_emb
-        try:
+        with _fused_in([pymod]):
             return forward(*args, **kwargs)
-        finally:
-            pymod.apply_rotary_pos_emb = original
 
     forward_with_fused_rope._fused_rope = True
     return forward_with_fused_rope

@@ -77,7 +77,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
-from kernel_common import SUPPORTED_DTYPES, cast_to, check_kernel_device, exp, first_order_only, log
+from kernel_common import (
+    SUPPORTED_DTYPES,
+    cast_to,
+    check_kernel_device,
+    exp,
+    first_order_only,
+    kernel_op,
+    log,
+    nothing,
+)
 
 import triton
 import triton.language as tl
@@ -382,59 +391,119 @@ def claim_backward(ctx, op):
     ctx.used = True
 
 
+def _recomputes(write_grad, reduction, dtype, inplace=False):
+    """Whether backward recomputes the gradient from the saved logits.
+
+    Two cases want the upstream gradient applied *before* the gradient is
+    rounded to the logits' dtype, so backward rereads the logits instead of
+    rescaling what forward wrote:
+    * reduction="none": the upstream is a weight per token, rarely 1, and
+      rescaling a rounded gradient would round twice;
+    * float16 logits: fp16 training scales the loss (by 65536, say) so that
+      small gradients survive fp16's narrow range; rounded before the scale is
+      known, softmax values below ~6e-8 would already be zero.
+    In-place mode has no logits left to reread and keeps the fused path.
+    """
+    return write_grad and (reduction == "none" or dtype == torch.float16) and not inplace
+
+
+def _forward(logits, targets, ignore_index, reduction, write_grad, inplace, check):
+    """The forward pass both entry points share.
+
+    Returns (loss, grad, n_valid): the reduced float32 loss; the gradient that
+    forward prepared (a fresh [..., V] buffer, the logits themselves in
+    in-place mode, or None when not asked for or recomputed in backward); the
+    number of valid targets as a [1] float32 device tensor.
+    """
+    v = logits.shape[-1]
+    lead_shape = logits.shape[:-1]
+    if check:
+        check_target_range(targets, v, ignore_index)
+    n_rows = targets.numel()
+    rows, inner, s_outer, s_inner = _row_layout(logits)
+    tgt = targets.reshape(-1).contiguous()  # the kernel reads target r at TARGETS + r
+    loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    inplace = inplace and rows.data_ptr() == logits.data_ptr() and rows.shape[-1] == v
+    recompute = _recomputes(write_grad, reduction, logits.dtype, inplace)
+
+    # Where the gradient goes: a fresh [N, V] buffer, or (opt-in) the logits
+    # themselves when they were not copied by _row_layout.
+    grad = None
+    g_outer, g_inner = 0, 0
+    if write_grad and not recompute:
+        if inplace:
+            grad, g_outer, g_inner = rows, s_outer, s_inner
+        else:
+            grad = torch.empty(lead_shape + (v,), dtype=logits.dtype, device=logits.device)
+            _, _, g_outer, g_inner = _row_layout(grad)
+
+    # Count valid targets on the device: no .item(), so no host sync.
+    n_valid = (tgt != ignore_index).sum(dtype=torch.float32).reshape(1)
+    if n_rows > 0:
+        launch_forward(rows, (inner, s_outer, s_inner), tgt, loss, grad, (g_outer, g_inner), n_valid, ignore_index,
+                       mean=reduction == "mean")
+    if grad is not None and grad is rows:
+        # In-place mode: the logits now hold the gradient. Bump their version
+        # counter so autograd rejects any other backward that saved them; hand
+        # autograd the logits tensor itself.
+        torch.autograd.graph.increment_version(logits)
+        grad = logits.detach()
+    return reduce_loss(loss, n_valid, reduction, lead_shape), grad, n_valid
+
+
+def _cross_entropy_forward_fake(logits, targets, ignore_index, reduction, write_grad, check):
+    loss = logits.new_empty(logits.shape[:-1] if reduction == "none" else (), dtype=torch.float32)
+    grad = logits.new_empty(logits.shape) if write_grad and not _recomputes(write_grad, reduction, logits.dtype) \
+        else nothing(logits)
+    return loss, grad, logits.new_empty((1,), dtype=torch.float32)
+
+
+@kernel_op("cross_entropy_forward", fake=_cross_entropy_forward_fake)
+def cross_entropy_forward(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str,
+                          write_grad: bool, check: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, grad, n_valid) as in ``_forward``, never in place; grad is empty when not prepared."""
+    loss, grad, n_valid = _forward(logits, targets, ignore_index, reduction, write_grad, False, check)
+    return loss, (grad if grad is not None else nothing(logits)), n_valid
+
+
+def _cross_entropy_grad_fake(logits, targets, n_valid, upstream, ignore_index, mean):
+    return logits.new_empty(logits.shape)
+
+
+@kernel_op("cross_entropy_grad", fake=_cross_entropy_grad_fake)
+def cross_entropy_grad(logits: torch.Tensor, targets: torch.Tensor, n_valid: torch.Tensor, upstream: torch.Tensor,
+                       ignore_index: int, mean: bool) -> torch.Tensor:
+    """The recomputed gradient: upstream (one value per row) applied before rounding."""
+    rows, *layout = _row_layout(logits)
+    tgt = targets.reshape(-1).contiguous()
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    n_rows = tgt.numel()
+    if n_rows > 0:
+        scratch = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+        launch_forward(rows, layout, tgt, scratch, grad, _row_layout(grad)[2:], n_valid,
+                       ignore_index, mean=mean, upstream=upstream)
+    return grad
+
+
+def _recomputed_grad(ctx, grad_output):
+    logits, targets, n_valid = ctx.saved_tensors
+    upstream = upstream_per_row(grad_output, ctx.reduction, targets.numel())
+    return cross_entropy_grad(logits, targets, n_valid, upstream, ctx.ignore_index, ctx.reduction == "mean")
+
+
 class TritonCrossEntropyFunction(torch.autograd.Function):
+    """Eager autograd: the gradient is prepared in forward and scaled in place in backward."""
+
     @staticmethod
-    def forward(ctx, logits, targets, ignore_index, reduction, write_grad, inplace_backward):
-        v = logits.shape[-1]
-        lead_shape = logits.shape[:-1]
-        n_rows = targets.numel()
-        rows, inner, s_outer, s_inner = _row_layout(logits)
-        tgt = targets.reshape(-1).contiguous()  # the kernel reads target r at TARGETS + r
-        loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-        inplace = inplace_backward and rows.data_ptr() == logits.data_ptr() and rows.shape[-1] == v
-
-        # Two cases want the upstream gradient applied *before* the gradient is
-        # rounded to the logits' dtype, so backward recomputes it from the saved
-        # logits (one more read of them) instead of rescaling what forward wrote:
-        # * reduction="none": the upstream is a weight per token, rarely 1, and
-        #   rescaling a rounded gradient would round twice;
-        # * float16 logits: fp16 training scales the loss (by 65536, say) so that
-        #   small gradients survive fp16's narrow range; rounded before the scale
-        #   is known, softmax values below ~6e-8 would already be zero.
-        # In-place mode has no logits left to reread and keeps the fused path.
-        ctx.recompute = write_grad and (reduction == "none" or logits.dtype == torch.float16) and not inplace
-        ctx.ignore_index = ignore_index
-        ctx.reduction = reduction
+    def forward(ctx, logits, targets, ignore_index, reduction, write_grad, inplace_backward, check):
+        loss, grad, n_valid = _forward(logits, targets, ignore_index, reduction, write_grad, inplace_backward, check)
+        ctx.recompute = write_grad and grad is None
+        ctx.ignore_index, ctx.reduction = ignore_index, reduction
         ctx.used = False
-
-        # Where the gradient goes: a fresh [N, V] buffer, or (opt-in) the logits
-        # themselves when they were not copied by _row_layout.
-        grad = None
-        g_outer, g_inner = 0, 0
-        if write_grad and not ctx.recompute:
-            if inplace:
-                grad, g_outer, g_inner = rows, s_outer, s_inner
-            else:
-                grad = torch.empty(lead_shape + (v,), dtype=logits.dtype, device=logits.device)
-                _, _, g_outer, g_inner = _row_layout(grad)
-
-        # Count valid targets on the device: no .item(), so no host sync.
-        n_valid = (tgt != ignore_index).sum(dtype=torch.float32).reshape(1)
-        if n_rows > 0:
-            launch_forward(rows, (inner, s_outer, s_inner), tgt, loss, grad, (g_outer, g_inner), n_valid, ignore_index,
-                            mean=reduction == "mean")
-        if grad is not None and grad is rows:
-            # In-place mode: the logits now hold the gradient. Bump their version
-            # counter so autograd rejects any other backward that saved them.
-            torch.autograd.graph.increment_version(logits)
-
-        # What backward hands to autograd: the buffer, or the logits tensor itself.
-        ctx.grad = logits.detach() if (grad is not None and grad is rows) else grad
+        ctx.grad = grad  # on ctx, not saved: backward hands it to autograd and drops it
         if ctx.recompute:
-            ctx.save_for_backward(logits, targets)
-            ctx.n_valid = n_valid
-
-        return reduce_loss(loss, n_valid, reduction, lead_shape)
+            ctx.save_for_backward(logits, targets, n_valid)
+        return loss
 
     @staticmethod
     @first_order_only("cross_entropy")
@@ -442,17 +511,7 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         claim_backward(ctx, "cross_entropy")
         if ctx.recompute:
-            logits, targets = ctx.saved_tensors
-            rows, *layout = _row_layout(logits)
-            tgt = targets.reshape(-1).contiguous()
-            grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-            n_rows = tgt.numel()
-            if n_rows > 0:
-                scratch = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-                launch_forward(rows, layout, tgt, scratch, grad, _row_layout(grad)[2:], ctx.n_valid,
-                               ctx.ignore_index, mean=ctx.reduction == "mean",
-                               upstream=upstream_per_row(grad_output, ctx.reduction, n_rows))
-            return grad, None, None, None, None, None
+            return _recomputed_grad(ctx, grad_output), None, None, None, None, None, None
         if ctx.grad is None:
             raise RuntimeError(
                 "cross_entropy: no gradient was prepared in forward (the forward ran without "
@@ -474,7 +533,32 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
                 rows, go, stride_go, inner, g_outer, g_inner, v,
                 BLOCK_V=block_v, num_warps=num_warps,
             )
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
+
+
+# The operator's autograd, for torch.compile. Same forward, but a compiled graph
+# owns its buffers: no in-place gradient, nothing kept on ctx, and the upstream
+# scale is an ordinary multiplication that the compiler fuses into a kernel.
+def _op_setup_context(ctx, inputs, output):
+    logits, targets, ignore_index, reduction, write_grad, _ = inputs
+    _, grad, n_valid = output
+    ctx.mark_non_differentiable(grad, n_valid)
+    ctx.ignore_index, ctx.reduction = ignore_index, reduction
+    ctx.recompute = _recomputes(write_grad, reduction, logits.dtype)
+    ctx.save_for_backward(*((logits, targets, n_valid) if ctx.recompute else (grad,)))
+
+
+@first_order_only("cross_entropy")
+def _op_backward(ctx, grad_output, _dgrad, _dn_valid):
+    if ctx.recompute:
+        grad = _recomputed_grad(ctx, grad_output)
+    else:
+        (grad,) = ctx.saved_tensors
+        grad = grad * grad_output  # reduction "mean"/"sum": one scalar
+    return grad, None, None, None, None, None
+
+
+cross_entropy_forward.op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
 def upstream_per_row(grad_output, reduction, n_rows):
@@ -508,6 +592,7 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", inplace_
         memory; the logits' values are destroyed and their version is bumped).
     check_targets: raise on out-of-range targets. Default: on for CPU tensors, off
         on CUDA (checking needs a host sync; unchecked bad rows give a NaN loss).
+        The check runs inside the operator, so it works under torch.compile too.
     """
     _check_inputs(logits, targets, ignore_index, reduction)
     if inplace_backward and _may_overlap(logits):
@@ -519,10 +604,15 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", inplace_
         )
     if check_targets is None:
         check_targets = logits.device.type == "cpu"
-    if check_targets:
-        check_target_range(targets, logits.shape[-1], ignore_index)
     write_grad = torch.is_grad_enabled() and logits.requires_grad
-    return TritonCrossEntropyFunction.apply(logits, targets, ignore_index, reduction, write_grad, inplace_backward)
+    if torch.compiler.is_compiling():
+        # One node of the compiled graph. In-place mode is an eager memory saving
+        # only: a graph owns its buffers, and the compiled path never writes into
+        # the caller's logits (same values, one [N, V] buffer more).
+        loss, _, _ = cross_entropy_forward.op(logits, targets, ignore_index, reduction, write_grad, check_targets)
+        return loss
+    return TritonCrossEntropyFunction.apply(logits, targets, ignore_index, reduction, write_grad, inplace_backward,
+                                            check_targets)
 
 
 class TritonCrossEntropyLoss(nn.Module):

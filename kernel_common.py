@@ -17,6 +17,8 @@ adamw) imports its common ground from here and nothing private from the others:
   output dtype and for exponentials, each with the same result on GPU and CPU.
 * ``as_rows``, ``num_sms``: viewing [..., H] as rows, sizing persistent grids.
 * ``swap_modules``: replacing the HF modules of a model with ours.
+* ``kernel_op``: registering a launcher as a PyTorch custom operator, so that
+  ``torch.compile`` can put our kernels inside its graphs.
 
 Nothing runs on import except the interpreter switch and the version check.
 """
@@ -220,3 +222,62 @@ def swap_modules(model, matches, replacement):
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, replacement(module))
     return len(targets)
+
+
+# --------------------------------------------------------------------------------
+# Custom operators: our kernels inside torch.compile graphs
+# --------------------------------------------------------------------------------
+# torch.compile traces Python into a graph of PyTorch operators, running the code
+# on "fake" tensors that have shapes and dtypes but no data. A Triton launch is
+# not a PyTorch operator, and it cannot run on fake tensors, so the tracer stops
+# there ("graph break") or fails. A custom operator fixes both: PyTorch treats
+# ``torch.ops.llama_kernels.<name>`` as one opaque node of the graph, runs the
+# launcher when the graph runs, and asks the registered *fake* function for the
+# output shapes while tracing.
+#
+# The price of an operator is the dispatcher: every call passes through PyTorch's
+# C++ dispatch and back into Python, some microseconds of host time per launch
+# that an eager training step (hundreds of launches) would pay for nothing. So
+# the launchers keep their plain Python calls in eager mode and take the operator
+# only while torch.compile traces (``torch.compiler.is_compiling()``); the traced
+# graph then holds the operator and replays it without any of this Python.
+LIBRARY = "llama_kernels"
+
+
+def kernel_op(name, fake):
+    """Decorator: register a launcher as ``torch.ops.llama_kernels.<name>``.
+
+    The launcher needs type annotations (PyTorch derives the operator's schema
+    from them) and must return new tensors only (an output may not alias an
+    input). ``fake`` takes the same arguments and returns empty tensors of the
+    outputs' shapes, dtypes and layouts. The returned function calls the
+    launcher directly in eager mode and the operator under torch.compile (or
+    any tracer: its first argument, a tensor, tells); the
+    operator itself is its ``.op`` attribute.
+    """
+    def register(launcher):
+        op = torch.library.custom_op(f"{LIBRARY}::{name}", launcher, mutates_args=())
+        op.register_fake(fake)
+
+        @functools.wraps(launcher)
+        def launch(*args):
+            if torch.compiler.is_compiling() or _traced(args[0]):
+                return op(*args)
+            return launcher(*args)
+
+        launch.op = op
+        return launch
+    return register
+
+
+def _traced(t):
+    """Whether ``t`` is a tracer's stand-in (fake or functional tensor), as when
+    torch.compile differentiates a graph, or torch.func / make_fx trace one
+    without Dynamo (then ``is_compiling()`` is False). Real inputs are plain
+    tensors or Parameters."""
+    return type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter
+
+
+def nothing(like):
+    """The placeholder for an output that was not asked for (an operator cannot return None)."""
+    return like.new_empty(0)

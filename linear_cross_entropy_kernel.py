@@ -61,7 +61,7 @@ import torch
 import torch.nn as nn
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
-from kernel_common import SUPPORTED_DTYPES, check_kernel_device, first_order_only
+from kernel_common import SUPPORTED_DTYPES, check_kernel_device, first_order_only, kernel_op, nothing
 
 import triton
 
@@ -152,36 +152,112 @@ def _check_flce_inputs(hidden, weight, targets, ignore_index, reduction):
     check_kernel_device(hidden, weight, targets)
 
 
+def _recomputes(need_grad_h, need_grad_w, reduction, dtype):
+    """Recompute in backward, with the upstream gradient applied before the logits'
+    gradient is rounded, for reduction="none" (a weight per token) and for
+    float16 (loss scaling): as in cross_entropy_kernel.py, at the cost of the
+    LM-head matmul once more."""
+    return (reduction == "none" or dtype == torch.float16) and (need_grad_h or need_grad_w)
+
+
+def _forward(hidden, weight, targets, ignore_index, reduction, need_grad_h, need_grad_w, chunk_rows, check):
+    """The forward pass both entry points share: (loss, grad_h, grad_w, n_valid).
+
+    The gradients are prepared here unless not asked for or recomputed in
+    backward (then None); grad_h is [N, H]; n_valid is a [1] float32 tensor.
+    """
+    if check:
+        check_target_range(targets, weight.shape[0], ignore_index)
+    lead_shape, h = hidden.shape[:-1], hidden.shape[-1]
+    h2 = hidden.reshape(-1, h).contiguous()  # a view for the usual [B, T, H] activations
+    tgt = targets.reshape(-1).contiguous()  # the kernel reads target r at TARGETS + r
+    n = tgt.numel()
+    loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    n_valid = (tgt != ignore_index).sum(dtype=torch.float32).reshape(1)
+    fused = (need_grad_h or need_grad_w) and not _recomputes(need_grad_h, need_grad_w, reduction, hidden.dtype)
+    grad_h = torch.empty_like(h2) if fused and need_grad_h else None
+    grad_w = torch.empty_like(weight) if fused and need_grad_w else None
+    if n > 0:
+        _flce_chunks(h2, weight, tgt, loss, n_valid, ignore_index, reduction == "mean", grad_h, grad_w, chunk_rows)
+    elif grad_w is not None:
+        grad_w.zero_()
+    return reduce_loss(loss, n_valid, reduction, lead_shape), grad_h, grad_w, n_valid
+
+
+def _flce_forward_fake(hidden, weight, targets, ignore_index, reduction, need_grad_h, need_grad_w, chunk_rows, check):
+    fused = (need_grad_h or need_grad_w) and not _recomputes(need_grad_h, need_grad_w, reduction, hidden.dtype)
+    n, h = hidden.numel() // hidden.shape[-1], hidden.shape[-1]
+    return (
+        hidden.new_empty(hidden.shape[:-1] if reduction == "none" else (), dtype=torch.float32),
+        hidden.new_empty((n, h)) if fused and need_grad_h else nothing(hidden),
+        weight.new_empty(weight.shape) if fused and need_grad_w else nothing(weight),
+        hidden.new_empty((1,), dtype=torch.float32),
+    )
+
+
+@kernel_op("linear_cross_entropy_forward", fake=_flce_forward_fake)
+def linear_cross_entropy_forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                                 ignore_index: int, reduction: str, need_grad_h: bool, need_grad_w: bool,
+                                 chunk_rows: int, check: bool,
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, grad_h, grad_w, n_valid) as in ``_forward``; a gradient not prepared is empty."""
+    loss, grad_h, grad_w, n_valid = _forward(hidden, weight, targets, ignore_index, reduction,
+                                             need_grad_h, need_grad_w, chunk_rows, check)
+    return (loss, grad_h if grad_h is not None else nothing(hidden),
+            grad_w if grad_w is not None else nothing(weight), n_valid)
+
+
+def _flce_grad_fake(hidden, weight, targets, n_valid, upstream, ignore_index, mean, need_grad_h, need_grad_w,
+                    chunk_rows):
+    return (hidden.new_empty(hidden.shape) if need_grad_h else nothing(hidden),
+            weight.new_empty(weight.shape) if need_grad_w else nothing(weight))
+
+
+@kernel_op("linear_cross_entropy_grad", fake=_flce_grad_fake)
+def linear_cross_entropy_grad(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                              n_valid: torch.Tensor, upstream: torch.Tensor, ignore_index: int, mean: bool,
+                              need_grad_h: bool, need_grad_w: bool, chunk_rows: int,
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recomputed gradients (upstream: one value per row, applied before rounding)."""
+    h2 = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+    tgt = targets.reshape(-1).contiguous()
+    grad_h = torch.empty_like(h2) if need_grad_h else None
+    grad_w = torch.empty_like(weight) if need_grad_w else None
+    n = tgt.numel()
+    if n > 0:
+        scratch = torch.empty(n, dtype=torch.float32, device=h2.device)
+        _flce_chunks(h2, weight, tgt, scratch, n_valid, ignore_index, mean, grad_h, grad_w, chunk_rows,
+                     upstream=upstream)
+    elif grad_w is not None:
+        grad_w.zero_()
+    return (grad_h.view(hidden.shape) if need_grad_h else nothing(hidden),
+            grad_w if need_grad_w else nothing(weight))
+
+
+def _recomputed_grads(ctx, grad_output):
+    hidden, weight, targets, n_valid = ctx.saved_tensors
+    need_h, need_w = ctx.needs_input_grad[:2]
+    upstream = upstream_per_row(grad_output, ctx.reduction, targets.numel())
+    grad_h, grad_w = linear_cross_entropy_grad(hidden, weight, targets, n_valid, upstream, ctx.ignore_index,
+                                               ctx.reduction == "mean", need_h, need_w, ctx.chunk_rows)
+    return (grad_h if need_h else None), (grad_w if need_w else None)
+
+
 class TritonFusedLinearCrossEntropyFunction(torch.autograd.Function):
+    """Eager autograd: the gradients are prepared in forward and scaled in place in backward."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index, reduction, need_grad_h, need_grad_w, chunk_rows):
-        lead_shape, h = hidden.shape[:-1], hidden.shape[-1]
-        h2 = hidden.reshape(-1, h).contiguous()  # a view for the usual [B, T, H] activations
-        tgt = targets.reshape(-1).contiguous()  # the kernel reads target r at TARGETS + r
-        n = tgt.numel()
-        chunk_rows = chunk_rows or _flce_chunk_rows(n, weight.shape[0], hidden.element_size())
-        loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        n_valid = (tgt != ignore_index).sum(dtype=torch.float32).reshape(1)
-        # Recompute in backward, with the upstream gradient applied before the logits'
-        # gradient is rounded, for reduction="none" (a weight per token) and for
-        # float16 (loss scaling): as in cross_entropy_kernel.py, at the cost of the
-        # LM-head matmul once more.
-        recompute = (reduction == "none" or hidden.dtype == torch.float16) and (need_grad_h or need_grad_w)
-        fused = (need_grad_h or need_grad_w) and not recompute
-        grad_h = torch.empty_like(h2) if fused and need_grad_h else None
-        grad_w = torch.empty_like(weight) if fused and need_grad_w else None
-        if n > 0:
-            _flce_chunks(h2, weight, tgt, loss, n_valid, ignore_index, reduction == "mean", grad_h, grad_w, chunk_rows)
-        elif grad_w is not None:
-            grad_w.zero_()
+    def forward(ctx, hidden, weight, targets, ignore_index, reduction, need_grad_h, need_grad_w, chunk_rows, check):
+        loss, grad_h, grad_w, n_valid = _forward(hidden, weight, targets, ignore_index, reduction,
+                                                 need_grad_h, need_grad_w, chunk_rows, check)
         ctx.hidden_shape = hidden.shape
-        ctx.ignore_index, ctx.chunk_rows, ctx.recompute = ignore_index, chunk_rows, recompute
-        ctx.reduction, ctx.n_valid = reduction, n_valid
-        ctx.grads = (grad_h, grad_w)
+        ctx.ignore_index, ctx.chunk_rows, ctx.reduction = ignore_index, chunk_rows, reduction
+        ctx.recompute = _recomputes(need_grad_h, need_grad_w, reduction, hidden.dtype)
+        ctx.grads = (grad_h, grad_w)  # on ctx, not saved: backward hands them to autograd
         ctx.used = False
-        if recompute:
-            ctx.save_for_backward(h2, weight, tgt)
-        return reduce_loss(loss, n_valid, reduction, lead_shape)
+        if ctx.recompute:
+            ctx.save_for_backward(hidden, weight, targets, n_valid)
+        return loss
 
     @staticmethod
     @first_order_only("fused_linear_cross_entropy")
@@ -189,25 +265,43 @@ class TritonFusedLinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         claim_backward(ctx, "fused_linear_cross_entropy")
         if ctx.recompute:
-            h2, weight, tgt = ctx.saved_tensors
-            grad_h = torch.empty_like(h2) if ctx.needs_input_grad[0] else None
-            grad_w = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
-            n = tgt.numel()
-            if n > 0:
-                scratch = torch.empty(n, dtype=torch.float32, device=h2.device)
-                _flce_chunks(h2, weight, tgt, scratch, ctx.n_valid, ctx.ignore_index, ctx.reduction == "mean",
-                             grad_h, grad_w, ctx.chunk_rows, upstream=upstream_per_row(grad_output, ctx.reduction, n))
-            elif grad_w is not None:
-                grad_w.zero_()
+            grad_h, grad_w = _recomputed_grads(ctx, grad_output)
         else:
             grad_h, grad_w = ctx.grads
             ctx.grads = None  # autograd owns them from here
             for g in (grad_h, grad_w):
                 if g is not None:
                     scale_by_upstream(g, grad_output)
-        if grad_h is not None:
-            grad_h = grad_h.view(ctx.hidden_shape)
-        return grad_h, grad_w, None, None, None, None, None, None
+            if grad_h is not None:
+                grad_h = grad_h.view(ctx.hidden_shape)
+        return grad_h, grad_w, None, None, None, None, None, None, None
+
+
+# The operator's autograd, for torch.compile: same forward; nothing kept on ctx
+# and no in-place scaling (see cross_entropy_kernel.py).
+def _op_setup_context(ctx, inputs, output):
+    hidden, weight, targets, ignore_index, reduction, need_grad_h, need_grad_w, chunk_rows, _ = inputs
+    _, grad_h, grad_w, n_valid = output
+    ctx.mark_non_differentiable(grad_h, grad_w, n_valid)
+    ctx.ignore_index, ctx.chunk_rows, ctx.reduction = ignore_index, chunk_rows, reduction
+    ctx.recompute = _recomputes(need_grad_h, need_grad_w, reduction, hidden.dtype)
+    ctx.hidden_shape = hidden.shape
+    ctx.save_for_backward(*((hidden, weight, targets, n_valid) if ctx.recompute else (grad_h, grad_w)))
+
+
+@first_order_only("fused_linear_cross_entropy")
+def _op_backward(ctx, grad_output, _dh, _dw, _dn):
+    if ctx.recompute:
+        grad_h, grad_w = _recomputed_grads(ctx, grad_output)
+    else:
+        need_h, need_w = ctx.needs_input_grad[:2]
+        grad_h, grad_w = ctx.saved_tensors
+        grad_h = (grad_h * grad_output).view(ctx.hidden_shape) if need_h else None
+        grad_w = grad_w * grad_output if need_w else None
+    return grad_h, grad_w, None, None, None, None, None, None, None
+
+
+linear_cross_entropy_forward.op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
 def fused_linear_cross_entropy(hidden, weight, targets, ignore_index=-100, reduction="mean", chunk_rows=None,
@@ -225,13 +319,13 @@ def fused_linear_cross_entropy(hidden, weight, targets, ignore_index=-100, reduc
         raise ValueError(f"fused_linear_cross_entropy: chunk_rows must be a positive int, got {chunk_rows!r}")
     if check_targets is None:
         check_targets = hidden.device.type == "cpu"
-    if check_targets:
-        check_target_range(targets, weight.shape[0], ignore_index)
+    chunk_rows = chunk_rows or _flce_chunk_rows(targets.numel(), weight.shape[0], hidden.element_size())
     grad_on = torch.is_grad_enabled()
-    return TritonFusedLinearCrossEntropyFunction.apply(
-        hidden, weight, targets, ignore_index, reduction,
-        grad_on and hidden.requires_grad, grad_on and weight.requires_grad, chunk_rows,
-    )
+    args = (hidden, weight, targets, ignore_index, reduction,
+            grad_on and hidden.requires_grad, grad_on and weight.requires_grad, chunk_rows, check_targets)
+    if torch.compiler.is_compiling():
+        return linear_cross_entropy_forward.op(*args)[0]  # one node of the compiled graph
+    return TritonFusedLinearCrossEntropyFunction.apply(*args)
 
 
 class TritonFusedLinearCrossEntropyLoss(nn.Module):

@@ -202,6 +202,17 @@ def add_model_args(parser, custom_kernels_default=False):
         help="recompute each decoder layer in backward instead of storing its activations "
              "(HF's gradient_checkpointing_enable, non-reentrant): less memory, ~1/3 more compute",
     )
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each decoder layer, the kernels inside it (GPU: Inductor; CPU: aot_eager)",
+    )
+    g.add_argument(
+        "--compile-mode",
+        choices=COMPILE_MODES,
+        default="default",
+        help="torch.compile mode for --compile; reduce-overhead replays CUDA graphs (default: %(default)s)",
+    )
     k = parser.add_argument_group("custom Triton kernels")
     for name, help_text in KERNEL_FLAGS.items():
         k.add_argument(
@@ -486,6 +497,56 @@ def enable_checkpointing(model):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+BACKENDS = {"cuda": "inductor", "cpu": "aot_eager"}  # torch.compile backend by device
+
+
+def compile_decoder(model, args):
+    """--compile: compile every decoder layer, with whatever kernels are in it.
+
+    Per layer is the usual way to compile a transformer for training: the layers
+    share their code, so one compilation serves them all (later layers only
+    check guards), and the embedding, the loss and the optimizer stay eager,
+    outside the graphs. ``fullgraph=True`` makes a graph break an error instead
+    of a silent fallback to Python: our kernels are custom operators
+    (kernel_common.kernel_op), so a layer is one graph. Without a GPU the
+    backend is aot_eager (the graph is traced and differentiated, and runs
+    eagerly: the Triton kernels in the interpreter); Inductor on a GPU.
+    """
+    if not getattr(args, "compile", False):
+        return 0
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    backend = BACKENDS["cuda" if on_gpu else "cpu"]
+    options = {"mode": args.compile_mode} if on_gpu and args.compile_mode != "default" else {}
+    if not on_gpu and args.compile_mode != "default":
+        note(f"--compile-mode {args.compile_mode} needs a GPU; compiling with the aot_eager backend")
+    layers = model.get_decoder().layers
+    checkpointing = getattr(args, "gradient_checkpointing", False)
+    for layer in layers:
+        if checkpointing:
+            # HF checkpoints a layer in its __call__, outside the forward that
+            # layer.compile() compiles, and Dynamo does not trace under the hooks
+            # that non-reentrant checkpointing installs: the layer would quietly
+            # run uncompiled. Inside the compiled function instead, checkpoint()
+            # becomes part of the graph, and the compiler recomputes the layer's
+            # activations in backward.
+            layer.gradient_checkpointing = False
+            layer.forward = torch.compile(_checkpointed(layer.forward), backend=backend, fullgraph=True, **options)
+        else:
+            layer.compile(backend=backend, fullgraph=True, **options)
+    mode = f", mode {args.compile_mode}" if options else ""
+    inside = ", checkpointing inside the graphs" if checkpointing else ""
+    print(f"Compile:       {len(layers)} decoder layers with torch.compile (backend {backend}{mode}, fullgraph{inside}); "
+          "compiled during the warm-up steps")
+    return len(layers)
+
+
+def _checkpointed(forward):
+    def checkpointed_forward(*args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return checkpointed_forward
 
 
 def load_model(args):
@@ -791,6 +852,7 @@ def run_finetune(args, title, script, switch_in):
     print(f"Batch:         {args.batch_size} x {args.seq_len} tokens, lr {args.lr:g}, seed {args.seed}")
     kernels = kernels_from_args(args)
     loss_fn, make_optimizer = switch_in(model, kernels)
+    compile_decoder(model, args)
     optimizer = make_optimizer(model.parameters(), lr=args.lr)
     results = run_training(args, model, loss_fn, optimizer)
     results["kernels"] = kernels

@@ -36,6 +36,7 @@ Usage:
     python profile_baseline.py --use-custom-rmsnorm --use-custom-ce   # Step 10
     python profile_baseline.py --use-custom-rmsnorm --use-custom-swiglu --use-custom-rope \
         --use-custom-flce --use-custom-adamw                       # Step 16: every kernel
+    python profile_baseline.py --compile --use-custom-rmsnorm ...   # Step 17: inside torch.compile
     python profile_baseline.py --tiny --seq-len 64                # CPU, Triton interpreter
 
 How the categories are assigned. Every RMSNorm module, HF's loss function and the
@@ -65,10 +66,15 @@ from finetune_optimized import apply_kernels  # the same kernel switch as the fi
 
 CATEGORIES = [
     # (category, lower-case substrings of operator / kernel / autograd-node names)
+    # --compile: the kernels Inductor generated (it names them triton_poi_fused_*
+    # for pointwise work, triton_red_/triton_per_ for reductions) and the compiled
+    # graphs' own bookkeeping. Our kernels keep their categories: inside a graph
+    # they are the operators llama_kernels::<name>.
+    ("compiled (Inductor-fused)", ("triton_poi_", "triton_red_", "triton_per_", "triton_tem_", "compiledfunction")),
     ("RMSNorm", ("rmsnorm", "aten::pow", "aten::rsqrt", "aten::mean", "powbackward", "rsqrtbackward", "meanbackward")),
     ("attention", ("attention", "flash", "fmha", "sdpa", "scaled_dot_product")),
     ("SwiGLU (silu * up)", ("swiglu", "aten::silu", "silubackward")),
-    ("RoPE", ("_rope_", "ropefunction")),
+    ("RoPE", ("_rope_", "ropefunction", "::rope_")),
     ("cross-entropy/softmax", ("cross_entropy", "crossentropy", "_ce_", "softmax", "nll_loss", "nllloss")),
     ("matrix multiply", ("aten::mm", "aten::bmm", "aten::addmm", "aten::matmul", "aten::linear", "mmbackward",
                          "gemm", "cutlass", "nvjet", "cublas")),
@@ -101,9 +107,10 @@ def parse_args(argv=None):
 
 
 def profile_name(args):
-    """traces/<name>: 'baseline', or 'custom-' plus the kernels in use."""
+    """traces/<name>: 'baseline', or 'custom-' plus the kernels in use; '-compiled' with --compile."""
     kernels = [k for k, on in common.kernels_from_args(args).items() if on]
-    return "custom-" + "-".join(kernels) if kernels else BASELINE
+    name = "custom-" + "-".join(kernels) if kernels else BASELINE
+    return name + "-compiled" if getattr(args, "compile", False) else name
 
 
 # --------------------------------------------------------------------------------
@@ -425,6 +432,7 @@ def main(argv=None):
     print(f"Batch:         {args.batch_size} x {args.seq_len} tokens; 1 warm-up step, {args.steps} profiled")
     loss_fn, make_optimizer = apply_kernels(model, common.kernels_from_args(args))
     label_model(model)
+    common.compile_decoder(model, args)
     optimizer = make_optimizer(model.parameters(), lr=args.lr)
     device = next(model.parameters()).device
     batches = common.synthetic_batches(args.batch_size, args.seq_len, model.config.vocab_size, args.seed, device)

@@ -66,6 +66,8 @@ from kernel_common import (
     cast_to,
     check_kernel_device,
     first_order_only,
+    kernel_op,
+    nothing,
     num_sms,
     swap_modules,
 )
@@ -291,10 +293,21 @@ def _check_inputs(x, weight, eps):
     check_kernel_device(x, weight)
 
 
-def rmsnorm_forward(x, weight, eps):
+def _rmsnorm_forward_fake(x, weight, eps):
+    n_rows = x.numel() // x.shape[-1]
+    return (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)),
+            x.new_empty((n_rows,), dtype=torch.float32))
+
+
+@kernel_op("rmsnorm_forward", fake=_rmsnorm_forward_fake)
+def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel. Returns (y, rstd); y has x's shape."""
     n_cols = x.shape[-1]
     x2 = as_rows(x, n_cols)
+    # The kernels index the weight as a contiguous [H] vector. A view such as
+    # big[:, 0] or an expand()ed scalar is not one; copying [H] values costs
+    # nothing next to [rows, H], and is a no-op for the usual Parameter.
+    weight = weight.contiguous()
     n_rows = x2.shape[0]
     # HF: weight * h.to(input_dtype) follows PyTorch type promotion.
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
@@ -310,22 +323,29 @@ def rmsnorm_forward(x, weight, eps):
     return y.view(x.shape), rstd
 
 
-def rmsnorm_backward(dy, x, weight, rstd, compute_dw=True):
-    """Launch the backward kernels. Returns (dx, dw); dw is None if not asked for."""
+def _rmsnorm_backward_fake(dy, x, weight, rstd, compute_dw):
+    return x.new_empty(x.shape), (weight.new_empty(weight.shape[0]) if compute_dw else nothing(weight))
+
+
+@kernel_op("rmsnorm_backward", fake=_rmsnorm_backward_fake)
+def rmsnorm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                     compute_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the backward kernels. Returns (dx, dw); dw is empty if not asked for."""
     n_cols = x.shape[-1]
     x2 = as_rows(x, n_cols)
     dy2 = as_rows(dy, n_cols)
+    weight = weight.contiguous()
     n_rows = x2.shape[0]
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     block_n, rows, num_warps = _launch_config(n_cols)
     n_blocks = triton.cdiv(n_rows, rows)
     n_programs = max(1, min(n_blocks, num_sms(x.device) * BWD_PROGRAMS_PER_SM))
-    dw = None
     if compute_dw:
         dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
         dw = torch.empty((n_cols,), dtype=weight.dtype, device=x.device)
     else:
         dw_partial = dx  # never written: COMPUTE_DW=False removes the store
+        dw = nothing(weight)
     if n_rows > 0:
         _rmsnorm_bwd_kernel[(n_programs,)](
             dy2, x2, weight, rstd, dx, dw_partial,
@@ -349,30 +369,43 @@ def rmsnorm_backward(dy, x, weight, rstd, compute_dw=True):
 # Autograd function: connects the kernels to PyTorch's automatic differentiation
 # --------------------------------------------------------------------------------
 class TritonRMSNormFunction(torch.autograd.Function):
+    # forward without ctx plus setup_context: the form that torch.library accepts
+    # too, so the custom operator below registers this very formula.
     @staticmethod
-    def forward(ctx, x, weight, eps):
-        # The kernels index the weight as a contiguous [H] vector. A view such as
-        # big[:, 0] or an expand()ed scalar is not one; copying [H] values costs
-        # nothing next to [rows, H], and is a no-op for the usual Parameter.
-        weight = weight.contiguous()
-        y, rstd = rmsnorm_forward(x, weight, eps)
+    def forward(x, weight, eps):
+        return rmsnorm_forward(x, weight, eps)  # (y, rstd)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, _ = inputs
+        _, rstd = output
+        ctx.mark_non_differentiable(rstd)
         # Save the inputs (already alive in the autograd graph) and 4 bytes per row.
         ctx.save_for_backward(x, weight, rstd)
-        return y
 
     @staticmethod
     @first_order_only("rmsnorm")
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dy):
+    def backward(ctx, dy, _drstd):
         x, weight, rstd = ctx.saved_tensors
-        dx, dw = rmsnorm_backward(dy, x, weight, rstd, compute_dw=ctx.needs_input_grad[1])
-        return dx, dw, None
+        need_dw = ctx.needs_input_grad[1]
+        dx, dw = rmsnorm_backward(dy, x, weight, rstd, need_dw)
+        return dx, (dw if need_dw else None), None
+
+
+# The same formula, registered on the operator: torch.ops.llama_kernels.rmsnorm_forward
+# is differentiable, and torch.compile differentiates it without tracing our Python.
+rmsnorm_forward.op.register_autograd(TritonRMSNormFunction.backward, setup_context=TritonRMSNormFunction.setup_context)
 
 
 def rmsnorm(x, weight, eps=1e-6):
     """Fused RMSNorm with HF ``LlamaRMSNorm`` semantics; differentiable in x and weight."""
     _check_inputs(x, weight, eps)
-    return TritonRMSNormFunction.apply(x, weight, float(eps))
+    if torch.compiler.is_compiling():
+        y, _ = rmsnorm_forward.op(x, weight, float(eps))  # one node of the compiled graph
+    else:
+        y, _ = TritonRMSNormFunction.apply(x, weight, float(eps))  # eager: no dispatcher
+    return y
 
 
 # --------------------------------------------------------------------------------

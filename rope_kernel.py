@@ -107,11 +107,13 @@ Nothing runs on import. See rope_test.py for the checks.
 
 import contextlib
 import sys
+import types
+from typing import Optional
 
 import torch
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
-from kernel_common import SUPPORTED_DTYPES, cast_to, check_kernel_device, first_order_only
+from kernel_common import SUPPORTED_DTYPES, cast_to, check_kernel_device, first_order_only, kernel_op, nothing
 
 import triton
 import triton.language as tl
@@ -415,16 +417,23 @@ def _check_inputs(q, k, cos, sin, layout):
     check_kernel_device(q, k, cos, sin)
 
 
-def rope_forward(q, k, cos, sin):
-    """Launch the forward kernel on [B, H, T, D] tensors. Returns (q_embed, k_embed).
+def _embed_like(x, table):
+    """The output for input ``x``: x's layout (``empty_like`` keeps the strides of a
+    dense tensor such as HF's transposed view), dtype promote_types(x, table)."""
+    return torch.empty_like(_last_dim_contiguous(x), dtype=torch.promote_types(x.dtype, table.dtype))
 
-    The outputs have the inputs' layout (``empty_like`` keeps the strides of a dense
-    tensor such as HF's transposed view) and dtype promote_types(x.dtype, cos.dtype).
-    """
+
+def _rope_forward_fake(q, k, cos, sin):
+    return _embed_like(q, cos), _embed_like(k, cos)
+
+
+@kernel_op("rope_forward", fake=_rope_forward_fake)
+def rope_forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel on [B, H, T, D] tensors. Returns (q_embed, k_embed)."""
     q, k = _last_dim_contiguous(q), _last_dim_contiguous(k)
     cos, sin = _last_dim_contiguous(cos), _last_dim_contiguous(sin)
-    q_out = torch.empty_like(q, dtype=torch.promote_types(q.dtype, cos.dtype))
-    k_out = torch.empty_like(k, dtype=torch.promote_types(k.dtype, cos.dtype))
+    q_out, k_out = _embed_like(q, cos), _embed_like(k, cos)
     batch, n_q, seq_len, head_dim = q.shape
     n_k = k.shape[1]
     if batch * seq_len * head_dim > 0 and n_q + n_k > 0:
@@ -445,32 +454,43 @@ def rope_forward(q, k, cos, sin):
     return q_out, k_out
 
 
-def rope_backward(dq_out, dk_out, cos, sin, q_layout, k_layout):
-    """Launch the backward kernel. Returns (dq, dk); each is None if its gradient is None.
+def _rope_backward_fake(dq_out, dk_out, cos, sin, q_shape, q_strides, q_dtype, k_shape, k_strides, k_dtype):
+    return (
+        cos.new_empty_strided(q_shape, q_strides, dtype=q_dtype) if dq_out is not None else nothing(cos),
+        cos.new_empty_strided(k_shape, k_strides, dtype=k_dtype) if dk_out is not None else nothing(cos),
+    )
+
+
+@kernel_op("rope_backward", fake=_rope_backward_fake)
+def rope_backward(dq_out: Optional[torch.Tensor], dk_out: Optional[torch.Tensor], cos: torch.Tensor,
+                  sin: torch.Tensor, q_shape: list[int], q_strides: list[int], q_dtype: torch.dtype,
+                  k_shape: list[int], k_strides: list[int], k_dtype: torch.dtype,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the backward kernel. Returns (dq, dk); each is empty if its upstream gradient is None.
 
     dq_out, dk_out: gradients of q_embed, k_embed (any strides) or None.
-    q_layout, k_layout: (shape, strides, dtype) of the forward inputs; the input
-    gradients are created with that layout, so the transpose and view that made
-    q from q_proj's output are undone by autograd without a copy.
+    q_shape, q_strides, q_dtype (k_... likewise): the layout of the forward
+    inputs; the input gradients are created with it, so the transpose and view
+    that made q from q_proj's output are undone by autograd without a copy.
     """
     compute_dq, compute_dk = dq_out is not None, dk_out is not None
-    if not (compute_dq or compute_dk):
-        return None, None
     cos, sin = _last_dim_contiguous(cos), _last_dim_contiguous(sin)
-    dq = dk = None
+    dq, dk = nothing(cos), nothing(cos)
     if compute_dq:
         dq_out = _last_dim_contiguous(dq_out)
-        dq = torch.empty_strided(q_layout[0], q_layout[1], dtype=q_layout[2], device=dq_out.device)
+        dq = torch.empty_strided(q_shape, q_strides, dtype=q_dtype, device=cos.device)
     if compute_dk:
         dk_out = _last_dim_contiguous(dk_out)
-        dk = torch.empty_strided(k_layout[0], k_layout[1], dtype=k_layout[2], device=dk_out.device)
+        dk = torch.empty_strided(k_shape, k_strides, dtype=k_dtype, device=cos.device)
+    if not (compute_dq or compute_dk):
+        return dq, dk
     # A switched-off side gets the other side's tensors as placeholders: its
     # loop is compiled out, so they are never read or written.
     gq, gk = (dq_out if compute_dq else dk_out), (dk_out if compute_dk else dq_out)
     xq, xk = (dq if compute_dq else dk), (dk if compute_dk else dq)
-    batch, _, seq_len, head_dim = (q_layout if compute_dq else k_layout)[0]
-    n_q = q_layout[0][1] if compute_dq else 0
-    n_k = k_layout[0][1] if compute_dk else 0
+    batch, _, seq_len, head_dim = q_shape if compute_dq else k_shape
+    n_q = q_shape[1] if compute_dq else 0
+    n_k = k_shape[1] if compute_dk else 0
     if batch * seq_len * head_dim > 0 and n_q + n_k > 0:
         half = head_dim // 2
         block_d, block_hq, block_hk = _launch_config(half, n_q, n_k)
@@ -491,7 +511,7 @@ def rope_backward(dq_out, dk_out, cos, sin, q_layout, k_layout):
 
 
 # --------------------------------------------------------------------------------
-# Autograd function
+# Autograd function (and the same formula on the custom operator)
 # --------------------------------------------------------------------------------
 class TritonRoPEFunction(torch.autograd.Function):
     """RoPE on q, k in the [B, H, T, D] layout; gradients for q and k only.
@@ -502,16 +522,18 @@ class TritonRoPEFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin):
-        # Copy a table whose last dim is strided once, here, so that backward
-        # reads the same compact table.
-        cos, sin = _last_dim_contiguous(cos), _last_dim_contiguous(sin)
-        q_embed, k_embed = rope_forward(q, k, cos, sin)
+    def forward(q, k, cos, sin):
+        return rope_forward(q, k, cos, sin)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, cos, sin = inputs
+        q_embed, k_embed = output
         # Only the two small tables are kept for backward (a rotation's gradient
         # needs no activations), and the layout that dq and dk should have.
         ctx.save_for_backward(cos, sin)
-        ctx.q_layout = (q.shape, q_embed.stride(), q.dtype)
-        ctx.k_layout = (k.shape, k_embed.stride(), k.dtype)
+        ctx.q_layout = (list(q.shape), list(q_embed.stride()), q.dtype)
+        ctx.k_layout = (list(k.shape), list(k_embed.stride()), k.dtype)
         # As in eager PyTorch, an output whose input needs no gradient (a frozen
         # k, say) does not require grad either.
         for embed, needed in zip((q_embed, k_embed), ctx.needs_input_grad[:2]):
@@ -520,7 +542,6 @@ class TritonRoPEFunction(torch.autograd.Function):
         # An output that does not reach the loss gets None instead of a tensor
         # of zeros: nothing to read, nothing to launch for it.
         ctx.set_materialize_grads(False)
-        return q_embed, k_embed
 
     @staticmethod
     @first_order_only("rope")
@@ -528,10 +549,15 @@ class TritonRoPEFunction(torch.autograd.Function):
     def backward(ctx, dq_embed, dk_embed):
         cos, sin = ctx.saved_tensors
         need_q, need_k = ctx.needs_input_grad[:2]
-        dq, dk = rope_backward(
-            dq_embed if need_q else None, dk_embed if need_k else None, cos, sin, ctx.q_layout, ctx.k_layout
-        )
-        return dq, dk, None, None
+        dq_out = dq_embed if need_q else None
+        dk_out = dk_embed if need_k else None
+        if dq_out is None and dk_out is None:
+            return None, None, None, None
+        dq, dk = rope_backward(dq_out, dk_out, cos, sin, *ctx.q_layout, *ctx.k_layout)
+        return (dq if dq_out is not None else None), (dk if dk_out is not None else None), None, None
+
+
+rope_forward.op.register_autograd(TritonRoPEFunction.backward, setup_context=TritonRoPEFunction.setup_context)
 
 
 def rope(q, k, cos, sin, unsqueeze_dim=1):
@@ -558,6 +584,8 @@ def rope(q, k, cos, sin, unsqueeze_dim=1):
         # The kernels do not compute gradients for the tables: use the reference
         # formula (same numbers, eager speed) so that they are still right.
         q_embed, k_embed = rope_reference(q, k, cos, sin, unsqueeze_dim=1)
+    elif torch.compiler.is_compiling():
+        q_embed, k_embed = rope_forward.op(q, k, cos, sin)  # one node of the compiled graph
     else:
         q_embed, k_embed = TritonRoPEFunction.apply(q, k, cos, sin)
     if layout == 2:
@@ -662,18 +690,17 @@ def fuse_rope(model):
     calling it again wraps nothing twice.
     """
     count = 0
-    for sub, pymod in _rope_attention_layers(model):
+    for sub, _ in _rope_attention_layers(model):
         count += 1
-        if not getattr(sub.forward, "_fused_rope", False):
-            sub.forward = _forward_with_fused_rope(sub.forward, pymod)
+        if getattr(sub.forward, "__func__", None) is not _forward_with_fused_rope:
+            # A method bound to the layer, not a closure over it: copy.deepcopy(model)
+            # then binds the copy's wrapper to the copy (a closure would keep
+            # calling the original layer, with the original weights).
+            sub._forward_without_fused_rope = sub.forward
+            sub.forward = types.MethodType(_forward_with_fused_rope, sub)
     return count
 
 
-def _forward_with_fused_rope(forward, pymod):
-    def forward_with_fused_rope(*args, **kwargs):
-        with _fused_in([pymod]):
-            return forward(*args, **kwargs)
-
-    forward_with_fused_rope._fused_rope = True
-    return forward_with_fused_rope
-
+def _forward_with_fused_rope(self, *args, **kwargs):
+    with _fused_in([sys.modules[type(self).__module__]]):
+        return self._forward_without_fused_rope(*args, **kwargs)

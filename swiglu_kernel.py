@@ -92,6 +92,8 @@ from kernel_common import (
     check_kernel_device,
     exp,
     first_order_only,
+    kernel_op,
+    nothing,
     swap_modules,
 )
 
@@ -275,7 +277,12 @@ def _check_inputs(gate, up):
     check_kernel_device(gate, up)
 
 
-def swiglu_forward(gate, up):
+def _swiglu_forward_fake(gate, up):
+    return gate.new_empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype))
+
+
+@kernel_op("swiglu_forward", fake=_swiglu_forward_fake)
+def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Launch the forward kernel. Returns y = silu(gate) * up with gate's shape."""
     n_cols = gate.shape[-1]
     # Row-strided views (a slice of a wider tensor) pass through untouched. Only a
@@ -294,8 +301,15 @@ def swiglu_forward(gate, up):
     return y.view(gate.shape)
 
 
-def swiglu_backward(dy, gate, up, compute_dgate=True, compute_dup=True):
-    """Launch the backward kernel. Returns (d_gate, d_up); each is None if not asked for."""
+def _swiglu_backward_fake(dy, gate, up, compute_dgate, compute_dup):
+    return (gate.new_empty(gate.shape) if compute_dgate else nothing(gate),
+            up.new_empty(up.shape) if compute_dup else nothing(up))
+
+
+@kernel_op("swiglu_backward", fake=_swiglu_backward_fake)
+def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                    compute_dgate: bool, compute_dup: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the backward kernel. Returns (d_gate, d_up); each is empty if not asked for."""
     n_cols = gate.shape[-1]
     g2, u2, dy2 = as_rows(gate, n_cols), as_rows(up, n_cols), as_rows(dy, n_cols)
     n_rows = g2.shape[0]
@@ -312,28 +326,40 @@ def swiglu_backward(dy, gate, up, compute_dgate=True, compute_dup=True):
             num_warps=num_warps,
         )
     return (
-        dg.view(gate.shape) if compute_dgate else None,
-        du.view(up.shape) if compute_dup else None,
+        dg.view(gate.shape) if compute_dgate else nothing(gate),
+        du.view(up.shape) if compute_dup else nothing(up),
     )
 
 
+def _wanted(grads, needs):
+    """Autograd's view of the gradients: None where an input needs none."""
+    return tuple(g if need else None for g, need in zip(grads, needs))
+
+
 # --------------------------------------------------------------------------------
-# Autograd function
+# Autograd function (and the same formula on the custom operator)
 # --------------------------------------------------------------------------------
 class TritonSwiGLUFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up):
+    def forward(gate, up):
+        return swiglu_forward(gate, up)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
         # Save the two inputs (already alive: gate_proj and up_proj produced them)
         # and nothing else; backward recomputes sigmoid(gate).
-        ctx.save_for_backward(gate, up)
-        return swiglu_forward(gate, up)
+        ctx.save_for_backward(*inputs)
 
     @staticmethod
     @first_order_only("swiglu")
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        return swiglu_backward(dy, gate, up, *ctx.needs_input_grad[:2])
+        needs = ctx.needs_input_grad[:2]
+        return _wanted(swiglu_backward(dy, gate, up, *needs), needs)
+
+
+swiglu_forward.op.register_autograd(TritonSwiGLUFunction.backward, setup_context=TritonSwiGLUFunction.setup_context)
 
 
 def swiglu(gate, up):
@@ -343,6 +369,8 @@ def swiglu(gate, up):
     Rows may be strided (a slice of a wider tensor is read in place).
     """
     _check_inputs(gate, up)
+    if torch.compiler.is_compiling():
+        return swiglu_forward.op(gate, up)  # one node of the compiled graph (kernel_common.kernel_op)
     return TritonSwiGLUFunction.apply(gate, up)
 
 
@@ -360,34 +388,74 @@ def swiglu(gate, up):
 # What it buys: 117 MB per layer at 2 x 2048 tokens of LLaMA-3.1-8B, 3.8 GB over
 # the 32 layers, at the moment of peak memory (the end of forward). The matmuls
 # are the same cuBLAS calls autograd would make, so the results are identical.
+# Under torch.compile it is one opaque operator too: the compiler cannot
+# recompute through an operator it does not see into, so we keep doing it.
+def _down_proj_fake(gate, up, weight, dtype):
+    return gate.new_empty(gate.shape[:-1] + (weight.shape[0],), dtype=dtype)
+
+
+@kernel_op("swiglu_down_proj_forward", fake=_down_proj_fake)
+def swiglu_down_proj_forward(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
+                             dtype: torch.dtype) -> torch.Tensor:
+    """F.linear(swiglu(gate, up), weight) computed in ``dtype``; h dies inside.
+
+    ``dtype`` is what F.linear would compute in at the call: autocast's dtype
+    when autocast is on, else the inputs'. It is an argument because a compiled
+    graph has no autocast state when it runs: the tracer resolved it already.
+    """
+    h = swiglu_forward(gate, up)
+    return F.linear(h.to(dtype), weight.to(dtype))
+
+
+def _down_proj_backward_fake(dout, gate, up, weight, need_gate, need_up, need_w):
+    return (gate.new_empty(gate.shape) if need_gate else nothing(gate),
+            up.new_empty(up.shape) if need_up else nothing(up),
+            weight.new_empty(weight.shape) if need_w else nothing(weight))
+
+
+@kernel_op("swiglu_down_proj_backward", fake=_down_proj_backward_fake)
+def swiglu_down_proj_backward(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
+                              need_gate: bool, need_up: bool, need_w: bool,
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d_gate, d_up, d_weight) of F.linear(swiglu(gate, up), weight); the matmuls run in dout's dtype."""
+    dw = nothing(weight)
+    if need_w:
+        h = swiglu_forward(gate, up).to(dout.dtype)  # the recomputation: same kernel, same bits
+        dw = (dout.reshape(-1, dout.shape[-1]).t() @ h.reshape(-1, h.shape[-1])).to(weight.dtype)
+        del h
+    dg, du = nothing(gate), nothing(up)
+    if need_gate or need_up:
+        dh = dout @ weight.to(dout.dtype)  # [..., I]
+        dg, du = swiglu_backward(dh, gate, up, need_gate, need_up)
+    return dg, du, dw
+
+
 class TritonSwiGLUDownProjFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up, weight):
-        out = F.linear(swiglu_forward(gate, up), weight)  # h dies here
-        ctx.save_for_backward(gate, up, weight)
+    def forward(gate, up, weight, dtype):
+        return swiglu_down_proj_forward(gate, up, weight, dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:3])
         # Under torch.autocast, F.linear ran in the autocast dtype (weight cast to
         # bf16, say), but backward runs outside autocast: it redoes that cast
         # itself, as autograd would have through autocast's own cast op.
-        ctx.compute_dtype = out.dtype
-        return out
+        ctx.compute_dtype = output.dtype
 
     @staticmethod
     @first_order_only("swiglu_down_proj")
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         gate, up, weight = ctx.saved_tensors
-        need_gate, need_up, need_w = ctx.needs_input_grad
-        dout = dout.to(ctx.compute_dtype)  # no-ops without autocast
-        dw = None
-        if need_w:
-            h = swiglu_forward(gate, up).to(ctx.compute_dtype)  # the recomputation: same kernel, same bits
-            dw = (dout.reshape(-1, dout.shape[-1]).t() @ h.reshape(-1, h.shape[-1])).to(weight.dtype)
-            del h
-        dg = du = None
-        if need_gate or need_up:
-            dh = dout @ weight.to(ctx.compute_dtype)  # [..., I]
-            dg, du = swiglu_backward(dh, gate, up, need_gate, need_up)
-        return dg, du, dw
+        needs = ctx.needs_input_grad[:3]
+        dout = dout.to(ctx.compute_dtype)  # no-op without autocast
+        return _wanted(swiglu_down_proj_backward(dout, gate, up, weight, *needs), needs) + (None,)
+
+
+swiglu_down_proj_forward.op.register_autograd(
+    TritonSwiGLUDownProjFunction.backward, setup_context=TritonSwiGLUDownProjFunction.setup_context
+)
 
 
 def swiglu_down_proj(gate, up, weight):
@@ -398,7 +466,14 @@ def swiglu_down_proj(gate, up, weight):
             f"swiglu_down_proj: weight must be [H, {gate.shape[-1]}], got "
             f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}"
         )
-    return TritonSwiGLUDownProjFunction.apply(gate, up, weight)
+    # The dtype F.linear computes in: autocast's when it is on, else the inputs'.
+    if torch.is_autocast_enabled(gate.device.type):
+        dtype = torch.get_autocast_dtype(gate.device.type)
+    else:
+        dtype = torch.promote_types(torch.promote_types(gate.dtype, up.dtype), weight.dtype)
+    if torch.compiler.is_compiling():
+        return swiglu_down_proj_forward.op(gate, up, weight, dtype)
+    return TritonSwiGLUDownProjFunction.apply(gate, up, weight, dtype)
 
 
 # --------------------------------------------------------------------------------

@@ -11,8 +11,11 @@ How: ``fwd`` is the forward alone under ``torch.no_grad()`` (evaluation); ``fwd+
 is the forward with autograd, then ``torch.autograd.grad`` with an upstream gradient
 made beforehand (random, or 1.0 for a scalar loss as ``loss.backward()`` gives):
 what training pays. Latency = median of ``triton.testing.do_bench`` (warm-up
-excluded, L2 flushed before every call). Inputs are random, never zeros, made
-outside the timed region; every provider gets a fresh copy of the same values.
+excluded, L2 flushed before every call). ``graph`` is the same fwd+bwd captured in a
+CUDA graph and replayed (``triton.testing.do_bench_cudagraph``): GPU time without the
+host's launch cost, which is what torch.compile's CUDA-graph mode leaves of a call.
+Inputs are random, never zeros, made outside the timed region; every provider gets
+a fresh copy of the same values.
 
 Reading a table (compare rows within one shape):
 * ``GB/s``: bytes of the formula printed under the table (each tensor read once,
@@ -73,7 +76,12 @@ BYTES = torch.finfo(DTYPE).bits // 8  # 2: every tensor the formulas count is bf
 EPS = 1e-6
 NA_CPU, SKIPPED_CPU, NOT_INSTALLED = "n/a (CPU)", "skipped (CPU)", "not installed"
 BENCH_MS = {"full": (25, 100), "quick": (10, 40)}  # do_bench (warm-up, repetitions) in ms
-PASSES = ("fwd", "fwdbwd")
+# "graph": the same forward + backward, captured once in a CUDA graph and replayed.
+# Replay launches every kernel from the GPU's side, with no Python, no dispatcher
+# and no launch overhead: the GPU time alone. Eager minus graph is what the host
+# costs per call, the part a compiled, graph-replayed training step does not pay.
+PASSES = ("fwd", "fwdbwd", "graph")
+WORK = {"fwd": "fwd", "fwdbwd": "fwdbwd", "graph": "fwdbwd"}  # which entry of bytes/flops a pass moves
 # Peers that need a package besides PyTorch. Their kernels are Triton kernels for
 # CUDA, so on CPU they are skipped even when installed.
 NEEDS = {"Liger-Kernel": "liger-kernel", "Liger-Kernel FLCE": "liger-kernel",
@@ -403,6 +411,13 @@ def bench(fn, bench_ms):
     return triton.testing.do_bench(fn, warmup=bench_ms[0], rep=bench_ms[1], return_mode="median")
 
 
+def bench_graph(fn, bench_ms):
+    """Median latency in ms of ``fn`` captured in a CUDA graph and replayed."""
+    if not ON_GPU:
+        return None
+    return triton.testing.do_bench_cudagraph(fn, rep=bench_ms[1], return_mode="median")
+
+
 def copy_bandwidth(bench_ms):
     """Device copy bandwidth in GB/s: a 1 GiB device-to-device copy, bytes read + written."""
     n = 2**28  # float32 elements = 1 GiB, far larger than any L2 cache
@@ -413,10 +428,10 @@ def copy_bandwidth(bench_ms):
 
 def measure(spec, provider, shape, seed, truth, bench_ms):
     """Every number of one provider at one shape, as one JSON record. Never raises."""
-    statuses = ("fwd_status", "fwdbwd_status", "memory_status")  # "ok", OOM, ERR, n/a (CPU), ...
+    statuses = ("fwd_status", "fwdbwd_status", "graph_status", "memory_status")  # "ok", OOM, ERR, n/a (CPU), ...
     rec = {"provider": provider, "shape": dict(shape), "label": f"{shape['tokens']:,}",
            "bytes": spec.bytes and spec.bytes(shape), "flops": spec.flops and spec.flops(shape),
-           **dict.fromkeys(statuses), "fwd_ms": None, "fwdbwd_ms": None, "peak_extra_MB": None,
+           **dict.fromkeys(statuses), "fwd_ms": None, "fwdbwd_ms": None, "graph_ms": None, "peak_extra_MB": None,
            "error": None, "first_fwd_s": None, "first_fwdbwd_s": None, "messages": []}
     for p in PASSES:  # filled in by derive()
         rec.update({f"{p}_GBps": None, f"{p}_pct_copy": None, f"{p}_TFLOPs": None, f"speedup_{p}": None})
@@ -488,6 +503,7 @@ def measure(spec, provider, shape, seed, truth, bench_ms):
     else:
         rec["memory_status"], rec["peak_extra_MB"] = guarded(memory_stage, rec["messages"])
         rec["fwdbwd_status"], rec["fwdbwd_ms"] = guarded(lambda: bench(fwdbwd, bench_ms), rec["messages"])
+        rec["graph_status"], rec["graph_ms"] = guarded(lambda: bench_graph(fwdbwd, bench_ms), rec["messages"])
     if not ON_GPU:  # nothing was timed: every cell that ran says so, and no CPU time is kept
         rec.update({k: NA_CPU if rec[k] == "ok" else rec[k] for k in statuses}, first_fwd_s=None,
                    first_fwdbwd_s=None)
@@ -499,16 +515,16 @@ def derive(records, copy_bw, ours):
     base = next((r for r in records if r["provider"] == ours), None)
     for rec in records:
         for p in PASSES:
-            ms = rec[f"{p}_ms"]
+            ms = rec.get(f"{p}_ms")
             if ms is None:
                 continue
             if rec["bytes"]:
-                rec[f"{p}_GBps"] = rec["bytes"][p] / (ms * 1e-3) / 1e9
+                rec[f"{p}_GBps"] = rec["bytes"][WORK[p]] / (ms * 1e-3) / 1e9
                 if copy_bw:
                     rec[f"{p}_pct_copy"] = 100.0 * rec[f"{p}_GBps"] / copy_bw
             if rec["flops"]:
-                rec[f"{p}_TFLOPs"] = rec["flops"][p] / (ms * 1e-3) / 1e12
-            if base is not None and base[f"{p}_ms"] and rec is not base:
+                rec[f"{p}_TFLOPs"] = rec["flops"][WORK[p]] / (ms * 1e-3) / 1e12
+            if base is not None and base.get(f"{p}_ms") and rec is not base:
                 rec[f"speedup_{p}"] = ms / base[f"{p}_ms"]
 
 
@@ -577,7 +593,8 @@ def print_table(result, env):
     """The table of one kernel: one block of provider rows per shape, notes below."""
     rate = "TFLOPs" if result["rate_unit"] == "TFLOP/s" else "GBps"
     headers = ["tokens", "provider", "fwd us", result["rate_unit"], "%copy", "ours x",
-               "fwd+bwd us", result["rate_unit"], "%copy", "ours x", "peak MB", result["error_label"]]
+               "fwd+bwd us", result["rate_unit"], "%copy", "ours x",
+               "graph us", result["rate_unit"], "%copy", "ours x", "peak MB", result["error_label"]]
     rows, previous = [], None
     for rec in result["results"]:
         if previous is not None and rec["label"] != previous:
@@ -672,7 +689,8 @@ def main(argv=None):
                 "warmup_ms": bench_ms[0] if ON_GPU else None, "rep_ms": bench_ms[1] if ON_GPU else None,
                 "fwd": "forward only, torch.no_grad(), inputs not requiring grad",
                 "fwdbwd": "forward with autograd + torch.autograd.grad (upstream gradient: random for "
-                          "tensor outputs, 1.0 for the scalar loss)"}
+                          "tensor outputs, 1.0 for the scalar loss)",
+                "graph": "fwdbwd captured in a CUDA graph and replayed: triton.testing.do_bench_cudagraph median"}
     results = {"environment": env, "settings": settings, "kernels": {}}
     for name in names:
         spec = KERNELS[name]

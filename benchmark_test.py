@@ -33,9 +33,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 ENV_KEYS = ("gpu", "python", "torch", "triton", "transformers", "cuda", "date", "liger_kernel",
             "cut_cross_entropy", "copy_bandwidth_GBps")
 RECORD_KEYS = (
-    "provider", "shape", "label", "bytes", "flops", "fwd_status", "fwdbwd_status", "memory_status",
-    "fwd_ms", "fwdbwd_ms", "fwd_GBps", "fwdbwd_GBps", "fwd_pct_copy", "fwdbwd_pct_copy", "fwd_TFLOPs",
-    "fwdbwd_TFLOPs", "speedup_fwd", "speedup_fwdbwd", "peak_extra_MB", "error", "messages",
+    "provider", "shape", "label", "bytes", "flops", "fwd_status", "fwdbwd_status", "graph_status", "memory_status",
+    "fwd_ms", "fwdbwd_ms", "graph_ms", "fwd_GBps", "fwdbwd_GBps", "graph_GBps", "fwd_pct_copy", "fwdbwd_pct_copy",
+    "graph_pct_copy", "fwd_TFLOPs", "fwdbwd_TFLOPs", "graph_TFLOPs", "speedup_fwd", "speedup_fwdbwd",
+    "speedup_graph", "peak_extra_MB", "error", "messages",
 )
 # How close to the float64 truth ours must be, per kernel: no worse than twice the
 # PyTorch eager (HF) error plus an absolute floor (bf16 outputs round at ~4e-3 relative).
@@ -104,9 +105,12 @@ def test_quick_run_prints_tables_and_writes_strict_json(quick_run):
             assert rec["error"] is not None and math.isfinite(rec["error"]), rec
             if ON_GPU:
                 assert rec["fwd_ms"] > 0 and rec["fwdbwd_ms"] > 0 and rec["peak_extra_MB"] is not None
+                if rec["provider"] == kres["ours"]:  # our kernels capture in a CUDA graph
+                    assert rec["graph_status"] == "ok" and rec["graph_ms"] > 0, rec
             else:  # no timing claims on CPU: no latency, rate, memory or compile time anywhere
-                assert rec["fwd_status"] == rec["fwdbwd_status"] == rec["memory_status"] == bk.NA_CPU
-                assert all(rec[k] is None for k in ("fwd_ms", "fwdbwd_ms", "fwd_GBps", "fwd_TFLOPs",
+                assert rec["fwd_status"] == rec["fwdbwd_status"] == rec["graph_status"] == rec["memory_status"] \
+                    == bk.NA_CPU
+                assert all(rec[k] is None for k in ("fwd_ms", "fwdbwd_ms", "graph_ms", "fwd_GBps", "fwd_TFLOPs",
                                                     "peak_extra_MB", "first_fwd_s", "speedup_fwd"))
 
 

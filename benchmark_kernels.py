@@ -426,31 +426,10 @@ def copy_bandwidth(bench_ms):
     return 2 * n * 4 / (bench(lambda: dst.copy_(src), bench_ms) * 1e-3) / 1e9
 
 
-def measure(spec, provider, shape, seed, truth, bench_ms):
-    """Every number of one provider at one shape, as one JSON record. Never raises."""
-    statuses = ("fwd_status", "fwdbwd_status", "graph_status", "memory_status")  # "ok", OOM, ERR, n/a (CPU), ...
-    rec = {"provider": provider, "shape": dict(shape), "label": f"{shape['tokens']:,}",
-           "bytes": spec.bytes and spec.bytes(shape), "flops": spec.flops and spec.flops(shape),
-           **dict.fromkeys(statuses), "fwd_ms": None, "fwdbwd_ms": None, "graph_ms": None, "peak_extra_MB": None,
-           "error": None, "first_fwd_s": None, "first_fwdbwd_s": None, "messages": []}
-    for p in PASSES:  # filled in by derive()
-        rec.update({f"{p}_GBps": None, f"{p}_pct_copy": None, f"{p}_TFLOPs": None, f"speedup_{p}": None})
-
-    def give_up(status):  # every cell not yet filled says why
-        rec.update({k: rec[k] or status for k in statuses})
-        return rec
-
-    if unavailable(provider):
-        return give_up(unavailable(provider))
-
-    def prepare():
-        torch.manual_seed(seed)  # the same values as the truth's and every other provider's
-        return spec.make_inputs(shape), spec.providers[provider]()
-
-    status, built = guarded(prepare, rec["messages"])
-    if status != "ok":
-        return give_up(status)
-    inputs, op = built
+def make_calls(spec, provider, shape, seed):
+    """(fwd, fwdbwd): one provider's forward and training calls on fresh inputs of one shape."""
+    torch.manual_seed(seed)  # the same values as the truth's and every other provider's
+    inputs, op = spec.make_inputs(shape), spec.providers[provider]()
     args, wrt = inputs["args"], inputs["wrt"]
     # Forward-only calls get tensors that do not require grad: no provider prepares a gradient.
     fwd_args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
@@ -468,6 +447,58 @@ def measure(spec, provider, shape, seed, truth, bench_ms):
         # autograd.grad returns the gradients instead of accumulating into .grad:
         # repeated calls neither pile up nor need .grad cleared.
         return torch.autograd.grad(outs, wrt, upstream)
+
+    return fwd, fwdbwd
+
+
+# A capture that fails (a peer that synchronizes with the host inside its call,
+# say) can leave PyTorch's CUDA state unusable for further captures, and even for
+# ordinary work. So the CUDA-graph timings run after every eager timing of a
+# kernel, ours first, and the first failed capture ends graph timing for the run.
+CAPTURE = {"failed": None}
+
+
+def measure_graph(spec, provider, shape, seed, rec, bench_ms):
+    """Fill rec's graph_* fields: fwd+bwd captured in a CUDA graph and replayed."""
+    if not ON_GPU or rec["fwdbwd_status"] != "ok":
+        rec["graph_status"] = NA_CPU if not ON_GPU else rec["fwdbwd_status"]
+        return
+    if CAPTURE["failed"]:
+        rec["graph_status"] = "skipped"
+        return
+
+    def stage():
+        _, fwdbwd = make_calls(spec, provider, shape, seed)
+        fwdbwd()  # first call outside the capture: compilation, autotuning, lazy allocations
+        torch.cuda.synchronize()
+        return bench_graph(fwdbwd, bench_ms)
+
+    rec["graph_status"], rec["graph_ms"] = guarded(stage, rec["messages"])
+    if rec["graph_status"] == "ERR":
+        CAPTURE["failed"] = f"{provider} at {rec['label']} tokens"
+
+
+def measure(spec, provider, shape, seed, truth, bench_ms):
+    """Every number of one provider at one shape, as one JSON record. Never raises."""
+    statuses = ("fwd_status", "fwdbwd_status", "graph_status", "memory_status")  # "ok", OOM, ERR, n/a (CPU), ...
+    rec = {"provider": provider, "shape": dict(shape), "label": f"{shape['tokens']:,}",
+           "bytes": spec.bytes and spec.bytes(shape), "flops": spec.flops and spec.flops(shape),
+           **dict.fromkeys(statuses), "fwd_ms": None, "fwdbwd_ms": None, "graph_ms": None, "peak_extra_MB": None,
+           "error": None, "first_fwd_s": None, "first_fwdbwd_s": None, "messages": []}
+    for p in PASSES:  # filled in by derive()
+        rec.update({f"{p}_GBps": None, f"{p}_pct_copy": None, f"{p}_TFLOPs": None, f"speedup_{p}": None})
+
+    def give_up(status):  # every cell not yet filled says why
+        rec.update({k: rec[k] or status for k in statuses})
+        return rec
+
+    if unavailable(provider):
+        return give_up(unavailable(provider))
+
+    status, built = guarded(lambda: make_calls(spec, provider, shape, seed), rec["messages"])
+    if status != "ok":
+        return give_up(status)
+    fwd, fwdbwd = built
 
     def first_call(fn, key):
         """torch.compile compiles (and Triton JITs) here: timed once, kept out of do_bench."""
@@ -503,7 +534,6 @@ def measure(spec, provider, shape, seed, truth, bench_ms):
     else:
         rec["memory_status"], rec["peak_extra_MB"] = guarded(memory_stage, rec["messages"])
         rec["fwdbwd_status"], rec["fwdbwd_ms"] = guarded(lambda: bench(fwdbwd, bench_ms), rec["messages"])
-        rec["graph_status"], rec["graph_ms"] = guarded(lambda: bench_graph(fwdbwd, bench_ms), rec["messages"])
     if not ON_GPU:  # nothing was timed: every cell that ran says so, and no CPU time is kept
         rec.update({k: NA_CPU if rec[k] == "ok" else rec[k] for k in statuses}, first_fwd_s=None,
                    first_fwdbwd_s=None)
@@ -547,8 +577,15 @@ def run_kernel(spec, shapes, seed, bench_ms, copy_bw):
         if status != "ok":  # no truth, so no error column: say why, once
             block[0]["messages"].append(f"float64 truth: {status} {' '.join(failed)}".strip())
         del truth
-        derive(block, copy_bw, providers[0])
         records += block
+    # CUDA graphs last (see CAPTURE), ours first: provider by provider, shape by shape.
+    for provider in providers:
+        for i, shape in enumerate(shapes):
+            rec = records[i * len(providers) + providers.index(provider)]
+            measure_graph(spec, provider, shape, seed + i, rec, bench_ms)
+            free_memory()
+    for i in range(len(shapes)):
+        derive(records[i * len(providers):(i + 1) * len(providers)], copy_bw, providers[0])
     return {"title": spec.title, "header": f"{spec.title} benchmark -- {spec.describe(shapes[0])}",
             "providers": providers, "ours": providers[0], "shapes": shapes,
             "error_label": spec.error_label, "rate_unit": "TFLOP/s" if spec.flops else "GB/s",
@@ -626,6 +663,9 @@ def print_table(result, env):
                      for r in result["results"] if r["provider"].startswith("torch.compile") and r["first_fwd_s"]]
     if compile_times:
         print("torch.compile first calls (fwd graph + training graph compile, per shape): " + ", ".join(compile_times))
+    if any(r["graph_status"] == "skipped" for r in result["results"]):
+        print(f"graph skipped: a CUDA-graph capture failed earlier in this run ({CAPTURE['failed']}); a failed "
+              "capture can leave CUDA unusable for further captures, so none were attempted after it")
     seen = {}  # every distinct error message once, with the shapes where it happened
     for r in result["results"]:
         for m in r["messages"]:

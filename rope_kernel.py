@@ -513,51 +513,59 @@ def rope_backward(dq_out: Optional[torch.Tensor], dk_out: Optional[torch.Tensor]
 # --------------------------------------------------------------------------------
 # Autograd function (and the same formula on the custom operator)
 # --------------------------------------------------------------------------------
+def _rope_save(ctx, inputs, output):
+    q, k, cos, sin = inputs
+    q_embed, k_embed = output
+    # Only the two small tables are kept for backward (a rotation's gradient
+    # needs no activations), and the layout that dq and dk should have.
+    ctx.save_for_backward(cos, sin)
+    ctx.q_layout = (list(q.shape), list(q_embed.stride()), q.dtype)
+    ctx.k_layout = (list(k.shape), list(k_embed.stride()), k.dtype)
+    # As in eager PyTorch, an output whose input needs no gradient (a frozen
+    # k, say) does not require grad either.
+    for embed, needed in zip((q_embed, k_embed), ctx.needs_input_grad[:2]):
+        if not needed:
+            ctx.mark_non_differentiable(embed)
+    # An output that does not reach the loss gets None instead of a tensor
+    # of zeros: nothing to read, nothing to launch for it.
+    ctx.set_materialize_grads(False)
+
+
+def _rope_grads(ctx, dq_embed, dk_embed):
+    cos, sin = ctx.saved_tensors
+    need_q, need_k = ctx.needs_input_grad[:2]
+    dq_out = dq_embed if need_q else None
+    dk_out = dk_embed if need_k else None
+    if dq_out is None and dk_out is None:
+        return None, None, None, None
+    dq, dk = rope_backward(dq_out, dk_out, cos, sin, *ctx.q_layout, *ctx.k_layout)
+    return (dq if dq_out is not None else None), (dk if dk_out is not None else None), None, None
+
+
 class TritonRoPEFunction(torch.autograd.Function):
     """RoPE on q, k in the [B, H, T, D] layout; gradients for q and k only.
 
     cos and sin are treated as constants (HF computes them under no_grad): their
     gradient is never computed. ``rope()`` sends inputs whose cos or sin
-    requires grad to the reference formula instead.
+    requires grad to the reference formula instead. The classic form (forward
+    with ctx) costs less host time per eager call than forward + setup_context;
+    the operator registers the same two pieces.
     """
 
     @staticmethod
-    def forward(q, k, cos, sin):
-        return rope_forward(q, k, cos, sin)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        q, k, cos, sin = inputs
-        q_embed, k_embed = output
-        # Only the two small tables are kept for backward (a rotation's gradient
-        # needs no activations), and the layout that dq and dk should have.
-        ctx.save_for_backward(cos, sin)
-        ctx.q_layout = (list(q.shape), list(q_embed.stride()), q.dtype)
-        ctx.k_layout = (list(k.shape), list(k_embed.stride()), k.dtype)
-        # As in eager PyTorch, an output whose input needs no gradient (a frozen
-        # k, say) does not require grad either.
-        for embed, needed in zip((q_embed, k_embed), ctx.needs_input_grad[:2]):
-            if not needed:
-                ctx.mark_non_differentiable(embed)
-        # An output that does not reach the loss gets None instead of a tensor
-        # of zeros: nothing to read, nothing to launch for it.
-        ctx.set_materialize_grads(False)
+    def forward(ctx, q, k, cos, sin):
+        out = rope_forward(q, k, cos, sin)
+        _rope_save(ctx, (q, k, cos, sin), out)
+        return out
 
     @staticmethod
     @first_order_only("rope")
     @torch.autograd.function.once_differentiable
     def backward(ctx, dq_embed, dk_embed):
-        cos, sin = ctx.saved_tensors
-        need_q, need_k = ctx.needs_input_grad[:2]
-        dq_out = dq_embed if need_q else None
-        dk_out = dk_embed if need_k else None
-        if dq_out is None and dk_out is None:
-            return None, None, None, None
-        dq, dk = rope_backward(dq_out, dk_out, cos, sin, *ctx.q_layout, *ctx.k_layout)
-        return (dq if dq_out is not None else None), (dk if dk_out is not None else None), None, None
+        return _rope_grads(ctx, dq_embed, dk_embed)
 
 
-rope_forward.op.register_autograd(TritonRoPEFunction.backward, setup_context=TritonRoPEFunction.setup_context)
+rope_forward.op.register_autograd(first_order_only("rope")(_rope_grads), setup_context=_rope_save)
 
 
 def rope(q, k, cos, sin, unsqueeze_dim=1):

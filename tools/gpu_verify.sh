@@ -2,7 +2,7 @@
 # Re-measure what README.md and results/ report, on a CUDA machine, in one go.
 #
 #   bash tools/gpu_verify.sh [OUTDIR] [WHAT...]
-#     WHAT: tests bench e2e profile maxseq (default: tests bench e2e)
+#     WHAT: tests bench e2e compile profile maxseq (default: tests bench e2e)
 #
 # Each step's full output goes to OUTDIR (default gpu_logs/), together with the
 # JSON the scripts write, and OUTDIR/logs.tgz bundles them. Wheels placed in
@@ -34,6 +34,14 @@ for what in $WHAT; do
             --json "$OUTDIR/ft_${script}_$1x$2.json" 2>&1 | tee "$OUTDIR/ft_${script}_$1x$2.log" | tail -7
         done
       done ;;
+    compile)
+      for shape in "1 512" "2 2048"; do
+        set -- $shape
+        for script in baseline optimized; do
+          python3 finetune_$script.py --random-init --batch-size "$1" --seq-len "$2" --steps 12 --compile \
+            --json "$OUTDIR/ft_${script}_compile_$1x$2.json" 2>&1 | tee "$OUTDIR/ft_${script}_compile_$1x$2.log" | tail -7
+        done
+      done ;;
     profile)
       python3 profile_baseline.py --random-init --batch-size 2 --seq-len 2048 --trace-dir "$OUTDIR/traces" 2>&1 \
         | tee "$OUTDIR/profile_baseline.log" | tail -30
@@ -43,7 +51,7 @@ for what in $WHAT; do
     maxseq)
       python3 tools/max_seq_len.py --random-init --json "$OUTDIR/maxseq_baseline.json" 2>&1 | tee "$OUTDIR/maxseq_baseline.log" | tail -5
       python3 tools/max_seq_len.py --random-init --all-kernels --json "$OUTDIR/maxseq_optimized.json" 2>&1 | tee "$OUTDIR/maxseq_optimized.log" | tail -5 ;;
-    *) echo "unknown step: $what (tests bench e2e profile maxseq)"; exit 2 ;;
+    *) echo "unknown step: $what (tests bench e2e compile profile maxseq)"; exit 2 ;;
   esac
 done
 tar czf "$OUTDIR/logs.tgz" --exclude=logs.tgz --exclude=traces -C "$OUTDIR" .

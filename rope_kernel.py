@@ -630,8 +630,8 @@ apply_rotary_pos_emb = rope
 # up the module attribute. Gradient checkpointing is the exception: it reruns
 # the attention forward *during* backward, outside the block, where HF's
 # function would produce different saved tensors (PyTorch stops with a
-# CheckpointError). ``fuse_rope(model)`` below scopes the swap to each attention
-# layer's own call instead, so the recomputation gets it too.
+# CheckpointError). ``fuse_rope(model)`` below avoids the swap altogether: each
+# attention layer gets its own copy of ``forward`` that finds our function.
 #
 # Caveats: while the block runs, *any* model whose attention lives in the same
 # python module uses the fused kernel too (the scope is time, not the object),
@@ -690,25 +690,45 @@ def patched_rope(model):
 def fuse_rope(model):
     """Make ``model``'s attention layers use the fused RoPE every time they run.
 
-    Each attention submodule's ``forward`` is wrapped (on the instance: other
-    models are untouched) so that the swap of ``patched_rope`` happens around
-    that call only. Unlike a ``with patched_rope(model)`` block around the
-    model's forward, this also covers gradient checkpointing, which reruns the
-    attention forward during backward. Returns the number of layers wrapped;
-    calling it again wraps nothing twice.
+    Each attention submodule gets, on the instance (other models are untouched),
+    a copy of its class's ``forward`` whose global names are those of its python
+    module except that ``apply_rotary_pos_emb`` is ours: the same code, looking
+    up our function where it looks up HF's. Nothing global changes, so this
+    also holds when gradient checkpointing reruns the layer during backward and
+    when torch.compile traces it (the compiler reads the copy's globals; a
+    module attribute swapped during the call, as patched_rope does, is not
+    always seen by it). Returns the number of layers; calling it again changes
+    nothing.
     """
     count = 0
     for sub, _ in _rope_attention_layers(model):
+        forward = _forward_with_fused_rope(type(sub))
+        if forward is None:
+            continue
         count += 1
-        if getattr(sub.forward, "__func__", None) is not _forward_with_fused_rope:
-            # A method bound to the layer, not a closure over it: copy.deepcopy(model)
-            # then binds the copy's wrapper to the copy (a closure would keep
-            # calling the original layer, with the original weights).
-            sub._forward_without_fused_rope = sub.forward
-            sub.forward = types.MethodType(_forward_with_fused_rope, sub)
+        # A method bound to the layer: copy.deepcopy(model) binds the copy's
+        # forward to the copy.
+        sub.forward = types.MethodType(forward, sub)
     return count
 
 
-def _forward_with_fused_rope(self, *args, **kwargs):
-    with _fused_in([sys.modules[type(self).__module__]]):
-        return self._forward_without_fused_rope(*args, **kwargs)
+_FUSED_FORWARDS = {}  # attention class -> its forward, reading our apply_rotary_pos_emb
+
+
+def _forward_with_fused_rope(cls):
+    """``cls.forward`` with our function under HF's name in its globals, or None when
+    that forward does not look the name up in its globals (a decorated forward)."""
+    if cls not in _FUSED_FORWARDS:
+        forward = cls.forward
+        fused = None
+        if "apply_rotary_pos_emb" in getattr(forward, "__code__", types.SimpleNamespace(co_names=())).co_names \
+                and "apply_rotary_pos_emb" in forward.__globals__:
+            names = dict(forward.__globals__)  # the module's globals as they are now
+            names["apply_rotary_pos_emb"] = apply_rotary_pos_emb
+            fused = types.FunctionType(forward.__code__, names, forward.__name__, forward.__defaults__,
+                                       forward.__closure__)
+            fused.__kwdefaults__ = forward.__kwdefaults__
+            fused.__dict__.update(forward.__dict__)
+            fused.__qualname__ = forward.__qualname__
+        _FUSED_FORWARDS[cls] = fused
+    return _FUSED_FORWARDS[cls]

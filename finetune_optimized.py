@@ -45,7 +45,7 @@ from cross_entropy_kernel import cross_entropy
 from linear_cross_entropy_kernel import fused_linear_cross_entropy
 from rmsnorm_kernel import replace_rmsnorm
 from rope_kernel import fuse_rope
-from swiglu_kernel import replace_swiglu
+from swiglu_kernel import TritonLlamaMLP, replace_swiglu
 
 TITLE = "Fine-tuning: optimized (Triton kernels)"
 
@@ -115,6 +115,13 @@ def apply_kernels(model, kernels):
             raise nothing_found("swiglu", "LLaMA MLPs to replace", model,
                                 "it looks for modules named *MLP with gate_proj, up_proj, down_proj and a SiLU act_fn")
         print(f"Custom swiglu: replaced {count} LLaMA MLPs with TritonLlamaMLP (fused SwiGLU)")
+        # The projections are the MLP's own modules, LoRA layers included; only a
+        # plain nn.Linear down_proj lets the MLP recompute h instead of storing it.
+        wrapped = [m for m in model.modules() if isinstance(m, TritonLlamaMLP) and not m.recomputes_hidden()]
+        if wrapped:
+            print(f"               {len(wrapped)} of them keep h = silu(gate) * up for backward: their down_proj "
+                  f"is a {type(wrapped[0].down_proj).__module__.split('.')[0]} {type(wrapped[0].down_proj).__name__} "
+                  f"(LoRA or quantized), not a plain nn.Linear")
         active.append("swiglu")
 
     # The loss: a different loss function, nothing in the model changes.

@@ -25,6 +25,12 @@ Usage:
     python finetune_optimized.py                        # every kernel, LLaMA-3.1-8B on a GPU
     python finetune_optimized.py --no-use-custom-flce   # the fused loss on the logits instead
     python finetune_optimized.py --tiny --steps 10 --seq-len 64 --json optimized.json
+    python finetune_optimized.py --lora --grad-accum 4 --eval-every 50 --output-dir runs/lora --save-every 100
+    python finetune_optimized.py --lora --resume runs/lora/checkpoint-100   # same flags: same losses
+
+With --lora (PEFT) the kernels run on the wrapped model: the MLP keeps the LoRA
+projections, the frozen LM head and norms get no weight gradient in the fused
+loss and RMSNorm, and the optimizer holds the adapters only.
 
 Without a GPU the default is a short run of the tiny LLaMA (1 warm-up + 6 steps of 2 x 32
 tokens, under a minute: the kernels run in Triton's interpreter); a run that

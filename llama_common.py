@@ -204,7 +204,7 @@ def add_model_args(parser, custom_kernels_default=False):
         help=f"tokens per sequence (default: 2048; --tiny: 128, or {CPU_TINY_SEQ_LEN} without a GPU)",
     )
     g.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: %(default)s)")
-    g.add_argument("--lr", type=float, help="AdamW learning rate (default: 1e-5; --tiny: 1e-3)")
+    g.add_argument("--lr", type=float, help="AdamW peak learning rate (default: 1e-5; --tiny: 3e-3)")
     g.add_argument(
         "--gradient-checkpointing",
         action="store_true",
@@ -292,9 +292,10 @@ def resolve_defaults(args):
     if args.seq_len is None:
         args.seq_len = (128 if on_gpu else CPU_TINY_SEQ_LEN) if args.tiny else 2048
     if args.lr is None:
-        # Random tiny weights need a big step to show learning in a few steps;
-        # 1e-5 is a usual full fine-tuning rate for a pretrained 8B model.
-        args.lr = 1e-3 if args.tiny else 1e-5
+        # Random tiny weights need a big step to show learning in a few steps (the
+        # cosine schedule averages half the peak); 1e-5 is a usual full fine-tuning
+        # rate for a pretrained 8B model.
+        args.lr = 3e-3 if args.tiny else 1e-5
     # The fine-tune scripts' loop lengths (the profile script sets its own --steps).
     if getattr(args, "steps", 0) is None:
         args.steps = 20 if on_gpu else CPU_STEPS
@@ -1099,7 +1100,7 @@ def check_output_flags(args):
 def print_schedule(args):
     total = args.warmup_steps + args.steps
     clip = f"clipped to norm {args.max_grad_norm:g}" if args.max_grad_norm > 0 else "not clipped"
-    print(f"Schedule:      {total} steps, lr warm-up {args.lr_warmup_steps} steps then cosine to 0; "
+    print(f"Schedule:      {total} steps: lr warm-up over {args.lr_warmup_steps}, then cosine to 0; "
           f"gradients {clip}")
 
 

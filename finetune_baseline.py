@@ -13,6 +13,7 @@ Usage:
     python finetune_baseline.py --tiny --steps 10 --seq-len 64
     python finetune_baseline.py --batch-size 1 --seq-len 4096 --json baseline.json
     python finetune_baseline.py --use-custom-rmsnorm     # the baseline plus one kernel
+    python finetune_baseline.py --lora --output-dir runs/hf-lora --save-every 100
 
 Without a GPU the default is a short run of the tiny LLaMA (1 warm-up + 6 steps of 2 x 32
 tokens), the same work as finetune_optimized.py's default.

@@ -25,6 +25,12 @@ Usage:
     python finetune_optimized.py                        # every kernel, LLaMA-3.1-8B on a GPU
     python finetune_optimized.py --no-use-custom-flce   # the fused loss on the logits instead
     python finetune_optimized.py --tiny --steps 10 --seq-len 64 --json optimized.json
+    python finetune_optimized.py --lora --grad-accum 4 --eval-every 50 --output-dir runs/lora --save-every 100
+    python finetune_optimized.py --lora --resume runs/lora/checkpoint-100   # same flags: same losses
+
+With --lora (PEFT) the kernels run on the wrapped model: the MLP keeps the LoRA
+projections, the frozen LM head and norms get no weight gradient in the fused
+loss and RMSNorm, and the optimizer holds the adapters only.
 
 Without a GPU the default is a short run of the tiny LLaMA (1 warm-up + 6 steps of 2 x 32
 tokens, under a minute: the kernels run in Triton's interpreter); a run that
@@ -45,7 +51,7 @@ from cross_entropy_kernel import cross_entropy
 from linear_cross_entropy_kernel import fused_linear_cross_entropy
 from rmsnorm_kernel import replace_rmsnorm
 from rope_kernel import fuse_rope
-from swiglu_kernel import replace_swiglu
+from swiglu_kernel import TritonLlamaMLP, replace_swiglu
 
 TITLE = "Fine-tuning: optimized (Triton kernels)"
 
@@ -115,6 +121,13 @@ def apply_kernels(model, kernels):
             raise nothing_found("swiglu", "LLaMA MLPs to replace", model,
                                 "it looks for modules named *MLP with gate_proj, up_proj, down_proj and a SiLU act_fn")
         print(f"Custom swiglu: replaced {count} LLaMA MLPs with TritonLlamaMLP (fused SwiGLU)")
+        # The projections are the MLP's own modules, LoRA layers included; only a
+        # plain nn.Linear down_proj lets the MLP recompute h instead of storing it.
+        wrapped = [m for m in model.modules() if isinstance(m, TritonLlamaMLP) and not m.recomputes_hidden()]
+        if wrapped:
+            print(f"               {len(wrapped)} of them keep h = silu(gate) * up for backward: their down_proj "
+                  f"is a {type(wrapped[0].down_proj).__module__.split('.')[0]} {type(wrapped[0].down_proj).__name__} "
+                  f"(LoRA or quantized), not a plain nn.Linear")
         active.append("swiglu")
 
     # The loss: a different loss function, nothing in the model changes.

@@ -419,8 +419,8 @@ def test_nan_loss_is_written_as_null(tmp_path, monkeypatch):
 
     def nan_on_step_2(*args, **kwargs):
         calls.append(1)
-        loss = real_step(*args, **kwargs)
-        return torch.tensor(float("nan")) if len(calls) == 2 else loss
+        loss, grad_norm = real_step(*args, **kwargs)
+        return (torch.tensor(float("nan")) if len(calls) == 2 else loss), grad_norm
 
     monkeypatch.setattr(common, "train_step", nan_on_step_2)
     path = tmp_path / "nan.json"

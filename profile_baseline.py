@@ -390,7 +390,7 @@ def profile_steps(args, model, loss_fn, optimizer, batches, work_dir, name):
         # Warm-up: the first step pays for cuBLAS/Triton compilation and for the
         # optimizer's state allocation; profiling it would blame the wrong ops.
         input_ids, labels = next(batches)
-        common.train_step(model, optimizer, loss_fn, input_ids, labels)
+        common.train_step(model, optimizer, loss_fn, [(input_ids, labels)])
         common.sync()
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()
@@ -398,7 +398,7 @@ def profile_steps(args, model, loss_fn, optimizer, batches, work_dir, name):
         with profiler as prof:
             for _ in range(args.steps):
                 input_ids, labels = next(batches)
-                common.train_step(model, optimizer, loss_fn, input_ids, labels)
+                common.train_step(model, optimizer, loss_fn, [(input_ids, labels)])
                 common.sync()
                 prof.step()
     return prof

@@ -53,18 +53,22 @@ TITLE = "Fine-tuning: optimized (Triton kernels)"
 # --------------------------------------------------------------------------------
 # The losses: HF's shifted, ignore-index mean loss, computed by our kernels
 # --------------------------------------------------------------------------------
-def triton_ce_loss(model, input_ids, labels):
+# Both take a batch dict (llama_common, "Data"): its positions and attention mask go
+# to the model as they are; padding, prompts and each example's first token carry
+# IGNORE_INDEX labels, which the kernels skip like F.cross_entropy does.
+def triton_ce_loss(model, batch):
     """The fused Triton cross-entropy on the model's [B, T, V] logits."""
-    logits = model(input_ids=input_ids).logits  # [B, T, V] in the model's dtype; not copied
-    return cross_entropy(logits, common.shift_labels(labels), ignore_index=common.IGNORE_INDEX)
+    logits = model(**common.model_inputs(batch)).logits  # [B, T, V] in the model's dtype; not copied
+    return cross_entropy(logits, common.shift_labels(batch["labels"]), ignore_index=common.IGNORE_INDEX)
 
 
-def triton_flce_loss(model, input_ids, labels):
+def triton_flce_loss(model, batch):
     """The LM head fused into the loss: the decoder's hidden states go straight into
     the fused linear cross-entropy, so no [B, T, V] logits exist."""
-    hidden = model.get_decoder()(input_ids=input_ids).last_hidden_state  # [B, T, H]
+    hidden = model.get_decoder()(**common.model_inputs(batch)).last_hidden_state  # [B, T, H]
     weight = model.get_output_embeddings().weight  # [V, H], possibly tied to the embedding
-    return fused_linear_cross_entropy(hidden, weight, common.shift_labels(labels), ignore_index=common.IGNORE_INDEX)
+    targets = common.shift_labels(batch["labels"])
+    return fused_linear_cross_entropy(hidden, weight, targets, ignore_index=common.IGNORE_INDEX)
 
 
 def check_flce_head(model):
@@ -92,7 +96,7 @@ def nothing_found(flag, what, model, looks_for):
 def apply_kernels(model, kernels):
     """Switch into ``model`` the kernels that ``kernels`` ({name: on/off}, see
     common.KERNELS) turns on. Returns ``(loss_fn, make_optimizer)`` for
-    common.run_training: the loss ``loss_fn(model, input_ids, labels)`` and the
+    common.run_training: the loss ``loss_fn(model, batch)`` and the
     optimizer factory ``make_optimizer(params, lr)``. Each kernel is one block
     that prints one line; with every kernel off this is the plain HF baseline.
     """
@@ -161,7 +165,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description="LLaMA fine-tuning loop with the fused Triton kernels (all on by default)."
     )
-    common.add_model_args(parser, custom_kernels_default=True)
+    common.add_model_args(parser, custom_kernels_default=True, packing_default=True)
     common.add_finetune_args(parser)
     return parser.parse_args(argv)
 

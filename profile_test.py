@@ -31,7 +31,7 @@ from torch.autograd import DeviceType
 
 import profile_baseline as pb
 
-TINY = ["--tiny", "--batch-size", "2", "--seq-len", "32"]
+TINY = ["--tiny", "--dataset", "synthetic", "--batch-size", "2", "--seq-len", "32"]
 
 
 @pytest.fixture(scope="module")

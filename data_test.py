@@ -132,7 +132,7 @@ def test_bundled_data_is_varied():
     assert len(records) >= 300
     lengths = sorted(len(common.encode_record(common.ByteTokenizer(), r)[0]) for r in records)
     assert lengths[len(lengths) // 2] < 400  # many short ones ...
-    assert sum(n > 4000 for n in lengths) >= 5  # ... and a tail of long ones (> 1,000 BPE tokens)
+    assert sum(n > 3500 for n in lengths) >= 5  # ... and a tail of long ones (~1,000 BPE tokens or more)
 
 
 def test_run_reports_padding_and_real_tokens(tmp_path, capsys):

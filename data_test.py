@@ -146,6 +146,14 @@ def test_run_reports_padding_and_real_tokens(tmp_path, capsys):
     assert "Real tokens (no padding):" in out and "% of the token slots)" in out
 
 
+def test_profile_uses_the_same_data_path(tmp_path, capsys):
+    import profile_baseline
+
+    summary = profile_baseline.main(["--tiny", "--seq-len", "256", "--trace-dir", str(tmp_path)])
+    assert summary["setup"]["dataset"] == "bundled data/instructions.jsonl" and summary["setup"]["packing"] is False
+    assert "Data:          bundled data/instructions.jsonl:" in capsys.readouterr().out
+
+
 # --------------------------------------------------------------------------------
 # Files and field names
 # --------------------------------------------------------------------------------

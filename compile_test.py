@@ -215,7 +215,7 @@ def _model_and_batch():
 
 def _loss_and_grads(model, loss_fn, ids, autocast=None):
     with torch.autocast(DEVICE.type, dtype=autocast, enabled=autocast is not None):
-        loss = loss_fn(model, ids, ids)
+        loss = loss_fn(model, common.lm_batch(ids))  # labels = inputs (the loss shifts them)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
@@ -252,7 +252,8 @@ def test_compile_flag_trains_with_the_eager_losses(capsys):
         parser = argparse.ArgumentParser()
         common.add_model_args(parser, custom_kernels_default=True)
         common.add_finetune_args(parser)
-        args = parser.parse_args(["--tiny", "--steps", "2", "--warmup-steps", "0", "--seq-len", "16", *extra])
+        args = parser.parse_args(["--tiny", "--dataset", "synthetic", "--steps", "2", "--warmup-steps", "0",
+                                  "--seq-len", "16", *extra])
         torch._dynamo.reset()
         return common.run_finetune(args, "test", "finetune_optimized.py", apply_kernels)["losses"]
 

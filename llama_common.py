@@ -758,6 +758,8 @@ def synthetic_batches(batch_size, seq_len, vocab_size, seed, device):
 #   num_tokens      int: B * T, the token slots the model computes
 #   num_real_tokens int: the slots that hold real tokens, not padding
 # The two counts are Python ints, known without asking the GPU (no sync).
+# A training step is a list of --grad-accum such batches, its micro-batches
+# (training_batches); the losses and evaluate() take one batch at a time.
 # --------------------------------------------------------------------------------
 SYNTHETIC = "synthetic"  # --dataset synthetic: seeded random tokens, every slot real
 EVAL_SEED_OFFSET = 1_000_003  # synthetic held-out batches: the same generator with another seed

@@ -8,7 +8,8 @@ Tests of the data path (CPU, tiny LLaMA, bundled data, byte-level tokenizer):
 * the labels mask the prompt: the loss sees the response (and EOS) only;
 * packing cuts the padding of the bundled data by more than half;
 * Dolly and Alpaca field names, JSON, JSON Lines and Parquet files all load;
-* bad input ends in one line before any model is built;
+* bad input ends in one line before any model is built (or, for --eval-every
+  without held-out examples, before any training);
 * --dataset synthetic trains exactly as the loop did before real data existed;
 * the batches are a pure function of (seed, step), with or without workers; the
   held-out split is fixed and disjoint from the training examples.
@@ -204,6 +205,16 @@ def test_bad_dataset_fails_in_one_line_before_the_model(tmp_path, monkeypatch, c
         finetune_baseline.main(["--tiny", "--dataset", str(path), "--steps", "1"])
     text = str(e.value.code)
     assert text.startswith(f"error: --dataset {path}") and message in text and "\n" not in text
+
+
+def test_eval_without_held_out_examples_is_refused(tmp_path, monkeypatch):
+    # Two records: 5% of them is none, so there is nothing to evaluate on.
+    monkeypatch.setattr(common, "train_step", lambda *a, **k: pytest.fail("trained before the check"))
+    path = write(tmp_path / "dolly.jsonl", DOLLY, "jsonl")
+    with pytest.raises(SystemExit) as e:
+        finetune_baseline.main(["--tiny", "--dataset", path, "--steps", "1", "--eval-every", "1"])
+    text = str(e.value.code)
+    assert text.startswith("error: --eval-every:") and "no held-out example" in text and "\n" not in text
 
 
 def test_hub_dataset_offline(monkeypatch):

@@ -14,7 +14,8 @@ with the formula registered on the operator. What is checked here:
   autograd registration, tracing with dynamic shapes;
 * a LLaMA with every kernel, each decoder layer compiled as ``--compile`` does,
   trains with exactly the eager losses and gradients, also with gradient
-  checkpointing and under autocast;
+  checkpointing and under autocast; the --compile flag too, with LoRA adapters
+  and with packed real data (4-D mask, restarted positions);
 * eager calls do not pass through the dispatcher (the operator path costs host
   time that eager training would pay for nothing);
 * on a GPU: Inductor, and CUDA-graph replay (mode="reduce-overhead").
@@ -215,7 +216,7 @@ def _model_and_batch():
 
 def _loss_and_grads(model, loss_fn, ids, autocast=None):
     with torch.autocast(DEVICE.type, dtype=autocast, enabled=autocast is not None):
-        loss = loss_fn(model, ids, ids)
+        loss = loss_fn(model, common.lm_batch(ids))  # labels = inputs (the loss shifts them)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
@@ -247,17 +248,27 @@ def test_compiled_decoder_with_every_kernel_matches_eager(setting):
     assert {"rmsnorm_forward", "rope_forward", "swiglu_down_proj_forward"} <= ops_in(counter), ops_in(counter)
 
 
-def test_compile_flag_trains_with_the_eager_losses(capsys):
+@pytest.mark.parametrize("setting", ["synthetic", "lora", "packed data"])
+def test_compile_flag_trains_with_the_eager_losses(setting, capsys):
+    # --lora: the layers are compiled with PEFT's adapters in them; packed data:
+    # with the block-diagonal 4-D mask and the restarted positions.
+    data = {"synthetic": ["--dataset", "synthetic", "--seq-len", "16"],
+            "lora": ["--dataset", "synthetic", "--seq-len", "16", "--lora"],
+            "packed data": ["--batch-size", "1", "--seq-len", "64", "--packing"]}[setting]
+
     def run(*extra):
         parser = argparse.ArgumentParser()
         common.add_model_args(parser, custom_kernels_default=True)
         common.add_finetune_args(parser)
-        args = parser.parse_args(["--tiny", "--steps", "2", "--warmup-steps", "0", "--seq-len", "16", *extra])
+        args = parser.parse_args(["--tiny", "--steps", "2", "--warmup-steps", "0", *data, *extra])
         torch._dynamo.reset()
         return common.run_finetune(args, "test", "finetune_optimized.py", apply_kernels)["losses"]
 
     eager, with_compile = run(), run("--compile")
-    assert "Compile:       2 decoder layers with torch.compile" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Compile:       2 decoder layers with torch.compile" in out
+    if setting == "lora":
+        assert "LoRA:          r 16" in out
     if ON_GPU:
         torch.testing.assert_close(torch.tensor(with_compile), torch.tensor(eager))
     else:

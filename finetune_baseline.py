@@ -1,8 +1,10 @@
 """
 Step 11a -- Fine-tune LLaMA with plain PyTorch / Hugging Face: the baseline.
 
-Runs a full fine-tuning loop (forward, HF's loss, backward, AdamW) on seeded
-synthetic token batches and reports time per step, tokens/sec and peak memory.
+Runs a full fine-tuning loop (forward, HF's loss, backward, AdamW) on instruction
+data (the bundled data/instructions.jsonl unless --dataset names another, or
+``synthetic`` for seeded random tokens) and reports time per step, tokens/sec
+(all token slots, and real tokens without the padding) and peak memory.
 finetune_optimized.py runs the very same loop (llama_common.run_training) with the
 Triton kernels switched in, so the two reports compare like for like. What this
 script trains with is ``plain_hf`` below: HF's own loss and PyTorch's AdamW.
@@ -10,12 +12,19 @@ script trains with is ``plain_hf`` below: HF's own loss and PyTorch's AdamW.
 Usage:
     python finetune_baseline.py                      # LLaMA-3.1-8B on a GPU; --tiny on a CPU
     python finetune_baseline.py --random-init        # 8B architecture, no download
-    python finetune_baseline.py --tiny --steps 10 --seq-len 64
+    python finetune_baseline.py --tiny --steps 10 --seq-len 256
+    python finetune_baseline.py --dataset my_data.jsonl --eval-every 50   # Dolly or Alpaca fields
+    python finetune_baseline.py --dataset synthetic      # random tokens, every slot real
     python finetune_baseline.py --batch-size 1 --seq-len 4096 --json baseline.json
     python finetune_baseline.py --use-custom-rmsnorm     # the baseline plus one kernel
+    python finetune_baseline.py --lora --output-dir runs/hf-lora --save-every 100
 
-Without a GPU the default is a short run of the tiny LLaMA (1 warm-up + 6 steps of 2 x 32
-tokens), the same work as finetune_optimized.py's default.
+Each batch holds --batch-size examples padded to the longest of them, as HF's
+collator does (finetune_optimized.py packs them instead: --packing / --no-packing
+choose either way in both scripts).
+
+Without a GPU the default is a short run of the tiny LLaMA (1 warm-up + 3 steps of
+2 x at most 128 byte tokens of the bundled data, a few seconds of training).
 
 Without weights (no network, gated model, wrong path) it says why in one line and
 continues with random weights in the same architecture.

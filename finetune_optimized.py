@@ -24,15 +24,28 @@ are active:
 Usage:
     python finetune_optimized.py                        # every kernel, LLaMA-3.1-8B on a GPU
     python finetune_optimized.py --no-use-custom-flce   # the fused loss on the logits instead
-    python finetune_optimized.py --tiny --steps 10 --seq-len 64 --json optimized.json
+    python finetune_optimized.py --tiny --steps 10 --seq-len 256 --json optimized.json
+    python finetune_optimized.py --dataset databricks/databricks-dolly-15k --eval-every 100
+    python finetune_optimized.py --lora --grad-accum 4 --eval-every 50 --output-dir runs/lora --save-every 100
+    python finetune_optimized.py --lora --resume runs/lora/checkpoint-100   # same flags: same losses
 
-Without a GPU the default is a short run of the tiny LLaMA (1 warm-up + 6 steps of 2 x 32
-tokens, under a minute: the kernels run in Triton's interpreter); a run that
-will take more than two minutes prints an estimate after its first step, and
-Ctrl-C keeps the completed steps (--json marks them partial).
+With --lora (PEFT) the kernels run on the wrapped model: the MLP keeps the LoRA
+projections, the frozen LM head and norms get no weight gradient in the fused
+loss and RMSNorm, and the optimizer holds the adapters only.
 
-With the same flags and seed, its losses match finetune_baseline.py's step by step
-(float32 on CPU: within 1e-4; bf16 on GPU: within bf16 rounding).
+The data is finetune_baseline.py's (the bundled data/instructions.jsonl unless
+--dataset says otherwise), but packed by default: several examples end to end in
+each --seq-len row, a block-diagonal attention mask and positions restarting at
+every example, so almost no slot is padding (--no-packing pads like the baseline).
+
+Without a GPU the default is a short run of the tiny LLaMA (1 warm-up + 3 steps of
+2 x 128 byte tokens, under a minute: the kernels run in Triton's interpreter); a
+run that will take more than two minutes prints an estimate after its first step,
+and Ctrl-C keeps the completed steps (--json marks them partial).
+
+With the same flags and seed (packing included), its losses match
+finetune_baseline.py's step by step (float32 on CPU: within 1e-4; bf16 on GPU:
+within bf16 rounding).
 """
 
 import argparse
@@ -45,7 +58,7 @@ from cross_entropy_kernel import cross_entropy
 from linear_cross_entropy_kernel import fused_linear_cross_entropy
 from rmsnorm_kernel import replace_rmsnorm
 from rope_kernel import fuse_rope
-from swiglu_kernel import replace_swiglu
+from swiglu_kernel import TritonLlamaMLP, replace_swiglu
 
 TITLE = "Fine-tuning: optimized (Triton kernels)"
 
@@ -53,18 +66,22 @@ TITLE = "Fine-tuning: optimized (Triton kernels)"
 # --------------------------------------------------------------------------------
 # The losses: HF's shifted, ignore-index mean loss, computed by our kernels
 # --------------------------------------------------------------------------------
-def triton_ce_loss(model, input_ids, labels):
+# Both take a batch dict (llama_common, "Data"): its positions and attention mask go
+# to the model as they are; padding, prompts and each example's first token carry
+# IGNORE_INDEX labels, which the kernels skip like F.cross_entropy does.
+def triton_ce_loss(model, batch):
     """The fused Triton cross-entropy on the model's [B, T, V] logits."""
-    logits = model(input_ids=input_ids).logits  # [B, T, V] in the model's dtype; not copied
-    return cross_entropy(logits, common.shift_labels(labels), ignore_index=common.IGNORE_INDEX)
+    logits = model(**common.model_inputs(batch)).logits  # [B, T, V] in the model's dtype; not copied
+    return cross_entropy(logits, common.shift_labels(batch["labels"]), ignore_index=common.IGNORE_INDEX)
 
 
-def triton_flce_loss(model, input_ids, labels):
+def triton_flce_loss(model, batch):
     """The LM head fused into the loss: the decoder's hidden states go straight into
     the fused linear cross-entropy, so no [B, T, V] logits exist."""
-    hidden = model.get_decoder()(input_ids=input_ids).last_hidden_state  # [B, T, H]
+    hidden = model.get_decoder()(**common.model_inputs(batch)).last_hidden_state  # [B, T, H]
     weight = model.get_output_embeddings().weight  # [V, H], possibly tied to the embedding
-    return fused_linear_cross_entropy(hidden, weight, common.shift_labels(labels), ignore_index=common.IGNORE_INDEX)
+    targets = common.shift_labels(batch["labels"])
+    return fused_linear_cross_entropy(hidden, weight, targets, ignore_index=common.IGNORE_INDEX)
 
 
 def check_flce_head(model):
@@ -92,7 +109,7 @@ def nothing_found(flag, what, model, looks_for):
 def apply_kernels(model, kernels):
     """Switch into ``model`` the kernels that ``kernels`` ({name: on/off}, see
     common.KERNELS) turns on. Returns ``(loss_fn, make_optimizer)`` for
-    common.run_training: the loss ``loss_fn(model, input_ids, labels)`` and the
+    common.run_training: the loss ``loss_fn(model, batch)`` and the
     optimizer factory ``make_optimizer(params, lr)``. Each kernel is one block
     that prints one line; with every kernel off this is the plain HF baseline.
     """
@@ -115,6 +132,13 @@ def apply_kernels(model, kernels):
             raise nothing_found("swiglu", "LLaMA MLPs to replace", model,
                                 "it looks for modules named *MLP with gate_proj, up_proj, down_proj and a SiLU act_fn")
         print(f"Custom swiglu: replaced {count} LLaMA MLPs with TritonLlamaMLP (fused SwiGLU)")
+        # The projections are the MLP's own modules, LoRA layers included; only a
+        # plain nn.Linear down_proj lets the MLP recompute h instead of storing it.
+        wrapped = [m for m in model.modules() if isinstance(m, TritonLlamaMLP) and not m.recomputes_hidden()]
+        if wrapped:
+            print(f"               {len(wrapped)} of them keep h = silu(gate) * up for backward: their down_proj "
+                  f"is a {type(wrapped[0].down_proj).__module__.split('.')[0]} {type(wrapped[0].down_proj).__name__} "
+                  f"(LoRA or quantized), not a plain nn.Linear")
         active.append("swiglu")
 
     # The loss: a different loss function, nothing in the model changes.
@@ -161,7 +185,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description="LLaMA fine-tuning loop with the fused Triton kernels (all on by default)."
     )
-    common.add_model_args(parser, custom_kernels_default=True)
+    common.add_model_args(parser, custom_kernels_default=True, packing_default=True)
     common.add_finetune_args(parser)
     return parser.parse_args(argv)
 

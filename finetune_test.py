@@ -35,7 +35,9 @@ import finetune_optimized
 import llama_common as common
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TINY = ["--tiny", "--batch-size", "2", "--seq-len", "32", "--steps", "3", "--warmup-steps", "1"]
+# Synthetic tokens: these tests are about the loop and the kernels (data_test.py tests the data).
+TINY = ["--tiny", "--dataset", "synthetic", "--batch-size", "2", "--seq-len", "32", "--steps", "3", "--warmup-steps",
+        "1"]
 
 
 @pytest.fixture(scope="module")
@@ -171,9 +173,10 @@ def test_loss_functions_agree_on_padding():
     labels = ids.clone()
     labels[0, 5:9] = common.IGNORE_INDEX
     labels[1, -3:] = common.IGNORE_INDEX
-    hf = common.hf_loss(model, ids, labels)
-    ours = finetune_optimized.triton_ce_loss(model, ids, labels)
-    fused = finetune_optimized.triton_flce_loss(model, ids, labels)
+    batch = common.lm_batch(ids, labels)
+    hf = common.hf_loss(model, batch)
+    ours = finetune_optimized.triton_ce_loss(model, batch)
+    fused = finetune_optimized.triton_flce_loss(model, batch)
     assert abs(hf.item() - ours.item()) < 1e-5 and abs(hf.item() - fused.item()) < 1e-5
 
 
@@ -244,7 +247,7 @@ def gpt2_dir(tmp_path):
 
 def test_no_rmsnorm_modules(gpt2_dir, capsys):
     with pytest.raises(SystemExit) as e:
-        finetune_optimized.main(["--model", gpt2_dir, "--seq-len", "16", "--steps", "1"])
+        finetune_optimized.main(["--model", gpt2_dir, "--dataset", "synthetic", "--seq-len", "16", "--steps", "1"])
     assert "--use-custom-rmsnorm found no RMSNorm modules to replace in GPT2LMHeadModel" in str(e.value.code)
     # On the way it said, in one line, why the weights were not loaded.
     assert f"Could not load weights for {gpt2_dir}: OSError" in capsys.readouterr().out
@@ -324,8 +327,8 @@ def test_tiny_is_the_default_without_gpu():
 
 def test_random_init_from_a_local_config(tmp_path, capsys):
     common.tiny_config().save_pretrained(tmp_path)
-    finetune_baseline.main(["--model", str(tmp_path), "--random-init", "--seq-len", "16", "--steps", "1",
-                            "--warmup-steps", "0"])
+    finetune_baseline.main(["--model", str(tmp_path), "--random-init", "--dataset", "synthetic", "--seq-len", "16",
+                            "--steps", "1", "--warmup-steps", "0"])
     assert f"Model:         {tmp_path} [LlamaForCausalLM], random init (--random-init)" in capsys.readouterr().out
 
 
@@ -419,8 +422,8 @@ def test_nan_loss_is_written_as_null(tmp_path, monkeypatch):
 
     def nan_on_step_2(*args, **kwargs):
         calls.append(1)
-        loss = real_step(*args, **kwargs)
-        return torch.tensor(float("nan")) if len(calls) == 2 else loss
+        loss, grad_norm = real_step(*args, **kwargs)
+        return (torch.tensor(float("nan")) if len(calls) == 2 else loss), grad_norm
 
     monkeypatch.setattr(common, "train_step", nan_on_step_2)
     path = tmp_path / "nan.json"

@@ -12,12 +12,23 @@ once, here, and the scripts choose what to switch in and print results:
   weights in the same architecture when the weights cannot be had (no network,
   gated model, missing path) or with ``--random-init``; ``--tiny`` for laptops and
   tests (the default without a GPU).
+* ``load_records`` / ``prepare_data`` / ``training_batches``: the data. A bundled
+  instruction set (data/instructions.jsonl), a local JSON/JSONL/Parquet file or
+  a hub dataset, formatted as prompt + response with the loss on the response
+  only, padded or packed into batches (see "Data" below); or ``synthetic``
+  tokens for pure throughput runs.
 * ``hf_loss`` and ``pytorch_adamw``: the baseline's loss and optimizer. The Triton
   kernels are switched in by finetune_optimized.py, in its own code, which hands
   ``run_finetune`` another loss function and optimizer.
-* ``train_step`` / ``run_training``: forward, loss, backward, optimizer step, with
-  NVTX ranges, synchronized timing, tokens/sec, peak memory, out-of-memory advice
-  and Ctrl-C handling (the completed steps are kept).
+* ``train_step`` / ``run_training``: forward, loss and backward of each
+  micro-batch (--grad-accum, token-weighted), gradient clipping, optimizer step
+  and learning-rate schedule (warm-up + cosine), with NVTX ranges, synchronized
+  timing, tokens/sec (all token slots and real tokens only), peak memory,
+  out-of-memory advice and Ctrl-C handling (the completed steps are kept);
+  ``evaluate`` on the held-out batches (--eval-every).
+* ``apply_lora`` (--lora, PEFT), ``compile_decoder`` (--compile), checkpoints
+  (--output-dir, --save-every, --resume: exact, as the batches are a pure
+  function of the seed and the step) and the loss curve.
 * ``check_output_path`` / ``write_json_atomic``: output files are checked before
   the work and written whole (strict JSON, temporary file + rename) or not at all.
 
@@ -32,17 +43,26 @@ Nothing runs on import.
 import argparse
 import contextlib
 import datetime
+import functools
+import glob
+import itertools
 import json
+import math
 import os
 import platform
+import random
 import resource
+import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 import transformers
 import triton
@@ -51,6 +71,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B"
 IGNORE_INDEX = -100  # HF's label value for "no loss at this position"
 HUB_TIMEOUT_S = 5  # how long we wait for huggingface.co before giving up on it
+HERE = os.path.dirname(os.path.abspath(__file__))
+BUNDLED_DATASET = os.path.join(HERE, "data", "instructions.jsonl")  # the default --dataset
 
 
 # --------------------------------------------------------------------------------
@@ -177,8 +199,12 @@ def non_negative_int(text):
     return value
 
 
-def add_model_args(parser, custom_kernels_default=False):
-    """Flags shared by every script that builds a model and trains it."""
+def add_model_args(parser, custom_kernels_default=False, packing_default=False):
+    """Flags shared by every script that builds a model and trains it.
+
+    ``packing_default``: the baseline pads each batch to its longest example, as HF's
+    collator does; finetune_optimized.py packs (see "Data" below).
+    """
     g = parser.add_argument_group("model and data")
     g.add_argument("--model", default=DEFAULT_MODEL, help="HF hub id or local directory (default: %(default)s)")
     g.add_argument("--random-init", action="store_true", help="no weights: random init in the model's architecture")
@@ -192,10 +218,32 @@ def add_model_args(parser, custom_kernels_default=False):
     g.add_argument(
         "--seq-len",
         type=positive_int,
-        help=f"tokens per sequence (default: 2048; --tiny: 128, or {CPU_TINY_SEQ_LEN} without a GPU)",
+        help=f"tokens per sequence, the longest a batch row can be (default: 2048; --tiny: {CPU_TINY_SEQ_LEN}, "
+             f"room for a short prompt and its answer in byte tokens)",
     )
     g.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: %(default)s)")
-    g.add_argument("--lr", type=float, help="AdamW learning rate (default: 1e-5; --tiny: 1e-3)")
+    g.add_argument(
+        "--dataset",
+        metavar="NAME_OR_PATH",
+        default=BUNDLED_DATASET,
+        help="instruction data: a local .json/.jsonl/.parquet file or a HF hub dataset id, with Dolly "
+             "(instruction, context, response) or Alpaca (instruction, input, output) fields; 'synthetic' "
+             "for seeded random tokens of exactly --seq-len (pure throughput) (default: the bundled "
+             "data/instructions.jsonl)",
+    )
+    g.add_argument(
+        "--packing",
+        action=argparse.BooleanOptionalAction,
+        default=packing_default,
+        help="pack several examples into each --seq-len row (no padding; attention never crosses "
+             "examples) instead of padding each batch to its longest example (default: %(default)s)",
+    )
+    g.add_argument(
+        "--num-workers",
+        type=non_negative_int,
+        help="DataLoader worker processes that build the batches (default: 2 with a GPU, 0 without)",
+    )
+    g.add_argument("--lr", type=float, help="AdamW peak learning rate (default: 1e-5; --tiny: 3e-3)")
     g.add_argument(
         "--gradient-checkpointing",
         action="store_true",
@@ -243,19 +291,25 @@ def kernels_from_args(args):
     return {name: getattr(args, f"use_custom_{name}") for name in KERNELS}
 
 
-# Defaults on a CPU, where the Triton kernels run in the interpreter (seconds per
-# step even for the tiny model): the default run of either fine-tune script then
-# ends within a minute on a 2-core laptop, with the loss visibly falling.
-CPU_STEPS = 6
+# Defaults on a CPU, where the Triton kernels run in the interpreter (about 10 s
+# per step of 2 x 128 tokens for the tiny model with every kernel on a 2-core
+# laptop): the default run of either fine-tune script then ends within a minute,
+# with the loss visibly falling. 128 tokens (for --tiny on a GPU too), because
+# without the model's own tokenizer every byte is a token (ByteTokenizer): room
+# for a short prompt and its answer.
+CPU_STEPS = 3
 CPU_WARMUP_STEPS = 1  # no compilation, no autotuning: one step to allocate AdamW's state
-CPU_TINY_SEQ_LEN = 32
+CPU_TINY_SEQ_LEN = 128
 
 
 def add_finetune_args(parser):
     """Flags of the fine-tune scripts (the profile script has its own --steps)."""
     g = parser.add_argument_group("training loop")
     g.add_argument(
-        "--steps", type=positive_int, help=f"timed training steps (default: 20, or {CPU_STEPS} without a GPU)"
+        "--steps",
+        type=positive_int,
+        help=f"timed training steps (default: 20, or {CPU_STEPS} without a GPU: with the Triton kernels in the "
+             f"interpreter the default CPU run then ends in about a minute)",
     )
     g.add_argument(
         "--warmup-steps",
@@ -263,8 +317,14 @@ def add_finetune_args(parser):
         help=f"untimed steps first: kernel compilation, cuBLAS autotuning (default: 2, or {CPU_WARMUP_STEPS} "
         f"without a GPU)",
     )
-    g.add_argument("--log-every", type=positive_int, default=1, help="a step line every N steps (default: %(default)s)")
+    g.add_argument(
+        "--log-every",
+        type=positive_int,
+        help="a step line every N steps (default: a progress bar on a terminal, otherwise a line per step)",
+    )
     g.add_argument("--json", metavar="PATH", help="write config, environment, losses, times and memory here")
+    add_real_run_args(parser)
+    add_lora_args(parser)
     return parser
 
 
@@ -286,16 +346,26 @@ def resolve_defaults(args):
     elif args.tiny and model_given:
         note(f"--tiny overrides --model {args.model}: the tiny LLaMA is built instead")
     if args.seq_len is None:
-        args.seq_len = (128 if on_gpu else CPU_TINY_SEQ_LEN) if args.tiny else 2048
+        args.seq_len = CPU_TINY_SEQ_LEN if args.tiny else 2048  # --tiny: the same on a GPU
+    if getattr(args, "num_workers", 0) is None:
+        # Workers build the next batches while the GPU trains; on a CPU they would
+        # only compete with the training for the same cores.
+        args.num_workers = 2 if on_gpu else 0
+    if getattr(args, "dataset", None) == SYNTHETIC and getattr(args, "packing", False):
+        note("--dataset synthetic has no examples to pack: every row is --seq-len random tokens; "
+             "--packing changes nothing")
     if args.lr is None:
-        # Random tiny weights need a big step to show learning in a few steps;
-        # 1e-5 is a usual full fine-tuning rate for a pretrained 8B model.
-        args.lr = 1e-3 if args.tiny else 1e-5
+        # Random tiny weights need a big step to show learning in a few steps (the
+        # cosine schedule averages half the peak); 1e-5 is a usual full fine-tuning
+        # rate for a pretrained 8B model.
+        args.lr = 3e-3 if args.tiny else 1e-5
     # The fine-tune scripts' loop lengths (the profile script sets its own --steps).
     if getattr(args, "steps", 0) is None:
         args.steps = 20 if on_gpu else CPU_STEPS
     if getattr(args, "warmup_steps", 0) is None:
         args.warmup_steps = 2 if on_gpu else CPU_WARMUP_STEPS
+    if getattr(args, "lr_warmup_steps", 0) is None:
+        args.lr_warmup_steps = round(LR_WARMUP_FRACTION * (args.warmup_steps + args.steps))
     return args
 
 
@@ -371,21 +441,23 @@ def _one_line(exc):
     return f"{type(exc).__name__}: {first[:200]}"
 
 
-def hub_problem(model_id):
+def hub_problem(model_id, repo_type="model"):
     """Why the HF hub cannot give us ``model_id`` now, or None if it can.
 
     transformers retries a failing download for about 45 s before it gives up, so
     we ask the hub first, once, with a short timeout: no network, a gated repo
     without access, and a wrong id each become a one-line reason in seconds.
+    ``repo_type``: "model", or "dataset" for --dataset.
     """
     import huggingface_hub
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
     if huggingface_hub.constants.HF_HUB_OFFLINE:
-        return "HF_HUB_OFFLINE is set and the model is not in the local cache"
+        return f"HF_HUB_OFFLINE is set and the {repo_type} is not in the local cache"
+    info = huggingface_hub.model_info if repo_type == "model" else huggingface_hub.dataset_info
     try:
-        huggingface_hub.model_info(model_id, timeout=HUB_TIMEOUT_S)  # reachability and existence
-        huggingface_hub.auth_check(model_id)  # access to the files of a gated repo
+        info(model_id, timeout=HUB_TIMEOUT_S)  # reachability and existence
+        huggingface_hub.auth_check(model_id, repo_type=repo_type)  # access to the files of a gated repo
     except GatedRepoError:
         return "gated repo: accept the license on huggingface.co and set HF_TOKEN"
     except RepositoryNotFoundError:
@@ -415,21 +487,22 @@ def _attempt_pretrained(model_id, device, dtype, **kwargs):
         return None, _one_line(e)
 
 
-def try_pretrained(model_id, device, dtype):
-    """Return (model, None) with real weights, or (None, reason) when they cannot be had."""
+def try_pretrained(model_id, device, dtype, **kwargs):
+    """Return (model, None) with real weights, or (None, reason) when they cannot be had.
+    ``kwargs`` go to from_pretrained (--lora-4bit: the quantization config)."""
     if looks_like_path(model_id) and not os.path.exists(model_id):
         return None, "no such file or directory"
     if os.path.exists(model_id):
-        return _attempt_pretrained(model_id, device, dtype)
+        return _attempt_pretrained(model_id, device, dtype, **kwargs)
     # Already in the local cache? Then no network is needed at all.
-    model, _ = _attempt_pretrained(model_id, device, dtype, local_files_only=True)
+    model, _ = _attempt_pretrained(model_id, device, dtype, local_files_only=True, **kwargs)
     if model is not None:
         return model, None
     problem = hub_problem(model_id)  # not cached (or only partly): ask the hub
     if problem:
         return None, problem
     print(f"Downloading {model_id} from the HF hub (once; later runs use the cache)...")
-    return _attempt_pretrained(model_id, device, dtype)
+    return _attempt_pretrained(model_id, device, dtype, **kwargs)
 
 
 def is_default_model(model_id):
@@ -569,7 +642,13 @@ def load_model(args):
             config = config_for(args.model)
         else:
             name, source = args.model, "pretrained weights"
-            model, reason = try_pretrained(args.model, device, dtype)
+            quantized = getattr(args, "lora_4bit", False)
+            extra = {"quantization_config": qlora_quantization_config()} if quantized else {}
+            model, reason = try_pretrained(args.model, device, dtype, **extra)
+            if model is None and quantized:  # random weights cannot be quantized on loading
+                raise SystemExit(f"error: --lora-4bit: cannot load the weights of {args.model} ({reason})")
+            if quantized:
+                source = "pretrained weights, quantized to 4-bit NF4 (--lora-4bit)"
             if model is None:
                 config = config_for(args.model, weights_problem=reason)
                 print(
@@ -627,10 +706,10 @@ def shift_labels(labels):
     return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
-def hf_loss(model, input_ids, labels):
+def hf_loss(model, batch):
     """Baseline: the loss the way HF computes it (it shifts, upcasts the logits to fp32
-    and calls F.cross_entropy, which builds the log-softmax)."""
-    return model(input_ids=input_ids, labels=labels).loss
+    and calls F.cross_entropy, which builds the log-softmax). ``batch``: see "Data"."""
+    return model(**model_inputs(batch), labels=batch["labels"]).loss
 
 
 def pytorch_adamw(params, lr):
@@ -643,7 +722,7 @@ def pytorch_adamw(params, lr):
 
 
 # --------------------------------------------------------------------------------
-# Data, one training step, the training loop
+# Synthetic data: fixed-length random tokens, for pure throughput runs
 # --------------------------------------------------------------------------------
 def synthetic_batches(batch_size, seq_len, vocab_size, seed, device):
     """Endless seeded token batches: the same seed gives every script the same data.
@@ -664,6 +743,496 @@ def synthetic_batches(batch_size, seq_len, vocab_size, seed, device):
         yield ids, ids  # labels are the inputs; the loss shifts them
 
 
+# --------------------------------------------------------------------------------
+# Data: instruction records -> prompt + response tokens -> padded or packed batches
+#
+# One batch is a dict (the only format the losses and the training loop know):
+#   input_ids       [B, T] int64   token ids; padding slots hold the pad id
+#   labels          [B, T] int64   the token to learn at each position, IGNORE_INDEX
+#                                  on prompt tokens, padding and each example's first
+#                                  token (the loss functions shift them by one)
+#   position_ids    [B, T] int64 or None   packing: restart at 0 in every example;
+#                                  None: the model counts 0, 1, 2, ... itself
+#   attention_mask  None, [B, T] (1 = real token, padding) or [B, 1, T, T] bool
+#                   (packing: True where query t may attend to key s)
+#   num_tokens      int: B * T, the token slots the model computes
+#   num_real_tokens int: the slots that hold real tokens, not padding
+# The two counts are Python ints, known without asking the GPU (no sync).
+# A training step is a list of --grad-accum such batches, its micro-batches
+# (training_batches); the losses and evaluate() take one batch at a time.
+# --------------------------------------------------------------------------------
+SYNTHETIC = "synthetic"  # --dataset synthetic: seeded random tokens, every slot real
+EVAL_SEED_OFFSET = 1_000_003  # synthetic held-out batches: the same generator with another seed
+EVAL_BATCHES = 4  # --eval-batches default (and the synthetic count when args has none)
+EVAL_FRACTION = 0.05  # share of the records held out for evaluation
+SPLIT_SEED = "held-out split"  # fixed: the held-out records do not change with --seed
+
+# Field names: Dolly-15k's first, then Alpaca's.
+INSTRUCTION_FIELDS = ("instruction",)
+CONTEXT_FIELDS = ("context", "input")
+RESPONSE_FIELDS = ("response", "output")
+
+# The prompt format when the tokenizer has no chat template (Alpaca/Dolly style).
+# The loss is computed on the response that follows it, never on the prompt.
+PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
+PROMPT_TEMPLATE_WITH_CONTEXT = "### Instruction:\n{instruction}\n\n### Context:\n{context}\n\n### Response:\n"
+
+
+def lm_batch(input_ids, labels=None):
+    """A batch of full rows of real tokens (no padding, no packing): the model's
+    default positions and causal mask. Labels default to the inputs (the loss shifts)."""
+    return {
+        "input_ids": input_ids,
+        "labels": input_ids if labels is None else labels,
+        "position_ids": None,
+        "attention_mask": None,
+        "num_tokens": input_ids.numel(),
+        "num_real_tokens": input_ids.numel(),
+    }
+
+
+def model_inputs(batch):
+    """The keyword arguments of the model's forward that come from the batch."""
+    return {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+
+
+def batch_to(batch, device):
+    """Copy the batch's tensors to ``device``. non_blocking: from pinned host memory
+    the copy runs asynchronously, so the CPU goes on queueing work meanwhile."""
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+# ---- Reading records ------------------------------------------------------------
+def dataset_name(dataset):
+    """How a --dataset value is printed: the bundled file by its path in the repo."""
+    if dataset and os.path.abspath(dataset) == BUNDLED_DATASET:
+        return "bundled data/instructions.jsonl"
+    return dataset
+
+
+def load_records(dataset):
+    """The records of --dataset as [{"instruction", "context", "response"}] (context may
+    be ""), or None for ``synthetic``. Every problem ends the run here, in one line,
+    before a model is built."""
+    if dataset == SYNTHETIC:
+        return None
+    flag = f"--dataset {dataset}"
+    path = os.path.abspath(os.path.expanduser(dataset))
+    is_file_name = dataset.lower().endswith((".json", ".jsonl", ".parquet"))
+    if os.path.exists(path) or is_file_name or looks_like_path(dataset):
+        check_input_file(path, "--dataset")
+        rows = read_data_file(path, flag)
+    else:
+        rows = read_hub_dataset(dataset, flag)
+    if not rows:
+        raise SystemExit(f"error: {flag}: no records in it")
+    return [instruction_record(row, number, flag) for number, row in enumerate(rows, start=1)]
+
+
+def read_data_file(path, flag):
+    """The rows of a .parquet file, a JSON array of objects, or JSON Lines (one
+    object per line; a .json file that holds JSON Lines is read too)."""
+    if not path.lower().endswith((".json", ".jsonl", ".parquet")):
+        raise SystemExit(f"error: {flag}: expected a .json, .jsonl or .parquet file")
+    if path.lower().endswith(".parquet"):
+        import pyarrow.parquet  # installed with datasets
+
+        try:
+            return pyarrow.parquet.read_table(path).to_pylist()
+        except Exception as e:  # noqa: BLE001 - any unreadable file is the same problem
+            raise SystemExit(f"error: {flag}: cannot read it as Parquet ({_one_line(e)})") from None
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"error: {flag}: cannot read it ({_one_line(e)})") from None
+    if text.lstrip().startswith("["):
+        try:
+            return json.loads(text)
+        except ValueError as e:
+            raise SystemExit(f"error: {flag}: not valid JSON ({e})") from None
+    rows = []
+    for line_number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except ValueError as e:
+                raise SystemExit(f"error: {flag}: line {line_number} is not valid JSON ({e})") from None
+    return rows
+
+
+def read_hub_dataset(name, flag):
+    """The train split of a HF hub dataset, through the ``datasets`` library."""
+    problem = hub_problem(name, repo_type="dataset")
+    if problem:
+        raise SystemExit(
+            f"error: {flag}: not a local file, and the HF hub cannot serve it ({problem}); pass a local "
+            f".json/.jsonl/.parquet file, or leave --dataset out for the bundled set"
+        )
+    import datasets
+
+    try:
+        return list(datasets.load_dataset(name, split="train"))
+    except Exception as e:  # noqa: BLE001 - any loading problem is reported the same way
+        raise SystemExit(f"error: {flag}: cannot load its train split ({_one_line(e)})") from None
+
+
+def instruction_record(row, number, flag):
+    """One row as {"instruction", "context", "response"}, with Dolly or Alpaca names."""
+    if not isinstance(row, dict):
+        raise SystemExit(f"error: {flag}: record {number} is a {type(row).__name__}, expected an object")
+
+    def field(names):
+        return next((row[name] for name in names if row.get(name) is not None), None)
+
+    instruction, context, response = field(INSTRUCTION_FIELDS), field(CONTEXT_FIELDS), field(RESPONSE_FIELDS)
+    if instruction is None or response is None:
+        raise SystemExit(
+            f"error: {flag}: record {number} has fields {sorted(row)}; expected instruction and response "
+            f"(Dolly: instruction, context, response; Alpaca: instruction, input, output)"
+        )
+    for name, value in (("instruction", instruction), ("context", context), ("response", response)):
+        if value is not None and not isinstance(value, str):
+            raise SystemExit(f"error: {flag}: record {number}: {name} is a {type(value).__name__}, expected text")
+    if not instruction.strip():
+        raise SystemExit(f"error: {flag}: record {number} has an empty instruction")
+    if not response.strip():
+        raise SystemExit(f"error: {flag}: record {number} has an empty response")
+    return {"instruction": instruction, "context": context or "", "response": response}
+
+
+def split_records(records):
+    """(train, held out): a fixed EVAL_FRACTION of the records, the same in every
+    run whatever --seed, for the evaluation loop."""
+    order = list(range(len(records)))
+    random.Random(SPLIT_SEED).shuffle(order)
+    held = set(order[: int(len(records) * EVAL_FRACTION)])
+    return ([r for i, r in enumerate(records) if i not in held],
+            [r for i, r in enumerate(records) if i in held])
+
+
+# ---- Tokenizing -----------------------------------------------------------------
+class ByteTokenizer:
+    """The tokenizer used when the model's own cannot be had (--tiny, offline):
+    every UTF-8 byte of the text is one token.
+
+    Ids 0, 1, 2 are PAD, BOS and EOS (the tiny config's bos/eos ids); byte b is id
+    b + 3, so 259 ids in all, which any LLaMA vocabulary covers. No vocabulary
+    file and no download; the price is 3-4 times more tokens than a BPE tokenizer
+    needs for English text.
+    """
+
+    pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+    BYTE_OFFSET = 3
+    vocab_size = 256 + BYTE_OFFSET
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=False):
+        ids = [b + self.BYTE_OFFSET for b in text.encode("utf-8")]
+        return [self.bos_token_id] + ids if add_special_tokens else ids
+
+    def decode(self, ids):
+        return bytes(i - self.BYTE_OFFSET for i in ids if i >= self.BYTE_OFFSET).decode("utf-8", errors="replace")
+
+    def __len__(self):
+        return self.vocab_size
+
+
+def load_tokenizer(args):
+    """(tokenizer, description): the model's own tokenizer when it can be had, else
+    the byte-level one (with a note saying why)."""
+    if args.tiny:
+        return ByteTokenizer(), "byte-level (--tiny)"
+    from transformers import AutoTokenizer
+
+    model_id, problem = args.model, None
+    try:
+        if os.path.exists(model_id):
+            return AutoTokenizer.from_pretrained(model_id), f"{model_id}'s own"
+        if not looks_like_path(model_id):
+            with contextlib.suppress(Exception):
+                return AutoTokenizer.from_pretrained(model_id, local_files_only=True), f"{model_id}'s own"
+            problem = hub_problem(model_id)
+            if problem is None:
+                return AutoTokenizer.from_pretrained(model_id), f"{model_id}'s own"
+        else:
+            problem = "no such file or directory"
+    except Exception as e:  # noqa: BLE001 - any loading problem: fall back to bytes
+        problem = _one_line(e)
+    note(f"no tokenizer for {model_id} ({problem}): the byte-level tokenizer is used instead")
+    return ByteTokenizer(), "byte-level (the model's own is unavailable)"
+
+
+def prompt_text(record):
+    """The plain-template prompt of a record (it ends where the response begins)."""
+    if record["context"].strip():
+        return PROMPT_TEMPLATE_WITH_CONTEXT.format(**record)
+    return PROMPT_TEMPLATE.format(**record)
+
+
+def encode_record(tokenizer, record):
+    """(ids, labels) of one record; labels are IGNORE_INDEX on the prompt.
+
+    With a chat template: the prompt is the user turn plus the assistant header
+    (add_generation_prompt), the response is what the full conversation adds to
+    it. Without: PROMPT_TEMPLATE after BOS, then the response and EOS.
+    """
+    if getattr(tokenizer, "chat_template", None):
+        user = record["instruction"] + (f"\n\n{record['context']}" if record["context"].strip() else "")
+        turns = [{"role": "user", "content": user}]
+        prompt = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=False)
+        full = tokenizer.apply_chat_template(turns + [{"role": "assistant", "content": record["response"]}],
+                                             tokenize=True, return_dict=False)
+        if full[: len(prompt)] != prompt:
+            raise SystemExit("error: the tokenizer's chat template writes the prompt differently once the "
+                             "answer follows, so the response tokens cannot be told apart")
+        response = full[len(prompt):]
+    else:
+        prompt = tokenizer.encode(prompt_text(record), add_special_tokens=True)  # BOS first, if it has one
+        response = tokenizer.encode(record["response"], add_special_tokens=False)
+        if tokenizer.eos_token_id is not None:
+            response = response + [tokenizer.eos_token_id]  # so the model learns where an answer ends
+    return prompt + response, [IGNORE_INDEX] * len(prompt) + response
+
+
+def encode_records(tokenizer, records, seq_len):
+    """Token examples [(ids, labels)], cut to ``seq_len``; also how many were cut
+    and how many lost their whole response to the cut (those are left out)."""
+    examples, cut, lost = [], 0, 0
+    for record in records:
+        ids, labels = encode_record(tokenizer, record)
+        if len(ids) > seq_len:
+            cut += 1
+            ids, labels = ids[:seq_len], labels[:seq_len]
+            if all(label == IGNORE_INDEX for label in labels):
+                lost += 1
+                continue
+        examples.append((ids, labels))
+    return examples, cut, lost
+
+
+class InstructionData:
+    """The tokenized data of a run: train and held-out examples, and how they were made."""
+
+    def __init__(self, name, tokenizer, tokenizer_desc, train, held_out, cut, lost):
+        self.name = name
+        self.tokenizer = tokenizer
+        self.tokenizer_desc = tokenizer_desc
+        self.train, self.held_out = train, held_out
+        self.cut, self.lost = cut, lost
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = pad if pad is not None else 0  # any valid id: padding is masked and has no label
+
+
+def prepare_data(args, records, vocab_size):
+    """Tokenize ``records`` (from load_records) for the model; None for synthetic.
+    Prints what it did; refuses a tokenizer whose ids the model cannot embed."""
+    if records is None:
+        print(f"Data:          synthetic tokens, {args.batch_size} x {args.seq_len} per step (no padding)")
+        return None
+    tokenizer, tokenizer_desc = load_tokenizer(args)
+    largest_id = len(tokenizer) - 1
+    if largest_id >= vocab_size:
+        raise SystemExit(f"error: the tokenizer's ids go up to {largest_id} but the model's vocabulary has only "
+                         f"{vocab_size} entries")
+    train_records, held_records = split_records(records)
+    train, cut, lost = encode_records(tokenizer, train_records, args.seq_len)
+    held_out, _, _ = encode_records(tokenizer, held_records, args.seq_len)
+    if not train:
+        raise SystemExit(f"error: --seq-len {args.seq_len} leaves no response token in any training example; "
+                         f"raise --seq-len")
+    data = InstructionData(dataset_name(args.dataset), tokenizer, tokenizer_desc, train, held_out, cut, lost)
+    template = "the tokenizer's chat template" if tokenizer.chat_template else "the ### Instruction/### Response template"
+    print(f"Data:          {data.name}: {len(records)} records, {len(train_records)} for training, "
+          f"{len(held_records)} held out")
+    print(f"Tokens:        {tokenizer_desc} tokenizer, {template}; loss on the response tokens only")
+    if args.packing:
+        print(f"Batches:       {args.batch_size} rows of {args.seq_len} tokens, examples packed end to end "
+              f"(each attends only to itself)")
+    else:
+        print(f"Batches:       {args.batch_size} examples, padded to the longest of the batch (at most "
+              f"{args.seq_len} tokens)")
+    if cut:
+        left_out = f"; {lost} lose their whole response and are left out" if lost else ""
+        note(f"{cut} of {len(train_records)} training examples are longer than --seq-len {args.seq_len} and "
+             f"are cut to it{left_out}")
+    return data
+
+
+# ---- Batches --------------------------------------------------------------------
+PACKING_WINDOW = 16  # rows still open to later examples: less padding, a bounded search
+
+
+class StepBatches(torch.utils.data.Dataset):
+    """Batch ``k`` of a run, built on the CPU, for any step ``k``: a pure function
+    of (examples, seed, k), so a run resumed at step K gets exactly the batches
+    that an uninterrupted run gets from step K on.
+
+    Epoch e visits the examples in an order drawn from (seed, e). Its rows are the
+    examples one by one (padding), or the examples concatenated into rows of
+    ``seq_len`` tokens, each into the first recent row it fits in (packing). Batch k is rows
+    k*B ... k*B + B - 1 of the epochs laid end to end. ``endless=False``: one
+    epoch in the examples' own order (the held-out set), the last batch may be short.
+    """
+
+    def __init__(self, examples, batch_size, seq_len, packing, seed, pad_id, endless=True):
+        self.examples, self.batch_size, self.seq_len = examples, batch_size, seq_len
+        self.packing, self.seed, self.pad_id, self.endless = packing, seed, pad_id, endless
+        self._epochs = {}  # epoch -> its rows (lists of example indices); lengths only, cheap
+
+    def epoch_rows(self, epoch):
+        if epoch not in self._epochs:
+            order = list(range(len(self.examples)))
+            if self.endless:
+                random.Random(f"data seed {self.seed}, epoch {epoch}").shuffle(order)
+            rows, used = [], []  # used[r]: tokens in rows[r] so far
+            for i in order:
+                length = len(self.examples[i][0])
+                # Packing: into the first of the last PACKING_WINDOW rows that has
+                # room for it (a short example fills the gap a long one left);
+                # else, and always when padding, it opens a row of its own.
+                first = max(0, len(rows) - PACKING_WINDOW)
+                fits = [r for r in range(first, len(rows)) if used[r] + length <= self.seq_len]
+                if self.packing and fits:
+                    rows[fits[0]].append(i)
+                    used[fits[0]] += length
+                else:
+                    rows.append([i])
+                    used.append(length)
+            self._epochs[epoch] = rows
+        return self._epochs[epoch]
+
+    def num_batches(self):
+        """Batches in one epoch (the held-out set's batch count)."""
+        return -(-len(self.epoch_rows(0)) // self.batch_size)
+
+    def rows(self, start, count):
+        """Rows start ... start + count - 1 of the epochs laid end to end."""
+        out, epoch, epoch_start = [], 0, 0
+        while len(out) < count:
+            rows = self.epoch_rows(epoch)
+            i = start + len(out) - epoch_start
+            if i < len(rows):
+                out.extend(rows[i: i + count - len(out)])
+            elif not self.endless:
+                break
+            else:
+                epoch, epoch_start = epoch + 1, epoch_start + len(rows)
+        return out
+
+    def __getitem__(self, step):
+        return self.collate(self.rows(step * self.batch_size, self.batch_size))
+
+    def collate(self, rows):
+        """The batch dict (see the top of this section) of ``rows`` of example indices."""
+        lengths = [[len(self.examples[i][0]) for i in row] for row in rows]
+        width = self.seq_len if self.packing else max(sum(row) for row in lengths)
+        shape = (len(rows), width)
+        input_ids = torch.full(shape, self.pad_id, dtype=torch.long)
+        labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
+        position_ids = torch.zeros(shape, dtype=torch.long)
+        document = torch.zeros(shape, dtype=torch.long)  # packing: which example each slot holds
+        for b, row in enumerate(rows):
+            t = 0
+            for d, i in enumerate(row):
+                ids, labs = self.examples[i]
+                n = len(ids)
+                input_ids[b, t: t + n] = torch.tensor(ids)
+                labels[b, t: t + n] = torch.tensor(labs)
+                # The first token of an example is never a target: after the shift
+                # it would be predicted from the previous example's last token.
+                labels[b, t] = IGNORE_INDEX
+                position_ids[b, t: t + n] = torch.arange(n)  # RoPE sees each example from position 0
+                document[b, t: t + n] = d
+                t += n
+            # The padding after the last example is a document of its own: no real
+            # token attends to it, and each padding query still sees itself (a query
+            # that may attend to nothing gives NaN in SDPA).
+            position_ids[b, t:] = torch.arange(width - t)
+            document[b, t:] = len(row)
+        real = sum(sum(row) for row in lengths)
+        if self.packing:
+            attention_mask = block_causal_mask(document)
+        else:
+            # Padding: one example per row, padded on the right, so the model's own
+            # positions 0, 1, 2, ... are right and a [B, T] mask hides the padding.
+            attention_mask = (document == 0).long()
+            position_ids = None
+        return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
+                "attention_mask": attention_mask, "num_tokens": input_ids.numel(), "num_real_tokens": real}
+
+
+def block_causal_mask(document):
+    """[B, T] example index of every slot -> [B, 1, T, T] bool, True where query t may
+    attend to key s: same example, and s <= t.
+
+    Passed to the model as a ready 4-D mask, HF's SDPA attention uses it as given:
+    attention never crosses examples, exactly. It costs B * T * T bytes
+    (8 MB at 2 x 2048), and SDPA with an explicit mask uses the memory-efficient
+    kernel, not flash attention.
+    """
+    seq_len = document.shape[1]
+    same = document[:, :, None] == document[:, None, :]
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    return (same & causal)[:, None]
+
+
+def loader(dataset, steps, num_workers):
+    """A DataLoader over batch indices ``steps``: worker processes build the batches
+    ahead of the training step, in pinned host memory when there is a GPU (the
+    copy to the GPU then needs no staging buffer and can be asynchronous)."""
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=None,  # each index is a whole batch already
+        sampler=steps,
+        num_workers=num_workers,
+        pin_memory=torch.cuda.is_available(),
+    )
+
+
+def training_batches(args, data, device, vocab_size, start_step=0):
+    """The endless stream of training steps on ``device``, from step ``start_step``
+    on (0-based): each is a list of --grad-accum batch dicts (its micro-batches).
+
+    Micro-batch k of the run (k = step * grad_accum + m) is the same whether the
+    stream started at 0 or later: synthetic data replays its seeded generator,
+    real data builds batch k from (seed, k) alone (StepBatches). So a resumed run
+    gets exactly the batches the uninterrupted run had.
+    """
+    accum = getattr(args, "grad_accum", 1)  # the profile script has no --grad-accum
+    first = start_step * accum
+    if data is None:  # synthetic: the seeded generator, replayed up to the first micro-batch
+        stream = (lm_batch(ids) for ids, _ in
+                  synthetic_batches(args.batch_size, args.seq_len, vocab_size, args.seed, device))
+        stream = itertools.islice(stream, first, None)
+    else:
+        dataset = StepBatches(data.train, args.batch_size, args.seq_len, args.packing, args.seed, data.pad_id)
+        stream = (batch_to(batch, device) for batch in loader(dataset, itertools.count(first), args.num_workers))
+    while True:
+        yield [next(stream) for _ in range(accum)]
+
+
+def held_out_batches(args, data, device, vocab_size):
+    """The held-out batches an evaluation averages over, a list (at most
+    --eval-batches of them; ``args.eval_batches`` None: all). Real data: the held-out
+    examples, in a fixed order, batched like the training data (none if the set
+    is too small to hold any out). Synthetic: the same generator with another
+    seed, so no training step sees them."""
+    limit = getattr(args, "eval_batches", None)
+    if data is None:
+        stream = synthetic_batches(args.batch_size, args.seq_len, vocab_size, args.seed + EVAL_SEED_OFFSET, device)
+        return [lm_batch(ids) for ids, _ in itertools.islice(stream, limit or EVAL_BATCHES)]
+    if not data.held_out:
+        return []
+    dataset = StepBatches(data.held_out, args.batch_size, args.seq_len, args.packing, args.seed, data.pad_id,
+                          endless=False)
+    count = dataset.num_batches() if limit is None else min(limit, dataset.num_batches())
+    return [batch_to(batch, device) for batch in loader(dataset, range(count), args.num_workers)]
+
+
+# --------------------------------------------------------------------------------
+# One training step, the training loop
+# --------------------------------------------------------------------------------
 def phase(name):
     """A named range: shows in torch.profiler traces, and in nsys as NVTX on a GPU."""
     stack = contextlib.ExitStack()
@@ -673,16 +1242,103 @@ def phase(name):
     return stack
 
 
-def train_step(model, optimizer, loss_fn, input_ids, labels):
-    """One step: forward + loss, backward, AdamW update. Returns the loss (a tensor)."""
-    with phase("forward"):
-        loss = loss_fn(model, input_ids, labels)
-    with phase("backward"):
-        loss.backward()
+def train_step(model, optimizer, loss_fn, micro_batches, scheduler=None, max_grad_norm=0.0):
+    """One optimizer step: forward + loss and backward for each micro-batch
+    (``micro_batches``: a list of batch dicts, see "Data"; one without --grad-accum),
+    then gradient clipping, the AdamW update and the learning-rate schedule.
+    Returns (loss, gradient norm): tensors, the loss averaged over every target
+    token of the step; the norm is None when clipping is off."""
+    loss = accumulate_gradients(model, loss_fn, micro_batches)
     with phase("optimizer"):
+        grad_norm = optimizer_update(optimizer, scheduler, max_grad_norm)
+    return loss, grad_norm
+
+
+def target_count(batch):
+    """How many positions of a batch count in its loss (the shifted labels that are
+    not IGNORE_INDEX: prompts, padding and each example's first token are not), as
+    a tensor: reading it would wait for the GPU."""
+    return (shift_labels(batch["labels"]) != IGNORE_INDEX).sum()
+
+
+def accumulate_gradients(model, loss_fn, micro_batches):
+    """Forward and backward of each micro-batch, adding up the gradients.
+
+    ``loss_fn`` returns the mean over one micro-batch's target tokens. The step's
+    loss must be the mean over all of its tokens, what one big batch would give,
+    so each micro-batch's loss is weighted by its share of the step's tokens
+    (1/N each when every micro-batch has as many; with padding, not). The weight
+    is applied before backward, so the gradients are those of the step's loss.
+    """
+    counts = [target_count(batch) for batch in micro_batches]
+    total = torch.stack(counts).sum().clamp(min=1)  # an all-padding step: loss 0, not 0/0
+    step_loss = 0.0
+    for batch, count in zip(micro_batches, counts):
+        with phase("forward"):
+            loss = loss_fn(model, batch) * (count / total)  # exactly x1.0 without accumulation
+        with phase("backward"):
+            loss.backward()
+        step_loss = step_loss + loss.detach()
+    return step_loss
+
+
+def optimizer_update(optimizer, scheduler, max_grad_norm):
+    """Clip the gradients, update the parameters, advance the learning-rate schedule.
+    Returns the gradient norm before clipping (a tensor), or None without clipping."""
+    grad_norm = None
+    if max_grad_norm > 0:
+        # The parameters the optimizer updates are the ones to clip (LoRA: the adapters only).
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    # Ctrl-C in the middle of the update would leave some tensors updated and others
+    # not, and no checkpoint could be saved: it is held until the update is complete.
+    with hold_interrupts():
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)  # frees the gradients until next backward
-    return loss.detach()
+    return grad_norm
+
+
+_HELD_INTERRUPTS = []  # Ctrl-C pressed during an optimizer update (see hold_interrupts)
+
+
+@contextlib.contextmanager
+def hold_interrupts():
+    """Ctrl-C inside this block is recorded instead of raised; run_training raises it
+    once the step is recorded (interrupt_if_held). Only the main thread gets signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: _HELD_INTERRUPTS.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def interrupt_if_held():
+    if _HELD_INTERRUPTS:
+        _HELD_INTERRUPTS.clear()
+        raise KeyboardInterrupt
+
+
+@torch.no_grad()
+def evaluate(model, loss_fn, batches):
+    """Mean loss over ``batches`` (batch dicts; held_out_batches), every target token
+    weighted alike, with the model in eval mode (no dropout) and no gradients.
+    Returns a float."""
+    was_training = model.training
+    model.eval()
+    try:
+        loss_sum, count_sum = 0.0, 0
+        for batch in batches:
+            count = target_count(batch)
+            loss_sum = loss_sum + loss_fn(model, batch).float() * count
+            count_sum = count_sum + count
+    finally:
+        model.train(was_training)
+    return float(loss_sum / max(int(count_sum), 1))
 
 
 def sync():
@@ -755,59 +1411,134 @@ def duration(seconds):
     return f"{seconds / 3600:.1f} h"
 
 
-def run_training(args, model, loss_fn, optimizer):
-    """The fine-tuning loop: ``loss_fn(model, input_ids, labels)`` and ``optimizer``
-    at every step. Returns a dict of results (see write_json).
+def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, resumed=None):
+    """The fine-tuning loop: ``loss_fn(model, batch)``, ``optimizer`` and the
+    learning-rate ``scheduler`` at every step, on the batches of ``data``
+    (prepare_data; None: synthetic). Returns a dict of results (see write_json).
 
-    Ctrl-C stops the loop between or inside a step: the results then hold the
-    completed steps and ``partial`` is True (the caller writes them and exits 130).
+    Throughput is counted two ways: ``tokens_per_sec``, every token slot the model
+    computed (padding included), and ``real_tokens_per_sec``, the slots that hold
+    real tokens of an example (prompt or response), not padding.
+    ``padding_fraction``: the share of the slots of all steps run that is padding.
+
+    ``resumed``: the trainer state of the checkpoint this run continues (see
+    load_checkpoint): the loop starts after its step, on the batches that step
+    would have been given. With --eval-every the held-out loss is measured every N
+    steps; with --output-dir a checkpoint is saved every --save-every steps and at
+    the end. Ctrl-C stops the loop between or inside a step: the results then hold
+    the completed steps and ``partial`` is True (the caller writes them and exits
+    130); with --output-dir the completed steps are saved as a checkpoint first.
     """
     device = next(model.parameters()).device
-    batches = synthetic_batches(args.batch_size, args.seq_len, model.config.vocab_size, args.seed, device)
-    tokens = args.batch_size * args.seq_len
+    start = resumed["step"] if resumed else 0
+    history = resumed["history"] if resumed else {"train": [], "eval": []}  # every step, for the curve
+    # The batches are a pure function of (seed, step): a resumed run gets those
+    # the uninterrupted run had from its step on.
+    batches = training_batches(args, data, device, model.config.vocab_size, start)
     total = args.warmup_steps + args.steps
+    heldout = held_out_batches(args, data, device, model.config.vocab_size) if args.eval_every else None
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()  # the peak of training, weights included
 
-    steps = []
+    steps, evals, saved = [], [], []
     partial = False
+    rng = rng_states()  # the random state after the last completed step: what a checkpoint holds
+    bar = progress_bar(args, total, start)
+    say = bar.write if bar else functools.partial(print, flush=True)
     with exit_on_oom(args, "training", model):
         try:
-            for i in range(total):
-                input_ids, labels = next(batches)
-                warmup = i < args.warmup_steps
+            for i in range(start, total):
+                micro_batches = next(batches)
+                warmup = i - start < args.warmup_steps  # the first steps of this process are not timed
+                lr = optimizer.param_groups[0]["lr"]
                 sync()  # time only this step's work, not what is still queued
-                start = time.perf_counter()
-                loss = train_step(model, optimizer, loss_fn, input_ids, labels)
+                begin = time.perf_counter()
+                loss, grad_norm = train_step(model, optimizer, loss_fn, micro_batches, scheduler, args.max_grad_norm)
                 sync()
-                seconds = time.perf_counter() - start
-                steps.append({"step": i + 1, "loss": loss.item(), "time_s": seconds, "warmup": warmup})
-                if (i + 1) % args.log_every == 0 or i + 1 == total or warmup:
-                    tag = "  (warm-up, not timed)" if warmup else f"  {tokens / seconds:>10,.0f} tokens/s"
-                    print(f"step {i + 1:>4}/{total}  loss {loss.item():.4f}  {seconds:8.3f} s{tag}", flush=True)
-                if i == 0:
-                    print_estimate(seconds, total - 1)
+                seconds = time.perf_counter() - begin
+                record = {"step": i + 1, "loss": loss.item(), "time_s": seconds, "warmup": warmup, "lr": lr,
+                          "grad_norm": None if grad_norm is None else grad_norm.item(),
+                          "tokens": sum(b["num_tokens"] for b in micro_batches),  # every micro-batch of the step
+                          "real_tokens": sum(b["num_real_tokens"] for b in micro_batches)}
+                steps.append(record)
+                history["train"].append([i + 1, record["loss"]])
+                report_step(args, bar, record, total)
+                if i == start and not bar:
+                    print_estimate(seconds, total - i - 1)
+                if args.eval_every and (i + 1) % args.eval_every == 0:
+                    eval_loss = evaluate(model, loss_fn, heldout)
+                    evals.append({"step": i + 1, "loss": eval_loss})
+                    history["eval"].append([i + 1, eval_loss])
+                    say(f"eval {i + 1:>4}/{total}  held-out loss {eval_loss:.4f} ({len(heldout)} batches)")
+                rng = rng_states()
+                if args.output_dir and args.save_every and (i + 1) % args.save_every == 0:
+                    saved.append(save_checkpoint(args, model, optimizer, scheduler, i + 1, history, rng))
+                    say(f"Saved         {saved[-1]}")
+                interrupt_if_held()  # Ctrl-C during the update: this step is complete and recorded
         except KeyboardInterrupt:
             partial = True  # keep what is done; the step in progress is lost
+        finally:
+            if bar:
+                bar.close()
 
-    timed = [s["time_s"] for s in steps if not s["warmup"]]
+    done = start + len(steps)
+    if args.output_dir:
+        # The end of the run, or the last completed step of an interrupted one.
+        if done > start and not os.path.exists(checkpoint_path(args.output_dir, done)):
+            saved.append(save_checkpoint(args, model, optimizer, scheduler, done, history, rng))
+            print(f"Saved         {saved[-1]}", flush=True)
+        curve = plot_loss_curve(os.path.join(args.output_dir, LOSS_CURVE), history)
+        print(f"Loss curve:   {curve}", flush=True)
+
+    timed = [s for s in steps if not s["warmup"]]
+    timed_s = sum(s["time_s"] for s in timed)
+    slots = sum(s["tokens"] for s in steps)
     peak_bytes, peak_kind = peak_memory()
     return {
         "partial": partial,
         "planned_steps": total,
-        "steps": steps,
+        "start_step": start,  # steps already done by the checkpoint this run resumed (0: a fresh run)
+        "steps": steps,  # this run's steps; "step" counts from the start of training
         "losses": [s["loss"] for s in steps],
         "step_times_s": [s["time_s"] for s in steps],
+        "eval": evals,
+        "checkpoints": saved,
         "warmup_steps": args.warmup_steps,
         "timed_steps": len(timed),
-        "tokens_per_step": tokens,
+        "grad_accum": args.grad_accum,
+        "tokens_per_step": slots / len(steps) if steps else None,  # the mean: padded batches vary
         # None (null in the JSON) when Ctrl-C came before the first timed step.
-        "time_per_step_s": sum(timed) / len(timed) if timed else None,
-        "tokens_per_sec": tokens * len(timed) / sum(timed) if timed else None,
+        "time_per_step_s": timed_s / len(timed) if timed else None,
+        "tokens_per_sec": sum(s["tokens"] for s in timed) / timed_s if timed else None,
+        "real_tokens_per_sec": sum(s["real_tokens"] for s in timed) / timed_s if timed else None,
+        "padding_fraction": 1 - sum(s["real_tokens"] for s in steps) / slots if steps else None,
         "peak_memory_bytes": peak_bytes,
         "peak_memory_kind": peak_kind,
         "final_loss": steps[-1]["loss"] if steps else None,
     }
+
+
+def report_step(args, bar, record, total):
+    """A step's loss and speed: on the progress bar, or as a line every --log-every steps."""
+    step, seconds, tokens = record["step"], record["time_s"], record["tokens"]
+    speed = "warm-up" if record["warmup"] else f"{tokens / seconds:,.0f} tok/s"
+    if bar:
+        bar.set_postfix_str(f"loss {record['loss']:.4f}, {speed}", refresh=False)
+        bar.update(1)
+        return
+    if step % (args.log_every or 1) == 0 or step == total or record["warmup"]:
+        tag = "  (warm-up, not timed)" if record["warmup"] else f"  {tokens / seconds:>10,.0f} tokens/s"
+        print(f"step {step:>4}/{total}  loss {record['loss']:.4f}  {seconds:8.3f} s{tag}", flush=True)
+
+
+def progress_bar(args, total, start):
+    """A tqdm bar (loss, tokens/s, ETA) on a terminal when --log-every is not given;
+    otherwise None, and each step prints a line (logs, pipes, tests)."""
+    if args.log_every is not None or not sys.stdout.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, file=sys.stdout)
 
 
 def print_results(title, results):
@@ -818,8 +1549,13 @@ def print_results(title, results):
     print(f"Timed steps:                {results['timed_steps']} (after {results['warmup_steps']} warm-up)")
     print(f"Average time per step:      {results['time_per_step_s']:.3f} s")
     print(f"Average throughput:         {results['tokens_per_sec']:,.0f} tokens/sec")
+    print(f"Real tokens (no padding):   {results['real_tokens_per_sec']:,.0f} tokens/sec "
+          f"(padding: {results['padding_fraction'] * 100:.1f}% of the token slots)")
     print(f"Peak memory:                {results['peak_memory_bytes'] / 2**30:.2f} GiB ({results['peak_memory_kind']})")
     print(f"Final loss:                 {results['final_loss']:.4f}")
+    if results.get("eval"):
+        last = results["eval"][-1]
+        print(f"Held-out loss:              {last['loss']:.4f} (step {last['step']})")
 
 
 def write_json(path, script, args, env, model_info, results):
@@ -839,32 +1575,485 @@ def run_finetune(args, title, script, switch_in):
     """Everything a fine-tune script does after parsing its flags.
 
     ``switch_in(model, kernels)`` is the script's own choice of what to train with:
-    it returns ``(loss_fn, make_optimizer)``, a loss ``loss_fn(model, input_ids,
-    labels)`` and an optimizer factory ``make_optimizer(params, lr)``, and prints
-    what it chose. Ctrl-C writes the completed steps (marked partial) and exits 130.
+    it returns ``(loss_fn, make_optimizer)``, a loss ``loss_fn(model, batch)``
+    (a batch dict, see "Data") and an optimizer factory ``make_optimizer(params,
+    lr)``, and prints what it chose. With --lora the model it gets is already
+    wrapped by PEFT, and the optimizer is given the adapters' parameters only.
+    Ctrl-C writes the completed steps (marked partial) and exits 130.
     """
+    # Every check that needs no model comes first: a mistake costs a second, not a load.
     if args.json:
         args.json = check_output_path(args.json, "--json")  # now, not after minutes of training
+    check_lora_flags(args)
+    resumed = read_checkpoint_state(args.resume) if args.resume else None
+    check_output_flags(args)
     env = environment_info()
     print_banner(title, env)
     resolve_defaults(args)
+    if resumed:
+        check_same_run(args, resumed)
+    if args.output_dir:
+        check_no_later_checkpoints(args.output_dir, resumed["step"] if resumed else 0)
+    records = load_records(args.dataset)  # a bad --dataset fails now, before the model is built
+
     model, model_info = load_model(args)
-    print(f"Batch:         {args.batch_size} x {args.seq_len} tokens, lr {args.lr:g}, seed {args.seed}")
+    data = prepare_data(args, records, model.config.vocab_size)
+    if args.eval_every and data is not None and not data.held_out:
+        raise SystemExit(f"error: --eval-every: {data.name} leaves no held-out example to evaluate on (its "
+                         f"held-out split is {EVAL_FRACTION:.0%} of the records); use a larger dataset or leave "
+                         f"--eval-every out")
+    if args.lora:
+        model = apply_lora(model, args)
+    if resumed:
+        check_same_model(args, resumed, model)
+    params = trainable_parameters(model)
+    model_info["trainable_parameters"] = sum(p.numel() for p in params)
+    accum = f" x {args.grad_accum} micro-batches per step" if args.grad_accum > 1 else ""
+    print(f"Batch:         {args.batch_size} x {args.seq_len} tokens{accum}, lr {args.lr:g}, seed {args.seed}")
     kernels = kernels_from_args(args)
     loss_fn, make_optimizer = switch_in(model, kernels)
-    compile_decoder(model, args)
-    optimizer = make_optimizer(model.parameters(), lr=args.lr)
-    results = run_training(args, model, loss_fn, optimizer)
+    compile_decoder(model, args)  # after the kernels (and LoRA): they are what the graphs hold
+    optimizer = make_optimizer(params, lr=args.lr)
+    scheduler = make_scheduler(optimizer, args)
+    print_schedule(args)
+    if resumed:
+        load_checkpoint(args.resume, model, optimizer, scheduler)
+        print(f"Resumed:       {args.resume}: step {resumed['step']} of {args.warmup_steps + args.steps} done")
+    results = run_training(args, model, loss_fn, optimizer, data, scheduler, resumed)
     results["kernels"] = kernels
     if results["partial"]:
         done = len(results["steps"])
         if args.json:
             write_json(args.json, script, args, env, model_info, results)
         where = f"wrote them to {args.json} (marked partial)" if args.json else "not written (no --json)"
-        print(f"\nInterrupted: {done} of {results['planned_steps']} steps completed, {where}", flush=True)
+        print(f"\nInterrupted: {done} of {results['planned_steps'] - results['start_step']} steps completed, "
+              f"{where}", flush=True)
         raise SystemExit(130)  # 128 + SIGINT, what a shell reports for Ctrl-C
     print_results(f"{title}: results", results)
     if args.json:
         write_json(args.json, script, args, env, model_info, results)
         print(f"Wrote {args.json}")
     return results
+
+
+# --------------------------------------------------------------------------------
+# A real run's flags: accumulation, schedule, clipping, evaluation, checkpoints
+# --------------------------------------------------------------------------------
+LR_WARMUP_FRACTION = 0.1  # --lr-warmup-steps default: 10% of all steps
+LOSS_CURVE = "loss_curve.png"
+
+
+def non_negative_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def probability(text):
+    value = non_negative_float(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def name_list(text):
+    """argparse type: 'a,b,c' -> ['a', 'b', 'c']."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected comma-separated module names, e.g. q_proj,v_proj")
+    return names
+
+
+def add_real_run_args(parser):
+    """Flags of a long run: how steps are made up, scheduled, evaluated and saved."""
+    g = parser.add_argument_group("a real run")
+    g.add_argument("--grad-accum", type=positive_int, default=1,
+                   help="micro-batches of --batch-size per optimizer step; the loss is their token-weighted "
+                        "mean, as one batch N times larger would give (default: %(default)s)")
+    g.add_argument("--lr-warmup-steps", type=non_negative_int,
+                   help="learning rate rising linearly over the first N steps, then a cosine decay to 0 at "
+                        "the last step (default: 10%% of all steps). Not --warmup-steps: those are untimed steps")
+    g.add_argument("--max-grad-norm", type=non_negative_float, default=1.0,
+                   help="clip the gradients to this global norm; 0 turns clipping off (default: %(default)s)")
+    g.add_argument("--eval-every", type=positive_int,
+                   help="every N steps, the mean loss on held-out batches: the held-out split of --dataset "
+                        "(records no training step sees), or synthetic tokens of another seed")
+    g.add_argument("--eval-batches", type=positive_int, default=EVAL_BATCHES,
+                   help="held-out batches per evaluation, the same ones each time; fewer if the held-out "
+                        "split has fewer (default: %(default)s)")
+    g.add_argument("--output-dir", metavar="DIR",
+                   help="save checkpoints as DIR/checkpoint-K (the model, or with --lora only the adapter, as "
+                        "safetensors; optimizer, schedule, random state, data position) at the end, every "
+                        "--save-every steps and on Ctrl-C, and the loss curve as DIR/loss_curve.png. A run "
+                        "never overwrites a checkpoint: DIR may hold none past the step the run starts from")
+    g.add_argument("--save-every", type=positive_int, help="a checkpoint every N steps (needs --output-dir)")
+    g.add_argument("--resume", metavar="DIR/checkpoint-K",
+                   help="continue a run from its checkpoint, with the same flags (checked): the losses are "
+                        "those the run would have had without the break. New checkpoints go beside it "
+                        "unless --output-dir says otherwise")
+    return parser
+
+
+def add_lora_args(parser):
+    g = parser.add_argument_group("LoRA (PEFT)")
+    g.add_argument("--lora", action="store_true",
+                   help="train low-rank adapters only (pip install peft); the model's own weights are frozen")
+    g.add_argument("--lora-r", type=positive_int, default=16, help="rank of each adapter (default: %(default)s)")
+    g.add_argument("--lora-alpha", type=non_negative_float, default=32.0,
+                   help="adapter scale: the update is (alpha / r) * B @ A (default: %(default)g)")
+    g.add_argument("--lora-dropout", type=probability, default=0.0,
+                   help="dropout on each adapter's input (default: %(default)g)")
+    g.add_argument("--lora-targets", type=name_list, default=",".join(LORA_TARGETS),
+                   help="comma-separated names of the linear layers that get adapters (default: every "
+                        "linear layer of the decoder, %(default)s)")
+    g.add_argument("--lora-4bit", action="store_true",
+                   help="QLoRA: the frozen weights loaded in 4-bit NF4 (pip install bitsandbytes; CUDA GPU, "
+                        "pretrained weights); implies --lora")
+    return parser
+
+
+def check_output_flags(args):
+    """--output-dir / --save-every / --resume, before any work: one line each."""
+    if args.resume and not args.output_dir:
+        args.output_dir = os.path.dirname(os.path.abspath(os.path.expanduser(args.resume)))
+    if args.save_every and not args.output_dir:
+        raise SystemExit("error: --save-every needs --output-dir (where the checkpoints go)")
+    if args.output_dir:
+        args.output_dir = check_output_path(args.output_dir, "--output-dir", directory=True)
+
+
+def print_schedule(args):
+    total = args.warmup_steps + args.steps
+    clip = f"clipped to norm {args.max_grad_norm:g}" if args.max_grad_norm > 0 else "not clipped"
+    print(f"Schedule:      {total} steps: lr warm-up over {args.lr_warmup_steps}, then cosine to 0; "
+          f"gradients {clip}")
+
+
+# --------------------------------------------------------------------------------
+# The learning-rate schedule
+# --------------------------------------------------------------------------------
+def lr_factor(step, warmup, total):
+    """The multiplier of --lr for optimizer step ``step`` (0-based) of ``total``.
+
+    A linear warm-up over the first ``warmup`` steps (1/warmup, 2/warmup, ... 1:
+    Adam's first updates, from moments estimated on one or two batches, are the
+    least reliable, so they are kept small), then half a cosine from 1 down to 0 at
+    step ``total`` (the last step trains with a small, non-zero rate).
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def make_scheduler(optimizer, args):
+    """A LambdaLR over lr_factor: it sets each group's lr, so any torch optimizer
+    follows it (torch.optim.AdamW, TritonAdamW). Stepped once per optimizer step."""
+    total = args.warmup_steps + args.steps
+    factor = functools.partial(lr_factor, warmup=args.lr_warmup_steps, total=total)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# --------------------------------------------------------------------------------
+# LoRA (PEFT)
+# --------------------------------------------------------------------------------
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def installed(package):
+    import importlib.util
+
+    return importlib.util.find_spec(package) is not None
+
+
+def check_lora_flags(args):
+    """What --lora and --lora-4bit need, checked before anything is built."""
+    if args.lora_4bit:
+        args.lora = True
+        if not installed("bitsandbytes"):
+            raise SystemExit("error: --lora-4bit needs bitsandbytes for the 4-bit weights: pip install bitsandbytes")
+        if not torch.cuda.is_available():
+            raise SystemExit("error: --lora-4bit needs a CUDA GPU (bitsandbytes' 4-bit kernels)")
+        if args.tiny or args.random_init:
+            raise SystemExit("error: --lora-4bit quantizes pretrained weights while loading them; "
+                             "it cannot be used with --tiny or --random-init")
+    if args.lora and not installed("peft"):
+        raise SystemExit("error: --lora needs the peft package: pip install peft")
+
+
+def qlora_quantization_config():
+    """QLoRA's storage of the frozen weights: 4-bit NF4, double-quantized scales,
+    matmuls computed in bf16."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=torch.bfloat16)
+
+
+def apply_lora(model, args):
+    """Wrap ``model`` with PEFT LoRA adapters on --lora-targets; freeze everything else.
+
+    Each target ``y = x @ W.T`` becomes ``y = x @ W.T + (alpha / r) * dropout(x) @ A.T @ B.T``
+    with A [r, in] random and B [out, r] zero, so training starts from the model
+    itself. Only A and B are trained: for r = 16 on every linear layer of LLaMA-3.1-8B
+    that is 42 M parameters instead of 8 B, and AdamW state for those only.
+    Returns the PeftModel (it forwards config, get_decoder, lm_head... to the model).
+    """
+    import warnings
+
+    import peft
+
+    linear = {name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    missing = [t for t in args.lora_targets if t not in linear]
+    if missing:
+        raise SystemExit(f"error: --lora-targets: {type(model).__name__} has no linear layer named "
+                         f"{', '.join(missing)} (it has {', '.join(sorted(linear))})")
+    if args.lora_4bit:  # norms and embeddings in float32, the quantized layers ready for adapters
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                             target_modules=list(args.lora_targets), task_type="CAUSAL_LM")
+    with warnings.catch_warnings():  # peft asks transformers about checkpointing by a deprecated name
+        warnings.simplefilter("ignore", FutureWarning)
+        model = peft.get_peft_model(model, config)
+    trainable = sum(p.numel() for p in trainable_parameters(model))
+    total = sum(p.numel() for p in model.parameters())
+    print(f"LoRA:          r {args.lora_r}, alpha {args.lora_alpha:g}, dropout {args.lora_dropout:g} on "
+          f"{','.join(args.lora_targets)}: {trainable:,} of {total:,} parameters trained "
+          f"({100 * trainable / total:.2f}%)")
+    return model
+
+
+def is_peft_model(model):
+    return hasattr(model, "peft_config")
+
+
+def trainable_parameters(model):
+    """The parameters the optimizer gets: all of them, or with LoRA the adapters only
+    (frozen weights get no gradient, no AdamW state, no update)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+# --------------------------------------------------------------------------------
+# Checkpoints: DIR/checkpoint-K holds everything step K+1 needs
+# --------------------------------------------------------------------------------
+# Layout of DIR/checkpoint-K:
+#   model.safetensors + config.json          the model (save_pretrained), or with LoRA
+#   adapter_model.safetensors + adapter_config.json     the adapters only
+#   optimizer.pt, scheduler.pt               their state_dict()s (torch.save)
+#   rng_state.pt                             python, torch CPU and CUDA generators
+#   trainer_state.json                       step K, the flags and model config it was
+#                                            made with, the loss history
+# It is written as checkpoint-K.tmp and renamed when complete: a crash or Ctrl-C
+# during the save never leaves a half checkpoint under the real name.
+CHECKPOINT_PREFIX = "checkpoint-"
+TRAINER_STATE = "trainer_state.json"
+CHECKPOINT_FORMAT = 1
+
+# The flags that decide a run's numbers: a resumed run must have the same ones.
+# The kernels other than AdamW may differ (same results to rounding); the
+# optimizer may not (TritonAdamW and torch's AdamW keep their step count differently).
+RUN_FLAGS = ("tiny", "seed", "dataset", "packing", "batch_size", "seq_len", "grad_accum", "lr", "steps",
+             "warmup_steps", "lr_warmup_steps", "max_grad_norm", "lora", "lora_r", "lora_alpha", "lora_dropout",
+             "lora_targets", "lora_4bit", "use_custom_adamw")
+
+
+def checkpoint_path(output_dir, step):
+    return os.path.join(output_dir, f"{CHECKPOINT_PREFIX}{step}")
+
+
+def existing_checkpoints(output_dir):
+    """{step: path} of the checkpoint-K folders in ``output_dir``."""
+    found = {}
+    for path in glob.glob(os.path.join(output_dir, CHECKPOINT_PREFIX + "*")):
+        suffix = os.path.basename(path)[len(CHECKPOINT_PREFIX):]
+        if suffix.isdigit() and os.path.isdir(path):
+            found[int(suffix)] = path
+    return found
+
+
+def check_no_later_checkpoints(output_dir, start_step):
+    """The overwrite rule: a run writes checkpoints after its start step only, so the
+    output directory must hold none past it (they would belong to another run, or
+    to this run's earlier future)."""
+    later = sorted(k for k in existing_checkpoints(output_dir) if k > start_step)
+    if later:
+        how = f"resumed from step {start_step}" if start_step else "starting from step 0"
+        raise SystemExit(f"error: --output-dir {output_dir} already holds {CHECKPOINT_PREFIX}{later[0]}, which a "
+                         f"run {how} would overwrite; continue it with --resume "
+                         f"{checkpoint_path(output_dir, later[-1])}, or choose another --output-dir")
+
+
+def run_flags(args):
+    flags = {name: getattr(args, name) for name in RUN_FLAGS}
+    flags["dataset"] = dataset_name(args.dataset)  # the bundled set wherever the repository is
+    return flags
+
+
+def model_fingerprint(model):
+    """The model's config as plain JSON values, less what does not change the numbers."""
+    config = model.config.to_dict()
+    for key in ("transformers_version", "_name_or_path", "use_cache", "architectures"):
+        config.pop(key, None)
+    return json.loads(json.dumps(config, default=str, sort_keys=True))
+
+
+def lora_fingerprint(model):
+    if not is_peft_model(model):
+        return None
+    config = model.peft_config["default"].to_dict()
+    return json.loads(json.dumps(config, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+
+
+def rng_states():
+    """Every random generator training draws from (dropout): python's, torch's CPU
+    generator, each GPU's. The data has its own seeded generator (training_batches)."""
+    return {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
+def set_rng_states(states):
+    random.setstate(states["python"])
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def save_checkpoint(args, model, optimizer, scheduler, step, history, rng):
+    """Write DIR/checkpoint-``step`` (layout above); return its path."""
+    path = checkpoint_path(args.output_dir, step)
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was interrupted
+    os.makedirs(tmp)
+    model.save_pretrained(tmp)  # safetensors; a PeftModel writes its adapters only
+    torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+    torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
+    torch.save(rng, os.path.join(tmp, "rng_state.pt"))
+    write_json_atomic(os.path.join(tmp, TRAINER_STATE), {
+        "format": CHECKPOINT_FORMAT,
+        "step": step,
+        "total_steps": args.warmup_steps + args.steps,
+        "model_name": "tiny" if args.tiny else args.model,
+        "flags": run_flags(args),
+        "model_config": model_fingerprint(model),
+        "lora_config": lora_fingerprint(model),
+        "history": history,
+    })
+    os.rename(tmp, path)
+    return path
+
+
+def read_checkpoint_state(path):
+    """--resume: the checkpoint's trainer_state.json, or a one-line error."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isdir(path):
+        raise SystemExit(f"error: --resume {path}: no such checkpoint directory")
+    try:
+        with open(os.path.join(path, TRAINER_STATE)) as f:
+            state = json.load(f)
+    except FileNotFoundError:
+        raise SystemExit(f"error: --resume {path}: not a checkpoint (no {TRAINER_STATE}); checkpoints are the "
+                         f"{CHECKPOINT_PREFIX}K folders of an --output-dir") from None
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: --resume {path}: cannot read {TRAINER_STATE} ({_one_line(e)})") from None
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise SystemExit(f"error: --resume {path}: checkpoint format {state.get('format')!r}, "
+                         f"this code reads {CHECKPOINT_FORMAT}")
+    state["path"] = path
+    return state
+
+
+def differences(then, now, limit=4):
+    """'key a there, b here' for the first ``limit`` keys whose values differ."""
+    keys = [k for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k)]
+    text = "; ".join(f"{k} {then.get(k)!r} there, {now.get(k)!r} here" for k in keys[:limit])
+    return text + (f" (and {len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+def check_same_run(args, state):
+    """The flags that decide the numbers must be those the checkpoint was made with."""
+    name = "tiny" if args.tiny else args.model
+    if state["model_name"] != name:
+        raise SystemExit(f"error: --resume {state['path']}: the checkpoint is of {state['model_name']}, "
+                         f"this run trains {name}")
+    then, now = state["flags"], json.loads(json.dumps(run_flags(args)))
+    if then != now:
+        diff = differences({"--" + k.replace("_", "-"): v for k, v in then.items()},
+                           {"--" + k.replace("_", "-"): v for k, v in now.items()})
+        raise SystemExit(f"error: --resume {state['path']}: made with other settings: {diff}; "
+                         f"resume with the flags of the run that saved it")
+    if not state["step"] < args.warmup_steps + args.steps:
+        raise SystemExit(f"error: --resume {state['path']}: the run is complete ({state['step']} steps)")
+
+
+def check_same_model(args, state, model):
+    """The architecture (and the LoRA setup) must be the checkpoint's."""
+    if state["model_config"] != model_fingerprint(model):
+        raise SystemExit(f"error: --resume {state['path']}: the checkpoint is of another model: "
+                         f"{differences(state['model_config'], model_fingerprint(model))}")
+    if state["lora_config"] != lora_fingerprint(model):
+        raise SystemExit(f"error: --resume {state['path']}: the checkpoint has other LoRA adapters: "
+                         f"{differences(state['lora_config'] or {}, lora_fingerprint(model) or {})}")
+
+
+def load_checkpoint(path, model, optimizer, scheduler):
+    """Load a checkpoint's weights (or adapters), optimizer, schedule and random state
+    into a freshly built ``model``, ``optimizer`` and ``scheduler`` of the same run."""
+    from safetensors.torch import load_file
+
+    device = str(next(model.parameters()).device)
+    if is_peft_model(model):
+        from peft import set_peft_model_state_dict
+
+        weights = load_file(os.path.join(path, "adapter_model.safetensors"), device=device)
+        result = set_peft_model_state_dict(model, weights)
+        if result.unexpected_keys:
+            raise SystemExit(f"error: --resume {path}: adapter tensors this model lacks: {result.unexpected_keys[:3]}")
+    else:
+        weights = {}
+        for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):  # one file, or the shards
+            weights.update(load_file(file, device=device))
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        # A tied LM head is saved once, as the embedding: loading that loaded both.
+        params = dict(model.named_parameters(remove_duplicate=False))
+        loaded = {params[k].data_ptr() for k in weights if k in params}
+        missing = [k for k in missing if k not in params or params[k].data_ptr() not in loaded]
+        if missing or unexpected:
+            raise SystemExit(f"error: --resume {path}: the weights do not fit this model "
+                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), map_location=device))
+    scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt")))
+    set_rng_states(torch.load(os.path.join(path, "rng_state.pt")))
+
+
+# --------------------------------------------------------------------------------
+# The loss curve
+# --------------------------------------------------------------------------------
+def plot_loss_curve(path, history):
+    """Train (every step) and held-out losses against the step, as a PNG; returns the path.
+    matplotlib's Agg canvas directly: no display, no pyplot state."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for points, style, label in ((history["train"], "-", "train"), (history["eval"], "o-", "held-out")):
+        points = [(step, loss) for step, loss in points if loss is not None]  # NaN was saved as null
+        if points:
+            ax.plot(*zip(*points), style, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp)
+    os.replace(tmp, path)
+    return path

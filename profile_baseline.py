@@ -337,7 +337,7 @@ def print_comparison(before, after):
     print("=" * 72)
     print(f"Change per category: {before['name']} -> {after['name']} (ms per step)")
     print("=" * 72)
-    keys = ("device", "model", "batch_size", "seq_len")
+    keys = ("device", "model", "batch_size", "seq_len", "dataset", "packing")
     differ = [k for k in keys if before["setup"].get(k) != after["setup"].get(k)]
     if differ:
         print(f"Note: the baseline summary was taken with a different {', '.join(differ)}; the comparison may mislead.")
@@ -371,6 +371,8 @@ def swap_in(new_dir, out_dir):
 
 def profile_steps(args, model, loss_fn, optimizer, batches, work_dir, name):
     """One warm-up step, then ``args.steps`` profiled steps; the traces go into ``work_dir``.
+    ``batches``: llama_common.training_batches (each item is one step's micro-batches),
+    the fine-tune scripts' data path.
 
     Returns the profiler (its events) after the traces are written.
     """
@@ -389,16 +391,14 @@ def profile_steps(args, model, loss_fn, optimizer, batches, work_dir, name):
     with common.exit_on_oom(args, "profiling", model):
         # Warm-up: the first step pays for cuBLAS/Triton compilation and for the
         # optimizer's state allocation; profiling it would blame the wrong ops.
-        input_ids, labels = next(batches)
-        common.train_step(model, optimizer, loss_fn, input_ids, labels)
+        common.train_step(model, optimizer, loss_fn, next(batches))
         common.sync()
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()
         profiler = profile(activities=activities, record_shapes=True, profile_memory=True, on_trace_ready=save_traces)
         with profiler as prof:
             for _ in range(args.steps):
-                input_ids, labels = next(batches)
-                common.train_step(model, optimizer, loss_fn, input_ids, labels)
+                common.train_step(model, optimizer, loss_fn, next(batches))
                 common.sync()
                 prof.step()
     return prof
@@ -428,14 +428,17 @@ def main(argv=None):
     env = common.environment_info()
     common.print_banner(f"Profile: {name}", env)
     common.resolve_defaults(args)
+    records = common.load_records(args.dataset)  # a bad --dataset fails now, before the model is built
     model, model_info = common.load_model(args)
+    data = common.prepare_data(args, records, model.config.vocab_size)
     print(f"Batch:         {args.batch_size} x {args.seq_len} tokens; 1 warm-up step, {args.steps} profiled")
     loss_fn, make_optimizer = apply_kernels(model, common.kernels_from_args(args))
     label_model(model)
     common.compile_decoder(model, args)
     optimizer = make_optimizer(model.parameters(), lr=args.lr)
     device = next(model.parameters()).device
-    batches = common.synthetic_batches(args.batch_size, args.seq_len, model.config.vocab_size, args.seed, device)
+    # The fine-tune scripts' data path: DataLoader workers, pinned memory, non-blocking copies.
+    batches = common.training_batches(args, data, device, model.config.vocab_size)
 
     # The new profile is written beside the old one and swapped in when complete
     # (a fresh folder also matters for TensorBoard, which would read an older
@@ -470,6 +473,8 @@ def main(argv=None):
                 "model": model_info["name"],
                 "batch_size": args.batch_size,
                 "seq_len": args.seq_len,
+                "dataset": common.dataset_name(args.dataset),
+                "packing": args.packing,
             },
             "config": common.public_config(args),
             "environment": env,

@@ -31,7 +31,7 @@ from torch.autograd import DeviceType
 
 import profile_baseline as pb
 
-TINY = ["--tiny", "--batch-size", "2", "--seq-len", "32"]
+TINY = ["--tiny", "--dataset", "synthetic", "--batch-size", "2", "--seq-len", "32"]
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +136,7 @@ def test_bad_trace_dir_fails_before_profiling(tmp_path, monkeypatch):
 
 
 def test_rerun_keeps_the_old_profile_until_the_new_one_is_complete(tmp_path, monkeypatch):
-    flags = ["--tiny", "--batch-size", "1", "--seq-len", "16", "--trace-dir", str(tmp_path)]
+    flags = ["--tiny", "--dataset", "synthetic", "--batch-size", "1", "--seq-len", "16", "--trace-dir", str(tmp_path)]
     with contextlib.redirect_stdout(io.StringIO()):
         pb.main(flags)
     out_dir = tmp_path / "baseline"

@@ -533,15 +533,20 @@ class TritonLlamaMLP(nn.Module):
 
     # Recompute h = silu(gate) * up in backward instead of keeping it (see
     # TritonSwiGLUDownProjFunction). Only for a plain bias-free nn.Linear
-    # down_proj: a LoRA or quantized wrapper must see h itself.
+    # down_proj: a LoRA or quantized wrapper must see h itself (a LoRA adapter's
+    # A matrix needs h for its own gradient, so h is stored there anyway).
     recompute_hidden = True
+
+    def recomputes_hidden(self):
+        """True when forward runs swiglu_down_proj (h recomputed in backward)."""
+        down = self.down_proj
+        return self.recompute_hidden and type(down) is nn.Linear and down.bias is None
 
     def forward(self, x):
         gate, up = self.gate_proj(x), self.up_proj(x)
-        down = self.down_proj
-        if self.recompute_hidden and type(down) is nn.Linear and down.bias is None:
-            return swiglu_down_proj(gate, up, down.weight)
-        return down(swiglu(gate, up))
+        if self.recomputes_hidden():
+            return swiglu_down_proj(gate, up, self.down_proj.weight)
+        return self.down_proj(swiglu(gate, up))
 
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, act=fused SwiGLU, "

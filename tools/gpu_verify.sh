@@ -8,6 +8,8 @@
 # JSON the scripts write, and OUTDIR/logs.tgz bundles them. Wheels placed in
 # .whl/ (e.g. liger-kernel, cut-cross-entropy for the benchmark's peers) are
 # installed first into /tmp/site, without touching the system's packages.
+# The throughput runs (e2e, compile, profile) use --dataset synthetic: every row
+# is --seq-len real tokens, the fixed shapes results/ reports.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUTDIR=${1:-gpu_logs}; shift || true
@@ -30,7 +32,7 @@ for what in $WHAT; do
       for shape in "1 512" "2 2048"; do
         set -- $shape
         for script in baseline optimized; do
-          python3 finetune_$script.py --random-init --batch-size "$1" --seq-len "$2" --steps 12 \
+          python3 finetune_$script.py --random-init --dataset synthetic --batch-size "$1" --seq-len "$2" --steps 12 \
             --json "$OUTDIR/ft_${script}_$1x$2.json" 2>&1 | tee "$OUTDIR/ft_${script}_$1x$2.log" | tail -7
         done
       done ;;
@@ -38,14 +40,14 @@ for what in $WHAT; do
       for shape in "1 512" "2 2048"; do
         set -- $shape
         for script in baseline optimized; do
-          python3 finetune_$script.py --random-init --batch-size "$1" --seq-len "$2" --steps 12 --compile \
+          python3 finetune_$script.py --random-init --dataset synthetic --batch-size "$1" --seq-len "$2" --steps 12 --compile \
             --json "$OUTDIR/ft_${script}_compile_$1x$2.json" 2>&1 | tee "$OUTDIR/ft_${script}_compile_$1x$2.log" | tail -7
         done
       done ;;
     profile)
-      python3 profile_baseline.py --random-init --batch-size 2 --seq-len 2048 --trace-dir "$OUTDIR/traces" 2>&1 \
+      python3 profile_baseline.py --random-init --dataset synthetic --batch-size 2 --seq-len 2048 --trace-dir "$OUTDIR/traces" 2>&1 \
         | tee "$OUTDIR/profile_baseline.log" | tail -30
-      python3 profile_baseline.py --random-init --batch-size 2 --seq-len 2048 --trace-dir "$OUTDIR/traces" \
+      python3 profile_baseline.py --random-init --dataset synthetic --batch-size 2 --seq-len 2048 --trace-dir "$OUTDIR/traces" \
         --use-custom-rmsnorm --use-custom-swiglu --use-custom-rope --use-custom-flce --use-custom-adamw 2>&1 \
         | tee "$OUTDIR/profile_optimized.log" | tail -30 ;;
     maxseq)

@@ -50,7 +50,7 @@ def try_len(model, optimizer, loss_fn, seq, vocab):
     try:
         for _ in range(2):  # the first step also allocates AdamW's state
             ids = torch.randint(0, vocab, (1, seq), device="cuda")
-            common.train_step(model, optimizer, loss_fn, ids, ids)
+            common.train_step(model, optimizer, loss_fn, [common.lm_batch(ids)])
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() / 2**30
     except torch.OutOfMemoryError:

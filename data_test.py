@@ -1,0 +1,338 @@
+"""
+Tests of the data path (CPU, tiny LLaMA, bundled data, byte-level tokenizer):
+
+* a packed row gives each example the same loss and the same gradients as that
+  example run alone, with HF's path and with every Triton kernel switched in
+  (positions restart per example, attention never crosses examples, the first
+  token of an example is never a target);
+* the labels mask the prompt: the loss sees the response (and EOS) only;
+* packing cuts the padding of the bundled data by more than half;
+* Dolly and Alpaca field names, JSON, JSON Lines and Parquet files all load;
+* bad input ends in one line before any model is built (or, for --eval-every
+  without held-out examples, before any training);
+* --dataset synthetic trains exactly as the loop did before real data existed;
+* the batches are a pure function of (seed, step), with or without workers; the
+  held-out split is fixed and disjoint from the training examples.
+
+Usage:
+    python -m pytest data_test.py -v
+    python data_test.py
+"""
+
+import json
+import sys
+
+import pytest
+import torch
+
+import finetune_baseline
+import finetune_optimized
+import llama_common as common
+
+IGNORE = common.IGNORE_INDEX
+
+
+def tiny_model():
+    args = common.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--seq-len", "32"]))
+    model, _ = common.load_model(args)
+    return model
+
+
+def toy_examples():
+    """Three short examples: a few prompt tokens (label IGNORE), then response tokens.
+    Lengths 9 + 12 + 6 = 27 tokens, so a row of 32 also has a padding tail of 5."""
+    gen = torch.Generator().manual_seed(1)
+    examples = []
+    for prompt_len, response_len in ((4, 5), (7, 5), (2, 4)):
+        ids = torch.randint(3, 259, (prompt_len + response_len,), generator=gen).tolist()
+        examples.append((ids, [IGNORE] * prompt_len + ids[prompt_len:]))
+    return examples
+
+
+def only_example(batch, keep, starts_and_lengths):
+    """The packed batch with the labels of every example but ``keep`` ignored."""
+    labels = torch.full_like(batch["labels"], IGNORE)
+    start, length = starts_and_lengths[keep]
+    labels[0, start: start + length] = batch["labels"][0, start: start + length]
+    return dict(batch, labels=labels)
+
+
+def loss_and_grads(model, loss_fn, batch):
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(model, batch)
+    loss.backward()
+    return loss.item(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("path", ["hf", "all kernels"])
+def test_packed_row_equals_examples_one_by_one(path, capsys):
+    model = tiny_model()
+    loss_fn = common.hf_loss
+    if path == "all kernels":
+        loss_fn, _ = finetune_optimized.apply_kernels(model, {name: True for name in common.KERNELS})
+        assert "fused RoPE in 2 attention modules" in capsys.readouterr().out
+    examples = toy_examples()
+    packed = common.StepBatches(examples, 1, 32, packing=True, seed=0, pad_id=0).collate([[0, 1, 2]])
+    alone = common.StepBatches(examples, 1, 32, packing=False, seed=0, pad_id=0)
+    assert packed["input_ids"].shape == (1, 32) and packed["num_real_tokens"] == 27
+    assert packed["position_ids"][0].tolist() == list(range(9)) + list(range(12)) + list(range(6)) + list(range(5))
+    spans = [(0, 9), (9, 12), (21, 6)]
+    for i, (start, _) in enumerate(spans):
+        assert packed["labels"][0, start] == IGNORE  # never predicted from the previous example
+        single = alone.collate([[i]])
+        assert single["input_ids"].shape == (1, len(examples[i][0])) and single["attention_mask"].all()
+        loss_one, grads_one = loss_and_grads(model, loss_fn, single)
+        loss_packed, grads_packed = loss_and_grads(model, loss_fn, only_example(packed, i, spans))
+        assert abs(loss_one - loss_packed) < 1e-5, f"example {i}: alone {loss_one:.6f}, packed {loss_packed:.6f}"
+        for g1, gp in zip(grads_one, grads_packed):
+            torch.testing.assert_close(gp, g1, rtol=1e-4, atol=1e-6)
+    if path == "hf":
+        # The test has teeth: without the block mask and the restarted positions the
+        # third example sees the other two, and its loss changes.
+        leaky = dict(only_example(packed, 2, spans), attention_mask=None, position_ids=None)
+        assert abs(loss_and_grads(model, loss_fn, leaky)[0] - loss_one) > 1e-3
+
+
+def test_labels_mask_the_prompt():
+    tok = common.ByteTokenizer()
+    record = {"instruction": "Name a primary colour.", "context": "Colours of paint.", "response": "Red."}
+    ids, labels = common.encode_record(tok, record)
+    prompt = "### Instruction:\nName a primary colour.\n\n### Context:\nColours of paint.\n\n### Response:\n"
+    n_prompt = 1 + len(prompt.encode())  # BOS + the template
+    assert ids[0] == tok.bos_token_id and tok.decode(ids[1:n_prompt]) == prompt
+    assert labels[:n_prompt] == [IGNORE] * n_prompt
+    assert labels[n_prompt:] == ids[n_prompt:] and tok.decode(labels[n_prompt:]) == "Red."
+    assert labels[-1] == tok.eos_token_id
+    no_context = common.encode_record(tok, dict(record, context=""))[0]
+    assert tok.decode(no_context) == "### Instruction:\nName a primary colour.\n\n### Response:\nRed."
+
+
+def bundled_padding(packing, seq_len, batch_size=2):
+    """Padding fraction of one epoch of the bundled data (byte-level tokens)."""
+    train, _ = common.split_records(common.load_records(common.BUNDLED_DATASET))
+    examples, _, _ = common.encode_records(common.ByteTokenizer(), train, seq_len)
+    batches = common.StepBatches(examples, batch_size, seq_len, packing, seed=0, pad_id=0)
+    slots = real = 0
+    for step in range(batches.num_batches()):
+        batch = batches[step]
+        slots, real = slots + batch["num_tokens"], real + batch["num_real_tokens"]
+    return 1 - real / slots
+
+
+def test_packing_cuts_padding_by_more_than_half():
+    # 1024 bytes: most examples fit whole, as most fit in 2048 BPE tokens on a GPU.
+    # (At the CPU default of 128 bytes nearly every example is cut to the full
+    # row, so padding has little to waste there.)
+    padded, packed = bundled_padding(False, 1024), bundled_padding(True, 1024)
+    print(f"padding fraction at 2 x 1024: padded {padded:.3f}, packed {packed:.3f}")
+    assert packed < padded / 2
+
+
+def test_bundled_data_is_varied():
+    records = common.load_records(common.BUNDLED_DATASET)
+    assert len(records) >= 300
+    lengths = sorted(len(common.encode_record(common.ByteTokenizer(), r)[0]) for r in records)
+    assert lengths[len(lengths) // 2] < 400  # many short ones ...
+    assert sum(n > 3500 for n in lengths) >= 5  # ... and a tail of long ones (~1,000 BPE tokens or more)
+
+
+def test_run_reports_padding_and_real_tokens(tmp_path, capsys):
+    path = tmp_path / "run.json"
+    finetune_baseline.main(["--tiny", "--seq-len", "512", "--steps", "2", "--warmup-steps", "0", "--json", str(path)])
+    doc = json.loads(path.read_text())
+    assert 0 < doc["padding_fraction"] < 1 and 0 < doc["real_tokens_per_sec"] < doc["tokens_per_sec"]
+    assert doc["config"]["packing"] is False and doc["config"]["num_workers"] == 0
+    out = capsys.readouterr().out
+    assert "Data:          bundled data/instructions.jsonl:" in out
+    assert "Real tokens (no padding):" in out and "% of the token slots)" in out
+
+
+def test_profile_uses_the_same_data_path(tmp_path, capsys):
+    import profile_baseline
+
+    summary = profile_baseline.main(["--tiny", "--seq-len", "256", "--trace-dir", str(tmp_path)])
+    assert summary["setup"]["dataset"] == "bundled data/instructions.jsonl" and summary["setup"]["packing"] is False
+    assert "Data:          bundled data/instructions.jsonl:" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------
+# Files and field names
+# --------------------------------------------------------------------------------
+DOLLY = [{"instruction": "Say hi.", "context": "", "response": "Hi!", "category": "open_qa"},
+         {"instruction": "Add.", "context": "2 and 3", "response": "5"}]
+ALPACA = [{"instruction": "Say hi.", "input": "", "output": "Hi!"},
+          {"instruction": "Add.", "input": "2 and 3", "output": "5"}]
+EXPECTED = [{"instruction": "Say hi.", "context": "", "response": "Hi!"},
+            {"instruction": "Add.", "context": "2 and 3", "response": "5"}]
+
+
+def write(path, rows, kind):
+    if kind == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif kind == "json":
+        path.write_text(json.dumps(rows, indent=1))
+    else:
+        import pyarrow
+        import pyarrow.parquet
+
+        pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), path)
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "parquet"])
+@pytest.mark.parametrize("names, rows", [("dolly", DOLLY), ("alpaca", ALPACA)])
+def test_field_names_and_file_formats(tmp_path, kind, names, rows):
+    path = write(tmp_path / f"{names}.{kind}", rows, kind)
+    assert common.load_records(path) == EXPECTED
+
+
+def test_json_lines_in_a_json_file(tmp_path):
+    assert common.load_records(write(tmp_path / "dolly.json", DOLLY, "jsonl")) == EXPECTED
+
+
+@pytest.mark.parametrize("rows, message", [
+    (None, "no such file"),
+    ([{"question": "q", "answer": "a"}], "record 1 has fields ['answer', 'question']; expected instruction and"),
+    (DOLLY + [{"instruction": "Say nothing.", "response": "  "}], "record 3 has an empty response"),
+    ([], "no records in it"),
+])
+def test_bad_dataset_fails_in_one_line_before_the_model(tmp_path, monkeypatch, capsys, rows, message):
+    monkeypatch.setattr(common, "load_model", lambda *a: pytest.fail("built a model before checking the data"))
+    path = tmp_path / "data.jsonl"
+    if rows is not None:
+        write(path, rows, "jsonl")
+    with pytest.raises(SystemExit) as e:
+        finetune_baseline.main(["--tiny", "--dataset", str(path), "--steps", "1"])
+    text = str(e.value.code)
+    assert text.startswith(f"error: --dataset {path}") and message in text and "\n" not in text
+
+
+def test_eval_without_held_out_examples_is_refused(tmp_path, monkeypatch):
+    # Two records: 5% of them is none, so there is nothing to evaluate on.
+    monkeypatch.setattr(common, "train_step", lambda *a, **k: pytest.fail("trained before the check"))
+    path = write(tmp_path / "dolly.jsonl", DOLLY, "jsonl")
+    with pytest.raises(SystemExit) as e:
+        finetune_baseline.main(["--tiny", "--dataset", path, "--steps", "1", "--eval-every", "1"])
+    text = str(e.value.code)
+    assert text.startswith("error: --eval-every:") and "no held-out example" in text and "\n" not in text
+
+
+def test_hub_dataset_offline(monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(SystemExit) as e:
+        common.load_records("databricks/databricks-dolly-15k")
+    text = str(e.value.code)
+    assert "not a local file, and the HF hub cannot serve it (HF_HUB_OFFLINE is set" in text and "\n" not in text
+
+
+def test_too_short_seq_len_is_refused():
+    args = common.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--seq-len", "8"]))
+    with pytest.raises(SystemExit) as e:
+        common.prepare_data(args, common.load_records(args.dataset), 8192)
+    assert "--seq-len 8 leaves no response token in any training example" in str(e.value.code)
+
+
+# --------------------------------------------------------------------------------
+# Synthetic data: the same training as before real data existed
+# --------------------------------------------------------------------------------
+def test_synthetic_keeps_the_old_losses():
+    # No clipping and no lr warm-up: the first update is the old loop's exactly.
+    argv = ["--tiny", "--dataset", "synthetic", "--seq-len", "32", "--steps", "2", "--warmup-steps", "1",
+            "--lr", "1e-3", "--max-grad-norm", "0", "--lr-warmup-steps", "0"]
+    new = finetune_baseline.main(argv)["losses"]
+    # The loop as it was written before --dataset: synthetic_batches' (ids, ids)
+    # straight into the model, HF's loss, PyTorch's AdamW (stepped by the schedule).
+    args = common.resolve_defaults(finetune_baseline.parse_args(argv))
+    model, _ = common.load_model(args)
+    optimizer = common.pytorch_adamw(model.parameters(), lr=args.lr)
+    scheduler = common.make_scheduler(optimizer, args)
+    batches = common.synthetic_batches(2, 32, model.config.vocab_size, args.seed, torch.device("cpu"))
+    old = []
+    for _ in range(3):
+        input_ids, labels = next(batches)
+        loss = model(input_ids=input_ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        old.append(loss.item())
+    assert new == old
+    # And the losses the code before the data path gave for these flags (its
+    # finetune_baseline.py --json output, recorded; constant lr 1e-3 then, so
+    # only the losses before and after the first update, at the full rate, compare).
+    recorded = [9.121954917907715, 9.044489860534668, 8.94786548614502]
+    assert max(abs(a - b) for a, b in zip(new[:2], recorded[:2])) < 1e-5
+
+
+# --------------------------------------------------------------------------------
+# Determinism: batch k is a function of (seed, k); the held-out split is fixed
+# --------------------------------------------------------------------------------
+def same_batch(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        if torch.is_tensor(a[key]):
+            assert torch.equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_batches_resume_at_any_step(packing):
+    args = common.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--batch-size", "4"]))
+    args.packing = packing
+    data = common.prepare_data(args, common.load_records(args.dataset), 8192)
+    cpu = torch.device("cpu")
+    stream = common.training_batches(args, data, cpu, 8192)
+    first = [next(stream) for _ in range(90)]  # beyond one epoch
+    assert all(len(step) == 1 for step in first)  # one micro-batch per step without --grad-accum
+    first = [step[0] for step in first]
+    resumed = common.training_batches(args, data, cpu, 8192, start_step=85)
+    for step in range(85, 90):
+        same_batch(first[step], next(resumed)[0])
+    assert first[0]["input_ids"].tolist() != first[1]["input_ids"].tolist()
+    # --grad-accum 2: step k holds micro-batches 2k and 2k + 1 of the same stream.
+    args.grad_accum = 2
+    accumulated = next(common.training_batches(args, data, cpu, 8192, start_step=40))
+    same_batch(first[80], accumulated[0])
+    same_batch(first[81], accumulated[1])
+    args.grad_accum = 1
+    if packing:
+        args.num_workers = 2  # worker processes build the same batches, in the same order
+        with_workers = common.training_batches(args, data, cpu, 8192, start_step=3)
+        for step in range(3, 6):
+            same_batch(first[step], next(with_workers)[0])
+
+
+def test_synthetic_resumes_at_any_step():
+    args = common.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--dataset", "synthetic"]))
+    cpu = torch.device("cpu")
+    stream = common.training_batches(args, None, cpu, 8192)
+    first = [next(stream)[0] for _ in range(4)]
+    same_batch(first[3], next(common.training_batches(args, None, cpu, 8192, start_step=3))[0])
+    args.grad_accum = 2
+    same_batch(first[3], next(common.training_batches(args, None, cpu, 8192, start_step=1))[1])
+
+
+def test_held_out_split():
+    records = common.load_records(common.BUNDLED_DATASET)
+    train, held = common.split_records(records)
+    assert len(held) == int(len(records) * common.EVAL_FRACTION) and len(train) + len(held) == len(records)
+    assert not {json.dumps(r) for r in held} & {json.dumps(r) for r in train}
+    assert common.split_records(records) == (train, held)
+    args = common.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--seed", "7", "--packing"]))
+    data = common.prepare_data(args, records, 8192)
+    assert len(data.held_out) <= len(held) and len(data.train) <= len(train)
+    args.eval_batches = None  # all of them
+    batches = common.held_out_batches(args, data, torch.device("cpu"), 8192)
+    assert sum(b["num_real_tokens"] for b in batches) == sum(len(ids) for ids, _ in data.held_out)
+    args.eval_batches = 2  # --eval-batches 2: the first two, the same at every evaluation
+    first_two = common.held_out_batches(args, data, torch.device("cpu"), 8192)
+    assert len(batches) > 2 and len(first_two) == 2
+    for a, b in zip(first_two, batches):
+        same_batch(a, b)
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, *sys.argv[1:]]))

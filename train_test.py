@@ -1,0 +1,501 @@
+"""
+Tests of a real training run (CPU, --tiny, batch 1 x 16 synthetic tokens, a few
+steps each):
+
+* LoRA with every Triton kernel: the optimizer holds the adapters only, frozen
+  weights get no gradient, the losses are those of HF's path with LoRA;
+* the kernels skip work for frozen weights: no dw for a frozen RMSNorm weight, no
+  weight gradient for a frozen LM head in the fused linear cross-entropy;
+* gradient accumulation: 2 micro-batches of 1 give the loss and gradients of one
+  batch of 2 (padded or packed too: the loss is token-weighted);
+* the learning-rate schedule's shape, gradient clipping, held-out evaluation;
+* checkpoints: a resumed run has exactly the losses of an uninterrupted one
+  (HF path, every kernel, LoRA with dropout, real packed data with held-out
+  evaluation; after Ctrl-C too);
+* bad input ends in one line before any training, and nothing is overwritten;
+* on the synthetic data the tiny model's loss falls by more than 20% in 40 steps.
+
+Usage:
+    python -m pytest train_test.py -v
+    python train_test.py
+"""
+
+import math
+import os
+import signal
+
+import pytest
+import torch
+
+import finetune_baseline
+import finetune_optimized
+import linear_cross_entropy_kernel
+import llama_common as common
+import rmsnorm_kernel
+from linear_cross_entropy_kernel import fused_linear_cross_entropy
+from rmsnorm_kernel import rmsnorm
+
+# Synthetic tokens (the loop is under test here; the data path has its own tests
+# below and in data_test.py).
+SMALL = ["--tiny", "--dataset", "synthetic", "--batch-size", "1", "--seq-len", "16", "--warmup-steps", "0"]
+
+
+def steps(n):
+    return ["--steps", str(n)]
+
+
+def close(a, b, tol=1e-6):
+    assert len(a) == len(b), (a, b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert abs(x - y) <= tol, f"step {i + 1}: {x:.8f} vs {y:.8f}"
+
+
+def watch(monkeypatch):
+    """Spies: the model and optimizer a run trains, and which parameters had a
+    gradient at each optimizer update (before zero_grad)."""
+    seen = {"grads": []}
+    real_run, real_update = common.run_training, common.optimizer_update
+
+    def run(args, model, loss_fn, optimizer, *rest):
+        seen.update(model=model, optimizer=optimizer, loss_fn=loss_fn)
+        return real_run(args, model, loss_fn, optimizer, *rest)
+
+    def update(optimizer, *rest):
+        seen["grads"].append({n: p.grad is not None for n, p in seen["model"].named_parameters()})
+        return real_update(optimizer, *rest)
+
+    monkeypatch.setattr(common, "run_training", run)
+    monkeypatch.setattr(common, "optimizer_update", update)
+    return seen
+
+
+# --------------------------------------------------------------------------------
+# LoRA with every kernel (one 8-step run, saving at step 4, shared by several tests)
+# --------------------------------------------------------------------------------
+LORA = SMALL + ["--lora", "--lora-dropout", "0.1", "--eval-every", "4", "--eval-batches", "1"]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora")
+    with pytest.MonkeyPatch.context() as mp:
+        seen = watch(mp)
+        chunks, norms = [], []
+        real_chunks, real_norm_bwd = linear_cross_entropy_kernel._flce_chunks, rmsnorm_kernel.rmsnorm_backward
+
+        def chunks_spy(h2, weight, tgt, loss, n_valid, ignore_index, mean, grad_h, grad_w, *rest, **kw):
+            chunks.append(grad_w is None)
+            return real_chunks(h2, weight, tgt, loss, n_valid, ignore_index, mean, grad_h, grad_w, *rest, **kw)
+
+        def norm_spy(dy, x, weight, rstd, compute_dw):  # positional: the launcher is a custom operator
+            norms.append(compute_dw)
+            return real_norm_bwd(dy, x, weight, rstd, compute_dw)
+
+        mp.setattr(linear_cross_entropy_kernel, "_flce_chunks", chunks_spy)
+        mp.setattr(rmsnorm_kernel, "rmsnorm_backward", norm_spy)
+        results = finetune_optimized.main(LORA + steps(8) + ["--output-dir", str(out), "--save-every", "4"])
+    return {"results": results, "seen": seen, "dir": out, "flce_no_grad_w": chunks, "norm_dw": norms}
+
+
+def test_lora_optimizer_holds_the_adapters_only(lora_run):
+    model, optimizer = lora_run["seen"]["model"], lora_run["seen"]["optimizer"]
+    names = {id(p): n for n, p in model.named_parameters()}
+    in_optimizer = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    assert in_optimizer and all(".lora_A." in n or ".lora_B." in n for n in in_optimizer)
+    # 2 layers x 7 projections x (A, B)
+    assert len(in_optimizer) == 2 * 7 * 2
+    assert type(optimizer).__name__ == "TritonAdamW"
+    # At every update the adapters had a gradient and nothing else did.
+    for grads in lora_run["seen"]["grads"]:
+        assert {n for n, has in grads.items() if has} == set(in_optimizer)
+
+
+def test_lora_runs_every_kernel(lora_run):
+    from rmsnorm_kernel import TritonRMSNorm
+    from swiglu_kernel import TritonLlamaMLP
+
+    model = lora_run["seen"]["model"]
+    assert type(model).__name__ == "PeftModelForCausalLM"
+    assert sum(isinstance(m, TritonRMSNorm) for m in model.modules()) == 5
+    mlps = [m for m in model.modules() if isinstance(m, TritonLlamaMLP)]
+    assert len(mlps) == 2 and all(type(m.gate_proj).__module__.startswith("peft") for m in mlps)
+    assert not any(m.recomputes_hidden() for m in mlps)  # a LoRA down_proj needs h itself
+    assert lora_run["seen"]["loss_fn"] is finetune_optimized.triton_flce_loss
+
+
+def test_frozen_weights_skip_their_gradients_in_the_kernels(lora_run):
+    # The LM head and the norms are frozen under LoRA: the fused loss never built a
+    # weight gradient, the RMSNorm backward never reduced a dw.
+    assert lora_run["flce_no_grad_w"] and all(lora_run["flce_no_grad_w"])
+    assert lora_run["norm_dw"] and not any(lora_run["norm_dw"])
+
+
+def test_lora_kernels_match_hf(lora_run):
+    hf = finetune_baseline.main(LORA + steps(8))
+    close(lora_run["results"]["losses"], hf["losses"], tol=1e-4)
+
+
+def test_lora_resume_is_exact(lora_run, tmp_path):
+    ckpt = lora_run["dir"] / "checkpoint-4"
+    assert sorted(os.listdir(ckpt)) == ["README.md", "adapter_config.json", "adapter_model.safetensors",  # peft's
+                                        "optimizer.pt", "rng_state.pt", "scheduler.pt", "trainer_state.json"]
+    resumed = finetune_optimized.main(LORA + steps(8) + ["--resume", str(ckpt), "--output-dir", str(tmp_path)])
+    assert resumed["start_step"] == 4 and [s["step"] for s in resumed["steps"]] == [5, 6, 7, 8]
+    close(resumed["losses"], lora_run["results"]["losses"][4:])  # dropout 0.1: the random state was restored
+    assert resumed["eval"] == lora_run["results"]["eval"][1:]
+    with open(tmp_path / common.LOSS_CURVE, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# --------------------------------------------------------------------------------
+# Resume: HF path (also after Ctrl-C) and every kernel with full fine-tuning
+# --------------------------------------------------------------------------------
+def test_resume_after_ctrl_c_is_exact(tmp_path, monkeypatch, capsys):
+    flags = SMALL + steps(8)
+    whole = finetune_baseline.main(flags)
+
+    real_step = common.train_step
+    calls = []
+
+    def interrupt_on_step_5(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(common, "train_step", interrupt_on_step_5)
+    with pytest.raises(SystemExit) as e:
+        finetune_baseline.main(flags + ["--output-dir", str(tmp_path)])
+    assert e.value.code == 130
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-4", common.LOSS_CURVE]
+    assert f"Saved         {tmp_path / 'checkpoint-4'}" in capsys.readouterr().out
+    monkeypatch.setattr(common, "train_step", real_step)
+
+    resumed = finetune_baseline.main(flags + ["--resume", str(tmp_path / "checkpoint-4")])
+    close(resumed["losses"], whole["losses"][4:])
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-4", "checkpoint-8", common.LOSS_CURVE]
+    assert {"model.safetensors", "config.json"} <= set(os.listdir(tmp_path / "checkpoint-8"))
+
+
+def test_resume_with_every_kernel_is_exact(tmp_path):
+    # Full fine-tuning, every kernel (TritonAdamW's state included); 4 steps, as
+    # the interpreter takes seconds per step.
+    flags = SMALL + steps(4)
+    whole = finetune_optimized.main(flags + ["--output-dir", str(tmp_path / "a"), "--save-every", "2"])
+    resumed = finetune_optimized.main(flags + ["--resume", str(tmp_path / "a" / "checkpoint-2"),
+                                               "--output-dir", str(tmp_path / "b")])
+    close(resumed["losses"], whole["losses"][2:])
+
+
+def test_resume_with_grad_accum_is_exact(tmp_path):
+    flags = SMALL + steps(6) + ["--grad-accum", "2"]
+    whole = finetune_baseline.main(flags + ["--output-dir", str(tmp_path), "--save-every", "3"])
+    assert whole["tokens_per_step"] == 2 * 16  # both micro-batches count
+    resumed = finetune_baseline.main(flags + ["--resume", str(tmp_path / "checkpoint-3"),
+                                              "--output-dir", str(tmp_path / "b")])
+    close(resumed["losses"], whole["losses"][3:])
+
+
+def test_resume_with_real_data_is_exact(tmp_path):
+    # The bundled records, packed, 2 micro-batches per step, held-out evaluation:
+    # the batches of step K+1 on are built from (seed, step) alone, so the resumed
+    # run trains and evaluates on exactly what the uninterrupted one did.
+    flags = ["--tiny", "--batch-size", "1", "--seq-len", "128", "--warmup-steps", "0", "--packing",
+             "--grad-accum", "2", "--eval-every", "3", "--eval-batches", "2"] + steps(6)
+    whole = finetune_baseline.main(flags + ["--output-dir", str(tmp_path / "a"), "--save-every", "3"])
+    assert whole["padding_fraction"] < 0.1 and whole["tokens_per_step"] == 2 * 128
+    resumed = finetune_baseline.main(flags + ["--resume", str(tmp_path / "a" / "checkpoint-3"),
+                                              "--output-dir", str(tmp_path / "b")])
+    close(resumed["losses"], whole["losses"][3:])
+    assert len(whole["eval"]) == 2 and resumed["eval"] == whole["eval"][1:]
+    # Other data is another run: refused.
+    with pytest.raises(SystemExit) as e:
+        finetune_baseline.main(flags + ["--no-packing", "--resume", str(tmp_path / "a" / "checkpoint-3"),
+                                        "--output-dir", str(tmp_path / "c")])
+    assert "--packing True there, False here" in str(e.value.code)
+
+
+# --------------------------------------------------------------------------------
+# Gradient accumulation, schedule, clipping, evaluation
+# --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_model():
+    # The tiny LLaMA with a 512-token vocabulary: the interpreter scales the fused
+    # loss's [V, H] weight gradient row by row, and 8,192 rows take seconds.
+    config = common.tiny_config()
+    config.vocab_size = 512
+    torch.manual_seed(0)
+    return common.build_random(config, torch.device("cpu"), torch.float32)
+
+
+def gradients(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def rows(batch, start, stop):
+    """Rows start ... stop - 1 of a batch dict, as a batch of its own (a micro-batch)."""
+    part = {k: v[start:stop] if torch.is_tensor(v) else v for k, v in batch.items()}
+    part["num_tokens"] = part["input_ids"].numel()
+    part["num_real_tokens"] = None  # not needed by the loss
+    return part
+
+
+def toy_batch(kind, vocab_size):
+    """Two rows of 16 tokens: full rows, padded rows (5 and 15 targets), or packed
+    rows (several examples each: block-diagonal mask, positions restarting)."""
+    gen = torch.Generator().manual_seed(1)
+    if kind == "packed":
+        examples = []
+        for length in (5, 7, 4, 9, 6):
+            ids = torch.randint(3, vocab_size, (length,), generator=gen).tolist()
+            examples.append((ids, [common.IGNORE_INDEX] * 2 + ids[2:]))  # a 2-token prompt
+        return common.StepBatches(examples, 2, 16, packing=True, seed=0, pad_id=0).collate([[0, 1, 2], [3, 4]])
+    ids = torch.randint(0, vocab_size, (2, 16), generator=gen)
+    labels = ids.clone()
+    if kind == "padded":  # the rows have different numbers of targets: 5 and 15
+        labels[0, 6:] = common.IGNORE_INDEX
+    return common.lm_batch(ids, labels)
+
+
+@pytest.mark.parametrize("loss_fn", [common.hf_loss, finetune_optimized.triton_flce_loss], ids=["hf", "flce"])
+@pytest.mark.parametrize("kind", ["full", "padded", "packed"])
+def test_grad_accum_equals_one_big_batch(tiny_model, loss_fn, kind):
+    model = tiny_model
+    batch = toy_batch(kind, model.config.vocab_size)
+    if kind == "packed":  # the rows hold 10 and 11 targets: the weights are not 1/2 each
+        assert [common.target_count(rows(batch, r, r + 1)).item() for r in (0, 1)] == [10, 11]
+    model.zero_grad(set_to_none=True)
+    big = common.accumulate_gradients(model, loss_fn, [batch])
+    g_big = gradients(model)
+    model.zero_grad(set_to_none=True)
+    small = common.accumulate_gradients(model, loss_fn, [rows(batch, 0, 1), rows(batch, 1, 2)])
+    g_small = gradients(model)
+    model.zero_grad(set_to_none=True)
+    assert abs(big.item() - small.item()) <= 1e-6 * abs(big.item())
+    assert g_big.keys() == g_small.keys()
+    for name in g_big:
+        torch.testing.assert_close(g_small[name], g_big[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_schedule_shape():
+    total, warmup = 20, 4
+    f = [common.lr_factor(s, warmup, total) for s in range(total)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0]  # linear warm-up, no step at lr 0
+    assert all(a > b for a, b in zip(f[4:], f[5:]))  # then strictly falling
+    assert abs(f[4 + 8] - 0.5) < 1e-12 and 0 < f[-1] < 0.05  # half-way at 0.5, small but not 0 at the end
+    assert common.lr_factor(0, 0, 10) == 1.0
+
+
+@pytest.mark.parametrize("optimizer", ["torch", "triton"])
+def test_scheduler_drives_both_optimizers(optimizer):
+    from adamw_kernel import TritonAdamW
+
+    args = finetune_baseline.parse_args(["--steps", "10", "--warmup-steps", "0", "--lr-warmup-steps", "2"])
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = TritonAdamW([p], lr=0.1) if optimizer == "triton" else torch.optim.AdamW([p], lr=0.1)
+    sched = common.make_scheduler(opt, args)
+    lrs = []
+    for _ in range(10):
+        lrs.append(opt.param_groups[0]["lr"])
+        p.grad = torch.ones(3)
+        common.optimizer_update(opt, sched, 0.0)
+    assert lrs == pytest.approx([0.1 * common.lr_factor(s, 2, 10) for s in range(10)])
+
+
+def test_clipping():
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.SGD([p], lr=1.0)
+    p.grad = torch.tensor([6.0, 8.0, 0.0, 0.0])  # norm 10
+    norm = common.optimizer_update(opt, None, 1.0)
+    assert norm.item() == pytest.approx(10.0)
+    assert p.detach().norm().item() == pytest.approx(1.0)  # the update used the clipped gradient
+    assert p.grad is None
+    p.grad = torch.tensor([6.0, 8.0, 0.0, 0.0])
+    assert common.optimizer_update(opt, None, 0.0) is None  # 0: clipping off
+    assert p.detach().tolist() == pytest.approx([-6.6, -8.8, 0.0, 0.0])
+
+
+def test_evaluate_is_the_token_weighted_mean_and_changes_nothing(tiny_model):
+    model = tiny_model
+    gen = torch.Generator().manual_seed(2)
+    batches = [common.lm_batch(ids) for ids in torch.randint(0, model.config.vocab_size, (3, 1, 16), generator=gen)]
+    losses = [common.hf_loss(model, batch).item() for batch in batches]
+    model.train()
+    assert common.evaluate(model, common.hf_loss, batches) == pytest.approx(sum(losses) / 3, rel=1e-6)
+    assert model.training and all(p.grad is None for p in model.parameters())
+
+
+def test_ctrl_c_during_the_update_is_held():
+    with common.hold_interrupts():
+        os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt inside the block
+    with pytest.raises(KeyboardInterrupt):
+        common.interrupt_if_held()
+    common.interrupt_if_held()  # delivered once
+
+
+def test_progress_bar_only_on_a_terminal(monkeypatch):
+    args = finetune_baseline.parse_args([])
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True, raising=False)
+    bar = common.progress_bar(args, 10, 0)
+    assert type(bar).__name__ == "tqdm"
+    bar.close()
+    args = finetune_baseline.parse_args(["--log-every", "5"])  # asked for lines
+    assert common.progress_bar(args, 10, 0) is None
+
+
+# --------------------------------------------------------------------------------
+# The kernels skip frozen weights (direct calls)
+# --------------------------------------------------------------------------------
+def test_frozen_rmsnorm_weight_gets_no_dw(monkeypatch):
+    calls = []
+    real = rmsnorm_kernel.rmsnorm_backward
+
+    def spy(dy, x, weight, rstd, compute_dw):
+        calls.append(compute_dw)
+        return real(dy, x, weight, rstd, compute_dw)
+
+    monkeypatch.setattr(rmsnorm_kernel, "rmsnorm_backward", spy)
+    x = torch.randn(3, 41, requires_grad=True)
+    w = torch.randn(41)
+    for trainable in (False, True):
+        w.requires_grad_(trainable)
+        rmsnorm(x, w).square().sum().backward()
+        assert (w.grad is not None) == trainable
+    assert calls == [False, True]
+
+
+def test_frozen_lm_head_gets_no_weight_gradient(monkeypatch):
+    seen = []
+    real = linear_cross_entropy_kernel._flce_chunks
+
+    def spy(h2, weight, tgt, loss, n_valid, ignore_index, mean, grad_h, grad_w, *rest, **kw):
+        seen.append(grad_w is None)
+        return real(h2, weight, tgt, loss, n_valid, ignore_index, mean, grad_h, grad_w, *rest, **kw)
+
+    monkeypatch.setattr(linear_cross_entropy_kernel, "_flce_chunks", spy)
+    hidden = torch.randn(7, 16, requires_grad=True)
+    weight = torch.randn(123, 16)
+    targets = torch.randint(0, 123, (7,))
+    fused_linear_cross_entropy(hidden, weight, targets).backward()
+    frozen_grad = hidden.grad.clone()
+    hidden.grad = None
+    weight.requires_grad_(True)
+    fused_linear_cross_entropy(hidden, weight, targets).backward()
+    assert seen == [True, False] and weight.grad is not None
+    torch.testing.assert_close(frozen_grad, hidden.grad)  # the hidden gradient does not depend on it
+
+
+# --------------------------------------------------------------------------------
+# Bad input: one line, before any training, nothing overwritten
+# --------------------------------------------------------------------------------
+def no_training(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("training started before the check")
+
+    monkeypatch.setattr(common, "train_step", forbidden)
+
+
+def one_line_error(main, argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    msg = str(e.value.code)
+    assert msg.startswith("error: ") and "\n" not in msg, msg
+    return msg
+
+
+def test_lora_without_peft(monkeypatch):
+    no_training(monkeypatch)
+    monkeypatch.setattr(common, "load_model", lambda *a: pytest.fail("built a model before the check"))
+    monkeypatch.setattr(common, "installed", lambda package: package != "peft")
+    msg = one_line_error(finetune_baseline.main, SMALL + ["--lora"])
+    assert "--lora needs the peft package: pip install peft" in msg
+
+
+def test_lora_4bit_without_bitsandbytes(monkeypatch):
+    no_training(monkeypatch)
+    monkeypatch.setattr(common, "installed", lambda package: package != "bitsandbytes")
+    msg = one_line_error(finetune_optimized.main, SMALL + ["--lora-4bit"])
+    assert "--lora-4bit needs bitsandbytes" in msg and "pip install bitsandbytes" in msg
+
+
+def test_unknown_lora_target(monkeypatch):
+    no_training(monkeypatch)
+    msg = one_line_error(finetune_baseline.main, SMALL + ["--lora", "--lora-targets", "q_proj,qkv_proj"])
+    assert "has no linear layer named qkv_proj" in msg
+
+
+def test_resume_of_a_missing_or_foreign_directory(tmp_path, monkeypatch):
+    no_training(monkeypatch)
+    msg = one_line_error(finetune_baseline.main, SMALL + ["--resume", str(tmp_path / "checkpoint-4")])
+    assert "no such checkpoint directory" in msg
+    msg = one_line_error(finetune_baseline.main, SMALL + ["--resume", str(tmp_path)])
+    assert "not a checkpoint (no trainer_state.json)" in msg
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    """A 2-step HF run of the tiny model with a checkpoint at step 1."""
+    out = tmp_path_factory.mktemp("hf")
+    finetune_baseline.main(SMALL + steps(2) + ["--output-dir", str(out), "--save-every", "1"])
+    return out
+
+
+def snapshot(path):
+    return {os.path.join(d, f): os.path.getmtime(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs}
+
+
+def test_checkpoint_of_other_settings(hf_checkpoint, monkeypatch):
+    no_training(monkeypatch)
+    before = snapshot(hf_checkpoint)
+    ckpt = str(hf_checkpoint / "checkpoint-1")
+    msg = one_line_error(finetune_baseline.main, SMALL + steps(2) + ["--seq-len", "8", "--resume", ckpt])
+    assert "made with other settings: --seq-len 16 there, 8 here" in msg
+    msg = one_line_error(finetune_baseline.main, SMALL + steps(2) + ["--lora", "--resume", ckpt])
+    assert "--lora False there, True here" in msg
+    assert snapshot(hf_checkpoint) == before
+
+
+def test_checkpoint_of_another_model(hf_checkpoint, tmp_path, monkeypatch):
+    import json
+    import shutil
+
+    no_training(monkeypatch)
+    ckpt = tmp_path / "checkpoint-1"
+    shutil.copytree(hf_checkpoint / "checkpoint-1", ckpt)
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    state["model_config"]["hidden_size"] = 256
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    msg = one_line_error(finetune_baseline.main, SMALL + steps(2) + ["--resume", str(ckpt)])
+    assert "the checkpoint is of another model: hidden_size 256 there, 128 here" in msg
+
+
+def test_output_dir_is_never_overwritten(hf_checkpoint, monkeypatch):
+    no_training(monkeypatch)
+    before = snapshot(hf_checkpoint)
+    msg = one_line_error(finetune_baseline.main, SMALL + steps(2) + ["--output-dir", str(hf_checkpoint)])
+    assert "already holds checkpoint-1, which a run starting from step 0 would overwrite" in msg
+    assert f"--resume {hf_checkpoint / 'checkpoint-2'}" in msg
+    # Resuming from step 1 would write checkpoint-2 again: refused too.
+    msg = one_line_error(finetune_baseline.main, SMALL + steps(2) + ["--resume", str(hf_checkpoint / "checkpoint-1")])
+    assert "already holds checkpoint-2, which a run resumed from step 1 would overwrite" in msg
+    msg = one_line_error(finetune_baseline.main, SMALL + ["--save-every", "2"])
+    assert "--save-every needs --output-dir" in msg
+    assert snapshot(hf_checkpoint) == before
+
+
+# --------------------------------------------------------------------------------
+# Learning: the tiny model on the synthetic data
+# --------------------------------------------------------------------------------
+def test_loss_falls_in_40_steps():
+    # Default --tiny lr (3e-3, cosine), 2 x 32 synthetic tokens. The loss falls from
+    # ln(8192) = 9.0 towards the entropy of the Zipf token frequencies (~7); the
+    # repeated phrases (copying) take longer to learn than 40 steps.
+    argv = ["--tiny", "--dataset", "synthetic", "--seq-len", "32", "--steps", "40", "--warmup-steps", "0"]
+    losses = finetune_baseline.main(argv)["losses"]
+    first, last = losses[0], sum(losses[-5:]) / 5
+    assert abs(first - math.log(8192)) < 0.5
+    assert last < 0.8 * first, f"{first:.3f} -> {last:.3f}"
+
+
+if __name__ == "__main__":
+    pytest.main([__file__, "-q"])

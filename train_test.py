@@ -27,6 +27,8 @@ import signal
 import pytest
 import torch
 
+from conftest import DEVICE  # first: the Triton interpreter switch
+
 import finetune_baseline
 import finetune_optimized
 import linear_cross_entropy_kernel
@@ -225,7 +227,7 @@ def tiny_model():
     config = common.tiny_config()
     config.vocab_size = 512
     torch.manual_seed(0)
-    return common.build_random(config, torch.device("cpu"), torch.float32)
+    return common.build_random(config, DEVICE, torch.float32)
 
 
 def gradients(model):
@@ -249,12 +251,13 @@ def toy_batch(kind, vocab_size):
         for length in (5, 7, 4, 9, 6):
             ids = torch.randint(3, vocab_size, (length,), generator=gen).tolist()
             examples.append((ids, [common.IGNORE_INDEX] * 2 + ids[2:]))  # a 2-token prompt
-        return common.StepBatches(examples, 2, 16, packing=True, seed=0, pad_id=0).collate([[0, 1, 2], [3, 4]])
+        batch = common.StepBatches(examples, 2, 16, packing=True, seed=0, pad_id=0).collate([[0, 1, 2], [3, 4]])
+        return common.batch_to(batch, DEVICE)
     ids = torch.randint(0, vocab_size, (2, 16), generator=gen)
     labels = ids.clone()
     if kind == "padded":  # the rows have different numbers of targets: 5 and 15
         labels[0, 6:] = common.IGNORE_INDEX
-    return common.lm_batch(ids, labels)
+    return common.batch_to(common.lm_batch(ids, labels), DEVICE)
 
 
 @pytest.mark.parametrize("loss_fn", [common.hf_loss, finetune_optimized.triton_flce_loss], ids=["hf", "flce"])
@@ -318,7 +321,8 @@ def test_clipping():
 def test_evaluate_is_the_token_weighted_mean_and_changes_nothing(tiny_model):
     model = tiny_model
     gen = torch.Generator().manual_seed(2)
-    batches = [common.lm_batch(ids) for ids in torch.randint(0, model.config.vocab_size, (3, 1, 16), generator=gen)]
+    batches = [common.batch_to(common.lm_batch(ids), DEVICE)
+               for ids in torch.randint(0, model.config.vocab_size, (3, 1, 16), generator=gen)]
     losses = [common.hf_loss(model, batch).item() for batch in batches]
     model.train()
     assert common.evaluate(model, common.hf_loss, batches) == pytest.approx(sum(losses) / 3, rel=1e-6)

@@ -84,6 +84,12 @@ def triton_flce_loss(model, batch):
     return fused_linear_cross_entropy(hidden, weight, targets, ignore_index=common.IGNORE_INDEX)
 
 
+# This loss runs the decoder and reads the LM head's weight itself instead of calling
+# model(...): under --fsdp those weights are gathered only inside a forward, so
+# run_finetune makes it one (common.loss_inside_forward says how and why).
+triton_flce_loss.calls_model_parts = True
+
+
 def check_flce_head(model):
     """The fused loss computes hidden @ W.T: refuse heads that do more than that."""
     head = model.get_output_embeddings()

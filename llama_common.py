@@ -1991,12 +1991,24 @@ def save_checkpoint(args, model, optimizer, scheduler, step, history, rng):
     """Write DIR/checkpoint-``step`` (layout above); return its path."""
     path = checkpoint_path(args.output_dir, step)
     tmp = path + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was interrupted
-    os.makedirs(tmp)
-    model.save_pretrained(tmp)  # safetensors; a PeftModel writes its adapters only
-    torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+    rank, ranks = rank_and_size()
+    sharded = getattr(args, "fsdp", False)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was interrupted
+        os.makedirs(tmp)
+    barrier()  # --fsdp: every process writes into the folder rank 0 made
+    if sharded:
+        save_sharded(tmp, model, optimizer)
+        torch.save(rng, os.path.join(tmp, f"rng_state_rank{rank}.pt"))  # each process's own generators
+    else:
+        model.save_pretrained(tmp)  # safetensors; a PeftModel writes its adapters only
+        torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+        torch.save(rng, os.path.join(tmp, "rng_state.pt"))
+    barrier()
+    if rank != 0:
+        barrier()  # until rank 0 has renamed the folder
+        return path
     torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
-    torch.save(rng, os.path.join(tmp, "rng_state.pt"))
     write_json_atomic(os.path.join(tmp, TRAINER_STATE), {
         "format": CHECKPOINT_FORMAT,
         "step": step,
@@ -2006,9 +2018,40 @@ def save_checkpoint(args, model, optimizer, scheduler, step, history, rng):
         "model_config": model_fingerprint(model),
         "lora_config": lora_fingerprint(model),
         "history": history,
+        "world_size": ranks,  # --fsdp: the shards fit this many processes only
+        "sharded": sharded,
     })
     os.rename(tmp, path)
+    barrier()
     return path
+
+
+SHARDED_DIR = "sharded"  # --fsdp: DCP's files in DIR/checkpoint-K/sharded
+
+
+def save_sharded(folder, model, optimizer):
+    """--fsdp: the model's and AdamW's state as torch.distributed.checkpoint (DCP)
+    shards: every process writes its own shards, in parallel, none gathers the
+    whole model. get_state_dict names the optimizer's state by parameter name, as
+    the model's, so the two are resumed together by set_state_dict."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=os.path.join(folder, SHARDED_DIR))
+
+
+def load_sharded(folder, model, optimizer):
+    """Read save_sharded's shards into this process's shards of ``model`` and ``optimizer``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    # get_state_dict creates AdamW's state first (one step with zero gradients and
+    # lr 0, which changes no weight), so that there are tensors to load into.
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=os.path.join(folder, SHARDED_DIR))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def read_checkpoint_state(path):
@@ -2052,6 +2095,14 @@ def check_same_run(args, state):
                          f"resume with the flags of the run that saved it")
     if not state["step"] < args.warmup_steps + args.steps:
         raise SystemExit(f"error: --resume {state['path']}: the run is complete ({state['step']} steps)")
+    fsdp = bool(getattr(args, "fsdp", False))
+    then_size, now_size = state.get("world_size", 1), rank_and_size()[1] if fsdp else 1
+    then_fsdp, now_fsdp = state.get("sharded", False), fsdp
+    if then_fsdp != now_fsdp or then_size != now_size:
+        def how(fsdp, size):
+            return f"--fsdp with {size} processes" if fsdp else "one process without --fsdp"
+        raise SystemExit(f"error: --resume {state['path']}: written by {how(then_fsdp, then_size)}, this run is "
+                         f"{how(now_fsdp, now_size)}; resume it as it was written (--batch-size is per process)")
 
 
 def check_same_model(args, state, model):
@@ -2070,6 +2121,11 @@ def load_checkpoint(path, model, optimizer, scheduler):
     from safetensors.torch import load_file
 
     device = str(next(model.parameters()).device)
+    if os.path.isdir(os.path.join(path, SHARDED_DIR)):  # --fsdp (check_same_run made sure this run is too)
+        load_sharded(path, model, optimizer)
+        scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt")))
+        set_rng_states(torch.load(os.path.join(path, f"rng_state_rank{rank_and_size()[0]}.pt"), weights_only=False))
+        return
     if is_peft_model(model):
         from peft import set_peft_model_state_dict
 

@@ -28,6 +28,7 @@ Usage:
     python finetune_optimized.py --dataset databricks/databricks-dolly-15k --eval-every 100
     python finetune_optimized.py --lora --grad-accum 4 --eval-every 50 --output-dir runs/lora --save-every 100
     python finetune_optimized.py --lora --resume runs/lora/checkpoint-100   # same flags: same losses
+    torchrun --standalone --nproc-per-node 2 finetune_optimized.py --fsdp --random-init --batch-size 2  # FSDP2
 
 With --lora (PEFT) the kernels run on the wrapped model: the MLP keeps the LoRA
 projections, the frozen LM head and norms get no weight gradient in the fused

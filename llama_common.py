@@ -1601,7 +1601,8 @@ def print_results(title, results):
     print(f"Average time per step:      {results['time_per_step_s']:.3f} s")
     print(f"Average throughput:         {results['tokens_per_sec']:,.0f} tokens/sec")
     if results.get("world_size", 1) > 1:
-        print(f"Per GPU ({results['world_size']} processes):    {results['tokens_per_sec_per_gpu']:,.0f} tokens/sec")
+        label = f"Per GPU ({results['world_size']} processes):"
+        print(f"{label:<28}{results['tokens_per_sec_per_gpu']:,.0f} tokens/sec")
     print(f"Real tokens (no padding):   {results['real_tokens_per_sec']:,.0f} tokens/sec "
           f"(padding: {results['padding_fraction'] * 100:.1f}% of the token slots)")
     print(f"Peak memory:                {results['peak_memory_bytes'] / 2**30:.2f} GiB ({results['peak_memory_kind']})")

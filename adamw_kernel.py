@@ -318,6 +318,19 @@ def _check_supported(group):
             )
 
 
+def _local(t):
+    """The part of ``t`` this process holds: itself, or a DTensor's local shard.
+
+    FSDP2 (torch.distributed.fsdp.fully_shard) turns every parameter, its gradient
+    and (see step) its AdamW state into DTensors sharded on dim 0: each process
+    holds one shard of each, and a kernel cannot take a DTensor (it has no memory
+    of its own). AdamW is elementwise, so each process updates its own shards, the
+    local tensors of p, g, m and v, which line up element for element, and nothing
+    else: no communication. A plain tensor (one process) is returned as it is.
+    """
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 class TritonAdamW(torch.optim.Optimizer):
     """``torch.optim.AdamW`` (amsgrad=False, maximize=False) with one fused Triton kernel per parameter.
 
@@ -368,15 +381,17 @@ class TritonAdamW(torch.optim.Optimizer):
                 if grad is None:
                     continue
                 # Check before creating state, so a rejected parameter leaves none.
-                _check_tensors(p, grad)
+                _check_tensors(_local(p), _local(grad))
                 state = self.state[p]
                 if len(state) == 0:
                     state["step"] = 0
+                    # Like the parameter: under FSDP a DTensor sharded as it is, so
+                    # that state_dict() and distributed checkpoints see it sharded.
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 step = state["step"] + 1
                 adamw_step(
-                    p, grad, state["exp_avg"], state["exp_avg_sq"], step,
+                    _local(p), _local(grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]), step,
                     group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
                 )
                 # Counted only once the launch went through: a failed step changes nothing.

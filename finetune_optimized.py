@@ -28,6 +28,7 @@ Usage:
     python finetune_optimized.py --dataset databricks/databricks-dolly-15k --eval-every 100
     python finetune_optimized.py --lora --grad-accum 4 --eval-every 50 --output-dir runs/lora --save-every 100
     python finetune_optimized.py --lora --resume runs/lora/checkpoint-100   # same flags: same losses
+    torchrun --standalone --nproc-per-node 2 finetune_optimized.py --fsdp --random-init --batch-size 2  # FSDP2
 
 With --lora (PEFT) the kernels run on the wrapped model: the MLP keeps the LoRA
 projections, the frozen LM head and norms get no weight gradient in the fused
@@ -82,6 +83,12 @@ def triton_flce_loss(model, batch):
     weight = model.get_output_embeddings().weight  # [V, H], possibly tied to the embedding
     targets = common.shift_labels(batch["labels"])
     return fused_linear_cross_entropy(hidden, weight, targets, ignore_index=common.IGNORE_INDEX)
+
+
+# This loss runs the decoder and reads the LM head's weight itself instead of calling
+# model(...): under --fsdp those weights are gathered only inside a forward, so
+# run_finetune makes it one (common.loss_inside_forward says how and why).
+triton_flce_loss.calls_model_parts = True
 
 
 def check_flce_head(model):

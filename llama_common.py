@@ -325,6 +325,13 @@ def add_finetune_args(parser):
     g.add_argument("--json", metavar="PATH", help="write config, environment, losses, times and memory here")
     add_real_run_args(parser)
     add_lora_args(parser)
+    g.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the model, gradients and optimizer state over the processes of torchrun with FSDP2 "
+             "(torchrun --nproc-per-node N SCRIPT --fsdp ...); --batch-size is per process, so a step "
+             "trains N x --batch-size sequences",
+    )
     return parser
 
 
@@ -626,6 +633,9 @@ def load_model(args):
     """Build the model the flags ask for; return (model, info dict). Prints what it did."""
     resolve_defaults(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    world = getattr(args, "_world", None)
+    if world is not None:
+        device = world.device  # --fsdp: this process's GPU (cuda:LOCAL_RANK)
     # bf16 is what LLaMA is trained in on GPUs; CPUs do float32 well and bf16 slowly.
     # The tiny model is for learning and tests: float32 everywhere, so its losses
     # can be compared to 1e-4 on any device.
@@ -658,7 +668,14 @@ def load_model(args):
                 source = "random init (weights unavailable)"
         if model is None:
             check_seq_len(args.seq_len, config)  # before spending a minute building 8B parameters
-            model = build_random(config, device, dtype)
+            # --fsdp: no process could hold the whole large model, so it is built on the
+            # meta device (shapes only) and each process initializes its own shards once
+            # it is sharded (shard_model). The tiny model is built whole, with the weights
+            # one process would have: the losses then match a single-process run.
+            meta = getattr(args, "fsdp", False) and not args.tiny
+            model = build_random(config, torch.device("meta") if meta else device, dtype)
+            if meta:
+                source += ", built on the meta device and initialized shard by shard"
     except RuntimeError as e:
         if not is_out_of_memory(e):
             raise
@@ -1075,8 +1092,11 @@ class StepBatches(torch.utils.data.Dataset):
     epoch in the examples' own order (the held-out set), the last batch may be short.
     """
 
-    def __init__(self, examples, batch_size, seq_len, packing, seed, pad_id, endless=True):
+    def __init__(self, examples, batch_size, seq_len, packing, seed, pad_id, endless=True, rank=0, ranks=1):
         self.examples, self.batch_size, self.seq_len = examples, batch_size, seq_len
+        # --fsdp: step k's global batch is rows k*N*B ... of N ranks x B rows; this
+        # process (rank r of N) takes its slice, rows k*N*B + r*B ... + B - 1.
+        self.rank, self.ranks = rank, ranks
         self.packing, self.seed, self.pad_id, self.endless = packing, seed, pad_id, endless
         self._epochs = {}  # epoch -> its rows (lists of example indices); lengths only, cheap
 
@@ -1121,7 +1141,8 @@ class StepBatches(torch.utils.data.Dataset):
         return out
 
     def __getitem__(self, step):
-        return self.collate(self.rows(step * self.batch_size, self.batch_size))
+        first = (step * self.ranks + self.rank) * self.batch_size
+        return self.collate(self.rows(first, self.batch_size))
 
     def collate(self, rows):
         """The batch dict (see the top of this section) of ``rows`` of example indices."""
@@ -1201,12 +1222,17 @@ def training_batches(args, data, device, vocab_size, start_step=0):
     """
     accum = getattr(args, "grad_accum", 1)  # the profile script has no --grad-accum
     first = start_step * accum
+    # --fsdp: each of the N processes takes its B rows of the global batch of N x B
+    # rows, the batch one process with --batch-size N x B would train on.
+    rank, ranks = rank_and_size()
     if data is None:  # synthetic: the seeded generator, replayed up to the first micro-batch
-        stream = (lm_batch(ids) for ids, _ in
-                  synthetic_batches(args.batch_size, args.seq_len, vocab_size, args.seed, device))
+        b = args.batch_size
+        stream = (lm_batch(ids[rank * b: (rank + 1) * b]) for ids, _ in
+                  synthetic_batches(b * ranks, args.seq_len, vocab_size, args.seed, device))
         stream = itertools.islice(stream, first, None)
     else:
-        dataset = StepBatches(data.train, args.batch_size, args.seq_len, args.packing, args.seed, data.pad_id)
+        dataset = StepBatches(data.train, args.batch_size, args.seq_len, args.packing, args.seed, data.pad_id,
+                              rank=rank, ranks=ranks)
         stream = (batch_to(batch, device) for batch in loader(dataset, itertools.count(first), args.num_workers))
     while True:
         yield [next(stream) for _ in range(accum)]
@@ -1271,14 +1297,27 @@ def accumulate_gradients(model, loss_fn, micro_batches):
     is applied before backward, so the gradients are those of the step's loss.
     """
     counts = [target_count(batch) for batch in micro_batches]
-    total = torch.stack(counts).sum().clamp(min=1)  # an all-padding step: loss 0, not 0/0
+    total = torch.stack(counts).sum()
+    rank, ranks = rank_and_size()
+    if ranks > 1:
+        # --fsdp: the step's loss is the mean over the target tokens of every rank,
+        # so each rank weighs its tokens by the global count. FSDP averages the
+        # gradients over the N ranks (it divides their sum by N): multiplying by N
+        # here makes them the gradients of the global mean, as one process with the
+        # whole batch computes them. No host sync: an all-reduce of a device scalar.
+        torch.distributed.all_reduce(total)
+    total = total.clamp(min=1)  # an all-padding step: loss 0, not 0/0
     step_loss = 0.0
     for batch, count in zip(micro_batches, counts):
         with phase("forward"):
-            loss = loss_fn(model, batch) * (count / total)  # exactly x1.0 without accumulation
+            loss = loss_fn(model, batch) * (count * ranks / total)  # exactly x1.0 on one process without accumulation
         with phase("backward"):
             loss.backward()
         step_loss = step_loss + loss.detach()
+    if ranks > 1:  # the global mean: the sum of the ranks' shares, over N
+        step_loss = step_loss.clone() if torch.is_tensor(step_loss) else torch.tensor(step_loss, device=total.device)
+        torch.distributed.all_reduce(step_loss)
+        step_loss = step_loss / ranks
     return step_loss
 
 
@@ -1290,6 +1329,8 @@ def optimizer_update(optimizer, scheduler, max_grad_norm):
         # The parameters the optimizer updates are the ones to clip (LoRA: the adapters only).
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):  # --fsdp: a DTensor of partial norms; the global norm
+            grad_norm = grad_norm.full_tensor()
     # Ctrl-C in the middle of the update would leave some tensors updated and others
     # not, and no checkpoint could be saved: it is held until the update is complete.
     with hold_interrupts():
@@ -1456,10 +1497,12 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
                 loss, grad_norm = train_step(model, optimizer, loss_fn, micro_batches, scheduler, args.max_grad_norm)
                 sync()
                 seconds = time.perf_counter() - begin
+                # Every micro-batch of the step, of every process (--fsdp: the global batch).
+                tokens, real_tokens = reduce_over_ranks([sum(b["num_tokens"] for b in micro_batches),
+                                                         sum(b["num_real_tokens"] for b in micro_batches)])
                 record = {"step": i + 1, "loss": loss.item(), "time_s": seconds, "warmup": warmup, "lr": lr,
                           "grad_norm": None if grad_norm is None else grad_norm.item(),
-                          "tokens": sum(b["num_tokens"] for b in micro_batches),  # every micro-batch of the step
-                          "real_tokens": sum(b["num_real_tokens"] for b in micro_batches)}
+                          "tokens": int(tokens), "real_tokens": int(real_tokens)}
                 steps.append(record)
                 history["train"].append([i + 1, record["loss"]])
                 report_step(args, bar, record, total)
@@ -1487,14 +1530,21 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
         if done > start and not os.path.exists(checkpoint_path(args.output_dir, done)):
             saved.append(save_checkpoint(args, model, optimizer, scheduler, done, history, rng))
             print(f"Saved         {saved[-1]}", flush=True)
-        curve = plot_loss_curve(os.path.join(args.output_dir, LOSS_CURVE), history)
-        print(f"Loss curve:   {curve}", flush=True)
+        if is_main_process():
+            curve = plot_loss_curve(os.path.join(args.output_dir, LOSS_CURVE), history)
+            print(f"Loss curve:   {curve}", flush=True)
 
     timed = [s for s in steps if not s["warmup"]]
     timed_s = sum(s["time_s"] for s in timed)
     slots = sum(s["tokens"] for s in steps)
     peak_bytes, peak_kind = peak_memory()
+    _, ranks = rank_and_size()
+    if ranks > 1:  # the largest of the processes' peaks: what each GPU must hold
+        peak_bytes = int(reduce_over_ranks([peak_bytes], op="max")[0])
+        peak_kind += f", the largest of {ranks} processes"
+    tokens_per_sec = sum(s["tokens"] for s in timed) / timed_s if timed else None
     return {
+        "world_size": ranks,
         "partial": partial,
         "planned_steps": total,
         "start_step": start,  # steps already done by the checkpoint this run resumed (0: a fresh run)
@@ -1509,7 +1559,8 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
         "tokens_per_step": slots / len(steps) if steps else None,  # the mean: padded batches vary
         # None (null in the JSON) when Ctrl-C came before the first timed step.
         "time_per_step_s": timed_s / len(timed) if timed else None,
-        "tokens_per_sec": sum(s["tokens"] for s in timed) / timed_s if timed else None,
+        "tokens_per_sec": tokens_per_sec,  # every process's tokens (--fsdp: the total of all GPUs)
+        "tokens_per_sec_per_gpu": tokens_per_sec / ranks if tokens_per_sec is not None else None,
         "real_tokens_per_sec": sum(s["real_tokens"] for s in timed) / timed_s if timed else None,
         "padding_fraction": 1 - sum(s["real_tokens"] for s in steps) / slots if steps else None,
         "peak_memory_bytes": peak_bytes,
@@ -1549,6 +1600,9 @@ def print_results(title, results):
     print(f"Timed steps:                {results['timed_steps']} (after {results['warmup_steps']} warm-up)")
     print(f"Average time per step:      {results['time_per_step_s']:.3f} s")
     print(f"Average throughput:         {results['tokens_per_sec']:,.0f} tokens/sec")
+    if results.get("world_size", 1) > 1:
+        label = f"Per GPU ({results['world_size']} processes):"
+        print(f"{label:<28}{results['tokens_per_sec_per_gpu']:,.0f} tokens/sec")
     print(f"Real tokens (no padding):   {results['real_tokens_per_sec']:,.0f} tokens/sec "
           f"(padding: {results['padding_fraction'] * 100:.1f}% of the token slots)")
     print(f"Peak memory:                {results['peak_memory_bytes'] / 2**30:.2f} GiB ({results['peak_memory_kind']})")
@@ -1585,8 +1639,10 @@ def run_finetune(args, title, script, switch_in):
     if args.json:
         args.json = check_output_path(args.json, "--json")  # now, not after minutes of training
     check_lora_flags(args)
+    check_fsdp_flags(args)
     resumed = read_checkpoint_state(args.resume) if args.resume else None
     check_output_flags(args)
+    world = init_distributed(args)  # --fsdp: rank 0 prints from here on
     env = environment_info()
     print_banner(title, env)
     resolve_defaults(args)
@@ -1609,11 +1665,16 @@ def run_finetune(args, title, script, switch_in):
     params = trainable_parameters(model)
     model_info["trainable_parameters"] = sum(p.numel() for p in params)
     accum = f" x {args.grad_accum} micro-batches per step" if args.grad_accum > 1 else ""
-    print(f"Batch:         {args.batch_size} x {args.seq_len} tokens{accum}, lr {args.lr:g}, seed {args.seed}")
+    per = f" per process, {world.size} processes" if world else ""
+    print(f"Batch:         {args.batch_size} x {args.seq_len} tokens{per}{accum}, lr {args.lr:g}, seed {args.seed}")
     kernels = kernels_from_args(args)
     loss_fn, make_optimizer = switch_in(model, kernels)
+    if world:  # after the kernels: the swapped modules are what is sharded
+        shard_model(model, args)
+        loss_fn = loss_inside_forward(model, loss_fn)
     compile_decoder(model, args)  # after the kernels (and LoRA): they are what the graphs hold
-    optimizer = make_optimizer(params, lr=args.lr)
+    # Taken again: fully_shard replaced every parameter with a sharded one (DTensor).
+    optimizer = make_optimizer(trainable_parameters(model), lr=args.lr)
     scheduler = make_scheduler(optimizer, args)
     print_schedule(args)
     if resumed:
@@ -1621,18 +1682,20 @@ def run_finetune(args, title, script, switch_in):
         print(f"Resumed:       {args.resume}: step {resumed['step']} of {args.warmup_steps + args.steps} done")
     results = run_training(args, model, loss_fn, optimizer, data, scheduler, resumed)
     results["kernels"] = kernels
+    write = args.json and is_main_process()  # --fsdp: rank 0 writes the one report
     if results["partial"]:
         done = len(results["steps"])
-        if args.json:
+        if write:
             write_json(args.json, script, args, env, model_info, results)
         where = f"wrote them to {args.json} (marked partial)" if args.json else "not written (no --json)"
         print(f"\nInterrupted: {done} of {results['planned_steps'] - results['start_step']} steps completed, "
               f"{where}", flush=True)
         raise SystemExit(130)  # 128 + SIGINT, what a shell reports for Ctrl-C
     print_results(f"{title}: results", results)
-    if args.json:
+    if write:
         write_json(args.json, script, args, env, model_info, results)
         print(f"Wrote {args.json}")
+    close_distributed()
     return results
 
 
@@ -1929,12 +1992,24 @@ def save_checkpoint(args, model, optimizer, scheduler, step, history, rng):
     """Write DIR/checkpoint-``step`` (layout above); return its path."""
     path = checkpoint_path(args.output_dir, step)
     tmp = path + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was interrupted
-    os.makedirs(tmp)
-    model.save_pretrained(tmp)  # safetensors; a PeftModel writes its adapters only
-    torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+    rank, ranks = rank_and_size()
+    sharded = getattr(args, "fsdp", False)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was interrupted
+        os.makedirs(tmp)
+    barrier()  # --fsdp: every process writes into the folder rank 0 made
+    if sharded:
+        save_sharded(tmp, model, optimizer)
+        torch.save(rng, os.path.join(tmp, f"rng_state_rank{rank}.pt"))  # each process's own generators
+    else:
+        model.save_pretrained(tmp)  # safetensors; a PeftModel writes its adapters only
+        torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+        torch.save(rng, os.path.join(tmp, "rng_state.pt"))
+    barrier()
+    if rank != 0:
+        barrier()  # until rank 0 has renamed the folder
+        return path
     torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
-    torch.save(rng, os.path.join(tmp, "rng_state.pt"))
     write_json_atomic(os.path.join(tmp, TRAINER_STATE), {
         "format": CHECKPOINT_FORMAT,
         "step": step,
@@ -1944,9 +2019,40 @@ def save_checkpoint(args, model, optimizer, scheduler, step, history, rng):
         "model_config": model_fingerprint(model),
         "lora_config": lora_fingerprint(model),
         "history": history,
+        "world_size": ranks,  # --fsdp: the shards fit this many processes only
+        "sharded": sharded,
     })
     os.rename(tmp, path)
+    barrier()
     return path
+
+
+SHARDED_DIR = "sharded"  # --fsdp: DCP's files in DIR/checkpoint-K/sharded
+
+
+def save_sharded(folder, model, optimizer):
+    """--fsdp: the model's and AdamW's state as torch.distributed.checkpoint (DCP)
+    shards: every process writes its own shards, in parallel, none gathers the
+    whole model. get_state_dict names the optimizer's state by parameter name, as
+    the model's, so the two are resumed together by set_state_dict."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=os.path.join(folder, SHARDED_DIR))
+
+
+def load_sharded(folder, model, optimizer):
+    """Read save_sharded's shards into this process's shards of ``model`` and ``optimizer``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    # get_state_dict creates AdamW's state first (one step with zero gradients and
+    # lr 0, which changes no weight), so that there are tensors to load into.
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=os.path.join(folder, SHARDED_DIR))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def read_checkpoint_state(path):
@@ -1990,6 +2096,14 @@ def check_same_run(args, state):
                          f"resume with the flags of the run that saved it")
     if not state["step"] < args.warmup_steps + args.steps:
         raise SystemExit(f"error: --resume {state['path']}: the run is complete ({state['step']} steps)")
+    fsdp = bool(getattr(args, "fsdp", False))
+    then_size, now_size = state.get("world_size", 1), rank_and_size()[1] if fsdp else 1
+    then_fsdp, now_fsdp = state.get("sharded", False), fsdp
+    if then_fsdp != now_fsdp or then_size != now_size:
+        def how(fsdp, size):
+            return f"--fsdp with {size} processes" if fsdp else "one process without --fsdp"
+        raise SystemExit(f"error: --resume {state['path']}: written by {how(then_fsdp, then_size)}, this run is "
+                         f"{how(now_fsdp, now_size)}; resume it as it was written (--batch-size is per process)")
 
 
 def check_same_model(args, state, model):
@@ -2008,6 +2122,11 @@ def load_checkpoint(path, model, optimizer, scheduler):
     from safetensors.torch import load_file
 
     device = str(next(model.parameters()).device)
+    if os.path.isdir(os.path.join(path, SHARDED_DIR)):  # --fsdp (check_same_run made sure this run is too)
+        load_sharded(path, model, optimizer)
+        scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt")))
+        set_rng_states(torch.load(os.path.join(path, f"rng_state_rank{rank_and_size()[0]}.pt"), weights_only=False))
+        return
     if is_peft_model(model):
         from peft import set_peft_model_state_dict
 
@@ -2057,3 +2176,171 @@ def plot_loss_curve(path, history):
     fig.savefig(tmp)
     os.replace(tmp, path)
     return path
+
+
+# --------------------------------------------------------------------------------
+# Several processes: FSDP2 under torchrun (--fsdp)
+# --------------------------------------------------------------------------------
+# torchrun starts N copies of the script and tells each who it is in three
+# environment variables. With --fsdp every process holds 1/N of each weight, of its
+# gradient and of AdamW's state (torch.distributed.fsdp.fully_shard, "FSDP2": the
+# parameters become DTensors sharded on dim 0), and gathers a layer's full weights
+# just before the layer runs, forward and backward. Each process trains on its own
+# --batch-size rows of the step's global batch (training_batches), and the
+# gradients are averaged over the processes by a reduce-scatter that leaves each
+# process the gradient of its own shard only.
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+class World:
+    """This process's place among torchrun's: rank, size (N), local rank, device."""
+
+    def __init__(self, rank, size, local_rank, device):
+        self.rank, self.size, self.local_rank, self.device = rank, size, local_rank, device
+
+
+def rank_and_size():
+    """(rank, number of processes): (0, 1) unless torch.distributed is running."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def is_main_process():
+    """Rank 0: the one process that prints and writes files shared by all."""
+    return rank_and_size()[0] == 0
+
+
+def barrier():
+    if rank_and_size()[1] > 1:
+        torch.distributed.barrier()
+
+
+def check_fsdp_flags(args):
+    """--fsdp needs torchrun; torchrun with several processes needs --fsdp. One line
+    each, before any work."""
+    fsdp = getattr(args, "fsdp", False)
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if not fsdp:
+        if world > 1:
+            raise SystemExit(f"error: started by torchrun with {world} processes but without --fsdp: each "
+                             f"would train its own full copy of the model; add --fsdp")
+        return
+    missing = [name for name in TORCHRUN_ENV if name not in os.environ]
+    if missing:
+        raise SystemExit(f"error: --fsdp runs under torchrun, which sets {', '.join(missing)}: "
+                         f"torchrun --nproc-per-node N {os.path.basename(sys.argv[0])} --fsdp ...")
+    for flag, on in (("--lora", args.lora or args.lora_4bit), ("--compile", getattr(args, "compile", False))):
+        if on:
+            raise SystemExit(f"error: --fsdp with {flag} is not supported (yet); run one of them without the other")
+    if torch.cuda.is_available():
+        local_rank = int(os.environ["LOCAL_RANK"])
+        if local_rank >= torch.cuda.device_count():
+            raise SystemExit(f"error: --fsdp: LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs "
+                             f"are visible; start at most that many processes per node")
+
+
+def init_distributed(args):
+    """--fsdp: join torchrun's process group (NCCL between GPUs, gloo on CPU), pin this
+    process to GPU LOCAL_RANK; every process but rank 0 stops printing. Returns a
+    World, or None without --fsdp."""
+    if not getattr(args, "fsdp", False):
+        return None
+    rank, size, local_rank = (int(os.environ[name]) for name in TORCHRUN_ENV)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)  # "cuda" is now this process's GPU
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not torch.distributed.is_initialized():
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        torch.distributed.init_process_group(backend=backend, **kwargs)
+    if rank != 0:  # one report, rank 0's; errors still reach stderr from every rank
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
+    args._world = World(rank, size, local_rank, device)
+    return args._world
+
+
+def close_distributed():
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def shard_model(model, args):
+    """--fsdp: fully_shard each decoder layer, then the root (embedding, final norm,
+    LM head); a model built on the meta device (load_model) is then materialized,
+    shard by shard. Call it after the kernels are switched in: the module swaps
+    must see the modules as built, and FSDP gives every module's forward its full
+    (unsharded) weights, so TritonRMSNorm and TritonLlamaMLP run unchanged.
+
+    On a GPU the weights are gathered in bf16 and the gradients reduced in float32
+    (MixedPrecisionPolicy); the tiny float32 model (and the CPU) keeps float32 throughout.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    world = args._world
+    kwargs = {}
+    if world.device.type == "cuda" and not args.tiny:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    layers = model.get_decoder().layers
+    for layer in layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    materialized = ""
+    if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
+        materialize(model, world.device)
+        materialized = "; built on the meta device, each process initialized its own shards"
+    precision = "bf16 weights, float32 gradient reduction" if kwargs else "float32"
+    print(f"FSDP:          {world.size} processes, {len(layers)} decoder layers + the root sharded "
+          f"({precision}){materialized}")
+    return model
+
+
+def materialize(model, device):
+    """A model built on the meta device (shapes, no memory), now sharded: allocate
+    each process's shards on ``device`` (to_empty: uninitialized memory) and fill
+    them with HF's own initialization, module by module. The random draws of a
+    DTensor are those of the full tensor, so every shard is a piece of one model.
+    HF's _init_weights also recomputes the rotary embedding's buffers."""
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.apply(model._init_weights)
+
+
+def loss_inside_forward(model, loss_fn):
+    """A loss that runs the model's parts itself must run inside an FSDP forward.
+
+    FSDP gathers a module's weights in the hooks around its ``forward``. The fused
+    linear cross-entropy (finetune_optimized.py) calls the decoder, then uses
+    ``lm_head.weight`` directly: neither goes through the root's forward, so the
+    embedding, the final norm and the LM head (the root's shards) would still be
+    sharded there, and their gradients would not be reduced. So the loss becomes a
+    method of the root module that FSDP treats as a forward
+    (register_fsdp_forward_method): its hooks gather the root's weights before it
+    and schedule the gradient reduce-scatter after backward, as for forward().
+    Chosen over sharding lm_head apart and unsharding by hand: one call, and the
+    loss function itself stays the same on one GPU and under FSDP.
+    Losses that call ``model(...)`` themselves (HF's, the Triton CE on the logits)
+    already run inside the root's forward and are returned unchanged.
+    """
+    if not getattr(loss_fn, "calls_model_parts", False):
+        return loss_fn
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    model.fsdp_loss = functools.partial(loss_fn, model)
+    register_fsdp_forward_method(model, "fsdp_loss")
+
+    def loss_in_root_forward(model, batch):
+        return model.fsdp_loss(batch)
+
+    return loss_in_root_forward
+
+
+def reduce_over_ranks(values, op="sum"):
+    """A list of Python numbers, summed (or max) over the processes; as given on one."""
+    if rank_and_size()[1] == 1:
+        return values
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM)
+    return t.tolist()

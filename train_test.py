@@ -294,13 +294,13 @@ def test_scheduler_drives_both_optimizers(optimizer):
     from adamw_kernel import TritonAdamW
 
     args = finetune_baseline.parse_args(["--steps", "10", "--warmup-steps", "0", "--lr-warmup-steps", "2"])
-    p = torch.nn.Parameter(torch.ones(3))
+    p = torch.nn.Parameter(torch.ones(3, device=DEVICE))
     opt = TritonAdamW([p], lr=0.1) if optimizer == "triton" else torch.optim.AdamW([p], lr=0.1)
     sched = common.make_scheduler(opt, args)
     lrs = []
     for _ in range(10):
         lrs.append(opt.param_groups[0]["lr"])
-        p.grad = torch.ones(3)
+        p.grad = torch.ones(3, device=DEVICE)
         common.optimizer_update(opt, sched, 0.0)
     assert lrs == pytest.approx([0.1 * common.lr_factor(s, 2, 10) for s in range(10)])
 
@@ -359,8 +359,8 @@ def test_frozen_rmsnorm_weight_gets_no_dw(monkeypatch):
         return real(dy, x, weight, rstd, compute_dw)
 
     monkeypatch.setattr(rmsnorm_kernel, "rmsnorm_backward", spy)
-    x = torch.randn(3, 41, requires_grad=True)
-    w = torch.randn(41)
+    x = torch.randn(3, 41, device=DEVICE, requires_grad=True)
+    w = torch.randn(41, device=DEVICE)
     for trainable in (False, True):
         w.requires_grad_(trainable)
         rmsnorm(x, w).square().sum().backward()
@@ -377,9 +377,9 @@ def test_frozen_lm_head_gets_no_weight_gradient(monkeypatch):
         return real(h2, weight, tgt, loss, n_valid, ignore_index, mean, grad_h, grad_w, *rest, **kw)
 
     monkeypatch.setattr(linear_cross_entropy_kernel, "_flce_chunks", spy)
-    hidden = torch.randn(7, 16, requires_grad=True)
-    weight = torch.randn(123, 16)
-    targets = torch.randint(0, 123, (7,))
+    hidden = torch.randn(7, 16, device=DEVICE, requires_grad=True)
+    weight = torch.randn(123, 16, device=DEVICE)
+    targets = torch.randint(0, 123, (7,), device=DEVICE)
     fused_linear_cross_entropy(hidden, weight, targets).backward()
     frozen_grad = hidden.grad.clone()
     hidden.grad = None

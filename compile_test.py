@@ -280,8 +280,12 @@ def test_eager_calls_skip_the_dispatcher():
     appears in the profile (the operator path would add dispatcher time per call)."""
     torch.manual_seed(0)
     x, w = leaf((4, 32), torch.float32), leaf((32,), torch.float32)
+    # RoPE with a frozen q: its launcher's first argument (dq) is None in backward.
+    q, k = torch.randn(1, 2, 4, 16, device=DEVICE), leaf((1, 1, 4, 16), torch.float32)
+    cos, sin = _rope_tables(4, torch.float32)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         rmsnorm(x, w).sum().backward()
+        rope(q, k, cos[:1], sin[:1])[1].sum().backward()
     names = {e.name for e in prof.events()}
     assert "TritonRMSNormFunction" in names
     assert not [n for n in names if n.startswith("llama_kernels::")], sorted(names)

@@ -252,7 +252,7 @@ def kernel_op(name, fake):
     input). ``fake`` takes the same arguments and returns empty tensors of the
     outputs' shapes, dtypes and layouts. The returned function calls the
     launcher directly in eager mode and the operator under torch.compile (or
-    any tracer: its first argument, a tensor, tells); the
+    any tracer: its first argument that is not None, a tensor, tells); the
     operator itself is its ``.op`` attribute.
     """
     def register(launcher):
@@ -261,7 +261,7 @@ def kernel_op(name, fake):
 
         @functools.wraps(launcher)
         def launch(*args):
-            if torch.compiler.is_compiling() or _traced(args[0]):
+            if torch.compiler.is_compiling() or _traced(next(a for a in args if a is not None)):
                 return op(*args)
             return launcher(*args)
 

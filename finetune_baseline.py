@@ -18,6 +18,7 @@ Usage:
     python finetune_baseline.py --batch-size 1 --seq-len 4096 --json baseline.json
     python finetune_baseline.py --use-custom-rmsnorm     # the baseline plus one kernel
     python finetune_baseline.py --lora --output-dir runs/hf-lora --save-every 100
+    python finetune_baseline.py --liger --lora      # the production peer: Liger-Kernel (+ PEFT)
 
 Each batch holds --batch-size examples padded to the longest of them, as HF's
 collator does (finetune_optimized.py packs them instead: --packing / --no-packing
@@ -31,19 +32,25 @@ continues with random weights in the same architecture.
 """
 
 import argparse
+import functools
+
+import torch
 
 import llama_common as common
 
 TITLE = "Fine-tuning: baseline (PyTorch / HF)"
 
 
-def plain_hf(model, kernels):
+def plain_hf(model, kernels, liger=False):
     """What the baseline trains with: ``(loss_fn, make_optimizer)`` for run_training.
 
     HF's loss (the model shifts the labels, upcasts the logits to float32 and calls
     F.cross_entropy) and torch.optim.AdamW. A --use-custom-* flag adds that kernel,
-    switched in exactly as finetune_optimized.py does it.
+    switched in exactly as finetune_optimized.py does it; --liger switches in
+    Liger-Kernel's instead (with_liger).
     """
+    if liger:
+        return with_liger(model)
     if any(kernels.values()):
         from finetune_optimized import apply_kernels  # imported only then: the plain run loads no kernel
 
@@ -52,16 +59,46 @@ def plain_hf(model, kernels):
     return common.hf_loss, common.pytorch_adamw
 
 
+def with_liger(model):
+    """The production peer, for a side-by-side on the same data and loop: Liger-Kernel's
+    RMSNorm, SwiGLU, RoPE and fused linear cross-entropy, switched in by its own entry
+    point (it patches the model instance and HF's llama module), PyTorch's AdamW.
+    Liger's fused loss replaces the model's forward, so HF's loss call (model(...,
+    labels=...)) runs it. With --lora it patches the model inside PEFT's wrapper."""
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+    base = model.get_base_model() if common.is_peft_model(model) else model
+    if base.config.model_type != "llama":
+        raise SystemExit(f"error: --liger applies Liger-Kernel's LLaMA patch; {base.config.model_type} is not LLaMA")
+    apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True, model=base)
+    print("Kernels:       Liger-Kernel (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy), torch.optim.AdamW")
+    return common.hf_loss, common.pytorch_adamw
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="LLaMA fine-tuning loop with PyTorch / HF ops (the baseline).")
     common.add_model_args(parser, custom_kernels_default=False)
     common.add_finetune_args(parser)
-    return parser.parse_args(argv)
+    parser.add_argument("--liger", action="store_true",
+                        help="the baseline with Liger-Kernel's Triton kernels (pip install liger-kernel): the "
+                             "production peer, on the same data and loop")
+    args = parser.parse_args(argv)
+    if args.liger:  # checked before anything is loaded
+        custom = [f"--use-custom-{name}" for name, on in common.kernels_from_args(args).items() if on]
+        if custom:
+            parser.error(f"--liger replaces the same operations as {', '.join(custom)}; choose one of them")
+        if not common.installed("liger_kernel"):
+            raise SystemExit("error: --liger needs the liger-kernel package (pip install liger-kernel)")
+        if not torch.cuda.is_available():
+            raise SystemExit("error: --liger needs a GPU: Liger-Kernel's kernels do not run in Triton's CPU "
+                             "interpreter")
+    return args
 
 
 def main(argv=None):
     args = parse_args(argv)
-    return common.run_finetune(args, TITLE, script="finetune_baseline.py", switch_in=plain_hf)
+    return common.run_finetune(args, TITLE, script="finetune_baseline.py",
+                               switch_in=functools.partial(plain_hf, liger=args.liger))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ Tests of the fine-tune scripts and their shared loader (CPU, --tiny, seconds eac
 * flags that another flag overrides are reported;
 * the default model falls back to its bundled config quickly when the hub
   cannot serve the weights;
-* tools/max_seq_len.py refuses to run without a GPU, in one line.
+* tools/max_seq_len.py refuses to run without a GPU, in one line;
+* --liger (the Liger-Kernel peer) refuses what it cannot do in one line, and on a
+  GPU with liger-kernel installed trains with the baseline's losses.
 
 Usage:
     python -m pytest finetune_test.py -v
@@ -196,6 +198,34 @@ def test_bad_numbers(argv, message, capsys):
         finetune_baseline.main(["--tiny"] + argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_liger_refusals(monkeypatch, capsys):
+    with pytest.raises(SystemExit) as e:
+        finetune_baseline.parse_args(["--liger", "--use-custom-rmsnorm"])
+    assert e.value.code == 2 and "--liger replaces the same operations as --use-custom-rmsnorm" in capsys.readouterr().err
+    monkeypatch.setattr(common, "installed", lambda package: package != "liger_kernel")
+    with pytest.raises(SystemExit, match=r"^error: --liger needs the liger-kernel package"):
+        finetune_baseline.parse_args(["--liger"])
+    monkeypatch.setattr(common, "installed", lambda package: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match=r"^error: --liger needs a GPU"):
+        finetune_baseline.parse_args(["--liger"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not common.installed("liger_kernel"),
+                    reason="Liger-Kernel runs on a GPU, with liger-kernel installed")
+def test_liger_trains_like_the_baseline(tmp_path):
+    """Its own process: Liger patches HF's llama module for every model built after it."""
+    out = tmp_path / "liger.json"
+    proc = subprocess.run([sys.executable, "finetune_baseline.py", *TINY, "--liger", "--json", str(out)],
+                          cwd=HERE, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Kernels:       Liger-Kernel" in proc.stdout
+    base = finetune_baseline.main(TINY + ["--json", str(tmp_path / "base.json")])
+    liger = json.loads(out.read_text())["losses"]
+    assert len(liger) == len(base["losses"])
+    assert all(abs(a - b) <= 1e-3 for a, b in zip(liger, base["losses"])), (liger, base["losses"])
 
 
 def test_seq_len_beyond_max_positions():

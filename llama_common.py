@@ -243,6 +243,14 @@ def add_model_args(parser, custom_kernels_default=False, packing_default=False):
         type=non_negative_int,
         help="DataLoader worker processes that build the batches (default: 2 with a GPU, 0 without)",
     )
+    g.add_argument(
+        "--pin-memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the DataLoader puts batches in pinned (page-locked) host memory, so the copy to the GPU is one "
+             "asynchronous DMA; --no-pin-memory copies from pageable memory, through a staging buffer, "
+             "while the CPU waits (GPU only; default: %(default)s)",
+    )
     g.add_argument("--lr", type=float, help="AdamW peak learning rate (default: 1e-5; --tiny: 3e-3)")
     g.add_argument(
         "--gradient-checkpointing",
@@ -1198,16 +1206,19 @@ def block_causal_mask(document):
     return (same & causal)[:, None]
 
 
-def loader(dataset, steps, num_workers):
-    """A DataLoader over batch indices ``steps``: worker processes build the batches
-    ahead of the training step, in pinned host memory when there is a GPU (the
-    copy to the GPU then needs no staging buffer and can be asynchronous)."""
+def loader(dataset, steps, args):
+    """A DataLoader over batch indices ``steps``: --num-workers processes build the
+    batches ahead of the training step, in pinned host memory when there is a GPU
+    (--pin-memory, the default). From pinned memory the GPU's copy engine reads the
+    batch directly and cudaMemcpyAsync returns at once; from pageable memory the
+    driver first copies it into a pinned staging buffer, and the CPU waits for that
+    instead of queueing the next kernels (profile_baseline.py counts both kinds)."""
     return torch.utils.data.DataLoader(
         dataset,
         batch_size=None,  # each index is a whole batch already
         sampler=steps,
-        num_workers=num_workers,
-        pin_memory=torch.cuda.is_available(),
+        num_workers=args.num_workers,
+        pin_memory=torch.cuda.is_available() and getattr(args, "pin_memory", True),
     )
 
 
@@ -1233,7 +1244,7 @@ def training_batches(args, data, device, vocab_size, start_step=0):
     else:
         dataset = StepBatches(data.train, args.batch_size, args.seq_len, args.packing, args.seed, data.pad_id,
                               rank=rank, ranks=ranks)
-        stream = (batch_to(batch, device) for batch in loader(dataset, itertools.count(first), args.num_workers))
+        stream = (batch_to(batch, device) for batch in loader(dataset, itertools.count(first), args))
     while True:
         yield [next(stream) for _ in range(accum)]
 
@@ -1253,7 +1264,7 @@ def held_out_batches(args, data, device, vocab_size):
     dataset = StepBatches(data.held_out, args.batch_size, args.seq_len, args.packing, args.seed, data.pad_id,
                           endless=False)
     count = dataset.num_batches() if limit is None else min(limit, dataset.num_batches())
-    return [batch_to(batch, device) for batch in loader(dataset, range(count), args.num_workers)]
+    return [batch_to(batch, device) for batch in loader(dataset, range(count), args)]
 
 
 # --------------------------------------------------------------------------------

@@ -107,10 +107,15 @@ def parse_args(argv=None):
 
 
 def profile_name(args):
-    """traces/<name>: 'baseline', or 'custom-' plus the kernels in use; '-compiled' with --compile."""
+    """traces/<name>: 'baseline', or 'custom-' plus the kernels in use; '-compiled' with
+    --compile, '-pageable' with --no-pin-memory."""
     kernels = [k for k, on in common.kernels_from_args(args).items() if on]
     name = "custom-" + "-".join(kernels) if kernels else BASELINE
-    return name + "-compiled" if getattr(args, "compile", False) else name
+    if getattr(args, "compile", False):
+        name += "-compiled"
+    if not getattr(args, "pin_memory", True):
+        name += "-pageable"
+    return name
 
 
 # --------------------------------------------------------------------------------
@@ -284,6 +289,33 @@ def gpu_rows(events):
     return rows
 
 
+def host_to_device(events, steps):
+    """The batch's trip to the GPU, per step: the host-to-device copies by the kind of
+    host memory they read (the CUDA trace names them "Memcpy HtoD (Pageable -> Device)"
+    or "(Pinned -> Device)"), and the host time spent inside the CUDA runtime's copy
+    calls, next to all the host time spent in CUDA API calls.
+
+    The device rows above count a copy's GPU time; what a pageable copy costs is the
+    host's: cudaMemcpyAsync does not return until the driver has staged the data, and
+    the CPU queues no kernel meanwhile. Pinned copies return at once.
+    """
+    copies = {"pageable": [0, 0.0], "pinned": [0, 0.0]}  # kind -> [copies, device us]
+    api_us = copy_api_us = 0.0
+    for evt in events:
+        if evt.device_type == DeviceType.CUDA and evt.name.startswith("Memcpy HtoD"):
+            kind = "pinned" if "Pinned" in evt.name else "pageable"
+            copies[kind][0] += 1
+            copies[kind][1] += evt.time_range.elapsed_us()
+        elif evt.device_type == DeviceType.CPU and evt.name.startswith("cuda"):
+            api_us += evt.self_cpu_time_total
+            if evt.name.startswith("cudaMemcpy"):
+                copy_api_us += evt.self_cpu_time_total
+    per_step = {kind: {"copies": n / steps, "device_ms": us / 1000 / steps} for kind, (n, us) in copies.items()}
+    per_step["copy_api_ms"] = copy_api_us / 1000 / steps
+    per_step["cuda_api_ms"] = api_us / 1000 / steps
+    return per_step
+
+
 def summarize(rows, steps):
     """Category totals and the sorted operator list, times in ms per profiled step."""
     total = sum(us for us, _ in rows.values()) or 1.0
@@ -331,13 +363,24 @@ def print_categories(categories, total_ms, time_kind):
     print(f"{'total':<24} {total_ms:10.3f} {100.0:7.1f}%")
 
 
+def print_host_to_device(h2d):
+    print()
+    print("Host-to-device copies per step (the batch):")
+    for kind in ("pageable", "pinned"):
+        c = h2d[kind]
+        print(f"  from {kind + ' memory:':<17} {c['copies']:5.0f} copies, {c['device_ms']:8.3f} ms on the GPU")
+    share = h2d["copy_api_ms"] / h2d["cuda_api_ms"] if h2d["cuda_api_ms"] else 0.0
+    print(f"  host time in cudaMemcpy*: {h2d['copy_api_ms']:.3f} ms ({share:.0%} of the "
+          f"{h2d['cuda_api_ms']:.3f} ms spent in CUDA API calls)")
+
+
 def print_comparison(before, after):
     """Before (plain baseline) / after (this run), per category."""
     print()
     print("=" * 72)
     print(f"Change per category: {before['name']} -> {after['name']} (ms per step)")
     print("=" * 72)
-    keys = ("device", "model", "batch_size", "seq_len", "dataset", "packing")
+    keys = ("device", "model", "batch_size", "seq_len", "dataset", "packing", "pin_memory")
     differ = [k for k in keys if before["setup"].get(k) != after["setup"].get(k)]
     if differ:
         print(f"Note: the baseline summary was taken with a different {', '.join(differ)}; the comparison may mislead.")
@@ -454,6 +497,9 @@ def main(argv=None):
         total_ms, categories, ops = summarize(rows, args.steps)
         print_top(ops, args.top, time_kind)
         print_categories(categories, total_ms, time_kind)
+        h2d = host_to_device(events, args.steps) if on_gpu else None
+        if h2d:
+            print_host_to_device(h2d)
         print(f"\nPeak memory: {peak_bytes / 2**30:.2f} GiB ({peak_kind})")
 
         chrome_path = os.path.join(out_dir, "trace.json")  # where they will be once swapped in
@@ -465,6 +511,7 @@ def main(argv=None):
             "total_ms_per_step": total_ms,
             "categories": categories,
             "ops": ops,  # every row, largest first
+            "host_to_device": h2d,  # None without a GPU
             "peak_memory_bytes": peak_bytes,
             "peak_memory_kind": peak_kind,
             # What must match for a before/after comparison to mean anything.
@@ -475,6 +522,7 @@ def main(argv=None):
                 "seq_len": args.seq_len,
                 "dataset": common.dataset_name(args.dataset),
                 "packing": args.packing,
+                "pin_memory": args.pin_memory,
             },
             "config": common.public_config(args),
             "environment": env,

@@ -179,6 +179,8 @@ def test_profile_names():
     assert name("--use-custom-rmsnorm") == "custom-rmsnorm"
     assert name("--use-custom-ce") == "custom-ce"
     assert name("--use-custom-rmsnorm", "--use-custom-ce") == "custom-rmsnorm-ce"
+    assert name("--no-pin-memory") == "baseline-pageable"
+    assert name("--use-custom-rmsnorm", "--compile", "--no-pin-memory") == "custom-rmsnorm-compiled-pageable"
 
 
 @pytest.mark.parametrize(
@@ -275,6 +277,39 @@ def test_gpu_rows_attribution():
     total_ms, categories, ops = pb.summarize(rows, steps=1)
     assert abs(total_ms - 0.150) < 1e-9
     assert abs(categories["RMSNorm"]["share"] - 25 / 150) < 1e-9
+
+
+def test_host_to_device_copies_by_kind_of_host_memory():
+    """Pageable and pinned copies counted apart, per step, with the host time of the
+    runtime's copy calls against all CUDA API time."""
+    def api(name, us):
+        return SimpleNamespace(name=name, device_type=DeviceType.CPU, self_cpu_time_total=us)
+
+    events = [
+        _gpu("Memcpy HtoD (Pageable -> Device)", 30.0),
+        _gpu("Memcpy HtoD (Pageable -> Device)", 10.0),
+        _gpu("Memcpy HtoD (Pinned -> Device)", 4.0),
+        _gpu("Memcpy DtoH (Device -> Pageable)", 99.0),  # not host-to-device
+        _gpu("sm90_xmma_gemm_bf16", 100.0),
+        api("cudaMemcpyAsync", 600.0),
+        api("cudaLaunchKernel", 300.0),
+        api("cudaStreamSynchronize", 100.0),
+        api("aten::copy_", 50.0),  # an operator, not a CUDA API call
+    ]
+    h2d = pb.host_to_device(events, steps=2)
+    assert h2d["pageable"] == {"copies": 1.0, "device_ms": 0.020}
+    assert h2d["pinned"] == {"copies": 0.5, "device_ms": 0.002}
+    assert h2d["copy_api_ms"] == 0.3 and h2d["cuda_api_ms"] == 0.5
+
+
+def test_pin_memory_flag_reaches_the_data_loader():
+    """--no-pin-memory turns pinning off; on a CPU nothing is pinned either way."""
+    args = pb.parse_args(["--no-pin-memory"])
+    assert args.pin_memory is False and pb.parse_args([]).pin_memory is True
+    args.num_workers = 0
+    assert pb.common.loader([], range(0), args).pin_memory is False
+    args.pin_memory = True
+    assert pb.common.loader([], range(0), args).pin_memory is torch.cuda.is_available()
 
 
 if __name__ == "__main__":

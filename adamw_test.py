@@ -418,6 +418,50 @@ def test_tiny_llama_training_steps():
     assert err < 1e-6, f"parameters differ from PyTorch's AdamW by up to {err:.2e} (relative)"
 
 
+@pytest.mark.parametrize("max_norm", [0.05, 1e3], ids=["clipped", "norm below the limit"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_clip_grad_norm_folded_into_the_step(dtype, max_norm):
+    """clip_grad_norm_ + step == torch's clip_grad_norm_ + torch.optim.AdamW: the same
+    norm returned; the parameters as close to the float64 truth as PyTorch's; the
+    gradients untouched until the step; the coefficient used by one step only."""
+    dt = DTYPES[dtype]
+    shapes = [(7,), (4097,), (3, 41, 5)]
+    ours = [nn.Parameter(t) for t in make_params(shapes, dt)]
+    theirs = [nn.Parameter(t) for t in make_params(shapes, dt)]
+    opt, opt_torch = TritonAdamW(ours, **HP), torch.optim.AdamW(theirs, foreach=False, **HP)
+    truth = Truth(make_params(shapes, dt), [HP] * len(shapes))
+    for t in (1, 2):
+        grads = make_grads(shapes, dt, 40 + t)
+        for p, q, g in zip(ours, theirs, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        if t == 1:  # clip the first step only
+            norm = opt.clip_grad_norm_(max_norm)
+            norm_torch = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+            assert norm.dtype == norm_torch.dtype and torch.equal(norm, norm_torch)
+            assert all(torch.equal(p.grad, g) for p, g in zip(ours, grads)), "gradients changed before the step"
+            true_norm = torch.cat([g.double().reshape(-1) for g in grads]).norm().item()
+            scale = min(1.0, max_norm / (true_norm + 1e-6))
+            grads = [g.double() * scale for g in grads]
+        opt.step()
+        opt_torch.step()
+        truth.step(grads)
+        if t == 1:
+            assert (scale < 0.1) == (max_norm < 1), "the clipped case must clip hard, the other not at all"
+    check_outputs(["p"], [_flat(ours)], [_flat(theirs)], [_flat(truth.p)], dt)
+    # m carries the scale directly (the update m / sqrt(v) is nearly scale-free).
+    m_ours, m_torch = [opt.state[p]["exp_avg"] for p in ours], [opt_torch.state[q]["exp_avg"] for q in theirs]
+    check_outputs(["m"], [_flat(m_ours)], [_flat(m_torch)], [_flat(truth.m)], dt)
+
+
+def test_grad_scale_must_be_one_float32_element():
+    p, g = torch.zeros(8, device=DEVICE), torch.ones(8, device=DEVICE)
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    for bad in (torch.ones(2, device=DEVICE), torch.ones(1, dtype=torch.float64, device=DEVICE), 0.5):
+        with pytest.raises(ValueError, match="grad_scale must be a one-element float32 tensor"):
+            adamw_step(p, g, m, v, 1, 1e-2, 0.9, 0.999, 1e-8, 0.0, grad_scale=bad)
+    assert torch.equal(p, torch.zeros(8, device=DEVICE)), "a refused call changed the parameter"
+
+
 # ---------------------------------------------------------------- GPU only
 def test_int64_offsets():
     need_gpu()

@@ -1336,7 +1336,11 @@ def optimizer_update(optimizer, scheduler, max_grad_norm):
     """Clip the gradients, update the parameters, advance the learning-rate schedule.
     Returns the gradient norm before clipping (a tensor), or None without clipping."""
     grad_norm = None
-    if max_grad_norm > 0:
+    if max_grad_norm > 0 and hasattr(optimizer, "clip_grad_norm_"):
+        # An optimizer that clips inside its own step (the Triton AdamW: the scaling
+        # happens as the step reads each gradient, one pass over them fewer).
+        grad_norm = optimizer.clip_grad_norm_(max_grad_norm)
+    elif max_grad_norm > 0:
         # The parameters the optimizer updates are the ones to clip (LoRA: the adapters only).
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)

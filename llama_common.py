@@ -604,8 +604,21 @@ def compile_decoder(model, args):
         note(f"--compile-mode {args.compile_mode} needs a GPU; compiling with the aot_eager backend")
     layers = model.get_decoder().layers
     checkpointing = getattr(args, "gradient_checkpointing", False)
+    sharded = getattr(args, "fsdp", False)
     for layer in layers:
-        if checkpointing:
+        if sharded and not checkpointing:
+            # --fsdp (shard_model ran first): FSDP gathers a layer's weights in hooks
+            # that its __call__ runs around forward, and frees them after; backward
+            # hooks reduce-scatter the gradients. Compiling forward itself keeps those
+            # hooks outside the graph, eager, by construction. (layer.compile() also
+            # ends up there today: FSDP's hooks are dynamo-disabled, and Dynamo skips
+            # nn.Module's own __call__ frame and starts at forward; we do not rely on
+            # that.) Inside forward the parameters are the gathered full tensors,
+            # plain ones, not the sharded DTensors: the layer is one graph as on one
+            # GPU, and fullgraph holds. torchtitan compiles each block before
+            # fully_shard instead; either way only forward is compiled.
+            layer.forward = torch.compile(layer.forward, backend=backend, fullgraph=True, **options)
+        elif checkpointing:
             # HF checkpoints a layer in its __call__, outside the forward that
             # layer.compile() compiles, and Dynamo does not trace under the hooks
             # that non-reentrant checkpointing installs: the layer would quietly
@@ -618,6 +631,7 @@ def compile_decoder(model, args):
             layer.compile(backend=backend, fullgraph=True, **options)
     mode = f", mode {args.compile_mode}" if options else ""
     inside = ", checkpointing inside the graphs" if checkpointing else ""
+    inside += ", FSDP's gathering outside them" if sharded else ""
     print(f"Compile:       {len(layers)} decoder layers with torch.compile (backend {backend}{mode}, fullgraph{inside}); "
           "compiled during the warm-up steps")
     return len(layers)
@@ -2027,7 +2041,21 @@ def save_checkpoint(args, model, optimizer, scheduler, step, history, rng):
     return path
 
 
-SHARDED_DIR = "sharded"  # --fsdp: DCP's files in DIR/checkpoint-K/sharded
+SHARDED_DIR = "sharded"  # --fsdp: DCP's files in DIR/checkpoint-K/sharded (tools/export_hf.py
+#                           turns them into a save_pretrained folder)
+
+
+def sharded_options(model):
+    """What the DCP shards hold: the whole model, or with LoRA the adapters only
+    (as save_pretrained writes a PeftModel's adapters only): the frozen weights are
+    the ones the run started from, rebuilt by load_model, and saving them at every
+    checkpoint would cost 16 GB for an 8B model instead of some 100 MB. strict=False:
+    the frozen weights are then, rightly, missing on loading (load_sharded checks
+    that nothing else is)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    lora = is_peft_model(model)
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
 
 def save_sharded(folder, model, optimizer):
@@ -2038,7 +2066,7 @@ def save_sharded(folder, model, optimizer):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=sharded_options(model))
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=os.path.join(folder, SHARDED_DIR))
 
 
@@ -2049,10 +2077,17 @@ def load_sharded(folder, model, optimizer):
 
     # get_state_dict creates AdamW's state first (one step with zero gradients and
     # lr 0, which changes no weight), so that there are tensors to load into.
-    model_state, optim_state = get_state_dict(model, optimizer)
+    options = sharded_options(model)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
     state = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=os.path.join(folder, SHARDED_DIR))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    result = set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                            options=options)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    missing = [k for k in result.missing_keys if k not in frozen]
+    if missing or result.unexpected_keys:
+        raise SystemExit(f"error: --resume {folder}: the shards do not fit this model "
+                         f"(missing {missing[:3]}, unexpected {result.unexpected_keys[:3]})")
 
 
 def read_checkpoint_state(path):
@@ -2230,9 +2265,9 @@ def check_fsdp_flags(args):
     if missing:
         raise SystemExit(f"error: --fsdp runs under torchrun, which sets {', '.join(missing)}: "
                          f"torchrun --nproc-per-node N {os.path.basename(sys.argv[0])} --fsdp ...")
-    for flag, on in (("--lora", args.lora or args.lora_4bit), ("--compile", getattr(args, "compile", False))):
-        if on:
-            raise SystemExit(f"error: --fsdp with {flag} is not supported (yet); run one of them without the other")
+    if args.lora_4bit:  # --lora (bf16 or float32 adapters and weights) is sharded like any model
+        raise SystemExit("error: --fsdp with --lora-4bit is not supported: FSDP2 would have to shard "
+                         "bitsandbytes' packed 4-bit weights; use --lora, or --lora-4bit on one GPU")
     if torch.cuda.is_available():
         local_rank = int(os.environ["LOCAL_RANK"])
         if local_rank >= torch.cuda.device_count():
@@ -2275,6 +2310,13 @@ def shard_model(model, args):
 
     On a GPU the weights are gathered in bf16 and the gradients reduced in float32
     (MixedPrecisionPolicy); the tiny float32 model (and the CPU) keeps float32 throughout.
+
+    With --lora (apply_lora ran before, on the whole model) each layer's frozen
+    weights and its adapters are sharded together, one group: FSDP2 gathers both
+    for the forward and reduce-scatters only the gradients that exist, the
+    adapters'; the optimizer then gets the adapters' shards (trainable_parameters).
+    A model built on the meta device gets PEFT's adapter initialization back after
+    HF's (materialize).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -2305,6 +2347,21 @@ def materialize(model, device):
     model.to_empty(device=device)
     with torch.no_grad():
         model.apply(model._init_weights)
+        if is_peft_model(model):
+            reset_lora_adapters(model)
+
+
+def reset_lora_adapters(model):
+    """HF's _init_weights (materialize) treats each adapter's A and B as the plain
+    Linear layers they are and draws both at random: B would no longer be zero, and
+    the model would not start as the base model. PEFT's own initialization of
+    each LoRA layer puts them back: A as PEFT draws it, B zeros."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            for name in module.lora_A:
+                module.reset_lora_parameters(name, model.peft_config[name].init_lora_weights)
 
 
 def loss_inside_forward(model, loss_fn):

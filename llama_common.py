@@ -58,6 +58,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
 
@@ -1675,7 +1676,7 @@ def run_finetune(args, title, script, switch_in):
     if args.lora:
         model = apply_lora(model, args)
     if resumed:
-        check_same_model(args, resumed, model)
+        check_same_model(resumed, model)
     params = trainable_parameters(model)
     model_info["trainable_parameters"] = sum(p.numel() for p in params)
     accum = f" x {args.grad_accum} micro-batches per step" if args.grad_accum > 1 else ""
@@ -1880,8 +1881,6 @@ def apply_lora(model, args):
     that is 42 M parameters instead of 8 B, and AdamW state for those only.
     Returns the PeftModel (it forwards config, get_decoder, lm_head... to the model).
     """
-    import warnings
-
     import peft
 
     linear = {name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -2083,28 +2082,66 @@ def load_sharded(folder, model, optimizer):
     dcp.load(state, checkpoint_id=os.path.join(folder, SHARDED_DIR))
     result = set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                             options=options)
-    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    frozen = frozen_parameter_names(model)
     missing = [k for k in result.missing_keys if k not in frozen]
     if missing or result.unexpected_keys:
         raise SystemExit(f"error: --resume {folder}: the shards do not fit this model "
                          f"(missing {missing[:3]}, unexpected {result.unexpected_keys[:3]})")
 
 
-def read_checkpoint_state(path):
-    """--resume: the checkpoint's trainer_state.json, or a one-line error."""
+def frozen_parameter_names(model):
+    return {name for name, p in model.named_parameters() if not p.requires_grad}
+
+
+def load_sharded_model(folder, model, flag):
+    """Read the model part of save_sharded's shards into ``model`` whole, in this one
+    process: no process group, no GPU, no torchrun (tools/export_hf.py).
+
+    DCP's metadata gives each saved tensor's full shape and dtype; each is
+    allocated so, and dcp.load (no_dist) fills it from every process's file,
+    the pieces put together. The tensors then become the model's own (assign:
+    ``model`` may be built on the meta device, no memory spent on weights that
+    would be overwritten). With LoRA the shards hold the adapters only
+    (sharded_options): the frozen weights are left as they are.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    shards = os.path.join(folder, SHARDED_DIR)
+    saved = dcp.FileSystemReader(shards).read_metadata().state_dict_metadata
+    skip = frozen_parameter_names(model) if sharded_options(model).ignore_frozen_params else set()
+    wanted = {name: t for name, t in model.state_dict(keep_vars=True).items() if name not in skip}
+    weights = {}
+    for name, tensor in wanted.items():
+        meta = saved.get(f"model.{name}")  # save_sharded's dict: {"model": ..., "optimizer": ...}
+        if meta is None or tuple(meta.size) != tuple(tensor.shape):
+            found = "is not in the shards" if meta is None else f"has shape {tuple(meta.size)} there"
+            raise SystemExit(f"error: {flag} {folder}: the shards do not fit the model rebuilt from its "
+                             f"{TRAINER_STATE}: {name} {found}")
+        weights[name] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    state = {"model": weights}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=shards, no_dist=True)
+    model.load_state_dict(state["model"], strict=not skip, assign=True)
+    return model
+
+
+def read_checkpoint_state(path, flag="--resume"):
+    """--resume (or ``flag``, the argument that named ``path``): the checkpoint's
+    trainer_state.json, or a one-line error."""
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.isdir(path):
-        raise SystemExit(f"error: --resume {path}: no such checkpoint directory")
+        raise SystemExit(f"error: {flag} {path}: no such checkpoint directory")
     try:
         with open(os.path.join(path, TRAINER_STATE)) as f:
             state = json.load(f)
     except FileNotFoundError:
-        raise SystemExit(f"error: --resume {path}: not a checkpoint (no {TRAINER_STATE}); checkpoints are the "
+        raise SystemExit(f"error: {flag} {path}: not a checkpoint (no {TRAINER_STATE}); checkpoints are the "
                          f"{CHECKPOINT_PREFIX}K folders of an --output-dir") from None
     except (OSError, ValueError) as e:
-        raise SystemExit(f"error: --resume {path}: cannot read {TRAINER_STATE} ({_one_line(e)})") from None
+        raise SystemExit(f"error: {flag} {path}: cannot read {TRAINER_STATE} ({_one_line(e)})") from None
     if state.get("format") != CHECKPOINT_FORMAT:
-        raise SystemExit(f"error: --resume {path}: checkpoint format {state.get('format')!r}, "
+        raise SystemExit(f"error: {flag} {path}: checkpoint format {state.get('format')!r}, "
                          f"this code reads {CHECKPOINT_FORMAT}")
     state["path"] = path
     return state
@@ -2141,13 +2178,13 @@ def check_same_run(args, state):
                          f"{how(now_fsdp, now_size)}; resume it as it was written (--batch-size is per process)")
 
 
-def check_same_model(args, state, model):
+def check_same_model(state, model, flag="--resume"):
     """The architecture (and the LoRA setup) must be the checkpoint's."""
     if state["model_config"] != model_fingerprint(model):
-        raise SystemExit(f"error: --resume {state['path']}: the checkpoint is of another model: "
+        raise SystemExit(f"error: {flag} {state['path']}: the checkpoint is of another model: "
                          f"{differences(state['model_config'], model_fingerprint(model))}")
     if state["lora_config"] != lora_fingerprint(model):
-        raise SystemExit(f"error: --resume {state['path']}: the checkpoint has other LoRA adapters: "
+        raise SystemExit(f"error: {flag} {state['path']}: the checkpoint has other LoRA adapters: "
                          f"{differences(state['lora_config'] or {}, lora_fingerprint(model) or {})}")
 
 

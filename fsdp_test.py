@@ -15,8 +15,9 @@
 * A model built on the meta device is materialized shard by shard and trains;
   with --lora its adapters get PEFT's initialization back (B zeros: the model
   starts as the base model), checked in this process on a one-process group.
-* Bad input: --fsdp without torchrun, torchrun without --fsdp, resuming with
-  another number of processes: one line each, before any work.
+* Bad input: --fsdp without torchrun, torchrun without --fsdp, --fsdp with
+  --lora-4bit, resuming with another number of processes: one line each,
+  before any work.
 
 The Triton kernels run in the interpreter: tiny shapes, few steps.
 """
@@ -134,6 +135,12 @@ def test_two_ranks_compiled_match_one_process(full, tmp_path):
 # --------------------------------------------------------------------------------
 # tools/export_hf.py: the shards as a save_pretrained folder
 # --------------------------------------------------------------------------------
+def same_tensors(exported, expected):
+    assert set(exported) == set(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(exported[name], tensor, atol=1e-5, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_export_gives_the_model_of_the_run(full, tmp_path):
     """The exported model loads with from_pretrained and is the model the one-process
     run saved at the same step (its checkpoint is save_pretrained's output)."""
@@ -145,12 +152,10 @@ def test_export_gives_the_model_of_the_run(full, tmp_path):
     assert {"config.json", "model.safetensors"} <= set(os.listdir(out))
     exported = LlamaForCausalLM.from_pretrained(out).state_dict()
     expected = load_file(str(tmp / "one" / "checkpoint-3" / "model.safetensors"))
-    assert set(exported) == set(expected)
     # Almost every weight agrees within 1e-6; a few, whose gradients are near AdamW's
     # eps, move by up to ~5e-6: the update divides by sqrt(v), which magnifies the
     # rounding of a different reduction order (two processes' sum vs one batch).
-    for name, tensor in expected.items():
-        torch.testing.assert_close(exported[name], tensor, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+    same_tensors(exported, expected)
 
 
 def test_export_lora_gives_the_adapters_of_the_run(lora, tmp_path):
@@ -163,15 +168,13 @@ def test_export_lora_gives_the_adapters_of_the_run(lora, tmp_path):
     out = export_hf.main([str(tmp / "fsdp" / "checkpoint-3"), str(tmp_path / "adapters")])
     exported = load_file(os.path.join(out, "adapter_model.safetensors"))
     expected = load_file(str(tmp / "one" / "checkpoint-3" / "adapter_model.safetensors"))
-    assert set(exported) == set(expected) and len(expected) == 28
-    for name, tensor in expected.items():
-        torch.testing.assert_close(exported[name], tensor, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+    assert len(expected) == 28
+    same_tensors(exported, expected)
     torch.manual_seed(0)  # the tiny base, as load_model builds it
     base = common.build_random(common.tiny_config(), torch.device("cpu"), torch.float32)
     model = PeftModel.from_pretrained(base, out)
-    weights = dict(model.named_parameters())
-    name = next(iter(expected))  # base_model.model.model.layers.0....lora_A.weight: PEFT adds ".default"
-    torch.testing.assert_close(weights[name.replace(".weight", ".default.weight")], expected[name], atol=1e-5, rtol=0)
+    loaded = {name.replace(".default.", "."): p.detach() for name, p in model.named_parameters() if ".lora_" in name}
+    same_tensors(loaded, expected)  # in the model, PEFT names each adapter ("default")
 
 
 def test_export_errors_are_one_line(full, tmp_path):
@@ -264,6 +267,17 @@ def test_torchrun_without_fsdp_is_one_line(monkeypatch):
     with pytest.raises(SystemExit, match="2 processes but without --fsdp"):
         finetune_optimized.main([*TINY, "--steps", "1"])
 
+
+
+def test_fsdp_with_lora_4bit_is_one_line(monkeypatch):
+    """QLoRA's packed 4-bit weights are not sharded (--lora is)."""
+    for name, value in zip(common.TORCHRUN_ENV, ("0", "2", "0")):
+        monkeypatch.setenv(name, value)
+    args = argparse.Namespace(fsdp=True, lora=True, lora_4bit=True, compile=True)
+    with pytest.raises(SystemExit, match="--fsdp with --lora-4bit is not supported"):
+        common.check_fsdp_flags(args)
+    args.lora_4bit = False
+    common.check_fsdp_flags(args)  # --lora and --compile are
 
 if __name__ == "__main__":
     pytest.main([__file__, "-q"])

@@ -29,10 +29,17 @@ Usage:
     python finetune_optimized.py --lora --grad-accum 4 --eval-every 50 --output-dir runs/lora --save-every 100
     python finetune_optimized.py --lora --resume runs/lora/checkpoint-100   # same flags: same losses
     torchrun --standalone --nproc-per-node 2 finetune_optimized.py --fsdp --random-init --batch-size 2  # FSDP2
+    torchrun --standalone --nproc-per-node 2 finetune_optimized.py --fsdp --lora --compile --output-dir runs/fsdp
+    python tools/export_hf.py runs/fsdp/checkpoint-20 runs/fsdp-hf   # the shards as a save_pretrained folder
 
 With --lora (PEFT) the kernels run on the wrapped model: the MLP keeps the LoRA
 projections, the frozen LM head and norms get no weight gradient in the fused
 loss and RMSNorm, and the optimizer holds the adapters only.
+
+With --fsdp (under torchrun) the model is sharded after the kernels are switched
+in, --lora's adapters with their frozen weights, and --compile compiles each
+layer's forward after sharding; checkpoints are shards (tools/export_hf.py
+writes them as a normal Hugging Face folder). --lora-4bit runs on one GPU only.
 
 The data is finetune_baseline.py's (the bundled data/instructions.jsonl unless
 --dataset says otherwise), but packed by default: several examples end to end in

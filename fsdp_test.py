@@ -4,24 +4,36 @@
 * N processes x --batch-size B train exactly as one process with --batch-size
   N x B: the same losses (float32, within 1e-4), with every kernel on
   (RMSNorm, SwiGLU, RoPE, the fused linear cross-entropy, the Triton AdamW on the
-  local shards) and with the plain baseline on packed real data.
-* A sharded (DCP) checkpoint resumes with the losses of the uninterrupted run.
-* A model built on the meta device is materialized shard by shard and trains.
-* Bad input: --fsdp without torchrun, torchrun without --fsdp, resuming with
-  another number of processes: one line each, before any work.
+  local shards), with LoRA adapters (--lora: frozen weights and adapters sharded
+  together, the optimizer on the adapters' shards), with each decoder layer
+  compiled (--compile, aot_eager) and with the plain baseline on packed real data.
+* A sharded (DCP) checkpoint resumes with the losses of the uninterrupted run,
+  also with --lora (whose shards hold the adapters only).
+* tools/export_hf.py turns the shards into a save_pretrained folder in one
+  process: the model (or with --lora the adapters) that the single-process run
+  saved at the same step; its bad input is one line each.
+* A model built on the meta device is materialized shard by shard and trains;
+  with --lora its adapters get PEFT's initialization back (B zeros: the model
+  starts as the base model), checked in this process on a one-process group.
+* Bad input: --fsdp without torchrun, torchrun without --fsdp, --fsdp with
+  --lora-4bit, resuming with another number of processes: one line each,
+  before any work.
 
 The Triton kernels run in the interpreter: tiny shapes, few steps.
 """
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 import llama_common as common  # first: the Triton interpreter switch
 import finetune_optimized
+from tools import export_hf
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY = ["--tiny", "--dataset", "synthetic", "--warmup-steps", "0", "--seq-len", "16"]
@@ -48,18 +60,37 @@ def close(a, b, tol=1e-4):
     assert all(abs(x - y) <= tol for x, y in zip(a, b)), (a, b)
 
 
-def test_two_ranks_match_one_process_every_kernel_and_resume(tmp_path):
-    ckpt = tmp_path / "run"
-    args = [*TINY, "--steps", "3", "--batch-size", "1"]
-    sharded = run("finetune_optimized.py", [*args, "--output-dir", str(ckpt), "--save-every", "2"], 2, tmp_path, "fsdp")
-    one = run("finetune_optimized.py", [*TINY, "--steps", "3", "--batch-size", "2"], None, tmp_path, "one")
+def train_twice(tmp, extra):
+    """One run, every kernel, 3 steps, twice: 2 processes x batch 1 (--fsdp) and one
+    process x batch 2, each saving its checkpoints (step 2 and the end, step 3)."""
+    args = [*TINY, "--steps", "3", *extra]
+    sharded = run("finetune_optimized.py", [*args, "--batch-size", "1", "--output-dir", str(tmp / "fsdp"),
+                                            "--save-every", "2"], 2, tmp, "fsdp")
+    one = run("finetune_optimized.py", [*args, "--batch-size", "2", "--output-dir", str(tmp / "one")], None, tmp, "one")
+    return sharded, one, tmp
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    return train_twice(tmp_path_factory.mktemp("full"), [])
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory):
+    return train_twice(tmp_path_factory.mktemp("lora"), ["--lora", "--lora-r", "4"])
+
+
+def test_two_ranks_match_one_process_every_kernel_and_resume(full, tmp_path):
+    sharded, one, tmp = full
     close(sharded["losses"], one["losses"])
     assert sharded["world_size"] == 2 and sharded["kernels"] == dict.fromkeys(common.KERNELS, True)
     assert sharded["tokens_per_sec_per_gpu"] == pytest.approx(sharded["tokens_per_sec"] / 2)
     assert sharded["tokens_per_step"] == one["tokens_per_step"] == 32  # the global batch
+    ckpt = tmp / "fsdp"
     assert sorted(os.listdir(ckpt / "checkpoint-2")) == ["rng_state_rank0.pt", "rng_state_rank1.pt",
                                                          "scheduler.pt", "sharded", common.TRAINER_STATE]
 
+    args = [*TINY, "--steps", "3", "--batch-size", "1"]
     resumed = run("finetune_optimized.py", [*args, "--resume", str(ckpt / "checkpoint-2"),
                                             "--output-dir", str(tmp_path / "again")], 2, tmp_path, "resumed")
     close(resumed["losses"], sharded["losses"][2:], tol=1e-6)
@@ -67,6 +98,138 @@ def test_two_ranks_match_one_process_every_kernel_and_resume(tmp_path):
     # Another number of processes cannot use these shards (here: one, without --fsdp).
     with pytest.raises(SystemExit, match="written by --fsdp with 2 processes, this run is one process"):
         finetune_optimized.main([*args, "--resume", str(ckpt / "checkpoint-2"), "--output-dir", str(tmp_path / "x")])
+
+
+def saved_names(checkpoint):
+    """The model tensors in a checkpoint's DCP shards."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(checkpoint / common.SHARDED_DIR)).read_metadata()
+    return [k[len("model."):] for k in metadata.state_dict_metadata if k.startswith("model.")]
+
+
+def test_lora_two_ranks_match_one_process_and_resume(lora, tmp_path):
+    """--fsdp --lora: frozen weights and adapters sharded together, the optimizer on the
+    adapters' shards; the shards of a checkpoint hold the adapters only."""
+    sharded, one, tmp = lora
+    close(sharded["losses"], one["losses"])
+    assert sharded["kernels"] == dict.fromkeys(common.KERNELS, True)
+    assert sharded["model"]["trainable_parameters"] == one["model"]["trainable_parameters"] == 18688
+    names = saved_names(tmp / "fsdp" / "checkpoint-2")
+    assert len(names) == 28 and all(".lora_A." in n or ".lora_B." in n for n in names), names  # 2 x 7 x (A, B)
+
+    args = [*TINY, "--steps", "3", "--batch-size", "1", "--lora", "--lora-r", "4"]
+    resumed = run("finetune_optimized.py", [*args, "--resume", str(tmp / "fsdp" / "checkpoint-2"),
+                                            "--output-dir", str(tmp_path / "again")], 2, tmp_path, "resumed")
+    close(resumed["losses"], sharded["losses"][2:], tol=1e-6)
+
+
+def test_two_ranks_compiled_match_one_process(full, tmp_path):
+    """--fsdp --compile: each decoder layer's forward compiled (aot_eager on CPU), FSDP's
+    gathering around it; the losses of the eager single process."""
+    doc = run("finetune_optimized.py", [*TINY, "--steps", "3", "--batch-size", "1", "--compile"], 2, tmp_path)
+    close(doc["losses"], full[1]["losses"])
+    assert doc["config"]["compile"] and doc["kernels"] == dict.fromkeys(common.KERNELS, True)
+
+
+# --------------------------------------------------------------------------------
+# tools/export_hf.py: the shards as a save_pretrained folder
+# --------------------------------------------------------------------------------
+def same_tensors(exported, expected):
+    assert set(exported) == set(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(exported[name], tensor, atol=1e-5, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_export_gives_the_model_of_the_run(full, tmp_path):
+    """The exported model loads with from_pretrained and is the model the one-process
+    run saved at the same step (its checkpoint is save_pretrained's output)."""
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    _, _, tmp = full
+    out = export_hf.main([str(tmp / "fsdp" / "checkpoint-3"), str(tmp_path / "hf")])
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(out))
+    exported = LlamaForCausalLM.from_pretrained(out).state_dict()
+    expected = load_file(str(tmp / "one" / "checkpoint-3" / "model.safetensors"))
+    # Almost every weight agrees within 1e-6; a few, whose gradients are near AdamW's
+    # eps, move by up to ~5e-6: the update divides by sqrt(v), which magnifies the
+    # rounding of a different reduction order (two processes' sum vs one batch).
+    same_tensors(exported, expected)
+
+
+def test_export_lora_gives_the_adapters_of_the_run(lora, tmp_path):
+    """--lora: the PEFT adapter folder, the one-process run's adapters, and
+    PeftModel.from_pretrained puts them on the base model."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    _, _, tmp = lora
+    out = export_hf.main([str(tmp / "fsdp" / "checkpoint-3"), str(tmp_path / "adapters")])
+    exported = load_file(os.path.join(out, "adapter_model.safetensors"))
+    expected = load_file(str(tmp / "one" / "checkpoint-3" / "adapter_model.safetensors"))
+    assert len(expected) == 28
+    same_tensors(exported, expected)
+    torch.manual_seed(0)  # the tiny base, as load_model builds it
+    base = common.build_random(common.tiny_config(), torch.device("cpu"), torch.float32)
+    model = PeftModel.from_pretrained(base, out)
+    loaded = {name.replace(".default.", "."): p.detach() for name, p in model.named_parameters() if ".lora_" in name}
+    same_tensors(loaded, expected)  # in the model, PEFT names each adapter ("default")
+
+
+def test_export_errors_are_one_line(full, tmp_path):
+    _, _, tmp = full
+    with pytest.raises(SystemExit, match=r"error: CHECKPOINT_DIR .*: not a checkpoint \(no trainer_state.json\)"):
+        export_hf.main([str(tmp), str(tmp_path / "a")])
+    with pytest.raises(SystemExit, match="without --fsdp, so it already is save_pretrained's output "
+                                         r"\(config.json and model.safetensors\)"):
+        export_hf.main([str(tmp / "one" / "checkpoint-3"), str(tmp_path / "b")])
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "keep.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="OUT_DIR .*: exists and is not empty") as e:
+        export_hf.main([str(tmp / "fsdp" / "checkpoint-3"), str(tmp_path / "c")])
+    assert "\n" not in str(e.value)
+
+
+# --------------------------------------------------------------------------------
+# A model built on the meta device (not --tiny)
+# --------------------------------------------------------------------------------
+@pytest.fixture
+def one_process_group(tmp_path):
+    """A process group of this process alone (gloo): fully_shard and DTensors as under
+    torchrun, in the test's own process."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield common.World(0, 1, 0, torch.device("cpu"))
+    torch.distributed.destroy_process_group()
+
+
+def test_meta_device_lora_starts_as_the_base_model(one_process_group):
+    """materialize fills the shards with HF's initialization, which draws LoRA's B at
+    random like any Linear weight; PEFT's own initialization must follow: B zeros, so
+    the model's output is the base model's. The optimizer gets the adapters' shards."""
+    from torch.distributed.tensor import DTensor
+
+    args = argparse.Namespace(tiny=False, lora_r=4, lora_alpha=8.0, lora_dropout=0.0, lora_4bit=False,
+                              lora_targets=list(common.LORA_TARGETS), _world=one_process_group)
+    torch.manual_seed(0)
+    model = common.apply_lora(common.build_random(common.tiny_config(), torch.device("meta"), torch.float32), args)
+    common.shard_model(model, args)
+    assert all(isinstance(p, DTensor) and not p.is_meta for p in model.parameters())
+    adapters = {name: p for name, p in model.named_parameters() if ".lora_" in name}
+    assert {id(p) for p in common.trainable_parameters(model)} == {id(p) for p in adapters.values()}
+    for name, p in adapters.items():
+        full = p.full_tensor()
+        if ".lora_B." in name:
+            assert torch.count_nonzero(full) == 0, name
+        else:  # PEFT's kaiming-uniform A: |a| < 1/sqrt(fan_in), std 1/sqrt(3 fan_in); HF's would be std 0.02
+            bound = full.shape[1] ** -0.5
+            assert full.abs().max() <= bound and abs(full.std().item() / (bound / 3**0.5) - 1) < 0.25, name
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    with torch.no_grad():
+        out = model(input_ids=ids).logits
+        with model.disable_adapter():
+            base = model(input_ids=ids).logits
+    assert torch.equal(out, base)
 
 
 def test_two_ranks_match_one_process_baseline_packed_data(tmp_path):
@@ -77,13 +240,14 @@ def test_two_ranks_match_one_process_baseline_packed_data(tmp_path):
     assert sharded["kernels"] == dict.fromkeys(common.KERNELS, False)
 
 
-def test_meta_device_build_is_materialized_shard_by_shard(tmp_path):
+@pytest.mark.parametrize("lora", [[], ["--lora"]], ids=["full", "lora"])
+def test_meta_device_build_is_materialized_shard_by_shard(tmp_path, lora):
     """A model that is not --tiny is built on the meta device under --fsdp: a small
     config given as a local --model stands in for LLaMA-3.1-8B."""
     common.tiny_config().save_pretrained(tmp_path / "model")
     doc = run("finetune_baseline.py", ["--no-tiny", "--random-init", "--model", str(tmp_path / "model"),
                                        "--dataset", "synthetic", "--warmup-steps", "0", "--steps", "2",
-                                       "--seq-len", "16", "--batch-size", "1", "--lr", "1e-3"], 2, tmp_path)
+                                       "--seq-len", "16", "--batch-size", "1", "--lr", "1e-3", *lora], 2, tmp_path)
     assert "meta device" in doc["model"]["source"]
     first = doc["losses"][0]  # HF's init: logits near 0, so the loss is near ln(vocab)
     assert abs(first - 9.01) < 0.5, doc["losses"]
@@ -103,6 +267,17 @@ def test_torchrun_without_fsdp_is_one_line(monkeypatch):
     with pytest.raises(SystemExit, match="2 processes but without --fsdp"):
         finetune_optimized.main([*TINY, "--steps", "1"])
 
+
+
+def test_fsdp_with_lora_4bit_is_one_line(monkeypatch):
+    """QLoRA's packed 4-bit weights are not sharded (--lora is)."""
+    for name, value in zip(common.TORCHRUN_ENV, ("0", "2", "0")):
+        monkeypatch.setenv(name, value)
+    args = argparse.Namespace(fsdp=True, lora=True, lora_4bit=True, compile=True)
+    with pytest.raises(SystemExit, match="--fsdp with --lora-4bit is not supported"):
+        common.check_fsdp_flags(args)
+    args.lora_4bit = False
+    common.check_fsdp_flags(args)  # --lora and --compile are
 
 if __name__ == "__main__":
     pytest.main([__file__, "-q"])

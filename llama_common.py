@@ -58,6 +58,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
 
@@ -612,8 +613,21 @@ def compile_decoder(model, args):
         note(f"--compile-mode {args.compile_mode} needs a GPU; compiling with the aot_eager backend")
     layers = model.get_decoder().layers
     checkpointing = getattr(args, "gradient_checkpointing", False)
+    sharded = getattr(args, "fsdp", False)
     for layer in layers:
-        if checkpointing:
+        if sharded and not checkpointing:
+            # --fsdp (shard_model ran first): FSDP gathers a layer's weights in hooks
+            # that its __call__ runs around forward, and frees them after; backward
+            # hooks reduce-scatter the gradients. Compiling forward itself keeps those
+            # hooks outside the graph, eager, by construction. (layer.compile() also
+            # ends up there today: FSDP's hooks are dynamo-disabled, and Dynamo skips
+            # nn.Module's own __call__ frame and starts at forward; we do not rely on
+            # that.) Inside forward the parameters are the gathered full tensors,
+            # plain ones, not the sharded DTensors: the layer is one graph as on one
+            # GPU, and fullgraph holds. torchtitan compiles each block before
+            # fully_shard instead; either way only forward is compiled.
+            layer.forward = torch.compile(layer.forward, backend=backend, fullgraph=True, **options)
+        elif checkpointing:
             # HF checkpoints a layer in its __call__, outside the forward that
             # layer.compile() compiles, and Dynamo does not trace under the hooks
             # that non-reentrant checkpointing installs: the layer would quietly
@@ -626,6 +640,7 @@ def compile_decoder(model, args):
             layer.compile(backend=backend, fullgraph=True, **options)
     mode = f", mode {args.compile_mode}" if options else ""
     inside = ", checkpointing inside the graphs" if checkpointing else ""
+    inside += ", FSDP's gathering outside them" if sharded else ""
     print(f"Compile:       {len(layers)} decoder layers with torch.compile (backend {backend}{mode}, fullgraph{inside}); "
           "compiled during the warm-up steps")
     return len(layers)
@@ -1676,7 +1691,7 @@ def run_finetune(args, title, script, switch_in):
     if args.lora:
         model = apply_lora(model, args)
     if resumed:
-        check_same_model(args, resumed, model)
+        check_same_model(resumed, model)
     params = trainable_parameters(model)
     model_info["trainable_parameters"] = sum(p.numel() for p in params)
     accum = f" x {args.grad_accum} micro-batches per step" if args.grad_accum > 1 else ""
@@ -1881,8 +1896,6 @@ def apply_lora(model, args):
     that is 42 M parameters instead of 8 B, and AdamW state for those only.
     Returns the PeftModel (it forwards config, get_decoder, lm_head... to the model).
     """
-    import warnings
-
     import peft
 
     linear = {name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -2042,7 +2055,21 @@ def save_checkpoint(args, model, optimizer, scheduler, step, history, rng):
     return path
 
 
-SHARDED_DIR = "sharded"  # --fsdp: DCP's files in DIR/checkpoint-K/sharded
+SHARDED_DIR = "sharded"  # --fsdp: DCP's files in DIR/checkpoint-K/sharded (tools/export_hf.py
+#                           turns them into a save_pretrained folder)
+
+
+def sharded_options(model):
+    """What the DCP shards hold: the whole model, or with LoRA the adapters only
+    (as save_pretrained writes a PeftModel's adapters only): the frozen weights are
+    the ones the run started from, rebuilt by load_model, and saving them at every
+    checkpoint would cost 16 GB for an 8B model instead of some 100 MB. strict=False:
+    the frozen weights are then, rightly, missing on loading (load_sharded checks
+    that nothing else is)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    lora = is_peft_model(model)
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
 
 def save_sharded(folder, model, optimizer):
@@ -2053,7 +2080,7 @@ def save_sharded(folder, model, optimizer):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=sharded_options(model))
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=os.path.join(folder, SHARDED_DIR))
 
 
@@ -2064,27 +2091,72 @@ def load_sharded(folder, model, optimizer):
 
     # get_state_dict creates AdamW's state first (one step with zero gradients and
     # lr 0, which changes no weight), so that there are tensors to load into.
-    model_state, optim_state = get_state_dict(model, optimizer)
+    options = sharded_options(model)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
     state = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=os.path.join(folder, SHARDED_DIR))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    result = set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                            options=options)
+    frozen = frozen_parameter_names(model)
+    missing = [k for k in result.missing_keys if k not in frozen]
+    if missing or result.unexpected_keys:
+        raise SystemExit(f"error: --resume {folder}: the shards do not fit this model "
+                         f"(missing {missing[:3]}, unexpected {result.unexpected_keys[:3]})")
 
 
-def read_checkpoint_state(path):
-    """--resume: the checkpoint's trainer_state.json, or a one-line error."""
+def frozen_parameter_names(model):
+    return {name for name, p in model.named_parameters() if not p.requires_grad}
+
+
+def load_sharded_model(folder, model, flag):
+    """Read the model part of save_sharded's shards into ``model`` whole, in this one
+    process: no process group, no GPU, no torchrun (tools/export_hf.py).
+
+    DCP's metadata gives each saved tensor's full shape and dtype; each is
+    allocated so, and dcp.load (no_dist) fills it from every process's file,
+    the pieces put together. The tensors then become the model's own (assign:
+    ``model`` may be built on the meta device, no memory spent on weights that
+    would be overwritten). With LoRA the shards hold the adapters only
+    (sharded_options): the frozen weights are left as they are.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    shards = os.path.join(folder, SHARDED_DIR)
+    saved = dcp.FileSystemReader(shards).read_metadata().state_dict_metadata
+    skip = frozen_parameter_names(model) if sharded_options(model).ignore_frozen_params else set()
+    wanted = {name: t for name, t in model.state_dict(keep_vars=True).items() if name not in skip}
+    weights = {}
+    for name, tensor in wanted.items():
+        meta = saved.get(f"model.{name}")  # save_sharded's dict: {"model": ..., "optimizer": ...}
+        if meta is None or tuple(meta.size) != tuple(tensor.shape):
+            found = "is not in the shards" if meta is None else f"has shape {tuple(meta.size)} there"
+            raise SystemExit(f"error: {flag} {folder}: the shards do not fit the model rebuilt from its "
+                             f"{TRAINER_STATE}: {name} {found}")
+        weights[name] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    state = {"model": weights}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=shards, no_dist=True)
+    model.load_state_dict(state["model"], strict=not skip, assign=True)
+    return model
+
+
+def read_checkpoint_state(path, flag="--resume"):
+    """--resume (or ``flag``, the argument that named ``path``): the checkpoint's
+    trainer_state.json, or a one-line error."""
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.isdir(path):
-        raise SystemExit(f"error: --resume {path}: no such checkpoint directory")
+        raise SystemExit(f"error: {flag} {path}: no such checkpoint directory")
     try:
         with open(os.path.join(path, TRAINER_STATE)) as f:
             state = json.load(f)
     except FileNotFoundError:
-        raise SystemExit(f"error: --resume {path}: not a checkpoint (no {TRAINER_STATE}); checkpoints are the "
+        raise SystemExit(f"error: {flag} {path}: not a checkpoint (no {TRAINER_STATE}); checkpoints are the "
                          f"{CHECKPOINT_PREFIX}K folders of an --output-dir") from None
     except (OSError, ValueError) as e:
-        raise SystemExit(f"error: --resume {path}: cannot read {TRAINER_STATE} ({_one_line(e)})") from None
+        raise SystemExit(f"error: {flag} {path}: cannot read {TRAINER_STATE} ({_one_line(e)})") from None
     if state.get("format") != CHECKPOINT_FORMAT:
-        raise SystemExit(f"error: --resume {path}: checkpoint format {state.get('format')!r}, "
+        raise SystemExit(f"error: {flag} {path}: checkpoint format {state.get('format')!r}, "
                          f"this code reads {CHECKPOINT_FORMAT}")
     state["path"] = path
     return state
@@ -2121,13 +2193,13 @@ def check_same_run(args, state):
                          f"{how(now_fsdp, now_size)}; resume it as it was written (--batch-size is per process)")
 
 
-def check_same_model(args, state, model):
+def check_same_model(state, model, flag="--resume"):
     """The architecture (and the LoRA setup) must be the checkpoint's."""
     if state["model_config"] != model_fingerprint(model):
-        raise SystemExit(f"error: --resume {state['path']}: the checkpoint is of another model: "
+        raise SystemExit(f"error: {flag} {state['path']}: the checkpoint is of another model: "
                          f"{differences(state['model_config'], model_fingerprint(model))}")
     if state["lora_config"] != lora_fingerprint(model):
-        raise SystemExit(f"error: --resume {state['path']}: the checkpoint has other LoRA adapters: "
+        raise SystemExit(f"error: {flag} {state['path']}: the checkpoint has other LoRA adapters: "
                          f"{differences(state['lora_config'] or {}, lora_fingerprint(model) or {})}")
 
 
@@ -2245,9 +2317,9 @@ def check_fsdp_flags(args):
     if missing:
         raise SystemExit(f"error: --fsdp runs under torchrun, which sets {', '.join(missing)}: "
                          f"torchrun --nproc-per-node N {os.path.basename(sys.argv[0])} --fsdp ...")
-    for flag, on in (("--lora", args.lora or args.lora_4bit), ("--compile", getattr(args, "compile", False))):
-        if on:
-            raise SystemExit(f"error: --fsdp with {flag} is not supported (yet); run one of them without the other")
+    if args.lora_4bit:  # --lora (bf16 or float32 adapters and weights) is sharded like any model
+        raise SystemExit("error: --fsdp with --lora-4bit is not supported: FSDP2 would have to shard "
+                         "bitsandbytes' packed 4-bit weights; use --lora, or --lora-4bit on one GPU")
     if torch.cuda.is_available():
         local_rank = int(os.environ["LOCAL_RANK"])
         if local_rank >= torch.cuda.device_count():
@@ -2290,6 +2362,13 @@ def shard_model(model, args):
 
     On a GPU the weights are gathered in bf16 and the gradients reduced in float32
     (MixedPrecisionPolicy); the tiny float32 model (and the CPU) keeps float32 throughout.
+
+    With --lora (apply_lora ran before, on the whole model) each layer's frozen
+    weights and its adapters are sharded together, one group: FSDP2 gathers both
+    for the forward and reduce-scatters only the gradients that exist, the
+    adapters'; the optimizer then gets the adapters' shards (trainable_parameters).
+    A model built on the meta device gets PEFT's adapter initialization back after
+    HF's (materialize).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -2320,6 +2399,21 @@ def materialize(model, device):
     model.to_empty(device=device)
     with torch.no_grad():
         model.apply(model._init_weights)
+        if is_peft_model(model):
+            reset_lora_adapters(model)
+
+
+def reset_lora_adapters(model):
+    """HF's _init_weights (materialize) treats each adapter's A and B as the plain
+    Linear layers they are and draws both at random: B would no longer be zero, and
+    the model would not start as the base model. PEFT's own initialization of
+    each LoRA layer puts them back: A as PEFT draws it, B zeros."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            for name in module.lora_A:
+                module.reset_lora_parameters(name, model.peft_config[name].init_lora_weights)
 
 
 def loss_inside_forward(model, loss_fn):

@@ -98,6 +98,42 @@ def triton_flce_loss(model, batch):
 triton_flce_loss.calls_model_parts = True
 
 
+def lora_compute_dtype(model):
+    """bf16/fp16 when ``model`` is a PEFT model whose adapters PEFT keeps in float32 on a
+    bf16/fp16 base (its default); None otherwise (no LoRA, a float32 model, QLoRA)."""
+    if not common.is_peft_model(model) or getattr(model, "is_loaded_in_4bit", False):
+        return None
+    base = model.get_input_embeddings().weight.dtype
+    adapters = {p.dtype for p in common.trainable_parameters(model)}
+    return base if base in (torch.bfloat16, torch.float16) and adapters == {torch.float32} else None
+
+
+def adapters_compute_in(dtype, model, loss_fn):
+    """LoRA's adapters computed in the base model's ``dtype``, kept in float32.
+
+    PEFT stores the adapters in float32 on a bf16 model (small updates would vanish
+    in bf16) and casts each adapted layer's input to float32 to match: per layer a
+    float32 copy of its input, saved for backward, seven per decoder layer, so a
+    float32 matrix product each and twice the activation memory of the bf16 ones.
+    Instead: no input cast, and the forward under autocast, which casts each
+    adapter's weights to ``dtype`` once per forward (tiny: r rows) and runs its
+    products in ``dtype``. The gradients flow back through the cast into the float32
+    weights, which the optimizer updates in float32, as mixed-precision training
+    does (FSDP's MixedPrecisionPolicy does the same for --fsdp). Everything else in
+    the model is already in ``dtype``: autocast leaves it alone.
+    """
+    for module in model.modules():
+        if hasattr(module, "cast_input_dtype_enabled"):  # PEFT's adapted layers
+            module.cast_input_dtype_enabled = False
+
+    def loss_with_adapters_in_dtype(model, batch):
+        with torch.autocast(batch["input_ids"].device.type, dtype=dtype):
+            return loss_fn(model, batch)
+
+    loss_with_adapters_in_dtype.calls_model_parts = getattr(loss_fn, "calls_model_parts", False)
+    return loss_with_adapters_in_dtype
+
+
 def check_flce_head(model):
     """The fused loss computes hidden @ W.T: refuse heads that do more than that."""
     head = model.get_output_embeddings()
@@ -125,7 +161,8 @@ def apply_kernels(model, kernels):
     common.KERNELS) turns on. Returns ``(loss_fn, make_optimizer)`` for
     common.run_training: the loss ``loss_fn(model, batch)`` and the
     optimizer factory ``make_optimizer(params, lr)``. Each kernel is one block
-    that prints one line; with every kernel off this is the plain HF baseline.
+    that prints one line; with every kernel off (and no LoRA on a bf16 model) this is
+    the plain HF baseline.
     """
     active = []
 
@@ -186,6 +223,14 @@ def apply_kernels(model, kernels):
         make_optimizer = TritonAdamW
         print("Custom optim:  fused Triton AdamW step (same hyperparameters as torch.optim.AdamW)")
         active.append("adamw")
+
+    # LoRA: the adapters' products in the model's dtype (not a kernel: PEFT's float32
+    # compute path switched off). The baseline keeps PEFT's default.
+    dtype = lora_compute_dtype(model)
+    if dtype is not None:
+        loss_fn = adapters_compute_in(dtype, model, loss_fn)
+        print(f"LoRA compute:  adapters kept in float32, their products in {str(dtype).replace('torch.', '')} "
+              f"(autocast; no float32 copies of the layer inputs)")
 
     active = [name for name in common.KERNELS if name in active]  # one order in every report
     print(f"Kernels:       {', '.join(active) if active else 'none (PyTorch / HF)'}")

@@ -315,6 +315,19 @@ def test_bundled_config_is_llama31_8b():
     assert config.max_position_embeddings == 131072 and config.tie_word_embeddings is False
 
 
+def test_bundled_config_of_llama31_70b(tmp_path):
+    """The 70B architecture (the FSDP step's large model), by hub id or a local folder's name."""
+    config = common.config_for("meta-llama/Llama-3.1-70B")
+    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (8192, 28672, 80)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (64, 8, 128)
+    assert config.rope_parameters == common.llama31_8b_config().rope_parameters
+    with torch.device("meta"):
+        n = sum(p.numel() for p in common.AutoModelForCausalLM.from_config(config).parameters())
+    assert abs(n / 1e9 - 70.55) < 0.01, n  # Llama-3.1-70B: 70.55 B parameters
+    assert common.bundled_config(str(tmp_path / "Meta-Llama-3.1-70B")) is common.llama31_70b_config
+    assert common.bundled_config("someone/Llama-3.1-70B-Instruct-fork") is None
+
+
 def test_default_model_falls_back_to_random_weights(monkeypatch, capsys):
     """Weights unavailable -> one line with the reason, then the 8B architecture.
 

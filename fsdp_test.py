@@ -42,6 +42,8 @@ TINY = ["--tiny", "--dataset", "synthetic", "--warmup-steps", "0", "--seq-len", 
 def run(script, args, ranks=None, tmp_path=None, name="run"):
     """Run ``script`` (under torchrun with ``ranks`` processes, with --fsdp) and
     return its --json document."""
+    if ranks and torch.cuda.is_available() and torch.cuda.device_count() < ranks:
+        pytest.skip(f"--fsdp on GPUs runs one process per GPU: {ranks} needed, {torch.cuda.device_count()} visible")
     out = os.path.join(tmp_path, f"{name}.json")
     command = [sys.executable, os.path.join(HERE, script), *args, "--json", out]
     if ranks:
@@ -141,6 +143,30 @@ def same_tensors(exported, expected):
         torch.testing.assert_close(exported[name], tensor, atol=1e-5, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def check_against_the_shards(exported, checkpoint, tmp_path):
+    """The exported tensors are exactly the shards' (PyTorch's own converter,
+    dcp_to_torch_save, puts the pieces together as the reference); names as
+    save_pretrained writes them (PEFT drops the adapter name "default")."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(checkpoint / common.SHARDED_DIR), str(tmp_path / "reference.pt"))
+    reference = torch.load(tmp_path / "reference.pt")["model"]
+    reference = {name.replace(".default.", ".").removeprefix("base_model.model."): t for name, t in reference.items()}
+    exported = {name.removeprefix("base_model.model."): t for name, t in exported.items()}
+    assert set(exported) == set(reference)
+    for name, tensor in reference.items():
+        assert torch.equal(exported[name], tensor), name
+
+
+# The run's own shards are the exact reference; the one-process run's saved model
+# is a second one on the CPU, where both runs are deterministic float32 and agree
+# to ~1e-6. On a GPU the two runs' matrix products (batch 1 on each of two GPUs,
+# batch 2 on one) take different cuBLAS kernels that round differently, and AdamW
+# magnifies that for weights whose gradients are near its eps: their losses agree
+# (test above), their weights need not agree to 1e-5.
+ACROSS_RUNS = not torch.cuda.is_available()
+
+
 def test_export_gives_the_model_of_the_run(full, tmp_path):
     """The exported model loads with from_pretrained and is the model the one-process
     run saved at the same step (its checkpoint is save_pretrained's output)."""
@@ -151,11 +177,13 @@ def test_export_gives_the_model_of_the_run(full, tmp_path):
     out = export_hf.main([str(tmp / "fsdp" / "checkpoint-3"), str(tmp_path / "hf")])
     assert {"config.json", "model.safetensors"} <= set(os.listdir(out))
     exported = LlamaForCausalLM.from_pretrained(out).state_dict()
-    expected = load_file(str(tmp / "one" / "checkpoint-3" / "model.safetensors"))
-    # Almost every weight agrees within 1e-6; a few, whose gradients are near AdamW's
-    # eps, move by up to ~5e-6: the update divides by sqrt(v), which magnifies the
-    # rounding of a different reduction order (two processes' sum vs one batch).
-    same_tensors(exported, expected)
+    check_against_the_shards(exported, tmp / "fsdp" / "checkpoint-3", tmp_path)
+    if ACROSS_RUNS:
+        expected = load_file(str(tmp / "one" / "checkpoint-3" / "model.safetensors"))
+        # Almost every weight agrees within 1e-6; a few, whose gradients are near AdamW's
+        # eps, move by up to ~5e-6: the update divides by sqrt(v), which magnifies the
+        # rounding of a different reduction order (two processes' sum vs one batch).
+        same_tensors(exported, expected)
 
 
 def test_export_lora_gives_the_adapters_of_the_run(lora, tmp_path):
@@ -167,14 +195,15 @@ def test_export_lora_gives_the_adapters_of_the_run(lora, tmp_path):
     _, _, tmp = lora
     out = export_hf.main([str(tmp / "fsdp" / "checkpoint-3"), str(tmp_path / "adapters")])
     exported = load_file(os.path.join(out, "adapter_model.safetensors"))
-    expected = load_file(str(tmp / "one" / "checkpoint-3" / "adapter_model.safetensors"))
-    assert len(expected) == 28
-    same_tensors(exported, expected)
+    assert len(exported) == 28
+    check_against_the_shards(exported, tmp / "fsdp" / "checkpoint-3", tmp_path)
+    if ACROSS_RUNS:
+        same_tensors(exported, load_file(str(tmp / "one" / "checkpoint-3" / "adapter_model.safetensors")))
     torch.manual_seed(0)  # the tiny base, as load_model builds it
     base = common.build_random(common.tiny_config(), torch.device("cpu"), torch.float32)
     model = PeftModel.from_pretrained(base, out)
     loaded = {name.replace(".default.", "."): p.detach() for name, p in model.named_parameters() if ".lora_" in name}
-    same_tensors(loaded, expected)  # in the model, PEFT names each adapter ("default")
+    same_tensors(loaded, exported)  # in the model, PEFT names each adapter ("default")
 
 
 def test_export_errors_are_one_line(full, tmp_path):

@@ -399,9 +399,10 @@ def public_config(args):
 # Model configurations: the default model's config is bundled, so that falling back
 # to random weights needs no download (and no hub account: the repo is gated).
 # --------------------------------------------------------------------------------
-def llama31_8b_config():
-    """The architecture of meta-llama/Llama-3.1-8B (its config.json, written as code)."""
-    return LlamaConfig(
+def llama31_8b_config(**changes):
+    """The architecture of meta-llama/Llama-3.1-8B (its config.json, written as code);
+    ``changes`` override fields (llama31_70b_config)."""
+    fields = dict(
         vocab_size=128256,
         hidden_size=4096,
         intermediate_size=14336,
@@ -425,6 +426,18 @@ def llama31_8b_config():
         attention_bias=False,
         mlp_bias=False,
     )
+    return LlamaConfig(**{**fields, **changes})
+
+
+def llama31_70b_config():
+    """meta-llama/Llama-3.1-70B: the 8B's architecture, twice as wide and 80 layers deep
+    (the FSDP step trains it on several GPUs, random weights built on the meta device)."""
+    return llama31_8b_config(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                             num_attention_heads=64)
+
+
+# Configs known without the hub, by hub id; a local folder with the same name counts too.
+BUNDLED_CONFIGS = {DEFAULT_MODEL: llama31_8b_config, "meta-llama/Llama-3.1-70B": llama31_70b_config}
 
 
 def tiny_config():
@@ -521,10 +534,15 @@ def try_pretrained(model_id, device, dtype, **kwargs):
     return _attempt_pretrained(model_id, device, dtype, **kwargs)
 
 
-def is_default_model(model_id):
-    """The default hub id, or a local copy of it (a directory named Llama-3.1-8B)."""
+def bundled_config(model_id):
+    """The bundled config function for ``model_id``: a hub id of BUNDLED_CONFIGS, or a
+    local copy of one (a directory named Llama-3.1-8B or Meta-Llama-3.1-8B); else None."""
     name = os.path.basename(os.path.normpath(model_id)).lower()
-    return model_id == DEFAULT_MODEL or name in ("llama-3.1-8b", "meta-llama-3.1-8b")
+    for hub_id, make in BUNDLED_CONFIGS.items():
+        short = hub_id.split("/")[1].lower()
+        if model_id == hub_id or name in (short, "meta-" + short):
+            return make
+    return None
 
 
 def looks_like_path(model_id):
@@ -538,8 +556,8 @@ def config_for(model_id, weights_problem=None):
     ``weights_problem`` is why the weights could not be loaded, if we tried: it is
     quoted in the error, and a hub that already failed is not asked again.
     """
-    if is_default_model(model_id):
-        return llama31_8b_config()
+    if bundled_config(model_id):
+        return bundled_config(model_id)()
     why = f"weights: {weights_problem}; " if weights_problem else ""
     if looks_like_path(model_id) and not os.path.exists(model_id):
         raise SystemExit(f"error: --model {model_id}: no such file or directory")
@@ -557,7 +575,7 @@ def config_for(model_id, weights_problem=None):
         problem = "its config.json could not be downloaded"
     raise SystemExit(
         f"error: cannot use {model_id!r} ({problem}) and its architecture is unknown: only the "
-        f"default {DEFAULT_MODEL} config is bundled. Pass a local --model PATH, or --tiny."
+        f"configs of {' and '.join(BUNDLED_CONFIGS)} are bundled. Pass a local --model PATH, or --tiny."
     )
 
 

@@ -137,6 +137,68 @@ def test_lora_kernels_match_hf(lora_run):
     close(lora_run["results"]["losses"], hf["losses"], tol=1e-4)
 
 
+def bf16_lora_model(args_list=("--lora",)):
+    """The tiny LLaMA in bf16 with PEFT's adapters (float32, PEFT's default)."""
+    args = finetune_optimized.parse_args([*SMALL, *args_list])
+    torch.manual_seed(0)
+    model = common.build_random(common.tiny_config(), torch.device(DEVICE), torch.bfloat16)
+    return common.apply_lora(model, args)
+
+
+def test_lora_adapters_compute_in_the_model_dtype():
+    """On a bf16 model the optimized script keeps PEFT's float32 adapters but runs
+    their products in bf16: no float32 activation is saved for backward (PEFT's
+    own path saves a float32 copy of every adapted layer's input), the loss and the
+    adapters' gradients are PEFT's to bf16 rounding, and the gradients stay float32."""
+    batch = common.lm_batch(torch.randint(0, 8192, (2, 32), generator=torch.Generator().manual_seed(1)).to(DEVICE))
+
+    def run(model, loss_fn):
+        saved = []
+
+        def pack(t):
+            saved.append((t.dtype, tuple(t.shape)))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = loss_fn(model, batch)
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        return loss.item(), grads, saved
+
+    peft_model = bf16_lora_model()
+    assert finetune_optimized.lora_compute_dtype(peft_model) == torch.bfloat16
+    ref_loss, ref_grads, ref_saved = run(peft_model, common.hf_loss)
+    model = bf16_lora_model()
+    ours = finetune_optimized.adapters_compute_in(torch.bfloat16, model, common.hf_loss)
+    loss, grads, saved = run(model, ours)
+
+    # Activations saved in float32. PEFT's path: for each of the 7 adapted layers of
+    # each of the 2 decoder layers, the float32 copy of its input ([64 tokens, in])
+    # and of A's output ([64, r = 16]). Either path: HF's RMSNorm and loss keep some.
+    def float32_activations(saved):
+        return [shape for dtype, shape in saved if dtype == torch.float32 and (shape[:1] == (64,) or shape[:2] == (2, 32))]
+
+    adapter_inputs = [(64, 128), (64, 352), (64, 16)]
+    peft_copies = [shape for shape in float32_activations(ref_saved) if shape in adapter_inputs]
+    assert len(peft_copies) == 2 * 7 * 2
+    assert not [shape for shape in float32_activations(saved) if shape in adapter_inputs]
+    assert len(float32_activations(saved)) == len(float32_activations(ref_saved)) - len(peft_copies)
+    assert abs(loss - ref_loss) <= 2e-2 * abs(ref_loss)
+    assert set(grads) == set(ref_grads) and all(g.dtype == torch.float32 for g in grads.values())
+    for name, g in grads.items():
+        ref = ref_grads[name]
+        err = ((g - ref).norm() / ref.norm().clamp(min=1e-12)).item()
+        assert err <= 5e-2 or ref.norm() == 0, f"{name}: relative error {err:.3f}"
+    assert any(g.norm() > 0 for g in grads.values())
+
+
+def test_lora_compute_dtype_only_for_low_precision_models(lora_run):
+    assert finetune_optimized.lora_compute_dtype(lora_run["seen"]["model"]) is None  # float32 tiny: nothing to do
+    torch.manual_seed(0)
+    plain = common.build_random(common.tiny_config(), torch.device(DEVICE), torch.bfloat16)
+    assert finetune_optimized.lora_compute_dtype(plain) is None  # no LoRA
+
+
 def test_lora_resume_is_exact(lora_run, tmp_path):
     ckpt = lora_run["dir"] / "checkpoint-4"
     assert sorted(os.listdir(ckpt)) == ["README.md", "adapter_config.json", "adapter_model.safetensors",  # peft's

@@ -451,11 +451,30 @@ def make_calls(spec, provider, shape, seed):
     return fwd, fwdbwd
 
 
-# A capture that fails (a peer that synchronizes with the host inside its call,
-# say) can leave PyTorch's CUDA state unusable for further captures, and even for
-# ordinary work. So the CUDA-graph timings run after every eager timing of a
-# kernel, ours first, and the first failed capture ends graph timing for the run.
-CAPTURE = {"failed": None}
+# A capture that fails (a peer that synchronizes with the host inside its call:
+# Liger-Kernel's cross-entropy does) leaves PyTorch's CUDA random-number generator
+# in the middle of a capture: every later random op in the process, ordinary work
+# included, raises "Offset increment outside graph capture encountered
+# unexpectedly". One clean capture of a random op closes that state again
+# (repair_capture_state). So the CUDA-graph timings run after every eager timing of
+# a kernel, ours first; a provider whose capture failed is not captured again (its
+# other shapes say "skipped"); and if the repair itself fails, no capture is
+# attempted for the rest of the run.
+CAPTURE = {"failed": {}, "broken": None}  # failed: provider -> where; broken: why captures stopped
+
+
+def repair_capture_state():
+    """After a failed capture: one clean capture of a random op resets the CUDA
+    generator's capture bookkeeping. Returns None, or why the repair failed."""
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.empty(8, device=DEVICE).uniform_()
+        torch.cuda.synchronize()
+        torch.empty(8, device=DEVICE).uniform_()  # ordinary random work runs again
+        return None
+    except Exception as exc:  # noqa: BLE001 - reported, and captures stop
+        return f"{type(exc).__name__}: {exc}".strip()
 
 
 def measure_graph(spec, provider, shape, seed, rec, bench_ms):
@@ -463,7 +482,7 @@ def measure_graph(spec, provider, shape, seed, rec, bench_ms):
     if not ON_GPU or rec["fwdbwd_status"] != "ok":
         rec["graph_status"] = NA_CPU if not ON_GPU else rec["fwdbwd_status"]
         return
-    if CAPTURE["failed"]:
+    if CAPTURE["broken"] or provider in CAPTURE["failed"]:
         rec["graph_status"] = "skipped"
         return
 
@@ -475,7 +494,11 @@ def measure_graph(spec, provider, shape, seed, rec, bench_ms):
 
     rec["graph_status"], rec["graph_ms"] = guarded(stage, rec["messages"])
     if rec["graph_status"] == "ERR":
-        CAPTURE["failed"] = f"{provider} at {rec['label']} tokens"
+        CAPTURE["failed"][provider] = f"{rec['label']} tokens"
+        problem = repair_capture_state()
+        if problem:
+            CAPTURE["broken"] = f"after {provider}'s failed capture, CUDA stayed unusable ({problem})"
+            rec["messages"].append(CAPTURE["broken"])
 
 
 def measure(spec, provider, shape, seed, truth, bench_ms):
@@ -664,8 +687,9 @@ def print_table(result, env):
     if compile_times:
         print("torch.compile first calls (fwd graph + training graph compile, per shape): " + ", ".join(compile_times))
     if any(r["graph_status"] == "skipped" for r in result["results"]):
-        print(f"graph skipped: a CUDA-graph capture failed earlier in this run ({CAPTURE['failed']}); a failed "
-              "capture can leave CUDA unusable for further captures, so none were attempted after it")
+        failed = ", ".join(f"{p} at {where}" for p, where in CAPTURE["failed"].items())
+        why = CAPTURE["broken"] or "a provider whose capture failed is not captured again"
+        print(f"graph skipped: a CUDA-graph capture failed ({failed}); {why}")
     seen = {}  # every distinct error message once, with the shapes where it happened
     for r in result["results"]:
         for m in r["messages"]:
@@ -708,6 +732,7 @@ def main(argv=None):
     parser.add_argument("--plot", metavar="PATH.png", help="after measuring, draw tools/plot_benchmark.py's figure")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    CAPTURE.update(failed={}, broken=None)  # a fresh run tries every provider's capture again
     # Output paths are checked before anything is measured: a long run that cannot
     # write its results has lost them.
     if args.json:

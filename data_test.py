@@ -5,7 +5,9 @@ Tests of the data path (CPU, tiny LLaMA, bundled data, byte-level tokenizer):
   example run alone, with HF's path and with every Triton kernel switched in
   (positions restart per example, attention never crosses examples, the first
   token of an example is never a target);
-* the labels mask the prompt: the loss sees the response (and EOS) only;
+* the labels mask the prompt: the loss sees the response (and EOS) only; with a
+  tokenizer's chat template too (a real transformers tokenizer built offline), and
+  a template that rewrites the prompt once the answer follows is refused;
 * packing cuts the padding of the bundled data by more than half;
 * Dolly and Alpaca field names, JSON, JSON Lines and Parquet files all load;
 * bad input ends in one line before any model is built (or, for --eval-every
@@ -117,6 +119,44 @@ def bundled_padding(packing, seq_len, batch_size=2):
         batch = batches[step]
         slots, real = slots + batch["num_tokens"], real + batch["num_real_tokens"]
     return 1 - real / slots
+
+
+def chat_tokenizer(template):
+    """A real transformers tokenizer, built offline: one token per character (byte
+    values), end of turn = chr(4), and ``template`` as its chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel(vocab={chr(i): i for i in range(256)}, unk_token="?"))
+    core.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="?", eos_token="\x04")
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\x04{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_chat_template_labels_the_answer_only():
+    """A tokenizer with a chat template: the user turn (instruction, then context)
+    and the assistant header are the prompt; the answer and its end-of-turn token
+    are the labels."""
+    record = {"instruction": "Name a color.", "context": "Sky at noon.", "response": "Blue."}
+    ids, labels = common.encode_record(chat_tokenizer(CHAT), record)
+    text = "".join(map(chr, ids))
+    assert text == "<user>Name a color.\n\nSky at noon.\x04<assistant>Blue.\x04"
+    answer = [i for i, label in zip(ids, labels) if label != common.IGNORE_INDEX]
+    assert "".join(map(chr, answer)) == "Blue.\x04"
+    assert labels[: len(ids) - len(answer)] == [common.IGNORE_INDEX] * (len(ids) - len(answer))
+
+
+def test_chat_template_that_rewrites_the_prompt_is_refused():
+    """A template whose prompt changes once the answer follows (here: it counts the
+    turns) leaves no clean boundary: one line, no silent mislabelling."""
+    counting = "{{ messages | length }}" + CHAT
+    with pytest.raises(SystemExit, match="chat template writes the prompt differently"):
+        common.encode_record(chat_tokenizer(counting), {"instruction": "Hi", "context": "", "response": "Yo"})
 
 
 def test_packing_cuts_padding_by_more_than_half():

@@ -6,7 +6,8 @@
   (RMSNorm, SwiGLU, RoPE, the fused linear cross-entropy, the Triton AdamW on the
   local shards), with LoRA adapters (--lora: frozen weights and adapters sharded
   together, the optimizer on the adapters' shards), with each decoder layer
-  compiled (--compile, aot_eager) and with the plain baseline on packed real data.
+  compiled (--compile, aot_eager), with LoRA + checkpointing + compile at once,
+  and with the plain baseline on packed real data.
 * A sharded (DCP) checkpoint resumes with the losses of the uninterrupted run,
   also with --lora (whose shards hold the adapters only).
 * tools/export_hf.py turns the shards into a save_pretrained folder in one
@@ -15,6 +16,7 @@
 * A model built on the meta device is materialized shard by shard and trains;
   with --lora its adapters get PEFT's initialization back (B zeros: the model
   starts as the base model), checked in this process on a one-process group.
+* profile_baseline.py --fsdp profiles rank 0 (communication has its category).
 * Bad input: --fsdp without torchrun, torchrun without --fsdp, --fsdp with
   --lora-4bit, resuming with another number of processes: one line each,
   before any work.
@@ -132,6 +134,16 @@ def test_two_ranks_compiled_match_one_process(full, tmp_path):
     doc = run("finetune_optimized.py", [*TINY, "--steps", "3", "--batch-size", "1", "--compile"], 2, tmp_path)
     close(doc["losses"], full[1]["losses"])
     assert doc["config"]["compile"] and doc["kernels"] == dict.fromkeys(common.KERNELS, True)
+
+
+def test_two_ranks_lora_checkpointing_compiled_match_one_process(tmp_path):
+    """--lora, --gradient-checkpointing and --compile together under --fsdp: the losses
+    of one process with the same flags and the global batch."""
+    args = [*TINY, "--steps", "2", "--lora", "--lora-r", "4", "--gradient-checkpointing"]
+    sharded = run("finetune_optimized.py", [*args, "--batch-size", "1", "--compile"], 2, tmp_path, "fsdp")
+    one = run("finetune_optimized.py", [*args, "--batch-size", "2"], None, tmp_path, "one")
+    close(sharded["losses"], one["losses"])
+    assert sharded["config"]["gradient_checkpointing"] and sharded["config"]["compile"]
 
 
 # --------------------------------------------------------------------------------
@@ -280,6 +292,26 @@ def test_meta_device_build_is_materialized_shard_by_shard(tmp_path, lora):
     assert "meta device" in doc["model"]["source"]
     first = doc["losses"][0]  # HF's init: logits near 0, so the loss is near ln(vocab)
     assert abs(first - 9.01) < 0.5, doc["losses"]
+
+
+def test_profile_under_torchrun(tmp_path):
+    """profile_baseline.py --fsdp: both processes train, rank 0 alone profiles and
+    writes; the gradient reduction and weight gathering show as communication."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("--fsdp on GPUs runs one process per GPU: 2 needed")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               os.path.join(HERE, "profile_baseline.py"), "--fsdp", "--tiny", "--dataset", "synthetic",
+               "--seq-len", "16", "--batch-size", "1",
+               "--use-custom-rmsnorm", "--use-custom-flce", "--trace-dir", str(tmp_path)]
+    env = {k: v for k, v in os.environ.items() if k not in common.TORCHRUN_ENV}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(command, cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path)) == ["custom-rmsnorm-flce-fsdp"]  # one profile: rank 0's
+    summary = json.loads((tmp_path / "custom-rmsnorm-flce-fsdp" / "summary.json").read_text())
+    assert summary["setup"]["world_size"] == 2
+    assert summary["categories"]["communication"]["ms_per_step"] > 0
+    assert proc.stdout.count("Summary by category") == 1  # printed once
 
 
 def test_fsdp_without_torchrun_is_one_line(monkeypatch, capsys):

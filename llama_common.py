@@ -334,14 +334,19 @@ def add_finetune_args(parser):
     g.add_argument("--json", metavar="PATH", help="write config, environment, losses, times and memory here")
     add_real_run_args(parser)
     add_lora_args(parser)
-    g.add_argument(
+    add_fsdp_arg(g)
+    return parser
+
+
+def add_fsdp_arg(group):
+    """--fsdp, for the fine-tune scripts and the profile script."""
+    group.add_argument(
         "--fsdp",
         action="store_true",
         help="shard the model, gradients and optimizer state over the processes of torchrun with FSDP2 "
              "(torchrun --nproc-per-node N SCRIPT --fsdp ...); --batch-size is per process, so a step "
              "trains N x --batch-size sequences",
     )
-    return parser
 
 
 def resolve_defaults(args):
@@ -2335,7 +2340,7 @@ def check_fsdp_flags(args):
     if missing:
         raise SystemExit(f"error: --fsdp runs under torchrun, which sets {', '.join(missing)}: "
                          f"torchrun --nproc-per-node N {os.path.basename(sys.argv[0])} --fsdp ...")
-    if args.lora_4bit:  # --lora (bf16 or float32 adapters and weights) is sharded like any model
+    if getattr(args, "lora_4bit", False):  # --lora (bf16 or float32 adapters and weights) is sharded like any model
         raise SystemExit("error: --fsdp with --lora-4bit is not supported: FSDP2 would have to shard "
                          "bitsandbytes' packed 4-bit weights; use --lora, or --lora-4bit on one GPU")
     if torch.cuda.is_available():

@@ -9,8 +9,8 @@ next step(s) with torch.profiler and prints:
    forward/backward/optimizer ranges, autograd bookkeeping, CUDA runtime calls,
    memcpy/memset rows already counted in the op that issued them);
 2. a summary by category -- RMSNorm, attention, SwiGLU (silu * up), RoPE,
-   cross-entropy/softmax, matrix multiply, optimizer, memory copies, other
-   elementwise, other --
+   cross-entropy/softmax, matrix multiply, optimizer, communication (--fsdp),
+   memory copies, other elementwise, other --
    with each category's share of the time and its number of calls;
 3. when the plain baseline was profiled before, the change per category.
 
@@ -37,6 +37,8 @@ Usage:
     python profile_baseline.py --use-custom-rmsnorm --use-custom-swiglu --use-custom-rope \
         --use-custom-flce --use-custom-adamw                       # Step 16: every kernel
     python profile_baseline.py --compile --use-custom-rmsnorm ...   # Step 17: inside torch.compile
+    python profile_baseline.py --no-pin-memory                    # Step 18: batches from pageable memory
+    torchrun --standalone --nproc-per-node 2 profile_baseline.py --fsdp --random-init   # Step 19: rank 0's GPU
     python profile_baseline.py --tiny --seq-len 64                # CPU, Triton interpreter
 
 How the categories are assigned. Every RMSNorm module, HF's loss function and the
@@ -79,6 +81,9 @@ CATEGORIES = [
     ("matrix multiply", ("aten::mm", "aten::bmm", "aten::addmm", "aten::matmul", "aten::linear", "mmbackward",
                          "gemm", "cutlass", "nvjet", "cublas")),
     ("optimizer", ("adam", "optimizer", "_foreach_")),
+    # --fsdp: gathering the weights, reducing the gradients (NCCL kernels on a GPU,
+    # gloo's c10d ops on a CPU), and FSDP's copies into and out of their buffers.
+    ("communication", ("nccl", "c10d::", "all_gather", "reduce_scatter", "allreduce", "all_reduce", "fsdp::")),
     ("memory copies", ("copy", "aten::to", "aten::clone", "aten::contiguous", "aten::cat", "memcpy", "memset",
                        "aten::fill_", "aten::zero_", "aten::empty")),
     ("other elementwise", ("aten::mul", "aten::add", "aten::sub", "aten::div", "aten::neg",
@@ -103,18 +108,21 @@ def parse_args(argv=None):
     g.add_argument("--steps", type=common.positive_int, default=1, help="profiled steps, after 1 warm-up (default: 1)")
     g.add_argument("--trace-dir", default="traces", help="where <name>/ is written (default: traces)")
     g.add_argument("--top", type=common.positive_int, default=20, help="rows of the operator table (default: 20)")
+    common.add_fsdp_arg(g)
     return parser.parse_args(argv)
 
 
 def profile_name(args):
     """traces/<name>: 'baseline', or 'custom-' plus the kernels in use; '-compiled' with
-    --compile, '-pageable' with --no-pin-memory."""
+    --compile, '-pageable' with --no-pin-memory, '-fsdp' with --fsdp."""
     kernels = [k for k, on in common.kernels_from_args(args).items() if on]
     name = "custom-" + "-".join(kernels) if kernels else BASELINE
     if getattr(args, "compile", False):
         name += "-compiled"
     if not getattr(args, "pin_memory", True):
         name += "-pageable"
+    if getattr(args, "fsdp", False):
+        name += "-fsdp"
     return name
 
 
@@ -420,6 +428,11 @@ def profile_steps(args, model, loss_fn, optimizer, batches, work_dir, name):
     Returns the profiler (its events) after the traces are written.
     """
     on_gpu = torch.cuda.is_available()
+    if work_dir is None:  # --fsdp, ranks other than 0: train in step with rank 0, nothing recorded
+        for _ in range(1 + args.steps):
+            common.train_step(model, optimizer, loss_fn, next(batches))
+        common.sync()
+        return None
     tb_dir = os.path.join(work_dir, "tensorboard")
     tb_handler = tensorboard_trace_handler(tb_dir, worker_name=name)
 
@@ -463,6 +476,10 @@ def main(argv=None):
     args = parse_args(argv)
     # Checked now, in one line, not after the model is built and profiled.
     args.trace_dir = common.check_output_path(args.trace_dir, "--trace-dir", directory=True)
+    common.check_fsdp_flags(args)
+    # --fsdp: every process trains (the collectives need them all); rank 0 alone
+    # profiles its GPU, prints and writes (init_distributed silences the others).
+    world = common.init_distributed(args)
     name = profile_name(args)
     out_dir = os.path.join(args.trace_dir, name)
     on_gpu = torch.cuda.is_available()
@@ -477,20 +494,31 @@ def main(argv=None):
     print(f"Batch:         {args.batch_size} x {args.seq_len} tokens; 1 warm-up step, {args.steps} profiled")
     loss_fn, make_optimizer = apply_kernels(model, common.kernels_from_args(args))
     label_model(model)
+    if world:  # as the fine-tune scripts do it: after the kernels, before compiling
+        common.shard_model(model, args)
+        loss_fn = common.loss_inside_forward(model, loss_fn)
     common.compile_decoder(model, args)
     optimizer = make_optimizer(model.parameters(), lr=args.lr)
-    device = next(model.parameters()).device
+    device = world.device if world else next(model.parameters()).device
     # The fine-tune scripts' data path: DataLoader workers, pinned memory, non-blocking copies.
     batches = common.training_batches(args, data, device, model.config.vocab_size)
 
     # The new profile is written beside the old one and swapped in when complete
     # (a fresh folder also matters for TensorBoard, which would read an older
     # file in it as part of this profile).
+    if world and world.rank != 0:
+        profile_steps(args, model, loss_fn, optimizer, batches, None, name)  # the same steps, not profiled
+        common.reduce_over_ranks([common.peak_memory()[0]], op="max")
+        common.close_distributed()
+        return None
     os.makedirs(args.trace_dir, exist_ok=True)
     work_dir = tempfile.mkdtemp(dir=args.trace_dir, prefix=f".{name}.new-")
     try:
         prof = profile_steps(args, model, loss_fn, optimizer, batches, work_dir, name)
         peak_bytes, peak_kind = common.peak_memory()
+        if world:  # what each GPU must hold: the largest peak of the processes
+            peak_bytes = int(common.reduce_over_ranks([peak_bytes], op="max")[0])
+            peak_kind += f", the largest of {world.size} processes"
 
         events = prof.events()
         rows = gpu_rows(events) if on_gpu else cpu_rows(events)
@@ -523,6 +551,7 @@ def main(argv=None):
                 "dataset": common.dataset_name(args.dataset),
                 "packing": args.packing,
                 "pin_memory": args.pin_memory,
+                "world_size": world.size if world else 1,
             },
             "config": common.public_config(args),
             "environment": env,
@@ -545,6 +574,7 @@ def main(argv=None):
     print(f"\nChrome/Perfetto trace: {chrome_path}  (open in https://ui.perfetto.dev)")
     print(f"TensorBoard trace:     {tb_dir}/")
     print(f"Summary:               {summary_path}")
+    common.close_distributed()
     return summary
 
 

@@ -185,7 +185,8 @@ def labelled_forward_ops(events):
 def classify(evt, labels, name=None):
     """Category of an operator event; ``name`` overrides the name used (kernel rows).
 
-    In order: inside a category range; inside the optimizer step; in the backward
+    In order: inside a category range; inside the optimizer step; inside one of
+    FSDP's ranges (its buffer copies, e.g. aten::_foreach_copy_); in the backward
     of a labelled forward operator; by name, refined by the backward node's name
     (aten::mul inside PowBackward0 is RMSNorm's).
     """
@@ -196,6 +197,8 @@ def classify(evt, labels, name=None):
             return parent.name[len(LABEL):]
         if parent.name == "optimizer" or parent.name.startswith("Optimizer."):
             return "optimizer"
+        if parent.name.startswith("FSDP::"):  # FSDP2's hooks: copies into and out of its comm buffers
+            return "communication"
         if node is None and parent.name.startswith(NODE):
             node = parent
         parent = parent.cpu_parent

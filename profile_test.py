@@ -279,6 +279,20 @@ def test_gpu_rows_attribution():
     assert abs(categories["RMSNorm"]["share"] - 25 / 150) < 1e-9
 
 
+def test_fsdp_buffer_copies_count_as_communication():
+    """FSDP2's copy into its all-gather buffer is an aten::_foreach_copy_, a name the
+    optimizer's foreach ops share; inside FSDP's range it is communication."""
+    hook = _cpu("FSDP::all_gather_copy_in")
+    copy_in = _cpu("aten::_foreach_copy_", hook, [("void at::native::multi_tensor_apply_kernel<>(...)", 7.0)])
+    gather = _cpu("c10d::_allgather_base_", None, [("ncclDevKernel_AllGather_RING_LL(...)", 50.0)])
+    step = _cpu("optimizer", annotation=True)
+    adam = _cpu("aten::_foreach_mul_", step, [("void at::native::multi_tensor_apply_kernel<>(...)", 3.0)])
+    rows = pb.gpu_rows([hook, copy_in, gather, step, adam])
+    assert rows[("aten::_foreach_copy_", "communication")] == [7.0, 1]
+    assert rows[("ncclDevKernel_AllGather_RING_LL", "communication")] == [50.0, 1]  # named after the kernel
+    assert rows[("aten::_foreach_mul_", "optimizer")] == [3.0, 1]
+
+
 def test_host_to_device_copies_by_kind_of_host_memory():
     """Pageable and pinned copies counted apart, per step, with the host time of the
     runtime's copy calls against all CUDA API time."""

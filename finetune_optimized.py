@@ -34,7 +34,8 @@ Usage:
 
 With --lora (PEFT) the kernels run on the wrapped model: the MLP keeps the LoRA
 projections, the frozen LM head and norms get no weight gradient in the fused
-loss and RMSNorm, and the optimizer holds the adapters only.
+loss and RMSNorm, and the optimizer holds the adapters only. On a bf16 model the
+adapters stay in float32 but are computed in bf16 (``adapters_compute_in``).
 
 With --fsdp (under torchrun) the model is sharded after the kernels are switched
 in, --lora's adapters with their frozen weights, and --compile compiles each

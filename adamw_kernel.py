@@ -106,7 +106,7 @@ import math
 import torch
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
-from kernel_common import INTERPRET, SUPPORTED_DTYPES, cast_to, check_kernel_device
+from kernel_common import INTERPRET, SUPPORTED_DTYPES, cast_to, cdiv, check_kernel_device, fast_launch, next_power_of_2
 
 import triton
 import triton.language as tl
@@ -133,6 +133,7 @@ def adamw_reference(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay):
 # --------------------------------------------------------------------------------
 # The kernel
 # --------------------------------------------------------------------------------
+@fast_launch
 @triton.jit
 def _adamw_kernel(
     P,  # [n] parameter, flat and contiguous; updated in place
@@ -299,8 +300,8 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, we
         # The interpreter runs programs one after another, each with a fixed Python
         # cost: a handful of big blocks per tensor (at least 4096 elements, so a
         # 4097-element tensor still tests the masked tail of a second program).
-        block = min(INTERPRET_MAX_BLOCK, max(4096, triton.next_power_of_2(triton.cdiv(n, 8))))
-    _adamw_kernel[(triton.cdiv(n, block),)](
+        block = min(INTERPRET_MAX_BLOCK, max(4096, next_power_of_2(cdiv(n, 8))))
+    _adamw_kernel[(cdiv(n, block),)](
         param, grad, exp_avg, exp_avg_sq, n,
         float(lr) * float(weight_decay), 1.0 - float(beta1), float(beta2), 1.0 - float(beta2),
         float(lr) / bias_correction1, math.sqrt(bias_correction2), float(eps),

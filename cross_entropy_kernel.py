@@ -82,9 +82,11 @@ from kernel_common import (
     cast_to,
     check_kernel_device,
     exp,
+    fast_launch,
     first_order_only,
     kernel_op,
     log,
+    next_power_of_2,
     nothing,
 )
 
@@ -182,6 +184,7 @@ def _row_grad(logits_row, grad_row, col_start, n_blocks, V, target, ignore_index
         tl.store(grad_row + cols, cast_to(g, grad_row.dtype.element_ty), mask=col_mask)
 
 
+@fast_launch
 @triton.jit
 def _cross_entropy_fwd_kernel(
     LOGITS,  # logits; row r starts at (r // inner) * stride_outer + (r % inner) * stride_inner
@@ -232,6 +235,7 @@ def _cross_entropy_fwd_kernel(
 # the device; rows whose upstream gradient is exactly 1 (every row after
 # loss.backward() on a mean or sum) return after one scalar load, so the common
 # case costs a few microseconds instead of another pass over [N, V].
+@fast_launch
 @triton.jit
 def _cross_entropy_bwd_scale_kernel(
     GRAD,  # gradient written by the forward kernel (may alias the logits)
@@ -272,10 +276,10 @@ def launch_config(v, n_rows, device):
     """(BLOCK_V, num_warps) for a vocabulary size and row count."""
     if device.type != "cuda":
         # The interpreter runs each block op as one NumPy call: bigger is faster.
-        return min(32768, triton.next_power_of_2(v)), 4
+        return min(32768, next_power_of_2(v)), 4
     if n_rows <= FEW_ROWS:
-        return min(BLOCK_V_FEW_ROWS, triton.next_power_of_2(v)), NUM_WARPS_FEW_ROWS
-    return min(BLOCK_V_GPU, triton.next_power_of_2(v)), NUM_WARPS_GPU
+        return min(BLOCK_V_FEW_ROWS, next_power_of_2(v)), NUM_WARPS_FEW_ROWS
+    return min(BLOCK_V_GPU, next_power_of_2(v)), NUM_WARPS_GPU
 
 
 def _row_layout(t):
@@ -507,7 +511,6 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     @first_order_only("cross_entropy")
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
         claim_backward(ctx, "cross_entropy")
         if ctx.recompute:

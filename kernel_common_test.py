@@ -5,7 +5,9 @@ The version check refuses the Triton / NumPy combinations known to fail with one
 line that says what to install and lets the good ones through; importing triton
 before the kernels on a machine without a GPU stops with one clear line; and the
 host-side helpers (``as_rows``, ``swap_modules``, ``check_kernel_device``) do
-what the launchers and the model patching rely on.
+what the launchers and the model patching rely on. ``@fast_launch`` reuses a
+compiled kernel only for arguments Triton itself would reuse it for, gives the
+same results as Triton's own launch, and steps aside for launch hooks (GPU).
 
 Usage:
     python kernel_common_test.py   # or: python -m pytest kernel_common_test.py
@@ -20,8 +22,8 @@ import torch
 import torch.nn as nn
 
 import kernel_common
-from conftest import ON_GPU
-from kernel_common import as_rows, check_kernel_device, check_versions, swap_modules
+from conftest import DEVICE, ON_GPU, need_gpu
+from kernel_common import as_rows, cdiv, check_kernel_device, check_versions, next_power_of_2, swap_modules
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -125,3 +127,75 @@ def test_check_kernel_device_errors(monkeypatch):
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, *sys.argv[1:]]))
+
+
+def test_host_grid_arithmetic_matches_triton():
+    import triton
+    for n in range(1, 5000, 7):
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for b in (1, 3, 16, 256):
+            assert cdiv(n, b) == triton.cdiv(n, b), (n, b)
+    assert next_power_of_2(2**20) == 2**20 and next_power_of_2(2**20 + 1) == 2**21
+
+
+def test_fast_launch_is_plain_triton_in_the_interpreter():
+    import rmsnorm_kernel
+    if not ON_GPU:
+        assert not kernel_common.FAST_LAUNCH
+    x, w = torch.randn(3, 64, device=DEVICE), torch.rand(64, device=DEVICE)
+    for _ in range(3):  # the third call would take the shortcut where it is on
+        torch.testing.assert_close(_rmsnorm_fwd_launch(x, w), rmsnorm_kernel.rmsnorm_reference(x, w))
+
+
+def _rmsnorm_fwd_launch(x, w, plain=False):
+    """One launch of the RMSNorm forward kernel, through @fast_launch or (plain) Triton's own."""
+    import rmsnorm_kernel
+    kernel = rmsnorm_kernel._rmsnorm_fwd_kernel.fn if plain else rmsnorm_kernel._rmsnorm_fwd_kernel
+    y = torch.empty_like(x)
+    rstd = torch.empty(x.shape[0], device=x.device)
+    block_n, rows, num_warps = rmsnorm_kernel._launch_config(x.shape[1])
+    kernel[(cdiv(x.shape[0], rows),)](
+        x, w, y, rstd, x.stride(0), x.shape[0], x.shape[1], 1e-6, BLOCK_N=block_n, ROWS=rows, num_warps=num_warps)
+    return y
+
+
+def test_fast_launch_reuses_exactly_what_triton_would():
+    need_gpu()
+    import rmsnorm_kernel
+    kernel = rmsnorm_kernel._rmsnorm_fwd_kernel
+    assert kernel_common.FAST_LAUNCH, "this Triton version is not served by the fast path"
+    kernel.compiled.clear()
+    big = torch.randn(4 * 96 + 1, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(96, device="cuda", dtype=torch.bfloat16)
+    aligned = big[:4 * 96].view(4, 96)
+    shifted = big[1:].view(4, 96)  # 2 bytes past a 16-byte boundary: another specialization
+    for x in (aligned, shifted, aligned, shifted, aligned):  # the last three take the shortcut
+        assert torch.equal(_rmsnorm_fwd_launch(x, w), _rmsnorm_fwd_launch(x, w, plain=True))
+    assert len(kernel.compiled) == 2, list(kernel.compiled)
+    # Every kernel the shortcut holds is one Triton compiled and holds under its own key.
+    triton_cache = kernel.fn.device_caches[torch.cuda.current_device()][0]
+    for compiled in kernel.compiled.values():
+        assert any(compiled is c for c in triton_cache.values())
+    (key_a, a), (key_b, b) = kernel.compiled.items()
+    assert a is not b and key_a[1] != key_b[1]
+
+
+def test_fast_launch_steps_aside_for_launch_hooks():
+    need_gpu()
+    from triton import knobs
+    x = torch.randn(8, 64, device="cuda")
+    w = torch.rand(64, device="cuda")
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata)
+
+    for _ in range(3):  # compiled and cached: later launches would take the shortcut
+        _rmsnorm_fwd_launch(x, w)
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        _rmsnorm_fwd_launch(x, w)
+        _rmsnorm_fwd_launch(x, w)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(seen) == 2

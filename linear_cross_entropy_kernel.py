@@ -61,9 +61,7 @@ import torch
 import torch.nn as nn
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
-from kernel_common import SUPPORTED_DTYPES, check_kernel_device, first_order_only, kernel_op, nothing
-
-import triton
+from kernel_common import SUPPORTED_DTYPES, cdiv, check_kernel_device, first_order_only, kernel_op, nothing
 
 # Step 8's building blocks: the loss kernel's launcher (it writes the loss per row
 # and, in place, the gradient of a chunk of logits) and the checks and
@@ -98,8 +96,8 @@ def _flce_chunk_rows(n_rows, v, element_size):
     """Rows per chunk for [n_rows, v] logits of ``element_size`` bytes."""
     total = n_rows * v * element_size
     n_chunks = max(1, math.ceil(math.sqrt(total / FLCE_CHUNK_UNIT)))
-    rows = triton.cdiv(n_rows, n_chunks)
-    return max(1, min(n_rows, triton.cdiv(rows, FLCE_ROW_ALIGN) * FLCE_ROW_ALIGN))
+    rows = cdiv(n_rows, n_chunks)
+    return max(1, min(n_rows, cdiv(rows, FLCE_ROW_ALIGN) * FLCE_ROW_ALIGN))
 
 
 def _flce_chunks(h2, weight, tgt, loss, n_valid, ignore_index, mean, grad_h, grad_w, chunk_rows, upstream=None):
@@ -261,7 +259,6 @@ class TritonFusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     @first_order_only("fused_linear_cross_entropy")
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
         claim_backward(ctx, "fused_linear_cross_entropy")
         if ctx.recompute:

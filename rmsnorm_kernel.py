@@ -56,6 +56,8 @@ Nothing runs on import. See rmsnorm_test.py for the checks and
 benchmark_kernels.py for the measurements.
 """
 
+import functools
+
 import torch
 import torch.nn as nn
 
@@ -64,9 +66,12 @@ from kernel_common import (
     SUPPORTED_DTYPES,
     as_rows,
     cast_to,
+    cdiv,
     check_kernel_device,
+    fast_launch,
     first_order_only,
     kernel_op,
+    next_power_of_2,
     nothing,
     num_sms,
     swap_modules,
@@ -100,6 +105,7 @@ def rmsnorm_reference(x, weight, eps=1e-6, compute_dtype=torch.float32):
 # --------------------------------------------------------------------------------
 # Forward kernel
 # --------------------------------------------------------------------------------
+@fast_launch
 @triton.jit
 def _rmsnorm_fwd_kernel(
     X,  # [n_rows, n_cols] input; rows are stride_x elements apart, columns contiguous
@@ -164,6 +170,7 @@ def _rmsnorm_fwd_kernel(
 #
 # So backward needs x, dy, w and the saved rstd: no float32 copy of x_hat is kept
 # between forward and backward.
+@fast_launch
 @triton.jit
 def _rmsnorm_bwd_kernel(
     DY,  # [n_rows, n_cols] upstream gradient; rows stride_dy apart, columns contiguous
@@ -220,6 +227,7 @@ def _rmsnorm_bwd_kernel(
         tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw_acc, mask=col_mask)
 
 
+@fast_launch
 @triton.jit
 def _rmsnorm_dw_reduce_kernel(
     DW_PARTIAL,  # [n_partial, n_cols] float32, one row per backward program
@@ -246,9 +254,10 @@ def _rmsnorm_dw_reduce_kernel(
 # --------------------------------------------------------------------------------
 # Launch helpers: checks, block sizes, grid
 # --------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)  # once per hidden size: host time counts (Step 17)
 def _launch_config(n_cols):
     """Block width, rows per program and warps for a row length."""
-    block_n = triton.next_power_of_2(n_cols)
+    block_n = next_power_of_2(n_cols)
     # Short rows: several rows per program so each program holds ~4K elements.
     rows = max(1, min(64, 4096 // block_n))
     # Wide rows: more warps so each thread holds a modest slice. For H = 4096, 8
@@ -310,17 +319,18 @@ def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[
     weight = weight.contiguous()
     n_rows = x2.shape[0]
     # HF: weight * h.to(input_dtype) follows PyTorch type promotion.
-    out_dtype = torch.promote_types(x.dtype, weight.dtype)
-    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
-    rstd = torch.empty((n_rows,), dtype=torch.float32, device=x.device)
+    out_dtype = x.dtype if weight.dtype == x.dtype else torch.promote_types(x.dtype, weight.dtype)
+    # y is contiguous in x's shape, i.e. rows n_cols apart, as the kernel writes it.
+    # (empty_like costs a third of the host time of torch.empty(shape, ...).)
+    y = torch.empty_like(x, dtype=out_dtype, memory_format=torch.contiguous_format)
+    rstd = x2.new_empty(n_rows, dtype=torch.float32)
     if n_rows > 0:
         block_n, rows, num_warps = _launch_config(n_cols)
-        grid = (triton.cdiv(n_rows, rows),)
-        _rmsnorm_fwd_kernel[grid](
+        _rmsnorm_fwd_kernel[(cdiv(n_rows, rows),)](
             x2, weight, y, rstd, x2.stride(0), n_rows, n_cols, eps,
             BLOCK_N=block_n, ROWS=rows, num_warps=num_warps,
         )
-    return y.view(x.shape), rstd
+    return y, rstd
 
 
 def _rmsnorm_backward_fake(dy, x, weight, rstd, compute_dw):
@@ -336,20 +346,20 @@ def rmsnorm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rs
     dy2 = as_rows(dy, n_cols)
     weight = weight.contiguous()
     n_rows = x2.shape[0]
-    dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)  # rows n_cols apart
     block_n, rows, num_warps = _launch_config(n_cols)
-    n_blocks = triton.cdiv(n_rows, rows)
+    n_blocks = cdiv(n_rows, rows)
     n_programs = max(1, min(n_blocks, num_sms(x.device) * BWD_PROGRAMS_PER_SM))
     if compute_dw:
-        dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
-        dw = torch.empty((n_cols,), dtype=weight.dtype, device=x.device)
+        dw_partial = x2.new_empty((n_programs, n_cols), dtype=torch.float32)
+        dw = torch.empty_like(weight)
     else:
         dw_partial = dx  # never written: COMPUTE_DW=False removes the store
         dw = nothing(weight)
     if n_rows > 0:
         _rmsnorm_bwd_kernel[(n_programs,)](
             dy2, x2, weight, rstd, dx, dw_partial,
-            dy2.stride(0), x2.stride(0), n_rows, n_cols, n_programs, triton.cdiv(n_blocks, n_programs),
+            dy2.stride(0), x2.stride(0), n_rows, n_cols, n_programs, cdiv(n_blocks, n_programs),
             BLOCK_N=block_n, ROWS=rows, COMPUTE_DW=compute_dw,
             num_warps=num_warps,
         )
@@ -358,11 +368,11 @@ def rmsnorm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rs
             dw.zero_()
         else:
             block_c = 256
-            _rmsnorm_dw_reduce_kernel[(triton.cdiv(n_cols, block_c),)](
+            _rmsnorm_dw_reduce_kernel[(cdiv(n_cols, block_c),)](
                 dw_partial, dw, n_programs, n_cols, BLOCK_P=32, BLOCK_C=block_c,
                 num_warps=4,
             )
-    return dx.view(x.shape), dw
+    return dx, dw
 
 
 # --------------------------------------------------------------------------------
@@ -393,7 +403,6 @@ class TritonRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     @first_order_only("rmsnorm")
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         return _backward(ctx, dy)
 

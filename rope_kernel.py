@@ -113,7 +113,16 @@ from typing import Optional
 import torch
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
-from kernel_common import SUPPORTED_DTYPES, cast_to, check_kernel_device, first_order_only, kernel_op, nothing
+from kernel_common import (
+    SUPPORTED_DTYPES,
+    cast_to,
+    check_kernel_device,
+    fast_launch,
+    first_order_only,
+    kernel_op,
+    next_power_of_2,
+    nothing,
+)
 
 import triton
 import triton.language as tl
@@ -197,6 +206,7 @@ def _load_cos_sin(COS, SIN, b, t, stride_cb, stride_ct, stride_sb, stride_st, ha
     return c1, c2, s1, s2
 
 
+@fast_launch
 @triton.jit
 def _rope_fwd_kernel(
     Q,  # [B, nh, T, D] query (HF: a transposed view of [B, T, nh, D]); last dim contiguous
@@ -293,6 +303,7 @@ def _rope_bwd_heads(
         tl.store(dx_ptrs + half, cast_to(dx2, OUT), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _rope_bwd_kernel(
     DQO,  # [B, nh, T, D] gradient of q_embed; any strides, last dim contiguous
@@ -350,10 +361,10 @@ NUM_WARPS = 4
 
 def _launch_config(half, n_q_heads, n_k_heads):
     """(BLOCK_D, BLOCK_HQ, BLOCK_HK) for a head dim D = 2 * half."""
-    block_d = triton.next_power_of_2(max(half, 1))
+    block_d = next_power_of_2(max(half, 1))
     rows = max(1, TILE_ELEMENTS // block_d)
-    block_hq = min(triton.next_power_of_2(max(n_q_heads, 1)), rows)
-    block_hk = min(triton.next_power_of_2(max(n_k_heads, 1)), rows)
+    block_hq = min(next_power_of_2(max(n_q_heads, 1)), rows)
+    block_hk = min(next_power_of_2(max(n_k_heads, 1)), rows)
     return block_d, block_hq, block_hk
 
 
@@ -560,7 +571,6 @@ class TritonRoPEFunction(torch.autograd.Function):
 
     @staticmethod
     @first_order_only("rope")
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dq_embed, dk_embed):
         return _rope_grads(ctx, dq_embed, dk_embed)
 

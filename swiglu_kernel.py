@@ -89,10 +89,13 @@ from kernel_common import (
     SUPPORTED_DTYPES,
     as_rows,
     cast_to,
+    cdiv,
     check_kernel_device,
     exp,
+    fast_launch,
     first_order_only,
     kernel_op,
+    next_power_of_2,
     nothing,
     swap_modules,
 )
@@ -150,6 +153,7 @@ def _tile(n_rows, n_cols, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
 # --------------------------------------------------------------------------------
 # Forward kernel
 # --------------------------------------------------------------------------------
+@fast_launch
 @triton.jit
 def _swiglu_fwd_kernel(
     G,  # [n_rows, n_cols] gate_proj output; rows stride_g elements apart, columns contiguous
@@ -198,6 +202,7 @@ def _swiglu_fwd_kernel(
 # rounding has no derivative; d_gate uses the float32 s and g, with no
 # intermediate rounding of dy * u (PyTorch rounds that product to bf16 before
 # silu's backward, so ours is slightly more accurate).
+@fast_launch
 @triton.jit
 def _swiglu_bwd_kernel(
     DY,  # [n_rows, n_cols] upstream gradient, dtype of y; rows stride_dy apart, columns contiguous
@@ -248,7 +253,7 @@ NUM_WARPS = 8
 
 def _launch_config(n_cols):
     """(BLOCK_N, ROWS, num_warps) for a row length: one tile is ROWS x BLOCK_N."""
-    block_n = min(triton.next_power_of_2(n_cols), TILE_ELEMENTS)
+    block_n = min(next_power_of_2(n_cols), TILE_ELEMENTS)
     # Short rows: stack several into one tile, so that each program still moves
     # a useful amount of data (I = 7 would otherwise give 7-element programs).
     rows = max(1, TILE_ELEMENTS // block_n)
@@ -256,7 +261,7 @@ def _launch_config(n_cols):
 
 
 def _grid(n_rows, n_cols, block_n, rows):
-    return (triton.cdiv(n_rows, rows) * triton.cdiv(n_cols, block_n),)
+    return (cdiv(n_rows, rows) * cdiv(n_cols, block_n),)
 
 
 def _check_inputs(gate, up):
@@ -362,7 +367,6 @@ class TritonSwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     @first_order_only("swiglu")
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         return _swiglu_grads(ctx, dy)
 
@@ -462,7 +466,6 @@ class TritonSwiGLUDownProjFunction(torch.autograd.Function):
 
     @staticmethod
     @first_order_only("swiglu_down_proj")
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         return _down_proj_grads(ctx, dout)
 

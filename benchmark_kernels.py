@@ -5,7 +5,8 @@ What: for each kernel (RMSNorm, cross-entropy, SwiGLU, RoPE, linear + cross-entr
 shape (LLaMA-3.1-8B's, bf16) and provider -- ours; PyTorch eager in the Hugging Face
 formulation (each kernel module's ``*_reference``); PyTorch's native op where one
 exists; ``torch.compile`` of the HF formulation; Liger-Kernel and cut-cross-entropy
-when installed -- one table row.
+when installed; for RMSNorm and cross-entropy the playbook's one-row-per-program design
+(written out below) -- one table row.
 
 How: ``fwd`` is the forward alone under ``torch.no_grad()`` (evaluation); ``fwd+bwd``
 is the forward with autograd, then ``torch.autograd.grad`` with an upstream gradient
@@ -67,7 +68,9 @@ from rmsnorm_kernel import rmsnorm, rmsnorm_reference
 from rope_kernel import rope, rope_reference
 from swiglu_kernel import swiglu, swiglu_reference
 
-import triton.testing  # isort: skip - after the kernel modules (see above)
+import triton  # isort: skip - after the kernel modules (see above)
+import triton.language as tl  # isort: skip
+import triton.testing  # isort: skip
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -163,6 +166,119 @@ class Spec:
     not_counted: Callable = lambda shape: 0  # bytes subtracted from peak MB
 
 
+# --- The playbook's design, as a peer --------------------------------------------------
+# The kernels the playbook starts from, written here from its description (its own code
+# is not a package to import): one program per row, forward and backward; the RMSNorm
+# backward writes every row's weight-gradient term to a [N, H] float32 buffer and sums it
+# with torch; the cross-entropy forward streams the vocabulary in chunks with an online
+# softmax, and its backward streams it again to write the gradient. Python-launched like
+# ours, so the eager columns compare launch paths too.
+@triton.jit
+def _playbook_rmsnorm_fwd(X, W, Y, RSTD, n_cols, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(X + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    y = (x * rstd).to(X.dtype.element_ty).to(tl.float32) * w
+    tl.store(Y + row * n_cols + cols, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def _playbook_rmsnorm_bwd(DY, X, W, RSTD, DX, DW_ROWS, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(X + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.load(RSTD + row)
+    x_hat = x * rstd
+    g = dy * w
+    dx = (g - x_hat * (tl.sum(g * x_hat, axis=0) / n_cols)) * rstd
+    tl.store(DX + row * n_cols + cols, dx.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DW_ROWS + row * n_cols + cols, dy * x_hat, mask=mask)
+
+
+class PlaybookRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        y, rstd = torch.empty_like(x2), torch.empty(x2.shape[0], device=x.device, dtype=torch.float32)
+        block = triton.next_power_of_2(x2.shape[1])
+        _playbook_rmsnorm_fwd[(x2.shape[0],)](x2, w, y, rstd, x2.shape[1], EPS, BLOCK=block)
+        ctx.save_for_backward(x2, w, rstd)
+        return y.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, w, rstd = ctx.saved_tensors
+        dy2 = dy.reshape(x2.shape).contiguous()
+        dx, dw_rows = torch.empty_like(x2), torch.empty(x2.shape, device=x2.device, dtype=torch.float32)
+        block = triton.next_power_of_2(x2.shape[1])
+        _playbook_rmsnorm_bwd[(x2.shape[0],)](dy2, x2, w, rstd, dx, dw_rows, x2.shape[1], BLOCK=block)
+        return dx.view_as(dy), dw_rows.sum(0).to(w.dtype)
+
+
+@triton.jit
+def _playbook_ce_fwd(LOGITS, TARGETS, LOSS, LSE, n_vocab, ignore_index, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    base = LOGITS + row.to(tl.int64) * n_vocab
+    m = -float("inf")
+    total = 0.0
+    for start in range(0, n_vocab, BLOCK):  # online softmax: running max and rescaled sum
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < n_vocab, other=-float("inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        total = total * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+    lse = m + tl.log(total)
+    target = tl.load(TARGETS + row)
+    valid = target != ignore_index
+    x_t = tl.load(base + tl.where(valid, target, 0)).to(tl.float32)
+    tl.store(LOSS + row, tl.where(valid, lse - x_t, 0.0))
+    tl.store(LSE + row, lse)
+
+
+@triton.jit
+def _playbook_ce_bwd(LOGITS, TARGETS, LSE, GRAD, SCALE, n_vocab, ignore_index, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    base = row.to(tl.int64) * n_vocab
+    target = tl.load(TARGETS + row)
+    lse = tl.load(LSE + row)
+    g = tl.where(target != ignore_index, tl.load(SCALE), 0.0)
+    for start in range(0, n_vocab, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_vocab
+        x = tl.load(LOGITS + base + cols, mask=mask, other=0.0).to(tl.float32)
+        p = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
+        tl.store(GRAD + base + cols, (p * g).to(GRAD.dtype.element_ty), mask=mask)
+
+
+class PlaybookCrossEntropy(torch.autograd.Function):
+    BLOCK = 4096
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        n, v = logits.shape
+        loss, lse = (torch.empty(n, device=logits.device, dtype=torch.float32) for _ in range(2))
+        _playbook_ce_fwd[(n,)](logits, targets, loss, lse, v, -100, BLOCK=PlaybookCrossEntropy.BLOCK)
+        n_valid = (targets != -100).sum()
+        ctx.save_for_backward(logits, targets, lse, n_valid)
+        return loss.sum() / n_valid
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, targets, lse, n_valid = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        scale = (grad_loss.float() / n_valid).reshape(1)  # read on the device: no host sync
+        _playbook_ce_bwd[(logits.shape[0],)](logits, targets, lse, grad, scale, logits.shape[1], -100,
+                                              BLOCK=PlaybookCrossEntropy.BLOCK)
+        return grad, None
+
+
 # --- RMSNorm: y = w * x / rms(x) over the hidden dimension ----------------------------
 def rmsnorm_inputs(s):
     x = randn(s["tokens"], s["hidden"]).requires_grad_()
@@ -194,6 +310,7 @@ RMSNORM = Spec(
         "F.rms_norm (native)": lambda: lambda x, w: F.rms_norm(x, x.shape[-1:], w, EPS),
         "torch.compile (HF)": lambda: compiled(hf_rmsnorm),
         "Liger-Kernel": liger_rmsnorm,
+        "playbook design": lambda: PlaybookRMSNorm.apply,
     },
     truth=lambda x, w: rmsnorm_reference(x, w, EPS, compute_dtype=torch.float64),
     error_label="max |err|",
@@ -232,6 +349,7 @@ CROSS_ENTROPY = Spec(
         "F.cross_entropy (bf16)": lambda: F.cross_entropy,  # on the bf16 logits, no upcast
         "torch.compile (HF)": lambda: compiled(cross_entropy_reference),
         "Liger-Kernel": lambda: liger("liger_kernel.transformers", "LigerCrossEntropyLoss")(reduction="mean"),
+        "playbook design": lambda: PlaybookCrossEntropy.apply,
     },
     truth=lambda logits, t: loss64(lambda lo, hi: logits[lo:hi], t),
     error_label="loss |err|",

@@ -10,6 +10,7 @@ checks read its table and its JSON: every provider has a row with a status, our
 kernels match the float64 truth as well as PyTorch does, nothing is timed on CPU.
 Other checks: bad paths and bad --kernel names fail in one line before anything is
 measured; failing peers (out of memory, any exception) become OOM / ERR rows; the
+playbook-design peers compute the same losses and gradients as PyTorch; the
 byte formulas and derived numbers; the plot tool redraws from a JSON, this run's or
 the committed results/bench_h100.json.
 """
@@ -125,6 +126,25 @@ def test_ours_matches_the_float64_truth(quick_run):
     # The losses are computed in float32: far closer than bf16 rounding.
     ce = {r["provider"]: r["error"] for r in results["kernels"]["cross_entropy"]["results"]}
     assert ce["ours (Triton)"] < 1e-5 and ce["ours (in-place)"] < 1e-5
+
+
+def test_playbook_design_peers_are_right():
+    # A peer with a wrong gradient would look fast for nothing: check both against PyTorch.
+    torch.manual_seed(0)
+    x = torch.randn(6, 96, device=bk.DEVICE, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(96, device=bk.DEVICE)).requires_grad_()
+    dy = torch.randn(6, 96, device=bk.DEVICE)
+    ref = bk.rmsnorm_reference(x, w, bk.EPS)
+    got = bk.PlaybookRMSNorm.apply(x, w)
+    torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(torch.autograd.grad(got, (x, w), dy), torch.autograd.grad(ref, (x, w), dy))
+
+    logits = torch.randn(5, 9000, device=bk.DEVICE, requires_grad=True)  # more than one vocabulary chunk
+    targets = torch.tensor([3, -100, 8999, 0, 4096], device=bk.DEVICE)
+    ref = torch.nn.functional.cross_entropy(logits, targets)
+    got = bk.PlaybookCrossEntropy.apply(logits, targets)
+    torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(torch.autograd.grad(2 * got, logits), torch.autograd.grad(2 * ref, logits))
 
 
 def test_error_measures_against_the_truth():

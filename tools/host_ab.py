@@ -90,7 +90,8 @@ def git_commit(checkout):
         return subprocess.run(["git", *args], cwd=checkout, capture_output=True, text=True, check=True).stdout.strip()
     try:
         if os.path.samefile(git("rev-parse", "--show-toplevel"), checkout):
-            return git("rev-parse", "--short", "HEAD")
+            dirty = git("status", "--porcelain", "--untracked-files=no")
+            return git("rev-parse", "--short", "HEAD") + (" + changes" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         pass
     return os.path.basename(os.path.normpath(checkout))

@@ -51,6 +51,9 @@ Triton concepts new in this step
 * ``@triton.jit`` helpers called from a kernel are inlined into it; the ones every
   kernel shares (``cast_to``: rounding to the output dtype) live in
   kernel_common.py, with the switch that runs all of this on a CPU.
+* ``@fast_launch`` above ``@triton.jit`` (kernel_common.py) keeps the
+  ``kernel[grid](...)`` syntax and halves its host time: at 4,096 rows the GPU
+  needs ~30 us per kernel, and Triton's own launch path costs ~22 us of Python.
 
 Nothing runs on import. See rmsnorm_test.py for the checks and
 benchmark_kernels.py for the measurements.

@@ -63,7 +63,7 @@ from linear_cross_entropy_kernel import (
     fused_linear_cross_entropy,
     linear_cross_entropy_reference,
 )
-from llama_common import check_output_path, environment_info, write_json_atomic
+from flags import check_output_path, environment_info, write_json_atomic
 from rmsnorm_kernel import rmsnorm, rmsnorm_reference
 from rope_kernel import rope, rope_reference
 from swiglu_kernel import swiglu, swiglu_reference

@@ -33,7 +33,10 @@ import torch
 
 from conftest import DEVICE, ON_GPU, need_gpu  # first: the Triton interpreter switch
 
-import llama_common as common
+import dataloader
+import flags
+import models
+import training
 from cross_entropy_kernel import cross_entropy
 from finetune_optimized import apply_kernels
 from linear_cross_entropy_kernel import fused_linear_cross_entropy
@@ -208,7 +211,7 @@ def test_opcheck(name):
 # --------------------------------------------------------------------------------
 def _model_and_batch():
     torch.manual_seed(0)
-    model = common.build_random(common.tiny_config(), DEVICE, torch.float32)
+    model = models.build_random(models.tiny_config(), DEVICE, torch.float32)
     model.config.use_cache = False
     ids = torch.randint(0, model.config.vocab_size, (2, 24), device=DEVICE)
     return model, ids
@@ -216,7 +219,7 @@ def _model_and_batch():
 
 def _loss_and_grads(model, loss_fn, ids, autocast=None):
     with torch.autocast(DEVICE.type, dtype=autocast, enabled=autocast is not None):
-        loss = loss_fn(model, common.lm_batch(ids))  # labels = inputs (the loss shifts them)
+        loss = loss_fn(model, dataloader.lm_batch(ids))  # labels = inputs (the loss shifts them)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
@@ -226,10 +229,10 @@ def _loss_and_grads(model, loss_fn, ids, autocast=None):
 @pytest.mark.parametrize("setting", ["plain", "checkpointing", "autocast-bf16"])
 def test_compiled_decoder_with_every_kernel_matches_eager(setting):
     model, ids = _model_and_batch()
-    kernels = {name: True for name in common.KERNELS}
+    kernels = {name: True for name in flags.KERNELS}
     loss_fn, _ = apply_kernels(model, kernels)
     if setting == "checkpointing":
-        common.enable_checkpointing(model)
+        models.enable_checkpointing(model)
         model.train()
     autocast = torch.bfloat16 if setting == "autocast-bf16" else None
     eager = _loss_and_grads(model, loss_fn, ids, autocast)
@@ -238,8 +241,8 @@ def test_compiled_decoder_with_every_kernel_matches_eager(setting):
     torch._dynamo.reset()
     counter = CompileCounterWithBackend(BACKEND)
     args = argparse.Namespace(compile=True, compile_mode="default", gradient_checkpointing=setting == "checkpointing")
-    with unittest.mock.patch.object(common, "BACKENDS", {"cuda": counter, "cpu": counter}):
-        common.compile_decoder(compiled_model, args)
+    with unittest.mock.patch.object(models, "BACKENDS", {"cuda": counter, "cpu": counter}):
+        models.compile_decoder(compiled_model, args)
     for step in range(2):  # the second call runs the cached graphs
         loss, grads = _loss_and_grads(compiled_model, loss_fn, ids, autocast)
         assert_same(loss, eager[0], f"loss, call {step + 1}")
@@ -258,11 +261,11 @@ def test_compile_flag_trains_with_the_eager_losses(setting, capsys):
 
     def run(*extra):
         parser = argparse.ArgumentParser()
-        common.add_model_args(parser, custom_kernels_default=True)
-        common.add_finetune_args(parser)
+        flags.add_model_args(parser, custom_kernels_default=True)
+        flags.add_finetune_args(parser)
         args = parser.parse_args(["--tiny", "--steps", "2", "--warmup-steps", "0", *data, *extra])
         torch._dynamo.reset()
-        return common.run_finetune(args, "test", "finetune_optimized.py", apply_kernels)["losses"]
+        return training.run_finetune(args, "test", "finetune_optimized.py", apply_kernels)["losses"]
 
     eager, with_compile = run(), run("--compile")
     out = capsys.readouterr().out
@@ -299,7 +302,7 @@ def test_cuda_graph_mode_matches_eager():
     replayed; our kernels make no host synchronization, so capture works."""
     need_gpu()
     model, ids = _model_and_batch()
-    loss_fn, _ = apply_kernels(model, {name: True for name in common.KERNELS})
+    loss_fn, _ = apply_kernels(model, {name: True for name in flags.KERNELS})
     eager = _loss_and_grads(model, loss_fn, ids)
     torch._dynamo.reset()
     for layer in model.get_decoder().layers:

@@ -27,16 +27,19 @@ import sys
 import pytest
 import torch
 
+import dataloader
 import finetune_baseline
 import finetune_optimized
-import llama_common as common
+import flags
+import models
+import training
 
-IGNORE = common.IGNORE_INDEX
+IGNORE = dataloader.IGNORE_INDEX
 
 
 def tiny_model():
-    args = common.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--seq-len", "32"]))
-    model, _ = common.load_model(args)
+    args = flags.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--seq-len", "32"]))
+    model, _ = models.load_model(args)
     return model
 
 
@@ -61,7 +64,7 @@ def only_example(batch, keep, starts_and_lengths):
 
 def loss_and_grads(model, loss_fn, batch):
     model.zero_grad(set_to_none=True)
-    loss = loss_fn(model, common.batch_to(batch, next(model.parameters()).device))
+    loss = loss_fn(model, dataloader.batch_to(batch, next(model.parameters()).device))
     loss.backward()
     return loss.item(), [p.grad.clone() for p in model.parameters()]
 
@@ -69,13 +72,13 @@ def loss_and_grads(model, loss_fn, batch):
 @pytest.mark.parametrize("path", ["hf", "all kernels"])
 def test_packed_row_equals_examples_one_by_one(path, capsys):
     model = tiny_model()
-    loss_fn = common.hf_loss
+    loss_fn = training.hf_loss
     if path == "all kernels":
-        loss_fn, _ = finetune_optimized.apply_kernels(model, {name: True for name in common.KERNELS})
+        loss_fn, _ = finetune_optimized.apply_kernels(model, {name: True for name in flags.KERNELS})
         assert "fused RoPE in 2 attention modules" in capsys.readouterr().out
     examples = toy_examples()
-    packed = common.StepBatches(examples, 1, 32, packing=True, seed=0, pad_id=0).collate([[0, 1, 2]])
-    alone = common.StepBatches(examples, 1, 32, packing=False, seed=0, pad_id=0)
+    packed = dataloader.StepBatches(examples, 1, 32, packing=True, seed=0, pad_id=0).collate([[0, 1, 2]])
+    alone = dataloader.StepBatches(examples, 1, 32, packing=False, seed=0, pad_id=0)
     assert packed["input_ids"].shape == (1, 32) and packed["num_real_tokens"] == 27
     assert packed["position_ids"][0].tolist() == list(range(9)) + list(range(12)) + list(range(6)) + list(range(5))
     spans = [(0, 9), (9, 12), (21, 6)]
@@ -96,24 +99,24 @@ def test_packed_row_equals_examples_one_by_one(path, capsys):
 
 
 def test_labels_mask_the_prompt():
-    tok = common.ByteTokenizer()
+    tok = dataloader.ByteTokenizer()
     record = {"instruction": "Name a primary colour.", "context": "Colours of paint.", "response": "Red."}
-    ids, labels = common.encode_record(tok, record)
+    ids, labels = dataloader.encode_record(tok, record)
     prompt = "### Instruction:\nName a primary colour.\n\n### Context:\nColours of paint.\n\n### Response:\n"
     n_prompt = 1 + len(prompt.encode())  # BOS + the template
     assert ids[0] == tok.bos_token_id and tok.decode(ids[1:n_prompt]) == prompt
     assert labels[:n_prompt] == [IGNORE] * n_prompt
     assert labels[n_prompt:] == ids[n_prompt:] and tok.decode(labels[n_prompt:]) == "Red."
     assert labels[-1] == tok.eos_token_id
-    no_context = common.encode_record(tok, dict(record, context=""))[0]
+    no_context = dataloader.encode_record(tok, dict(record, context=""))[0]
     assert tok.decode(no_context) == "### Instruction:\nName a primary colour.\n\n### Response:\nRed."
 
 
 def bundled_padding(packing, seq_len, batch_size=2):
     """Padding fraction of one epoch of the bundled data (byte-level tokens)."""
-    train, _ = common.split_records(common.load_records(common.BUNDLED_DATASET))
-    examples, _, _ = common.encode_records(common.ByteTokenizer(), train, seq_len)
-    batches = common.StepBatches(examples, batch_size, seq_len, packing, seed=0, pad_id=0)
+    train, _ = dataloader.split_records(dataloader.load_records(flags.BUNDLED_DATASET))
+    examples, _, _ = dataloader.encode_records(dataloader.ByteTokenizer(), train, seq_len)
+    batches = dataloader.StepBatches(examples, batch_size, seq_len, packing, seed=0, pad_id=0)
     slots = real = 0
     for step in range(batches.num_batches()):
         batch = batches[step]
@@ -143,12 +146,12 @@ def test_chat_template_labels_the_answer_only():
     and the assistant header are the prompt; the answer and its end-of-turn token
     are the labels."""
     record = {"instruction": "Name a color.", "context": "Sky at noon.", "response": "Blue."}
-    ids, labels = common.encode_record(chat_tokenizer(CHAT), record)
+    ids, labels = dataloader.encode_record(chat_tokenizer(CHAT), record)
     text = "".join(map(chr, ids))
     assert text == "<user>Name a color.\n\nSky at noon.\x04<assistant>Blue.\x04"
-    answer = [i for i, label in zip(ids, labels) if label != common.IGNORE_INDEX]
+    answer = [i for i, label in zip(ids, labels) if label != dataloader.IGNORE_INDEX]
     assert "".join(map(chr, answer)) == "Blue.\x04"
-    assert labels[: len(ids) - len(answer)] == [common.IGNORE_INDEX] * (len(ids) - len(answer))
+    assert labels[: len(ids) - len(answer)] == [dataloader.IGNORE_INDEX] * (len(ids) - len(answer))
 
 
 def test_chat_template_that_rewrites_the_prompt_is_refused():
@@ -156,7 +159,7 @@ def test_chat_template_that_rewrites_the_prompt_is_refused():
     turns) leaves no clean boundary: one line, no silent mislabelling."""
     counting = "{{ messages | length }}" + CHAT
     with pytest.raises(SystemExit, match="chat template writes the prompt differently"):
-        common.encode_record(chat_tokenizer(counting), {"instruction": "Hi", "context": "", "response": "Yo"})
+        dataloader.encode_record(chat_tokenizer(counting), {"instruction": "Hi", "context": "", "response": "Yo"})
 
 
 def test_packing_cuts_padding_by_more_than_half():
@@ -169,9 +172,9 @@ def test_packing_cuts_padding_by_more_than_half():
 
 
 def test_bundled_data_is_varied():
-    records = common.load_records(common.BUNDLED_DATASET)
+    records = dataloader.load_records(flags.BUNDLED_DATASET)
     assert len(records) >= 300
-    lengths = sorted(len(common.encode_record(common.ByteTokenizer(), r)[0]) for r in records)
+    lengths = sorted(len(dataloader.encode_record(dataloader.ByteTokenizer(), r)[0]) for r in records)
     assert lengths[len(lengths) // 2] < 400  # many short ones ...
     assert sum(n > 3500 for n in lengths) >= 5  # ... and a tail of long ones (~1,000 BPE tokens or more)
 
@@ -224,11 +227,11 @@ def write(path, rows, kind):
 @pytest.mark.parametrize("names, rows", [("dolly", DOLLY), ("alpaca", ALPACA)])
 def test_field_names_and_file_formats(tmp_path, kind, names, rows):
     path = write(tmp_path / f"{names}.{kind}", rows, kind)
-    assert common.load_records(path) == EXPECTED
+    assert dataloader.load_records(path) == EXPECTED
 
 
 def test_json_lines_in_a_json_file(tmp_path):
-    assert common.load_records(write(tmp_path / "dolly.json", DOLLY, "jsonl")) == EXPECTED
+    assert dataloader.load_records(write(tmp_path / "dolly.json", DOLLY, "jsonl")) == EXPECTED
 
 
 @pytest.mark.parametrize("rows, message", [
@@ -238,7 +241,7 @@ def test_json_lines_in_a_json_file(tmp_path):
     ([], "no records in it"),
 ])
 def test_bad_dataset_fails_in_one_line_before_the_model(tmp_path, monkeypatch, capsys, rows, message):
-    monkeypatch.setattr(common, "load_model", lambda *a: pytest.fail("built a model before checking the data"))
+    monkeypatch.setattr(models, "load_model", lambda *a: pytest.fail("built a model before checking the data"))
     path = tmp_path / "data.jsonl"
     if rows is not None:
         write(path, rows, "jsonl")
@@ -250,7 +253,7 @@ def test_bad_dataset_fails_in_one_line_before_the_model(tmp_path, monkeypatch, c
 
 def test_eval_without_held_out_examples_is_refused(tmp_path, monkeypatch):
     # Two records: 5% of them is none, so there is nothing to evaluate on.
-    monkeypatch.setattr(common, "train_step", lambda *a, **k: pytest.fail("trained before the check"))
+    monkeypatch.setattr(training, "train_step", lambda *a, **k: pytest.fail("trained before the check"))
     path = write(tmp_path / "dolly.jsonl", DOLLY, "jsonl")
     with pytest.raises(SystemExit) as e:
         finetune_baseline.main(["--tiny", "--dataset", path, "--steps", "1", "--eval-every", "1"])
@@ -263,16 +266,69 @@ def test_hub_dataset_offline(monkeypatch):
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(SystemExit) as e:
-        common.load_records("databricks/databricks-dolly-15k")
+        dataloader.load_records("databricks/databricks-dolly-15k")
     text = str(e.value.code)
     assert "not a local file, and the HF hub cannot serve it (HF_HUB_OFFLINE is set" in text and "\n" not in text
 
 
 def test_too_short_seq_len_is_refused():
-    args = common.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--seq-len", "8"]))
+    args = flags.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--seq-len", "8"]))
     with pytest.raises(SystemExit) as e:
-        common.prepare_data(args, common.load_records(args.dataset), 8192)
+        dataloader.prepare_data(args, dataloader.load_records(args.dataset), 8192)
     assert "--seq-len 8 leaves no response token in any training example" in str(e.value.code)
+
+
+def no_training(monkeypatch):
+    monkeypatch.setattr(training, "train_step", lambda *a, **k: pytest.fail("trained on steps with nothing to learn"))
+
+
+@pytest.mark.parametrize("script", [finetune_baseline, finetune_optimized])
+def test_tokenizer_that_encodes_nothing_is_refused(script, tmp_path, monkeypatch):
+    # A vocabulary-less tokenizer, what transformers builds for a folder that holds
+    # a config but no tokenizer files: every text becomes [].
+    from tokenizers import Tokenizer
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    models.tiny_config().save_pretrained(tmp_path)
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(BPE())).save_pretrained(tmp_path)
+    no_training(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        script.main(["--model", str(tmp_path), "--no-tiny", "--seq-len", "64", "--steps", "1"])
+    assert e.value.code == f"error: the tokenizer of {tmp_path} turns text into no tokens (are its tokenizer files missing?)"
+
+
+@pytest.mark.parametrize("script", [finetune_baseline, finetune_optimized])
+def test_synthetic_rows_of_one_token_are_refused(script, monkeypatch):
+    no_training(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        script.main(["--tiny", "--dataset", "synthetic", "--seq-len", "1", "--steps", "1"])
+    assert e.value.code == ("error: --dataset synthetic with --seq-len 1: each position learns the next token, "
+                            "so a row needs at least 2 tokens")
+
+
+class NoEosTokenizer(dataloader.ByteTokenizer):
+    eos_token_id = None  # an empty response then has no token at all
+
+
+def test_examples_without_a_target_are_left_out():
+    empty = {"instruction": "Say nothing.", "context": "", "response": ""}
+    full = {"instruction": "Say yes.", "context": "", "response": "yes"}
+    examples, cut, lost = dataloader.encode_records(NoEosTokenizer(), [empty, full, empty], 64)
+    assert (cut, lost) == (0, 2)
+    assert examples == [dataloader.encode_record(NoEosTokenizer(), full)]
+    # Every kept example has a label after its first token, so every row of a batch has a target.
+    assert all(dataloader.has_target(labels) for _, labels in examples)
+
+
+def test_data_with_nothing_to_learn_is_refused(monkeypatch):
+    monkeypatch.setattr(dataloader, "load_tokenizer", lambda args: (NoEosTokenizer(), "bytes without EOS"))
+    args = flags.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--seq-len", "64"]))
+    records = [{"instruction": f"Question {i}?", "context": "", "response": ""} for i in range(40)]
+    with pytest.raises(SystemExit) as e:
+        dataloader.prepare_data(args, records, 8192)
+    assert e.value.code == ("error: no training example of bundled data/instructions.jsonl has a response token to learn "
+                            "(are the responses empty?)")
 
 
 # --------------------------------------------------------------------------------
@@ -285,11 +341,11 @@ def test_synthetic_keeps_the_old_losses():
     new = finetune_baseline.main(argv)["losses"]
     # The loop as it was written before --dataset: synthetic_batches' (ids, ids)
     # straight into the model, HF's loss, PyTorch's AdamW (stepped by the schedule).
-    args = common.resolve_defaults(finetune_baseline.parse_args(argv))
-    model, _ = common.load_model(args)
-    optimizer = common.pytorch_adamw(model.parameters(), lr=args.lr)
-    scheduler = common.make_scheduler(optimizer, args)
-    batches = common.synthetic_batches(2, 32, model.config.vocab_size, args.seed, next(model.parameters()).device)
+    args = flags.resolve_defaults(finetune_baseline.parse_args(argv))
+    model, _ = models.load_model(args)
+    optimizer = training.pytorch_adamw(model.parameters(), lr=args.lr)
+    scheduler = training.make_scheduler(optimizer, args)
+    batches = dataloader.synthetic_batches(2, 32, model.config.vocab_size, args.seed, next(model.parameters()).device)
     old = []
     for _ in range(3):
         input_ids, labels = next(batches)
@@ -322,55 +378,55 @@ def same_batch(a, b):
 
 @pytest.mark.parametrize("packing", [False, True])
 def test_batches_resume_at_any_step(packing):
-    args = common.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--batch-size", "4"]))
+    args = flags.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--batch-size", "4"]))
     args.packing = packing
-    data = common.prepare_data(args, common.load_records(args.dataset), 8192)
+    data = dataloader.prepare_data(args, dataloader.load_records(args.dataset), 8192)
     cpu = torch.device("cpu")
-    stream = common.training_batches(args, data, cpu, 8192)
+    stream = dataloader.training_batches(args, data, cpu, 8192)
     first = [next(stream) for _ in range(90)]  # beyond one epoch
     assert all(len(step) == 1 for step in first)  # one micro-batch per step without --grad-accum
     first = [step[0] for step in first]
-    resumed = common.training_batches(args, data, cpu, 8192, start_step=85)
+    resumed = dataloader.training_batches(args, data, cpu, 8192, start_step=85)
     for step in range(85, 90):
         same_batch(first[step], next(resumed)[0])
     assert first[0]["input_ids"].tolist() != first[1]["input_ids"].tolist()
     # --grad-accum 2: step k holds micro-batches 2k and 2k + 1 of the same stream.
     args.grad_accum = 2
-    accumulated = next(common.training_batches(args, data, cpu, 8192, start_step=40))
+    accumulated = next(dataloader.training_batches(args, data, cpu, 8192, start_step=40))
     same_batch(first[80], accumulated[0])
     same_batch(first[81], accumulated[1])
     args.grad_accum = 1
     if packing:
         args.num_workers = 2  # worker processes build the same batches, in the same order
-        with_workers = common.training_batches(args, data, cpu, 8192, start_step=3)
+        with_workers = dataloader.training_batches(args, data, cpu, 8192, start_step=3)
         for step in range(3, 6):
             same_batch(first[step], next(with_workers)[0])
 
 
 def test_synthetic_resumes_at_any_step():
-    args = common.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--dataset", "synthetic"]))
+    args = flags.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--dataset", "synthetic"]))
     cpu = torch.device("cpu")
-    stream = common.training_batches(args, None, cpu, 8192)
+    stream = dataloader.training_batches(args, None, cpu, 8192)
     first = [next(stream)[0] for _ in range(4)]
-    same_batch(first[3], next(common.training_batches(args, None, cpu, 8192, start_step=3))[0])
+    same_batch(first[3], next(dataloader.training_batches(args, None, cpu, 8192, start_step=3))[0])
     args.grad_accum = 2
-    same_batch(first[3], next(common.training_batches(args, None, cpu, 8192, start_step=1))[1])
+    same_batch(first[3], next(dataloader.training_batches(args, None, cpu, 8192, start_step=1))[1])
 
 
 def test_held_out_split():
-    records = common.load_records(common.BUNDLED_DATASET)
-    train, held = common.split_records(records)
-    assert len(held) == int(len(records) * common.EVAL_FRACTION) and len(train) + len(held) == len(records)
+    records = dataloader.load_records(flags.BUNDLED_DATASET)
+    train, held = dataloader.split_records(records)
+    assert len(held) == int(len(records) * dataloader.EVAL_FRACTION) and len(train) + len(held) == len(records)
     assert not {json.dumps(r) for r in held} & {json.dumps(r) for r in train}
-    assert common.split_records(records) == (train, held)
-    args = common.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--seed", "7", "--packing"]))
-    data = common.prepare_data(args, records, 8192)
+    assert dataloader.split_records(records) == (train, held)
+    args = flags.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--seed", "7", "--packing"]))
+    data = dataloader.prepare_data(args, records, 8192)
     assert len(data.held_out) <= len(held) and len(data.train) <= len(train)
     args.eval_batches = None  # all of them
-    batches = common.held_out_batches(args, data, torch.device("cpu"), 8192)
+    batches = dataloader.held_out_batches(args, data, torch.device("cpu"), 8192)
     assert sum(b["num_real_tokens"] for b in batches) == sum(len(ids) for ids, _ in data.held_out)
     args.eval_batches = 2  # --eval-batches 2: the first two, the same at every evaluation
-    first_two = common.held_out_batches(args, data, torch.device("cpu"), 8192)
+    first_two = dataloader.held_out_batches(args, data, torch.device("cpu"), 8192)
     assert len(batches) > 2 and len(first_two) == 2
     for a, b in zip(first_two, batches):
         same_batch(a, b)

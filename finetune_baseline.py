@@ -5,7 +5,7 @@ Runs a full fine-tuning loop (forward, HF's loss, backward, AdamW) on instructio
 data (the bundled data/instructions.jsonl unless --dataset names another, or
 ``synthetic`` for seeded random tokens) and reports time per step, tokens/sec
 (all token slots, and real tokens without the padding) and peak memory.
-finetune_optimized.py runs the very same loop (llama_common.run_training) with the
+finetune_optimized.py runs the very same loop (training.run_training) with the
 Triton kernels switched in, so the two reports compare like for like. What this
 script trains with is ``plain_hf`` below: HF's own loss and PyTorch's AdamW.
 
@@ -36,7 +36,9 @@ import functools
 
 import torch
 
-import llama_common as common
+import flags
+import models
+import training
 
 TITLE = "Fine-tuning: baseline (PyTorch / HF)"
 
@@ -56,7 +58,7 @@ def plain_hf(model, kernels, liger=False):
 
         return apply_kernels(model, kernels)
     print("Kernels:       none (PyTorch / HF)")
-    return common.hf_loss, common.pytorch_adamw
+    return training.hf_loss, training.pytorch_adamw
 
 
 def with_liger(model):
@@ -67,27 +69,27 @@ def with_liger(model):
     labels=...)) runs it. With --lora it patches the model inside PEFT's wrapper."""
     from liger_kernel.transformers import apply_liger_kernel_to_llama
 
-    base = model.get_base_model() if common.is_peft_model(model) else model
+    base = model.get_base_model() if models.is_peft_model(model) else model
     if base.config.model_type != "llama":
         raise SystemExit(f"error: --liger applies Liger-Kernel's LLaMA patch; {base.config.model_type} is not LLaMA")
     apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True, model=base)
     print("Kernels:       Liger-Kernel (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy), torch.optim.AdamW")
-    return common.hf_loss, common.pytorch_adamw
+    return training.hf_loss, training.pytorch_adamw
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="LLaMA fine-tuning loop with PyTorch / HF ops (the baseline).")
-    common.add_model_args(parser, custom_kernels_default=False)
-    common.add_finetune_args(parser)
+    flags.add_model_args(parser, custom_kernels_default=False)
+    flags.add_finetune_args(parser)
     parser.add_argument("--liger", action="store_true",
                         help="the baseline with Liger-Kernel's Triton kernels (pip install liger-kernel): the "
                              "production peer, on the same data and loop")
     args = parser.parse_args(argv)
     if args.liger:  # checked before anything is loaded
-        custom = [f"--use-custom-{name}" for name, on in common.kernels_from_args(args).items() if on]
+        custom = [f"--use-custom-{name}" for name, on in flags.kernels_from_args(args).items() if on]
         if custom:
             parser.error(f"--liger replaces the same operations as {', '.join(custom)}; choose one of them")
-        if not common.installed("liger_kernel"):
+        if not flags.installed("liger_kernel"):
             raise SystemExit("error: --liger needs the liger-kernel package (pip install liger-kernel)")
         if not torch.cuda.is_available():
             raise SystemExit("error: --liger needs a GPU: Liger-Kernel's kernels do not run in Triton's CPU "
@@ -97,8 +99,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    return common.run_finetune(args, TITLE, script="finetune_baseline.py",
-                               switch_in=functools.partial(plain_hf, liger=args.liger))
+    return training.run_finetune(args, TITLE, script="finetune_baseline.py",
+                                 switch_in=functools.partial(plain_hf, liger=args.liger))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 Step 11b (and 16) -- Fine-tune LLaMA with the custom Triton kernels.
 
 The same loop as finetune_baseline.py (same seed, same data, same optimizer
-settings: both run llama_common.run_training), with every kernel of this
+settings: both run training.run_training), with every kernel of this
 repository on by default. How each one is switched in is the code of this file,
 ``apply_kernels`` below, one short block per kernel; the run prints which ones
 are active:
@@ -61,7 +61,10 @@ import argparse
 
 import torch
 
-import llama_common as common  # before the kernels: loading, data, flags, the training loop
+import flags  # the workload (flags, model, data, loop) before the kernels: flags switches on the interpreter
+import dataloader
+import models
+import training
 from adamw_kernel import TritonAdamW
 from cross_entropy_kernel import cross_entropy
 from linear_cross_entropy_kernel import fused_linear_cross_entropy
@@ -75,37 +78,37 @@ TITLE = "Fine-tuning: optimized (Triton kernels)"
 # --------------------------------------------------------------------------------
 # The losses: HF's shifted, ignore-index mean loss, computed by our kernels
 # --------------------------------------------------------------------------------
-# Both take a batch dict (llama_common, "Data"): its positions and attention mask go
+# Both take a batch dict (dataloader.py, "Data"): its positions and attention mask go
 # to the model as they are; padding, prompts and each example's first token carry
 # IGNORE_INDEX labels, which the kernels skip like F.cross_entropy does.
 def triton_ce_loss(model, batch):
     """The fused Triton cross-entropy on the model's [B, T, V] logits."""
-    logits = model(**common.model_inputs(batch)).logits  # [B, T, V] in the model's dtype; not copied
-    return cross_entropy(logits, common.shift_labels(batch["labels"]), ignore_index=common.IGNORE_INDEX)
+    logits = model(**dataloader.model_inputs(batch)).logits  # [B, T, V] in the model's dtype; not copied
+    return cross_entropy(logits, dataloader.shift_labels(batch["labels"]), ignore_index=dataloader.IGNORE_INDEX)
 
 
 def triton_flce_loss(model, batch):
     """The LM head fused into the loss: the decoder's hidden states go straight into
     the fused linear cross-entropy, so no [B, T, V] logits exist."""
-    hidden = model.get_decoder()(**common.model_inputs(batch)).last_hidden_state  # [B, T, H]
+    hidden = model.get_decoder()(**dataloader.model_inputs(batch)).last_hidden_state  # [B, T, H]
     weight = model.get_output_embeddings().weight  # [V, H], possibly tied to the embedding
-    targets = common.shift_labels(batch["labels"])
-    return fused_linear_cross_entropy(hidden, weight, targets, ignore_index=common.IGNORE_INDEX)
+    targets = dataloader.shift_labels(batch["labels"])
+    return fused_linear_cross_entropy(hidden, weight, targets, ignore_index=dataloader.IGNORE_INDEX)
 
 
 # This loss runs the decoder and reads the LM head's weight itself instead of calling
 # model(...): under --fsdp those weights are gathered only inside a forward, so
-# run_finetune makes it one (common.loss_inside_forward says how and why).
+# run_finetune makes it one (fsdp.loss_inside_forward says how and why).
 triton_flce_loss.calls_model_parts = True
 
 
 def lora_compute_dtype(model):
     """bf16/fp16 when ``model`` is a PEFT model whose adapters PEFT keeps in float32 on a
     bf16/fp16 base (its default); None otherwise (no LoRA, a float32 model, QLoRA)."""
-    if not common.is_peft_model(model) or getattr(model, "is_loaded_in_4bit", False):
+    if not models.is_peft_model(model) or getattr(model, "is_loaded_in_4bit", False):
         return None
     base = model.get_input_embeddings().weight.dtype
-    adapters = {p.dtype for p in common.trainable_parameters(model)}
+    adapters = {p.dtype for p in models.trainable_parameters(model)}
     return base if base in (torch.bfloat16, torch.float16) and adapters == {torch.float32} else None
 
 
@@ -159,8 +162,8 @@ def nothing_found(flag, what, model, looks_for):
 # --------------------------------------------------------------------------------
 def apply_kernels(model, kernels):
     """Switch into ``model`` the kernels that ``kernels`` ({name: on/off}, see
-    common.KERNELS) turns on. Returns ``(loss_fn, make_optimizer)`` for
-    common.run_training: the loss ``loss_fn(model, batch)`` and the
+    flags.KERNELS) turns on. Returns ``(loss_fn, make_optimizer)`` for
+    training.run_training: the loss ``loss_fn(model, batch)`` and the
     optimizer factory ``make_optimizer(params, lr)``. Each kernel is one block
     that prints one line; with every kernel off (and no LoRA on a bf16 model) this is
     the plain HF baseline.
@@ -194,7 +197,7 @@ def apply_kernels(model, kernels):
         active.append("swiglu")
 
     # The loss: a different loss function, nothing in the model changes.
-    loss_fn = common.hf_loss
+    loss_fn = training.hf_loss
     if kernels.get("flce"):
         check_flce_head(model)
         loss_fn = triton_flce_loss
@@ -219,7 +222,7 @@ def apply_kernels(model, kernels):
 
     # AdamW: a different optimizer class with the same defaults and signature
     # (one launch per parameter tensor, the update fused into one pass over memory).
-    make_optimizer = common.pytorch_adamw
+    make_optimizer = training.pytorch_adamw
     if kernels.get("adamw"):
         make_optimizer = TritonAdamW
         print("Custom optim:  fused Triton AdamW step (same hyperparameters as torch.optim.AdamW)")
@@ -233,7 +236,7 @@ def apply_kernels(model, kernels):
         print(f"LoRA compute:  adapters kept in float32, their products in {str(dtype).replace('torch.', '')} "
               f"(autocast; no float32 copies of the layer inputs)")
 
-    active = [name for name in common.KERNELS if name in active]  # one order in every report
+    active = [name for name in flags.KERNELS if name in active]  # one order in every report
     print(f"Kernels:       {', '.join(active) if active else 'none (PyTorch / HF)'}")
     return loss_fn, make_optimizer
 
@@ -245,14 +248,14 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description="LLaMA fine-tuning loop with the fused Triton kernels (all on by default)."
     )
-    common.add_model_args(parser, custom_kernels_default=True, packing_default=True)
-    common.add_finetune_args(parser)
+    flags.add_model_args(parser, custom_kernels_default=True, packing_default=True)
+    flags.add_finetune_args(parser)
     return parser.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    return common.run_finetune(args, TITLE, script="finetune_optimized.py", switch_in=apply_kernels)
+    return training.run_finetune(args, TITLE, script="finetune_optimized.py", switch_in=apply_kernels)
 
 
 if __name__ == "__main__":

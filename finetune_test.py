@@ -4,7 +4,8 @@ Tests of the fine-tune scripts and their shared loader (CPU, --tiny, seconds eac
 * the baseline and the optimized script give the same losses, step by step;
 * the optimized run really swapped the RMSNorm and MLP modules and used the fused
   linear cross-entropy, without ever running the LM head (no logits);
-* llama_common imports no kernel: the optimized script switches them in itself;
+* the workload modules (flags, models, fsdp, dataloader, checkpoints, training)
+  import no kernel: the optimized script switches them in itself;
 * --json writes the documented fields, as strict JSON (NaN as null), atomically;
 * outputs are checked before the work; Ctrl-C keeps the completed steps (partial,
   exit 130); GPU and CPU out-of-memory errors end in the same one-line advice;
@@ -31,10 +32,14 @@ import time
 
 import pytest
 import torch
+import transformers
 
+import dataloader
 import finetune_baseline
 import finetune_optimized
-import llama_common as common
+import flags
+import models
+import training
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Synthetic tokens: these tests are about the loop and the kernels (data_test.py tests the data).
@@ -169,14 +174,14 @@ def test_json_fields(runs):
 def test_loss_functions_agree_on_padding():
     """HF's loss and ours agree with ignored labels in the middle and at the end."""
     torch.manual_seed(0)
-    args = common.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--seq-len", "16"]))
-    model, _ = common.load_model(args)
+    args = flags.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--seq-len", "16"]))
+    model, _ = models.load_model(args)
     ids = torch.randint(0, model.config.vocab_size, (2, 16)).to(model.device)
     labels = ids.clone()
-    labels[0, 5:9] = common.IGNORE_INDEX
-    labels[1, -3:] = common.IGNORE_INDEX
-    batch = common.lm_batch(ids, labels)
-    hf = common.hf_loss(model, batch)
+    labels[0, 5:9] = dataloader.IGNORE_INDEX
+    labels[1, -3:] = dataloader.IGNORE_INDEX
+    batch = dataloader.lm_batch(ids, labels)
+    hf = training.hf_loss(model, batch)
     ours = finetune_optimized.triton_ce_loss(model, batch)
     fused = finetune_optimized.triton_flce_loss(model, batch)
     assert abs(hf.item() - ours.item()) < 1e-5 and abs(hf.item() - fused.item()) < 1e-5
@@ -204,16 +209,16 @@ def test_liger_refusals(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         finetune_baseline.parse_args(["--liger", "--use-custom-rmsnorm"])
     assert e.value.code == 2 and "--liger replaces the same operations as --use-custom-rmsnorm" in capsys.readouterr().err
-    monkeypatch.setattr(common, "installed", lambda package: package != "liger_kernel")
+    monkeypatch.setattr(flags, "installed", lambda package: package != "liger_kernel")
     with pytest.raises(SystemExit, match=r"^error: --liger needs the liger-kernel package"):
         finetune_baseline.parse_args(["--liger"])
-    monkeypatch.setattr(common, "installed", lambda package: True)
+    monkeypatch.setattr(flags, "installed", lambda package: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match=r"^error: --liger needs a GPU"):
         finetune_baseline.parse_args(["--liger"])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not common.installed("liger_kernel"),
+@pytest.mark.skipif(not torch.cuda.is_available() or not flags.installed("liger_kernel"),
                     reason="Liger-Kernel runs on a GPU, with liger-kernel installed")
 def test_liger_trains_like_the_baseline(tmp_path):
     """Its own process: Liger patches HF's llama module for every model built after it."""
@@ -246,7 +251,7 @@ def test_out_of_memory(monkeypatch, error, where):
     def oom(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(common, "train_step", oom)
+    monkeypatch.setattr(training, "train_step", oom)
     with pytest.raises(SystemExit) as e:
         finetune_baseline.main(TINY)
     msg = str(e.value.code)
@@ -260,7 +265,7 @@ def test_other_runtime_errors_are_not_called_out_of_memory(monkeypatch):
     def bug(*args, **kwargs):
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
 
-    monkeypatch.setattr(common, "train_step", bug)
+    monkeypatch.setattr(training, "train_step", bug)
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         finetune_baseline.main(TINY)
 
@@ -308,7 +313,7 @@ def test_no_traceback_from_the_command_line():
 # The default model without the hub: bundled config, quickly
 # --------------------------------------------------------------------------------
 def test_bundled_config_is_llama31_8b():
-    config = common.llama31_8b_config()
+    config = models.llama31_8b_config()
     assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (4096, 14336, 32)
     assert (config.num_attention_heads, config.num_key_value_heads, config.vocab_size) == (32, 8, 128256)
     assert config.rope_parameters["rope_type"] == "llama3" and config.rope_parameters["rope_theta"] == 500000.0
@@ -317,15 +322,15 @@ def test_bundled_config_is_llama31_8b():
 
 def test_bundled_config_of_llama31_70b(tmp_path):
     """The 70B architecture (the FSDP step's large model), by hub id or a local folder's name."""
-    config = common.config_for("meta-llama/Llama-3.1-70B")
+    config = models.config_for("meta-llama/Llama-3.1-70B")
     assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (8192, 28672, 80)
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (64, 8, 128)
-    assert config.rope_parameters == common.llama31_8b_config().rope_parameters
+    assert config.rope_parameters == models.llama31_8b_config().rope_parameters
     with torch.device("meta"):
-        n = sum(p.numel() for p in common.AutoModelForCausalLM.from_config(config).parameters())
+        n = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
     assert abs(n / 1e9 - 70.55) < 0.01, n  # Llama-3.1-70B: 70.55 B parameters
-    assert common.bundled_config(str(tmp_path / "Meta-Llama-3.1-70B")) is common.llama31_70b_config
-    assert common.bundled_config("someone/Llama-3.1-70B-Instruct-fork") is None
+    assert models.bundled_config(str(tmp_path / "Meta-Llama-3.1-70B")) is models.llama31_70b_config
+    assert models.bundled_config("someone/Llama-3.1-70B-Instruct-fork") is None
 
 
 def test_default_model_falls_back_to_random_weights(monkeypatch, capsys):
@@ -334,21 +339,21 @@ def test_default_model_falls_back_to_random_weights(monkeypatch, capsys):
     Built on the meta device (no memory) and with downloads blocked, so the test
     never fetches 16 GB even on a machine with hub access.
     """
-    real_build = common.build_random
+    real_build = models.build_random
 
     def no_download(model_id, device, dtype, **kwargs):
         if not kwargs.get("local_files_only"):
             raise OSError("download blocked by the test")
         raise OSError("not in the local cache")
 
-    monkeypatch.setattr(common, "_from_pretrained", no_download)
+    monkeypatch.setattr(models, "_from_pretrained", no_download)
     def build_on_meta(config, device, dtype):
         return real_build(config, torch.device("meta"), dtype)  # shapes only, no memory
 
-    monkeypatch.setattr(common, "build_random", build_on_meta)
+    monkeypatch.setattr(models, "build_random", build_on_meta)
     args = finetune_baseline.parse_args(["--no-tiny", "--seq-len", "16"])
     start = time.time()
-    model, info = common.load_model(args)
+    model, info = models.load_model(args)
     assert time.time() - start < 30
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith("Could not load weights")]
@@ -358,18 +363,18 @@ def test_default_model_falls_back_to_random_weights(monkeypatch, capsys):
 
 
 def test_tiny_is_the_default_without_gpu():
-    args = common.resolve_defaults(finetune_baseline.parse_args([]))
+    args = flags.resolve_defaults(finetune_baseline.parse_args([]))
     on_gpu = torch.cuda.is_available()
     assert args.tiny is (not on_gpu)
     # Without a GPU the default run is short: it ends within a minute on a laptop.
-    assert args.seq_len == (2048 if on_gpu else common.CPU_TINY_SEQ_LEN)
-    assert (args.steps, args.warmup_steps) == ((20, 2) if on_gpu else (common.CPU_STEPS, common.CPU_WARMUP_STEPS))
-    explicit = common.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--steps", "3", "--seq-len", "8"]))
+    assert args.seq_len == (2048 if on_gpu else flags.CPU_TINY_SEQ_LEN)
+    assert (args.steps, args.warmup_steps) == ((20, 2) if on_gpu else (flags.CPU_STEPS, flags.CPU_WARMUP_STEPS))
+    explicit = flags.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--steps", "3", "--seq-len", "8"]))
     assert (explicit.steps, explicit.seq_len) == (3, 8)
 
 
 def test_random_init_from_a_local_config(tmp_path, capsys):
-    common.tiny_config().save_pretrained(tmp_path)
+    models.tiny_config().save_pretrained(tmp_path)
     finetune_baseline.main(["--model", str(tmp_path), "--random-init", "--dataset", "synthetic", "--seq-len", "16",
                             "--steps", "1", "--warmup-steps", "0"])
     assert f"Model:         {tmp_path} [LlamaForCausalLM], random init (--random-init)" in capsys.readouterr().out
@@ -377,14 +382,18 @@ def test_random_init_from_a_local_config(tmp_path, capsys):
 
 def test_hub_check_is_quick():
     start = time.time()
-    problem = common.hub_problem(common.DEFAULT_MODEL)
+    problem = models.hub_problem(flags.DEFAULT_MODEL)
     assert problem is None or isinstance(problem, str)
     assert time.time() - start < 30
 
 
 # --------------------------------------------------------------------------------
-# Layers: llama_common imports no kernel
+# Layers: the workload modules import no kernel
 # --------------------------------------------------------------------------------
+# The shared workload, one concern per file; the scripts compose it.
+WORKLOAD = ("flags", "models", "fsdp", "dataloader", "checkpoints", "training")
+
+
 def imported_modules(path):
     """Every module name an ``import`` or ``from ... import`` statement of ``path`` names."""
     with open(path) as f:
@@ -398,12 +407,20 @@ def imported_modules(path):
     return names
 
 
-def test_llama_common_imports_no_kernel():
-    names = imported_modules(os.path.join(HERE, "llama_common.py"))
+@pytest.mark.parametrize("module", WORKLOAD)
+def test_workload_imports_no_kernel(module):
+    names = imported_modules(os.path.join(HERE, f"{module}.py"))
     kernels = sorted(n for n in names if n.split(".")[0].endswith("_kernel"))
-    assert kernels == [], f"llama_common imports {kernels}; kernels are switched in by finetune_optimized.py"
-    assert "kernel_common" in names  # the interpreter switch is not a kernel
+    assert kernels == [], f"{module} imports {kernels}; kernels are switched in by finetune_optimized.py"
+    if "torch" in names:
+        assert "kernel_common" in names  # the interpreter switch (not a kernel) comes before torch and triton
     assert "finetune_optimized" not in names and "finetune_baseline" not in names  # no arrow points up
+    # Arrows point one way: a module imports only those listed before it.
+    later = set(WORKLOAD[WORKLOAD.index(module):])
+    assert not names & later, f"{module} imports {sorted(names & later)}, which come after it in {WORKLOAD}"
+
+
+def test_baseline_imports_no_kernel():
     # The plain baseline shows the HF loop; it reaches the kernels only through a flag.
     top_level = {n for n in imported_modules(os.path.join(HERE, "finetune_baseline.py"))}
     assert not any(n.endswith("_kernel") for n in top_level)
@@ -417,8 +434,8 @@ def no_training(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("training started before the output path was checked")
 
-    monkeypatch.setattr(common, "load_model", forbidden)
-    monkeypatch.setattr(common, "train_step", forbidden)
+    monkeypatch.setattr(models, "load_model", forbidden)
+    monkeypatch.setattr(training, "train_step", forbidden)
 
 
 @pytest.mark.parametrize("where, message", [
@@ -460,7 +477,7 @@ def strict_loads(text):
 
 
 def test_nan_loss_is_written_as_null(tmp_path, monkeypatch):
-    real_step = common.train_step
+    real_step = training.train_step
     calls = []
 
     def nan_on_step_2(*args, **kwargs):
@@ -468,7 +485,7 @@ def test_nan_loss_is_written_as_null(tmp_path, monkeypatch):
         loss, grad_norm = real_step(*args, **kwargs)
         return (torch.tensor(float("nan")) if len(calls) == 2 else loss), grad_norm
 
-    monkeypatch.setattr(common, "train_step", nan_on_step_2)
+    monkeypatch.setattr(training, "train_step", nan_on_step_2)
     path = tmp_path / "nan.json"
     path.write_text("old")  # replaced whole, never left half-written
     finetune_baseline.main(TINY + ["--json", str(path)])
@@ -481,20 +498,20 @@ def test_nan_loss_is_written_as_null(tmp_path, monkeypatch):
 
 def test_strict_json_helpers(tmp_path):
     doc = {"a": float("nan"), "b": [float("inf"), -float("inf"), 1.5], "c": {"d": (2, float("nan"))}}
-    assert common.strict_json(doc) == {"a": None, "b": [None, None, 1.5], "c": {"d": [2, None]}}
+    assert flags.strict_json(doc) == {"a": None, "b": [None, None, 1.5], "c": {"d": [2, None]}}
     path = tmp_path / "x.json"
-    common.write_json_atomic(str(path), doc)
+    flags.write_json_atomic(str(path), doc)
     assert strict_loads(path.read_text())["b"] == [None, None, 1.5]
     # A document that cannot be written leaves the old file and no temporary file.
     path.write_text('{"old": true}')
     with pytest.raises(TypeError):
-        common.write_json_atomic(str(path), {"bad": object()})
+        flags.write_json_atomic(str(path), {"bad": object()})
     assert json.loads(path.read_text()) == {"old": True}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]
 
 
 def test_ctrl_c_writes_the_completed_steps(tmp_path, monkeypatch, capsys):
-    real_step = common.train_step
+    real_step = training.train_step
     calls = []
 
     def interrupt_on_step_3(*args, **kwargs):
@@ -503,7 +520,7 @@ def test_ctrl_c_writes_the_completed_steps(tmp_path, monkeypatch, capsys):
             raise KeyboardInterrupt
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(common, "train_step", interrupt_on_step_3)
+    monkeypatch.setattr(training, "train_step", interrupt_on_step_3)
     path = tmp_path / "partial.json"
     with pytest.raises(SystemExit) as e:
         finetune_baseline.main(TINY + ["--json", str(path)])
@@ -522,7 +539,7 @@ def test_ctrl_c_before_any_timed_step(monkeypatch, capsys):
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(common, "train_step", interrupt)
+    monkeypatch.setattr(training, "train_step", interrupt)
     with pytest.raises(SystemExit) as e:
         finetune_baseline.main(TINY)
     assert e.value.code == 130
@@ -530,16 +547,16 @@ def test_ctrl_c_before_any_timed_step(monkeypatch, capsys):
 
 
 def test_estimate_printed_for_a_long_run(monkeypatch, capsys):
-    monkeypatch.setattr(common, "LONG_RUN_S", 0.0)  # every run is "long"
+    monkeypatch.setattr(training, "LONG_RUN_S", 0.0)  # every run is "long"
     finetune_baseline.main(TINY)
     out = capsys.readouterr().out
     (line,) = [line for line in out.splitlines() if line.startswith("Estimate:")]
     assert "for the remaining 3 steps" in line
     assert out.index("step    1/4") < out.index("Estimate:") < out.index("step    2/4")
-    monkeypatch.setattr(common, "LONG_RUN_S", 120.0)
-    common.print_estimate(1.0, 10)  # 10 s left: nothing to say
+    monkeypatch.setattr(training, "LONG_RUN_S", 120.0)
+    training.print_estimate(1.0, 10)  # 10 s left: nothing to say
     assert capsys.readouterr().out == ""
-    common.print_estimate(30.0, 20)
+    training.print_estimate(30.0, 20)
     assert "up to 10 min for the remaining 20 steps" in capsys.readouterr().out
 
 
@@ -547,22 +564,22 @@ def test_estimate_printed_for_a_long_run(monkeypatch, capsys):
 # Conflicting flags: what was overridden is printed
 # --------------------------------------------------------------------------------
 def test_tiny_overrides_model(capsys, monkeypatch):
-    monkeypatch.setattr(common, "try_pretrained", lambda *a: pytest.fail("--tiny must not load weights"))
-    args = common.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--model", "some/model"]))
+    monkeypatch.setattr(models, "try_pretrained", lambda *a: pytest.fail("--tiny must not load weights"))
+    args = flags.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--model", "some/model"]))
     assert args.tiny is True
     assert "Note:          --tiny overrides --model some/model" in capsys.readouterr().out
-    common.resolve_defaults(args)  # a second call says nothing new
+    flags.resolve_defaults(args)  # a second call says nothing new
     assert capsys.readouterr().out == ""
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the override happens without a GPU")
 def test_random_init_on_cpu_is_reported(capsys):
-    args = common.resolve_defaults(finetune_baseline.parse_args(["--random-init"]))
+    args = flags.resolve_defaults(finetune_baseline.parse_args(["--random-init"]))
     assert args.tiny is True
     out = capsys.readouterr().out
     assert "no GPU, so --tiny is on and --random-init changes nothing" in out
     assert "--no-tiny --random-init" in out
-    common.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--random-init"]))
+    flags.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--random-init"]))
     assert capsys.readouterr().out == ""  # asked for --tiny: nothing was overridden
 
 
@@ -590,7 +607,7 @@ def test_max_seq_len_needs_a_gpu(capsys):
 def test_max_seq_len_checks_its_output_first(tmp_path, monkeypatch):
     tool = load_tool("max_seq_len")
     monkeypatch.setattr(tool.torch.cuda, "is_available", lambda: True)  # get past the GPU check
-    monkeypatch.setattr(tool.common, "load_model", lambda *a: pytest.fail("built a model before the check"))
+    monkeypatch.setattr(tool.models, "load_model", lambda *a: pytest.fail("built a model before the check"))
     with pytest.raises(SystemExit) as e:
         tool.main(["--json", str(tmp_path / "missing" / "maxseq.json")])
     assert str(e.value.code).startswith("error: --json ") and "does not exist" in str(e.value.code)

@@ -33,7 +33,10 @@ import sys
 import pytest
 import torch
 
-import llama_common as common  # first: the Triton interpreter switch
+import flags  # first: the Triton interpreter switch
+import checkpoints
+import fsdp
+import models
 import finetune_optimized
 from tools import export_hf
 
@@ -51,7 +54,7 @@ def run(script, args, ranks=None, tmp_path=None, name="run"):
     if ranks:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                    os.path.join(HERE, script), "--fsdp", *args, "--json", out]
-    env = {k: v for k, v in os.environ.items() if k not in common.TORCHRUN_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in fsdp.TORCHRUN_ENV}
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(command, cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -87,12 +90,12 @@ def lora(tmp_path_factory):
 def test_two_ranks_match_one_process_every_kernel_and_resume(full, tmp_path):
     sharded, one, tmp = full
     close(sharded["losses"], one["losses"])
-    assert sharded["world_size"] == 2 and sharded["kernels"] == dict.fromkeys(common.KERNELS, True)
+    assert sharded["world_size"] == 2 and sharded["kernels"] == dict.fromkeys(flags.KERNELS, True)
     assert sharded["tokens_per_sec_per_gpu"] == pytest.approx(sharded["tokens_per_sec"] / 2)
     assert sharded["tokens_per_step"] == one["tokens_per_step"] == 32  # the global batch
     ckpt = tmp / "fsdp"
     assert sorted(os.listdir(ckpt / "checkpoint-2")) == ["rng_state_rank0.pt", "rng_state_rank1.pt",
-                                                         "scheduler.pt", "sharded", common.TRAINER_STATE]
+                                                         "scheduler.pt", "sharded", checkpoints.TRAINER_STATE]
 
     args = [*TINY, "--steps", "3", "--batch-size", "1"]
     resumed = run("finetune_optimized.py", [*args, "--resume", str(ckpt / "checkpoint-2"),
@@ -108,7 +111,7 @@ def saved_names(checkpoint):
     """The model tensors in a checkpoint's DCP shards."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    metadata = FileSystemReader(str(checkpoint / common.SHARDED_DIR)).read_metadata()
+    metadata = FileSystemReader(str(checkpoint / checkpoints.SHARDED_DIR)).read_metadata()
     return [k[len("model."):] for k in metadata.state_dict_metadata if k.startswith("model.")]
 
 
@@ -117,7 +120,7 @@ def test_lora_two_ranks_match_one_process_and_resume(lora, tmp_path):
     adapters' shards; the shards of a checkpoint hold the adapters only."""
     sharded, one, tmp = lora
     close(sharded["losses"], one["losses"])
-    assert sharded["kernels"] == dict.fromkeys(common.KERNELS, True)
+    assert sharded["kernels"] == dict.fromkeys(flags.KERNELS, True)
     assert sharded["model"]["trainable_parameters"] == one["model"]["trainable_parameters"] == 18688
     names = saved_names(tmp / "fsdp" / "checkpoint-2")
     assert len(names) == 28 and all(".lora_A." in n or ".lora_B." in n for n in names), names  # 2 x 7 x (A, B)
@@ -133,7 +136,7 @@ def test_two_ranks_compiled_match_one_process(full, tmp_path):
     gathering around it; the losses of the eager single process."""
     doc = run("finetune_optimized.py", [*TINY, "--steps", "3", "--batch-size", "1", "--compile"], 2, tmp_path)
     close(doc["losses"], full[1]["losses"])
-    assert doc["config"]["compile"] and doc["kernels"] == dict.fromkeys(common.KERNELS, True)
+    assert doc["config"]["compile"] and doc["kernels"] == dict.fromkeys(flags.KERNELS, True)
 
 
 def test_two_ranks_lora_checkpointing_compiled_match_one_process(tmp_path):
@@ -161,7 +164,7 @@ def check_against_the_shards(exported, checkpoint, tmp_path):
     save_pretrained writes them (PEFT drops the adapter name "default")."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    dcp_to_torch_save(str(checkpoint / common.SHARDED_DIR), str(tmp_path / "reference.pt"))
+    dcp_to_torch_save(str(checkpoint / checkpoints.SHARDED_DIR), str(tmp_path / "reference.pt"))
     reference = torch.load(tmp_path / "reference.pt")["model"]
     reference = {name.replace(".default.", ".").removeprefix("base_model.model."): t for name, t in reference.items()}
     exported = {name.removeprefix("base_model.model."): t for name, t in exported.items()}
@@ -212,7 +215,7 @@ def test_export_lora_gives_the_adapters_of_the_run(lora, tmp_path):
     if ACROSS_RUNS:
         same_tensors(exported, load_file(str(tmp / "one" / "checkpoint-3" / "adapter_model.safetensors")))
     torch.manual_seed(0)  # the tiny base, as load_model builds it
-    base = common.build_random(common.tiny_config(), torch.device("cpu"), torch.float32)
+    base = models.build_random(models.tiny_config(), torch.device("cpu"), torch.float32)
     model = PeftModel.from_pretrained(base, out)
     loaded = {name.replace(".default.", "."): p.detach() for name, p in model.named_parameters() if ".lora_" in name}
     same_tensors(loaded, exported)  # in the model, PEFT names each adapter ("default")
@@ -240,7 +243,7 @@ def one_process_group(tmp_path):
     """A process group of this process alone (gloo): fully_shard and DTensors as under
     torchrun, in the test's own process."""
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield common.World(0, 1, 0, torch.device("cpu"))
+    yield fsdp.World(0, 1, 0, torch.device("cpu"))
     torch.distributed.destroy_process_group()
 
 
@@ -251,13 +254,13 @@ def test_meta_device_lora_starts_as_the_base_model(one_process_group):
     from torch.distributed.tensor import DTensor
 
     args = argparse.Namespace(tiny=False, lora_r=4, lora_alpha=8.0, lora_dropout=0.0, lora_4bit=False,
-                              lora_targets=list(common.LORA_TARGETS), _world=one_process_group)
+                              lora_targets=list(flags.LORA_TARGETS), _world=one_process_group)
     torch.manual_seed(0)
-    model = common.apply_lora(common.build_random(common.tiny_config(), torch.device("meta"), torch.float32), args)
-    common.shard_model(model, args)
+    model = models.apply_lora(models.build_random(models.tiny_config(), torch.device("meta"), torch.float32), args)
+    fsdp.shard_model(model, args)
     assert all(isinstance(p, DTensor) and not p.is_meta for p in model.parameters())
     adapters = {name: p for name, p in model.named_parameters() if ".lora_" in name}
-    assert {id(p) for p in common.trainable_parameters(model)} == {id(p) for p in adapters.values()}
+    assert {id(p) for p in models.trainable_parameters(model)} == {id(p) for p in adapters.values()}
     for name, p in adapters.items():
         full = p.full_tensor()
         if ".lora_B." in name:
@@ -278,14 +281,14 @@ def test_two_ranks_match_one_process_baseline_packed_data(tmp_path):
     sharded = run("finetune_baseline.py", [*args, "--batch-size", "1"], 2, tmp_path, "fsdp")
     one = run("finetune_baseline.py", [*args, "--batch-size", "2"], None, tmp_path, "one")
     close(sharded["losses"], one["losses"])
-    assert sharded["kernels"] == dict.fromkeys(common.KERNELS, False)
+    assert sharded["kernels"] == dict.fromkeys(flags.KERNELS, False)
 
 
 @pytest.mark.parametrize("lora", [[], ["--lora"]], ids=["full", "lora"])
 def test_meta_device_build_is_materialized_shard_by_shard(tmp_path, lora):
     """A model that is not --tiny is built on the meta device under --fsdp: a small
     config given as a local --model stands in for LLaMA-3.1-8B."""
-    common.tiny_config().save_pretrained(tmp_path / "model")
+    models.tiny_config().save_pretrained(tmp_path / "model")
     doc = run("finetune_baseline.py", ["--no-tiny", "--random-init", "--model", str(tmp_path / "model"),
                                        "--dataset", "synthetic", "--warmup-steps", "0", "--steps", "2",
                                        "--seq-len", "16", "--batch-size", "1", "--lr", "1e-3", *lora], 2, tmp_path)
@@ -303,7 +306,7 @@ def test_profile_under_torchrun(tmp_path):
                os.path.join(HERE, "profile_baseline.py"), "--fsdp", "--tiny", "--dataset", "synthetic",
                "--seq-len", "16", "--batch-size", "1",
                "--use-custom-rmsnorm", "--use-custom-flce", "--trace-dir", str(tmp_path)]
-    env = {k: v for k, v in os.environ.items() if k not in common.TORCHRUN_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in fsdp.TORCHRUN_ENV}
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(command, cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -315,7 +318,7 @@ def test_profile_under_torchrun(tmp_path):
 
 
 def test_fsdp_without_torchrun_is_one_line(monkeypatch, capsys):
-    for name in common.TORCHRUN_ENV:
+    for name in fsdp.TORCHRUN_ENV:
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(SystemExit, match="--fsdp runs under torchrun") as e:
         finetune_optimized.main(["--fsdp", *TINY, "--steps", "1"])
@@ -332,13 +335,13 @@ def test_torchrun_without_fsdp_is_one_line(monkeypatch):
 
 def test_fsdp_with_lora_4bit_is_one_line(monkeypatch):
     """QLoRA's packed 4-bit weights are not sharded (--lora is)."""
-    for name, value in zip(common.TORCHRUN_ENV, ("0", "2", "0")):
+    for name, value in zip(fsdp.TORCHRUN_ENV, ("0", "2", "0")):
         monkeypatch.setenv(name, value)
     args = argparse.Namespace(fsdp=True, lora=True, lora_4bit=True, compile=True)
     with pytest.raises(SystemExit, match="--fsdp with --lora-4bit is not supported"):
-        common.check_fsdp_flags(args)
+        fsdp.check_fsdp_flags(args)
     args.lora_4bit = False
-    common.check_fsdp_flags(args)  # --lora and --compile are
+    fsdp.check_fsdp_flags(args)  # --lora and --compile are
 
 if __name__ == "__main__":
     pytest.main([__file__, "-q"])

@@ -58,7 +58,11 @@ import shutil
 import tempfile
 from collections import defaultdict
 
-import llama_common as common  # first: it switches on the Triton interpreter before triton loads
+import flags  # first: flags switches on the Triton interpreter before triton loads
+import dataloader
+import fsdp
+import models
+import training
 
 import torch
 from torch.autograd import DeviceType
@@ -92,7 +96,7 @@ CATEGORIES = [
 ]
 CATEGORY_NAMES = [name for name, _ in CATEGORIES] + ["other"]
 GENERIC = ("memory copies", "other elementwise", "other")  # categories a context may refine
-PHASES = ("forward", "backward", "optimizer")  # the record_function ranges of llama_common.train_step
+PHASES = ("forward", "backward", "optimizer")  # the record_function ranges of training.train_step
 LABEL = "category: "  # prefix of the ranges label_model puts around modules
 NODE = "autograd::engine::evaluate_function: "  # prefix of a backward node's range
 BASELINE = "baseline"
@@ -103,19 +107,19 @@ BASELINE = "baseline"
 # --------------------------------------------------------------------------------
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Profile LLaMA training steps; summarize by category.")
-    common.add_model_args(parser, custom_kernels_default=False)
+    flags.add_model_args(parser, custom_kernels_default=False)
     g = parser.add_argument_group("profiling")
-    g.add_argument("--steps", type=common.positive_int, default=1, help="profiled steps, after 1 warm-up (default: 1)")
+    g.add_argument("--steps", type=flags.positive_int, default=1, help="profiled steps, after 1 warm-up (default: 1)")
     g.add_argument("--trace-dir", default="traces", help="where <name>/ is written (default: traces)")
-    g.add_argument("--top", type=common.positive_int, default=20, help="rows of the operator table (default: 20)")
-    common.add_fsdp_arg(g)
+    g.add_argument("--top", type=flags.positive_int, default=20, help="rows of the operator table (default: 20)")
+    flags.add_fsdp_arg(g)
     return parser.parse_args(argv)
 
 
 def profile_name(args):
     """traces/<name>: 'baseline', or 'custom-' plus the kernels in use; '-compiled' with
     --compile, '-pageable' with --no-pin-memory, '-fsdp' with --fsdp."""
-    kernels = [k for k, on in common.kernels_from_args(args).items() if on]
+    kernels = [k for k, on in flags.kernels_from_args(args).items() if on]
     name = "custom-" + "-".join(kernels) if kernels else BASELINE
     if getattr(args, "compile", False):
         name += "-compiled"
@@ -425,7 +429,7 @@ def swap_in(new_dir, out_dir):
 
 def profile_steps(args, model, loss_fn, optimizer, batches, work_dir, name):
     """One warm-up step, then ``args.steps`` profiled steps; the traces go into ``work_dir``.
-    ``batches``: llama_common.training_batches (each item is one step's micro-batches),
+    ``batches``: dataloader.training_batches (each item is one step's micro-batches),
     the fine-tune scripts' data path.
 
     Returns the profiler (its events) after the traces are written.
@@ -433,8 +437,8 @@ def profile_steps(args, model, loss_fn, optimizer, batches, work_dir, name):
     on_gpu = torch.cuda.is_available()
     if work_dir is None:  # --fsdp, ranks other than 0: train in step with rank 0, nothing recorded
         for _ in range(1 + args.steps):
-            common.train_step(model, optimizer, loss_fn, next(batches))
-        common.sync()
+            training.train_step(model, optimizer, loss_fn, next(batches))
+        training.sync()
         return None
     tb_dir = os.path.join(work_dir, "tensorboard")
     tb_handler = tensorboard_trace_handler(tb_dir, worker_name=name)
@@ -447,18 +451,18 @@ def profile_steps(args, model, loss_fn, optimizer, batches, work_dir, name):
         shutil.copyfile(newest, os.path.join(work_dir, "trace.json"))
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with common.exit_on_oom(args, "profiling", model):
+    with training.exit_on_oom(args, "profiling", model):
         # Warm-up: the first step pays for cuBLAS/Triton compilation and for the
         # optimizer's state allocation; profiling it would blame the wrong ops.
-        common.train_step(model, optimizer, loss_fn, next(batches))
-        common.sync()
+        training.train_step(model, optimizer, loss_fn, next(batches))
+        training.sync()
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()
         profiler = profile(activities=activities, record_shapes=True, profile_memory=True, on_trace_ready=save_traces)
         with profiler as prof:
             for _ in range(args.steps):
-                common.train_step(model, optimizer, loss_fn, next(batches))
-                common.sync()
+                training.train_step(model, optimizer, loss_fn, next(batches))
+                training.sync()
                 prof.step()
     return prof
 
@@ -478,49 +482,49 @@ def read_baseline(path):
 def main(argv=None):
     args = parse_args(argv)
     # Checked now, in one line, not after the model is built and profiled.
-    args.trace_dir = common.check_output_path(args.trace_dir, "--trace-dir", directory=True)
-    common.check_fsdp_flags(args)
+    args.trace_dir = flags.check_output_path(args.trace_dir, "--trace-dir", directory=True)
+    fsdp.check_fsdp_flags(args)
     # --fsdp: every process trains (the collectives need them all); rank 0 alone
     # profiles its GPU, prints and writes (init_distributed silences the others).
-    world = common.init_distributed(args)
+    world = fsdp.init_distributed(args)
     name = profile_name(args)
     out_dir = os.path.join(args.trace_dir, name)
     on_gpu = torch.cuda.is_available()
     time_kind = "self device time" if on_gpu else "self CPU time"
 
-    env = common.environment_info()
-    common.print_banner(f"Profile: {name}", env)
-    common.resolve_defaults(args)
-    records = common.load_records(args.dataset)  # a bad --dataset fails now, before the model is built
-    model, model_info = common.load_model(args)
-    data = common.prepare_data(args, records, model.config.vocab_size)
+    env = flags.environment_info()
+    flags.print_banner(f"Profile: {name}", env)
+    flags.resolve_defaults(args)
+    records = dataloader.load_records(args.dataset)  # a bad --dataset fails now, before the model is built
+    model, model_info = models.load_model(args)
+    data = dataloader.prepare_data(args, records, model.config.vocab_size)
     print(f"Batch:         {args.batch_size} x {args.seq_len} tokens; 1 warm-up step, {args.steps} profiled")
-    loss_fn, make_optimizer = apply_kernels(model, common.kernels_from_args(args))
+    loss_fn, make_optimizer = apply_kernels(model, flags.kernels_from_args(args))
     label_model(model)
     if world:  # as the fine-tune scripts do it: after the kernels, before compiling
-        common.shard_model(model, args)
-        loss_fn = common.loss_inside_forward(model, loss_fn)
-    common.compile_decoder(model, args)
+        fsdp.shard_model(model, args)
+        loss_fn = fsdp.loss_inside_forward(model, loss_fn)
+    models.compile_decoder(model, args)
     optimizer = make_optimizer(model.parameters(), lr=args.lr)
     device = world.device if world else next(model.parameters()).device
     # The fine-tune scripts' data path: DataLoader workers, pinned memory, non-blocking copies.
-    batches = common.training_batches(args, data, device, model.config.vocab_size)
+    batches = dataloader.training_batches(args, data, device, model.config.vocab_size)
 
     # The new profile is written beside the old one and swapped in when complete
     # (a fresh folder also matters for TensorBoard, which would read an older
     # file in it as part of this profile).
     if world and world.rank != 0:
         profile_steps(args, model, loss_fn, optimizer, batches, None, name)  # the same steps, not profiled
-        common.reduce_over_ranks([common.peak_memory()[0]], op="max")
-        common.close_distributed()
+        fsdp.reduce_over_ranks([training.peak_memory()[0]], op="max")
+        fsdp.close_distributed()
         return None
     os.makedirs(args.trace_dir, exist_ok=True)
     work_dir = tempfile.mkdtemp(dir=args.trace_dir, prefix=f".{name}.new-")
     try:
         prof = profile_steps(args, model, loss_fn, optimizer, batches, work_dir, name)
-        peak_bytes, peak_kind = common.peak_memory()
+        peak_bytes, peak_kind = training.peak_memory()
         if world:  # what each GPU must hold: the largest peak of the processes
-            peak_bytes = int(common.reduce_over_ranks([peak_bytes], op="max")[0])
+            peak_bytes = int(fsdp.reduce_over_ranks([peak_bytes], op="max")[0])
             peak_kind += f", the largest of {world.size} processes"
 
         events = prof.events()
@@ -551,17 +555,17 @@ def main(argv=None):
                 "model": model_info["name"],
                 "batch_size": args.batch_size,
                 "seq_len": args.seq_len,
-                "dataset": common.dataset_name(args.dataset),
+                "dataset": dataloader.dataset_name(args.dataset),
                 "packing": args.packing,
                 "pin_memory": args.pin_memory,
                 "world_size": world.size if world else 1,
             },
-            "config": common.public_config(args),
+            "config": flags.public_config(args),
             "environment": env,
             "model": model_info,
             "traces": {"chrome": chrome_path, "tensorboard": tb_dir},
         }
-        common.write_json_atomic(os.path.join(work_dir, "summary.json"), summary)
+        flags.write_json_atomic(os.path.join(work_dir, "summary.json"), summary)
         swap_in(work_dir, out_dir)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)  # gone already when swapped in
@@ -577,7 +581,7 @@ def main(argv=None):
     print(f"\nChrome/Perfetto trace: {chrome_path}  (open in https://ui.perfetto.dev)")
     print(f"TensorBoard trace:     {tb_dir}/")
     print(f"Summary:               {summary_path}")
-    common.close_distributed()
+    fsdp.close_distributed()
     return summary
 
 

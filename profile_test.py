@@ -39,10 +39,10 @@ def profiles(tmp_path_factory):
     """The plain baseline, then both custom kernels, into one trace directory."""
     trace_dir = tmp_path_factory.mktemp("traces")
     outputs = {}
-    for name, flags in (("baseline", []), ("custom-rmsnorm-ce", ["--use-custom-rmsnorm", "--use-custom-ce"])):
+    for name, argv in (("baseline", []), ("custom-rmsnorm-ce", ["--use-custom-rmsnorm", "--use-custom-ce"])):
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
-            summary = pb.main(TINY + flags + ["--trace-dir", str(trace_dir)])
+            summary = pb.main(TINY + argv + ["--trace-dir", str(trace_dir)])
         outputs[name] = (summary, buf.getvalue())
     return trace_dir, outputs
 
@@ -115,7 +115,7 @@ def test_out_of_memory(monkeypatch, tmp_path):
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.91 GiB")
 
-    monkeypatch.setattr(pb.common, "train_step", oom)
+    monkeypatch.setattr(pb.training, "train_step", oom)
     with pytest.raises(SystemExit) as e:
         pb.main(TINY + ["--trace-dir", str(tmp_path)])
     assert "out of GPU memory while profiling the tiny LLaMA with batch 2 x seq 32" in str(e.value.code)
@@ -126,7 +126,7 @@ def test_out_of_memory(monkeypatch, tmp_path):
 # Outputs: checked first; a new profile replaces the old one only when complete
 # --------------------------------------------------------------------------------
 def test_bad_trace_dir_fails_before_profiling(tmp_path, monkeypatch):
-    monkeypatch.setattr(pb.common, "load_model", lambda *a: pytest.fail("built a model before the check"))
+    monkeypatch.setattr(pb.models, "load_model", lambda *a: pytest.fail("built a model before the check"))
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("")
     with pytest.raises(SystemExit) as e:
@@ -136,16 +136,16 @@ def test_bad_trace_dir_fails_before_profiling(tmp_path, monkeypatch):
 
 
 def test_rerun_keeps_the_old_profile_until_the_new_one_is_complete(tmp_path, monkeypatch):
-    flags = ["--tiny", "--dataset", "synthetic", "--batch-size", "1", "--seq-len", "16", "--trace-dir", str(tmp_path)]
+    argv = ["--tiny", "--dataset", "synthetic", "--batch-size", "1", "--seq-len", "16", "--trace-dir", str(tmp_path)]
     with contextlib.redirect_stdout(io.StringIO()):
-        pb.main(flags)
+        pb.main(argv)
     out_dir = tmp_path / "baseline"
     old = {name: (out_dir / name).read_bytes() for name in ("trace.json", "summary.json")}
     json.loads(old["summary.json"], parse_constant=lambda c: pytest.fail(f"bare {c}"))  # strict JSON
 
     # A second run fails inside the profiled step, out of CPU memory: while it
     # runs and after it failed, the first profile is there, whole.
-    real_step = pb.common.train_step
+    real_step = pb.training.train_step
     calls = []
 
     def fail_in_profiled_step(*args, **kwargs):
@@ -155,25 +155,25 @@ def test_rerun_keeps_the_old_profile_until_the_new_one_is_complete(tmp_path, mon
             raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8589934592 bytes")
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(pb.common, "train_step", fail_in_profiled_step)
+    monkeypatch.setattr(pb.training, "train_step", fail_in_profiled_step)
     with pytest.raises(SystemExit) as e, contextlib.redirect_stdout(io.StringIO()):
-        pb.main(flags)
+        pb.main(argv)
     assert "out of CPU memory while profiling the tiny LLaMA with batch 1 x seq 16" in str(e.value.code)
     assert {name: (out_dir / name).read_bytes() for name in old} == old
     assert sorted(os.listdir(tmp_path)) == ["baseline"]  # no half-written profile beside it
 
     # A third run completes: it replaces the first profile, whole.
-    monkeypatch.setattr(pb.common, "train_step", real_step)
+    monkeypatch.setattr(pb.training, "train_step", real_step)
     with contextlib.redirect_stdout(io.StringIO()):
-        pb.main(flags)
+        pb.main(argv)
     assert sorted(os.listdir(tmp_path)) == ["baseline"]
     assert (out_dir / "trace.json").read_bytes() != old["trace.json"]
     assert len(os.listdir(out_dir / "tensorboard")) == 1
 
 
 def test_profile_names():
-    def name(*flags):
-        return pb.profile_name(pb.parse_args(list(flags)))
+    def name(*argv):
+        return pb.profile_name(pb.parse_args(list(argv)))
 
     assert name() == "baseline"
     assert name("--use-custom-rmsnorm") == "custom-rmsnorm"
@@ -321,9 +321,9 @@ def test_pin_memory_flag_reaches_the_data_loader():
     args = pb.parse_args(["--no-pin-memory"])
     assert args.pin_memory is False and pb.parse_args([]).pin_memory is True
     args.num_workers = 0
-    assert pb.common.loader([], range(0), args).pin_memory is False
+    assert pb.dataloader.loader([], range(0), args).pin_memory is False
     args.pin_memory = True
-    assert pb.common.loader([], range(0), args).pin_memory is torch.cuda.is_available()
+    assert pb.dataloader.loader([], range(0), args).pin_memory is torch.cuda.is_available()
 
 
 if __name__ == "__main__":

@@ -347,7 +347,7 @@ def test_fuse_rope_with_gradient_checkpointing(monkeypatch):
     # Checkpointing reruns each attention layer during backward; the fused RoPE
     # must run there too (else PyTorch's CheckpointError: different saved tensors).
     import rope_kernel
-    from llama_common import enable_checkpointing
+    from models import enable_checkpointing
     from transformers.models.llama import modeling_llama
 
     original = modeling_llama.apply_rotary_pos_emb

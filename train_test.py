@@ -29,11 +29,14 @@ import torch
 
 from conftest import DEVICE  # first: the Triton interpreter switch
 
+import dataloader
 import finetune_baseline
 import finetune_optimized
+import flags
 import linear_cross_entropy_kernel
-import llama_common as common
+import models
 import rmsnorm_kernel
+import training
 from linear_cross_entropy_kernel import fused_linear_cross_entropy
 from rmsnorm_kernel import rmsnorm
 
@@ -56,7 +59,7 @@ def watch(monkeypatch):
     """Spies: the model and optimizer a run trains, and which parameters had a
     gradient at each optimizer update (before zero_grad)."""
     seen = {"grads": []}
-    real_run, real_update = common.run_training, common.optimizer_update
+    real_run, real_update = training.run_training, training.optimizer_update
 
     def run(args, model, loss_fn, optimizer, *rest):
         seen.update(model=model, optimizer=optimizer, loss_fn=loss_fn)
@@ -66,8 +69,8 @@ def watch(monkeypatch):
         seen["grads"].append({n: p.grad is not None for n, p in seen["model"].named_parameters()})
         return real_update(optimizer, *rest)
 
-    monkeypatch.setattr(common, "run_training", run)
-    monkeypatch.setattr(common, "optimizer_update", update)
+    monkeypatch.setattr(training, "run_training", run)
+    monkeypatch.setattr(training, "optimizer_update", update)
     return seen
 
 
@@ -141,8 +144,8 @@ def bf16_lora_model(args_list=("--lora",)):
     """The tiny LLaMA in bf16 with PEFT's adapters (float32, PEFT's default)."""
     args = finetune_optimized.parse_args([*SMALL, *args_list])
     torch.manual_seed(0)
-    model = common.build_random(common.tiny_config(), torch.device(DEVICE), torch.bfloat16)
-    return common.apply_lora(model, args)
+    model = models.build_random(models.tiny_config(), torch.device(DEVICE), torch.bfloat16)
+    return models.apply_lora(model, args)
 
 
 def test_lora_adapters_compute_in_the_model_dtype():
@@ -150,7 +153,7 @@ def test_lora_adapters_compute_in_the_model_dtype():
     their products in bf16: no float32 activation is saved for backward (PEFT's
     own path saves a float32 copy of every adapted layer's input), the loss and the
     adapters' gradients are PEFT's to bf16 rounding, and the gradients stay float32."""
-    batch = common.lm_batch(torch.randint(0, 8192, (2, 32), generator=torch.Generator().manual_seed(1)).to(DEVICE))
+    batch = dataloader.lm_batch(torch.randint(0, 8192, (2, 32), generator=torch.Generator().manual_seed(1)).to(DEVICE))
 
     def run(model, loss_fn):
         saved = []
@@ -167,9 +170,9 @@ def test_lora_adapters_compute_in_the_model_dtype():
 
     peft_model = bf16_lora_model()
     assert finetune_optimized.lora_compute_dtype(peft_model) == torch.bfloat16
-    ref_loss, ref_grads, ref_saved = run(peft_model, common.hf_loss)
+    ref_loss, ref_grads, ref_saved = run(peft_model, training.hf_loss)
     model = bf16_lora_model()
-    ours = finetune_optimized.adapters_compute_in(torch.bfloat16, model, common.hf_loss)
+    ours = finetune_optimized.adapters_compute_in(torch.bfloat16, model, training.hf_loss)
     loss, grads, saved = run(model, ours)
 
     # Activations saved in float32. PEFT's path: for each of the 7 adapted layers of
@@ -195,7 +198,7 @@ def test_lora_adapters_compute_in_the_model_dtype():
 def test_lora_compute_dtype_only_for_low_precision_models(lora_run):
     assert finetune_optimized.lora_compute_dtype(lora_run["seen"]["model"]) is None  # float32 tiny: nothing to do
     torch.manual_seed(0)
-    plain = common.build_random(common.tiny_config(), torch.device(DEVICE), torch.bfloat16)
+    plain = models.build_random(models.tiny_config(), torch.device(DEVICE), torch.bfloat16)
     assert finetune_optimized.lora_compute_dtype(plain) is None  # no LoRA
 
 
@@ -207,7 +210,7 @@ def test_lora_resume_is_exact(lora_run, tmp_path):
     assert resumed["start_step"] == 4 and [s["step"] for s in resumed["steps"]] == [5, 6, 7, 8]
     close(resumed["losses"], lora_run["results"]["losses"][4:])  # dropout 0.1: the random state was restored
     assert resumed["eval"] == lora_run["results"]["eval"][1:]
-    with open(tmp_path / common.LOSS_CURVE, "rb") as f:
+    with open(tmp_path / flags.LOSS_CURVE, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
@@ -215,10 +218,10 @@ def test_lora_resume_is_exact(lora_run, tmp_path):
 # Resume: HF path (also after Ctrl-C) and every kernel with full fine-tuning
 # --------------------------------------------------------------------------------
 def test_resume_after_ctrl_c_is_exact(tmp_path, monkeypatch, capsys):
-    flags = SMALL + steps(8)
-    whole = finetune_baseline.main(flags)
+    argv = SMALL + steps(8)
+    whole = finetune_baseline.main(argv)
 
-    real_step = common.train_step
+    real_step = training.train_step
     calls = []
 
     def interrupt_on_step_5(*args, **kwargs):
@@ -227,35 +230,35 @@ def test_resume_after_ctrl_c_is_exact(tmp_path, monkeypatch, capsys):
             raise KeyboardInterrupt
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(common, "train_step", interrupt_on_step_5)
+    monkeypatch.setattr(training, "train_step", interrupt_on_step_5)
     with pytest.raises(SystemExit) as e:
-        finetune_baseline.main(flags + ["--output-dir", str(tmp_path)])
+        finetune_baseline.main(argv + ["--output-dir", str(tmp_path)])
     assert e.value.code == 130
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-4", common.LOSS_CURVE]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-4", flags.LOSS_CURVE]
     assert f"Saved         {tmp_path / 'checkpoint-4'}" in capsys.readouterr().out
-    monkeypatch.setattr(common, "train_step", real_step)
+    monkeypatch.setattr(training, "train_step", real_step)
 
-    resumed = finetune_baseline.main(flags + ["--resume", str(tmp_path / "checkpoint-4")])
+    resumed = finetune_baseline.main(argv + ["--resume", str(tmp_path / "checkpoint-4")])
     close(resumed["losses"], whole["losses"][4:])
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-4", "checkpoint-8", common.LOSS_CURVE]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-4", "checkpoint-8", flags.LOSS_CURVE]
     assert {"model.safetensors", "config.json"} <= set(os.listdir(tmp_path / "checkpoint-8"))
 
 
 def test_resume_with_every_kernel_is_exact(tmp_path):
     # Full fine-tuning, every kernel (TritonAdamW's state included); 4 steps, as
     # the interpreter takes seconds per step.
-    flags = SMALL + steps(4)
-    whole = finetune_optimized.main(flags + ["--output-dir", str(tmp_path / "a"), "--save-every", "2"])
-    resumed = finetune_optimized.main(flags + ["--resume", str(tmp_path / "a" / "checkpoint-2"),
+    argv = SMALL + steps(4)
+    whole = finetune_optimized.main(argv + ["--output-dir", str(tmp_path / "a"), "--save-every", "2"])
+    resumed = finetune_optimized.main(argv + ["--resume", str(tmp_path / "a" / "checkpoint-2"),
                                                "--output-dir", str(tmp_path / "b")])
     close(resumed["losses"], whole["losses"][2:])
 
 
 def test_resume_with_grad_accum_is_exact(tmp_path):
-    flags = SMALL + steps(6) + ["--grad-accum", "2"]
-    whole = finetune_baseline.main(flags + ["--output-dir", str(tmp_path), "--save-every", "3"])
+    argv = SMALL + steps(6) + ["--grad-accum", "2"]
+    whole = finetune_baseline.main(argv + ["--output-dir", str(tmp_path), "--save-every", "3"])
     assert whole["tokens_per_step"] == 2 * 16  # both micro-batches count
-    resumed = finetune_baseline.main(flags + ["--resume", str(tmp_path / "checkpoint-3"),
+    resumed = finetune_baseline.main(argv + ["--resume", str(tmp_path / "checkpoint-3"),
                                               "--output-dir", str(tmp_path / "b")])
     close(resumed["losses"], whole["losses"][3:])
 
@@ -264,17 +267,17 @@ def test_resume_with_real_data_is_exact(tmp_path):
     # The bundled records, packed, 2 micro-batches per step, held-out evaluation:
     # the batches of step K+1 on are built from (seed, step) alone, so the resumed
     # run trains and evaluates on exactly what the uninterrupted one did.
-    flags = ["--tiny", "--batch-size", "1", "--seq-len", "128", "--warmup-steps", "0", "--packing",
+    argv = ["--tiny", "--batch-size", "1", "--seq-len", "128", "--warmup-steps", "0", "--packing",
              "--grad-accum", "2", "--eval-every", "3", "--eval-batches", "2"] + steps(6)
-    whole = finetune_baseline.main(flags + ["--output-dir", str(tmp_path / "a"), "--save-every", "3"])
+    whole = finetune_baseline.main(argv + ["--output-dir", str(tmp_path / "a"), "--save-every", "3"])
     assert whole["padding_fraction"] < 0.1 and whole["tokens_per_step"] == 2 * 128
-    resumed = finetune_baseline.main(flags + ["--resume", str(tmp_path / "a" / "checkpoint-3"),
+    resumed = finetune_baseline.main(argv + ["--resume", str(tmp_path / "a" / "checkpoint-3"),
                                               "--output-dir", str(tmp_path / "b")])
     close(resumed["losses"], whole["losses"][3:])
     assert len(whole["eval"]) == 2 and resumed["eval"] == whole["eval"][1:]
     # Other data is another run: refused.
     with pytest.raises(SystemExit) as e:
-        finetune_baseline.main(flags + ["--no-packing", "--resume", str(tmp_path / "a" / "checkpoint-3"),
+        finetune_baseline.main(argv + ["--no-packing", "--resume", str(tmp_path / "a" / "checkpoint-3"),
                                         "--output-dir", str(tmp_path / "c")])
     assert "--packing True there, False here" in str(e.value.code)
 
@@ -286,10 +289,10 @@ def test_resume_with_real_data_is_exact(tmp_path):
 def tiny_model():
     # The tiny LLaMA with a 512-token vocabulary: the interpreter scales the fused
     # loss's [V, H] weight gradient row by row, and 8,192 rows take seconds.
-    config = common.tiny_config()
+    config = models.tiny_config()
     config.vocab_size = 512
     torch.manual_seed(0)
-    return common.build_random(config, DEVICE, torch.float32)
+    return models.build_random(config, DEVICE, torch.float32)
 
 
 def gradients(model):
@@ -312,28 +315,28 @@ def toy_batch(kind, vocab_size):
         examples = []
         for length in (5, 7, 4, 9, 6):
             ids = torch.randint(3, vocab_size, (length,), generator=gen).tolist()
-            examples.append((ids, [common.IGNORE_INDEX] * 2 + ids[2:]))  # a 2-token prompt
-        batch = common.StepBatches(examples, 2, 16, packing=True, seed=0, pad_id=0).collate([[0, 1, 2], [3, 4]])
-        return common.batch_to(batch, DEVICE)
+            examples.append((ids, [dataloader.IGNORE_INDEX] * 2 + ids[2:]))  # a 2-token prompt
+        batch = dataloader.StepBatches(examples, 2, 16, packing=True, seed=0, pad_id=0).collate([[0, 1, 2], [3, 4]])
+        return dataloader.batch_to(batch, DEVICE)
     ids = torch.randint(0, vocab_size, (2, 16), generator=gen)
     labels = ids.clone()
     if kind == "padded":  # the rows have different numbers of targets: 5 and 15
-        labels[0, 6:] = common.IGNORE_INDEX
-    return common.batch_to(common.lm_batch(ids, labels), DEVICE)
+        labels[0, 6:] = dataloader.IGNORE_INDEX
+    return dataloader.batch_to(dataloader.lm_batch(ids, labels), DEVICE)
 
 
-@pytest.mark.parametrize("loss_fn", [common.hf_loss, finetune_optimized.triton_flce_loss], ids=["hf", "flce"])
+@pytest.mark.parametrize("loss_fn", [training.hf_loss, finetune_optimized.triton_flce_loss], ids=["hf", "flce"])
 @pytest.mark.parametrize("kind", ["full", "padded", "packed"])
 def test_grad_accum_equals_one_big_batch(tiny_model, loss_fn, kind):
     model = tiny_model
     batch = toy_batch(kind, model.config.vocab_size)
     if kind == "packed":  # the rows hold 10 and 11 targets: the weights are not 1/2 each
-        assert [common.target_count(rows(batch, r, r + 1)).item() for r in (0, 1)] == [10, 11]
+        assert [training.target_count(rows(batch, r, r + 1)).item() for r in (0, 1)] == [10, 11]
     model.zero_grad(set_to_none=True)
-    big = common.accumulate_gradients(model, loss_fn, [batch])
+    big = training.accumulate_gradients(model, loss_fn, [batch])
     g_big = gradients(model)
     model.zero_grad(set_to_none=True)
-    small = common.accumulate_gradients(model, loss_fn, [rows(batch, 0, 1), rows(batch, 1, 2)])
+    small = training.accumulate_gradients(model, loss_fn, [rows(batch, 0, 1), rows(batch, 1, 2)])
     g_small = gradients(model)
     model.zero_grad(set_to_none=True)
     assert abs(big.item() - small.item()) <= 1e-6 * abs(big.item())
@@ -344,11 +347,11 @@ def test_grad_accum_equals_one_big_batch(tiny_model, loss_fn, kind):
 
 def test_schedule_shape():
     total, warmup = 20, 4
-    f = [common.lr_factor(s, warmup, total) for s in range(total)]
+    f = [training.lr_factor(s, warmup, total) for s in range(total)]
     assert f[:4] == [0.25, 0.5, 0.75, 1.0]  # linear warm-up, no step at lr 0
     assert all(a > b for a, b in zip(f[4:], f[5:]))  # then strictly falling
     assert abs(f[4 + 8] - 0.5) < 1e-12 and 0 < f[-1] < 0.05  # half-way at 0.5, small but not 0 at the end
-    assert common.lr_factor(0, 0, 10) == 1.0
+    assert training.lr_factor(0, 0, 10) == 1.0
 
 
 @pytest.mark.parametrize("optimizer", ["torch", "triton"])
@@ -358,55 +361,55 @@ def test_scheduler_drives_both_optimizers(optimizer):
     args = finetune_baseline.parse_args(["--steps", "10", "--warmup-steps", "0", "--lr-warmup-steps", "2"])
     p = torch.nn.Parameter(torch.ones(3, device=DEVICE))
     opt = TritonAdamW([p], lr=0.1) if optimizer == "triton" else torch.optim.AdamW([p], lr=0.1)
-    sched = common.make_scheduler(opt, args)
+    sched = training.make_scheduler(opt, args)
     lrs = []
     for _ in range(10):
         lrs.append(opt.param_groups[0]["lr"])
         p.grad = torch.ones(3, device=DEVICE)
-        common.optimizer_update(opt, sched, 0.0)
-    assert lrs == pytest.approx([0.1 * common.lr_factor(s, 2, 10) for s in range(10)])
+        training.optimizer_update(opt, sched, 0.0)
+    assert lrs == pytest.approx([0.1 * training.lr_factor(s, 2, 10) for s in range(10)])
 
 
 def test_clipping():
     p = torch.nn.Parameter(torch.zeros(4))
     opt = torch.optim.SGD([p], lr=1.0)
     p.grad = torch.tensor([6.0, 8.0, 0.0, 0.0])  # norm 10
-    norm = common.optimizer_update(opt, None, 1.0)
+    norm = training.optimizer_update(opt, None, 1.0)
     assert norm.item() == pytest.approx(10.0)
     assert p.detach().norm().item() == pytest.approx(1.0)  # the update used the clipped gradient
     assert p.grad is None
     p.grad = torch.tensor([6.0, 8.0, 0.0, 0.0])
-    assert common.optimizer_update(opt, None, 0.0) is None  # 0: clipping off
+    assert training.optimizer_update(opt, None, 0.0) is None  # 0: clipping off
     assert p.detach().tolist() == pytest.approx([-6.6, -8.8, 0.0, 0.0])
 
 
 def test_evaluate_is_the_token_weighted_mean_and_changes_nothing(tiny_model):
     model = tiny_model
     gen = torch.Generator().manual_seed(2)
-    batches = [common.batch_to(common.lm_batch(ids), DEVICE)
+    batches = [dataloader.batch_to(dataloader.lm_batch(ids), DEVICE)
                for ids in torch.randint(0, model.config.vocab_size, (3, 1, 16), generator=gen)]
-    losses = [common.hf_loss(model, batch).item() for batch in batches]
+    losses = [training.hf_loss(model, batch).item() for batch in batches]
     model.train()
-    assert common.evaluate(model, common.hf_loss, batches) == pytest.approx(sum(losses) / 3, rel=1e-6)
+    assert training.evaluate(model, training.hf_loss, batches) == pytest.approx(sum(losses) / 3, rel=1e-6)
     assert model.training and all(p.grad is None for p in model.parameters())
 
 
 def test_ctrl_c_during_the_update_is_held():
-    with common.hold_interrupts():
+    with training.hold_interrupts():
         os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt inside the block
     with pytest.raises(KeyboardInterrupt):
-        common.interrupt_if_held()
-    common.interrupt_if_held()  # delivered once
+        training.interrupt_if_held()
+    training.interrupt_if_held()  # delivered once
 
 
 def test_progress_bar_only_on_a_terminal(monkeypatch):
     args = finetune_baseline.parse_args([])
     monkeypatch.setattr("sys.stdout.isatty", lambda: True, raising=False)
-    bar = common.progress_bar(args, 10, 0)
+    bar = training.progress_bar(args, 10, 0)
     assert type(bar).__name__ == "tqdm"
     bar.close()
     args = finetune_baseline.parse_args(["--log-every", "5"])  # asked for lines
-    assert common.progress_bar(args, 10, 0) is None
+    assert training.progress_bar(args, 10, 0) is None
 
 
 # --------------------------------------------------------------------------------
@@ -458,7 +461,7 @@ def no_training(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("training started before the check")
 
-    monkeypatch.setattr(common, "train_step", forbidden)
+    monkeypatch.setattr(training, "train_step", forbidden)
 
 
 def one_line_error(main, argv):
@@ -471,15 +474,15 @@ def one_line_error(main, argv):
 
 def test_lora_without_peft(monkeypatch):
     no_training(monkeypatch)
-    monkeypatch.setattr(common, "load_model", lambda *a: pytest.fail("built a model before the check"))
-    monkeypatch.setattr(common, "installed", lambda package: package != "peft")
+    monkeypatch.setattr(models, "load_model", lambda *a: pytest.fail("built a model before the check"))
+    monkeypatch.setattr(flags, "installed", lambda package: package != "peft")
     msg = one_line_error(finetune_baseline.main, SMALL + ["--lora"])
     assert "--lora needs the peft package: pip install peft" in msg
 
 
 def test_lora_4bit_without_bitsandbytes(monkeypatch):
     no_training(monkeypatch)
-    monkeypatch.setattr(common, "installed", lambda package: package != "bitsandbytes")
+    monkeypatch.setattr(flags, "installed", lambda package: package != "bitsandbytes")
     msg = one_line_error(finetune_optimized.main, SMALL + ["--lora-4bit"])
     assert "--lora-4bit needs bitsandbytes" in msg and "pip install bitsandbytes" in msg
 

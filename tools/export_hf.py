@@ -31,7 +31,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the scripts live one level up
 
-import llama_common as common  # noqa: E402 - first: the Triton interpreter switch, then transformers
+import flags  # noqa: E402 - first: the Triton interpreter switch, then transformers
+import checkpoints  # noqa: E402
+import models  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
@@ -57,7 +59,7 @@ def check_sharded(state):
 
 
 def check_out_dir(path):
-    path = common.check_output_path(path, OUT, directory=True)
+    path = flags.check_output_path(path, OUT, directory=True)
     if os.path.isdir(path) and os.listdir(path):
         raise SystemExit(f"error: {OUT} {path}: exists and is not empty; name a new folder")
     return path
@@ -69,22 +71,22 @@ def rebuild_model(state):
     the run's own --lora-* flags)."""
     config = AutoConfig.for_model(**state["model_config"])  # model_type is one of its keys
     dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, config.dtype or "float32")
-    model = common.build_random(config, torch.device("meta"), dtype)
+    model = models.build_random(config, torch.device("meta"), dtype)
     if state["lora_config"]:
-        model = common.apply_lora(model, argparse.Namespace(**state["flags"]))
+        model = models.apply_lora(model, argparse.Namespace(**state["flags"]))
         # Where PeftModel.from_pretrained will look for the base (the tiny model has none on the hub).
         model.peft_config["default"].base_model_name_or_path = None if state["flags"]["tiny"] else state["model_name"]
-    common.check_same_model(state, model, flag=CHECKPOINT)
+    checkpoints.check_same_model(state, model, flag=CHECKPOINT)
     return model
 
 
 def main(argv=None):
     args = parse_args(argv)
-    state = common.read_checkpoint_state(args.checkpoint, flag=CHECKPOINT)
+    state = checkpoints.read_checkpoint_state(args.checkpoint, flag=CHECKPOINT)
     check_sharded(state)
     out = check_out_dir(args.out_dir)
     model = rebuild_model(state)
-    common.load_sharded_model(state["path"], model, flag=CHECKPOINT)
+    checkpoints.load_sharded_model(state["path"], model, flag=CHECKPOINT)
     if not state["lora_config"]:
         model.tie_weights()  # a tied LM head is one tensor again (the shards hold both names)
     model.save_pretrained(out)

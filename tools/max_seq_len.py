@@ -25,19 +25,22 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the scripts live one level up
 
-import llama_common as common  # noqa: E402 - first: the Triton interpreter switch, then transformers
+import flags  # noqa: E402 - first: the Triton interpreter switch, then transformers
+import dataloader  # noqa: E402
+import models  # noqa: E402
+import training  # noqa: E402
 import torch  # noqa: E402
 from finetune_optimized import apply_kernels  # noqa: E402
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Longest trainable sequence at batch 1 (GPU only).")
-    common.add_model_args(parser)
+    flags.add_model_args(parser)
     g = parser.add_argument_group("search")
     g.add_argument("--all-kernels", action="store_true", help="switch every --use-custom-* kernel on")
-    g.add_argument("--step", type=common.positive_int, default=4096,
+    g.add_argument("--step", type=flags.positive_int, default=4096,
                    help="grow the length by this many tokens until the first OOM (default: %(default)s)")
-    g.add_argument("--resolution", type=common.positive_int, default=512,
+    g.add_argument("--resolution", type=flags.positive_int, default=512,
                    help="stop the binary search when the bracket is this narrow (default: %(default)s)")
     g.add_argument("--json", metavar="PATH", help="write the lengths tried and the result here")
     return parser.parse_args(argv)
@@ -50,7 +53,7 @@ def try_len(model, optimizer, loss_fn, seq, vocab):
     try:
         for _ in range(2):  # the first step also allocates AdamW's state
             ids = torch.randint(0, vocab, (1, seq), device="cuda")
-            common.train_step(model, optimizer, loss_fn, [common.lm_batch(ids)])
+            training.train_step(model, optimizer, loss_fn, [dataloader.lm_batch(ids)])
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() / 2**30
     except torch.OutOfMemoryError:
@@ -70,20 +73,20 @@ def main(argv=None):
               file=sys.stderr)
         sys.exit(2)
     if args.json:
-        args.json = common.check_output_path(args.json, "--json")  # before minutes of searching
+        args.json = flags.check_output_path(args.json, "--json")  # before minutes of searching
     if args.all_kernels:
-        for name in common.KERNELS:
+        for name in flags.KERNELS:
             setattr(args, f"use_custom_{name}", True)
 
-    env = common.environment_info()
-    common.print_banner("Longest trainable sequence at batch 1", env)
-    common.resolve_defaults(args)
+    env = flags.environment_info()
+    flags.print_banner("Longest trainable sequence at batch 1", env)
+    flags.resolve_defaults(args)
     args.batch_size = 1
     args.seq_len = args.step  # load_model checks it against the model's maximum
     t0 = time.perf_counter()
-    model, info = common.load_model(args)
+    model, info = models.load_model(args)
     print(f"Model ready in {time.perf_counter() - t0:.0f} s", flush=True)
-    kernels = common.kernels_from_args(args)
+    kernels = flags.kernels_from_args(args)
     loss_fn, make_optimizer = apply_kernels(model, kernels)
     optimizer = make_optimizer(model.parameters(), lr=args.lr)
     vocab = model.config.vocab_size
@@ -120,9 +123,9 @@ def main(argv=None):
     print(f"Result: kernels {', '.join(active)}: longest trainable sequence at batch 1 is {ok:,} tokens "
           f"({first_oom})", flush=True)
     if args.json:
-        common.write_json_atomic(args.json, {
+        flags.write_json_atomic(args.json, {
             "kernels": kernels, "longest_ok": ok, "first_oom": bad, "tried": tried,
-            "config": common.public_config(args), "environment": env, "model": info,
+            "config": flags.public_config(args), "environment": env, "model": info,
         })
         print(f"Wrote {args.json}")
     return ok

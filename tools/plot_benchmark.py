@@ -113,8 +113,8 @@ def load_results(path):
 
 def main(argv=None):
     # Imported here, not above: plot_results alone (what benchmark_kernels.py calls)
-    # needs nothing from the repository, and llama_common loads torch and transformers.
-    from llama_common import check_input_file, check_output_path
+    # needs nothing from the repository, and flags loads torch and transformers.
+    from flags import check_input_file, check_output_path
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("json", help="a JSON written by benchmark_kernels.py --json")

@@ -25,7 +25,7 @@ from triton.testing import do_bench  # noqa: E402
 
 import cross_entropy_kernel as ce  # noqa: E402
 import rmsnorm_kernel as rk  # noqa: E402
-from llama_common import check_output_path, write_json_atomic  # noqa: E402
+from flags import check_output_path, write_json_atomic  # noqa: E402
 
 
 def bench(fn):

@@ -1,0 +1,348 @@
+"""
+Checkpoints: save a run, resume it exactly, export it.
+
+README Step 18 (``--output-dir``, ``--save-every``, ``--resume``) and Step 19 (sharded
+checkpoints under ``--fsdp``; tools/export_hf.py turns them into a HF model folder).
+What it teaches:
+
+* What "exact" needs. The batches are a pure function of the seed and the step
+  (dataloader.training_batches), so a checkpoint that holds the weights (or only the
+  LoRA adapters), AdamW's state, the schedule's position and every random
+  generator's state resumes to the very losses of the run that never stopped.
+* Nothing half-written: a checkpoint is written as checkpoint-K.tmp and renamed
+  when complete, so a crash or Ctrl-C during a save never leaves a damaged
+  checkpoint under the real name.
+* Refusing the wrong resume: the flags that decide a run's numbers and a
+  fingerprint of the model are stored with the checkpoint, and ``--resume`` with
+  other ones stops in one line that lists the differences.
+* Under ``--fsdp`` every process writes its own shards with torch.distributed.checkpoint
+  (no process ever holds the whole model).
+
+Nothing runs on import.
+"""
+
+import glob
+import json
+import os
+import random
+import shutil
+import warnings
+
+import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
+
+import torch
+
+import flags
+import models
+import fsdp
+import dataloader
+
+# --------------------------------------------------------------------------------
+# Checkpoints: DIR/checkpoint-K holds everything step K+1 needs
+# --------------------------------------------------------------------------------
+# Layout of DIR/checkpoint-K:
+#   model.safetensors + config.json          the model (save_pretrained), or with LoRA
+#   adapter_model.safetensors + adapter_config.json     the adapters only
+#   optimizer.pt, scheduler.pt               their state_dict()s (torch.save)
+#   rng_state.pt                             python, torch CPU and CUDA generators
+#   trainer_state.json                       step K, the flags and model config it was
+#                                            made with, the loss history
+# It is written as checkpoint-K.tmp and renamed when complete: a crash or Ctrl-C
+# during the save never leaves a half checkpoint under the real name.
+CHECKPOINT_PREFIX = "checkpoint-"
+TRAINER_STATE = "trainer_state.json"
+CHECKPOINT_FORMAT = 1
+
+# The flags that decide a run's numbers: a resumed run must have the same ones.
+# The kernels other than AdamW may differ (same results to rounding); the
+# optimizer may not (TritonAdamW and torch's AdamW keep their step count differently).
+RUN_FLAGS = ("tiny", "seed", "dataset", "packing", "batch_size", "seq_len", "grad_accum", "lr", "steps",
+             "warmup_steps", "lr_warmup_steps", "max_grad_norm", "lora", "lora_r", "lora_alpha", "lora_dropout",
+             "lora_targets", "lora_4bit", "use_custom_adamw")
+
+
+def checkpoint_path(output_dir, step):
+    return os.path.join(output_dir, f"{CHECKPOINT_PREFIX}{step}")
+
+
+def existing_checkpoints(output_dir):
+    """{step: path} of the checkpoint-K folders in ``output_dir``."""
+    found = {}
+    for path in glob.glob(os.path.join(output_dir, CHECKPOINT_PREFIX + "*")):
+        suffix = os.path.basename(path)[len(CHECKPOINT_PREFIX):]
+        if suffix.isdigit() and os.path.isdir(path):
+            found[int(suffix)] = path
+    return found
+
+
+def check_no_later_checkpoints(output_dir, start_step):
+    """The overwrite rule: a run writes checkpoints after its start step only, so the
+    output directory must hold none past it (they would belong to another run, or
+    to this run's earlier future)."""
+    later = sorted(k for k in existing_checkpoints(output_dir) if k > start_step)
+    if later:
+        how = f"resumed from step {start_step}" if start_step else "starting from step 0"
+        raise SystemExit(f"error: --output-dir {output_dir} already holds {CHECKPOINT_PREFIX}{later[0]}, which a "
+                         f"run {how} would overwrite; continue it with --resume "
+                         f"{checkpoint_path(output_dir, later[-1])}, or choose another --output-dir")
+
+
+def run_flags(args):
+    values = {name: getattr(args, name) for name in RUN_FLAGS}
+    values["dataset"] = dataloader.dataset_name(args.dataset)  # the bundled set wherever the repository is
+    return values
+
+
+def model_fingerprint(model):
+    """The model's config as plain JSON values, less what does not change the numbers."""
+    config = model.config.to_dict()
+    for key in ("transformers_version", "_name_or_path", "use_cache", "architectures"):
+        config.pop(key, None)
+    return json.loads(json.dumps(config, default=str, sort_keys=True))
+
+
+def lora_fingerprint(model):
+    if not models.is_peft_model(model):
+        return None
+    config = model.peft_config["default"].to_dict()
+    return json.loads(json.dumps(config, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+
+
+def rng_states():
+    """Every random generator training draws from (dropout): python's, torch's CPU
+    generator, each GPU's. The data has its own seeded generator (training_batches)."""
+    return {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
+def set_rng_states(states):
+    random.setstate(states["python"])
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def save_checkpoint(args, model, optimizer, scheduler, step, history, rng):
+    """Write DIR/checkpoint-``step`` (layout above); return its path."""
+    path = checkpoint_path(args.output_dir, step)
+    tmp = path + ".tmp"
+    rank, ranks = fsdp.rank_and_size()
+    sharded = getattr(args, "fsdp", False)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was interrupted
+        os.makedirs(tmp)
+    fsdp.barrier()  # --fsdp: every process writes into the folder rank 0 made
+    if sharded:
+        save_sharded(tmp, model, optimizer)
+        torch.save(rng, os.path.join(tmp, f"rng_state_rank{rank}.pt"))  # each process's own generators
+    else:
+        model.save_pretrained(tmp)  # safetensors; a PeftModel writes its adapters only
+        torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+        torch.save(rng, os.path.join(tmp, "rng_state.pt"))
+    fsdp.barrier()
+    if rank != 0:
+        fsdp.barrier()  # until rank 0 has renamed the folder
+        return path
+    torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
+    flags.write_json_atomic(os.path.join(tmp, TRAINER_STATE), {
+        "format": CHECKPOINT_FORMAT,
+        "step": step,
+        "total_steps": args.warmup_steps + args.steps,
+        "model_name": "tiny" if args.tiny else args.model,
+        "flags": run_flags(args),
+        "model_config": model_fingerprint(model),
+        "lora_config": lora_fingerprint(model),
+        "history": history,
+        "world_size": ranks,  # --fsdp: the shards fit this many processes only
+        "sharded": sharded,
+    })
+    os.rename(tmp, path)
+    fsdp.barrier()
+    return path
+
+
+SHARDED_DIR = "sharded"  # --fsdp: DCP's files in DIR/checkpoint-K/sharded (tools/export_hf.py
+#                           turns them into a save_pretrained folder)
+
+
+def sharded_options(model):
+    """What the DCP shards hold: the whole model, or with LoRA the adapters only
+    (as save_pretrained writes a PeftModel's adapters only): the frozen weights are
+    the ones the run started from, rebuilt by load_model, and saving them at every
+    checkpoint would cost 16 GB for an 8B model instead of some 100 MB. strict=False:
+    the frozen weights are then, rightly, missing on loading (load_sharded checks
+    that nothing else is)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    lora = models.is_peft_model(model)
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+
+
+def save_sharded(folder, model, optimizer):
+    """--fsdp: the model's and AdamW's state as torch.distributed.checkpoint (DCP)
+    shards: every process writes its own shards, in parallel, none gathers the
+    whole model. get_state_dict names the optimizer's state by parameter name, as
+    the model's, so the two are resumed together by set_state_dict."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer, options=sharded_options(model))
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=os.path.join(folder, SHARDED_DIR))
+
+
+def load_sharded(folder, model, optimizer):
+    """Read save_sharded's shards into this process's shards of ``model`` and ``optimizer``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    # get_state_dict creates AdamW's state first (one step with zero gradients and
+    # lr 0, which changes no weight), so that there are tensors to load into.
+    options = sharded_options(model)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=os.path.join(folder, SHARDED_DIR))
+    result = set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                            options=options)
+    frozen = frozen_parameter_names(model)
+    missing = [k for k in result.missing_keys if k not in frozen]
+    if missing or result.unexpected_keys:
+        raise SystemExit(f"error: --resume {folder}: the shards do not fit this model "
+                         f"(missing {missing[:3]}, unexpected {result.unexpected_keys[:3]})")
+
+
+def frozen_parameter_names(model):
+    return {name for name, p in model.named_parameters() if not p.requires_grad}
+
+
+def load_sharded_model(folder, model, flag):
+    """Read the model part of save_sharded's shards into ``model`` whole, in this one
+    process: no process group, no GPU, no torchrun (tools/export_hf.py).
+
+    DCP's metadata gives each saved tensor's full shape and dtype; each is
+    allocated so, and dcp.load (no_dist) fills it from every process's file,
+    the pieces put together. The tensors then become the model's own (assign:
+    ``model`` may be built on the meta device, no memory spent on weights that
+    would be overwritten). With LoRA the shards hold the adapters only
+    (sharded_options): the frozen weights are left as they are.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    shards = os.path.join(folder, SHARDED_DIR)
+    saved = dcp.FileSystemReader(shards).read_metadata().state_dict_metadata
+    skip = frozen_parameter_names(model) if sharded_options(model).ignore_frozen_params else set()
+    wanted = {name: t for name, t in model.state_dict(keep_vars=True).items() if name not in skip}
+    weights = {}
+    for name, tensor in wanted.items():
+        meta = saved.get(f"model.{name}")  # save_sharded's dict: {"model": ..., "optimizer": ...}
+        if meta is None or tuple(meta.size) != tuple(tensor.shape):
+            found = "is not in the shards" if meta is None else f"has shape {tuple(meta.size)} there"
+            raise SystemExit(f"error: {flag} {folder}: the shards do not fit the model rebuilt from its "
+                             f"{TRAINER_STATE}: {name} {found}")
+        weights[name] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    state = {"model": weights}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=shards, no_dist=True)
+    model.load_state_dict(state["model"], strict=not skip, assign=True)
+    return model
+
+
+def read_checkpoint_state(path, flag="--resume"):
+    """--resume (or ``flag``, the argument that named ``path``): the checkpoint's
+    trainer_state.json, or a one-line error."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isdir(path):
+        raise SystemExit(f"error: {flag} {path}: no such checkpoint directory")
+    try:
+        with open(os.path.join(path, TRAINER_STATE)) as f:
+            state = json.load(f)
+    except FileNotFoundError:
+        raise SystemExit(f"error: {flag} {path}: not a checkpoint (no {TRAINER_STATE}); checkpoints are the "
+                         f"{CHECKPOINT_PREFIX}K folders of an --output-dir") from None
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {flag} {path}: cannot read {TRAINER_STATE} ({flags.one_line(e)})") from None
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise SystemExit(f"error: {flag} {path}: checkpoint format {state.get('format')!r}, "
+                         f"this code reads {CHECKPOINT_FORMAT}")
+    state["path"] = path
+    return state
+
+
+def differences(then, now, limit=4):
+    """'key a there, b here' for the first ``limit`` keys whose values differ."""
+    keys = [k for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k)]
+    text = "; ".join(f"{k} {then.get(k)!r} there, {now.get(k)!r} here" for k in keys[:limit])
+    return text + (f" (and {len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+def check_same_run(args, state):
+    """The flags that decide the numbers must be those the checkpoint was made with."""
+    name = "tiny" if args.tiny else args.model
+    if state["model_name"] != name:
+        raise SystemExit(f"error: --resume {state['path']}: the checkpoint is of {state['model_name']}, "
+                         f"this run trains {name}")
+    then, now = state["flags"], json.loads(json.dumps(run_flags(args)))
+    if then != now:
+        diff = differences({"--" + k.replace("_", "-"): v for k, v in then.items()},
+                           {"--" + k.replace("_", "-"): v for k, v in now.items()})
+        raise SystemExit(f"error: --resume {state['path']}: made with other settings: {diff}; "
+                         f"resume with the flags of the run that saved it")
+    if not state["step"] < args.warmup_steps + args.steps:
+        raise SystemExit(f"error: --resume {state['path']}: the run is complete ({state['step']} steps)")
+    sharded = bool(getattr(args, "fsdp", False))
+    then_size, now_size = state.get("world_size", 1), fsdp.rank_and_size()[1] if sharded else 1
+    then_fsdp, now_fsdp = state.get("sharded", False), sharded
+    if then_fsdp != now_fsdp or then_size != now_size:
+        def how(sharded, size):
+            return f"--fsdp with {size} processes" if sharded else "one process without --fsdp"
+        raise SystemExit(f"error: --resume {state['path']}: written by {how(then_fsdp, then_size)}, this run is "
+                         f"{how(now_fsdp, now_size)}; resume it as it was written (--batch-size is per process)")
+
+
+def check_same_model(state, model, flag="--resume"):
+    """The architecture (and the LoRA setup) must be the checkpoint's."""
+    if state["model_config"] != model_fingerprint(model):
+        raise SystemExit(f"error: {flag} {state['path']}: the checkpoint is of another model: "
+                         f"{differences(state['model_config'], model_fingerprint(model))}")
+    if state["lora_config"] != lora_fingerprint(model):
+        raise SystemExit(f"error: {flag} {state['path']}: the checkpoint has other LoRA adapters: "
+                         f"{differences(state['lora_config'] or {}, lora_fingerprint(model) or {})}")
+
+
+def load_checkpoint(path, model, optimizer, scheduler):
+    """Load a checkpoint's weights (or adapters), optimizer, schedule and random state
+    into a freshly built ``model``, ``optimizer`` and ``scheduler`` of the same run."""
+    from safetensors.torch import load_file
+
+    device = str(next(model.parameters()).device)
+    if os.path.isdir(os.path.join(path, SHARDED_DIR)):  # --fsdp (check_same_run made sure this run is too)
+        load_sharded(path, model, optimizer)
+        scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt")))
+        rank = fsdp.rank_and_size()[0]
+        set_rng_states(torch.load(os.path.join(path, f"rng_state_rank{rank}.pt"), weights_only=False))
+        return
+    if models.is_peft_model(model):
+        from peft import set_peft_model_state_dict
+
+        weights = load_file(os.path.join(path, "adapter_model.safetensors"), device=device)
+        result = set_peft_model_state_dict(model, weights)
+        if result.unexpected_keys:
+            raise SystemExit(f"error: --resume {path}: adapter tensors this model lacks: {result.unexpected_keys[:3]}")
+    else:
+        weights = {}
+        for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):  # one file, or the shards
+            weights.update(load_file(file, device=device))
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        # A tied LM head is saved once, as the embedding: loading that loaded both.
+        params = dict(model.named_parameters(remove_duplicate=False))
+        loaded = {params[k].data_ptr() for k in weights if k in params}
+        missing = [k for k in missing if k not in params or params[k].data_ptr() not in loaded]
+        if missing or unexpected:
+            raise SystemExit(f"error: --resume {path}: the weights do not fit this model "
+                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), map_location=device))
+    scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt")))
+    set_rng_states(torch.load(os.path.join(path, "rng_state.pt")))

@@ -1,0 +1,491 @@
+"""
+What every script shares before the work starts: its flags, their defaults, the
+environment it reports, and output files that are checked first and written whole.
+
+Used by every script (README Step 2 lists the model and data flags; Steps 17-19 the
+flags of a real run). What it teaches:
+
+* One definition of each flag. profile_baseline.py, finetune_baseline.py and
+  finetune_optimized.py must measure exactly the same work, or their numbers
+  cannot be compared, so they share ``add_model_args`` / ``add_finetune_args``
+  and differ only in what they switch in (``--use-custom-<kernel>``).
+* Defaults that depend on the hardware (``resolve_defaults``): without a GPU the
+  kernels run in Triton's interpreter, so the default run is a tiny model for a
+  few steps; on a GPU it is LLaMA-3.1-8B. A flag that another overrides is said
+  in one ``Note:`` line, never silently.
+* Output safety (``check_output_path`` / ``write_json_atomic``): a run that trains
+  for an hour and then cannot write its results has lost them, so every output
+  path is checked before a model is built, and files are written to a temporary
+  name and renamed (strict JSON: NaN becomes null), whole or not at all.
+* Errors as one line (``one_line``, ``is_out_of_memory``): the reason, not a
+  traceback.
+
+Without a GPU the Triton kernels run through Triton's interpreter on CPU tensors.
+The interpreter is switched on by an environment variable that must be set before
+``triton`` is first imported (transformers imports it too): kernel_common sets it,
+so it is imported first, here and in every module below that loads torch.
+
+The workload's files, each importing only those before it:
+flags -> models -> fsdp -> dataloader -> checkpoints -> training.
+Nothing runs on import.
+"""
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import tempfile
+
+import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
+
+import torch
+import transformers
+import triton
+
+DEFAULT_MODEL = "meta-llama/Llama-3.1-8B"
+HERE = os.path.dirname(os.path.abspath(__file__))
+BUNDLED_DATASET = os.path.join(HERE, "data", "instructions.jsonl")  # the default --dataset
+SYNTHETIC = "synthetic"  # --dataset synthetic: seeded random tokens, every slot real
+EVAL_BATCHES = 4  # --eval-batches default (and the synthetic count when args has none)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # --lora-targets
+
+
+# --------------------------------------------------------------------------------
+# Environment
+# --------------------------------------------------------------------------------
+def environment_info():
+    """Return the device and library versions as a dict (quoted with every figure)."""
+    on_gpu = torch.cuda.is_available()
+    return {
+        "device": "cuda" if on_gpu else "cpu",
+        "gpu": torch.cuda.get_device_name(0) if on_gpu else "CPU",
+        "triton_interpreter": os.environ.get("TRITON_INTERPRET", "0") == "1",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda,
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def print_banner(title, env):
+    print("=" * 72)
+    print(title)
+    print("=" * 72)
+    device = env["gpu"] if env["device"] == "cuda" else "CPU"
+    if env["triton_interpreter"]:
+        device += " (Triton kernels run in the interpreter: correct but slow)"
+    print(f"Device:        {device}")
+    print(
+        f"Versions:      python {env['python']}, torch {env['torch']}, triton {env['triton']}, "
+        f"transformers {env['transformers']}, CUDA {env['cuda'] or '-'}"
+    )
+    print(f"Date:          {env['date']}")
+
+
+# --------------------------------------------------------------------------------
+# Output files: checked before the work, written whole or not at all
+# --------------------------------------------------------------------------------
+def check_output_path(path, flag, directory=False):
+    """Fail now, in one line, if ``path`` cannot be written; return it absolute.
+
+    A run that trains for minutes and then cannot write its results has lost them,
+    so every script checks its output paths before it builds a model. ``directory``:
+    the path is a folder to create (or reuse), not a file.
+    """
+    path = os.path.abspath(os.path.expanduser(path))
+    if directory:
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise SystemExit(f"error: {flag} {path}: exists and is not a directory")
+        parent = path if os.path.isdir(path) else os.path.dirname(path)
+        while not os.path.exists(parent):  # the first existing ancestor must let us create the rest
+            parent = os.path.dirname(parent)
+    else:
+        if os.path.isdir(path):
+            raise SystemExit(f"error: {flag} {path}: is a directory, expected a file path")
+        parent = os.path.dirname(path)
+        if not os.path.isdir(parent):
+            raise SystemExit(f"error: {flag} {path}: directory {parent} does not exist")
+    try:  # os.access says yes to root everywhere; creating a file is the real test
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        raise SystemExit(f"error: {flag} {path}: cannot write in {parent} ({e.strerror})") from None
+    return path
+
+
+def check_input_file(path, flag):
+    """Fail now, in one line, if ``path`` is not a readable file; return it absolute."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: {flag} {path}: no such file")
+    if not os.access(path, os.R_OK):
+        raise SystemExit(f"error: {flag} {path}: not readable")
+    return path
+
+
+def strict_json(value):
+    """``value`` with every float NaN or infinity replaced by None: JSON has no NaN,
+    and a file with a bare NaN in it is rejected by most JSON readers."""
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return None
+    if isinstance(value, dict):
+        return {str(k): strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
+def write_json_atomic(path, doc):
+    """Write ``doc`` as strict JSON to a temporary file beside ``path``, then rename it:
+    a reader (or a crash) never sees half a file, and an older file at ``path``
+    stays whole until the new one is complete."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(strict_json(doc), f, indent=2, allow_nan=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # no half-written temporary file left behind
+            os.remove(tmp)
+        raise
+
+
+# --------------------------------------------------------------------------------
+# Command-line flags
+# --------------------------------------------------------------------------------
+def positive_int(text):
+    """argparse type: an integer >= 1 (a zero batch would only fail later, obscurely)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def add_model_args(parser, custom_kernels_default=False, packing_default=False):
+    """Flags shared by every script that builds a model and trains it.
+
+    ``packing_default``: the baseline pads each batch to its longest example, as HF's
+    collator does; finetune_optimized.py packs (see "Data" below).
+    """
+    g = parser.add_argument_group("model and data")
+    g.add_argument("--model", default=DEFAULT_MODEL, help="HF hub id or local directory (default: %(default)s)")
+    g.add_argument("--random-init", action="store_true", help="no weights: random init in the model's architecture")
+    g.add_argument(
+        "--tiny",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="small random LLaMA, float32 (default: on when there is no GPU and --model is not given)",
+    )
+    g.add_argument("--batch-size", type=positive_int, default=2, help="sequences per step (default: %(default)s)")
+    g.add_argument(
+        "--seq-len",
+        type=positive_int,
+        help=f"tokens per sequence, the longest a batch row can be (default: 2048; --tiny: {CPU_TINY_SEQ_LEN}, "
+             f"room for a short prompt and its answer in byte tokens)",
+    )
+    g.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: %(default)s)")
+    g.add_argument(
+        "--dataset",
+        metavar="NAME_OR_PATH",
+        default=BUNDLED_DATASET,
+        help="instruction data: a local .json/.jsonl/.parquet file or a HF hub dataset id, with Dolly "
+             "(instruction, context, response) or Alpaca (instruction, input, output) fields; 'synthetic' "
+             "for seeded random tokens of exactly --seq-len (pure throughput) (default: the bundled "
+             "data/instructions.jsonl)",
+    )
+    g.add_argument(
+        "--packing",
+        action=argparse.BooleanOptionalAction,
+        default=packing_default,
+        help="pack several examples into each --seq-len row (no padding; attention never crosses "
+             "examples) instead of padding each batch to its longest example (default: %(default)s)",
+    )
+    g.add_argument(
+        "--num-workers",
+        type=non_negative_int,
+        help="DataLoader worker processes that build the batches (default: 2 with a GPU, 0 without)",
+    )
+    g.add_argument(
+        "--pin-memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the DataLoader puts batches in pinned (page-locked) host memory, so the copy to the GPU is one "
+             "asynchronous DMA; --no-pin-memory copies from pageable memory, through a staging buffer, "
+             "while the CPU waits (GPU only; default: %(default)s)",
+    )
+    g.add_argument("--lr", type=float, help="AdamW peak learning rate (default: 1e-5; --tiny: 3e-3)")
+    g.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute each decoder layer in backward instead of storing its activations "
+             "(HF's gradient_checkpointing_enable, non-reentrant): less memory, ~1/3 more compute",
+    )
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each decoder layer, the kernels inside it (GPU: Inductor; CPU: aot_eager)",
+    )
+    g.add_argument(
+        "--compile-mode",
+        choices=COMPILE_MODES,
+        default="default",
+        help="torch.compile mode for --compile; reduce-overhead replays CUDA graphs (default: %(default)s)",
+    )
+    k = parser.add_argument_group("custom Triton kernels")
+    for name, help_text in KERNEL_FLAGS.items():
+        k.add_argument(
+            f"--use-custom-{name}",
+            action=argparse.BooleanOptionalAction,
+            default=custom_kernels_default,
+            help=f"{help_text} (default: %(default)s)",
+        )
+    return parser
+
+
+# The kernels a run can switch on, in the order they are applied and reported,
+# with the help of their --use-custom-<name> flags.
+KERNEL_FLAGS = {
+    "rmsnorm": "replace every RMSNorm module with TritonRMSNorm",
+    "swiglu": "replace every LLaMA MLP with one whose SiLU * up is the fused Triton SwiGLU",
+    "rope": "rotary position embedding with the fused Triton kernel, inside this model's forward only",
+    "ce": "compute the loss with the Triton cross-entropy on the model's logits",
+    "flce": "fused linear cross-entropy: LM head + loss in chunks, the logits are never built "
+            "(supersedes --use-custom-ce)",
+    "adamw": "the fused Triton AdamW step instead of torch.optim.AdamW(fused=True)",
+}
+KERNELS = tuple(KERNEL_FLAGS)
+
+
+def kernels_from_args(args):
+    """{kernel name: on/off} from the --use-custom-* flags."""
+    return {name: getattr(args, f"use_custom_{name}") for name in KERNELS}
+
+
+# Defaults on a CPU, where the Triton kernels run in the interpreter (about 10 s
+# per step of 2 x 128 tokens for the tiny model with every kernel on a 2-core
+# laptop): the default run of either fine-tune script then ends within a minute,
+# with the loss visibly falling. 128 tokens (for --tiny on a GPU too), because
+# without the model's own tokenizer every byte is a token (ByteTokenizer): room
+# for a short prompt and its answer.
+CPU_STEPS = 3
+CPU_WARMUP_STEPS = 1  # no compilation, no autotuning: one step to allocate AdamW's state
+CPU_TINY_SEQ_LEN = 128
+
+
+def add_finetune_args(parser):
+    """Flags of the fine-tune scripts (the profile script has its own --steps)."""
+    g = parser.add_argument_group("training loop")
+    g.add_argument(
+        "--steps",
+        type=positive_int,
+        help=f"timed training steps (default: 20, or {CPU_STEPS} without a GPU: with the Triton kernels in the "
+             f"interpreter the default CPU run then ends in about a minute)",
+    )
+    g.add_argument(
+        "--warmup-steps",
+        type=non_negative_int,
+        help=f"untimed steps first: kernel compilation, cuBLAS autotuning (default: 2, or {CPU_WARMUP_STEPS} "
+        f"without a GPU)",
+    )
+    g.add_argument(
+        "--log-every",
+        type=positive_int,
+        help="a step line every N steps (default: a progress bar on a terminal, otherwise a line per step)",
+    )
+    g.add_argument("--json", metavar="PATH", help="write config, environment, losses, times and memory here")
+    add_real_run_args(parser)
+    add_lora_args(parser)
+    add_fsdp_arg(g)
+    return parser
+
+
+def add_fsdp_arg(group):
+    """--fsdp, for the fine-tune scripts and the profile script."""
+    group.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the model, gradients and optimizer state over the processes of torchrun with FSDP2 "
+             "(torchrun --nproc-per-node N SCRIPT --fsdp ...); --batch-size is per process, so a step "
+             "trains N x --batch-size sequences",
+    )
+
+
+def resolve_defaults(args):
+    """Fill the defaults that depend on the hardware and on --tiny; print each flag
+    that another one overrides. Call it after the banner; a second call changes nothing."""
+    if getattr(args, "_resolved", False):
+        return args
+    args._resolved = True  # private: left out of the JSON config (see public_config)
+    on_gpu = torch.cuda.is_available()
+    args.model = os.path.expanduser(args.model)
+    model_given = args.model != DEFAULT_MODEL
+    if args.tiny is None:
+        # A laptop cannot train 8B parameters; an explicit --model says the user means it.
+        args.tiny = not on_gpu and not model_given
+        if args.tiny and args.random_init:
+            note("no GPU, so --tiny is on and --random-init changes nothing "
+                 "(--no-tiny --random-init builds the 8B architecture on the CPU: slow, over 32 GB)")
+    elif args.tiny and model_given:
+        note(f"--tiny overrides --model {args.model}: the tiny LLaMA is built instead")
+    if args.seq_len is None:
+        args.seq_len = CPU_TINY_SEQ_LEN if args.tiny else 2048  # --tiny: the same on a GPU
+    if getattr(args, "num_workers", 0) is None:
+        # Workers build the next batches while the GPU trains; on a CPU they would
+        # only compete with the training for the same cores.
+        args.num_workers = 2 if on_gpu else 0
+    if getattr(args, "dataset", None) == SYNTHETIC and getattr(args, "packing", False):
+        note("--dataset synthetic has no examples to pack: every row is --seq-len random tokens; "
+             "--packing changes nothing")
+    if args.lr is None:
+        # Random tiny weights need a big step to show learning in a few steps (the
+        # cosine schedule averages half the peak); 1e-5 is a usual full fine-tuning
+        # rate for a pretrained 8B model.
+        args.lr = 3e-3 if args.tiny else 1e-5
+    # The fine-tune scripts' loop lengths (the profile script sets its own --steps).
+    if getattr(args, "steps", 0) is None:
+        args.steps = 20 if on_gpu else CPU_STEPS
+    if getattr(args, "warmup_steps", 0) is None:
+        args.warmup_steps = 2 if on_gpu else CPU_WARMUP_STEPS
+    if getattr(args, "lr_warmup_steps", 0) is None:
+        args.lr_warmup_steps = round(LR_WARMUP_FRACTION * (args.warmup_steps + args.steps))
+    return args
+
+
+def note(text):
+    """One line about a flag that was overridden or changes nothing."""
+    print(f"Note:          {text}", flush=True)
+
+
+def public_config(args):
+    """The flags as a dict for the JSON files: no private keys, not the --json path itself."""
+    return {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "json"}
+
+
+# --------------------------------------------------------------------------------
+# A real run's flags: accumulation, schedule, clipping, evaluation, checkpoints
+# --------------------------------------------------------------------------------
+LR_WARMUP_FRACTION = 0.1  # --lr-warmup-steps default: 10% of all steps
+LOSS_CURVE = "loss_curve.png"
+
+
+def non_negative_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def probability(text):
+    value = non_negative_float(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def name_list(text):
+    """argparse type: 'a,b,c' -> ['a', 'b', 'c']."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected comma-separated module names, e.g. q_proj,v_proj")
+    return names
+
+
+def add_real_run_args(parser):
+    """Flags of a long run: how steps are made up, scheduled, evaluated and saved."""
+    g = parser.add_argument_group("a real run")
+    g.add_argument("--grad-accum", type=positive_int, default=1,
+                   help="micro-batches of --batch-size per optimizer step; the loss is their token-weighted "
+                        "mean, as one batch N times larger would give (default: %(default)s)")
+    g.add_argument("--lr-warmup-steps", type=non_negative_int,
+                   help="learning rate rising linearly over the first N steps, then a cosine decay to 0 at "
+                        "the last step (default: 10%% of all steps). Not --warmup-steps: those are untimed steps")
+    g.add_argument("--max-grad-norm", type=non_negative_float, default=1.0,
+                   help="clip the gradients to this global norm; 0 turns clipping off (default: %(default)s)")
+    g.add_argument("--eval-every", type=positive_int,
+                   help="every N steps, the mean loss on held-out batches: the held-out split of --dataset "
+                        "(records no training step sees), or synthetic tokens of another seed")
+    g.add_argument("--eval-batches", type=positive_int, default=EVAL_BATCHES,
+                   help="held-out batches per evaluation, the same ones each time; fewer if the held-out "
+                        "split has fewer (default: %(default)s)")
+    g.add_argument("--output-dir", metavar="DIR",
+                   help="save checkpoints as DIR/checkpoint-K (the model, or with --lora only the adapter, as "
+                        "safetensors; optimizer, schedule, random state, data position) at the end, every "
+                        "--save-every steps and on Ctrl-C, and the loss curve as DIR/loss_curve.png. A run "
+                        "never overwrites a checkpoint: DIR may hold none past the step the run starts from")
+    g.add_argument("--save-every", type=positive_int, help="a checkpoint every N steps (needs --output-dir)")
+    g.add_argument("--resume", metavar="DIR/checkpoint-K",
+                   help="continue a run from its checkpoint, with the same flags (checked): the losses are "
+                        "those the run would have had without the break. New checkpoints go beside it "
+                        "unless --output-dir says otherwise")
+    return parser
+
+
+def add_lora_args(parser):
+    g = parser.add_argument_group("LoRA (PEFT)")
+    g.add_argument("--lora", action="store_true",
+                   help="train low-rank adapters only (pip install peft); the model's own weights are frozen")
+    g.add_argument("--lora-r", type=positive_int, default=16, help="rank of each adapter (default: %(default)s)")
+    g.add_argument("--lora-alpha", type=non_negative_float, default=32.0,
+                   help="adapter scale: the update is (alpha / r) * B @ A (default: %(default)g)")
+    g.add_argument("--lora-dropout", type=probability, default=0.0,
+                   help="dropout on each adapter's input (default: %(default)g)")
+    g.add_argument("--lora-targets", type=name_list, default=",".join(LORA_TARGETS),
+                   help="comma-separated names of the linear layers that get adapters (default: every "
+                        "linear layer of the decoder, %(default)s)")
+    g.add_argument("--lora-4bit", action="store_true",
+                   help="QLoRA: the frozen weights loaded in 4-bit NF4 (pip install bitsandbytes; CUDA GPU, "
+                        "pretrained weights); implies --lora")
+    return parser
+
+
+def check_output_flags(args):
+    """--output-dir / --save-every / --resume, before any work: one line each."""
+    if args.resume and not args.output_dir:
+        args.output_dir = os.path.dirname(os.path.abspath(os.path.expanduser(args.resume)))
+    if args.save_every and not args.output_dir:
+        raise SystemExit("error: --save-every needs --output-dir (where the checkpoints go)")
+    if args.output_dir:
+        args.output_dir = check_output_path(args.output_dir, "--output-dir", directory=True)
+
+
+# --------------------------------------------------------------------------------
+# Errors in one line, optional packages
+# --------------------------------------------------------------------------------
+def one_line(exc):
+    """An exception as one short line: the reason, not the traceback."""
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(exc).__name__}: {first[:200]}"
+
+
+def is_out_of_memory(exc):
+    """A GPU out-of-memory error, or a failed CPU allocation (a plain RuntimeError)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "DefaultCPUAllocator" in text)
+
+
+def installed(package):
+    import importlib.util
+
+    return importlib.util.find_spec(package) is not None

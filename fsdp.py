@@ -1,0 +1,221 @@
+"""
+Several GPUs: FSDP2 under torchrun (``--fsdp``).
+
+README Step 19. What it teaches: how a model too big for one GPU's memory (weights,
+gradients and AdamW's two moments: 16 bytes per parameter for full fine-tuning)
+is spread over N processes, and what that costs.
+
+* torchrun starts N copies of the script; ``init_distributed`` finds this process's
+  rank and GPU and joins the others (NCCL on GPUs, gloo on CPU for the tests).
+* ``shard_model``: every decoder layer, then the whole model, becomes a
+  ``fully_shard`` unit. Each process keeps 1/N of every weight, gradient and
+  optimizer state; a layer's full weights are gathered just before it runs and
+  freed after; gradients are reduce-scattered, so each process ends the backward
+  with the averaged gradient of its own shard only.
+* ``loss_inside_forward``: a loss that calls the LM head's weight itself (the fused
+  linear cross-entropy) runs as an FSDP forward of the root module, so the root's
+  weights are gathered for it and their gradients reduced after it.
+* ``reduce_over_ranks``: token counts and losses summed over the processes, so a
+  step's loss is the mean over all of its tokens, as on one GPU.
+
+Every rank trains; rank 0 alone prints and writes. Nothing runs on import.
+"""
+
+import functools
+import os
+import sys
+
+import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
+
+import torch
+
+import models
+
+# --------------------------------------------------------------------------------
+# Several processes: FSDP2 under torchrun (--fsdp)
+# --------------------------------------------------------------------------------
+# torchrun starts N copies of the script and tells each who it is in three
+# environment variables. With --fsdp every process holds 1/N of each weight, of its
+# gradient and of AdamW's state (torch.distributed.fsdp.fully_shard, "FSDP2": the
+# parameters become DTensors sharded on dim 0), and gathers a layer's full weights
+# just before the layer runs, forward and backward. Each process trains on its own
+# --batch-size rows of the step's global batch (training_batches), and the
+# gradients are averaged over the processes by a reduce-scatter that leaves each
+# process the gradient of its own shard only.
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+class World:
+    """This process's place among torchrun's: rank, size (N), local rank, device."""
+
+    def __init__(self, rank, size, local_rank, device):
+        self.rank, self.size, self.local_rank, self.device = rank, size, local_rank, device
+
+
+def rank_and_size():
+    """(rank, number of processes): (0, 1) unless torch.distributed is running."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def is_main_process():
+    """Rank 0: the one process that prints and writes files shared by all."""
+    return rank_and_size()[0] == 0
+
+
+def barrier():
+    if rank_and_size()[1] > 1:
+        torch.distributed.barrier()
+
+
+def check_fsdp_flags(args):
+    """--fsdp needs torchrun; torchrun with several processes needs --fsdp. One line
+    each, before any work."""
+    sharded = getattr(args, "fsdp", False)
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if not sharded:
+        if world > 1:
+            raise SystemExit(f"error: started by torchrun with {world} processes but without --fsdp: each "
+                             f"would train its own full copy of the model; add --fsdp")
+        return
+    missing = [name for name in TORCHRUN_ENV if name not in os.environ]
+    if missing:
+        raise SystemExit(f"error: --fsdp runs under torchrun, which sets {', '.join(missing)}: "
+                         f"torchrun --nproc-per-node N {os.path.basename(sys.argv[0])} --fsdp ...")
+    if getattr(args, "lora_4bit", False):  # --lora (bf16 or float32 adapters and weights) is sharded like any model
+        raise SystemExit("error: --fsdp with --lora-4bit is not supported: FSDP2 would have to shard "
+                         "bitsandbytes' packed 4-bit weights; use --lora, or --lora-4bit on one GPU")
+    if torch.cuda.is_available():
+        local_rank = int(os.environ["LOCAL_RANK"])
+        if local_rank >= torch.cuda.device_count():
+            raise SystemExit(f"error: --fsdp: LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs "
+                             f"are visible; start at most that many processes per node")
+
+
+def init_distributed(args):
+    """--fsdp: join torchrun's process group (NCCL between GPUs, gloo on CPU), pin this
+    process to GPU LOCAL_RANK; every process but rank 0 stops printing. Returns a
+    World, or None without --fsdp."""
+    if not getattr(args, "fsdp", False):
+        return None
+    rank, size, local_rank = (int(os.environ[name]) for name in TORCHRUN_ENV)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)  # "cuda" is now this process's GPU
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not torch.distributed.is_initialized():
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        torch.distributed.init_process_group(backend=backend, **kwargs)
+    if rank != 0:  # one report, rank 0's; errors still reach stderr from every rank
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
+    args._world = World(rank, size, local_rank, device)
+    return args._world
+
+
+def close_distributed():
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def shard_model(model, args):
+    """--fsdp: fully_shard each decoder layer, then the root (embedding, final norm,
+    LM head); a model built on the meta device (load_model) is then materialized,
+    shard by shard. Call it after the kernels are switched in: the module swaps
+    must see the modules as built, and FSDP gives every module's forward its full
+    (unsharded) weights, so TritonRMSNorm and TritonLlamaMLP run unchanged.
+
+    On a GPU the weights are gathered in bf16 and the gradients reduced in float32
+    (MixedPrecisionPolicy); the tiny float32 model (and the CPU) keeps float32 throughout.
+
+    With --lora (apply_lora ran before, on the whole model) each layer's frozen
+    weights and its adapters are sharded together, one group: FSDP2 gathers both
+    for the forward and reduce-scatters only the gradients that exist, the
+    adapters'; the optimizer then gets the adapters' shards (trainable_parameters).
+    A model built on the meta device gets PEFT's adapter initialization back after
+    HF's (materialize).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    world = args._world
+    kwargs = {}
+    if world.device.type == "cuda" and not args.tiny:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    layers = model.get_decoder().layers
+    for layer in layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    materialized = ""
+    if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
+        materialize(model, world.device)
+        materialized = "; built on the meta device, each process initialized its own shards"
+    precision = "bf16 weights, float32 gradient reduction" if kwargs else "float32"
+    print(f"FSDP:          {world.size} processes, {len(layers)} decoder layers + the root sharded "
+          f"({precision}){materialized}")
+    return model
+
+
+def materialize(model, device):
+    """A model built on the meta device (shapes, no memory), now sharded: allocate
+    each process's shards on ``device`` (to_empty: uninitialized memory) and fill
+    them with HF's own initialization, module by module. The random draws of a
+    DTensor are those of the full tensor, so every shard is a piece of one model.
+    HF's _init_weights also recomputes the rotary embedding's buffers."""
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.apply(model._init_weights)
+        if models.is_peft_model(model):
+            reset_lora_adapters(model)
+
+
+def reset_lora_adapters(model):
+    """HF's _init_weights (materialize) treats each adapter's A and B as the plain
+    Linear layers they are and draws both at random: B would no longer be zero, and
+    the model would not start as the base model. PEFT's own initialization of
+    each LoRA layer puts them back: A as PEFT draws it, B zeros."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            for name in module.lora_A:
+                module.reset_lora_parameters(name, model.peft_config[name].init_lora_weights)
+
+
+def loss_inside_forward(model, loss_fn):
+    """A loss that runs the model's parts itself must run inside an FSDP forward.
+
+    FSDP gathers a module's weights in the hooks around its ``forward``. The fused
+    linear cross-entropy (finetune_optimized.py) calls the decoder, then uses
+    ``lm_head.weight`` directly: neither goes through the root's forward, so the
+    embedding, the final norm and the LM head (the root's shards) would still be
+    sharded there, and their gradients would not be reduced. So the loss becomes a
+    method of the root module that FSDP treats as a forward
+    (register_fsdp_forward_method): its hooks gather the root's weights before it
+    and schedule the gradient reduce-scatter after backward, as for forward().
+    Chosen over sharding lm_head apart and unsharding by hand: one call, and the
+    loss function itself stays the same on one GPU and under FSDP.
+    Losses that call ``model(...)`` themselves (HF's, the Triton CE on the logits)
+    already run inside the root's forward and are returned unchanged.
+    """
+    if not getattr(loss_fn, "calls_model_parts", False):
+        return loss_fn
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    model.fsdp_loss = functools.partial(loss_fn, model)
+    register_fsdp_forward_method(model, "fsdp_loss")
+
+    def loss_in_root_forward(model, batch):
+        return model.fsdp_loss(batch)
+
+    return loss_in_root_forward
+
+
+def reduce_over_ranks(values, op="sum"):
+    """A list of Python numbers, summed (or max) over the processes; as given on one."""
+    if rank_and_size()[1] == 1:
+        return values
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM)
+    return t.tolist()

@@ -1,0 +1,456 @@
+"""
+The model: which architecture, which weights, and what is wrapped around it
+(LoRA adapters, torch.compile, gradient checkpointing).
+
+README Step 2 (``--model``, ``--random-init``, ``--tiny``), Step 17 (``--compile``)
+and Step 18 (``--lora``). What it teaches:
+
+* ``load_model``: real weights through transformers (bf16 and SDPA attention on a
+  GPU) from the HF cache, the hub or a local folder. When the weights cannot be had
+  (no network, a gated repo, a missing path) or with ``--random-init``, random
+  weights in the same architecture: the configs of LLaMA-3.1-8B and 70B are
+  bundled, so throughput runs need no download and no hub account. The hub is
+  asked once, with a short timeout, so an offline machine falls back in seconds
+  instead of transformers' long retries. ``--tiny``: a 2-layer LLaMA in float32 for
+  laptops and tests (the default without a GPU).
+* ``apply_lora``: PEFT's LoRA adapters on the projections (``--lora-targets``); only
+  the adapters train, so AdamW keeps state for a few million parameters instead of
+  billions. ``--lora-4bit`` (QLoRA) loads the frozen weights in 4 bits.
+* ``compile_decoder``: torch.compile of each decoder layer (``--compile``), and the
+  CUDA-graph modes that remove the host's launch cost.
+* ``enable_checkpointing``: recompute each decoder layer in backward instead of
+  keeping its activations (``--gradient-checkpointing``).
+
+This file imports no kernel: finetune_optimized.py swaps them into the model it
+gets from here. Nothing runs on import.
+"""
+
+import contextlib
+import os
+import warnings
+
+import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
+
+import torch
+import torch.nn as nn
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+import flags
+
+HUB_TIMEOUT_S = 5  # how long we wait for huggingface.co before giving up on it
+
+
+# --------------------------------------------------------------------------------
+# Model configurations: the default model's config is bundled, so that falling back
+# to random weights needs no download (and no hub account: the repo is gated).
+# --------------------------------------------------------------------------------
+def llama31_8b_config(**changes):
+    """The architecture of meta-llama/Llama-3.1-8B (its config.json, written as code);
+    ``changes`` override fields (llama31_70b_config)."""
+    fields = dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,  # grouped-query attention: 4 query heads share a K/V head
+        hidden_act="silu",
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        tie_word_embeddings=False,
+        bos_token_id=128000,
+        eos_token_id=128001,
+        attention_bias=False,
+        mlp_bias=False,
+    )
+    return LlamaConfig(**{**fields, **changes})
+
+
+def llama31_70b_config():
+    """meta-llama/Llama-3.1-70B: the 8B's architecture, twice as wide and 80 layers deep
+    (the FSDP step trains it on several GPUs, random weights built on the meta device)."""
+    return llama31_8b_config(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                             num_attention_heads=64)
+
+
+# Configs known without the hub, by hub id; a local folder with the same name counts too.
+BUNDLED_CONFIGS = {flags.DEFAULT_MODEL: llama31_8b_config, "meta-llama/Llama-3.1-70B": llama31_70b_config}
+
+
+def tiny_config():
+    """LLaMA architecture, small enough for a laptop CPU, but with a vocabulary large
+    enough (8,192) that the logits and the loss are still a visible part of the step."""
+    return LlamaConfig(
+        vocab_size=8192,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_act="silu",
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+# --------------------------------------------------------------------------------
+# Loading: real weights from the hub or a folder, else random weights
+# --------------------------------------------------------------------------------
+def hub_problem(model_id, repo_type="model"):
+    """Why the HF hub cannot give us ``model_id`` now, or None if it can.
+
+    transformers retries a failing download for about 45 s before it gives up, so
+    we ask the hub first, once, with a short timeout: no network, a gated repo
+    without access, and a wrong id each become a one-line reason in seconds.
+    ``repo_type``: "model", or "dataset" for --dataset.
+    """
+    import huggingface_hub
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return f"HF_HUB_OFFLINE is set and the {repo_type} is not in the local cache"
+    info = huggingface_hub.model_info if repo_type == "model" else huggingface_hub.dataset_info
+    try:
+        info(model_id, timeout=HUB_TIMEOUT_S)  # reachability and existence
+        huggingface_hub.auth_check(model_id, repo_type=repo_type)  # access to the files of a gated repo
+    except GatedRepoError:
+        return "gated repo: accept the license on huggingface.co and set HF_TOKEN"
+    except RepositoryNotFoundError:
+        return "not found on the hub (wrong id, or private without a token)"
+    except Exception as e:  # noqa: BLE001 - any network failure means the same thing here
+        return f"cannot reach huggingface.co ({flags.one_line(e)})"
+    return None
+
+
+def _from_pretrained(model_id, device, dtype, **kwargs):
+    return AutoModelForCausalLM.from_pretrained(
+        model_id,
+        dtype=dtype,
+        attn_implementation="sdpa",
+        device_map=str(device),  # load straight onto the GPU, not via a CPU copy
+        **kwargs,
+    )
+
+
+def _attempt_pretrained(model_id, device, dtype, **kwargs):
+    """(model, None) or (None, one-line reason); running out of memory is not a reason to fall back."""
+    try:
+        return _from_pretrained(model_id, device, dtype, **kwargs), None
+    except Exception as e:  # noqa: BLE001 - any loading problem becomes the reason we print
+        if flags.is_out_of_memory(e):
+            raise
+        return None, flags.one_line(e)
+
+
+def try_pretrained(model_id, device, dtype, **kwargs):
+    """Return (model, None) with real weights, or (None, reason) when they cannot be had.
+    ``kwargs`` go to from_pretrained (--lora-4bit: the quantization config)."""
+    if looks_like_path(model_id) and not os.path.exists(model_id):
+        return None, "no such file or directory"
+    if os.path.exists(model_id):
+        return _attempt_pretrained(model_id, device, dtype, **kwargs)
+    # Already in the local cache? Then no network is needed at all.
+    model, _ = _attempt_pretrained(model_id, device, dtype, local_files_only=True, **kwargs)
+    if model is not None:
+        return model, None
+    problem = hub_problem(model_id)  # not cached (or only partly): ask the hub
+    if problem:
+        return None, problem
+    print(f"Downloading {model_id} from the HF hub (once; later runs use the cache)...")
+    return _attempt_pretrained(model_id, device, dtype, **kwargs)
+
+
+def bundled_config(model_id):
+    """The bundled config function for ``model_id``: a hub id of BUNDLED_CONFIGS, or a
+    local copy of one (a directory named Llama-3.1-8B or Meta-Llama-3.1-8B); else None."""
+    name = os.path.basename(os.path.normpath(model_id)).lower()
+    for hub_id, make in BUNDLED_CONFIGS.items():
+        short = hub_id.split("/")[1].lower()
+        if model_id == hub_id or name in (short, "meta-" + short):
+            return make
+    return None
+
+
+def looks_like_path(model_id):
+    # Hub ids are "org/name"; anything else with a slash, a dot or a tilde in front is a path.
+    return model_id.startswith(("/", ".", "~")) or model_id.count("/") > 1
+
+
+def config_for(model_id, weights_problem=None):
+    """The architecture of ``model_id`` without its weights; exits if it cannot be found.
+
+    ``weights_problem`` is why the weights could not be loaded, if we tried: it is
+    quoted in the error, and a hub that already failed is not asked again.
+    """
+    if bundled_config(model_id):
+        return bundled_config(model_id)()
+    why = f"weights: {weights_problem}; " if weights_problem else ""
+    if looks_like_path(model_id) and not os.path.exists(model_id):
+        raise SystemExit(f"error: --model {model_id}: no such file or directory")
+    if os.path.exists(model_id):
+        try:
+            return AutoConfig.from_pretrained(model_id)
+        except Exception as e:  # noqa: BLE001
+            raise SystemExit(f"error: cannot use {model_id!r} ({why}config: {flags.one_line(e)})") from None
+    with contextlib.suppress(Exception):
+        return AutoConfig.from_pretrained(model_id, local_files_only=True)
+    problem = weights_problem or hub_problem(model_id)
+    if problem is None:
+        with contextlib.suppress(Exception):
+            return AutoConfig.from_pretrained(model_id)
+        problem = "its config.json could not be downloaded"
+    raise SystemExit(
+        f"error: cannot use {model_id!r} ({problem}) and its architecture is unknown: only the "
+        f"configs of {' and '.join(BUNDLED_CONFIGS)} are bundled. Pass a local --model PATH, or --tiny."
+    )
+
+
+def check_seq_len(seq_len, config):
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if max_pos is not None and seq_len > max_pos:
+        raise SystemExit(f"error: --seq-len {seq_len} is longer than the model's maximum of {max_pos} positions")
+
+
+def build_random(config, device, dtype):
+    """Random weights, created directly on ``device`` in ``dtype``.
+
+    Building 8B parameters in float32 on the CPU and then converting and copying
+    them would take minutes and 32 GB of host memory; allocating them in bf16 on
+    the GPU takes seconds.
+    """
+    with device:
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+
+
+def enable_checkpointing(model):
+    """HF's per-layer activation checkpointing, non-reentrant (transformers renamed the
+    method in 5.2x: activation_checkpointing_enable; older releases only have the old name)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+BACKENDS = {"cuda": "inductor", "cpu": "aot_eager"}  # torch.compile backend by device
+
+
+def compile_decoder(model, args):
+    """--compile: compile every decoder layer, with whatever kernels are in it.
+
+    Per layer is the usual way to compile a transformer for training: the layers
+    share their code, so one compilation serves them all (later layers only
+    check guards), and the embedding, the loss and the optimizer stay eager,
+    outside the graphs. ``fullgraph=True`` makes a graph break an error instead
+    of a silent fallback to Python: our kernels are custom operators
+    (kernel_common.kernel_op), so a layer is one graph. Without a GPU the
+    backend is aot_eager (the graph is traced and differentiated, and runs
+    eagerly: the Triton kernels in the interpreter); Inductor on a GPU.
+    """
+    if not getattr(args, "compile", False):
+        return 0
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    backend = BACKENDS["cuda" if on_gpu else "cpu"]
+    options = {"mode": args.compile_mode} if on_gpu and args.compile_mode != "default" else {}
+    if not on_gpu and args.compile_mode != "default":
+        flags.note(f"--compile-mode {args.compile_mode} needs a GPU; compiling with the aot_eager backend")
+    layers = model.get_decoder().layers
+    checkpointing = getattr(args, "gradient_checkpointing", False)
+    sharded = getattr(args, "fsdp", False)
+    for layer in layers:
+        if sharded and not checkpointing:
+            # --fsdp (shard_model ran first): FSDP gathers a layer's weights in hooks
+            # that its __call__ runs around forward, and frees them after; backward
+            # hooks reduce-scatter the gradients. Compiling forward itself keeps those
+            # hooks outside the graph, eager, by construction. (layer.compile() also
+            # ends up there today: FSDP's hooks are dynamo-disabled, and Dynamo skips
+            # nn.Module's own __call__ frame and starts at forward; we do not rely on
+            # that.) Inside forward the parameters are the gathered full tensors,
+            # plain ones, not the sharded DTensors: the layer is one graph as on one
+            # GPU, and fullgraph holds. torchtitan compiles each block before
+            # fully_shard instead; either way only forward is compiled.
+            layer.forward = torch.compile(layer.forward, backend=backend, fullgraph=True, **options)
+        elif checkpointing:
+            # HF checkpoints a layer in its __call__, outside the forward that
+            # layer.compile() compiles, and Dynamo does not trace under the hooks
+            # that non-reentrant checkpointing installs: the layer would quietly
+            # run uncompiled. Inside the compiled function instead, checkpoint()
+            # becomes part of the graph, and the compiler recomputes the layer's
+            # activations in backward.
+            layer.gradient_checkpointing = False
+            layer.forward = torch.compile(_checkpointed(layer.forward), backend=backend, fullgraph=True, **options)
+        else:
+            layer.compile(backend=backend, fullgraph=True, **options)
+    mode = f", mode {args.compile_mode}" if options else ""
+    inside = ", checkpointing inside the graphs" if checkpointing else ""
+    inside += ", FSDP's gathering outside them" if sharded else ""
+    print(f"Compile:       {len(layers)} decoder layers with torch.compile (backend {backend}{mode}, fullgraph{inside}); "
+          "compiled during the warm-up steps")
+    return len(layers)
+
+
+def _checkpointed(forward):
+    def checkpointed_forward(*args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return checkpointed_forward
+
+
+def load_model(args):
+    """Build the model the flags ask for; return (model, info dict). Prints what it did."""
+    flags.resolve_defaults(args)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    world = getattr(args, "_world", None)
+    if world is not None:
+        device = world.device  # --fsdp: this process's GPU (cuda:LOCAL_RANK)
+    # bf16 is what LLaMA is trained in on GPUs; CPUs do float32 well and bf16 slowly.
+    # The tiny model is for learning and tests: float32 everywhere, so its losses
+    # can be compared to 1e-4 on any device.
+    dtype = torch.bfloat16 if device.type == "cuda" and not args.tiny else torch.float32
+    torch.manual_seed(args.seed)  # same seed, same random weights, in every script
+
+    model = None
+    try:
+        if args.tiny:
+            name, source = "tiny LLaMA (2 layers, hidden 128, vocab 8192)", "random init (--tiny)"
+            config = tiny_config()
+        elif args.random_init:
+            name, source = args.model, "random init (--random-init)"
+            config = config_for(args.model)
+        else:
+            name, source = args.model, "pretrained weights"
+            quantized = getattr(args, "lora_4bit", False)
+            extra = {"quantization_config": qlora_quantization_config()} if quantized else {}
+            model, reason = try_pretrained(args.model, device, dtype, **extra)
+            if model is None and quantized:  # random weights cannot be quantized on loading
+                raise SystemExit(f"error: --lora-4bit: cannot load the weights of {args.model} ({reason})")
+            if quantized:
+                source = "pretrained weights, quantized to 4-bit NF4 (--lora-4bit)"
+            if model is None:
+                config = config_for(args.model, weights_problem=reason)
+                print(
+                    f"Could not load weights for {args.model}: {reason}. "
+                    f"Continuing with random weights in the same architecture."
+                )
+                source = "random init (weights unavailable)"
+        if model is None:
+            check_seq_len(args.seq_len, config)  # before spending a minute building 8B parameters
+            # --fsdp: no process could hold the whole large model, so it is built on the
+            # meta device (shapes only) and each process initializes its own shards once
+            # it is sharded (shard_model). The tiny model is built whole, with the weights
+            # one process would have: the losses then match a single-process run.
+            meta = getattr(args, "fsdp", False) and not args.tiny
+            model = build_random(config, torch.device("meta") if meta else device, dtype)
+            if meta:
+                source += ", built on the meta device and initialized shard by shard"
+    except RuntimeError as e:
+        if not flags.is_out_of_memory(e):
+            raise
+        where = "GPU" if isinstance(e, torch.OutOfMemoryError) else "CPU"
+        raise SystemExit(
+            f"error: out of {where} memory while loading {args.model} in {str(dtype).replace('torch.', '')} "
+            f"on {device}; it needs {dtype.itemsize} bytes per parameter (use a smaller --model, or --tiny)"
+        ) from None
+    check_seq_len(args.seq_len, model.config)
+
+    model.config.use_cache = False  # training: no KV cache
+    n_params = sum(p.numel() for p in model.parameters())
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    info = {
+        "name": name,
+        "source": source,
+        "architecture": type(model).__name__,
+        "parameters": n_params,
+        "dtype": str(dtype).replace("torch.", ""),
+        "device": str(device),
+        "vocab_size": model.config.vocab_size,
+        "max_position_embeddings": max_pos,
+    }
+    print(f"Model:         {name} [{type(model).__name__}], {source}")
+    size = f"{n_params / 1e9:.2f} B" if n_params >= 1e9 else f"{n_params / 1e6:.1f} M"
+    print(f"Parameters:    {n_params:,} ({size}), dtype {info['dtype']}, on {device}")
+    if getattr(args, "gradient_checkpointing", False):
+        # Non-reentrant: it checks that the recomputation saves what the forward
+        # saved, so a kernel swapped in for the forward only would be caught.
+        enable_checkpointing(model)
+        print("Checkpointing: each decoder layer is recomputed in backward (activations not stored)")
+    return model, info
+
+
+# --------------------------------------------------------------------------------
+# LoRA (PEFT)
+# --------------------------------------------------------------------------------
+def check_lora_flags(args):
+    """What --lora and --lora-4bit need, checked before anything is built."""
+    if args.lora_4bit:
+        args.lora = True
+        if not flags.installed("bitsandbytes"):
+            raise SystemExit("error: --lora-4bit needs bitsandbytes for the 4-bit weights: pip install bitsandbytes")
+        if not torch.cuda.is_available():
+            raise SystemExit("error: --lora-4bit needs a CUDA GPU (bitsandbytes' 4-bit kernels)")
+        if args.tiny or args.random_init:
+            raise SystemExit("error: --lora-4bit quantizes pretrained weights while loading them; "
+                             "it cannot be used with --tiny or --random-init")
+    if args.lora and not flags.installed("peft"):
+        raise SystemExit("error: --lora needs the peft package: pip install peft")
+
+
+def qlora_quantization_config():
+    """QLoRA's storage of the frozen weights: 4-bit NF4, double-quantized scales,
+    matmuls computed in bf16."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=torch.bfloat16)
+
+
+def apply_lora(model, args):
+    """Wrap ``model`` with PEFT LoRA adapters on --lora-targets; freeze everything else.
+
+    Each target ``y = x @ W.T`` becomes ``y = x @ W.T + (alpha / r) * dropout(x) @ A.T @ B.T``
+    with A [r, in] random and B [out, r] zero, so training starts from the model
+    itself. Only A and B are trained: for r = 16 on every linear layer of LLaMA-3.1-8B
+    that is 42 M parameters instead of 8 B, and AdamW state for those only.
+    Returns the PeftModel (it forwards config, get_decoder, lm_head... to the model).
+    """
+    import peft
+
+    linear = {name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    missing = [t for t in args.lora_targets if t not in linear]
+    if missing:
+        raise SystemExit(f"error: --lora-targets: {type(model).__name__} has no linear layer named "
+                         f"{', '.join(missing)} (it has {', '.join(sorted(linear))})")
+    if args.lora_4bit:  # norms and embeddings in float32, the quantized layers ready for adapters
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                             target_modules=list(args.lora_targets), task_type="CAUSAL_LM")
+    with warnings.catch_warnings():  # peft asks transformers about checkpointing by a deprecated name
+        warnings.simplefilter("ignore", FutureWarning)
+        model = peft.get_peft_model(model, config)
+    trainable = sum(p.numel() for p in trainable_parameters(model))
+    total = sum(p.numel() for p in model.parameters())
+    print(f"LoRA:          r {args.lora_r}, alpha {args.lora_alpha:g}, dropout {args.lora_dropout:g} on "
+          f"{','.join(args.lora_targets)}: {trainable:,} of {total:,} parameters trained "
+          f"({100 * trainable / total:.2f}%)")
+    return model
+
+
+def is_peft_model(model):
+    return hasattr(model, "peft_config")
+
+
+def trainable_parameters(model):
+    """The parameters the optimizer gets: all of them, or with LoRA the adapters only
+    (frozen weights get no gradient, no AdamW state, no update)."""
+    return [p for p in model.parameters() if p.requires_grad]

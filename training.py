@@ -1,0 +1,562 @@
+"""
+The training loop: one step (forward, loss, backward, clipping, optimizer,
+schedule), the loop around it, and what it reports.
+
+README Step 11 (the same loop with and without the kernels) and Steps 16-19. What
+it teaches, as a reader of nanoGPT's train.py would expect to find it in one sitting:
+
+* ``train_step``: each micro-batch of the step (``--grad-accum``) runs forward and
+  backward with its loss weighted by its share of the step's target tokens, so the
+  gradient is that of the mean over all of them; then the gradient norm is clipped,
+  the optimizer steps and the learning rate follows warm-up + cosine
+  (``lr_factor``). NVTX ranges name each phase for the profiler.
+* ``run_training``: warm-up steps (compilation, autotuning) are untimed; each timed
+  step is synchronized, so its time is the GPU's, not the host's; tokens per second
+  are counted two ways (every slot, and real tokens only, padding excluded); peak
+  memory is ``torch.cuda.max_memory_allocated``. Evaluation every ``--eval-every``
+  steps, checkpoints every ``--save-every``, a progress bar or a line per step.
+* What can go wrong: out of memory ends in one line of advice; Ctrl-C keeps the
+  completed steps (a partial JSON, exit 130) and never interrupts an optimizer
+  update halfway.
+* ``run_finetune``: the whole fine-tuning run the two scripts share. The baseline
+  hands it HF's loss (``hf_loss``) and ``torch.optim.AdamW``; finetune_optimized.py
+  hands it the fused kernels' loss and optimizer. Everything else is the same code.
+
+Nothing runs on import.
+"""
+
+import contextlib
+import functools
+import math
+import os
+import resource
+import signal
+import sys
+import threading
+import time
+
+import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
+
+import torch
+
+import flags
+import models
+import fsdp
+import dataloader
+import checkpoints
+
+
+# --------------------------------------------------------------------------------
+# The baseline's loss and optimizer (finetune_optimized.py switches in the kernels)
+# --------------------------------------------------------------------------------
+def hf_loss(model, batch):
+    """Baseline: the loss the way HF computes it (it shifts, upcasts the logits to fp32
+    and calls F.cross_entropy, which builds the log-softmax). ``batch``: see "Data"."""
+    return model(**dataloader.model_inputs(batch), labels=batch["labels"]).loss
+
+
+def pytorch_adamw(params, lr):
+    """torch.optim.AdamW with PyTorch's defaults (betas 0.9/0.999, eps 1e-8, weight decay 0.01).
+
+    fused=True on CUDA: one kernel per step for all parameters instead of a dozen
+    elementwise kernels per tensor. The CPU keeps PyTorch's default implementation.
+    """
+    return torch.optim.AdamW(params, lr=lr, fused=torch.cuda.is_available())
+
+
+# --------------------------------------------------------------------------------
+# One training step, the training loop
+# --------------------------------------------------------------------------------
+def phase(name):
+    """A named range: shows in torch.profiler traces, and in nsys as NVTX on a GPU."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.profiler.record_function(name))
+    if torch.cuda.is_available():
+        stack.enter_context(torch.cuda.nvtx.range(name))
+    return stack
+
+
+def train_step(model, optimizer, loss_fn, micro_batches, scheduler=None, max_grad_norm=0.0):
+    """One optimizer step: forward + loss and backward for each micro-batch
+    (``micro_batches``: a list of batch dicts, see "Data"; one without --grad-accum),
+    then gradient clipping, the AdamW update and the learning-rate schedule.
+    Returns (loss, gradient norm): tensors, the loss averaged over every target
+    token of the step; the norm is None when clipping is off."""
+    loss = accumulate_gradients(model, loss_fn, micro_batches)
+    with phase("optimizer"):
+        grad_norm = optimizer_update(optimizer, scheduler, max_grad_norm)
+    return loss, grad_norm
+
+
+def target_count(batch):
+    """How many positions of a batch count in its loss (the shifted labels that are
+    not IGNORE_INDEX: prompts, padding and each example's first token are not), as
+    a tensor: reading it would wait for the GPU."""
+    return (dataloader.shift_labels(batch["labels"]) != dataloader.IGNORE_INDEX).sum()
+
+
+def accumulate_gradients(model, loss_fn, micro_batches):
+    """Forward and backward of each micro-batch, adding up the gradients.
+
+    ``loss_fn`` returns the mean over one micro-batch's target tokens. The step's
+    loss must be the mean over all of its tokens, what one big batch would give,
+    so each micro-batch's loss is weighted by its share of the step's tokens
+    (1/N each when every micro-batch has as many; with padding, not). The weight
+    is applied before backward, so the gradients are those of the step's loss.
+    """
+    counts = [target_count(batch) for batch in micro_batches]
+    total = torch.stack(counts).sum()
+    rank, ranks = fsdp.rank_and_size()
+    if ranks > 1:
+        # --fsdp: the step's loss is the mean over the target tokens of every rank,
+        # so each rank weighs its tokens by the global count. FSDP averages the
+        # gradients over the N ranks (it divides their sum by N): multiplying by N
+        # here makes them the gradients of the global mean, as one process with the
+        # whole batch computes them. No host sync: an all-reduce of a device scalar.
+        torch.distributed.all_reduce(total)
+    total = total.clamp(min=1)  # an all-padding step: loss 0, not 0/0
+    step_loss = 0.0
+    for batch, count in zip(micro_batches, counts):
+        with phase("forward"):
+            loss = loss_fn(model, batch) * (count * ranks / total)  # exactly x1.0 on one process without accumulation
+        with phase("backward"):
+            loss.backward()
+        step_loss = step_loss + loss.detach()
+    if ranks > 1:  # the global mean: the sum of the ranks' shares, over N
+        step_loss = step_loss.clone() if torch.is_tensor(step_loss) else torch.tensor(step_loss, device=total.device)
+        torch.distributed.all_reduce(step_loss)
+        step_loss = step_loss / ranks
+    return step_loss
+
+
+def optimizer_update(optimizer, scheduler, max_grad_norm):
+    """Clip the gradients, update the parameters, advance the learning-rate schedule.
+    Returns the gradient norm before clipping (a tensor), or None without clipping."""
+    grad_norm = None
+    if max_grad_norm > 0 and hasattr(optimizer, "clip_grad_norm_"):
+        # An optimizer that clips inside its own step (the Triton AdamW: the scaling
+        # happens as the step reads each gradient, one pass over them fewer).
+        grad_norm = optimizer.clip_grad_norm_(max_grad_norm)
+    elif max_grad_norm > 0:
+        # The parameters the optimizer updates are the ones to clip (LoRA: the adapters only).
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):  # --fsdp: a DTensor of partial norms; the global norm
+            grad_norm = grad_norm.full_tensor()
+    # Ctrl-C in the middle of the update would leave some tensors updated and others
+    # not, and no checkpoint could be saved: it is held until the update is complete.
+    with hold_interrupts():
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)  # frees the gradients until next backward
+    return grad_norm
+
+
+_HELD_INTERRUPTS = []  # Ctrl-C pressed during an optimizer update (see hold_interrupts)
+
+
+@contextlib.contextmanager
+def hold_interrupts():
+    """Ctrl-C inside this block is recorded instead of raised; run_training raises it
+    once the step is recorded (interrupt_if_held). Only the main thread gets signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: _HELD_INTERRUPTS.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def interrupt_if_held():
+    if _HELD_INTERRUPTS:
+        _HELD_INTERRUPTS.clear()
+        raise KeyboardInterrupt
+
+
+@torch.no_grad()
+def evaluate(model, loss_fn, batches):
+    """Mean loss over ``batches`` (batch dicts; held_out_batches), every target token
+    weighted alike, with the model in eval mode (no dropout) and no gradients.
+    Returns a float."""
+    was_training = model.training
+    model.eval()
+    try:
+        loss_sum, count_sum = 0.0, 0
+        for batch in batches:
+            count = target_count(batch)
+            loss_sum = loss_sum + loss_fn(model, batch).float() * count
+            count_sum = count_sum + count
+    finally:
+        model.train(was_training)
+    return float(loss_sum / max(int(count_sum), 1))
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def peak_memory():
+    """(bytes, what was measured): GPU allocator peak, or the process peak RSS on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated(), "GPU max_memory_allocated"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports kilobytes, macOS bytes.
+    return (rss if sys.platform == "darwin" else rss * 1024), "CPU process peak RSS"
+
+
+@contextlib.contextmanager
+def exit_on_oom(args, what, model):
+    """Turn an out-of-memory error, GPU or CPU, into one line: what was attempted, what to reduce."""
+    try:
+        yield
+    except RuntimeError as e:  # torch.OutOfMemoryError is a RuntimeError, so is a failed CPU allocation
+        if not flags.is_out_of_memory(e):
+            raise
+        where = "GPU" if isinstance(e, torch.OutOfMemoryError) else "CPU"
+        name = "the tiny LLaMA" if args.tiny else args.model
+        # Weights, gradients and AdamW's two moments: 4 tensors the size of the model,
+        # before a single activation is stored.
+        state_gib = sum(4 * p.numel() * p.element_size() for p in model.parameters()) / 2**30
+        hint = "" if getattr(args, "use_custom_flce", False) else ", or add --use-custom-flce (no logits at all)"
+        raise SystemExit(
+            f"error: out of {where} memory while {what} {name} with batch {args.batch_size} x seq "
+            f"{args.seq_len} ({args.batch_size * args.seq_len:,} tokens per step; weights, gradients "
+            f"and AdamW state alone take {state_gib:.1f} GiB); reduce --batch-size or --seq-len{hint}"
+        ) from None
+
+
+LONG_RUN_S = 120  # a run that will take longer than this says so after its first step
+
+
+def print_estimate(first_step_s, steps_left):
+    """After the first step: how long the rest will take, when that is long.
+
+    The first step is the slowest (Triton compilation on a GPU, AdamW's state
+    allocation everywhere), so the figure is an upper bound.
+    """
+    left_s = first_step_s * steps_left
+    if left_s > LONG_RUN_S:
+        print(
+            f"Estimate:      up to {duration(left_s)} for the remaining {steps_left} steps at the first "
+            f"step's pace; fewer --steps or a shorter --seq-len finish sooner (Ctrl-C keeps the steps done)",
+            flush=True,
+        )
+
+
+def duration(seconds):
+    """'45 s', '7 min', '2.5 h': a human reading of a rough estimate."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, resumed=None):
+    """The fine-tuning loop: ``loss_fn(model, batch)``, ``optimizer`` and the
+    learning-rate ``scheduler`` at every step, on the batches of ``data``
+    (prepare_data; None: synthetic). Returns a dict of results (see write_json).
+
+    Throughput is counted two ways: ``tokens_per_sec``, every token slot the model
+    computed (padding included), and ``real_tokens_per_sec``, the slots that hold
+    real tokens of an example (prompt or response), not padding.
+    ``padding_fraction``: the share of the slots of all steps run that is padding.
+
+    ``resumed``: the trainer state of the checkpoint this run continues (see
+    load_checkpoint): the loop starts after its step, on the batches that step
+    would have been given. With --eval-every the held-out loss is measured every N
+    steps; with --output-dir a checkpoint is saved every --save-every steps and at
+    the end. Ctrl-C stops the loop between or inside a step: the results then hold
+    the completed steps and ``partial`` is True (the caller writes them and exits
+    130); with --output-dir the completed steps are saved as a checkpoint first.
+    """
+    device = next(model.parameters()).device
+    start = resumed["step"] if resumed else 0
+    history = resumed["history"] if resumed else {"train": [], "eval": []}  # every step, for the curve
+    # The batches are a pure function of (seed, step): a resumed run gets those
+    # the uninterrupted run had from its step on.
+    batches = dataloader.training_batches(args, data, device, model.config.vocab_size, start)
+    total = args.warmup_steps + args.steps
+    heldout = dataloader.held_out_batches(args, data, device, model.config.vocab_size) if args.eval_every else None
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()  # the peak of training, weights included
+
+    steps, evals, saved = [], [], []
+    partial = False
+    rng = checkpoints.rng_states()  # the random state after the last completed step: what a checkpoint holds
+    bar = progress_bar(args, total, start)
+    say = bar.write if bar else functools.partial(print, flush=True)
+    with exit_on_oom(args, "training", model):
+        try:
+            for i in range(start, total):
+                micro_batches = next(batches)
+                warmup = i - start < args.warmup_steps  # the first steps of this process are not timed
+                lr = optimizer.param_groups[0]["lr"]
+                sync()  # time only this step's work, not what is still queued
+                begin = time.perf_counter()
+                loss, grad_norm = train_step(model, optimizer, loss_fn, micro_batches, scheduler, args.max_grad_norm)
+                sync()
+                seconds = time.perf_counter() - begin
+                # Every micro-batch of the step, of every process (--fsdp: the global batch).
+                tokens, real_tokens = fsdp.reduce_over_ranks([sum(b["num_tokens"] for b in micro_batches),
+                                                              sum(b["num_real_tokens"] for b in micro_batches)])
+                record = {"step": i + 1, "loss": loss.item(), "time_s": seconds, "warmup": warmup, "lr": lr,
+                          "grad_norm": None if grad_norm is None else grad_norm.item(),
+                          "tokens": int(tokens), "real_tokens": int(real_tokens)}
+                steps.append(record)
+                history["train"].append([i + 1, record["loss"]])
+                report_step(args, bar, record, total)
+                if i == start and not bar:
+                    print_estimate(seconds, total - i - 1)
+                if args.eval_every and (i + 1) % args.eval_every == 0:
+                    eval_loss = evaluate(model, loss_fn, heldout)
+                    evals.append({"step": i + 1, "loss": eval_loss})
+                    history["eval"].append([i + 1, eval_loss])
+                    say(f"eval {i + 1:>4}/{total}  held-out loss {eval_loss:.4f} ({len(heldout)} batches)")
+                rng = checkpoints.rng_states()
+                if args.output_dir and args.save_every and (i + 1) % args.save_every == 0:
+                    saved.append(checkpoints.save_checkpoint(args, model, optimizer, scheduler, i + 1, history, rng))
+                    say(f"Saved         {saved[-1]}")
+                interrupt_if_held()  # Ctrl-C during the update: this step is complete and recorded
+        except KeyboardInterrupt:
+            partial = True  # keep what is done; the step in progress is lost
+        finally:
+            if bar:
+                bar.close()
+
+    done = start + len(steps)
+    if args.output_dir:
+        # The end of the run, or the last completed step of an interrupted one.
+        if done > start and not os.path.exists(checkpoints.checkpoint_path(args.output_dir, done)):
+            saved.append(checkpoints.save_checkpoint(args, model, optimizer, scheduler, done, history, rng))
+            print(f"Saved         {saved[-1]}", flush=True)
+        if fsdp.is_main_process():
+            curve = plot_loss_curve(os.path.join(args.output_dir, flags.LOSS_CURVE), history)
+            print(f"Loss curve:   {curve}", flush=True)
+
+    timed = [s for s in steps if not s["warmup"]]
+    timed_s = sum(s["time_s"] for s in timed)
+    slots = sum(s["tokens"] for s in steps)
+    peak_bytes, peak_kind = peak_memory()
+    _, ranks = fsdp.rank_and_size()
+    if ranks > 1:  # the largest of the processes' peaks: what each GPU must hold
+        peak_bytes = int(fsdp.reduce_over_ranks([peak_bytes], op="max")[0])
+        peak_kind += f", the largest of {ranks} processes"
+    tokens_per_sec = sum(s["tokens"] for s in timed) / timed_s if timed else None
+    return {
+        "world_size": ranks,
+        "partial": partial,
+        "planned_steps": total,
+        "start_step": start,  # steps already done by the checkpoint this run resumed (0: a fresh run)
+        "steps": steps,  # this run's steps; "step" counts from the start of training
+        "losses": [s["loss"] for s in steps],
+        "step_times_s": [s["time_s"] for s in steps],
+        "eval": evals,
+        "checkpoints": saved,
+        "warmup_steps": args.warmup_steps,
+        "timed_steps": len(timed),
+        "grad_accum": args.grad_accum,
+        "tokens_per_step": slots / len(steps) if steps else None,  # the mean: padded batches vary
+        # None (null in the JSON) when Ctrl-C came before the first timed step.
+        "time_per_step_s": timed_s / len(timed) if timed else None,
+        "tokens_per_sec": tokens_per_sec,  # every process's tokens (--fsdp: the total of all GPUs)
+        "tokens_per_sec_per_gpu": tokens_per_sec / ranks if tokens_per_sec is not None else None,
+        "real_tokens_per_sec": sum(s["real_tokens"] for s in timed) / timed_s if timed else None,
+        "padding_fraction": 1 - sum(s["real_tokens"] for s in steps) / slots if steps else None,
+        "peak_memory_bytes": peak_bytes,
+        "peak_memory_kind": peak_kind,
+        "final_loss": steps[-1]["loss"] if steps else None,
+    }
+
+
+def report_step(args, bar, record, total):
+    """A step's loss and speed: on the progress bar, or as a line every --log-every steps."""
+    step, seconds, tokens = record["step"], record["time_s"], record["tokens"]
+    speed = "warm-up" if record["warmup"] else f"{tokens / seconds:,.0f} tok/s"
+    if bar:
+        bar.set_postfix_str(f"loss {record['loss']:.4f}, {speed}", refresh=False)
+        bar.update(1)
+        return
+    if step % (args.log_every or 1) == 0 or step == total or record["warmup"]:
+        tag = "  (warm-up, not timed)" if record["warmup"] else f"  {tokens / seconds:>10,.0f} tokens/s"
+        print(f"step {step:>4}/{total}  loss {record['loss']:.4f}  {seconds:8.3f} s{tag}", flush=True)
+
+
+def progress_bar(args, total, start):
+    """A tqdm bar (loss, tokens/s, ETA) on a terminal when --log-every is not given;
+    otherwise None, and each step prints a line (logs, pipes, tests)."""
+    if args.log_every is not None or not sys.stdout.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, file=sys.stdout)
+
+
+def print_results(title, results):
+    """The playbook's result block: time per step, throughput, peak memory."""
+    print("=" * 72)
+    print(title)
+    print("=" * 72)
+    print(f"Timed steps:                {results['timed_steps']} (after {results['warmup_steps']} warm-up)")
+    print(f"Average time per step:      {results['time_per_step_s']:.3f} s")
+    print(f"Average throughput:         {results['tokens_per_sec']:,.0f} tokens/sec")
+    if results.get("world_size", 1) > 1:
+        label = f"Per GPU ({results['world_size']} processes):"
+        print(f"{label:<28}{results['tokens_per_sec_per_gpu']:,.0f} tokens/sec")
+    print(f"Real tokens (no padding):   {results['real_tokens_per_sec']:,.0f} tokens/sec "
+          f"(padding: {results['padding_fraction'] * 100:.1f}% of the token slots)")
+    print(f"Peak memory:                {results['peak_memory_bytes'] / 2**30:.2f} GiB ({results['peak_memory_kind']})")
+    print(f"Final loss:                 {results['final_loss']:.4f}")
+    if results.get("eval"):
+        last = results["eval"][-1]
+        print(f"Held-out loss:              {last['loss']:.4f} (step {last['step']})")
+
+
+def write_json(path, script, args, env, model_info, results):
+    """--json: everything needed to compare two runs later, in one file (strict JSON,
+    NaN as null, written atomically)."""
+    doc = {
+        "script": script,
+        "config": flags.public_config(args),
+        "environment": env,
+        "model": model_info,
+        **results,
+    }
+    flags.write_json_atomic(path, doc)
+
+
+def run_finetune(args, title, script, switch_in):
+    """Everything a fine-tune script does after parsing its flags.
+
+    ``switch_in(model, kernels)`` is the script's own choice of what to train with:
+    it returns ``(loss_fn, make_optimizer)``, a loss ``loss_fn(model, batch)``
+    (a batch dict, see "Data") and an optimizer factory ``make_optimizer(params,
+    lr)``, and prints what it chose. With --lora the model it gets is already
+    wrapped by PEFT, and the optimizer is given the adapters' parameters only.
+    Ctrl-C writes the completed steps (marked partial) and exits 130.
+    """
+    # Every check that needs no model comes first: a mistake costs a second, not a load.
+    if args.json:
+        args.json = flags.check_output_path(args.json, "--json")  # now, not after minutes of training
+    models.check_lora_flags(args)
+    fsdp.check_fsdp_flags(args)
+    resumed = checkpoints.read_checkpoint_state(args.resume) if args.resume else None
+    flags.check_output_flags(args)
+    world = fsdp.init_distributed(args)  # --fsdp: rank 0 prints from here on
+    env = flags.environment_info()
+    flags.print_banner(title, env)
+    flags.resolve_defaults(args)
+    if resumed:
+        checkpoints.check_same_run(args, resumed)
+    if args.output_dir:
+        checkpoints.check_no_later_checkpoints(args.output_dir, resumed["step"] if resumed else 0)
+    records = dataloader.load_records(args.dataset)  # a bad --dataset fails now, before the model is built
+
+    model, model_info = models.load_model(args)
+    data = dataloader.prepare_data(args, records, model.config.vocab_size)
+    if args.eval_every and data is not None and not data.held_out:
+        raise SystemExit(f"error: --eval-every: {data.name} leaves no held-out example to evaluate on (its "
+                         f"held-out split is {dataloader.EVAL_FRACTION:.0%} of the records); use a larger dataset "
+                         f"or leave --eval-every out")
+    if args.lora:
+        model = models.apply_lora(model, args)
+    if resumed:
+        checkpoints.check_same_model(resumed, model)
+    params = models.trainable_parameters(model)
+    model_info["trainable_parameters"] = sum(p.numel() for p in params)
+    accum = f" x {args.grad_accum} micro-batches per step" if args.grad_accum > 1 else ""
+    per = f" per process, {world.size} processes" if world else ""
+    print(f"Batch:         {args.batch_size} x {args.seq_len} tokens{per}{accum}, lr {args.lr:g}, seed {args.seed}")
+    kernels = flags.kernels_from_args(args)
+    loss_fn, make_optimizer = switch_in(model, kernels)
+    if world:  # after the kernels: the swapped modules are what is sharded
+        fsdp.shard_model(model, args)
+        loss_fn = fsdp.loss_inside_forward(model, loss_fn)
+    models.compile_decoder(model, args)  # after the kernels (and LoRA): they are what the graphs hold
+    # Taken again: fully_shard replaced every parameter with a sharded one (DTensor).
+    optimizer = make_optimizer(models.trainable_parameters(model), lr=args.lr)
+    scheduler = make_scheduler(optimizer, args)
+    print_schedule(args)
+    if resumed:
+        checkpoints.load_checkpoint(args.resume, model, optimizer, scheduler)
+        print(f"Resumed:       {args.resume}: step {resumed['step']} of {args.warmup_steps + args.steps} done")
+    results = run_training(args, model, loss_fn, optimizer, data, scheduler, resumed)
+    results["kernels"] = kernels
+    write = args.json and fsdp.is_main_process()  # --fsdp: rank 0 writes the one report
+    if results["partial"]:
+        done = len(results["steps"])
+        if write:
+            write_json(args.json, script, args, env, model_info, results)
+        where = f"wrote them to {args.json} (marked partial)" if args.json else "not written (no --json)"
+        print(f"\nInterrupted: {done} of {results['planned_steps'] - results['start_step']} steps completed, "
+              f"{where}", flush=True)
+        raise SystemExit(130)  # 128 + SIGINT, what a shell reports for Ctrl-C
+    print_results(f"{title}: results", results)
+    if write:
+        write_json(args.json, script, args, env, model_info, results)
+        print(f"Wrote {args.json}")
+    fsdp.close_distributed()
+    return results
+
+
+# --------------------------------------------------------------------------------
+# The learning-rate schedule
+# --------------------------------------------------------------------------------
+def lr_factor(step, warmup, total):
+    """The multiplier of --lr for optimizer step ``step`` (0-based) of ``total``.
+
+    A linear warm-up over the first ``warmup`` steps (1/warmup, 2/warmup, ... 1:
+    Adam's first updates, from moments estimated on one or two batches, are the
+    least reliable, so they are kept small), then half a cosine from 1 down to 0 at
+    step ``total`` (the last step trains with a small, non-zero rate).
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def make_scheduler(optimizer, args):
+    """A LambdaLR over lr_factor: it sets each group's lr, so any torch optimizer
+    follows it (torch.optim.AdamW, TritonAdamW). Stepped once per optimizer step."""
+    total = args.warmup_steps + args.steps
+    factor = functools.partial(lr_factor, warmup=args.lr_warmup_steps, total=total)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def print_schedule(args):
+    total = args.warmup_steps + args.steps
+    clip = f"clipped to norm {args.max_grad_norm:g}" if args.max_grad_norm > 0 else "not clipped"
+    print(f"Schedule:      {total} steps: lr warm-up over {args.lr_warmup_steps}, then cosine to 0; "
+          f"gradients {clip}")
+
+
+# --------------------------------------------------------------------------------
+# The loss curve
+# --------------------------------------------------------------------------------
+def plot_loss_curve(path, history):
+    """Train (every step) and held-out losses against the step, as a PNG; returns the path.
+    matplotlib's Agg canvas directly: no display, no pyplot state."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for points, style, label in ((history["train"], "-", "train"), (history["eval"], "o-", "held-out")):
+        points = [(step, loss) for step, loss in points if loss is not None]  # NaN was saved as null
+        if points:
+            ax.plot(*zip(*points), style, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp)
+    os.replace(tmp, path)
+    return path

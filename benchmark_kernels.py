@@ -1,38 +1,36 @@
 """
 Steps 7 and 10 -- Benchmark the fused kernels against every peer.
 
-What: for each kernel (RMSNorm, cross-entropy, SwiGLU, RoPE, linear + cross-entropy),
-shape (LLaMA-3.1-8B's, bf16) and provider -- ours; PyTorch eager in the Hugging Face
-formulation (each kernel module's ``*_reference``); PyTorch's native op where one
-exists; ``torch.compile`` of the HF formulation; Liger-Kernel and cut-cross-entropy
-when installed; for RMSNorm and cross-entropy the playbook's one-row-per-program design
-(written out below) -- one table row.
+What: one table row per kernel (RMSNorm, cross-entropy, SwiGLU, RoPE, linear + cross-entropy),
+shape (LLaMA-3.1-8B's, bf16) and provider: ours; PyTorch eager in the Hugging Face formulation
+(each kernel module's ``*_reference``); PyTorch's native op where one exists; ``torch.compile``
+of the HF formulation; Liger-Kernel and cut-cross-entropy when installed; for RMSNorm and
+cross-entropy the playbook's one-row-per-program design (written out below).
 
-How: ``fwd`` is the forward alone under ``torch.no_grad()`` (evaluation); ``fwd+bwd``
-is the forward with autograd, then ``torch.autograd.grad`` with an upstream gradient
-made beforehand (random, or 1.0 for a scalar loss as ``loss.backward()`` gives):
-what training pays. Latency = median of ``triton.testing.do_bench`` (warm-up
-excluded, L2 flushed before every call). ``graph`` is the same fwd+bwd captured in a
-CUDA graph and replayed (``triton.testing.do_bench_cudagraph``): GPU time without the
-host's launch cost, which is what torch.compile's CUDA-graph mode leaves of a call.
-Inputs are random, never zeros, made outside the timed region; every provider gets
-a fresh copy of the same values.
+How: ``fwd`` is the forward alone under ``torch.no_grad()`` (evaluation); ``fwd+bwd`` is the
+forward with autograd, then ``torch.autograd.grad`` with an upstream gradient made beforehand
+(random, or 1.0 for a scalar loss as ``loss.backward()`` gives): what training pays. Latency =
+median of ``triton.testing.do_bench`` (warm-up excluded, L2 flushed before every call). ``graph``
+is the same fwd+bwd captured in a CUDA graph and replayed (``triton.testing.do_bench_cudagraph``):
+GPU time without the host's launch cost, which is what torch.compile's CUDA-graph mode leaves of
+a call. Inputs are random, never zeros, made outside the timed region; every provider gets a
+fresh copy of the same values.
 
 Reading a table (compare rows within one shape):
-* ``GB/s``: bytes of the formula printed under the table (each tensor read once,
-  written once: the least traffic any implementation needs) / latency; extra passes
-  show as fewer GB/s. Matmul-bound work (linear + cross-entropy): TFLOP/s instead.
+* ``GB/s``: bytes of the formula printed under the table (each tensor read once, written once:
+  the least traffic any implementation needs) / latency; extra passes show as fewer GB/s.
+  Matmul-bound work (linear + cross-entropy): TFLOP/s instead.
 * ``%copy``: that / the device copy bandwidth measured at the start of the same run.
 * ``ours x``: the peer's latency / ours (above 1.00x: ours is faster).
-* ``peak MB``: ``torch.cuda.max_memory_allocated()`` during one forward+backward
-  minus what was allocated just before it; the notes say what that counts.
+* ``peak MB``: ``torch.cuda.max_memory_allocated()`` during one forward+backward minus what was
+  allocated just before it; the notes say what that counts.
 * ``|err|``: the forward output against a float64 truth of the same inputs.
-* ``OOM`` / ``ERR``: that provider ran out of memory or failed (the message is
-  printed under the table); the run goes on.
+* ``OOM`` / ``ERR``: that provider ran out of memory or failed (the message is printed under the
+  table); the run goes on.
 
-Without a GPU the kernels run in the Triton interpreter on tiny shapes: every
-provider that can run on CPU runs once (torch.compile with backend "aot_eager") and
-its error is shown, but nothing is timed ("n/a (CPU)"): no performance claim.
+Without a GPU the kernels run in the Triton interpreter on tiny shapes: every provider that can
+run on CPU runs once (torch.compile with backend "aot_eager") and its error is shown, but nothing
+is timed ("n/a (CPU)"): no performance claim.
 
 Usage:
     python benchmark_kernels.py --kernel rmsnorm          # or cross_entropy, swiglu, rope, flce
@@ -59,10 +57,7 @@ import torch.nn.functional as F
 # The kernel modules come before triton: without a GPU, kernel_common (which they
 # import first) switches on Triton's interpreter, and that must precede `import triton`.
 from cross_entropy_kernel import cross_entropy, cross_entropy_reference
-from linear_cross_entropy_kernel import (
-    fused_linear_cross_entropy,
-    linear_cross_entropy_reference,
-)
+from linear_cross_entropy_kernel import fused_linear_cross_entropy, linear_cross_entropy_reference
 from flags import check_output_path, environment_info, write_json_atomic
 from rmsnorm_kernel import rmsnorm, rmsnorm_reference
 from rope_kernel import rope, rope_reference
@@ -79,14 +74,13 @@ BYTES = torch.finfo(DTYPE).bits // 8  # 2: every tensor the formulas count is bf
 EPS = 1e-6
 NA_CPU, SKIPPED_CPU, NOT_INSTALLED = "n/a (CPU)", "skipped (CPU)", "not installed"
 BENCH_MS = {"full": (25, 100), "quick": (10, 40)}  # do_bench (warm-up, repetitions) in ms
-# "graph": the same forward + backward, captured once in a CUDA graph and replayed.
-# Replay launches every kernel from the GPU's side, with no Python, no dispatcher
-# and no launch overhead: the GPU time alone. Eager minus graph is what the host
-# costs per call, the part a compiled, graph-replayed training step does not pay.
+# "graph" replays the fwd+bwd from a CUDA graph: every kernel launched from the GPU's side, with no
+# Python, dispatcher or launch overhead. Eager minus graph is what the host costs per call, the part
+# a compiled, graph-replayed training step does not pay.
 PASSES = ("fwd", "fwdbwd", "graph")
 WORK = {"fwd": "fwd", "fwdbwd": "fwdbwd", "graph": "fwdbwd"}  # which entry of bytes/flops a pass moves
-# Peers that need a package besides PyTorch. Their kernels are Triton kernels for
-# CUDA, so on CPU they are skipped even when installed.
+# Peers that need a package besides PyTorch: provider -> package. Their kernels are Triton
+# kernels for CUDA, so on CPU they are skipped even when installed.
 NEEDS = {"Liger-Kernel": "liger-kernel", "Liger-Kernel FLCE": "liger-kernel",
          "Apple cut-cross-entropy": "cut-cross-entropy"}
 
@@ -100,18 +94,17 @@ def version(package):
 
 def unavailable(provider):
     """None when ``provider`` can run here, else the word its cells show instead."""
-    package = NEEDS.get(provider)
-    if package is None:
+    if provider not in NEEDS:
         return None
-    if version(package) is None:
+    if version(NEEDS[provider]) is None:
         return NOT_INSTALLED
     return None if ON_GPU else SKIPPED_CPU
 
 
 def compiled(fn):
-    """torch.compile of ``fn``, built afresh for every shape (dynamic=False: one static
-    graph per shape, and the compile time printed under the table is that shape's).
-    On CPU, backend "aot_eager" (traced and differentiated, no C++ toolchain needed)."""
+    """torch.compile of ``fn``, built afresh for every shape (dynamic=False: one static graph per
+    shape, and the compile time printed under the table is that shape's). On CPU, backend
+    "aot_eager" (traced and differentiated, no C++ toolchain needed)."""
     torch._dynamo.reset()
     return torch.compile(fn, dynamic=False, backend="inductor" if ON_GPU else "aot_eager")
 
@@ -124,8 +117,8 @@ def liger(module, name):
 
 
 def loss64(logits_of_rows, targets, rows=1024):
-    """Mean cross-entropy in float64, ``rows`` rows at a time (all of [N, V] in float64
-    would be 17 GB at N = 16,384). No benchmark target is ignored: the mean is over N."""
+    """Mean cross-entropy in float64, ``rows`` rows at a time (all of [N, V] in float64 would be
+    17 GB at N = 16,384). No benchmark target is ignored: the mean is over N."""
     n, total = targets.shape[0], 0.0
     for lo in range(0, n, rows):
         hi = min(lo + rows, n)
@@ -146,9 +139,7 @@ def randn(*shape):
     return torch.randn(*shape, device=DEVICE, dtype=DTYPE)
 
 
-# --------------------------------------------------------------------------------
-# One spec per kernel: what to run, on what, and how to count it
-# --------------------------------------------------------------------------------
+# --- One spec per kernel: what to run, on what, and how to count it -------------------
 @dataclass
 class Spec:
     name: str  # --kernel NAME and the key in the JSON
@@ -167,12 +158,12 @@ class Spec:
 
 
 # --- The playbook's design, as a peer --------------------------------------------------
-# The kernels the playbook starts from, written here from its description (its own code
-# is not a package to import): one program per row, forward and backward; the RMSNorm
-# backward writes every row's weight-gradient term to a [N, H] float32 buffer and sums it
-# with torch; the cross-entropy forward streams the vocabulary in chunks with an online
-# softmax, and its backward streams it again to write the gradient. Python-launched like
-# ours, so the eager columns compare launch paths too.
+# The kernels the playbook starts from, written here from its description (its own code is not
+# a package to import): one program per row, forward and backward; the RMSNorm backward writes
+# every row's weight-gradient term to a [N, H] float32 buffer and sums it with torch; the
+# cross-entropy forward streams the vocabulary in chunks with an online softmax, and its backward
+# streams it again to write the gradient. Python-launched like ours, so the eager columns compare
+# launch paths too.
 @triton.jit
 def _playbook_rmsnorm_fwd(X, W, Y, RSTD, n_cols, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -499,10 +490,7 @@ FLCE = Spec(
 
 KERNELS = {spec.name: spec for spec in (RMSNORM, CROSS_ENTROPY, SWIGLU, ROPE, FLCE)}
 
-
-# --------------------------------------------------------------------------------
-# Measuring one provider at one shape
-# --------------------------------------------------------------------------------
+# --- Measuring: one provider at one shape, one JSON record ----------------------------
 def free_memory():
     """Drop unreachable tensors and cached blocks, so the next provider starts clean."""
     gc.collect()
@@ -522,18 +510,14 @@ def guarded(stage, messages):
     return ("OOM" if oom else "ERR"), None
 
 
-def bench(fn, bench_ms):
-    """Median latency in ms (None on CPU: the interpreter's speed says nothing)."""
+def bench(fn, bench_ms, graph=False):
+    """Median latency in ms of ``fn``, or with ``graph`` of ``fn`` captured in a CUDA graph and
+    replayed. None on CPU: the interpreter's speed says nothing."""
     if not ON_GPU:
         return None
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=bench_ms[1], return_mode="median")
     return triton.testing.do_bench(fn, warmup=bench_ms[0], rep=bench_ms[1], return_mode="median")
-
-
-def bench_graph(fn, bench_ms):
-    """Median latency in ms of ``fn`` captured in a CUDA graph and replayed."""
-    if not ON_GPU:
-        return None
-    return triton.testing.do_bench_cudagraph(fn, rep=bench_ms[1], return_mode="median")
 
 
 def copy_bandwidth(bench_ms):
@@ -569,21 +553,19 @@ def make_calls(spec, provider, shape, seed):
     return fwd, fwdbwd
 
 
-# A capture that fails (a peer that synchronizes with the host inside its call:
-# Liger-Kernel's cross-entropy does) leaves PyTorch's CUDA random-number generator
-# in the middle of a capture: every later random op in the process, ordinary work
-# included, raises "Offset increment outside graph capture encountered
-# unexpectedly". One clean capture of a random op closes that state again
-# (repair_capture_state). So the CUDA-graph timings run after every eager timing of
-# a kernel, ours first; a provider whose capture failed is not captured again (its
-# other shapes say "skipped"); and if the repair itself fails, no capture is
-# attempted for the rest of the run.
+# A capture that fails (a peer that synchronizes with the host inside its call: Liger-Kernel's
+# cross-entropy does) leaves PyTorch's CUDA random-number generator in the middle of a capture:
+# every later random op in the process, ordinary work included, raises "Offset increment outside
+# graph capture encountered unexpectedly". One clean capture of a random op closes that state
+# again (repair_capture_state). So the CUDA-graph timings run after every eager timing of a
+# kernel, ours first; a provider whose capture failed is not captured again (its other shapes
+# say "skipped"); and if the repair itself fails, no capture is attempted for the rest of the run.
 CAPTURE = {"failed": {}, "broken": None}  # failed: provider -> where; broken: why captures stopped
 
 
 def repair_capture_state():
-    """After a failed capture: one clean capture of a random op resets the CUDA
-    generator's capture bookkeeping. Returns None, or why the repair failed."""
+    """After a failed capture: one clean capture of a random op resets the CUDA generator's
+    capture bookkeeping. Returns None, or why the repair failed."""
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -596,7 +578,7 @@ def repair_capture_state():
 
 
 def measure_graph(spec, provider, shape, seed, rec, bench_ms):
-    """Fill rec's graph_* fields: fwd+bwd captured in a CUDA graph and replayed."""
+    """Fill rec's graph cells: fwd+bwd captured in a CUDA graph and replayed."""
     if not ON_GPU or rec["fwdbwd_status"] != "ok":
         rec["graph_status"] = NA_CPU if not ON_GPU else rec["fwdbwd_status"]
         return
@@ -608,7 +590,7 @@ def measure_graph(spec, provider, shape, seed, rec, bench_ms):
         _, fwdbwd = make_calls(spec, provider, shape, seed)
         fwdbwd()  # first call outside the capture: compilation, autotuning, lazy allocations
         torch.cuda.synchronize()
-        return bench_graph(fwdbwd, bench_ms)
+        return bench(fwdbwd, bench_ms, graph=True)
 
     rec["graph_status"], rec["graph_ms"] = guarded(stage, rec["messages"])
     if rec["graph_status"] == "ERR":
@@ -701,7 +683,8 @@ def derive(records, copy_bw, ours):
 
 def run_kernel(spec, shapes, seed, bench_ms, copy_bw):
     """All providers at all shapes of one kernel: that kernel's block of the JSON."""
-    providers, records = list(spec.providers), []
+    providers = list(spec.providers)
+    blocks = []  # one per shape: a record per provider, ours first
     for i, shape in enumerate(shapes):
         # The float64 truth, once per shape, on the values every provider gets (made
         # before any runs: Liger's RoPE and our in-place CE overwrite their inputs).
@@ -718,19 +701,18 @@ def run_kernel(spec, shapes, seed, bench_ms, copy_bw):
         if status != "ok":  # no truth, so no error column: say why, once
             block[0]["messages"].append(f"float64 truth: {status} {' '.join(failed)}".strip())
         del truth
-        records += block
+        blocks.append(block)
     # CUDA graphs last (see CAPTURE), ours first: provider by provider, shape by shape.
-    for provider in providers:
+    for k, provider in enumerate(providers):
         for i, shape in enumerate(shapes):
-            rec = records[i * len(providers) + providers.index(provider)]
-            measure_graph(spec, provider, shape, seed + i, rec, bench_ms)
+            measure_graph(spec, provider, shape, seed + i, blocks[i][k], bench_ms)
             free_memory()
-    for i in range(len(shapes)):
-        derive(records[i * len(providers):(i + 1) * len(providers)], copy_bw, providers[0])
+    for block in blocks:
+        derive(block, copy_bw, providers[0])
     return {"title": spec.title, "header": f"{spec.title} benchmark -- {spec.describe(shapes[0])}",
             "providers": providers, "ours": providers[0], "shapes": shapes,
             "error_label": spec.error_label, "rate_unit": "TFLOP/s" if spec.flops else "GB/s",
-            "footnotes": footnotes(spec, shapes), "results": records}
+            "footnotes": footnotes(spec, shapes), "results": [rec for block in blocks for rec in block]}
 
 
 def amount(x):
@@ -743,7 +725,8 @@ def footnotes(spec, shapes):
     for s in shapes:
         if spec.bytes:
             b = spec.bytes(s)
-            lines.append(f"  N = {s['tokens']:>6,}: fwd {amount(b['fwd'] / 1e6)} MB, fwd+bwd {amount(b['fwdbwd'] / 1e6)} MB")
+            lines.append(f"  N = {s['tokens']:>6,}: fwd {amount(b['fwd'] / 1e6)} MB, "
+                         f"fwd+bwd {amount(b['fwdbwd'] / 1e6)} MB")
         if spec.flops:
             f, logits = spec.flops(s), s["tokens"] * s["vocab"] * BYTES / 1e6
             lines.append(f"  N = {s['tokens']:>6,}: fwd {amount(f['fwd'] / 1e9)} GFLOP, fwd+bwd "
@@ -757,9 +740,7 @@ def footnotes(spec, shapes):
     ]
 
 
-# --------------------------------------------------------------------------------
-# Output: one banner, one table per kernel
-# --------------------------------------------------------------------------------
+# --- Output: one banner, one table per kernel ------------------------------------------
 RULE = "=" * 100
 
 
@@ -837,9 +818,7 @@ def banner(env, bench_ms):
           "        backend aot_eager; Liger-Kernel and cut-cross-entropy need CUDA and are skipped.")
 
 
-# --------------------------------------------------------------------------------
-# Main
-# --------------------------------------------------------------------------------
+# --- Main -------------------------------------------------------------------------------
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

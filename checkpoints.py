@@ -27,6 +27,7 @@ import os
 import random
 import shutil
 import warnings
+import zlib
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
 
@@ -47,11 +48,17 @@ import dataloader
 #   rng_state.pt                             python, torch CPU and CUDA generators
 #   trainer_state.json                       step K, the flags and model config it was
 #                                            made with, the loss history
+#   manifest.json                            written last: every other file with its
+#                                            size and CRC-32
 # It is written as checkpoint-K.tmp and renamed when complete: a crash or Ctrl-C
-# during the save never leaves a half checkpoint under the real name.
+# during the save never leaves a half checkpoint under the real name. A disk that
+# fills up, a copy cut short or a bit flipped later is what the manifest catches:
+# --resume reads every file back and compares (CRC-32 runs at several GB/s, about
+# the speed the files are read, so the check costs a second per few GB).
 CHECKPOINT_PREFIX = "checkpoint-"
 TRAINER_STATE = "trainer_state.json"
-CHECKPOINT_FORMAT = 1
+MANIFEST = "manifest.json"
+CHECKPOINT_FORMAT = 2  # 2: with a manifest
 
 # The flags that decide a run's numbers: a resumed run must have the same ones.
 # The kernels other than AdamW may differ (same results to rounding); the
@@ -159,6 +166,7 @@ def save_checkpoint(args, model, optimizer, scheduler, step, history, rng):
         "world_size": ranks,  # --fsdp: the shards fit this many processes only
         "sharded": sharded,
     })
+    write_manifest(tmp)  # last: a checkpoint whose manifest matches its files is whole
     os.rename(tmp, path)
     fsdp.barrier()
     return path
@@ -250,12 +258,72 @@ def load_sharded_model(folder, model, flag):
     return model
 
 
+def crc32_of(path):
+    """The CRC-32 of a file's bytes, read in 8 MiB blocks, as 8 hex digits."""
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
+
+
+def write_manifest(folder):
+    """List every file of the checkpoint in ``folder`` with its size and CRC-32."""
+    files = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            file = os.path.join(root, name)
+            relative = os.path.relpath(file, folder)
+            if relative != MANIFEST:
+                files[relative] = {"bytes": os.path.getsize(file), "crc32": crc32_of(file)}
+    flags.write_json_atomic(os.path.join(folder, MANIFEST), {"files": dict(sorted(files.items()))})
+
+
+def damage(folder):
+    """None if the checkpoint in ``folder`` is whole (its files are those of its
+    manifest, byte for byte), else what is wrong, naming the file."""
+    try:
+        with open(os.path.join(folder, MANIFEST)) as f:
+            files = json.load(f)["files"]
+    except FileNotFoundError:
+        return f"no {MANIFEST}: its save never completed"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} is unreadable ({flags.one_line(e)})"
+    for relative, written in files.items():
+        file = os.path.join(folder, relative)
+        if not os.path.isfile(file):
+            return f"{relative} is missing"
+        size = os.path.getsize(file)
+        if size != written["bytes"]:
+            return f"{relative} is damaged ({size:,} bytes, {written['bytes']:,} were written)"
+        if crc32_of(file) != written["crc32"]:
+            return f"{relative} is damaged (its bytes differ from those written: CRC-32 mismatch)"
+    return None
+
+
+def latest_complete(folder, flag):
+    """A run's folder given to --resume: its latest checkpoint that is whole (said in a note)."""
+    passed = []
+    for step, path in sorted(existing_checkpoints(folder).items(), reverse=True):
+        problem = damage(path)
+        if problem is None:
+            skipped = f" ({'; '.join(passed)})" if passed else ""
+            flags.note(f"{flag} {folder}: resuming from its latest complete checkpoint, {path}{skipped}")
+            return path
+        passed.append(f"{os.path.basename(path)} skipped: {problem}")
+    raise SystemExit(f"error: {flag} {folder}: no complete checkpoint in it ({'; '.join(passed[:3])})")
+
+
 def read_checkpoint_state(path, flag="--resume"):
     """--resume (or ``flag``, the argument that named ``path``): the checkpoint's
-    trainer_state.json, or a one-line error."""
+    trainer_state.json (its "path": the checkpoint folder), or a one-line error.
+    ``path`` is a checkpoint-K folder, verified against its manifest, or the run's
+    folder that holds them: its latest complete checkpoint is taken."""
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.isdir(path):
         raise SystemExit(f"error: {flag} {path}: no such checkpoint directory")
+    if not os.path.exists(os.path.join(path, TRAINER_STATE)) and existing_checkpoints(path):
+        path = latest_complete(path, flag)
     try:
         with open(os.path.join(path, TRAINER_STATE)) as f:
             state = json.load(f)
@@ -267,15 +335,12 @@ def read_checkpoint_state(path, flag="--resume"):
     if state.get("format") != CHECKPOINT_FORMAT:
         raise SystemExit(f"error: {flag} {path}: checkpoint format {state.get('format')!r}, "
                          f"this code reads {CHECKPOINT_FORMAT}")
+    problem = damage(path)
+    if problem:
+        raise SystemExit(f"error: {flag} {path}: {problem}; resume from another checkpoint (given the run's "
+                         f"folder, --resume takes its latest complete one)")
     state["path"] = path
     return state
-
-
-def differences(then, now, limit=4):
-    """'key a there, b here' for the first ``limit`` keys whose values differ."""
-    keys = [k for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k)]
-    text = "; ".join(f"{k} {then.get(k)!r} there, {now.get(k)!r} here" for k in keys[:limit])
-    return text + (f" (and {len(keys) - limit} more)" if len(keys) > limit else "")
 
 
 def check_same_run(args, state):
@@ -286,7 +351,7 @@ def check_same_run(args, state):
                          f"this run trains {name}")
     then, now = state["flags"], json.loads(json.dumps(run_flags(args)))
     if then != now:
-        diff = differences({"--" + k.replace("_", "-"): v for k, v in then.items()},
+        diff = flags.differences({"--" + k.replace("_", "-"): v for k, v in then.items()},
                            {"--" + k.replace("_", "-"): v for k, v in now.items()})
         raise SystemExit(f"error: --resume {state['path']}: made with other settings: {diff}; "
                          f"resume with the flags of the run that saved it")
@@ -306,10 +371,10 @@ def check_same_model(state, model, flag="--resume"):
     """The architecture (and the LoRA setup) must be the checkpoint's."""
     if state["model_config"] != model_fingerprint(model):
         raise SystemExit(f"error: {flag} {state['path']}: the checkpoint is of another model: "
-                         f"{differences(state['model_config'], model_fingerprint(model))}")
+                         f"{flags.differences(state['model_config'], model_fingerprint(model))}")
     if state["lora_config"] != lora_fingerprint(model):
         raise SystemExit(f"error: {flag} {state['path']}: the checkpoint has other LoRA adapters: "
-                         f"{differences(state['lora_config'] or {}, lora_fingerprint(model) or {})}")
+                         f"{flags.differences(state['lora_config'] or {}, lora_fingerprint(model) or {})}")
 
 
 def load_checkpoint(path, model, optimizer, scheduler):

@@ -25,7 +25,9 @@ Usage:
 import ast
 import importlib.util
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -476,24 +478,78 @@ def strict_loads(text):
     return json.loads(text, parse_constant=reject)
 
 
-def test_nan_loss_is_written_as_null(tmp_path, monkeypatch):
+def nan_on_step(monkeypatch, bad_step):
+    """Make step ``bad_step``'s loss (and so its gradients) NaN, as a diverging run's."""
     real_step = training.train_step
     calls = []
 
-    def nan_on_step_2(*args, **kwargs):
+    def step(model, optimizer, loss_fn, *args, **kwargs):
         calls.append(1)
-        loss, grad_norm = real_step(*args, **kwargs)
-        return (torch.tensor(float("nan")) if len(calls) == 2 else loss), grad_norm
+        nan = float("nan") if len(calls) == bad_step else 1.0
+        return real_step(model, optimizer, lambda m, batch: loss_fn(m, batch) * nan, *args, **kwargs)
 
-    monkeypatch.setattr(training, "train_step", nan_on_step_2)
+    monkeypatch.setattr(training, "train_step", step)
+
+
+def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    nan_on_step(monkeypatch, 3)
     path = tmp_path / "nan.json"
-    path.write_text("old")  # replaced whole, never left half-written
-    finetune_baseline.main(TINY + ["--json", str(path)])
-    doc = strict_loads(path.read_text())
-    assert doc["losses"][1] is None and doc["steps"][1]["loss"] is None
-    assert all(isinstance(x, float) for i, x in enumerate(doc["losses"]) if i != 1)
-    assert doc["partial"] is False
-    assert [p.name for p in tmp_path.iterdir()] == ["nan.json"]  # no temporary file left
+    flags.write_json_atomic(str(path), {"old": True})  # an earlier run's file: replaced whole
+    with pytest.raises(SystemExit) as e:
+        finetune_baseline.main(TINY + ["--json", str(path), "--output-dir", str(tmp_path / "out"), "--save-every", "1"])
+    msg = str(e.value.code)
+    assert msg.startswith("error: step 3: loss nan, gradient norm nan: training diverged and stopped (3 of 4 steps "
+                          "completed") and "\n" not in msg
+    assert f"the last checkpoint, {tmp_path / 'out' / 'checkpoint-2'}, stays" in msg
+    doc = strict_loads(path.read_text())  # NaN written as null
+    assert doc["losses"][2] is None and doc["steps"][2]["loss"] is None
+    assert all(isinstance(x, float) for x in doc["losses"][:2])
+    assert doc["partial"] is True and doc["diverged_at_step"] == 3
+    assert doc["stop_reason"] == "non-finite loss or gradient"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["checkpoint-1", "checkpoint-2", flags.LOSS_CURVE]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nan.json", "out"]  # no temporary file left
+
+
+def test_a_learning_rate_that_diverges_stops_the_run():
+    with pytest.raises(SystemExit) as e:
+        finetune_baseline.main(TINY + ["--lr", "1e30", "--steps", "6", "--warmup-steps", "0"])
+    # The gradient norm overflows first (step 2 here), the loss after it.
+    assert re.match(r"^error: step \d: loss \S+, gradient norm (nan|inf): training diverged and stopped", e.value.code)
+
+
+def test_skip_nonfinite_steps_updates_nothing_and_goes_on(tmp_path, monkeypatch):
+    nan_on_step(monkeypatch, 3)
+    path = tmp_path / "skip.json"
+    finetune_baseline.main(TINY + ["--json", str(path), "--skip-nonfinite-steps"])
+    skipped = strict_loads(path.read_text())
+    assert skipped["partial"] is False and skipped["skipped_steps"] == [3] and skipped["steps"][2]["skipped"]
+    assert skipped["losses"][2] is None and skipped["steps"][2]["grad_norm"] is None
+    assert all(math.isfinite(x) for x in skipped["losses"][3:])
+
+
+def test_a_skipped_step_changes_nothing():
+    torch.manual_seed(0)
+    model = models.build_random(models.tiny_config(), torch.device("cpu"), torch.float32)
+    optimizer = training.pytorch_adamw(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    batch = dataloader.lm_batch(torch.randint(0, model.config.vocab_size, (2, 16)))
+    training.train_step(model, optimizer, training.hf_loss, [batch], scheduler, 1.0, skip_nonfinite=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {k: v.clone() for k, v in optimizer.state_dict()["state"][0].items()}
+    lr = optimizer.param_groups[0]["lr"]
+
+    def nan_loss(m, b):
+        return training.hf_loss(m, b) * float("nan")
+
+    loss, norm = training.train_step(model, optimizer, nan_loss, [batch], scheduler, 1.0, skip_nonfinite=True)
+    assert math.isnan(loss.item()) and not training.step_is_finite(loss.item(), norm.item())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(torch.equal(state[k], v) for k, v in optimizer.state_dict()["state"][0].items())
+    assert optimizer.param_groups[0]["lr"] == lr  # the schedule did not advance
+    assert all(p.grad is None for p in model.parameters())
+    # Without the flag the same step is made, with NaN gradients: the weights are lost.
+    training.train_step(model, optimizer, nan_loss, [batch], scheduler, 1.0)
+    assert any(v.isnan().any() for v in model.state_dict().values())
 
 
 def test_strict_json_helpers(tmp_path):

@@ -90,14 +90,25 @@ def print_banner(title, env):
 # --------------------------------------------------------------------------------
 # Output files: checked before the work, written whole or not at all
 # --------------------------------------------------------------------------------
-def check_output_path(path, flag, directory=False):
-    """Fail now, in one line, if ``path`` cannot be written; return it absolute.
+def check_output_path(path, flag, directory=False, inputs=(), suffix=None):
+    """Fail now, in one line, if ``path`` cannot be written or must not be; return it
+    absolute.
 
     A run that trains for minutes and then cannot write its results has lost them,
-    so every script checks its output paths before it builds a model. ``directory``:
-    the path is a folder to create (or reuse), not a file.
+    so every script checks its output paths before it builds a model. And an output
+    must never destroy what the user has: it may not be, or be inside, one of the
+    run's ``inputs`` ((flag, path) pairs, see input_paths), and an existing file is
+    replaced only if this project wrote it (written_here). ``suffix``: the one
+    extension the file may have (its format). ``directory``: the path is a folder
+    to create (or reuse), not a file.
     """
     path = os.path.abspath(os.path.expanduser(path))
+    real = os.path.realpath(path)  # through symbolic links, as the write would go
+    for input_flag, source in inputs:
+        if real == source or real.startswith(source.rstrip(os.sep) + os.sep):
+            where = "is" if real == source else "is inside"
+            raise SystemExit(f"error: {flag} {path}: {where} the {input_flag} input {source}; a run never writes "
+                             f"into what it reads")
     if directory:
         if os.path.exists(path) and not os.path.isdir(path):
             raise SystemExit(f"error: {flag} {path}: exists and is not a directory")
@@ -107,15 +118,55 @@ def check_output_path(path, flag, directory=False):
     else:
         if os.path.isdir(path):
             raise SystemExit(f"error: {flag} {path}: is a directory, expected a file path")
+        if suffix and not path.lower().endswith(suffix):
+            raise SystemExit(f"error: {flag} {path}: expected a {suffix} file")
         parent = os.path.dirname(path)
         if not os.path.isdir(parent):
             raise SystemExit(f"error: {flag} {path}: directory {parent} does not exist")
+        if os.path.exists(path) and not written_here(path):
+            raise SystemExit(f"error: {flag} {path}: exists and was not written by this project; remove it or "
+                             f"choose another path")
     try:  # os.access says yes to root everywhere; creating a file is the real test
         with tempfile.TemporaryFile(dir=parent):
             pass
     except OSError as e:
         raise SystemExit(f"error: {flag} {path}: cannot write in {parent} ({e.strerror})") from None
     return path
+
+
+def input_paths(args):
+    """[(flag, real path)] of what a run reads from disk: the dataset file, a model
+    folder, the checkpoint it resumes. Outputs are checked against them."""
+    found = []
+    for flag in ("--dataset", "--model", "--resume"):
+        value = getattr(args, flag[2:], None)
+        if value and os.path.exists(os.path.expanduser(value)):
+            found.append((flag, os.path.realpath(os.path.expanduser(value))))
+    return found
+
+
+# Every JSON file and figure this project writes says so: a file with the mark may
+# be replaced by a later run, any other file is the user's and is never touched.
+PROJECT = "kernel-ft"
+WRITTEN_BY = "written_by"  # the JSON key; figures carry PROJECT as their PNG "Software" text
+PNG_METADATA = {"Software": PROJECT}  # savefig(..., metadata=PNG_METADATA)
+
+
+def written_here(path):
+    """Whether the file at ``path`` carries this project's mark (write_json_atomic, PNG_METADATA)."""
+    try:
+        if path.lower().endswith(".json"):
+            with open(path) as f:
+                doc = json.load(f)
+            return isinstance(doc, dict) and doc.get(WRITTEN_BY) == PROJECT
+        if path.lower().endswith(".png"):
+            from PIL import Image  # installed with matplotlib
+
+            with Image.open(path) as image:
+                return image.text.get("Software") == PROJECT
+    except (OSError, ValueError):  # unreadable or not that format: not ours
+        return False
+    return False
 
 
 def check_input_file(path, flag):
@@ -141,13 +192,14 @@ def strict_json(value):
 
 
 def write_json_atomic(path, doc):
-    """Write ``doc`` as strict JSON to a temporary file beside ``path``, then rename it:
-    a reader (or a crash) never sees half a file, and an older file at ``path``
-    stays whole until the new one is complete."""
+    """Write ``doc`` (a dict) as strict JSON to a temporary file beside ``path``, then
+    rename it: a reader (or a crash) never sees half a file, and an older file at
+    ``path`` stays whole until the new one is complete. The file's first key is
+    this project's mark (WRITTEN_BY), so that a later run may replace it."""
     tmp = f"{path}.tmp"
     try:
         with open(tmp, "w") as f:
-            json.dump(strict_json(doc), f, indent=2, allow_nan=False)
+            json.dump(strict_json({WRITTEN_BY: PROJECT, **doc}), f, indent=2, allow_nan=False)
             f.write("\n")
         os.replace(tmp, path)
     except BaseException:
@@ -199,7 +251,7 @@ def add_model_args(parser, custom_kernels_default=False, packing_default=False):
         help=f"tokens per sequence, the longest a batch row can be (default: 2048; --tiny: {CPU_TINY_SEQ_LEN}, "
              f"room for a short prompt and its answer in byte tokens)",
     )
-    g.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: %(default)s)")
+    g.add_argument("--seed", type=seed, default=0, help="seed of the weights and the data (default: %(default)s)")
     g.add_argument(
         "--dataset",
         metavar="NAME_OR_PATH",
@@ -229,7 +281,7 @@ def add_model_args(parser, custom_kernels_default=False, packing_default=False):
              "asynchronous DMA; --no-pin-memory copies from pageable memory, through a staging buffer, "
              "while the CPU waits (GPU only; default: %(default)s)",
     )
-    g.add_argument("--lr", type=float, help="AdamW peak learning rate (default: 1e-5; --tiny: 3e-3)")
+    g.add_argument("--lr", type=positive_float, help="AdamW peak learning rate (default: 1e-5; --tiny: 3e-3)")
     g.add_argument(
         "--gradient-checkpointing",
         action="store_true",
@@ -367,6 +419,13 @@ def resolve_defaults(args):
     return args
 
 
+def differences(then, now, limit=4):
+    """'key a there, b here' for the first ``limit`` keys whose values differ."""
+    keys = [k for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k)]
+    text = "; ".join(f"{k} {then.get(k)!r} there, {now.get(k)!r} here" for k in keys[:limit])
+    return text + (f" (and {len(keys) - limit} more)" if len(keys) > limit else "")
+
+
 def note(text):
     """One line about a flag that was overridden or changes nothing."""
     print(f"Note:          {text}", flush=True)
@@ -391,6 +450,28 @@ def non_negative_float(text):
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not value >= 0 or value == float("inf"):  # also refuses NaN
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def positive_float(text):
+    """argparse type: a finite number > 0 (a learning rate, an adapter scale: 0 trains nothing)."""
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+SEED_MAX = 2**63 - 1  # torch.manual_seed takes up to 2**64 - 1; the held-out stream adds an offset
+
+
+def seed(text):
+    """argparse type: a seed torch.manual_seed and every derived seed accept."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 2**63 - 1, got {value}")
     return value
 
 
@@ -420,6 +501,10 @@ def add_real_run_args(parser):
                         "the last step (default: 10%% of all steps). Not --warmup-steps: those are untimed steps")
     g.add_argument("--max-grad-norm", type=non_negative_float, default=1.0,
                    help="clip the gradients to this global norm; 0 turns clipping off (default: %(default)s)")
+    g.add_argument("--skip-nonfinite-steps", action="store_true",
+                   help="a step whose loss or gradient norm is NaN or infinite updates nothing and the run goes "
+                        "on (counted in the JSON's skipped_steps); one host sync per step. Without it such a "
+                        "step stops the run with an error")
     g.add_argument("--eval-every", type=positive_int,
                    help="every N steps, the mean loss on held-out batches: the held-out split of --dataset "
                         "(records no training step sees), or synthetic tokens of another seed")
@@ -429,7 +514,7 @@ def add_real_run_args(parser):
     g.add_argument("--output-dir", metavar="DIR",
                    help="save checkpoints as DIR/checkpoint-K (the model, or with --lora only the adapter, as "
                         "safetensors; optimizer, schedule, random state, data position) at the end, every "
-                        "--save-every steps and on Ctrl-C, and the loss curve as DIR/loss_curve.png. A run "
+                        "--save-every steps and on Ctrl-C or SIGTERM, and the loss curve as DIR/loss_curve.png. A run "
                         "never overwrites a checkpoint: DIR may hold none past the step the run starts from")
     g.add_argument("--save-every", type=positive_int, help="a checkpoint every N steps (needs --output-dir)")
     g.add_argument("--resume", metavar="DIR/checkpoint-K",
@@ -444,7 +529,7 @@ def add_lora_args(parser):
     g.add_argument("--lora", action="store_true",
                    help="train low-rank adapters only (pip install peft); the model's own weights are frozen")
     g.add_argument("--lora-r", type=positive_int, default=16, help="rank of each adapter (default: %(default)s)")
-    g.add_argument("--lora-alpha", type=non_negative_float, default=32.0,
+    g.add_argument("--lora-alpha", type=positive_float, default=32.0,
                    help="adapter scale: the update is (alpha / r) * B @ A (default: %(default)g)")
     g.add_argument("--lora-dropout", type=probability, default=0.0,
                    help="dropout on each adapter's input (default: %(default)g)")
@@ -464,7 +549,8 @@ def check_output_flags(args):
     if args.save_every and not args.output_dir:
         raise SystemExit("error: --save-every needs --output-dir (where the checkpoints go)")
     if args.output_dir:
-        args.output_dir = check_output_path(args.output_dir, "--output-dir", directory=True)
+        args.output_dir = check_output_path(args.output_dir, "--output-dir", directory=True,
+                                            inputs=input_paths(args))
 
 
 # --------------------------------------------------------------------------------

@@ -467,6 +467,25 @@ def profile_steps(args, model, loss_fn, optimizer, batches, work_dir, name):
     return prof
 
 
+PRINT_ONLY = ("trace_dir", "top")  # flags that change where and how much is printed, not the profile
+
+
+def check_replaceable(out_dir, args):
+    """A profile folder is replaced only by a rerun of the same settings: another
+    run's profile (or a folder that holds none) is refused now, in one line."""
+    if not os.path.exists(out_dir):
+        return
+    summary = os.path.join(out_dir, "summary.json")
+    if not flags.written_here(summary):
+        raise SystemExit(f"error: --trace-dir {args.trace_dir}: {out_dir} exists and holds no profile of this "
+                         f"project; pass another --trace-dir or remove that folder")
+    then = {k: v for k, v in read_baseline(summary).get("config", {}).items() if k not in PRINT_ONLY}
+    now = {k: v for k, v in json.loads(json.dumps(flags.public_config(args))).items() if k not in PRINT_ONLY}
+    if then != now:
+        raise SystemExit(f"error: --trace-dir {args.trace_dir}: {out_dir} holds a profile made with other settings "
+                         f"({flags.differences(then, now)}); pass another --trace-dir or remove that folder")
+
+
 def read_baseline(path):
     """The saved baseline summary, or None if there is none (or it is unreadable)."""
     try:
@@ -482,7 +501,8 @@ def read_baseline(path):
 def main(argv=None):
     args = parse_args(argv)
     # Checked now, in one line, not after the model is built and profiled.
-    args.trace_dir = flags.check_output_path(args.trace_dir, "--trace-dir", directory=True)
+    args.trace_dir = flags.check_output_path(args.trace_dir, "--trace-dir", directory=True,
+                                            inputs=flags.input_paths(args))
     fsdp.check_fsdp_flags(args)
     # --fsdp: every process trains (the collectives need them all); rank 0 alone
     # profiles its GPU, prints and writes (init_distributed silences the others).
@@ -495,6 +515,8 @@ def main(argv=None):
     env = flags.environment_info()
     flags.print_banner(f"Profile: {name}", env)
     flags.resolve_defaults(args)
+    if not world or world.rank == 0:
+        check_replaceable(out_dir, args)  # before the model: a refusal costs a second
     records = dataloader.load_records(args.dataset)  # a bad --dataset fails now, before the model is built
     model, model_info = models.load_model(args)
     data = dataloader.prepare_data(args, records, model.config.vocab_size)

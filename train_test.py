@@ -20,15 +20,22 @@ Usage:
     python train_test.py
 """
 
+import json
 import math
 import os
+import re
+import shutil
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
 from conftest import DEVICE  # first: the Triton interpreter switch
 
+import checkpoints
 import dataloader
 import finetune_baseline
 import finetune_optimized
@@ -40,6 +47,7 @@ import training
 from linear_cross_entropy_kernel import fused_linear_cross_entropy
 from rmsnorm_kernel import rmsnorm
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 # Synthetic tokens (the loop is under test here; the data path has its own tests
 # below and in data_test.py).
 SMALL = ["--tiny", "--dataset", "synthetic", "--batch-size", "1", "--seq-len", "16", "--warmup-steps", "0"]
@@ -242,6 +250,47 @@ def test_resume_after_ctrl_c_is_exact(tmp_path, monkeypatch, capsys):
     close(resumed["losses"], whole["losses"][4:])
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-4", "checkpoint-8", flags.LOSS_CURVE]
     assert {"model.safetensors", "config.json"} <= set(os.listdir(tmp_path / "checkpoint-8"))
+
+
+# Real signals to a running script, as a scheduler sends them before it kills a job.
+def run_and_signal(argv, signals, after="step    3/"):
+    """Start finetune_baseline.py; once it prints ``after``, send ``signals`` (10 ms
+    apart). Returns (exit code, everything it printed)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "finetune_baseline.py", *argv], cwd=HERE, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    printed = []
+    for line in proc.stdout:
+        printed.append(line)
+        if after in line:
+            for signum in signals:
+                proc.send_signal(signum)
+                time.sleep(0.01)
+            break
+    rest, _ = proc.communicate(timeout=300)
+    return proc.returncode, "".join(printed) + rest
+
+
+@pytest.mark.parametrize("signals, code", [
+    ([signal.SIGTERM], 143),
+    ([signal.SIGINT], 130),
+    # A second signal abandons the step in progress; the rest land in the wrap-up.
+    ([signal.SIGTERM, signal.SIGTERM, signal.SIGINT, signal.SIGTERM, signal.SIGINT], 143),
+], ids=["sigterm", "sigint", "burst"])
+def test_a_signal_saves_the_run_and_the_resume_is_exact(tmp_path, signals, code):
+    argv = SMALL + steps(30)
+    code_seen, out = run_and_signal(argv + ["--output-dir", str(tmp_path / "run"), "--json", str(tmp_path / "a.json")],
+                                    signals)
+    assert code_seen == code, out
+    assert "Traceback" not in out and "Fatal Python error" not in out, out
+    doc = json.loads((tmp_path / "a.json").read_text())
+    done = len(doc["losses"])
+    assert doc["partial"] is True and doc["stop_reason"] == signals[0].name and 3 <= done < 30
+    assert sorted(os.listdir(tmp_path / "run")) == [f"checkpoint-{done}", flags.LOSS_CURVE]  # whole, no .tmp
+    whole = finetune_baseline.main(argv)
+    close(doc["losses"], whole["losses"][:done])
+    resumed = finetune_baseline.main(argv + ["--resume", str(tmp_path / "run" / f"checkpoint-{done}")])
+    close(resumed["losses"], whole["losses"][done:])
 
 
 def test_resume_with_every_kernel_is_exact(tmp_path):
@@ -534,8 +583,45 @@ def test_checkpoint_of_another_model(hf_checkpoint, tmp_path, monkeypatch):
     state = json.loads((ckpt / "trainer_state.json").read_text())
     state["model_config"]["hidden_size"] = 256
     (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    checkpoints.write_manifest(str(ckpt))  # a whole checkpoint, of another model
     msg = one_line_error(finetune_baseline.main, SMALL + steps(2) + ["--resume", str(ckpt)])
     assert "the checkpoint is of another model: hidden_size 256 there, 128 here" in msg
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (lambda c: (c / "optimizer.pt").write_bytes((c / "optimizer.pt").read_bytes()[:100]),
+     r"optimizer.pt is damaged \(100 bytes, [\d,]+ were written\)"),
+    (lambda c: (c / "model.safetensors").write_bytes((c / "model.safetensors").read_bytes()[:-1] + b"x"),
+     r"model.safetensors is damaged \(its bytes differ from those written: CRC-32 mismatch\)"),
+    (lambda c: (c / "rng_state.pt").unlink(), r"rng_state.pt is missing"),
+    (lambda c: (c / "manifest.json").unlink(), r"no manifest.json: its save never completed"),
+], ids=["truncated", "flipped", "missing", "unfinished"])
+def test_a_damaged_checkpoint_is_refused(hf_checkpoint, tmp_path, monkeypatch, damage, problem):
+    import shutil
+
+    no_training(monkeypatch)
+    ckpt = tmp_path / "checkpoint-1"
+    shutil.copytree(hf_checkpoint / "checkpoint-1", ckpt)
+    damage(ckpt)
+    msg = one_line_error(finetune_baseline.main, SMALL + steps(2) + ["--resume", str(ckpt)])
+    assert re.match(rf"error: --resume {re.escape(str(ckpt))}: {problem}; resume from another checkpoint", msg), msg
+
+
+def test_resume_from_the_run_folder_takes_the_latest_complete_checkpoint(tmp_path, capsys):
+    argv = SMALL + steps(4)
+    whole = finetune_baseline.main(argv + ["--output-dir", str(tmp_path / "run"), "--save-every", "1"])
+    shutil.rmtree(tmp_path / "run" / "checkpoint-4")
+    (tmp_path / "run" / "checkpoint-3" / "optimizer.pt").write_bytes(b"")  # a disk that filled up
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # checkpoint-3 is damaged and may not be overwritten either
+        finetune_baseline.main(argv + ["--resume", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert (f"--resume {tmp_path / 'run'}: resuming from its latest complete checkpoint, "
+            f"{tmp_path / 'run' / 'checkpoint-2'} (checkpoint-3 skipped: optimizer.pt is damaged") in out
+    assert "already holds checkpoint-3, which a run resumed from step 2 would overwrite" in str(e.value.code)
+    shutil.rmtree(tmp_path / "run" / "checkpoint-3")
+    resumed = finetune_baseline.main(argv + ["--resume", str(tmp_path / "run")])
+    close(resumed["losses"], whole["losses"][2:])
 
 
 def test_output_dir_is_never_overwritten(hf_checkpoint, monkeypatch):

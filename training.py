@@ -15,9 +15,12 @@ it teaches, as a reader of nanoGPT's train.py would expect to find it in one sit
   are counted two ways (every slot, and real tokens only, padding excluded); peak
   memory is ``torch.cuda.max_memory_allocated``. Evaluation every ``--eval-every``
   steps, checkpoints every ``--save-every``, a progress bar or a line per step.
-* What can go wrong: out of memory ends in one line of advice; Ctrl-C keeps the
-  completed steps (a partial JSON, exit 130) and never interrupts an optimizer
-  update halfway.
+* What can go wrong: out of memory ends in one line of advice. SIGINT (Ctrl-C)
+  and SIGTERM (a scheduler's preemption) finish the step, save a checkpoint and
+  the partial JSON, and exit 130 / 143; an optimizer update is never cut in half.
+  A NaN or infinite loss or gradient norm stops the run at that step with an error
+  (the last good checkpoint stays), or with --skip-nonfinite-steps that step
+  updates nothing and the run goes on.
 * ``run_finetune``: the whole fine-tuning run the two scripts share. The baseline
   hands it HF's loss (``hf_loss``) and ``torch.optim.AdamW``; finetune_optimized.py
   hands it the fused kernels' loss and optimizer. Everything else is the same code.
@@ -76,16 +79,35 @@ def phase(name):
     return stack
 
 
-def train_step(model, optimizer, loss_fn, micro_batches, scheduler=None, max_grad_norm=0.0):
+def train_step(model, optimizer, loss_fn, micro_batches, scheduler=None, max_grad_norm=0.0, skip_nonfinite=False):
     """One optimizer step: forward + loss and backward for each micro-batch
     (``micro_batches``: a list of batch dicts, see "Data"; one without --grad-accum),
     then gradient clipping, the AdamW update and the learning-rate schedule.
     Returns (loss, gradient norm): tensors, the loss averaged over every target
-    token of the step; the norm is None when clipping is off."""
+    token of the step; the norm is None when clipping is off.
+
+    ``skip_nonfinite`` (--skip-nonfinite-steps): a step whose loss or gradient norm
+    is NaN or infinite changes nothing (no update, the schedule does not advance);
+    it costs one host sync per step, to know before the update. The norm is then
+    always computed and returned, clipping or not (step_is_finite says which steps
+    were skipped)."""
     loss = accumulate_gradients(model, loss_fn, micro_batches)
     with phase("optimizer"):
+        if skip_nonfinite:
+            norm = gradient_norm(optimizer, max_grad_norm)
+            if not step_is_finite(loss.item(), norm.item()):
+                optimizer.zero_grad(set_to_none=True)
+                return loss, norm
+            grad_norm = optimizer_update(optimizer, scheduler, max_grad_norm, norm)
+            return loss, norm if grad_norm is None else grad_norm
         grad_norm = optimizer_update(optimizer, scheduler, max_grad_norm)
     return loss, grad_norm
+
+
+def step_is_finite(loss, grad_norm):
+    """A step that learned something: its loss and gradient norm (floats; None: not
+    computed) are numbers. NaN or infinity means the run diverged."""
+    return math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
 
 
 def target_count(batch):
@@ -129,22 +151,17 @@ def accumulate_gradients(model, loss_fn, micro_batches):
     return step_loss
 
 
-def optimizer_update(optimizer, scheduler, max_grad_norm):
+def optimizer_update(optimizer, scheduler, max_grad_norm, grad_norm=None):
     """Clip the gradients, update the parameters, advance the learning-rate schedule.
-    Returns the gradient norm before clipping (a tensor), or None without clipping."""
-    grad_norm = None
-    if max_grad_norm > 0 and hasattr(optimizer, "clip_grad_norm_"):
-        # An optimizer that clips inside its own step (the Triton AdamW: the scaling
-        # happens as the step reads each gradient, one pass over them fewer).
-        grad_norm = optimizer.clip_grad_norm_(max_grad_norm)
-    elif max_grad_norm > 0:
-        # The parameters the optimizer updates are the ones to clip (LoRA: the adapters only).
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        if hasattr(grad_norm, "full_tensor"):  # --fsdp: a DTensor of partial norms; the global norm
-            grad_norm = grad_norm.full_tensor()
-    # Ctrl-C in the middle of the update would leave some tensors updated and others
-    # not, and no checkpoint could be saved: it is held until the update is complete.
+    Returns the gradient norm before clipping (a tensor), or None without clipping.
+    ``grad_norm``: the norm, when gradient_norm already computed it (with clipping
+    on, the gradients are then already clipped)."""
+    if grad_norm is None and max_grad_norm > 0:
+        grad_norm = gradient_norm(optimizer, max_grad_norm)
+    elif max_grad_norm <= 0:
+        grad_norm = None
+    # Ctrl-C or SIGTERM in the middle of the update would leave some tensors updated
+    # and others not, and no checkpoint could be saved: held until the step is recorded.
     with hold_interrupts():
         optimizer.step()
         if scheduler is not None:
@@ -153,27 +170,97 @@ def optimizer_update(optimizer, scheduler, max_grad_norm):
     return grad_norm
 
 
-_HELD_INTERRUPTS = []  # Ctrl-C pressed during an optimizer update (see hold_interrupts)
+def gradient_norm(optimizer, max_grad_norm):
+    """The global norm of the gradients the optimizer updates (LoRA: the adapters
+    only), a tensor; with ``max_grad_norm`` > 0 the gradients are clipped to it."""
+    if max_grad_norm > 0 and hasattr(optimizer, "clip_grad_norm_"):
+        # An optimizer that clips inside its own step (the Triton AdamW: the scaling
+        # happens as the step reads each gradient, one pass over them fewer).
+        return optimizer.clip_grad_norm_(max_grad_norm)
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if max_grad_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    else:  # --skip-nonfinite-steps without clipping: the norm alone
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if hasattr(norm, "full_tensor"):  # --fsdp: a DTensor of partial norms; the global norm
+        norm = norm.full_tensor()
+    return norm
+
+
+# --------------------------------------------------------------------------------
+# Stopping on a signal: SIGINT (Ctrl-C) and SIGTERM (what a cluster scheduler sends
+# before it kills a job) ask the run to stop. The step in progress completes, the
+# completed steps are saved as a checkpoint (--output-dir) and written to the JSON
+# (marked partial), and the process exits 128 + the signal's number (130, 143), as
+# a shell reports a process that the signal killed. A second signal while a step
+# runs abandons that step (it is not recorded; the weights stay those of the last
+# recorded step). Signals during an optimizer update wait until the step is
+# recorded, and during the wrap-up (checkpoint, JSON) they are ignored: nothing is
+# ever cut in half.
+# --------------------------------------------------------------------------------
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopRequest:
+    """What the signal handler saw (the first signal), and whether the run is writing
+    something that must not be cut in half (a checkpoint; after the loop, everything)."""
+
+    def __init__(self):
+        self.signum = None
+        self.protected = False
+
+
+_STOP = StopRequest()
+_HELD_SIGNALS = []  # signals that came during an optimizer update (see hold_interrupts)
+
+
+def _on_stop_signal(signum, frame):
+    if _STOP.signum is None:
+        _STOP.signum = signum  # the loop stops after the step in progress
+    elif not _STOP.protected:
+        raise KeyboardInterrupt  # a second signal: abandon the step in progress
+    # While a checkpoint or the results are written: the first signal said it all.
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """Inside this block SIGINT and SIGTERM ask the run to stop (see above); yields
+    the StopRequest that run_training reads. Only the main thread gets signals."""
+    global _STOP
+    _STOP = StopRequest()
+    if threading.current_thread() is not threading.main_thread():
+        yield _STOP
+        return
+    previous = {s: signal.signal(s, _on_stop_signal) for s in STOP_SIGNALS}
+    try:
+        yield _STOP
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        _STOP = StopRequest()  # a later run outside this block starts with none
 
 
 @contextlib.contextmanager
 def hold_interrupts():
-    """Ctrl-C inside this block is recorded instead of raised; run_training raises it
-    once the step is recorded (interrupt_if_held). Only the main thread gets signals."""
+    """A signal inside this block is recorded instead of acted on; run_training
+    delivers it once the step is recorded (interrupt_if_held)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: _HELD_INTERRUPTS.append(signum))
+    previous = {s: signal.signal(s, lambda signum, frame: _HELD_SIGNALS.append(signum)) for s in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def interrupt_if_held():
-    if _HELD_INTERRUPTS:
-        _HELD_INTERRUPTS.clear()
-        raise KeyboardInterrupt
+    """Deliver the signals held during the update, to whatever handles them now."""
+    held = list(_HELD_SIGNALS)
+    _HELD_SIGNALS.clear()
+    for signum in held:
+        signal.raise_signal(signum)
 
 
 @torch.no_grad()
@@ -270,9 +357,13 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
     load_checkpoint): the loop starts after its step, on the batches that step
     would have been given. With --eval-every the held-out loss is measured every N
     steps; with --output-dir a checkpoint is saved every --save-every steps and at
-    the end. Ctrl-C stops the loop between or inside a step: the results then hold
+    the end. A signal (inside stop_on_signals) stops the loop after the step in
+    progress, a second one or a KeyboardInterrupt inside it: the results then hold
     the completed steps and ``partial`` is True (the caller writes them and exits
-    130); with --output-dir the completed steps are saved as a checkpoint first.
+    128 + the signal); with --output-dir the completed steps are saved as a
+    checkpoint first. A step with a NaN or infinite loss or gradient norm ends the
+    loop (``diverged_at_step``; no checkpoint of its weights), or with
+    --skip-nonfinite-steps is recorded as skipped.
     """
     device = next(model.parameters()).device
     start = resumed["step"] if resumed else 0
@@ -286,7 +377,9 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
         torch.cuda.reset_peak_memory_stats()  # the peak of training, weights included
 
     steps, evals, saved = [], [], []
-    partial = False
+    partial, diverged = False, None
+    skip_nonfinite = getattr(args, "skip_nonfinite_steps", False)
+    stop = _STOP  # set by stop_on_signals (run_finetune); never set without it
     rng = checkpoints.rng_states()  # the random state after the last completed step: what a checkpoint holds
     bar = progress_bar(args, total, start)
     say = bar.write if bar else functools.partial(print, flush=True)
@@ -298,18 +391,29 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
                 lr = optimizer.param_groups[0]["lr"]
                 sync()  # time only this step's work, not what is still queued
                 begin = time.perf_counter()
-                loss, grad_norm = train_step(model, optimizer, loss_fn, micro_batches, scheduler, args.max_grad_norm)
+                loss, grad_norm = train_step(model, optimizer, loss_fn, micro_batches, scheduler, args.max_grad_norm,
+                                             skip_nonfinite=skip_nonfinite)
                 sync()
                 seconds = time.perf_counter() - begin
-                # Every micro-batch of the step, of every process (--fsdp: the global batch).
-                tokens, real_tokens = fsdp.reduce_over_ranks([sum(b["num_tokens"] for b in micro_batches),
-                                                              sum(b["num_real_tokens"] for b in micro_batches)])
+                # Every micro-batch of the step, of every process (--fsdp: the global batch),
+                # and whether a process was asked to stop: all stop after the same step.
+                tokens, real_tokens, stop_votes = fsdp.reduce_over_ranks(
+                    [sum(b["num_tokens"] for b in micro_batches), sum(b["num_real_tokens"] for b in micro_batches),
+                     int(stop.signum is not None)])
                 record = {"step": i + 1, "loss": loss.item(), "time_s": seconds, "warmup": warmup, "lr": lr,
                           "grad_norm": None if grad_norm is None else grad_norm.item(),
                           "tokens": int(tokens), "real_tokens": int(real_tokens)}
+                finite = step_is_finite(record["loss"], record["grad_norm"])
+                if not finite and skip_nonfinite:
+                    record["skipped"] = True  # nothing was updated (train_step)
                 steps.append(record)
                 history["train"].append([i + 1, record["loss"]])
                 report_step(args, bar, record, total)
+                if not finite and not skip_nonfinite:
+                    # The update has been made with NaN or infinite gradients: these weights
+                    # are lost. Stop here; the last checkpoint saved stays the last good one.
+                    diverged = i + 1
+                    break
                 if i == start and not bar:
                     print_estimate(seconds, total - i - 1)
                 if args.eval_every and (i + 1) % args.eval_every == 0:
@@ -319,19 +423,28 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
                     say(f"eval {i + 1:>4}/{total}  held-out loss {eval_loss:.4f} ({len(heldout)} batches)")
                 rng = checkpoints.rng_states()
                 if args.output_dir and args.save_every and (i + 1) % args.save_every == 0:
+                    stop.protected = True  # a second signal waits: the checkpoint is written whole
                     saved.append(checkpoints.save_checkpoint(args, model, optimizer, scheduler, i + 1, history, rng))
+                    stop.protected = False
                     say(f"Saved         {saved[-1]}")
-                interrupt_if_held()  # Ctrl-C during the update: this step is complete and recorded
+                interrupt_if_held()  # a signal during the update: this step is complete and recorded
+                if stop_votes:
+                    say(f"Stopping: {signal.Signals(stop.signum or signal.SIGTERM).name} received; step {i + 1} is "
+                        f"the last")
+                    partial = True
+                    break
         except KeyboardInterrupt:
             partial = True  # keep what is done; the step in progress is lost
         finally:
+            stop.protected = True  # from here on signals are ignored: the checkpoint and JSON are written whole
             if bar:
                 bar.close()
 
     done = start + len(steps)
     if args.output_dir:
-        # The end of the run, or the last completed step of an interrupted one.
-        if done > start and not os.path.exists(checkpoints.checkpoint_path(args.output_dir, done)):
+        # The end of the run, or the last completed step of an interrupted one; never
+        # the weights of a diverged step.
+        if done > start and not diverged and not os.path.exists(checkpoints.checkpoint_path(args.output_dir, done)):
             saved.append(checkpoints.save_checkpoint(args, model, optimizer, scheduler, done, history, rng))
             print(f"Saved         {saved[-1]}", flush=True)
         if fsdp.is_main_process():
@@ -349,7 +462,12 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
     tokens_per_sec = sum(s["tokens"] for s in timed) / timed_s if timed else None
     return {
         "world_size": ranks,
-        "partial": partial,
+        "partial": partial or diverged is not None,
+        # Why the run ended before its last step: "SIGINT", "SIGTERM", "non-finite loss or gradient" or None.
+        "stop_reason": ("non-finite loss or gradient" if diverged else
+                        signal.Signals(stop.signum).name if stop.signum else "SIGINT" if partial else None),
+        "diverged_at_step": diverged,
+        "skipped_steps": [s["step"] for s in steps if s.get("skipped")],
         "planned_steps": total,
         "start_step": start,  # steps already done by the checkpoint this run resumed (0: a fresh run)
         "steps": steps,  # this run's steps; "step" counts from the start of training
@@ -437,14 +555,17 @@ def run_finetune(args, title, script, switch_in):
     (a batch dict, see "Data") and an optimizer factory ``make_optimizer(params,
     lr)``, and prints what it chose. With --lora the model it gets is already
     wrapped by PEFT, and the optimizer is given the adapters' parameters only.
-    Ctrl-C writes the completed steps (marked partial) and exits 130.
+    SIGINT (Ctrl-C) or SIGTERM writes the completed steps (marked partial) and exits
+    130 or 143; a diverged run (NaN or infinite loss) writes them and stops with an error.
     """
     # Every check that needs no model comes first: a mistake costs a second, not a load.
     if args.json:
-        args.json = flags.check_output_path(args.json, "--json")  # now, not after minutes of training
+        args.json = flags.check_output_path(args.json, "--json", inputs=flags.input_paths(args), suffix=".json")
     models.check_lora_flags(args)
     fsdp.check_fsdp_flags(args)
     resumed = checkpoints.read_checkpoint_state(args.resume) if args.resume else None
+    if resumed:
+        args.resume = resumed["path"]  # the checkpoint folder, also when --resume named the run's folder
     flags.check_output_flags(args)
     world = fsdp.init_distributed(args)  # --fsdp: rank 0 prints from here on
     env = flags.environment_info()
@@ -484,21 +605,32 @@ def run_finetune(args, title, script, switch_in):
     if resumed:
         checkpoints.load_checkpoint(args.resume, model, optimizer, scheduler)
         print(f"Resumed:       {args.resume}: step {resumed['step']} of {args.warmup_steps + args.steps} done")
-    results = run_training(args, model, loss_fn, optimizer, data, scheduler, resumed)
-    results["kernels"] = kernels
-    write = args.json and fsdp.is_main_process()  # --fsdp: rank 0 writes the one report
-    if results["partial"]:
-        done = len(results["steps"])
+    with stop_on_signals():  # SIGINT, SIGTERM: finish the step, save, write, exit 128 + signal
+        results = run_training(args, model, loss_fn, optimizer, data, scheduler, resumed)
+        results["kernels"] = kernels
+        write = args.json and fsdp.is_main_process()  # --fsdp: rank 0 writes the one report
         if write:
             write_json(args.json, script, args, env, model_info, results)
-        where = f"wrote them to {args.json} (marked partial)" if args.json else "not written (no --json)"
-        print(f"\nInterrupted: {done} of {results['planned_steps'] - results['start_step']} steps completed, "
-              f"{where}", flush=True)
-        raise SystemExit(130)  # 128 + SIGINT, what a shell reports for Ctrl-C
+    where = f"wrote them to {args.json} (marked partial)" if write else "not written (no --json)"
+    done = f"{len(results['steps'])} of {results['planned_steps'] - results['start_step']} steps completed"
+    if results["diverged_at_step"]:
+        step = results["steps"][-1]
+        kept = (f"the last checkpoint, {results['checkpoints'][-1]}, stays" if results["checkpoints"]
+                else "no checkpoint was saved")
+        norm = "not computed" if step["grad_norm"] is None else f"{step['grad_norm']:.4g}"
+        raise SystemExit(f"error: step {step['step']}: loss {step['loss']:.4g}, gradient norm {norm}: "
+                         f"training diverged and stopped ({done}, {where}; {kept}); lower --lr, or pass "
+                         f"--skip-nonfinite-steps to skip such steps")
+    if results["partial"]:
+        print(f"\nInterrupted ({results['stop_reason']}): {done}, {where}", flush=True)
+        # 128 + the signal's number, what a shell reports for a process the signal ended.
+        raise SystemExit(128 + signal.Signals[results["stop_reason"]].value)
     print_results(f"{title}: results", results)
     if write:
-        write_json(args.json, script, args, env, model_info, results)
         print(f"Wrote {args.json}")
+    if results["skipped_steps"]:
+        flags.note(f"{len(results['skipped_steps'])} steps had a non-finite loss or gradient and were skipped: "
+                   f"{results['skipped_steps'][:10]}")
     fsdp.close_distributed()
     return results
 
@@ -557,6 +689,6 @@ def plot_loss_curve(path, history):
     ax.legend()
     fig.tight_layout()
     tmp = path + ".tmp.png"
-    fig.savefig(tmp)
+    fig.savefig(tmp, metadata=flags.PNG_METADATA)  # the mark: a later run may replace it
     os.replace(tmp, path)
     return path

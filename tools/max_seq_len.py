@@ -73,7 +73,7 @@ def main(argv=None):
               file=sys.stderr)
         sys.exit(2)
     if args.json:
-        args.json = flags.check_output_path(args.json, "--json")  # before minutes of searching
+        args.json = flags.check_output_path(args.json, "--json", inputs=flags.input_paths(args), suffix=".json")  # before minutes of searching
     if args.all_kernels:
         for name in flags.KERNELS:
             setattr(args, f"use_custom_{name}", True)

@@ -16,6 +16,7 @@ Usage (from the repository root):
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -41,8 +42,10 @@ def color_index(provider, others):
     return 6 + others.index(provider) % 3  # a provider this list does not know yet
 
 
-def plot_results(results, path):
-    """Draw ``results`` (the dict benchmark_kernels.main() returns, or its JSON) to ``path``."""
+def plot_results(results, path, metadata=None):
+    """Draw ``results`` (the dict benchmark_kernels.main() returns, or its JSON) to ``path``.
+    ``metadata``: the PNG's text fields (the callers pass flags.PNG_METADATA, the
+    project's mark that lets a later run replace the file)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display needed
@@ -95,7 +98,7 @@ def plot_results(results, path):
     fig.suptitle(f"{env.get('gpu')} | torch {env.get('torch')} | triton {env.get('triton')} | "
                  f"transformers {env.get('transformers')} | {env.get('date')} -- higher is better")
     fig.tight_layout(rect=(0, 0, 1, 0.98))  # leave the top strip to the title
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, metadata=metadata)
     plt.close(fig)
 
 
@@ -114,15 +117,15 @@ def load_results(path):
 def main(argv=None):
     # Imported here, not above: plot_results alone (what benchmark_kernels.py calls)
     # needs nothing from the repository, and flags loads torch and transformers.
-    from flags import check_input_file, check_output_path
+    from flags import PNG_METADATA, check_input_file, check_output_path
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("json", help="a JSON written by benchmark_kernels.py --json")
     parser.add_argument("--out", required=True, metavar="PATH.png", help="where to draw the figure")
     args = parser.parse_args(argv)
     source = check_input_file(args.json, "JSON")
-    out = check_output_path(args.out, "--out")
-    plot_results(load_results(source), out)
+    out = check_output_path(args.out, "--out", inputs=[("JSON", os.path.realpath(source))], suffix=".png")
+    plot_results(load_results(source), out, metadata=PNG_METADATA)
     print(f"Wrote {out} from {source}")
 
 

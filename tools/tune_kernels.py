@@ -135,7 +135,7 @@ def main():
     p.add_argument("--only", choices=["rmsnorm", "ce", "overhead"], help="one sweep instead of all")
     args = p.parse_args()
     if args.json:
-        args.json = check_output_path(args.json, "--json")
+        args.json = check_output_path(args.json, "--json", suffix=".json")
     if not torch.cuda.is_available():
         raise SystemExit("error: tune_kernels.py times GPU kernels and needs a CUDA device")
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)

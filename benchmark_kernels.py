@@ -1,52 +1,25 @@
 """
 Steps 7 and 10 -- Benchmark the fused kernels against every peer.
 
-What: one table row per kernel (RMSNorm, cross-entropy, SwiGLU, RoPE, linear + cross-entropy),
-shape (LLaMA-3.1-8B's, bf16) and provider: ours; PyTorch eager in the Hugging Face formulation
-(each kernel module's ``*_reference``); PyTorch's native op where one exists; ``torch.compile``
-of the HF formulation; Liger-Kernel and cut-cross-entropy when installed; for RMSNorm and
-cross-entropy the playbook's one-row-per-program design (written out below).
+What: a table per kernel (RMSNorm, cross-entropy, SwiGLU, RoPE, linear + cross-entropy; one ``Spec``
+each, in ``KERNELS``), rows per shape (LLaMA-3.1-8B's, bf16) and provider: ours; PyTorch eager in the
+HF formulation (each kernel module's ``*_reference``), the native op if any, ``torch.compile``; the
+peers of benchmark_peers.py (Liger-Kernel, cut-cross-entropy, the playbook's design).
 
-How: ``fwd`` is the forward alone under ``torch.no_grad()`` (evaluation); ``fwd+bwd`` is the
-forward with autograd, then ``torch.autograd.grad`` with an upstream gradient made beforehand
-(random, or 1.0 for a scalar loss as ``loss.backward()`` gives): what training pays. Latency =
-median of ``triton.testing.do_bench`` (warm-up excluded, L2 flushed before every call). ``graph``
-is the same fwd+bwd captured in a CUDA graph and replayed (``triton.testing.do_bench_cudagraph``):
-GPU time without the host's launch cost, which is what torch.compile's CUDA-graph mode leaves of
-a call. Inputs are random, never zeros, made outside the timed region; every provider gets a
-fresh copy of the same values.
+How: ``fwd`` is the forward under ``torch.no_grad()``; ``fwd+bwd`` adds ``torch.autograd.grad`` of an
+upstream gradient made beforehand (1.0 for a loss): what training pays; ``graph`` replays that from a
+CUDA graph: GPU time without the host's launch cost. Latency: median of ``triton.testing.do_bench``
+(warm-up excluded, L2 flushed). Inputs: random, made untimed, the same for every provider. The notes
+under a table give the formula behind GB/s, what peak MB counts, what |err| compares with; OOM / ERR:
+that provider failed, the run goes on. No GPU: Triton's interpreter, tiny shapes, |err| only, no time.
 
-Reading a table (compare rows within one shape):
-* ``GB/s``: bytes of the formula printed under the table (each tensor read once, written once:
-  the least traffic any implementation needs) / latency; extra passes show as fewer GB/s.
-  Matmul-bound work (linear + cross-entropy): TFLOP/s instead.
-* ``%copy``: that / the device copy bandwidth measured at the start of the same run.
-* ``ours x``: the peer's latency / ours (above 1.00x: ours is faster).
-* ``peak MB``: ``torch.cuda.max_memory_allocated()`` during one forward+backward minus what was
-  allocated just before it; the notes say what that counts.
-* ``|err|``: the forward output against a float64 truth of the same inputs.
-* ``OOM`` / ``ERR``: that provider ran out of memory or failed (the message is printed under the
-  table); the run goes on.
-
-Without a GPU the kernels run in the Triton interpreter on tiny shapes: every provider that can
-run on CPU runs once (torch.compile with backend "aot_eager") and its error is shown, but nothing
-is timed ("n/a (CPU)"): no performance claim.
-
-Usage:
-    python benchmark_kernels.py --kernel rmsnorm          # or cross_entropy, swiglu, rope, flce
-    python benchmark_kernels.py --kernel swiglu rope flce # several at once
-    python benchmark_kernels.py --kernel all --json bench.json --plot bench.png
-    python benchmark_kernels.py --quick                   # fewer shapes, shorter loops
-    python tools/plot_benchmark.py bench.json --out bench.png   # redraw from a JSON
-
-Adding a kernel: write one more ``Spec`` below and add it to ``KERNELS``.
+Usage: python benchmark_kernels.py [--kernel rmsnorm cross_entropy swiglu rope flce | all] [--quick]
+    [--json bench.json] [--plot bench.png]; tools/plot_benchmark.py redraws a figure from the JSON.
 """
 
 import argparse
 import gc
-import importlib.metadata
 import importlib.util
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,17 +27,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-# The kernel modules come before triton: without a GPU, kernel_common (which they
-# import first) switches on Triton's interpreter, and that must precede `import triton`.
+# The kernel modules (and benchmark_peers) come before triton: without a GPU, kernel_common (which
+# they import first) switches on Triton's interpreter, and that must precede `import triton`.
+from benchmark_peers import (NOT_INSTALLED, PlaybookCrossEntropy, cut_cross_entropy, liger_cross_entropy, liger_flce,
+                             liger_rmsnorm, liger_rope, liger_swiglu, playbook_rmsnorm, unavailable, version)
 from cross_entropy_kernel import cross_entropy, cross_entropy_reference
 from linear_cross_entropy_kernel import fused_linear_cross_entropy, linear_cross_entropy_reference
-from flags import check_output_path, environment_info, write_json_atomic
+import flags
+from flags import PNG_METADATA, check_output_path, environment_info, write_json_atomic
 from rmsnorm_kernel import rmsnorm, rmsnorm_reference
 from rope_kernel import rope, rope_reference
 from swiglu_kernel import swiglu, swiglu_reference
 
 import triton  # isort: skip - after the kernel modules (see above)
-import triton.language as tl  # isort: skip
 import triton.testing  # isort: skip
 
 ON_GPU = torch.cuda.is_available()
@@ -72,33 +47,13 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 DTYPE = torch.bfloat16
 BYTES = torch.finfo(DTYPE).bits // 8  # 2: every tensor the formulas count is bf16
 EPS = 1e-6
-NA_CPU, SKIPPED_CPU, NOT_INSTALLED = "n/a (CPU)", "skipped (CPU)", "not installed"
+NA_CPU = "n/a (CPU)"
 BENCH_MS = {"full": (25, 100), "quick": (10, 40)}  # do_bench (warm-up, repetitions) in ms
 # "graph" replays the fwd+bwd from a CUDA graph: every kernel launched from the GPU's side, with no
 # Python, dispatcher or launch overhead. Eager minus graph is what the host costs per call, the part
 # a compiled, graph-replayed training step does not pay.
 PASSES = ("fwd", "fwdbwd", "graph")
 WORK = {"fwd": "fwd", "fwdbwd": "fwdbwd", "graph": "fwdbwd"}  # which entry of bytes/flops a pass moves
-# Peers that need a package besides PyTorch: provider -> package. Their kernels are Triton
-# kernels for CUDA, so on CPU they are skipped even when installed.
-NEEDS = {"Liger-Kernel": "liger-kernel", "Liger-Kernel FLCE": "liger-kernel",
-         "Apple cut-cross-entropy": "cut-cross-entropy"}
-
-
-def version(package):
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def unavailable(provider):
-    """None when ``provider`` can run here, else the word its cells show instead."""
-    if provider not in NEEDS:
-        return None
-    if version(NEEDS[provider]) is None:
-        return NOT_INSTALLED
-    return None if ON_GPU else SKIPPED_CPU
 
 
 def compiled(fn):
@@ -107,13 +62,6 @@ def compiled(fn):
     "aot_eager" (traced and differentiated, no C++ toolchain needed)."""
     torch._dynamo.reset()
     return torch.compile(fn, dynamic=False, backend="inductor" if ON_GPU else "aot_eager")
-
-
-def liger(module, name):
-    """A Liger-Kernel op, imported only when its row runs (the package is optional)."""
-    # Liger logs a warning for every optional backend it cannot import: noise here.
-    logging.getLogger("liger_kernel").setLevel(logging.ERROR)
-    return getattr(importlib.import_module(module), name)
 
 
 def loss64(logits_of_rows, targets, rows=1024):
@@ -157,119 +105,6 @@ class Spec:
     not_counted: Callable = lambda shape: 0  # bytes subtracted from peak MB
 
 
-# --- The playbook's design, as a peer --------------------------------------------------
-# The kernels the playbook starts from, written here from its description (its own code is not
-# a package to import): one program per row, forward and backward; the RMSNorm backward writes
-# every row's weight-gradient term to a [N, H] float32 buffer and sums it with torch; the
-# cross-entropy forward streams the vocabulary in chunks with an online softmax, and its backward
-# streams it again to write the gradient. Python-launched like ours, so the eager columns compare
-# launch paths too.
-@triton.jit
-def _playbook_rmsnorm_fwd(X, W, Y, RSTD, n_cols, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(X + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    y = (x * rstd).to(X.dtype.element_ty).to(tl.float32) * w
-    tl.store(Y + row * n_cols + cols, y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(RSTD + row, rstd)
-
-
-@triton.jit
-def _playbook_rmsnorm_bwd(DY, X, W, RSTD, DX, DW_ROWS, n_cols, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(X + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(DY + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.load(RSTD + row)
-    x_hat = x * rstd
-    g = dy * w
-    dx = (g - x_hat * (tl.sum(g * x_hat, axis=0) / n_cols)) * rstd
-    tl.store(DX + row * n_cols + cols, dx.to(DX.dtype.element_ty), mask=mask)
-    tl.store(DW_ROWS + row * n_cols + cols, dy * x_hat, mask=mask)
-
-
-class PlaybookRMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w):
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        y, rstd = torch.empty_like(x2), torch.empty(x2.shape[0], device=x.device, dtype=torch.float32)
-        block = triton.next_power_of_2(x2.shape[1])
-        _playbook_rmsnorm_fwd[(x2.shape[0],)](x2, w, y, rstd, x2.shape[1], EPS, BLOCK=block)
-        ctx.save_for_backward(x2, w, rstd)
-        return y.view_as(x)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x2, w, rstd = ctx.saved_tensors
-        dy2 = dy.reshape(x2.shape).contiguous()
-        dx, dw_rows = torch.empty_like(x2), torch.empty(x2.shape, device=x2.device, dtype=torch.float32)
-        block = triton.next_power_of_2(x2.shape[1])
-        _playbook_rmsnorm_bwd[(x2.shape[0],)](dy2, x2, w, rstd, dx, dw_rows, x2.shape[1], BLOCK=block)
-        return dx.view_as(dy), dw_rows.sum(0).to(w.dtype)
-
-
-@triton.jit
-def _playbook_ce_fwd(LOGITS, TARGETS, LOSS, LSE, n_vocab, ignore_index, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    base = LOGITS + row.to(tl.int64) * n_vocab
-    m = -float("inf")
-    total = 0.0
-    for start in range(0, n_vocab, BLOCK):  # online softmax: running max and rescaled sum
-        cols = start + tl.arange(0, BLOCK)
-        x = tl.load(base + cols, mask=cols < n_vocab, other=-float("inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        total = total * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-        m = m_new
-    lse = m + tl.log(total)
-    target = tl.load(TARGETS + row)
-    valid = target != ignore_index
-    x_t = tl.load(base + tl.where(valid, target, 0)).to(tl.float32)
-    tl.store(LOSS + row, tl.where(valid, lse - x_t, 0.0))
-    tl.store(LSE + row, lse)
-
-
-@triton.jit
-def _playbook_ce_bwd(LOGITS, TARGETS, LSE, GRAD, SCALE, n_vocab, ignore_index, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    base = row.to(tl.int64) * n_vocab
-    target = tl.load(TARGETS + row)
-    lse = tl.load(LSE + row)
-    g = tl.where(target != ignore_index, tl.load(SCALE), 0.0)
-    for start in range(0, n_vocab, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < n_vocab
-        x = tl.load(LOGITS + base + cols, mask=mask, other=0.0).to(tl.float32)
-        p = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
-        tl.store(GRAD + base + cols, (p * g).to(GRAD.dtype.element_ty), mask=mask)
-
-
-class PlaybookCrossEntropy(torch.autograd.Function):
-    BLOCK = 4096
-
-    @staticmethod
-    def forward(ctx, logits, targets):
-        n, v = logits.shape
-        loss, lse = (torch.empty(n, device=logits.device, dtype=torch.float32) for _ in range(2))
-        _playbook_ce_fwd[(n,)](logits, targets, loss, lse, v, -100, BLOCK=PlaybookCrossEntropy.BLOCK)
-        n_valid = (targets != -100).sum()
-        ctx.save_for_backward(logits, targets, lse, n_valid)
-        return loss.sum() / n_valid
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        logits, targets, lse, n_valid = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        scale = (grad_loss.float() / n_valid).reshape(1)  # read on the device: no host sync
-        _playbook_ce_bwd[(logits.shape[0],)](logits, targets, lse, grad, scale, logits.shape[1], -100,
-                                              BLOCK=PlaybookCrossEntropy.BLOCK)
-        return grad, None
-
-
 # --- RMSNorm: y = w * x / rms(x) over the hidden dimension ----------------------------
 def rmsnorm_inputs(s):
     x = randn(s["tokens"], s["hidden"]).requires_grad_()
@@ -280,13 +115,6 @@ def rmsnorm_inputs(s):
 
 def hf_rmsnorm(x, w):
     return rmsnorm_reference(x, w, EPS)
-
-
-def liger_rmsnorm():
-    fn = liger("liger_kernel.ops.rms_norm", "LigerRMSNormFunction").apply
-    # X, W, eps, offset, casting_mode, in_place: the defaults of LigerRMSNorm, the module
-    # Liger's LLaMA patch installs (HF's casting order; dx written into the dy buffer).
-    return lambda x, w: fn(x, w, EPS, 0.0, "llama", True)
 
 
 RMSNORM = Spec(
@@ -300,8 +128,8 @@ RMSNORM = Spec(
         "PyTorch eager (HF)": lambda: hf_rmsnorm,
         "F.rms_norm (native)": lambda: lambda x, w: F.rms_norm(x, x.shape[-1:], w, EPS),
         "torch.compile (HF)": lambda: compiled(hf_rmsnorm),
-        "Liger-Kernel": liger_rmsnorm,
-        "playbook design": lambda: PlaybookRMSNorm.apply,
+        "Liger-Kernel": lambda: liger_rmsnorm(EPS),
+        "playbook design": lambda: playbook_rmsnorm(EPS),
     },
     truth=lambda x, w: rmsnorm_reference(x, w, EPS, compute_dtype=torch.float64),
     error_label="max |err|",
@@ -339,7 +167,7 @@ CROSS_ENTROPY = Spec(
         "PyTorch eager (HF fp32)": lambda: cross_entropy_reference,  # F.cross_entropy(logits.float())
         "F.cross_entropy (bf16)": lambda: F.cross_entropy,  # on the bf16 logits, no upcast
         "torch.compile (HF)": lambda: compiled(cross_entropy_reference),
-        "Liger-Kernel": lambda: liger("liger_kernel.transformers", "LigerCrossEntropyLoss")(reduction="mean"),
+        "Liger-Kernel": liger_cross_entropy,
         "playbook design": lambda: PlaybookCrossEntropy.apply,
     },
     truth=lambda logits, t: loss64(lambda lo, hi: logits[lo:hi], t),
@@ -379,7 +207,7 @@ SWIGLU = Spec(
         "ours (Triton)": lambda: swiglu,
         "PyTorch eager (HF)": lambda: swiglu_reference,  # F.silu(gate) * up, as HF's LlamaMLP
         "torch.compile (HF)": lambda: compiled(swiglu_reference),
-        "Liger-Kernel": lambda: liger("liger_kernel.ops.swiglu", "LigerSiLUMulFunction").apply,
+        "Liger-Kernel": liger_swiglu,
     },
     truth=lambda gate, up: swiglu_reference(gate.double(), up.double()),
     error_label="max |err|",
@@ -423,7 +251,7 @@ ROPE = Spec(
         "ours (Triton)": lambda: rope,
         "PyTorch eager (HF)": lambda: rope_reference,  # HF's apply_rotary_pos_emb
         "torch.compile (HF)": lambda: compiled(rope_reference),
-        "Liger-Kernel": lambda: liger("liger_kernel.transformers.rope", "liger_rotary_pos_emb"),
+        "Liger-Kernel": liger_rope,
     },
     truth=lambda q, k, cos, sin: rope_reference(q.double(), k.double(), cos.double(), sin.double()),
     error_label="max |err|",
@@ -452,11 +280,6 @@ def flce_truth(hidden, weight, targets):
     return loss64(lambda lo, hi: hidden[lo:hi].double() @ weight64.t(), targets)
 
 
-def liger_flce():
-    loss = liger("liger_kernel.transformers", "LigerFusedLinearCrossEntropyLoss")(ignore_index=-100, reduction="mean")
-    return lambda hidden, weight, targets: loss(weight, hidden, targets)  # Liger takes the weight first
-
-
 FLCE = Spec(
     name="flce", title="Linear + cross-entropy",
     describe=lambda s: f"hidden {s['hidden']:,} -> vocabulary {s['vocab']:,}, bfloat16, mean",
@@ -469,8 +292,7 @@ FLCE = Spec(
         "PyTorch eager (HF)": lambda: linear_cross_entropy_reference,  # lm_head, then HF's loss
         "torch.compile (HF)": lambda: compiled(linear_cross_entropy_reference),
         "Liger-Kernel FLCE": liger_flce,
-        # (hidden, weight, targets) with its defaults: the "cce" kernels, mean.
-        "Apple cut-cross-entropy": lambda: importlib.import_module("cut_cross_entropy").linear_cross_entropy,
+        "Apple cut-cross-entropy": cut_cross_entropy,  # (hidden, weight, targets), its defaults
     },
     truth=flce_truth,
     error_label="loss |err|",
@@ -827,15 +649,15 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="fewer shapes, shorter timing loops (CPU: tiny shapes)")
     parser.add_argument("--json", metavar="PATH", help="write every number and the environment here")
     parser.add_argument("--plot", metavar="PATH.png", help="after measuring, draw tools/plot_benchmark.py's figure")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=flags.seed, default=0, help="0 .. 2**63 - 1")
     args = parser.parse_args(argv)
     CAPTURE.update(failed={}, broken=None)  # a fresh run tries every provider's capture again
     # Output paths are checked before anything is measured: a long run that cannot
     # write its results has lost them.
     if args.json:
-        args.json = check_output_path(args.json, "--json")
+        args.json = check_output_path(args.json, "--json", suffix=".json")
     if args.plot:
-        args.plot = check_output_path(args.plot, "--plot")
+        args.plot = check_output_path(args.plot, "--plot", suffix=".png")
         if importlib.util.find_spec("matplotlib") is None:
             raise SystemExit("error: --plot needs matplotlib (pip install matplotlib)")
     started = time.perf_counter()
@@ -869,7 +691,7 @@ def main(argv=None):
         # Imported here: matplotlib is needed only when a figure is asked for.
         from tools.plot_benchmark import plot_results
 
-        plot_results(results, args.plot)
+        plot_results(results, args.plot, metadata=PNG_METADATA)  # the mark: a later run may replace it
         print(f"Wrote {args.plot}")
     return results
 

@@ -8,11 +8,12 @@ Usage:
 The benchmark's ``--quick --kernel all`` run happens once (a module fixture) and the
 checks read its table and its JSON: every provider has a row with a status, our
 kernels match the float64 truth as well as PyTorch does, nothing is timed on CPU.
-Other checks: bad paths and bad --kernel names fail in one line before anything is
-measured; failing peers (out of memory, any exception) become OOM / ERR rows; the
-playbook-design peers compute the same losses and gradients as PyTorch; the
-byte formulas and derived numbers; the plot tool redraws from a JSON, this run's or
-the committed results/bench_h100.json.
+Other checks: bad paths (wrong suffix, a file this project did not write), seeds out
+of range and bad --kernel names fail in one line before anything is measured; failing
+peers (out of memory, any exception) become OOM / ERR rows; the playbook-design peers
+(benchmark_peers.py) compute the same losses and gradients as PyTorch; the byte formulas
+and derived numbers; the plot tool redraws from a JSON, this run's or the committed
+results/bench_h100.json; a second run may replace the JSON and figure of the first.
 """
 
 import contextlib
@@ -27,6 +28,8 @@ import torch
 
 # benchmark_kernels imports the kernel modules first (the Triton interpreter switch).
 import benchmark_kernels as bk
+import benchmark_peers as bp
+import flags
 from tools import plot_benchmark
 
 ON_GPU = torch.cuda.is_available()
@@ -98,8 +101,8 @@ def test_quick_run_prints_tables_and_writes_strict_json(quick_run):
             for key in RECORD_KEYS:
                 assert key in rec, (name, key)
             assert rec["fwd_status"] and rec["fwdbwd_status"] and rec["memory_status"], rec
-            if rec["provider"] in bk.NEEDS:  # optional peers: installed and run, or say why not
-                assert rec["fwd_status"] in ("ok", bk.NA_CPU, bk.NOT_INSTALLED, bk.SKIPPED_CPU, "OOM", "ERR")
+            if rec["provider"] in bp.NEEDS:  # optional peers: installed and run, or say why not
+                assert rec["fwd_status"] in ("ok", bk.NA_CPU, bp.NOT_INSTALLED, bp.SKIPPED_CPU, "OOM", "ERR")
                 continue
             # Every other provider ran (torch.compile too: aot_eager on CPU) and has an error.
             assert rec["fwd_status"] not in ("ERR", "OOM") and rec["fwdbwd_status"] not in ("ERR", "OOM"), rec
@@ -135,14 +138,14 @@ def test_playbook_design_peers_are_right():
     w = (1 + 0.1 * torch.randn(96, device=bk.DEVICE)).requires_grad_()
     dy = torch.randn(6, 96, device=bk.DEVICE)
     ref = bk.rmsnorm_reference(x, w, bk.EPS)
-    got = bk.PlaybookRMSNorm.apply(x, w)
+    got = bp.PlaybookRMSNorm.apply(x, w, bk.EPS)
     torch.testing.assert_close(got, ref)
     torch.testing.assert_close(torch.autograd.grad(got, (x, w), dy), torch.autograd.grad(ref, (x, w), dy))
 
     logits = torch.randn(5, 9000, device=bk.DEVICE, requires_grad=True)  # more than one vocabulary chunk
     targets = torch.tensor([3, -100, 8999, 0, 4096], device=bk.DEVICE)
     ref = torch.nn.functional.cross_entropy(logits, targets)
-    got = bk.PlaybookCrossEntropy.apply(logits, targets)
+    got = bp.PlaybookCrossEntropy.apply(logits, targets)
     torch.testing.assert_close(got, ref)
     torch.testing.assert_close(torch.autograd.grad(2 * got, logits), torch.autograd.grad(2 * ref, logits))
 
@@ -173,6 +176,46 @@ def test_bad_paths_fail_in_one_line_before_measuring(tmp_path, monkeypatch, caps
         message = str(exc.value.code)
         assert expected in message and "\n" not in message, message
     assert capsys.readouterr().out == ""  # not even the banner
+
+
+def test_output_suffixes_and_foreign_files_fail_in_one_line_before_measuring(tmp_path, monkeypatch, capsys):
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("measured before checking the output paths")
+
+    monkeypatch.setattr(bk, "run_kernel", must_not_run)
+    monkeypatch.setattr(bk, "environment_info", must_not_run)
+    users_json, users_png = tmp_path / "users.json", tmp_path / "users.png"
+    users_json.write_text('{"kernels": {}}')  # valid JSON, but without this project's mark
+    users_png.write_bytes(b"\x89PNG\r\n\x1a\n not ours")
+    cases = [
+        (["--json", str(tmp_path / "b.txt")], "expected a .json file"),
+        (["--quick", "--plot", str(tmp_path / "b.jpg")], "expected a .png file"),
+        (["--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.pdf")], "expected a .png file"),
+        (["--json", str(users_json)], "exists and was not written by this project"),
+        (["--plot", str(users_png)], "exists and was not written by this project"),
+    ]
+    for argv, expected in cases:
+        with pytest.raises(SystemExit) as exc:
+            bk.main(argv)
+        message = str(exc.value.code)
+        assert expected in message and "\n" not in message, message
+    assert capsys.readouterr().out == ""  # not even the banner
+    assert users_json.read_text() == '{"kernels": {}}' and users_png.read_bytes().endswith(b"not ours")
+
+
+@pytest.mark.parametrize("value", [str(2**64), str(2**63), "-1"])
+def test_out_of_range_seeds_fail_in_one_line_before_measuring(value, monkeypatch, capsys):
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("measured before checking --seed")
+
+    monkeypatch.setattr(bk, "run_kernel", must_not_run)
+    monkeypatch.setattr(bk, "environment_info", must_not_run)
+    with pytest.raises(SystemExit) as exc:
+        bk.main(["--quick", "--seed", value])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # not even the banner
+    assert err.strip().splitlines()[-1].endswith(f"argument --seed: must be from 0 to 2**63 - 1, got {value}"), err
 
 
 def test_kernel_names_are_validated(capsys):
@@ -283,9 +326,16 @@ def test_plot_tool_redraws_from_json(quick_run, tmp_path, capsys):
 
 
 def test_plot_option_draws_after_measuring(tmp_path):
-    png = tmp_path / "swiglu.png"
+    png, out = tmp_path / "swiglu.png", tmp_path / "swiglu.json"
     run_main(["--quick", "--kernel", "swiglu", "--plot", str(png)])
     assert png.stat().st_size > 10_000
+    # The figure and the JSON carry this project's mark, so a later run may replace them.
+    assert flags.written_here(str(png))
+    for _ in range(2):
+        _, text = run_main(["--quick", "--kernel", "swiglu", "--json", str(out), "--plot", str(png)])
+        assert f"Wrote {out}" in text and f"Wrote {png}" in text
+        assert flags.written_here(str(out)) and flags.written_here(str(png))
+    assert strict_load(out)["kernels"]["swiglu"]["title"] == "SwiGLU"
 
 
 if __name__ == "__main__":

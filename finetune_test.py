@@ -198,6 +198,14 @@ def test_loss_functions_agree_on_padding():
         (["--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
         (["--seq-len", "-5"], "argument --seq-len: must be at least 1, got -5"),
         (["--steps", "0"], "argument --steps: must be at least 1, got 0"),
+        (["--lr", "nan"], "argument --lr: must be a finite number >= 0, got nan"),
+        (["--lr", "-1"], "argument --lr: must be a finite number >= 0, got -1"),
+        (["--lr", "0"], "argument --lr: must be a finite number > 0, got 0"),
+        (["--seed", str(2**64)], f"argument --seed: must be from 0 to 2**63 - 1, got {2**64}"),
+        (["--seed", "-1"], "argument --seed: must be from 0 to 2**63 - 1, got -1"),
+        (["--lora", "--lora-alpha", "0"], "argument --lora-alpha: must be a finite number > 0, got 0"),
+        (["--lora", "--lora-r", "0"], "argument --lora-r: must be at least 1, got 0"),
+        (["--max-grad-norm", "inf"], "argument --max-grad-norm: must be a finite number >= 0, got inf"),
     ],
 )
 def test_bad_numbers(argv, message, capsys):
@@ -455,6 +463,50 @@ def test_bad_json_path_fails_before_training(tmp_path, monkeypatch, capsys, wher
     assert "Model:" not in capsys.readouterr().out  # nothing was built
 
 
+def test_outputs_never_touch_inputs(tmp_path, monkeypatch):
+    no_training(monkeypatch)
+    data = tmp_path / "my.jsonl"
+    data.write_text('{"instruction": "Say yes.", "response": "yes"}\n')
+    before = data.read_bytes()
+    model_dir = tmp_path / "model"
+    models.tiny_config().save_pretrained(model_dir)
+    user_file = tmp_path / "notes.json"
+    user_file.write_text('{"mine": true}')
+    cases = [
+        (["--dataset", str(data), "--json", str(data)], f"--json {data}: is the --dataset input {data}"),
+        (["--dataset", str(data), "--json", str(tmp_path / "out.txt")], "expected a .json file"),
+        (["--json", str(user_file)], f"--json {user_file}: exists and was not written by this project"),
+        (["--model", str(model_dir), "--no-tiny", "--json", str(model_dir / "r.json")],
+         f"is inside the --model input {model_dir}"),
+        (["--model", str(model_dir), "--no-tiny", "--output-dir", str(model_dir)],
+         f"--output-dir {model_dir}: is the --model input {model_dir}"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as e:
+            finetune_baseline.main(TINY + argv)
+        assert message in str(e.value.code) and "\n" not in str(e.value.code), (argv, e.value.code)
+    assert data.read_bytes() == before and user_file.read_text() == '{"mine": true}'
+    assert sorted(p.name for p in model_dir.iterdir()) == ["config.json"]
+    # A file this project wrote is replaced by the next run.
+    flags.write_json_atomic(str(tmp_path / "ours.json"), {"losses": []})
+    assert flags.written_here(str(tmp_path / "ours.json")) and not flags.written_here(str(user_file))
+
+
+@pytest.mark.parametrize("config, message", [
+    ("bert", "not a causal decoder (the output at a position depends on the tokens after it)"),
+    ("t5", "a t5 model is not a causal decoder (transformers has no causal-LM class for it)"),
+])
+@pytest.mark.parametrize("script", [finetune_baseline, finetune_optimized])
+def test_only_causal_decoders_are_trained(script, config, message, tmp_path, monkeypatch):
+    monkeypatch.setattr(training, "train_step", lambda *a, **k: pytest.fail("trained a model that is no decoder"))
+    small = dict(vocab_size=512, num_layers=2, num_heads=4, d_model=64, d_ff=128, d_kv=16) if config == "t5" else \
+        dict(vocab_size=512, num_hidden_layers=2, num_attention_heads=4, hidden_size=64, intermediate_size=128)
+    transformers.AutoConfig.for_model(config, **small).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        script.main(["--model", str(tmp_path), "--random-init", "--dataset", "synthetic", "--seq-len", "16"])
+    assert e.value.code == f"error: --model {tmp_path}: {message}; only decoder language models are fine-tuned here"
+
+
 def test_unwritable_json_directory(tmp_path, monkeypatch):
     if os.geteuid() == 0:
         pytest.skip("root can write anywhere")
@@ -587,7 +639,7 @@ def test_ctrl_c_writes_the_completed_steps(tmp_path, monkeypatch, capsys):
     assert doc["tokens_per_sec"] > 0 and doc["peak_memory_bytes"] > 0
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith("Interrupted")]
-    assert lines == [f"Interrupted: 2 of 4 steps completed, wrote them to {path} (marked partial)"]
+    assert lines == [f"Interrupted (SIGINT): 2 of 4 steps completed, wrote them to {path} (marked partial)"]
     assert "Average throughput" not in out  # no results block for a partial run
 
 
@@ -599,7 +651,7 @@ def test_ctrl_c_before_any_timed_step(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         finetune_baseline.main(TINY)
     assert e.value.code == 130
-    assert "Interrupted: 0 of 4 steps completed, not written (no --json)" in capsys.readouterr().out
+    assert "Interrupted (SIGINT): 0 of 4 steps completed, not written (no --json)" in capsys.readouterr().out
 
 
 def test_estimate_printed_for_a_long_run(monkeypatch, capsys):

@@ -94,8 +94,9 @@ def test_two_ranks_match_one_process_every_kernel_and_resume(full, tmp_path):
     assert sharded["tokens_per_sec_per_gpu"] == pytest.approx(sharded["tokens_per_sec"] / 2)
     assert sharded["tokens_per_step"] == one["tokens_per_step"] == 32  # the global batch
     ckpt = tmp / "fsdp"
-    assert sorted(os.listdir(ckpt / "checkpoint-2")) == ["rng_state_rank0.pt", "rng_state_rank1.pt",
-                                                         "scheduler.pt", "sharded", checkpoints.TRAINER_STATE]
+    assert sorted(os.listdir(ckpt / "checkpoint-2")) == [checkpoints.MANIFEST, "rng_state_rank0.pt",
+                                                         "rng_state_rank1.pt", "scheduler.pt", "sharded",
+                                                         checkpoints.TRAINER_STATE]
 
     args = [*TINY, "--steps", "3", "--batch-size", "1"]
     resumed = run("finetune_optimized.py", [*args, "--resume", str(ckpt / "checkpoint-2"),

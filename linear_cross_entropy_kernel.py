@@ -312,7 +312,8 @@ def fused_linear_cross_entropy(hidden, weight, targets, ignore_index=-100, reduc
     check_targets: as in ``cross_entropy`` (default on for CPU tensors only).
     """
     _check_flce_inputs(hidden, weight, targets, ignore_index, reduction)
-    if chunk_rows is not None and (not isinstance(chunk_rows, int) or chunk_rows < 1):
+    # bool is an int to Python (True == 1); as a row count it is a mistake.
+    if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1):
         raise ValueError(f"fused_linear_cross_entropy: chunk_rows must be a positive int, got {chunk_rows!r}")
     if check_targets is None:
         check_targets = hidden.device.type == "cpu"

@@ -148,6 +148,9 @@ def test_module_and_misuse():
         fused_linear_cross_entropy(hidden, weight, bad, check_targets=True)
     with pytest.raises(ValueError, match="chunk_rows"):
         fused_linear_cross_entropy(hidden, weight, targets, chunk_rows=0)
+    for bad_rows in (True, 2.0, "4"):
+        with pytest.raises(ValueError, match="chunk_rows must be a positive int"):
+            fused_linear_cross_entropy(hidden, weight, targets, chunk_rows=bad_rows)
     with pytest.raises(ValueError, match="same device"):
         fused_linear_cross_entropy(hidden, weight.to("meta"), targets)
 

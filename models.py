@@ -217,6 +217,43 @@ def config_for(model_id, weights_problem=None):
     )
 
 
+def check_causal_lm(config, model_id):
+    """Only causal language models are fine-tuned here (each position predicts the
+    next token from the ones before it): an encoder (BERT), an encoder-decoder (T5)
+    or any config transformers has no causal-LM class for is refused in one line."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    kind = getattr(config, "model_type", type(config).__name__)
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or getattr(config, "is_encoder_decoder", False):
+        raise SystemExit(f"error: --model {model_id}: a {kind} model is not a causal decoder (transformers has no "
+                         f"causal-LM class for it); only decoder language models are fine-tuned here")
+
+
+@torch.no_grad()
+def check_causal(model, model_id):
+    """The same rule, tested on the model itself: the output at a position must not
+    change when a later token does. Encoders such as BERT have a causal-LM class in
+    transformers but attend both ways unless configured as decoders; trained as
+    one they would learn to copy the next token, not to predict it. Two forwards of
+    3 tokens; skipped for a model on the meta device (--fsdp builds it there)."""
+    if any(p.is_meta for p in model.parameters()):
+        return
+    was_training = model.training
+    model.eval()  # no dropout: the two forwards differ only where the inputs do
+    try:
+        device = next(model.parameters()).device
+        ids = torch.tensor([[1, 2, 3]], device=device) % model.config.vocab_size
+        later = ids.clone()
+        later[0, 2] = (ids[0, 2] + 1) % model.config.vocab_size
+        before = model(input_ids=ids).logits[0, :2].float()
+        after = model(input_ids=later).logits[0, :2].float()
+    finally:
+        model.train(was_training)
+    if not torch.allclose(before, after, rtol=1e-3, atol=1e-3 * before.abs().max().item()):
+        raise SystemExit(f"error: --model {model_id}: not a causal decoder (the output at a position depends on "
+                         f"the tokens after it); only decoder language models are fine-tuned here")
+
+
 def check_seq_len(seq_len, config):
     max_pos = getattr(config, "max_position_embeddings", None)
     if max_pos is not None and seq_len > max_pos:
@@ -345,6 +382,7 @@ def load_model(args):
                 )
                 source = "random init (weights unavailable)"
         if model is None:
+            check_causal_lm(config, args.model)
             check_seq_len(args.seq_len, config)  # before spending a minute building 8B parameters
             # --fsdp: no process could hold the whole large model, so it is built on the
             # meta device (shapes only) and each process initializes its own shards once
@@ -363,8 +401,10 @@ def load_model(args):
             f"on {device}; it needs {dtype.itemsize} bytes per parameter (use a smaller --model, or --tiny)"
         ) from None
     check_seq_len(args.seq_len, model.config)
-
     model.config.use_cache = False  # training: no KV cache
+    check_causal_lm(model.config, args.model)
+    check_causal(model, args.model)
+
     n_params = sum(p.numel() for p in model.parameters())
     max_pos = getattr(model.config, "max_position_embeddings", None)
     info = {

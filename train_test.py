@@ -213,7 +213,8 @@ def test_lora_compute_dtype_only_for_low_precision_models(lora_run):
 def test_lora_resume_is_exact(lora_run, tmp_path):
     ckpt = lora_run["dir"] / "checkpoint-4"
     assert sorted(os.listdir(ckpt)) == ["README.md", "adapter_config.json", "adapter_model.safetensors",  # peft's
-                                        "optimizer.pt", "rng_state.pt", "scheduler.pt", "trainer_state.json"]
+                                        "manifest.json", "optimizer.pt", "rng_state.pt", "scheduler.pt",
+                                        "trainer_state.json"]
     resumed = finetune_optimized.main(LORA + steps(8) + ["--resume", str(ckpt), "--output-dir", str(tmp_path)])
     assert resumed["start_step"] == 4 and [s["step"] for s in resumed["steps"]] == [5, 6, 7, 8]
     close(resumed["losses"], lora_run["results"]["losses"][4:])  # dropout 0.1: the random state was restored

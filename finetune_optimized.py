@@ -91,9 +91,18 @@ def triton_flce_loss(model, batch):
     """The LM head fused into the loss: the decoder's hidden states go straight into
     the fused linear cross-entropy, so no [B, T, V] logits exist."""
     hidden = model.get_decoder()(**dataloader.model_inputs(batch)).last_hidden_state  # [B, T, H]
+    scale = logit_multiplier(model.config)
+    if scale != 1.0:
+        hidden = hidden * scale  # (c h) @ W.T == c (h @ W.T): B x T x H values scaled, not B x T x V
     weight = model.get_output_embeddings().weight  # [V, H], possibly tied to the embedding
     targets = dataloader.shift_labels(batch["labels"])
     return fused_linear_cross_entropy(hidden, weight, targets, ignore_index=dataloader.IGNORE_INDEX)
+
+
+def logit_multiplier(config):
+    """The constant some families multiply the logits by after the LM head: Granite
+    divides them by ``logits_scaling``, Cohere multiplies them by ``logit_scale``."""
+    return (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
 
 
 # This loss runs the decoder and reads the LM head's weight itself instead of calling
@@ -139,15 +148,29 @@ def adapters_compute_in(dtype, model, loss_fn):
 
 
 def check_flce_head(model):
-    """The fused loss computes hidden @ W.T: refuse heads that do more than that."""
+    """The fused loss computes (c h) @ W.T (c: logit_multiplier): refuse heads that do
+    more than that, by what they are and by what they compute."""
     head = model.get_output_embeddings()
-    extras = [a for a in ("final_logit_softcapping", "logit_scale") if getattr(model.config, a, None)]
+    extras = [a for a in ("final_logit_softcapping",) if getattr(model.config, a, None)]
     if head is None or not isinstance(head, torch.nn.Linear) or head.bias is not None or extras:
         raise SystemExit(
             f"error: --use-custom-flce needs an LM head that is a plain bias-free Linear "
             f"({type(model).__name__} has {type(head).__name__}{', ' + ', '.join(extras) if extras else ''}); "
             f"run with --no-use-custom-flce"
         )
+    # Any other transform of the logits (a config attribute this code does not know)
+    # shows on a 3-token input: the model's own logits must be the fused loss's.
+    if any(p.is_meta for p in model.parameters()):
+        return
+    with torch.no_grad():
+        ids = torch.tensor([[1, 2, 3]], device=head.weight.device) % model.config.vocab_size
+        theirs = model(input_ids=ids).logits.float()
+        hidden = model.get_decoder()(input_ids=ids).last_hidden_state * logit_multiplier(model.config)
+        ours = (hidden @ head.weight.T).float()
+    rounding = 1e-4 if head.weight.dtype == torch.float32 else 2**-6  # one rounding of the logits, and margin
+    if not torch.allclose(ours, theirs, rtol=rounding, atol=rounding * theirs.abs().max().item()):
+        raise SystemExit(f"error: --use-custom-flce: {type(model).__name__} transforms its logits after the LM head "
+                         f"in a way the fused loss does not implement; run with --no-use-custom-flce")
 
 
 def nothing_found(flag, what, model, looks_for):

@@ -507,6 +507,35 @@ def test_only_causal_decoders_are_trained(script, config, message, tmp_path, mon
     assert e.value.code == f"error: --model {tmp_path}: {message}; only decoder language models are fine-tuned here"
 
 
+SMALL_DECODER = dict(vocab_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                     intermediate_size=128)
+
+
+@pytest.mark.parametrize("family, scaling, off", [
+    ("granite", {"logits_scaling": 4.0}, []),  # logits / 4
+    ("cohere", {"logit_scale": 0.5}, ["--no-use-custom-rmsnorm"]),  # logits * 0.5; its norm is a LayerNorm
+])
+def test_families_that_scale_their_logits_train_like_the_baseline(family, scaling, off, tmp_path):
+    transformers.AutoConfig.for_model(family, **SMALL_DECODER, **scaling).save_pretrained(tmp_path / "model")
+    argv = ["--model", str(tmp_path / "model"), "--random-init", "--dataset", "synthetic", "--batch-size", "2",
+            "--seq-len", "32", "--steps", "3", "--warmup-steps", "0"]
+    base = finetune_baseline.main(argv)
+    ours = finetune_optimized.main(argv + off)
+    assert ours["kernels"]["flce"] and len(ours["losses"]) == len(base["losses"]) == 3
+    for step, (b, o) in enumerate(zip(base["losses"], ours["losses"]), start=1):
+        assert abs(b - o) <= 1e-4, f"step {step}: baseline {b:.6f} vs optimized {o:.6f}"
+
+
+def test_a_logit_transform_the_fused_loss_does_not_know_is_refused(tmp_path, monkeypatch):
+    transformers.AutoConfig.for_model("granite", **SMALL_DECODER, logits_scaling=4.0).save_pretrained(tmp_path)
+    monkeypatch.setattr(finetune_optimized, "logit_multiplier", lambda config: 1.0)  # as if unknown
+    monkeypatch.setattr(training, "train_step", lambda *a, **k: pytest.fail("trained with the wrong loss"))
+    with pytest.raises(SystemExit) as e:
+        finetune_optimized.main(["--model", str(tmp_path), "--random-init", "--dataset", "synthetic", "--seq-len", "16"])
+    assert e.value.code == ("error: --use-custom-flce: GraniteForCausalLM transforms its logits after the LM head in "
+                            "a way the fused loss does not implement; run with --no-use-custom-flce")
+
+
 def test_unwritable_json_directory(tmp_path, monkeypatch):
     if os.geteuid() == 0:
         pytest.skip("root can write anywhere")

@@ -69,7 +69,7 @@ from adamw_kernel import TritonAdamW
 from cross_entropy_kernel import cross_entropy
 from linear_cross_entropy_kernel import fused_linear_cross_entropy
 from rmsnorm_kernel import replace_rmsnorm
-from rope_kernel import fuse_rope
+from rope_kernel import RopeMismatch, fuse_rope
 from swiglu_kernel import TritonLlamaMLP, replace_swiglu
 
 TITLE = "Fine-tuning: optimized (Triton kernels)"
@@ -236,7 +236,10 @@ def apply_kernels(model, kernels):
     # each attention layer's forward so that the call finds ours (also when
     # gradient checkpointing reruns the layer during backward).
     if kernels.get("rope"):
-        count = fuse_rope(model)
+        try:
+            count = fuse_rope(model)
+        except RopeMismatch as e:
+            raise SystemExit(f"error: --use-custom-rope: {e}; run with --no-use-custom-rope") from None
         if count == 0:
             raise nothing_found("rope", "attention modules using apply_rotary_pos_emb", model,
                                 "it looks for *Attention modules whose python module defines it")

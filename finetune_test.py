@@ -126,7 +126,7 @@ def test_optimized_used_the_kernels(runs):
     # The optimized run computed every step's loss with the fused linear cross-entropy
     # (which supersedes the plain one) and never ran the LM head: no logits at all ...
     assert runs["spy"]["flce_calls"] == 4 and runs["spy"]["ce_calls"] == 0
-    assert runs["spy"]["lm_head_calls"] == 0
+    assert runs["spy"]["lm_head_calls"] == 1  # once, before training: check_flce_head's 3-token probe
     # The fused RoPE ran in both attention layers of every step, and only there.
     assert base["rope_calls"] == 0 and runs["spy"]["rope_calls"] == 2 * 4
     # The Triton AdamW updated every parameter at every step (the baseline: PyTorch's).
@@ -513,7 +513,8 @@ SMALL_DECODER = dict(vocab_size=512, num_hidden_layers=2, num_attention_heads=4,
 
 @pytest.mark.parametrize("family, scaling, off", [
     ("granite", {"logits_scaling": 4.0}, []),  # logits / 4
-    ("cohere", {"logit_scale": 0.5}, ["--no-use-custom-rmsnorm"]),  # logits * 0.5; its norm is a LayerNorm
+    # logits * 0.5; its norm is a LayerNorm and its RoPE turns interleaved pairs (both refused, see below)
+    ("cohere", {"logit_scale": 0.5}, ["--no-use-custom-rmsnorm", "--no-use-custom-rope"]),
 ])
 def test_families_that_scale_their_logits_train_like_the_baseline(family, scaling, off, tmp_path):
     transformers.AutoConfig.for_model(family, **SMALL_DECODER, **scaling).save_pretrained(tmp_path / "model")
@@ -522,6 +523,33 @@ def test_families_that_scale_their_logits_train_like_the_baseline(family, scalin
     base = finetune_baseline.main(argv)
     ours = finetune_optimized.main(argv + off)
     assert ours["kernels"]["flce"] and len(ours["losses"]) == len(base["losses"]) == 3
+    for step, (b, o) in enumerate(zip(base["losses"], ours["losses"]), start=1):
+        assert abs(b - o) <= 1e-4, f"step {step}: baseline {b:.6f} vs optimized {o:.6f}"
+
+
+def test_a_rope_that_turns_other_pairs_is_refused(tmp_path, monkeypatch):
+    # Cohere's apply_rotary_pos_emb rotates (x0, x1), (x2, x3), ...: swapping in ours
+    # would change the model, though a tiny random one trains almost alike.
+    transformers.AutoConfig.for_model("cohere", **SMALL_DECODER).save_pretrained(tmp_path)
+    monkeypatch.setattr(training, "train_step", lambda *a, **k: pytest.fail("trained with another RoPE"))
+    with pytest.raises(SystemExit) as e:
+        finetune_optimized.main(["--model", str(tmp_path), "--random-init", "--dataset", "synthetic", "--seq-len", "16",
+                                 "--no-use-custom-rmsnorm"])
+    assert e.value.code == ("error: --use-custom-rope: transformers.models.cohere.modeling_cohere.apply_rotary_pos_emb "
+                            "computes another rotation than the fused RoPE (x * cos + rotate_half(x) * sin on the "
+                            "first 16 of 16 dims); run with --no-use-custom-rope")
+
+
+def test_partial_rotary_trains_like_the_baseline(tmp_path):
+    # Phi-3 with partial_rotary_factor 0.5: the first half of each head turns. Its
+    # MLP is one fused gate_up_proj, which the SwiGLU swap does not take.
+    config = transformers.AutoConfig.for_model("phi3", **SMALL_DECODER, partial_rotary_factor=0.5, pad_token_id=0)
+    config.save_pretrained(tmp_path / "model")
+    argv = ["--model", str(tmp_path / "model"), "--random-init", "--dataset", "synthetic", "--batch-size", "2",
+            "--seq-len", "32", "--steps", "2", "--warmup-steps", "0"]
+    base = finetune_baseline.main(argv)
+    ours = finetune_optimized.main(argv + ["--no-use-custom-swiglu"])
+    assert ours["kernels"]["rope"] and ours["kernels"]["rmsnorm"] and ours["kernels"]["flce"]
     for step, (b, o) in enumerate(zip(base["losses"], ours["losses"]), start=1):
         assert abs(b - o) <= 1e-4, f"step {step}: baseline {b:.6f} vs optimized {o:.6f}"
 

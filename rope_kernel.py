@@ -591,6 +591,14 @@ def rope(q, k, cos, sin, unsqueeze_dim=1):
     takes that path.
     """
     layout = _normalize_unsqueeze_dim(unsqueeze_dim)
+    rotary = cos.shape[-1] if isinstance(cos, torch.Tensor) and cos.dim() == 3 else None
+    if isinstance(q, torch.Tensor) and q.dim() == 4 and rotary and rotary < q.shape[-1]:
+        # Partial rotary (Phi-3 with partial_rotary_factor, ...): the tables cover
+        # the first ``rotary`` dims of each head, which turn; the rest pass through,
+        # as HF's function does it. The slices keep a contiguous last dim, so the
+        # kernel reads them in place; the concatenation is one copy of q and k.
+        q_rot, k_rot = rope(q[..., :rotary], k[..., :rotary], cos, sin, unsqueeze_dim)
+        return torch.cat([q_rot, q[..., rotary:]], dim=-1), torch.cat([k_rot, k[..., rotary:]], dim=-1)
     _check_inputs(q, k, cos, sin, layout)
     if layout == 2:
         # [B, T, H, D] is [B, H, T, D] with two strides swapped: transposed views
@@ -708,8 +716,11 @@ def fuse_rope(model):
     always seen by it). Returns the number of layers; calling it again changes
     nothing.
     """
+    layers = list(_rope_attention_layers(model))
+    for pymod in {pymod.__name__: pymod for _, pymod in layers}.values():
+        check_same_rope(vars(pymod)["apply_rotary_pos_emb"], model, pymod.__name__)
     count = 0
-    for sub, _ in _rope_attention_layers(model):
+    for sub, _ in layers:
         forward = _forward_with_fused_rope(type(sub))
         if forward is None:
             continue
@@ -718,6 +729,53 @@ def fuse_rope(model):
         # forward to the copy.
         sub.forward = types.MethodType(forward, sub)
     return count
+
+
+class RopeMismatch(ValueError):
+    """A family's apply_rotary_pos_emb that computes something else than ours."""
+
+
+# --------------------------------------------------------------------------------
+# Checking the swap: the family's function must compute what ours does
+# --------------------------------------------------------------------------------
+# Every decoder family names its function apply_rotary_pos_emb, but not every one
+# computes LLaMA's x * cos + rotate_half(x) * sin: Cohere rotates interleaved pairs
+# (x0, x1), (x2, x3), ... instead of the two halves, others add a scale. A random
+# tiny model trains almost alike either way (its attention barely depends on the
+# positions), so a wrong swap would pass unnoticed. Before the swap, the family's
+# function and ours run on the same random q and k with the model's own cos and
+# sin tables (their width says how many dims turn), in float32; they must agree.
+@torch.no_grad()
+def check_same_rope(original, model, where):
+    """Raise RopeMismatch unless ``original`` computes what ``rope`` does for ``model``."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    device = next(model.parameters()).device
+    device = torch.device("cpu") if device.type == "meta" else device  # --fsdp builds large models there
+    seq_len = 8
+    positions = torch.arange(seq_len, device=device)[None]
+    tables = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    if tables and not any(b.is_meta for b in tables[0].buffers()):
+        cos, sin = tables[0](torch.zeros(1, seq_len, head_dim, device=device), positions)
+        cos, sin = cos.float(), sin.float()
+    else:  # no table to ask (or on the meta device): random angles over the whole head
+        angles = torch.rand(1, seq_len, head_dim // 2, generator=gen).to(device)
+        cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
+    q = torch.randn(1, 2, seq_len, head_dim, generator=gen).to(device)
+    k = torch.randn(1, 2, seq_len, head_dim, generator=gen).to(device)
+    try:
+        theirs = original(q, k, cos, sin)
+    except Exception as e:  # noqa: BLE001 - any failure: not a function we can stand in for
+        raise RopeMismatch(f"{where}.apply_rotary_pos_emb does not take (q, k, cos, sin) as HF LLaMA's does "
+                           f"({type(e).__name__})") from None
+    rotary = cos.shape[-1]  # what rope() computes, written with the reference formula (no kernel launch)
+    turned = rope_reference(q[..., :rotary], k[..., :rotary], cos, sin)
+    ours = [torch.cat([t, x[..., rotary:]], dim=-1) for t, x in zip(turned, (q, k))]
+    for a, b in zip(ours, theirs):
+        if a.shape != b.shape or not torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5):
+            raise RopeMismatch(f"{where}.apply_rotary_pos_emb computes another rotation than the fused RoPE "
+                               f"(x * cos + rotate_half(x) * sin on the first {cos.shape[-1]} of {head_dim} dims)")
 
 
 _FUSED_FORWARDS = {}  # attention class -> its forward, reading our apply_rotary_pos_emb

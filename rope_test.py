@@ -22,8 +22,10 @@ import torch
 
 from conftest import DEVICE, DTYPES, check_outputs, need_gpu, rel_err
 from rope_kernel import (
+    RopeMismatch,
     TritonRoPEFunction,
     apply_rotary_pos_emb,
+    check_same_rope,
     fuse_rope,
     patched_rope,
     rope,
@@ -155,6 +157,32 @@ def test_scaled_tables():
     q, k, _, _, dq_out, dk_out = make_inputs(2, 7, 4, 2, 64, torch.bfloat16)
     cos, sin = rope_tables(2, 7, 64, torch.bfloat16, scaling=1.37)
     compare_to_truth(q, k, cos, sin, dq_out, dk_out)
+
+
+def test_partial_rotary_matches_hf():
+    # Tables narrower than the head (Phi-3's partial_rotary_factor): the first dims
+    # turn, the rest pass through, as in HF's Phi-3 function; gradients included.
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_rope
+
+    q, k, _, _, dq_out, dk_out = make_inputs(2, 7, 4, 2, 16, torch.float32)
+    cos, sin = rope_tables(2, 7, 8, torch.float32)
+    ours = run(rope, q, k, cos.to(DEVICE), sin.to(DEVICE), dq_out, dk_out)
+    theirs = run(phi3_rope, q, k, cos.to(DEVICE), sin.to(DEVICE), dq_out, dk_out)
+    for a, b in zip(ours, theirs):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert torch.equal(ours[0][..., 8:], q[..., 8:])  # the rest untouched
+
+
+def test_the_swap_checks_what_the_family_computes():
+    from transformers.models.cohere.modeling_cohere import apply_rotary_pos_emb as cohere_rope
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_rope
+
+    model = _tiny_llama()
+    check_same_rope(llama_rope, model, "llama")  # the same function: no error
+    with pytest.raises(RopeMismatch, match="cohere.apply_rotary_pos_emb computes another rotation"):
+        check_same_rope(cohere_rope, model, "cohere")  # interleaved pairs
+    with pytest.raises(RopeMismatch, match="does not take"):
+        check_same_rope(lambda q, k, cos, sin, position_ids: (q, k), model, "old")
 
 
 def test_bf16_qk_with_fp32_tables():

@@ -67,9 +67,10 @@ import models
 import training
 from adamw_kernel import TritonAdamW
 from cross_entropy_kernel import cross_entropy
+from kernel_common import SwapMismatch
 from linear_cross_entropy_kernel import fused_linear_cross_entropy
 from rmsnorm_kernel import replace_rmsnorm
-from rope_kernel import RopeMismatch, fuse_rope
+from rope_kernel import fuse_rope
 from swiglu_kernel import TritonLlamaMLP, replace_swiglu
 
 TITLE = "Fine-tuning: optimized (Triton kernels)"
@@ -173,6 +174,15 @@ def check_flce_head(model):
                          f"in a way the fused loss does not implement; run with --no-use-custom-flce")
 
 
+def refuse_mismatch(flag, swap, model):
+    """``swap(model)``; a kernel that would compute something else than the module or
+    function it replaces (kernel_common.SwapMismatch) is refused in one line."""
+    try:
+        return swap(model)
+    except SwapMismatch as e:
+        raise SystemExit(f"error: --use-custom-{flag}: {e}; run with --no-use-custom-{flag}") from None
+
+
 def nothing_found(flag, what, model, looks_for):
     """A --use-custom-* flag that matched nothing is a mistake, not a silent no-op."""
     return SystemExit(
@@ -196,7 +206,7 @@ def apply_kernels(model, kernels):
     # RMSNorm: a module swap. TritonRMSNorm reuses each module's weight Parameter,
     # so the optimizer and any weight tying see the same tensors.
     if kernels.get("rmsnorm"):
-        count = replace_rmsnorm(model)
+        count = refuse_mismatch("rmsnorm", replace_rmsnorm, model)
         if count == 0:
             raise nothing_found("rmsnorm", "RMSNorm modules to replace", model,
                                 "it looks for modules named *RMSNorm with weight and variance_epsilon")
@@ -205,7 +215,7 @@ def apply_kernels(model, kernels):
 
     # SwiGLU: a module swap too; the MLP keeps its three projections (cuBLAS).
     if kernels.get("swiglu"):
-        count = replace_swiglu(model)
+        count = refuse_mismatch("swiglu", replace_swiglu, model)
         if count == 0:
             raise nothing_found("swiglu", "LLaMA MLPs to replace", model,
                                 "it looks for modules named *MLP with gate_proj, up_proj, down_proj and a SiLU act_fn")
@@ -236,10 +246,7 @@ def apply_kernels(model, kernels):
     # each attention layer's forward so that the call finds ours (also when
     # gradient checkpointing reruns the layer during backward).
     if kernels.get("rope"):
-        try:
-            count = fuse_rope(model)
-        except RopeMismatch as e:
-            raise SystemExit(f"error: --use-custom-rope: {e}; run with --no-use-custom-rope") from None
+        count = refuse_mismatch("rope", fuse_rope, model)
         if count == 0:
             raise nothing_found("rope", "attention modules using apply_rotary_pos_emb", model,
                                 "it looks for *Attention modules whose python module defines it")

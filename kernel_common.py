@@ -219,7 +219,16 @@ def num_sms(device):
     return _SM_COUNT[index]
 
 
-def swap_modules(model, matches, replacement):
+class SwapMismatch(ValueError):
+    """A module (or function) of a model that a kernel would replace computes
+    something else than the kernel: the swap is refused, never made silently.
+    Decoder families reuse names (every one has an ``*RMSNorm`` and an
+    ``apply_rotary_pos_emb``) for math that differs (an offset weight, another
+    cast order, other rotated pairs), and a tiny random model trains almost alike
+    either way, so a name alone proves nothing."""
+
+
+def swap_modules(model, matches, replacement, check=None):
     """Replace every submodule for which ``matches(module)`` holds by ``replacement(module)``.
 
     Returns the count. We collect first and swap afterwards: changing the module
@@ -227,17 +236,26 @@ def swap_modules(model, matches, replacement):
     swapped (it has no parent to hold the replacement), and when a match lies
     inside another match only the outer one is replaced (the inner one goes
     with it; replacing both would graft the inner replacement onto the new
-    outer module).
+    outer module). ``check(original, new)``, once per module class before any
+    swap, raises SwapMismatch when the two compute different things: then the
+    model is left as it was.
     """
     targets = []
     for name, module in model.named_modules():  # parents come before their children
         inside_a_target = any(name.startswith(outer + ".") for outer, _ in targets)
         if name and not inside_a_target and matches(module):
             targets.append((name, module))
-    for name, module in targets:
+    new = [replacement(module) for _, module in targets]
+    if check is not None:
+        checked = set()
+        for (_, module), swapped in zip(targets, new):
+            if type(module) not in checked:
+                check(module, swapped)
+                checked.add(type(module))
+    for (name, _), swapped in zip(targets, new):
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, replacement(module))
+        setattr(parent, attr, swapped)
     return len(targets)
 
 

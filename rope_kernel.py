@@ -116,6 +116,7 @@ import torch
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
     SUPPORTED_DTYPES,
+    SwapMismatch,
     cast_to,
     check_kernel_device,
     fast_launch,
@@ -731,7 +732,7 @@ def fuse_rope(model):
     return count
 
 
-class RopeMismatch(ValueError):
+class RopeMismatch(SwapMismatch):
     """A family's apply_rotary_pos_emb that computes something else than ours."""
 
 

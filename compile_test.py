@@ -194,9 +194,11 @@ def _opcheck_inputs():
         "cross_entropy_forward_none": (ops.cross_entropy_forward, (z, t, -100, "none", True, False)),
         "cross_entropy_grad": (ops.cross_entropy_grad, (z.detach(), t, nv, up, -100, True)),
         "linear_cross_entropy_forward": (ops.linear_cross_entropy_forward,
-                                         (h, wh, t, -100, "sum", True, True, 2, False)),
+                                         (h, wh, t, -100, "sum", True, True, 2, False, 0.0)),
+        "linear_cross_entropy_forward_softcap": (ops.linear_cross_entropy_forward,
+                                                 (h, wh, t, -100, "mean", True, True, 2, False, 30.0)),
         "linear_cross_entropy_grad": (ops.linear_cross_entropy_grad,
-                                      (h.detach(), wh.detach(), t, nv, up, -100, False, True, True, 2)),
+                                      (h.detach(), wh.detach(), t, nv, up, -100, False, True, True, 2, 0.0)),
     }
 
 

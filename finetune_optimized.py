@@ -97,7 +97,8 @@ def triton_flce_loss(model, batch):
         hidden = hidden * scale  # (c h) @ W.T == c (h @ W.T): B x T x H values scaled, not B x T x V
     weight = model.get_output_embeddings().weight  # [V, H], possibly tied to the embedding
     targets = dataloader.shift_labels(batch["labels"])
-    return fused_linear_cross_entropy(hidden, weight, targets, ignore_index=dataloader.IGNORE_INDEX)
+    return fused_linear_cross_entropy(hidden, weight, targets, ignore_index=dataloader.IGNORE_INDEX,
+                                      softcap=getattr(model.config, "final_logit_softcapping", None))
 
 
 def logit_multiplier(config):
@@ -149,15 +150,14 @@ def adapters_compute_in(dtype, model, loss_fn):
 
 
 def check_flce_head(model):
-    """The fused loss computes (c h) @ W.T (c: logit_multiplier): refuse heads that do
-    more than that, by what they are and by what they compute."""
+    """The fused loss computes (c h) @ W.T (c: logit_multiplier), soft-capped where the
+    config says so: refuse heads that do more than that, by what they are and by
+    what they compute."""
     head = model.get_output_embeddings()
-    extras = [a for a in ("final_logit_softcapping",) if getattr(model.config, a, None)]
-    if head is None or not isinstance(head, torch.nn.Linear) or head.bias is not None or extras:
+    if head is None or not isinstance(head, torch.nn.Linear) or head.bias is not None:
         raise SystemExit(
             f"error: --use-custom-flce needs an LM head that is a plain bias-free Linear "
-            f"({type(model).__name__} has {type(head).__name__}{', ' + ', '.join(extras) if extras else ''}); "
-            f"run with --no-use-custom-flce"
+            f"({type(model).__name__} has {type(head).__name__}); run with --no-use-custom-flce"
         )
     # Any other transform of the logits (a config attribute this code does not know)
     # shows on a 3-token input: the model's own logits must be the fused loss's.
@@ -168,6 +168,9 @@ def check_flce_head(model):
         theirs = model(input_ids=ids).logits.float()
         hidden = model.get_decoder()(input_ids=ids).last_hidden_state * logit_multiplier(model.config)
         ours = (hidden @ head.weight.T).float()
+        cap = getattr(model.config, "final_logit_softcapping", None)
+        if cap:
+            ours = cap * torch.tanh(ours / cap)
     rounding = 1e-4 if head.weight.dtype == torch.float32 else 2**-6  # one rounding of the logits, and margin
     if not torch.allclose(ours, theirs, rtol=rounding, atol=rounding * theirs.abs().max().item()):
         raise SystemExit(f"error: --use-custom-flce: {type(model).__name__} transforms its logits after the LM head "

@@ -49,6 +49,17 @@ matmuls, exactly as the plain path's bf16 gradient is, so dh and dW match what
 
 The weight gradient has no bias term: LLaMA's LM head has none.
 
+Soft-capped logits (Gemma-2 and Gemma-3's ``final_logit_softcapping``, c = 30):
+the loss reads c * tanh(z / c) instead of z, which bends very large logits
+towards +-c. Per chunk that is three more elementwise passes after the matmul
+(divide, tanh, multiply: HF's three ops, in its order and dtype, so the capped
+logits are HF's to the bit) and, for the gradient, the chain rule back through
+them: dz = (g * c) * (1 - tanh^2) / c, with the tanh kept from the forward in a
+second [C, V] buffer. The chunk's memory doubles (still one chunk, not the
+logits); the traffic is 6 more passes over [C, V] in bf16, small next to the
+matmuls that read [C, H] x [H, V]. A kernel could do the tanh in registers
+inside Step 8's pass; the gain is a few percent of this step's time.
+
 Triton concepts: none new. The work is three cuBLAS matmuls per chunk around
 Step 8's kernel; what this step teaches is the memory plan.
 
@@ -79,9 +90,13 @@ from cross_entropy_kernel import (
 )
 
 
-def linear_cross_entropy_reference(hidden, weight, targets, ignore_index=-100, reduction="mean"):
-    """The plain path: the LM head matmul, then HF's loss on the [..., V] logits."""
-    return cross_entropy_reference(hidden @ weight.t(), targets, ignore_index, reduction)
+def linear_cross_entropy_reference(hidden, weight, targets, ignore_index=-100, reduction="mean", softcap=None):
+    """The plain path: the LM head matmul (soft-capped as Gemma-2 does it when
+    ``softcap``), then HF's loss on the [..., V] logits."""
+    logits = hidden @ weight.t()
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return cross_entropy_reference(logits, targets, ignore_index, reduction)
 
 
 # The chunk-size rule: chunk bytes ~ sqrt(logits bytes * FLCE_CHUNK_UNIT). Both the
@@ -100,24 +115,36 @@ def _flce_chunk_rows(n_rows, v, element_size):
     return max(1, min(n_rows, cdiv(rows, FLCE_ROW_ALIGN) * FLCE_ROW_ALIGN))
 
 
-def _flce_chunks(h2, weight, tgt, loss, n_valid, ignore_index, mean, grad_h, grad_w, chunk_rows, upstream=None):
+def _flce_chunks(h2, weight, tgt, loss, n_valid, ignore_index, mean, grad_h, grad_w, chunk_rows, upstream=None,
+                 softcap=0.0):
     """The chunk loop: loss per row into ``loss``; gradients into ``grad_h`` / ``grad_w`` if given.
 
     h2: [N, H] contiguous; weight: [V, H]; tgt: [N]; upstream: [N] per-row upstream
-    gradient (backward of reduction="none") or None (upstream 1).
+    gradient (backward of reduction="none") or None (upstream 1). ``softcap`` > 0:
+    the logits are capped to softcap * tanh(z / softcap) first (see "Soft-capped logits").
     """
     n, v = h2.shape[0], weight.shape[0]
     write_grad = grad_h is not None or grad_w is not None
-    # One [C, V] buffer for every chunk: the only logits-sized memory of the step.
+    # One [C, V] buffer for every chunk: the only logits-sized memory of the step
+    # (two with soft-capping: the tanh is kept for the derivative).
     z_buf = torch.empty((min(chunk_rows, n), v), dtype=h2.dtype, device=h2.device)
+    tanh_buf = torch.empty_like(z_buf) if softcap and write_grad else None
     for start in range(0, n, chunk_rows):
         end = min(start + chunk_rows, n)
         h_c, z = h2[start:end], z_buf[: end - start]
         torch.mm(h_c, weight.t(), out=z)  # logits of the chunk, on cuBLAS
+        if softcap:
+            tanh = tanh_buf[: end - start] if tanh_buf is not None else z
+            torch.tanh(z.div_(softcap), out=tanh)  # HF's order, each op rounded to the logits' dtype
+            torch.mul(tanh, softcap, out=z)
         # Loss per row; when training, the gradient overwrites the logits in place
         # (row stride v in both roles).
         launch_forward(z, (end - start, 0, v), tgt[start:end], loss[start:end], z if write_grad else None, (0, v),
                         n_valid, ignore_index, mean, upstream[start:end] if upstream is not None else None)
+        if softcap and write_grad:
+            # The chain rule through x * c, tanh and / c, as autograd runs it on HF's
+            # three ops (the same kernels, so the same roundings).
+            z.copy_(torch.ops.aten.tanh_backward(z.mul_(softcap), tanh)).div_(softcap)
         if grad_h is not None:
             torch.mm(z, weight, out=grad_h[start:end])  # rows are independent: no accumulation
         if grad_w is not None:
@@ -158,7 +185,7 @@ def _recomputes(need_grad_h, need_grad_w, reduction, dtype):
     return (reduction == "none" or dtype == torch.float16) and (need_grad_h or need_grad_w)
 
 
-def _forward(hidden, weight, targets, ignore_index, reduction, need_grad_h, need_grad_w, chunk_rows, check):
+def _forward(hidden, weight, targets, ignore_index, reduction, need_grad_h, need_grad_w, chunk_rows, check, softcap):
     """The forward pass both entry points share: (loss, grad_h, grad_w, n_valid).
 
     The gradients are prepared here unless not asked for or recomputed in
@@ -176,13 +203,15 @@ def _forward(hidden, weight, targets, ignore_index, reduction, need_grad_h, need
     grad_h = torch.empty_like(h2) if fused and need_grad_h else None
     grad_w = torch.empty_like(weight) if fused and need_grad_w else None
     if n > 0:
-        _flce_chunks(h2, weight, tgt, loss, n_valid, ignore_index, reduction == "mean", grad_h, grad_w, chunk_rows)
+        _flce_chunks(h2, weight, tgt, loss, n_valid, ignore_index, reduction == "mean", grad_h, grad_w, chunk_rows,
+                     softcap=softcap)
     elif grad_w is not None:
         grad_w.zero_()
     return reduce_loss(loss, n_valid, reduction, lead_shape), grad_h, grad_w, n_valid
 
 
-def _flce_forward_fake(hidden, weight, targets, ignore_index, reduction, need_grad_h, need_grad_w, chunk_rows, check):
+def _flce_forward_fake(hidden, weight, targets, ignore_index, reduction, need_grad_h, need_grad_w, chunk_rows, check,
+                       softcap):
     fused = (need_grad_h or need_grad_w) and not _recomputes(need_grad_h, need_grad_w, reduction, hidden.dtype)
     n, h = hidden.numel() // hidden.shape[-1], hidden.shape[-1]
     return (
@@ -196,17 +225,17 @@ def _flce_forward_fake(hidden, weight, targets, ignore_index, reduction, need_gr
 @kernel_op("linear_cross_entropy_forward", fake=_flce_forward_fake)
 def linear_cross_entropy_forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                                  ignore_index: int, reduction: str, need_grad_h: bool, need_grad_w: bool,
-                                 chunk_rows: int, check: bool,
+                                 chunk_rows: int, check: bool, softcap: float,
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, grad_h, grad_w, n_valid) as in ``_forward``; a gradient not prepared is empty."""
     loss, grad_h, grad_w, n_valid = _forward(hidden, weight, targets, ignore_index, reduction,
-                                             need_grad_h, need_grad_w, chunk_rows, check)
+                                             need_grad_h, need_grad_w, chunk_rows, check, softcap)
     return (loss, grad_h if grad_h is not None else nothing(hidden),
             grad_w if grad_w is not None else nothing(weight), n_valid)
 
 
 def _flce_grad_fake(hidden, weight, targets, n_valid, upstream, ignore_index, mean, need_grad_h, need_grad_w,
-                    chunk_rows):
+                    chunk_rows, softcap):
     return (hidden.new_empty(hidden.shape) if need_grad_h else nothing(hidden),
             weight.new_empty(weight.shape) if need_grad_w else nothing(weight))
 
@@ -214,7 +243,7 @@ def _flce_grad_fake(hidden, weight, targets, n_valid, upstream, ignore_index, me
 @kernel_op("linear_cross_entropy_grad", fake=_flce_grad_fake)
 def linear_cross_entropy_grad(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                               n_valid: torch.Tensor, upstream: torch.Tensor, ignore_index: int, mean: bool,
-                              need_grad_h: bool, need_grad_w: bool, chunk_rows: int,
+                              need_grad_h: bool, need_grad_w: bool, chunk_rows: int, softcap: float,
                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The recomputed gradients (upstream: one value per row, applied before rounding)."""
     h2 = hidden.reshape(-1, hidden.shape[-1]).contiguous()
@@ -225,7 +254,7 @@ def linear_cross_entropy_grad(hidden: torch.Tensor, weight: torch.Tensor, target
     if n > 0:
         scratch = torch.empty(n, dtype=torch.float32, device=h2.device)
         _flce_chunks(h2, weight, tgt, scratch, n_valid, ignore_index, mean, grad_h, grad_w, chunk_rows,
-                     upstream=upstream)
+                     upstream=upstream, softcap=softcap)
     elif grad_w is not None:
         grad_w.zero_()
     return (grad_h.view(hidden.shape) if need_grad_h else nothing(hidden),
@@ -237,7 +266,7 @@ def _recomputed_grads(ctx, grad_output):
     need_h, need_w = ctx.needs_input_grad[:2]
     upstream = upstream_per_row(grad_output, ctx.reduction, targets.numel())
     grad_h, grad_w = linear_cross_entropy_grad(hidden, weight, targets, n_valid, upstream, ctx.ignore_index,
-                                               ctx.reduction == "mean", need_h, need_w, ctx.chunk_rows)
+                                               ctx.reduction == "mean", need_h, need_w, ctx.chunk_rows, ctx.softcap)
     return (grad_h if need_h else None), (grad_w if need_w else None)
 
 
@@ -245,11 +274,12 @@ class TritonFusedLinearCrossEntropyFunction(torch.autograd.Function):
     """Eager autograd: the gradients are prepared in forward and scaled in place in backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index, reduction, need_grad_h, need_grad_w, chunk_rows, check):
+    def forward(ctx, hidden, weight, targets, ignore_index, reduction, need_grad_h, need_grad_w, chunk_rows, check,
+                softcap):
         loss, grad_h, grad_w, n_valid = _forward(hidden, weight, targets, ignore_index, reduction,
-                                                 need_grad_h, need_grad_w, chunk_rows, check)
+                                                 need_grad_h, need_grad_w, chunk_rows, check, softcap)
         ctx.hidden_shape = hidden.shape
-        ctx.ignore_index, ctx.chunk_rows, ctx.reduction = ignore_index, chunk_rows, reduction
+        ctx.ignore_index, ctx.chunk_rows, ctx.reduction, ctx.softcap = ignore_index, chunk_rows, reduction, softcap
         ctx.recompute = _recomputes(need_grad_h, need_grad_w, reduction, hidden.dtype)
         ctx.grads = (grad_h, grad_w)  # on ctx, not saved: backward hands them to autograd
         ctx.used = False
@@ -271,16 +301,16 @@ class TritonFusedLinearCrossEntropyFunction(torch.autograd.Function):
                     scale_by_upstream(g, grad_output)
             if grad_h is not None:
                 grad_h = grad_h.view(ctx.hidden_shape)
-        return grad_h, grad_w, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None, None
 
 
 # The operator's autograd, for torch.compile: same forward; nothing kept on ctx
 # and no in-place scaling (see cross_entropy_kernel.py).
 def _op_setup_context(ctx, inputs, output):
-    hidden, weight, targets, ignore_index, reduction, need_grad_h, need_grad_w, chunk_rows, _ = inputs
+    hidden, weight, targets, ignore_index, reduction, need_grad_h, need_grad_w, chunk_rows, _, softcap = inputs
     _, grad_h, grad_w, n_valid = output
     ctx.mark_non_differentiable(grad_h, grad_w, n_valid)
-    ctx.ignore_index, ctx.chunk_rows, ctx.reduction = ignore_index, chunk_rows, reduction
+    ctx.ignore_index, ctx.chunk_rows, ctx.reduction, ctx.softcap = ignore_index, chunk_rows, reduction, softcap
     ctx.recompute = _recomputes(need_grad_h, need_grad_w, reduction, hidden.dtype)
     ctx.hidden_shape = hidden.shape
     ctx.save_for_backward(*((hidden, weight, targets, n_valid) if ctx.recompute else (grad_h, grad_w)))
@@ -295,14 +325,14 @@ def _op_backward(ctx, grad_output, _dh, _dw, _dn):
         grad_h, grad_w = ctx.saved_tensors
         grad_h = (grad_h * grad_output).view(ctx.hidden_shape) if need_h else None
         grad_w = grad_w * grad_output if need_w else None
-    return grad_h, grad_w, None, None, None, None, None, None, None
+    return grad_h, grad_w, None, None, None, None, None, None, None, None
 
 
 linear_cross_entropy_forward.op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
 def fused_linear_cross_entropy(hidden, weight, targets, ignore_index=-100, reduction="mean", chunk_rows=None,
-                               check_targets=None):
+                               check_targets=None, softcap=None):
     """``cross_entropy(hidden @ weight.T, targets)`` without ever holding the [N, V] logits.
 
     hidden: [N, H] or [B, T, H]; weight: [V, H] (same dtype); targets: hidden.shape[:-1].
@@ -310,17 +340,22 @@ def fused_linear_cross_entropy(hidden, weight, targets, ignore_index=-100, reduc
     ignore_index and all-ignored rule (loss 0, zero gradients) as ``cross_entropy``.
     chunk_rows: rows per chunk (default: the square-root rule of _flce_chunk_rows).
     check_targets: as in ``cross_entropy`` (default on for CPU tensors only).
+    softcap: Gemma-2/3's final_logit_softcapping: the loss of softcap * tanh(logits / softcap).
     """
     _check_flce_inputs(hidden, weight, targets, ignore_index, reduction)
     # bool is an int to Python (True == 1); as a row count it is a mistake.
     if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1):
         raise ValueError(f"fused_linear_cross_entropy: chunk_rows must be a positive int, got {chunk_rows!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not math.isfinite(softcap) or softcap <= 0):
+        raise ValueError(f"fused_linear_cross_entropy: softcap must be a finite number > 0 or None, got {softcap!r}")
     if check_targets is None:
         check_targets = hidden.device.type == "cpu"
     chunk_rows = chunk_rows or _flce_chunk_rows(targets.numel(), weight.shape[0], hidden.element_size())
     grad_on = torch.is_grad_enabled()
     args = (hidden, weight, targets, ignore_index, reduction,
-            grad_on and hidden.requires_grad, grad_on and weight.requires_grad, chunk_rows, check_targets)
+            grad_on and hidden.requires_grad, grad_on and weight.requires_grad, chunk_rows, check_targets,
+            float(softcap or 0.0))
     if torch.compiler.is_compiling():
         return linear_cross_entropy_forward.op(*args)[0]  # one node of the compiled graph
     return TritonFusedLinearCrossEntropyFunction.apply(*args)

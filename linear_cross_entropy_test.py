@@ -46,7 +46,8 @@ def loss_and_grads(fn, hidden, weight, targets, reduction, upstream, **kwargs):
     return loss.detach(), h.grad, w.grad
 
 
-def compare_to_truth(hidden, weight, targets, reduction="mean", upstream=None, chunk_rows=None, factor=3.0):
+def compare_to_truth(hidden, weight, targets, reduction="mean", upstream=None, chunk_rows=None, factor=3.0,
+                     softcap=None):
     """Ours and the plain path against float64 for loss, dh, dW: ours no worse than ~3x.
 
     3x, not 2x: dW gains one bf16 rounding per chunk (the kernel's docstring measures it).
@@ -54,9 +55,11 @@ def compare_to_truth(hidden, weight, targets, reduction="mean", upstream=None, c
     if upstream is None:
         g = torch.Generator().manual_seed(1)
         upstream = (torch.rand(targets.shape, generator=g) + 0.5).to(DEVICE) if reduction == "none" else torch.tensor(1.0, device=DEVICE)
-    ours = loss_and_grads(fused_linear_cross_entropy, hidden, weight, targets, reduction, upstream, chunk_rows=chunk_rows)
-    plain = loss_and_grads(linear_cross_entropy_reference, hidden, weight, targets, reduction, upstream)
-    true = loss_and_grads(linear_cross_entropy_reference, hidden.double(), weight.double(), targets, reduction, upstream.double())
+    ours = loss_and_grads(fused_linear_cross_entropy, hidden, weight, targets, reduction, upstream, chunk_rows=chunk_rows,
+                          softcap=softcap)
+    plain = loss_and_grads(linear_cross_entropy_reference, hidden, weight, targets, reduction, upstream, softcap=softcap)
+    true = loss_and_grads(linear_cross_entropy_reference, hidden.double(), weight.double(), targets, reduction,
+                          upstream.double(), softcap=softcap)
     assert ours[0].dtype == torch.float32 and ours[1].dtype == hidden.dtype and ours[2].dtype == weight.dtype
     assert ours[1].shape == hidden.shape and ours[2].shape == weight.shape
     check_outputs(("loss", "dh", "dW"), ours, plain, true, (torch.float32, hidden.dtype, weight.dtype), factor,
@@ -80,6 +83,26 @@ CASES = [
 @pytest.mark.parametrize("lead,h,v,dtype,reduction,chunk_rows", CASES)
 def test_matches_float64_truth(lead, h, v, dtype, reduction, chunk_rows):
     compare_to_truth(*make_inputs(lead, h, v, DTYPES[dtype]), reduction, chunk_rows=chunk_rows)
+
+
+# Soft-capped logits (Gemma-2/3): a cap of 2 on logits of a few units bends most of
+# them; every path of the kernel (fused gradients, recomputed for "none" and fp16).
+@pytest.mark.parametrize("dtype,reduction,chunk_rows", [
+    ("fp32", "none", 8), ("bf16", "mean", 8), ("bf16", "none", 16), ("fp16", "sum", None), ("bf16", "sum", None),
+])
+def test_softcapped_logits_match_float64_truth(dtype, reduction, chunk_rows):
+    hidden, weight, targets = make_inputs((37,), 41, 300, DTYPES[dtype])
+    compare_to_truth(hidden, weight * 3, targets, reduction, chunk_rows=chunk_rows, softcap=2.0)
+
+
+def test_softcap_changes_the_loss_and_is_checked():
+    hidden, weight, targets = make_inputs((20,), 32, 200, torch.float32)
+    plain = fused_linear_cross_entropy(hidden, weight * 3, targets)
+    capped = fused_linear_cross_entropy(hidden, weight * 3, targets, softcap=2.0)
+    assert abs(plain.item() - capped.item()) > 0.1  # the cap is really applied
+    for bad in (0, -1.0, float("nan"), True, "30"):
+        with pytest.raises(ValueError, match="softcap must be a finite number > 0 or None"):
+            fused_linear_cross_entropy(hidden, weight, targets, softcap=bad)
 
 
 def test_shifted_hidden_slice():

@@ -134,11 +134,18 @@ def hub_problem(model_id, repo_type="model"):
     return None
 
 
+def attention_for(config):
+    """PyTorch's fused attention (SDPA) unless the family needs what it cannot do:
+    Gemma-2's attention logit soft-capping (tanh on the scores) runs only in HF's
+    eager attention, in the baseline and here alike."""
+    return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+
+
 def _from_pretrained(model_id, device, dtype, **kwargs):
     return AutoModelForCausalLM.from_pretrained(
         model_id,
         dtype=dtype,
-        attn_implementation="sdpa",
+        attn_implementation=attention_for(AutoConfig.from_pretrained(model_id)),
         device_map=str(device),  # load straight onto the GPU, not via a CPU copy
         **kwargs,
     )
@@ -268,7 +275,7 @@ def build_random(config, device, dtype):
     the GPU takes seconds.
     """
     with device:
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention_for(config))
 
 
 def enable_checkpointing(model):

@@ -1,0 +1,107 @@
+"""
+Tests of the fused kernels on every decoder family of tools/family_matrix.py (CPU,
+tiny random models built from transformers' config classes, float32):
+
+* each kernel that goes into a family, alone and all of them together, gives the
+  baseline's loss and gradients (HF's loss, PyTorch's AdamW step) to 1e-5;
+* each family gets at least the kernels listed in EXPECTED: a kernel that stops
+  going in is a regression, and one that is refused is refused in one line;
+* the README's support matrix is this matrix (tools/family_matrix.py writes it).
+
+Usage:
+    python -m pytest families_test.py -v
+    python families_test.py
+"""
+
+import contextlib
+import copy
+import io
+import sys
+
+import pytest
+import torch
+
+from conftest import DEVICE  # first: the Triton interpreter switch
+
+import dataloader
+import flags
+import models
+import training
+from finetune_optimized import apply_kernels
+from tools.family_matrix import FAMILIES, family_config
+
+# The kernels each family must get (every other one may be refused, in one line).
+ALL = set(flags.KERNELS)
+EXPECTED = {
+    "Llama": ALL, "Mistral": ALL, "Qwen2": ALL, "Qwen3": ALL, "Granite": ALL,
+    "Cohere": ALL - {"rmsnorm", "rope"},  # LayerNorm; RoPE on interleaved pairs
+    "Gemma": ALL - {"swiglu"}, "Gemma-2": ALL - {"swiglu"}, "Gemma-3": ALL - {"swiglu"},
+    "Phi-3": ALL - {"swiglu"}, "Phi-3, partial rotary": ALL - {"swiglu"},
+    "Mixtral": ALL - {"swiglu"}, "Qwen3-MoE": ALL - {"swiglu"},  # the experts are one 3-D module
+}
+TOL = 1e-5
+
+
+def loss_and_grads(model, loss_fn, batch):
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(model, batch)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def quiet_apply(model, kernels):
+    """apply_kernels without its report; None if a kernel is refused (SystemExit)."""
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return apply_kernels(model, kernels)
+    except SystemExit as e:
+        assert str(e.code).startswith("error: --use-custom-") and "\n" not in str(e.code), e.code
+        return None
+
+
+def assert_close(what, ours, theirs):
+    scale = max(theirs.abs().max().item(), 1.0)
+    assert (ours - theirs).abs().max().item() <= TOL * scale, f"{what}: {(ours - theirs).abs().max().item():.3g}"
+
+
+@pytest.mark.parametrize("label, model_type, extra", FAMILIES, ids=[f[0] for f in FAMILIES])
+def test_family_kernels_compute_the_baseline(label, model_type, extra):
+    torch.manual_seed(0)
+    model = models.build_random(family_config(model_type, extra), torch.device(DEVICE), torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    batch = dataloader.lm_batch(ids.to(DEVICE))
+    ref_loss, ref_grads = loss_and_grads(model, training.hf_loss, batch)
+
+    went_in = []
+    for kernels in [{k: True} for k in flags.KERNELS] + ["together"]:
+        if kernels == "together":
+            kernels = dict.fromkeys(went_in, True)
+        ours = copy.deepcopy(model)
+        switched = quiet_apply(ours, kernels)
+        if switched is None:
+            continue
+        if len(kernels) == 1:
+            went_in.append(next(iter(kernels)))
+        loss_fn, make_optimizer = switched
+        loss, grads = loss_and_grads(ours, loss_fn, batch)
+        assert_close(f"{label} {list(kernels)} loss", loss, ref_loss)
+        assert grads.keys() == ref_grads.keys(), f"{label} {list(kernels)}: other parameters got gradients"
+        for name in grads:
+            assert_close(f"{label} {list(kernels)} grad {name}", grads[name], ref_grads[name])
+        # One optimizer step from the same gradients (Adam's first step is about the
+        # sign of each gradient, so it would amplify their rounding differences).
+        base = copy.deepcopy(model)
+        ours_params = dict(ours.named_parameters())
+        for name, p in base.named_parameters():
+            grad = ref_grads.get(name)
+            p.grad, ours_params[name].grad = (None, None) if grad is None else (grad.clone(), grad.clone())
+        training.pytorch_adamw(list(base.parameters()), lr=1e-2).step()
+        make_optimizer(list(ours_params.values()), lr=1e-2).step()
+        for name, p in base.named_parameters():
+            assert_close(f"{label} {list(kernels)} after a step: {name}", ours_params[name].detach(), p.detach())
+    assert EXPECTED[label] <= set(went_in), f"{label}: {sorted(EXPECTED[label] - set(went_in))} no longer go in"
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, *sys.argv[1:]]))

@@ -63,17 +63,28 @@ def plain_hf(model, kernels, liger=False):
 
 def with_liger(model):
     """The production peer, for a side-by-side on the same data and loop: Liger-Kernel's
-    RMSNorm, SwiGLU, RoPE and fused linear cross-entropy, switched in by its own entry
-    point (it patches the model instance and HF's llama module), PyTorch's AdamW.
-    Liger's fused loss replaces the model's forward, so HF's loss call (model(...,
-    labels=...)) runs it. With --lora it patches the model inside PEFT's wrapper."""
-    from liger_kernel.transformers import apply_liger_kernel_to_llama
+    own patch for the model's family (its RMSNorm, gated MLP, RoPE and fused linear
+    cross-entropy, each where the family has it), switched in by Liger's per-family
+    entry point on the model instance, and PyTorch's AdamW. Liger's fused loss
+    replaces the model's forward, so HF's loss call (model(..., labels=...)) runs it.
+    With --lora it patches the model inside PEFT's wrapper."""
+    import inspect
+
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
     base = model.get_base_model() if models.is_peft_model(model) else model
-    if base.config.model_type != "llama":
-        raise SystemExit(f"error: --liger applies Liger-Kernel's LLaMA patch; {base.config.model_type} is not LLaMA")
-    apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True, model=base)
-    print("Kernels:       Liger-Kernel (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy), torch.optim.AdamW")
+    family = base.config.model_type
+    patch = MODEL_TYPE_TO_APPLY_LIGER_FN.get(family)
+    if patch is None:
+        raise SystemExit(f"error: --liger: Liger-Kernel has no patch for {family} models")
+    wanted = {"rope": True, "rms_norm": True, "swiglu": True, "geglu": True, "fused_linear_cross_entropy": True,
+              "cross_entropy": False}
+    options = {k: v for k, v in wanted.items() if k in inspect.signature(patch).parameters}
+    patch(model=base, **options)
+    kernels = [name for name, key in (("RMSNorm", "rms_norm"), ("SwiGLU", "swiglu"), ("GeGLU", "geglu"),
+                                      ("RoPE", "rope"), ("fused linear cross-entropy", "fused_linear_cross_entropy"))
+               if options.get(key)]
+    print(f"Kernels:       Liger-Kernel's {family} patch ({', '.join(kernels)}), torch.optim.AdamW")
     return training.hf_loss, training.pytorch_adamw
 
 

@@ -230,17 +230,26 @@ def test_liger_refusals(monkeypatch, capsys):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not flags.installed("liger_kernel"),
                     reason="Liger-Kernel runs on a GPU, with liger-kernel installed")
-def test_liger_trains_like_the_baseline(tmp_path):
-    """Its own process: Liger patches HF's llama module for every model built after it."""
+@pytest.mark.parametrize("family", [None, "qwen2", "gemma2"])
+def test_liger_trains_like_the_baseline(tmp_path, family):
+    """Its own process: Liger patches HF's module of the family for every model built after it."""
+    argv = TINY
+    if family:  # Liger's own patch for that family, on a tiny random model of it
+        transformers.AutoConfig.for_model(family, vocab_size=512, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, hidden_size=64, intermediate_size=128,
+                                          head_dim=16).save_pretrained(tmp_path / "model")
+        argv = [a for a in TINY if a != "--tiny"] + ["--model", str(tmp_path / "model"), "--random-init"]
     out = tmp_path / "liger.json"
-    proc = subprocess.run([sys.executable, "finetune_baseline.py", *TINY, "--liger", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "finetune_baseline.py", *argv, "--liger", "--json", str(out)],
                           cwd=HERE, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "Kernels:       Liger-Kernel" in proc.stdout
-    base = finetune_baseline.main(TINY + ["--json", str(tmp_path / "base.json")])
+    assert f"Kernels:       Liger-Kernel's {family or 'llama'} patch" in proc.stdout
+    base = finetune_baseline.main(argv + ["--json", str(tmp_path / "base.json")])
     liger = json.loads(out.read_text())["losses"]
     assert len(liger) == len(base["losses"])
-    assert all(abs(a - b) <= 1e-3 for a, b in zip(liger, base["losses"])), (liger, base["losses"])
+    # bf16 on a GPU (the tiny LLaMA: float32): the two loss paths round differently.
+    assert all(abs(a - b) <= 2e-2 * (1 if family else 0.05) for a, b in zip(liger, base["losses"])), (
+        liger, base["losses"])
 
 
 def test_seq_len_beyond_max_positions():

@@ -35,8 +35,7 @@ ALL = set(flags.KERNELS)
 EXPECTED = {
     "Llama": ALL, "Mistral": ALL, "Qwen2": ALL, "Qwen3": ALL, "Granite": ALL,
     "Cohere": ALL - {"rmsnorm", "rope"},  # LayerNorm; RoPE on interleaved pairs
-    "Gemma": ALL - {"swiglu"}, "Gemma-2": ALL - {"swiglu"}, "Gemma-3": ALL - {"swiglu"},
-    "Phi-3": ALL - {"swiglu"}, "Phi-3, partial rotary": ALL - {"swiglu"},
+    "Gemma": ALL, "Gemma-2": ALL, "Gemma-3": ALL, "Phi-3": ALL, "Phi-3, partial rotary": ALL,
     "Mixtral": ALL - {"swiglu"}, "Qwen3-MoE": ALL - {"swiglu"},  # the experts are one 3-D module
 }
 TOL = 1e-5

@@ -9,9 +9,10 @@ are active:
 
 * ``--use-custom-rmsnorm``: every RMSNorm module becomes ``TritonRMSNorm``
   (rmsnorm_kernel.py), sharing the original weight Parameter.
-* ``--use-custom-swiglu``: every LLaMA MLP becomes ``TritonLlamaMLP``
-  (swiglu_kernel.py): the same projections, the fused SwiGLU between them, and
-  the MLP's hidden activation recomputed in backward instead of stored.
+* ``--use-custom-swiglu``: every gated MLP becomes ``TritonLlamaMLP``
+  (swiglu_kernel.py): the same projections, the fused SwiGLU (GeGLU for Gemma)
+  between them, and the MLP's hidden activation recomputed in backward instead
+  of stored.
 * ``--use-custom-rope``: the fused rotary embedding (rope_kernel.py), swapped in
   around each attention layer's forward.
 * ``--use-custom-flce``: the LM head and the loss fused
@@ -220,9 +221,10 @@ def apply_kernels(model, kernels):
     if kernels.get("swiglu"):
         count = refuse_mismatch("swiglu", replace_swiglu, model)
         if count == 0:
-            raise nothing_found("swiglu", "LLaMA MLPs to replace", model,
-                                "it looks for modules named *MLP with gate_proj, up_proj, down_proj and a SiLU act_fn")
-        print(f"Custom swiglu: replaced {count} LLaMA MLPs with TritonLlamaMLP (fused SwiGLU)")
+            raise nothing_found("swiglu", "gated MLPs to replace", model,
+                                "it looks for modules named *MLP with gate_proj, up_proj and down_proj, or "
+                                "gate_up_proj and down_proj, gated by SiLU or tanh-GELU")
+        print(f"Custom swiglu: replaced {count} gated MLPs with TritonLlamaMLP (fused SwiGLU / GeGLU)")
         # The projections are the MLP's own modules, LoRA layers included; only a
         # plain nn.Linear down_proj lets the MLP recompute h instead of storing it.
         wrapped = [m for m in model.modules() if isinstance(m, TritonLlamaMLP) and not m.recomputes_hidden()]

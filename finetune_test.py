@@ -150,7 +150,7 @@ def test_optimized_prints_active_kernels(capsys):
     assert "Kernels:       rmsnorm, ce\n" in out
     finetune_optimized.main(TINY[:-4] + ["--steps", "1", "--warmup-steps", "0", "--no-use-custom-rmsnorm"])
     out = capsys.readouterr().out
-    assert "replaced 2 LLaMA MLPs with TritonLlamaMLP" in out and "supersedes --use-custom-ce" in out
+    assert "replaced 2 gated MLPs with TritonLlamaMLP" in out and "supersedes --use-custom-ce" in out
     assert "fused RoPE in 2 attention modules" in out
     assert "Kernels:       swiglu, rope, flce, adamw\n" in out
 

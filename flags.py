@@ -314,7 +314,7 @@ def add_model_args(parser, custom_kernels_default=False, packing_default=False):
 # with the help of their --use-custom-<name> flags.
 KERNEL_FLAGS = {
     "rmsnorm": "replace every RMSNorm module with TritonRMSNorm",
-    "swiglu": "replace every LLaMA MLP with one whose SiLU * up is the fused Triton SwiGLU",
+    "swiglu": "replace every gated MLP with one whose act(gate) * up is the fused Triton SwiGLU (GeGLU for Gemma)",
     "rope": "rotary position embedding with the fused Triton kernel, inside this model's forward only",
     "ce": "compute the loss with the Triton cross-entropy on the model's logits",
     "flce": "fused linear cross-entropy: LM head + loss in chunks, the logits are never built "

@@ -15,7 +15,8 @@ Every LLaMA decoder layer ends with a gated MLP. For a token's hidden vector x
 The three projections are matrix multiplications and stay on cuBLAS (plain
 ``nn.Linear``). This step fuses what sits between them, ``silu(gate) * up``,
 the "SwiGLU" activation, into one kernel for the forward pass and one for the
-backward pass.
+backward pass. The same kernels serve Gemma's GeGLU and Phi-3's fused gate_up
+projection (sections below).
 
 Dtype behaviour, reproduced exactly: for bf16/fp16 tensors PyTorch evaluates
 silu in float32 and rounds the result to the input dtype; the multiply by ``up``
@@ -63,6 +64,71 @@ the byte counts above); ``torch.compile`` of the same formula 225 us. So about
 The memory is the bigger win: it buys a larger batch or a longer sequence, in
 plain eager mode, with no compilation.
 
+GeGLU: the same kernel with another gate (Gemma)
+------------------------------------------------
+Gemma 1, 2 and 3 gate with GELU instead of SiLU, in its tanh approximation
+(HF's ``gelu_pytorch_tanh``, which is ``F.gelu(g, approximate="tanh")``)::
+
+    out     = down_proj(gelu(gate) * up)
+    gelu(g) = 0.5 g (1 + tanh(c (g + k g^3))),     c = sqrt(2/pi), k = 0.044715
+
+Since 1 + tanh(t) = 2 sigmoid(2t), GELU has SiLU's shape, g times a sigmoid;
+only the sigmoid's argument differs::
+
+    silu(g) = g * sigmoid(z),   z = g
+    gelu(g) = g * sigmoid(z),   z = 2c (g + k g^3)
+
+So it is not a new kernel but a compile-time switch in the same one
+(``ACT``: "silu" or "gelu_tanh"), which picks z. The derivative follows the
+same way (the backward kernel's comments derive it)::
+
+    d act / dg = s + g s (1 - s) dz/dg,    s = sigmoid(z)
+    dz/dg      = 1 (SiLU)   or   2c (1 + 3k g^2) (GELU)
+
+The rounding is SwiGLU's: gelu(g) rounded to gate's dtype, times up in float32,
+rounded once more. One difference in the numbers: PyTorch evaluates
+0.5 g (1 + tanh(t)), in which 1 + tanh(t) cancels for negative g (in float32
+it loses relative accuracy below g = -3 and is exactly 0 below about -5.06);
+the sigmoid form keeps those values, all below 1e-2 in size. Elsewhere both are
+within a few float32 ulps of the truth and round alike to bf16, bar rare
+last-bit flips (about 1 element in 1000).
+
+Bytes: exactly SwiGLU's. The same tensors are read and written (forward 6 B,
+backward 10 B per element in bf16), and the naive PyTorch version moves the
+same 10 B + 18 B and saves the same three [N, I] tensors. The math grows: g^3,
+the argument z, both sigmoids of |z| (for accuracy, below) and the selects cost
+some 10 more float32 instructions per element in forward, dz/dg some 5 more in
+backward, next to the exp and the reciprocal that SiLU needs too. An H100
+issues about 33 T float32 instructions per second (67 TFLOP/s counting an FMA
+as two) against ~3 TB/s of memory traffic: some 10 per byte moved, of which
+GeGLU uses 2 to 3. So it runs at SwiGLU's speed. Measured during development
+(an ad-hoc run, not kept) on one H100 80GB HBM3 (torch 2.11, triton 3.6),
+4096 x 14336 bf16, the kernels alone: forward 122 us for both, backward 198 us
+for both, 2.9-3.0 TB/s effective by the byte counts above (copy: 3.0 TB/s).
+
+The fused gate_up layout (Phi-3)
+--------------------------------
+Phi-3 (and GLM) compute gate and up with ONE Linear of 2I outputs and cut its
+result in halves: ``gate, up = gate_up_proj(x).chunk(2, dim=-1)``. The two
+halves are views of one [N, 2I] tensor with row stride 2I, and the kernels take
+row strides, so ``swiglu(gate_up)`` reads them in place, no copy. In backward
+the kernel writes d_gate and d_up into the two halves of one [N, 2I] gradient,
+which is exactly what gate_up_proj's backward wants; two separate gradients
+would have to be concatenated by autograd (chunk's backward), another read and
+write of 2I elements per row (8 B per element in bf16, nearly as much as the
+fused backward's own 10 B).
+
+Swapping only what computes the same
+------------------------------------
+``replace_swiglu`` finds gated MLPs by shape: a ``*MLP`` module with the
+projections of one layout and an activation we implement (``module_activation``
+knows SiLU and the tanh GELU, exactly; the erf GELU and the hand-written tanh
+formulas round differently and are left alone). Shape proves nothing about the
+math, so before the swap each MLP class runs next to its replacement on a
+random input (``check_same_mlp``); a class that computes something else (a
+clamped gate, a top-k sparse gate, a scaled output) raises
+``kernel_common.SwapMismatch`` and the model is left as it was.
+
 Triton concepts new in this step (see rmsnorm_kernel.py for the basics)
 -----------------------------------------------------------------------
 * An elementwise kernel over a 2-D tensor: the [rows, I] tensor is cut into
@@ -75,10 +141,16 @@ Triton concepts new in this step (see rmsnorm_kernel.py for the basics)
   backward instead of saving it: for a bandwidth-bound op, FLOPs are free and
   bytes are not.
 * Two outputs from one backward program, each switched off at compile time
-  (``tl.constexpr`` flags) when autograd does not need that gradient.
+  (``tl.constexpr`` flags) when autograd does not need that gradient; each with
+  its own row stride, so both can be halves of one wider gradient.
+* A compile-time *string* (``ACT: tl.constexpr``) choosing the activation: one
+  kernel source, one compiled kernel per activation, no branch at run time.
 
 Nothing runs on import. See swiglu_test.py for the checks.
 """
+
+import functools
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -86,7 +158,9 @@ import torch.nn.functional as F
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
+    INTERPRET,
     SUPPORTED_DTYPES,
+    SwapMismatch,
     as_rows,
     cast_to,
     cdiv,
@@ -105,31 +179,83 @@ import triton.language as tl
 
 
 # --------------------------------------------------------------------------------
-# The reference: Hugging Face's eager formula. Tests compare against it (and its
-# float64 version); the benchmark times it as "PyTorch eager".
+# The references: Hugging Face's eager formulas. Tests compare against them (and
+# their float64 versions); the benchmark times them as "PyTorch eager".
 # --------------------------------------------------------------------------------
 def swiglu_reference(gate, up):
     """``act_fn(gate) * up`` as HF ``LlamaMLP.forward`` computes it (act_fn = SiLU)."""
     return F.silu(gate) * up
 
 
+def geglu_reference(gate, up):
+    """``act_fn(gate) * up`` as HF ``GemmaMLP.forward`` computes it (act_fn = ``gelu_pytorch_tanh``)."""
+    return F.gelu(gate, approximate="tanh") * up
+
+
+# The gate activations the kernels implement, by the name the launchers take.
+REFERENCES = {"silu": swiglu_reference, "gelu_tanh": geglu_reference}
+
+# GELU's tanh approximation, gelu(g) = 0.5 g (1 + tanh(c (g + k g^3))), with
+# PyTorch's constants: c = sqrt(2 / pi), k = 0.044715.
+GELU_C = tl.constexpr(0.7978845608028654)
+GELU_K = tl.constexpr(0.044715)
+
+
 # --------------------------------------------------------------------------------
-# sigmoid and silu of one float32 block
+# sigmoid and the gate activation of one float32 block
 # --------------------------------------------------------------------------------
-# PyTorch evaluates silu as g / (1 + exp(-g)); so do we, so that the forward
-# output and the value d_up is built from (below) round the same way. For large
-# negative g, exp(-g) overflows to inf and both results go to 0, as in PyTorch.
-# PRECISE (float32 inputs): libdevice's exp and IEEE-rounded division, so float32
-# results carry PyTorch's own error (on an H200, 64 x 14336: relative error of y
-# 4.9e-8 like PyTorch's, against 5.4e-8 with the fast pair). For bf16/fp16 the fast exp2 and
-# approximate division are ~2 ulp of float32, far below the rounding to 16 bits.
+# Both activations are g * sigmoid(z) for some z (the docstring's GeGLU section):
+#
+#   silu:       z = g
+#   gelu_tanh:  z = 2c (g + k g^3)     since 1 + tanh(t) = 2 sigmoid(2t)
+#
+# ACT (a compile-time string) picks the branch. Each returns s = sigmoid(z),
+# 1 - s (backward needs both) and act(g).
+#
+# SiLU: PyTorch evaluates silu as g / (1 + exp(-g)); so do we, so that the
+# forward output and the value d_up is built from (below) round the same way.
+# For large negative g, exp(-g) overflows to inf and both results go to 0, as in
+# PyTorch. PRECISE (float32 inputs): libdevice's exp and IEEE-rounded division,
+# so float32 results carry PyTorch's own error (on an H200, 64 x 14336: relative
+# error of y 4.9e-8 like PyTorch's, against 5.4e-8 with the fast pair). For
+# bf16/fp16 the fast exp2 and approximate division are ~2 ulp of float32, far
+# below the rounding to 16 bits.
+#
+# GELU: PyTorch computes 0.5 g (1 + tanh(t)), and 1 + tanh(t) cancels for
+# negative g: its float32 result loses relative accuracy below g = -3 (1e-3 at
+# -4) and is 0 below about -5.06, for values under 1e-2 in size. We take the
+# sigmoid of |z| from e = exp(-|z|) in (0, 1], which never overflows:
+#
+#   sigmoid(|z|) = 1 / (1 + e),   sigmoid(-|z|) = e / (1 + e)
+#
+# so s and 1 - s both come out accurate (1 - s by subtraction would lose e to
+# the rounding of 1 + e for large z, e.g. e = 1e-6 at g = 4.5 keeps 3 of its
+# bits, and backward multiplies it by dz/dg, which grows like g^2). For z >= 0,
+# act = g - g * sigmoid(-z): a small correction to g, rounded once. Float32
+# results are within about one ulp of the truth everywhere, also in the tail.
 @triton.jit
-def _sigmoid_and_silu(g, PRECISE: tl.constexpr):
-    denom = 1.0 + exp(-g, PRECISE)
-    if PRECISE:
-        return tl.div_rn(1.0, denom), tl.div_rn(g, denom)
+def _sigmoid_and_act(g, ACT: tl.constexpr, PRECISE: tl.constexpr):
+    if ACT == "gelu_tanh":
+        # Tensors on the left of the constants: in the interpreter, constexpr * tensor
+        # would stay wrapped as a constexpr. The products are the same numbers.
+        z = (g + (g * g * g) * GELU_K) * GELU_C * 2.0
+        e = exp(-tl.abs(z), PRECISE)
+        denom = 1.0 + e
+        if PRECISE:
+            big, small = tl.div_rn(1.0, denom), tl.div_rn(e, denom)
+        else:
+            big = 1.0 / denom
+            small = e * big  # one approximate reciprocal for both
+        positive = z >= 0.0
+        s = tl.where(positive, big, small)
+        return s, tl.where(positive, small, big), tl.where(positive, g - g * small, g * small)
     else:
-        return 1.0 / denom, g / denom
+        denom = 1.0 + exp(-g, PRECISE)
+        if PRECISE:
+            s, a = tl.div_rn(1.0, denom), tl.div_rn(g, denom)
+        else:
+            s, a = 1.0 / denom, g / denom
+        return s, 1.0 - s, a
 
 
 @triton.jit
@@ -165,6 +291,7 @@ def _swiglu_fwd_kernel(
     n_cols,
     BLOCK_N: tl.constexpr,  # columns per tile (power of two)
     ROWS: tl.constexpr,  # rows per tile (> 1 only for short rows)
+    ACT: tl.constexpr,  # the gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     PRECISE: tl.constexpr,  # float32 input: accurate exp and division
 ):
     rows, cols, mask = _tile(n_rows, n_cols, BLOCK_N, ROWS)
@@ -172,9 +299,10 @@ def _swiglu_fwd_kernel(
     g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
 
-    _, a = _sigmoid_and_silu(g, PRECISE)
-    # HF semantics: silu's result is rounded to gate's dtype (F.silu returns a
-    # bf16 tensor), then multiplied by up in float32 and rounded once on store.
+    _, _, a = _sigmoid_and_act(g, ACT, PRECISE)
+    # HF semantics: the activation's result is rounded to gate's dtype (F.silu and
+    # F.gelu return a bf16 tensor), then multiplied by up in float32 and rounded
+    # once on store.
     a = cast_to(a, G.dtype.element_ty).to(tl.float32)
     y = a * u
     tl.store(Y + rows[:, None] * n_cols + cols[None, :], cast_to(y, Y.dtype.element_ty), mask=mask)
@@ -183,7 +311,7 @@ def _swiglu_fwd_kernel(
 # --------------------------------------------------------------------------------
 # Backward kernel
 # --------------------------------------------------------------------------------
-# Derivation (per element, float32):
+# Derivation (per element, float32), SiLU first:
 #
 #   s = sigmoid(g) = 1 / (1 + exp(-g)),       ds/dg = s * (1 - s)
 #   a = silu(g)    = g * s
@@ -193,48 +321,66 @@ def _swiglu_fwd_kernel(
 #   d_up   = dy * dy/du = dy * a
 #   d_gate = dy * dy/da * da/dg = dy * u * s * (1 + g * (1 - s))
 #
+# GELU (tanh) is a = g * s with s = sigmoid(z), z = 2c (g + k g^3). The chain
+# rule adds dz/dg to the second term:
+#
+#   da/dg = s + g * s * (1 - s) * dz/dg = s * (1 + g * (1 - s) * dz/dg)
+#   dz/dg = 2c (1 + 3k g^2)
+#
+# (the same as PyTorch's 0.5 (1 + tanh t) + 0.5 g (1 - tanh^2 t) c (1 + 3k g^2)
+# with t = z / 2: 0.5 (1 + tanh t) = s and 1 - tanh^2 t = 4 s (1 - s)).
+#
 # Only g and u are needed, and s costs one exp: backward recomputes it instead
-# of reading a saved silu(g) (which would cost [N, I] of memory plus a read).
+# of reading a saved act(g) (which would cost [N, I] of memory plus a read).
 #
 # The forward really computes y = round(a) * u. Its exact derivative with
 # respect to u is round(a), which is also what PyTorch's multiply backward sees
-# (it saved the rounded silu output), so d_up uses the rounded value. The
+# (it saved the rounded activation output), so d_up uses the rounded value. The
 # rounding has no derivative; d_gate uses the float32 s and g, with no
 # intermediate rounding of dy * u (PyTorch rounds that product to bf16 before
-# silu's backward, so ours is slightly more accurate).
+# the activation's backward, so ours is slightly more accurate).
+#
+# The outputs take row strides too: with the fused gate_up layout, d_gate and
+# d_up are the two halves of one [n_rows, 2 * n_cols] gradient (row stride 2I).
 @fast_launch
 @triton.jit
 def _swiglu_bwd_kernel(
     DY,  # [n_rows, n_cols] upstream gradient, dtype of y; rows stride_dy apart, columns contiguous
     G,  # [n_rows, n_cols] saved gate; rows stride_g apart
     U,  # [n_rows, n_cols] saved up; rows stride_u apart
-    DG,  # [n_rows, n_cols] output d_gate, gate's dtype, contiguous
-    DU,  # [n_rows, n_cols] output d_up, up's dtype, contiguous
+    DG,  # [n_rows, n_cols] output d_gate, gate's dtype; rows stride_dg apart
+    DU,  # [n_rows, n_cols] output d_up, up's dtype; rows stride_du apart
     stride_dy,
     stride_g,
     stride_u,
+    stride_dg,
+    stride_du,
     n_rows,
     n_cols,
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     COMPUTE_DG: tl.constexpr,  # False when gate does not require grad: no read of u, no store
     COMPUTE_DU: tl.constexpr,  # False when up does not require grad: no store
+    ACT: tl.constexpr,
     PRECISE: tl.constexpr,
 ):
     rows, cols, mask = _tile(n_rows, n_cols, BLOCK_N, ROWS)
-    out_offsets = rows[:, None] * n_cols + cols[None, :]
     dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    s, a = _sigmoid_and_silu(g, PRECISE)
+    s, s_c, a = _sigmoid_and_act(g, ACT, PRECISE)  # s_c = 1 - s
 
     if COMPUTE_DU:
         a = cast_to(a, G.dtype.element_ty).to(tl.float32)  # as forward rounded it
-        tl.store(DU + out_offsets, cast_to(dy * a, DU.dtype.element_ty), mask=mask)
+        tl.store(DU + rows[:, None] * stride_du + cols[None, :], cast_to(dy * a, DU.dtype.element_ty), mask=mask)
 
     if COMPUTE_DG:
         u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dg = dy * u * s * (1.0 + g * (1.0 - s))
-        tl.store(DG + out_offsets, cast_to(dg, DG.dtype.element_ty), mask=mask)
+        if ACT == "gelu_tanh":
+            dz = (1.0 + (g * g) * (3.0 * GELU_K)) * GELU_C * 2.0
+            dg = dy * u * s * (1.0 + g * s_c * dz)
+        else:
+            dg = dy * u * s * (1.0 + g * s_c)
+        tl.store(DG + rows[:, None] * stride_dg + cols[None, :], cast_to(dg, DG.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------
@@ -264,72 +410,120 @@ def _grid(n_rows, n_cols, block_n, rows):
     return (cdiv(n_rows, rows) * cdiv(n_cols, block_n),)
 
 
-def _check_inputs(gate, up):
-    if not isinstance(gate, torch.Tensor) or not isinstance(up, torch.Tensor):
+def _check_inputs(gate, up, name):
+    """Clear errors for bad input; ``name`` is the public function (swiglu, geglu, ...).
+    ``up`` None: ``gate`` is a fused projection's output, [gate | up] on the last dim."""
+    if not isinstance(gate, torch.Tensor) or not (up is None or isinstance(up, torch.Tensor)):
         raise TypeError(
-            f"swiglu expects tensors for gate and up, got {type(gate).__name__} and {type(up).__name__}"
+            f"{name} expects tensors for gate and up, got {type(gate).__name__} and {type(up).__name__}"
         )
-    for name, t in (("gate", gate), ("up", up)):
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"swiglu: unsupported {name} dtype {t.dtype}; use float32, float16 or bfloat16")
+    for what, t in (("gate", gate), ("up", up)):
+        if t is not None and t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}: unsupported {what} dtype {t.dtype}; use float32, float16 or bfloat16")
+    if up is None:
+        if gate.dim() < 1 or gate.shape[-1] < 2 or gate.shape[-1] % 2:
+            raise ValueError(
+                f"{name}: a fused gate_up input must be [..., 2I] with I >= 1 (gate and up are its two halves), "
+                f"got shape {tuple(gate.shape)}"
+            )
+        check_kernel_device(gate)
+        return
     if gate.shape != up.shape:
         raise ValueError(
-            f"swiglu: gate shape {tuple(gate.shape)} does not match up shape {tuple(up.shape)} "
+            f"{name}: gate shape {tuple(gate.shape)} does not match up shape {tuple(up.shape)} "
             "(both are [..., intermediate_size])"
         )
     if gate.dim() < 1 or gate.shape[-1] == 0:
-        raise ValueError(f"swiglu: inputs must be [..., I] with I >= 1, got shape {tuple(gate.shape)}")
+        raise ValueError(f"{name}: inputs must be [..., I] with I >= 1, got shape {tuple(gate.shape)}")
     check_kernel_device(gate, up)
 
 
-def _swiglu_forward_fake(gate, up):
-    return gate.new_empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype))
+def _rows(gate, up):
+    """(gate, up, I): gate and up as [rows, I] views with contiguous columns.
+
+    ``up`` None (the fused gate_up layout): gate and up are the two halves of
+    ``gate``'s rows, two views with row stride 2I into the same memory, no copy.
+    """
+    if up is None:
+        n_cols = gate.shape[-1] // 2
+        both = as_rows(gate, 2 * n_cols)
+        return both[:, :n_cols], both[:, n_cols:], n_cols
+    n_cols = gate.shape[-1]
+    return as_rows(gate, n_cols), as_rows(up, n_cols), n_cols
+
+
+def _out_shape(gate, up):
+    return gate.shape if up is not None else gate.shape[:-1] + (gate.shape[-1] // 2,)
+
+
+def _out_dtype(gate, up):
+    return gate.dtype if up is None else torch.promote_types(gate.dtype, up.dtype)
+
+
+def _swiglu_forward_fake(gate, up, activation="silu"):
+    return gate.new_empty(_out_shape(gate, up), dtype=_out_dtype(gate, up))
 
 
 @kernel_op("swiglu_forward", fake=_swiglu_forward_fake)
-def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Launch the forward kernel. Returns y = silu(gate) * up with gate's shape."""
-    n_cols = gate.shape[-1]
+def swiglu_forward(gate: torch.Tensor, up: Optional[torch.Tensor], activation: str = "silu") -> torch.Tensor:
+    """Launch the forward kernel. Returns y = act(gate) * up, act = ``activation``
+    ("silu" or "gelu_tanh"), with up's shape (up None: gate holds [gate | up])."""
     # Row-strided views (a slice of a wider tensor) pass through untouched. Only a
     # non-contiguous last dimension (a transposed tensor), or leading dimensions
     # that cannot be merged into one row stride, cost a copy.
-    g2, u2 = as_rows(gate, n_cols), as_rows(up, n_cols)
+    g2, u2, n_cols = _rows(gate, up)
     n_rows = g2.shape[0]
-    y = torch.empty((n_rows, n_cols), dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
+    y = torch.empty((n_rows, n_cols), dtype=_out_dtype(gate, up), device=gate.device)
     if n_rows > 0:
         block_n, rows, num_warps = _launch_config(n_cols)
         _swiglu_fwd_kernel[_grid(n_rows, n_cols, block_n, rows)](
             g2, u2, y, g2.stride(0), u2.stride(0), n_rows, n_cols,
-            BLOCK_N=block_n, ROWS=rows, PRECISE=gate.dtype == torch.float32,
+            BLOCK_N=block_n, ROWS=rows, ACT=activation, PRECISE=gate.dtype == torch.float32,
             num_warps=num_warps,
         )
-    return y.view(gate.shape)
+    return y.view(_out_shape(gate, up))
 
 
-def _swiglu_backward_fake(dy, gate, up, compute_dgate, compute_dup):
+def _swiglu_backward_fake(dy, gate, up, compute_dgate, compute_dup, activation="silu"):
+    if up is None:
+        return gate.new_empty(gate.shape) if compute_dgate else nothing(gate), nothing(gate)
     return (gate.new_empty(gate.shape) if compute_dgate else nothing(gate),
             up.new_empty(up.shape) if compute_dup else nothing(up))
 
 
 @kernel_op("swiglu_backward", fake=_swiglu_backward_fake)
-def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                    compute_dgate: bool, compute_dup: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the backward kernel. Returns (d_gate, d_up); each is empty if not asked for."""
-    n_cols = gate.shape[-1]
-    g2, u2, dy2 = as_rows(gate, n_cols), as_rows(up, n_cols), as_rows(dy, n_cols)
+def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tensor],
+                    compute_dgate: bool, compute_dup: bool, activation: str = "silu",
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the backward kernel. Returns (d_gate, d_up); each is empty if not asked for.
+    up None (fused layout): (d_gate_up, empty), the gradient of the whole [..., 2I] input."""
+    g2, u2, n_cols = _rows(gate, up)
+    dy2 = as_rows(dy, n_cols)
     n_rows = g2.shape[0]
-    dg = torch.empty((n_rows, n_cols), dtype=gate.dtype, device=gate.device) if compute_dgate else None
-    du = torch.empty((n_rows, n_cols), dtype=up.dtype, device=up.device) if compute_dup else None
+    if up is None:
+        # Optimization: gate_up_proj's backward wants ONE [N, 2I] gradient. The
+        # kernel writes d_gate and d_up straight into its two halves; two separate
+        # gradients would be concatenated by autograd (chunk's backward), one more
+        # read and write of 2I elements per row.
+        compute_dup = compute_dgate
+        both = torch.empty((n_rows, 2 * n_cols), dtype=gate.dtype, device=gate.device) if compute_dgate else None
+        dg, du = (both[:, :n_cols], both[:, n_cols:]) if compute_dgate else (None, None)
+    else:
+        dg = torch.empty((n_rows, n_cols), dtype=gate.dtype, device=gate.device) if compute_dgate else None
+        du = torch.empty((n_rows, n_cols), dtype=up.dtype, device=up.device) if compute_dup else None
     if n_rows > 0 and (compute_dgate or compute_dup):
         block_n, rows, num_warps = _launch_config(n_cols)
+        dg_arg = dg if compute_dgate else du  # a switched-off output is never written
+        du_arg = du if compute_dup else dg
         _swiglu_bwd_kernel[_grid(n_rows, n_cols, block_n, rows)](
-            dy2, g2, u2,
-            dg if compute_dgate else du, du if compute_dup else dg,  # a switched-off output is never written
-            dy2.stride(0), g2.stride(0), u2.stride(0), n_rows, n_cols,
+            dy2, g2, u2, dg_arg, du_arg,
+            dy2.stride(0), g2.stride(0), u2.stride(0), dg_arg.stride(0), du_arg.stride(0), n_rows, n_cols,
             BLOCK_N=block_n, ROWS=rows, COMPUTE_DG=compute_dgate, COMPUTE_DU=compute_dup,
-            PRECISE=gate.dtype == torch.float32,
+            ACT=activation, PRECISE=gate.dtype == torch.float32,
             num_warps=num_warps,
         )
+    if up is None:
+        return both.view(gate.shape) if compute_dgate else nothing(gate), nothing(gate)
     return (
         dg.view(gate.shape) if compute_dgate else nothing(gate),
         du.view(up.shape) if compute_dup else nothing(up),
@@ -346,99 +540,122 @@ def _wanted(grads, needs):
 # --------------------------------------------------------------------------------
 def _swiglu_save(ctx, inputs, output):
     # Save the two inputs (already alive: gate_proj and up_proj produced them)
-    # and nothing else; backward recomputes sigmoid(gate).
-    ctx.save_for_backward(*inputs)
+    # and nothing else; backward recomputes sigmoid(z).
+    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.activation = inputs[2] if len(inputs) > 2 else "silu"
 
 
 def _swiglu_grads(ctx, dy):
     gate, up = ctx.saved_tensors
     needs = ctx.needs_input_grad[:2]
-    return _wanted(swiglu_backward(dy, gate, up, *needs), needs)
+    return _wanted(swiglu_backward(dy, gate, up, *needs, ctx.activation), needs) + (None,)
 
 
 class TritonSwiGLUFunction(torch.autograd.Function):
+    """act(gate) * up for both activations (the name is the family's: GLU variants).
+
+    apply(gate, up, activation="silu"); up None: gate holds [gate | up].
+    """
     # The classic form (forward with ctx): in eager mode it costs less host time
     # per call than forward + setup_context; the operator registers the same pieces.
     @staticmethod
-    def forward(ctx, gate, up):
-        y = swiglu_forward(gate, up)
-        _swiglu_save(ctx, (gate, up), y)
+    def forward(ctx, gate, up, activation="silu"):
+        y = swiglu_forward(gate, up, activation)
+        _swiglu_save(ctx, (gate, up, activation), y)
         return y
 
     @staticmethod
-    @first_order_only("swiglu")
+    @first_order_only("swiglu/geglu")
     def backward(ctx, dy):
         return _swiglu_grads(ctx, dy)
 
 
-swiglu_forward.op.register_autograd(first_order_only("swiglu")(_swiglu_grads), setup_context=_swiglu_save)
+swiglu_forward.op.register_autograd(first_order_only("swiglu/geglu")(_swiglu_grads), setup_context=_swiglu_save)
+
+# The public name of each activation's function, for error messages.
+FUNCTION_NAMES = {"silu": "swiglu", "gelu_tanh": "geglu"}
 
 
-def swiglu(gate, up):
+def gated_activation(gate, up, activation):
+    """``act(gate) * up`` for ``activation`` in "silu" (swiglu) and "gelu_tanh" (geglu)."""
+    if activation not in FUNCTION_NAMES:
+        raise ValueError(f"gated_activation: activation must be one of {sorted(FUNCTION_NAMES)}, got {activation!r}")
+    _check_inputs(gate, up, FUNCTION_NAMES[activation])
+    if torch.compiler.is_compiling():
+        return swiglu_forward.op(gate, up, activation)  # one node of the compiled graph (kernel_common.kernel_op)
+    return TritonSwiGLUFunction.apply(gate, up, activation)
+
+
+def swiglu(gate, up=None):
     """Fused ``F.silu(gate) * up`` with PyTorch's dtype behaviour; differentiable in both.
 
     gate, up: [..., I] float32/float16/bfloat16 of the same shape, on one device.
     Rows may be strided (a slice of a wider tensor is read in place).
+    ``swiglu(gate_up)``: the [..., 2I] output of a fused gate_up projection with
+    gate in the first half and up in the second (Phi-3's ``chunk(2, dim=-1)``);
+    read in place, and its gradient comes back as one [..., 2I] tensor.
     """
-    _check_inputs(gate, up)
-    if torch.compiler.is_compiling():
-        return swiglu_forward.op(gate, up)  # one node of the compiled graph (kernel_common.kernel_op)
-    return TritonSwiGLUFunction.apply(gate, up)
+    return gated_activation(gate, up, "silu")
+
+
+def geglu(gate, up=None):
+    """Fused ``F.gelu(gate, approximate="tanh") * up`` (Gemma's MLP), as ``swiglu``."""
+    return gated_activation(gate, up, "gelu_tanh")
 
 
 # --------------------------------------------------------------------------------
 # Optimization: recompute the MLP's hidden activation instead of saving it
 # --------------------------------------------------------------------------------
-# down_proj = F.linear(h, W) saves its input h = silu(gate) * up for the weight
+# down_proj = F.linear(h, W) saves its input h = act(gate) * up for the weight
 # gradient dW = dout^T @ h: a third [N, I] tensor per layer kept from forward to
 # backward, next to gate and up. But h is a cheap function of gate and up, which
-# are saved anyway. This Function runs SwiGLU and the down projection together,
-# saves only (gate, up, W), and recomputes h in backward with one more forward
-# launch (read gate and up, write h: 6 B per element, ~0.1 ms per layer at
-# 4096 x 14336 on an H100).
+# are saved anyway. This Function runs the gated activation and the down
+# projection together, saves only (gate, up, W), and recomputes h in backward
+# with one more forward launch (read gate and up, write h: 6 B per element,
+# ~0.1 ms per layer at 4096 x 14336 on an H100).
 #
 # What it buys: 117 MB per layer at 2 x 2048 tokens of LLaMA-3.1-8B, 3.8 GB over
 # the 32 layers, at the moment of peak memory (the end of forward). The matmuls
 # are the same cuBLAS calls autograd would make, so the results are identical.
 # Under torch.compile it is one opaque operator too: the compiler cannot
 # recompute through an operator it does not see into, so we keep doing it.
-def _down_proj_fake(gate, up, weight, dtype):
+def _down_proj_fake(gate, up, weight, dtype, activation="silu"):
     return gate.new_empty(gate.shape[:-1] + (weight.shape[0],), dtype=dtype)
 
 
 @kernel_op("swiglu_down_proj_forward", fake=_down_proj_fake)
-def swiglu_down_proj_forward(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
-                             dtype: torch.dtype) -> torch.Tensor:
-    """F.linear(swiglu(gate, up), weight) computed in ``dtype``; h dies inside.
+def swiglu_down_proj_forward(gate: torch.Tensor, up: Optional[torch.Tensor], weight: torch.Tensor,
+                             dtype: torch.dtype, activation: str = "silu") -> torch.Tensor:
+    """F.linear(act(gate) * up, weight) computed in ``dtype``; h dies inside.
 
     ``dtype`` is what F.linear would compute in at the call: autocast's dtype
     when autocast is on, else the inputs'. It is an argument because a compiled
     graph has no autocast state when it runs: the tracer resolved it already.
     """
-    h = swiglu_forward(gate, up)
+    h = swiglu_forward(gate, up, activation)
     return F.linear(h.to(dtype), weight.to(dtype))
 
 
-def _down_proj_backward_fake(dout, gate, up, weight, need_gate, need_up, need_w):
-    return (gate.new_empty(gate.shape) if need_gate else nothing(gate),
-            up.new_empty(up.shape) if need_up else nothing(up),
-            weight.new_empty(weight.shape) if need_w else nothing(weight))
+def _down_proj_backward_fake(dout, gate, up, weight, need_gate, need_up, need_w, activation="silu"):
+    return _swiglu_backward_fake(dout, gate, up, need_gate, need_up) + (
+        weight.new_empty(weight.shape) if need_w else nothing(weight),)
 
 
 @kernel_op("swiglu_down_proj_backward", fake=_down_proj_backward_fake)
-def swiglu_down_proj_backward(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
-                              need_gate: bool, need_up: bool, need_w: bool,
+def swiglu_down_proj_backward(dout: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tensor],
+                              weight: torch.Tensor, need_gate: bool, need_up: bool, need_w: bool,
+                              activation: str = "silu",
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(d_gate, d_up, d_weight) of F.linear(swiglu(gate, up), weight); the matmuls run in dout's dtype."""
+    """(d_gate, d_up, d_weight) of F.linear(act(gate) * up, weight); the matmuls run in dout's dtype."""
     dw = nothing(weight)
     if need_w:
-        h = swiglu_forward(gate, up).to(dout.dtype)  # the recomputation: same kernel, same bits
+        h = swiglu_forward(gate, up, activation).to(dout.dtype)  # the recomputation: same kernel, same bits
         dw = (dout.reshape(-1, dout.shape[-1]).t() @ h.reshape(-1, h.shape[-1])).to(weight.dtype)
         del h
-    dg, du = nothing(gate), nothing(up)
+    dg, du = nothing(gate), nothing(gate if up is None else up)
     if need_gate or need_up:
         dh = dout @ weight.to(dout.dtype)  # [..., I]
-        dg, du = swiglu_backward(dh, gate, up, need_gate, need_up)
+        dg, du = swiglu_backward(dh, gate, up, need_gate, need_up, activation)
     return dg, du, dw
 
 
@@ -448,20 +665,22 @@ def _down_proj_save(ctx, inputs, output):
     # bf16, say), but backward runs outside autocast: it redoes that cast
     # itself, as autograd would have through autocast's own cast op.
     ctx.compute_dtype = output.dtype
+    ctx.activation = inputs[4] if len(inputs) > 4 else "silu"
 
 
 def _down_proj_grads(ctx, dout):
     gate, up, weight = ctx.saved_tensors
     needs = ctx.needs_input_grad[:3]
     dout = dout.to(ctx.compute_dtype)  # no-op without autocast
-    return _wanted(swiglu_down_proj_backward(dout, gate, up, weight, *needs), needs) + (None,)
+    grads = swiglu_down_proj_backward(dout, gate, up, weight, *needs, ctx.activation)
+    return _wanted(grads, needs) + (None, None)
 
 
 class TritonSwiGLUDownProjFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up, weight, dtype):
-        out = swiglu_down_proj_forward(gate, up, weight, dtype)
-        _down_proj_save(ctx, (gate, up, weight, dtype), out)
+    def forward(ctx, gate, up, weight, dtype, activation="silu"):
+        out = swiglu_down_proj_forward(gate, up, weight, dtype, activation)
+        _down_proj_save(ctx, (gate, up, weight, dtype, activation), out)
         return out
 
     @staticmethod
@@ -475,66 +694,117 @@ swiglu_down_proj_forward.op.register_autograd(
 )
 
 
-def swiglu_down_proj(gate, up, weight):
-    """``F.linear(swiglu(gate, up), weight)`` that saves gate and up only (h is recomputed)."""
-    _check_inputs(gate, up)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != gate.shape[-1]:
+def swiglu_down_proj(gate, up, weight, activation="silu"):
+    """``F.linear(act(gate) * up, weight)`` that saves gate and up only (h is recomputed).
+
+    ``activation``: "silu" (SwiGLU) or "gelu_tanh" (GeGLU); up None: gate holds [gate | up].
+    """
+    _check_inputs(gate, up, "swiglu_down_proj")
+    n_cols = gate.shape[-1] if up is not None else gate.shape[-1] // 2
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != n_cols:
         raise ValueError(
-            f"swiglu_down_proj: weight must be [H, {gate.shape[-1]}], got "
+            f"swiglu_down_proj: weight must be [H, {n_cols}], got "
             f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}"
         )
+    if activation not in FUNCTION_NAMES:
+        raise ValueError(f"swiglu_down_proj: activation must be one of {sorted(FUNCTION_NAMES)}, got {activation!r}")
     # The dtype F.linear computes in: autocast's when it is on, else the inputs'.
     if torch.is_autocast_enabled(gate.device.type):
         dtype = torch.get_autocast_dtype(gate.device.type)
     else:
-        dtype = torch.promote_types(torch.promote_types(gate.dtype, up.dtype), weight.dtype)
+        dtype = torch.promote_types(_out_dtype(gate, up), weight.dtype)
     if torch.compiler.is_compiling():
-        return swiglu_down_proj_forward.op(gate, up, weight, dtype)
-    return TritonSwiGLUDownProjFunction.apply(gate, up, weight, dtype)
+        return swiglu_down_proj_forward.op(gate, up, weight, dtype, activation)
+    return TritonSwiGLUDownProjFunction.apply(gate, up, weight, dtype, activation)
 
 
 # --------------------------------------------------------------------------------
-# Drop-in module and model patching
+# Drop-in modules and model patching
 # --------------------------------------------------------------------------------
+# HF's names of the activations we implement (config.hidden_act, or Gemma 2/3's
+# config.hidden_activation) -> the kernels' name.
+CONFIG_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def module_activation(mlp):
+    """The kernels' name ("silu" or "gelu_tanh") for the activation module of a gated
+    MLP (``act_fn``, Phi-3's ``activation_fn``) when it is exactly one we implement, else None."""
+    act = getattr(mlp, "act_fn", None)
+    if act is None:
+        act = getattr(mlp, "activation_fn", None)
+    # nn.SiLU (ACT2FN["swish"]) or HF's own SiLUActivation (ACT2FN["silu"]).
+    if isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation":
+        return "silu"
+    if isinstance(act, nn.GELU):
+        return "gelu_tanh" if act.approximate == "tanh" else None  # "none" is the erf GELU
+    # HF's GELUTanh (alias PytorchGELUTanh, ACT2FN["gelu_pytorch_tanh"]) calls
+    # F.gelu(approximate="tanh"), unless built with use_gelu_tanh_python: then a
+    # formula of five ops, each rounded to bf16, which is not what we compute.
+    # gelu_new and gelu_fast are such formulas too, and "gelu" is the erf GELU.
+    if type(act).__name__ in ("GELUTanh", "PytorchGELUTanh"):
+        fn = getattr(act, "act", None)  # older versions: no attribute, forward is F.gelu(approximate="tanh")
+        if fn is None or (isinstance(fn, functools.partial) and fn.func is F.gelu
+                          and not fn.args and fn.keywords == {"approximate": "tanh"}):
+            return "gelu_tanh"
+    return None
+
+
 class TritonLlamaMLP(nn.Module):
-    """Drop-in replacement for HF ``LlamaMLP``: same projections, fused SwiGLU between them.
+    """Drop-in replacement for HF's gated MLPs with gate_proj, up_proj and down_proj
+    (``LlamaMLP``, ``MistralMLP``, ``Qwen2MLP``, ``GemmaMLP``, ...): the same
+    projections, the fused SwiGLU or GeGLU between them.
 
-    The three projections stay ``nn.Linear`` (cuBLAS); only ``silu(gate) * up``
-    runs in Triton. Parameter names match ``LlamaMLP``'s, so state dicts load
-    either way.
+    The three projections stay ``nn.Linear`` (cuBLAS); only ``act(gate) * up``
+    runs in Triton. ``activation`` is "silu" or "gelu_tanh". Parameter names
+    match the HF module's, so state dicts load either way.
     """
 
     def __init__(self, config):
         super().__init__()
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"TritonLlamaMLP implements SiLU gating only, config.hidden_act is {config.hidden_act!r}")
-        bias = getattr(config, "mlp_bias", False)
+        name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if name not in CONFIG_ACTIVATIONS:
+            raise ValueError(f"{type(self).__name__} implements SiLU and tanh-GELU gating only "
+                             f"(hidden_act 'silu' or 'gelu_pytorch_tanh'), the config has {name!r}")
+        self.activation = CONFIG_ACTIVATIONS[name]
         self.config = config
         self.hidden_size = config.hidden_size
         self.intermediate_size = config.intermediate_size
+        self._make_projections(getattr(config, "mlp_bias", False))
+
+    def _make_projections(self, bias):
         self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=bias)
 
     @classmethod
-    def from_llama_mlp(cls, mlp):
+    def from_mlp(cls, mlp):
         """Wrap an existing gated MLP, reusing its projection modules (same Parameters).
 
         Sharing the modules keeps optimizer state, LoRA adapters or quantized
         layers attached to the projections working after the swap.
         """
+        activation = module_activation(mlp)
+        if activation is None:
+            raise ValueError(f"{cls.__name__}: the activation of {type(mlp).__name__} is neither SiLU nor "
+                             "GELU with the tanh approximation")
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         if hasattr(mlp, "config"):
             new.config = mlp.config
-        new.hidden_size = getattr(mlp, "hidden_size", getattr(mlp.gate_proj, "in_features", None))
-        new.intermediate_size = getattr(mlp, "intermediate_size", getattr(mlp.gate_proj, "out_features", None))
-        new.gate_proj = mlp.gate_proj
-        new.up_proj = mlp.up_proj
-        new.down_proj = mlp.down_proj
+        new.activation = activation
+        new._take_projections(mlp)
         return new
 
-    # Recompute h = silu(gate) * up in backward instead of keeping it (see
+    from_llama_mlp = from_mlp  # the older name
+
+    def _take_projections(self, mlp):
+        self.hidden_size = getattr(mlp, "hidden_size", getattr(mlp.gate_proj, "in_features", None))
+        self.intermediate_size = getattr(mlp, "intermediate_size", getattr(mlp.gate_proj, "out_features", None))
+        self.gate_proj = mlp.gate_proj
+        self.up_proj = mlp.up_proj
+        self.down_proj = mlp.down_proj
+
+    # Recompute h = act(gate) * up in backward instead of keeping it (see
     # TritonSwiGLUDownProjFunction). Only for a plain bias-free nn.Linear
     # down_proj: a LoRA or quantized wrapper must see h itself (a LoRA adapter's
     # A matrix needs h for its own gradient, so h is stored there anyway).
@@ -548,36 +818,151 @@ class TritonLlamaMLP(nn.Module):
     def forward(self, x):
         gate, up = self.gate_proj(x), self.up_proj(x)
         if self.recomputes_hidden():
-            return swiglu_down_proj(gate, up, self.down_proj.weight)
-        return self.down_proj(swiglu(gate, up))
+            return swiglu_down_proj(gate, up, self.down_proj.weight, self.activation)
+        return self.down_proj(gated_activation(gate, up, self.activation))
 
     def extra_repr(self):
-        return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, act=fused SwiGLU, "
+        act = {"silu": "SwiGLU", "gelu_tanh": "GeGLU (tanh)"}[self.activation]
+        return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, act=fused {act}, "
                 f"recompute_hidden={self.recompute_hidden}")
 
 
-def _is_silu(act_fn):
-    # nn.SiLU (older transformers) or HF's own SiLUActivation (ACT2FN["silu"]).
-    return isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
+class TritonGateUpMLP(TritonLlamaMLP):
+    """The fused layout (HF ``Phi3MLP``, ``GlmMLP``): one ``gate_up_proj`` Linear
+    of 2I outputs, [gate | up] on the last dimension, then ``down_proj``.
+
+    The kernels read gate and up in place as the two halves of gate_up_proj's
+    output and write their gradients into the halves of one [..., 2I] tensor
+    (see swiglu). Parameter names match Phi3MLP's.
+    """
+
+    def _make_projections(self, bias):
+        self.gate_up_proj = nn.Linear(self.hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=bias)
+
+    def _take_projections(self, mlp):
+        config = getattr(mlp, "config", None)
+        self.hidden_size = getattr(mlp.gate_up_proj, "in_features", getattr(config, "hidden_size", None))
+        self.intermediate_size = getattr(mlp.down_proj, "in_features", getattr(config, "intermediate_size", None))
+        self.gate_up_proj = mlp.gate_up_proj
+        self.down_proj = mlp.down_proj
+
+    def forward(self, x):
+        gate_up = self.gate_up_proj(x)  # [..., 2I]: gate | up, never split into copies
+        if self.recomputes_hidden():
+            return swiglu_down_proj(gate_up, None, self.down_proj.weight, self.activation)
+        return self.down_proj(gated_activation(gate_up, None, self.activation))
 
 
-def _is_swiglu_mlp(module):
-    # The projections only need to be modules (nn.Linear, a LoRA or quantized
-    # wrapper): TritonLlamaMLP just calls them. The activation must be SiLU; a
-    # gated MLP with GELU (Gemma) or any other activation is left alone.
-    return (
-        type(module).__name__.endswith("MLP")
-        and not isinstance(module, TritonLlamaMLP)
-        and all(isinstance(getattr(module, name, None), nn.Module) for name in ("gate_proj", "up_proj", "down_proj"))
-        and _is_silu(getattr(module, "act_fn", None))
-    )
+def triton_mlp_class(module):
+    """TritonLlamaMLP or TritonGateUpMLP for a gated MLP we can stand in for, else None.
+
+    Found by type name (``*MLP``), projection modules (nn.Linear, a LoRA or
+    quantized wrapper: ours just calls them) and an activation we implement; a
+    gated MLP with the erf GELU or any other activation is left alone.
+    """
+    if not type(module).__name__.endswith("MLP") or isinstance(module, TritonLlamaMLP):
+        return None
+    if module_activation(module) is None:
+        return None
+
+    def has(*names):
+        return all(isinstance(getattr(module, name, None), nn.Module) for name in names)
+    if has("gate_proj", "up_proj", "down_proj"):
+        return TritonLlamaMLP
+    if has("gate_up_proj", "down_proj"):
+        return TritonGateUpMLP
+    return None
+
+
+# --------------------------------------------------------------------------------
+# The check before the swap: does our module compute what the model's does?
+# --------------------------------------------------------------------------------
+# Names and attributes do not prove the math: a family may clamp the gate, keep
+# only its top-k entries (Gemma-3n), order the fused halves [up | gate], or scale
+# the output, with the same attribute names. So before swapping, each MLP class
+# is run next to its replacement on the same random input, and the swap is
+# refused when they differ by more than rounding.
+#
+# How much rounding: in bf16/fp16 both round h = act(gate) * up to the same
+# 16-bit values (bar a rare last-bit flip) and down_proj is the same matmul, so
+# the outputs differ by about one rounding of the output dtype at most: eps x
+# the largest output. In float32 the activation itself is evaluated with different
+# float32 exp or tanh code on either side (each a few ulp from the truth), and
+# down_proj sums I such differences with random signs: measured up to 3 float32
+# ulps at the size of the largest output (LLaMA and Gemma MLPs, 64 x 128 to
+# 3072 x 24576, CPU). So the tolerance is one rounding of the output dtype, and
+# never below 8 float32 ulps. A change in the math (another activation, a clamp,
+# a scale) moves the output by percents. GELU's erf and tanh forms differ by up
+# to 5e-4 (1e-4 relative for small gates): hundreds of float32 ulps, but less
+# than one bf16 rounding, so in bf16 only module_activation tells them apart.
+CHECK_ROWS = 4
+MIN_TOLERANCE = 8 * torch.finfo(torch.float32).eps
+
+
+def _reference_output(mlp, x):
+    """What ``mlp`` (ours) computes, with PyTorch's formula in place of the kernel
+    (for a device the kernels cannot run on, as CPU tensors on a GPU machine: the
+    module is swapped there and moved to the GPU afterwards)."""
+    if isinstance(mlp, TritonGateUpMLP):
+        gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
+    else:
+        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+    return mlp.down_proj(REFERENCES[mlp.activation](gate, up))
+
+
+def check_same_mlp(original, new):
+    """Raise SwapMismatch unless ``new`` computes what ``original`` does.
+
+    Both run on CHECK_ROWS random rows of the hidden size, in the module's
+    dtype and on its device, under no_grad, each from the same random-number
+    state (a dropout inside a shared projection, as LoRA's, draws the same mask
+    for both; the global state is left as it was). Allowed difference: one
+    rounding of the output dtype at the size of the largest output element,
+    at least 8 float32 ulps (above).
+    Modules on the meta device (no data) are not checked.
+    """
+    params = list(original.parameters())
+    if any(p.is_meta for p in params):
+        return
+    floats = [p for p in params if p.is_floating_point()]
+    dtype = floats[0].dtype if floats else torch.get_default_dtype()  # none: a quantized layer
+    device = params[0].device if params else torch.device("cpu")
+    theirs_name, ours_name = type(original).__name__, type(new).__name__
+    if not isinstance(new.hidden_size, int):
+        raise SwapMismatch(f"{theirs_name} cannot be checked against {ours_name}: its hidden size is unknown")
+    x = torch.randn(CHECK_ROWS, new.hidden_size, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    rng_devices = [device] if device.type == "cuda" else []
+    with torch.no_grad():
+        try:
+            with torch.random.fork_rng(devices=rng_devices):
+                theirs = original(x)
+        except Exception as e:  # noqa: BLE001 - any failure: not a module we can stand in for
+            first_line = str(e).splitlines()[0] if str(e) else ""
+            raise SwapMismatch(f"{theirs_name} cannot be checked against {ours_name}: its forward failed on a "
+                               f"[{CHECK_ROWS}, {new.hidden_size}] input ({type(e).__name__}: {first_line})") from None
+        with torch.random.fork_rng(devices=rng_devices):
+            kernels_run_here = device.type == "cuda" or (device.type == "cpu" and INTERPRET)
+            ours = new(x) if kernels_run_here else _reference_output(new, x)
+    if not isinstance(theirs, torch.Tensor) or theirs.shape != ours.shape or theirs.dtype != ours.dtype:
+        what = (f"{tuple(theirs.shape)} {theirs.dtype}" if isinstance(theirs, torch.Tensor)
+                else type(theirs).__name__)
+        raise SwapMismatch(f"{theirs_name} returns {what}, {ours_name} {tuple(ours.shape)} {ours.dtype}")
+    difference = (ours.double() - theirs.double()).abs().max().item()
+    tolerance = max(torch.finfo(ours.dtype).eps, MIN_TOLERANCE) * theirs.double().abs().max().item()
+    if not difference <= tolerance:  # NaN fails too
+        raise SwapMismatch(f"{theirs_name} computes something else than {ours_name} "
+                           f"(max difference {difference:.2g} on a random input)")
 
 
 def replace_swiglu(model):
-    """Replace every SiLU-gated MLP in ``model`` with ``TritonLlamaMLP``; return the count.
+    """Replace every SiLU- or tanh-GELU-gated MLP in ``model`` with ours; return the count.
 
-    Modules are found by type name (``LlamaMLP``, ``MistralMLP``, ``Qwen2MLP``, ...)
-    with ``gate_proj``, ``up_proj``, ``down_proj`` and a SiLU ``act_fn``
-    (kernel_common.swap_modules does the swapping).
+    MLPs with gate_proj/up_proj/down_proj become ``TritonLlamaMLP``, Phi-3's
+    gate_up_proj/down_proj ``TritonGateUpMLP`` (see triton_mlp_class for how they
+    are found). Each MLP class is first checked against its replacement
+    (check_same_mlp): one that computes something else raises SwapMismatch and
+    the model is left unchanged. kernel_common.swap_modules does the swapping.
     """
-    return swap_modules(model, _is_swiglu_mlp, TritonLlamaMLP.from_llama_mlp)
+    return swap_modules(model, lambda m: triton_mlp_class(m) is not None,
+                        lambda m: triton_mlp_class(m).from_mlp(m), check=check_same_mlp)

@@ -5,8 +5,12 @@ Every comparison is against a float64 truth (``F.silu(gate) * up`` evaluated in
 float64, gradients by autograd): our output and both gradients must be no worse
 than about twice the error of the PyTorch path (HF's eager ``F.silu(gate) * up``)
 at the same dtype, for irregular sizes, every dtype, strided inputs, and for
-``TritonLlamaMLP`` swapped into a LLaMA. Without a GPU the kernels run in the
-Triton interpreter and the GPU-only tests (64-bit offsets, CUDA graphs) are skipped.
+``TritonLlamaMLP`` swapped into a LLaMA. The same for GeGLU (``geglu`` against
+``F.gelu(gate, approximate="tanh") * up``, Gemma's MLP), for Phi-3's fused
+gate_up layout (read in place, one gradient), and for whole Gemma and Phi-3
+models; an MLP that computes something else is refused (SwapMismatch) and the
+model left as it was. Without a GPU the kernels run in the Triton interpreter
+and the GPU-only tests (64-bit offsets, CUDA graphs) are skipped.
 
 Usage:
     python swiglu_test.py          # or: python -m pytest swiglu_test.py
@@ -19,11 +23,18 @@ import pytest
 import torch
 
 from conftest import DEVICE, DTYPES, check_outputs, need_gpu, rel_err
+from kernel_common import SwapMismatch
 from swiglu_kernel import (
+    TritonGateUpMLP,
     TritonLlamaMLP,
     TritonSwiGLUFunction,
+    check_same_mlp,
+    geglu,
+    geglu_reference,
+    module_activation,
     replace_swiglu,
     swiglu,
+    swiglu_down_proj,
     swiglu_reference,
 )
 
@@ -46,11 +57,11 @@ def run(fn, gate, up, dy):
     return y.detach(), g.grad, u.grad
 
 
-def compare_to_truth(gate, up, dy):
+def compare_to_truth(gate, up, dy, fn=swiglu, reference=swiglu_reference):
     """Ours and PyTorch against float64 for y, d_gate, d_up: ours no worse than ~2x."""
-    ours = run(swiglu, gate, up, dy)
-    torch_path = run(swiglu_reference, gate, up, dy)
-    truth = run(swiglu_reference, gate.double(), up.double(), dy.double())
+    ours = run(fn, gate, up, dy)
+    torch_path = run(reference, gate, up, dy)
+    truth = run(reference, gate.double(), up.double(), dy.double())
     check_outputs(("y", "dgate", "dup"), ours, torch_path, truth)
 
 
@@ -244,7 +255,7 @@ def test_replace_swiglu_in_llama_model():
     # A gated MLP with another activation is not SwiGLU: left alone.
     gelu_model = LlamaForCausalLM(_tiny_llama_config(hidden_act="gelu"))
     assert replace_swiglu(gelu_model) == 0, "an MLP with GELU must not be replaced"
-    with pytest.raises(ValueError, match="SiLU gating only"):
+    with pytest.raises(ValueError, match="SiLU and tanh-GELU gating only"):
         TritonLlamaMLP(_tiny_llama_config(hidden_act="gelu"))
 
 
@@ -289,6 +300,419 @@ def test_recompute_hidden_instead_of_saving():
     true = [yt.detach(), xt.grad, gate.weight.grad, up.weight.grad, down.weight.grad]
     check_outputs(("y", "dx", "dW_gate", "dW_up", "dW_down"), results[True], results[False], true, torch.bfloat16,
                   peer_name="h saved")
+
+
+# ---------------------------------------------------------------- GeGLU (Gemma)
+@pytest.mark.parametrize("shape,dtype", CASES)
+def test_geglu_matches_float64_truth(shape, dtype):
+    # The gates reach -15: GELU's far negative tail, where PyTorch's 1 + tanh cancels.
+    compare_to_truth(*make_inputs(shape, DTYPES[dtype]), fn=geglu, reference=geglu_reference)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_geglu_matches_pytorch_formula(dtype):
+    # Next to HF's own formula at the same dtype: the same values up to rounding
+    # (the sigmoid form differs from F.gelu's tanh form only by a few float32 ulps,
+    # and where 1 + tanh cancels, in values below 1e-2).
+    dtype = DTYPES[dtype]
+    gate, up, dy = make_inputs((7, 123), dtype, seed=2)
+    y, dg, du = run(geglu, gate, up, dy)
+    y_ref, dg_ref, du_ref = run(lambda g, u: torch.nn.functional.gelu(g, approximate="tanh") * u, gate, up, dy)
+    assert y.dtype == y_ref.dtype == dtype
+    for name, a, b in (("y", y, y_ref), ("dgate", dg, dg_ref), ("dup", du, du_ref)):
+        torch.testing.assert_close(a, b, msg=lambda m, name=name: f"{name}: {m}")
+    # geglu is not swiglu: the activation switch reaches the kernel.
+    assert not torch.allclose(y, swiglu(gate, up))
+
+
+def test_geglu_strided_promoted_no_grad_and_one_grad():
+    # Row-strided slices, a transposed (copied) input, a non-contiguous upstream gradient.
+    wide, _, _ = make_inputs((7, 2 * 123), torch.bfloat16, seed=3)
+    dy = make_inputs((7, 246), torch.bfloat16, seed=4)[2][:, ::2]
+    compare_to_truth(wide[:, :123], wide[:, 123:], dy, fn=geglu, reference=geglu_reference)
+    gate_t, up_t, dy32 = make_inputs((123, 7), torch.float32, seed=5)
+    compare_to_truth(gate_t.t(), up_t.t(), dy32.t().contiguous(), fn=geglu, reference=geglu_reference)
+    # bf16 gate, float32 up: gelu rounds to bf16, the product is float32.
+    gate, up, dy = make_inputs((7, 123), torch.bfloat16, up_dtype=torch.float32, seed=6)
+    compare_to_truth(gate, up, dy, fn=geglu, reference=geglu_reference)
+    assert geglu(gate, up).dtype == torch.float32
+    # Forward under no_grad.
+    gate, up, dy = make_inputs((7, 123), torch.float32, seed=7)
+    with torch.no_grad():
+        y = geglu(gate.requires_grad_(), up)
+    assert not y.requires_grad
+    err = rel_err(y, geglu_reference(gate.detach().double(), up.double()))
+    assert err < 1e-6, f"no_grad forward error {err:.2e}"
+    # Only up needs a gradient.
+    u = up.detach().requires_grad_()
+    geglu(gate.detach(), u).backward(dy)
+    truth = run(geglu_reference, gate.double(), up.double(), dy.double())
+    assert rel_err(u.grad, truth[2]) < 1e-6
+
+
+def test_geglu_bad_inputs_name_geglu():
+    gate, up, _ = make_inputs((4, 32), torch.float32)
+    with pytest.raises(ValueError, match="geglu: gate shape"):
+        geglu(gate, up[:, :31])
+    with pytest.raises(TypeError, match="geglu: unsupported up dtype"):
+        geglu(gate, up.double())
+
+
+# ---------------------------------------------------------------- the fused gate_up layout (Phi-3)
+def _chunked(reference):
+    """HF Phi3MLP's formula on one [..., 2I] tensor: chunk(2, dim=-1), then act(gate) * up."""
+    def fn(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return reference(gate, up)
+    return fn
+
+
+def run_fused(fn, gate_up, dy):
+    x = gate_up.detach().requires_grad_()
+    y = fn(x)
+    y.backward(dy.to(y.dtype))
+    return y.detach(), x.grad
+
+
+FUSED_CASES = [
+    pytest.param((7, 2 * 123), "fp32", id="fp32 7x(2x123)"),
+    pytest.param((2, 5, 2 * 41), "bf16", id="bf16 2x5x(2x41) (3-D)"),
+    pytest.param((1, 2 * 4097), "fp16", id="fp16 1x(2x4097)"),
+    pytest.param((300, 2 * 7), "bf16", id="bf16 300x(2x7)"),
+]
+
+
+@pytest.mark.parametrize("fn,reference", [(swiglu, swiglu_reference), (geglu, geglu_reference)],
+                         ids=["swiglu", "geglu"])
+@pytest.mark.parametrize("shape,dtype", FUSED_CASES)
+def test_fused_gate_up_matches_float64_truth(shape, dtype, fn, reference):
+    gate_up, _, _ = make_inputs(shape, DTYPES[dtype], seed=8)
+    dy = make_inputs(shape[:-1] + (shape[-1] // 2,), DTYPES[dtype], seed=9)[2]
+    ours = run_fused(fn, gate_up, dy)
+    peer = run_fused(_chunked(reference), gate_up, dy)
+    truth = run_fused(_chunked(reference), gate_up.double(), dy.double())
+    check_outputs(("y", "d_gate_up"), ours, peer, truth)
+    # Row-strided: gate_up itself a slice of a wider tensor, and a strided dy.
+    wide = torch.cat([gate_up, gate_up[..., :3]], dim=-1)[..., : shape[-1]]
+    dy_strided = torch.cat([dy, dy], dim=-1)[..., ::2]
+    assert wide.stride(-2) == shape[-1] + 3 and dy_strided.stride(-1) == 2
+    check_outputs(("y (strided)", "d_gate_up (strided)"), run_fused(fn, wide, dy_strided),
+                  run_fused(_chunked(reference), wide, dy_strided), truth)
+
+
+def test_fused_gate_up_reads_in_place_and_returns_one_gradient():
+    # No chunk, no copy: the autograd graph is our node straight on the leaf (no
+    # SplitBackward, no CatBackward), and the only tensor saved is gate_up itself.
+    gate_up, _, _ = make_inputs((2, 5, 2 * 41), torch.bfloat16, seed=10)
+    x = gate_up.detach().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = geglu(x)
+    assert y.shape == (2, 5, 41)
+    assert [type(f).__name__ for f, _ in y.grad_fn.next_functions if f is not None] == ["AccumulateGrad"]
+    assert len(saved) == 1 and saved[0].data_ptr() == x.data_ptr(), "gate_up must be saved as is, not copied"
+    y.backward(torch.ones_like(y))
+    assert x.grad.shape == x.shape
+
+
+def test_fused_gate_up_bad_inputs():
+    odd = torch.randn(3, 7, device=DEVICE)
+    with pytest.raises(ValueError, match=r"fused gate_up input must be \[..., 2I\]"):
+        swiglu(odd)
+    with pytest.raises(ValueError, match="weight must be"):
+        swiglu_down_proj(torch.randn(3, 8, device=DEVICE), None, torch.randn(5, 8, device=DEVICE))
+
+
+# ---------------------------------------------------------------- the modules
+def _tiny_gemma_config():
+    from transformers import GemmaConfig
+
+    return GemmaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+def _tiny_phi3_config():
+    from transformers import Phi3Config
+
+    return Phi3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=2)
+
+
+def _out_and_grads(mlp, x, dy):
+    mlp.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    y = mlp(x)
+    y.backward(dy.to(y.dtype))
+    return [y.detach(), x.grad] + [p.grad.clone() for p in mlp.parameters()]
+
+
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute h", "keep h"])
+@pytest.mark.parametrize("family", ["gemma", "phi3"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_mlp_from_gemma_and_phi3(family, dtype, recompute):
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
+    from transformers.models.phi3.modeling_phi3 import Phi3MLP
+
+    hf_class, config, ours_class, names = {
+        "gemma": (GemmaMLP, _tiny_gemma_config(), TritonLlamaMLP, ("gate_proj", "up_proj", "down_proj")),
+        "phi3": (Phi3MLP, _tiny_phi3_config(), TritonGateUpMLP, ("gate_up_proj", "down_proj")),
+    }[family]
+    dtype = DTYPES[dtype]
+    torch.manual_seed(0)
+    hf = hf_class(config).to(DEVICE, dtype)
+    for p in hf.parameters():  # weights of a trained model's size: gates of order 1
+        torch.nn.init.normal_(p, std=0.15)
+    truth_mlp = copy.deepcopy(hf).double()
+    ours = ours_class.from_mlp(hf)
+    ours.recompute_hidden = recompute
+    assert ours.activation == {"gemma": "gelu_tanh", "phi3": "silu"}[family]
+    assert ours.recomputes_hidden() == recompute
+    for name in names:
+        assert getattr(ours, name) is getattr(hf, name), f"{name} must be the same module"
+    assert set(ours.state_dict()) == set(hf.state_dict()), "state dict keys must match the HF module's"
+    assert (ours.hidden_size, ours.intermediate_size) == (64, 128)
+    x, _, _ = make_inputs((2, 5, 64), dtype, seed=11)
+    dy = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(12)).to(DEVICE, dtype)
+    got, ref = _out_and_grads(ours, x, dy), _out_and_grads(hf, x, dy)
+    true = _out_and_grads(truth_mlp, x.double(), dy.double())
+    names = ["y", "dx"] + [f"d{n}" for n, _ in hf.named_parameters()]
+    check_outputs(names, got, ref, true, dtype, peer_name=f"HF {dtype}")
+    # Built from the config: the same layout, parameter names and activation.
+    fresh = ours_class(config)
+    assert set(fresh.state_dict()) == set(hf.state_dict()) and fresh.activation == ours.activation
+
+
+def _loss_logits_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _tiny_family(family):
+    import transformers
+
+    if family == "phi3":
+        return transformers.Phi3ForCausalLM(_tiny_phi3_config())
+    config_class, model_class = {
+        "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    }[family]
+    return model_class(config_class(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+
+
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3", "phi3"])
+def test_replace_swiglu_in_gemma_and_phi3(family):
+    torch.manual_seed(0)
+    model = _tiny_family(family).to(DEVICE)
+    reference = copy.deepcopy(model)
+    params_before = {id(p) for p in model.parameters()}
+    hf_mlps = [type(m).__name__ for m in model.modules() if type(m).__name__.endswith("MLP")]
+    assert len(hf_mlps) == 2, hf_mlps
+
+    assert replace_swiglu(model) == 2, "every MLP (one per layer) must be replaced"
+    expected = TritonGateUpMLP if family == "phi3" else TritonLlamaMLP
+    mlps = [m for m in model.modules() if type(m).__name__.endswith("MLP")]
+    assert len(mlps) == 2 and all(type(m) is expected for m in mlps), [type(m).__name__ for m in mlps]
+    assert all(m.activation == ("silu" if family == "phi3" else "gelu_tanh") for m in mlps)
+    assert {id(p) for p in model.parameters()} == params_before, "the Parameters must be the same objects"
+    assert replace_swiglu(model) == 0
+
+    ids = torch.randint(0, 512, (2, 16), device=DEVICE)
+    logits, grads = _loss_logits_grads(model, ids)
+    logits_ref, grads_ref = _loss_logits_grads(reference, ids)
+    assert rel_err(logits, logits_ref) < 1e-5, f"logits differ by {rel_err(logits, logits_ref):.2e}"
+    assert grads.keys() == grads_ref.keys()
+    worst = max(grads, key=lambda n: rel_err(grads[n], grads_ref[n]))
+    assert rel_err(grads[worst], grads_ref[worst]) < 1e-5, f"gradient of {worst} differs by " \
+        f"{rel_err(grads[worst], grads_ref[worst]):.2e}"
+
+
+# ---------------------------------------------------------------- refusing what computes something else
+def _doubling_mlp_class():
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    class DoublingMLP(LlamaMLP):  # LlamaMLP's names and SiLU, another result
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    return DoublingMLP
+
+
+def test_mlp_that_computes_something_else_is_refused():
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_tiny_llama_config()).to(DEVICE)
+    doubling = _doubling_mlp_class()
+    # Layer 0 keeps its LlamaMLP (which alone would be swapped), layer 1 doubles.
+    odd = doubling(model.config).to(DEVICE)
+    odd.load_state_dict(model.model.layers[1].mlp.state_dict())
+    model.model.layers[1].mlp = odd
+    before = list(model.modules())
+    ids = torch.randint(0, 257, (1, 8), device=DEVICE)
+    with torch.no_grad():
+        logits_before = model(ids).logits
+
+    with pytest.raises(SwapMismatch, match=r"^DoublingMLP computes something else than TritonLlamaMLP "
+                                           r"\(max difference [0-9.e+-]+ on a random input\)$") as info:
+        replace_swiglu(model)
+    assert "\n" not in str(info.value)
+    assert list(model.modules()) == before, "nothing may be swapped when one class is refused"
+    assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, logits_before)
+
+
+def test_refused_fused_layout_with_halves_the_other_way_round():
+    # Same attribute names as Phi-3, [up | gate] instead of [gate | up].
+    from transformers.models.phi3.modeling_phi3 import Phi3MLP
+
+    class SwappedHalvesMLP(Phi3MLP):
+        def forward(self, x):
+            up, gate = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(up * self.activation_fn(gate))
+
+    torch.manual_seed(0)
+    mlp = SwappedHalvesMLP(_tiny_phi3_config()).to(DEVICE)
+    with pytest.raises(SwapMismatch, match="SwappedHalvesMLP computes something else than TritonGateUpMLP"):
+        check_same_mlp(mlp, TritonGateUpMLP.from_mlp(mlp))
+    holder = torch.nn.Sequential(mlp)
+    with pytest.raises(SwapMismatch):
+        replace_swiglu(holder)
+    assert holder[0] is mlp
+
+
+def test_only_exact_activations_are_taken():
+    # The erf GELU, and HF's GELUTanh built with its Python formula (five ops, each
+    # rounded), are not what the kernel computes: such MLPs are never offered.
+    from transformers.activations import ACT2FN, GELUTanh
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
+
+    mlp = GemmaMLP(_tiny_gemma_config())
+    assert module_activation(mlp) == "gelu_tanh"
+    for act, expected in ((torch.nn.GELU(approximate="tanh"), "gelu_tanh"), (torch.nn.GELU(), None),
+                          (ACT2FN["gelu"], None), (ACT2FN["gelu_new"], None),
+                          (GELUTanh(use_gelu_tanh_python=True), None), (torch.nn.SiLU(), "silu"),
+                          (ACT2FN["silu"], "silu"), (torch.nn.ReLU(), None)):
+        mlp.act_fn = act
+        assert module_activation(mlp) == expected, type(act).__name__
+        assert replace_swiglu(torch.nn.Sequential(mlp)) == (0 if expected is None else 1)
+
+
+def test_check_keeps_the_random_state_and_shared_dropout():
+    # A dropout inside a shared projection (as a LoRA layer's) in training mode:
+    # both modules draw the same mask, so the check passes; and the global random
+    # state is the same before and after the swap.
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(0)
+    mlp = LlamaMLP(_tiny_llama_config()).to(DEVICE).train()
+    mlp.gate_proj = torch.nn.Sequential(torch.nn.Dropout(0.3), mlp.gate_proj)
+    model = torch.nn.Sequential(mlp)
+    state = torch.get_rng_state()
+    assert replace_swiglu(model) == 1
+    assert torch.equal(torch.get_rng_state(), state), "the check must not move the global random state"
+    assert isinstance(model[0], TritonLlamaMLP)
+
+
+def test_meta_device_is_swapped_unchecked():
+    from transformers import LlamaForCausalLM, Phi3ForCausalLM
+
+    with torch.device("meta"):
+        models = [LlamaForCausalLM(_tiny_llama_config()), Phi3ForCausalLM(_tiny_phi3_config())]
+    assert [replace_swiglu(m) for m in models] == [2, 2]
+
+
+def test_check_on_a_device_the_kernels_cannot_run_on(monkeypatch):
+    # CPU modules on a GPU machine (no interpreter): the check runs our module's
+    # formula in PyTorch instead of the kernel, and still refuses what differs.
+    import swiglu_kernel
+
+    monkeypatch.setattr(swiglu_kernel, "INTERPRET", False)
+    monkeypatch.setattr(swiglu_kernel, "gated_activation", None)  # a kernel launch would fail loudly
+    monkeypatch.setattr(swiglu_kernel, "swiglu_down_proj", None)
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
+
+    torch.manual_seed(0)
+    gemma = GemmaMLP(_tiny_gemma_config())
+    check_same_mlp(gemma, TritonLlamaMLP.from_mlp(gemma))
+    doubling = _doubling_mlp_class()(_tiny_llama_config())
+    with pytest.raises(SwapMismatch, match="DoublingMLP computes something else"):
+        check_same_mlp(doubling, TritonLlamaMLP.from_mlp(doubling))
+
+
+def test_check_names_a_forward_that_fails():
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    class NeedsMaskMLP(LlamaMLP):
+        def forward(self, x, mask):
+            return super().forward(x) * mask
+
+    mlp = NeedsMaskMLP(_tiny_llama_config())
+    with pytest.raises(SwapMismatch, match=r"^NeedsMaskMLP cannot be checked against TritonLlamaMLP: its forward "
+                                           r"failed on a \[4, 64\] input \(TypeError: "):
+        replace_swiglu(torch.nn.Sequential(mlp))
+
+
+def test_mlp_from_config_picks_the_activation():
+    from transformers import Gemma2Config
+
+    assert TritonLlamaMLP(_tiny_gemma_config()).activation == "gelu_tanh"  # hidden_act
+    assert TritonLlamaMLP(Gemma2Config(hidden_size=64, intermediate_size=128)).activation == "gelu_tanh"
+    assert TritonGateUpMLP(_tiny_phi3_config()).activation == "silu"
+    assert TritonLlamaMLP(_tiny_llama_config()).activation == "silu"
+
+
+# ---------------------------------------------------------------- torch.compile
+def test_geglu_and_fused_layout_compile_into_one_graph():
+    # The activation and the layout are arguments of the same operators: fullgraph
+    # compiles (no break), and the results equal eager bit for bit (aot_eager runs
+    # the same kernels; on a GPU Inductor compiles the code around them).
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def loss(gate, up, gate_up, w):
+        return ((geglu(gate, up).float() ** 2).sum() + (swiglu(gate_up).float() ** 2).sum()
+                + (swiglu_down_proj(gate_up, None, w, "gelu_tanh").float() ** 2).sum())
+
+    def leaves(rows, seed):
+        g = torch.Generator().manual_seed(seed)
+        return [(torch.randn(shape, generator=g) * scale).to(DEVICE).requires_grad_()
+                for shape, scale in (((rows, 48), 2.0), ((rows, 48), 1.0), ((rows, 96), 2.0), ((24, 48), 0.2))]
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor" if DEVICE.type == "cuda" else "aot_eager")
+    compiled = torch.compile(loss, backend=counter, fullgraph=True)
+    for rows in (5, 9):
+        inputs = leaves(rows, rows)
+        eager = loss(*inputs)
+        grads = torch.autograd.grad(eager, inputs)
+        c_loss = compiled(*inputs)
+        c_grads = torch.autograd.grad(c_loss, inputs)
+        torch.testing.assert_close(c_loss, eager, rtol=0 if DEVICE.type == "cpu" else None,
+                                   atol=0 if DEVICE.type == "cpu" else None)
+        for a, b in zip(c_grads, grads):
+            torch.testing.assert_close(a, b, rtol=0 if DEVICE.type == "cpu" else None,
+                                       atol=0 if DEVICE.type == "cpu" else None)
+    targets = {str(n.target) for gm in counter.graphs for n in gm.graph.nodes}
+    assert {"llama_kernels.swiglu_forward.default", "llama_kernels.swiglu_down_proj_forward.default"} <= targets
+
+
+@pytest.mark.parametrize("case", ["geglu", "fused", "fused geglu backward", "down_proj fused"])
+def test_opcheck_activation_and_layout(case):
+    ops = torch.ops.llama_kernels
+    g, u = torch.randn(5, 48, device=DEVICE, requires_grad=True), torch.randn(5, 48, device=DEVICE, requires_grad=True)
+    gu, w = torch.randn(5, 96, device=DEVICE, requires_grad=True), torch.randn(24, 48, device=DEVICE, requires_grad=True)
+    op, args = {
+        "geglu": (ops.swiglu_forward, (g, u, "gelu_tanh")),
+        "fused": (ops.swiglu_forward, (gu, None, "silu")),
+        "fused geglu backward": (ops.swiglu_backward, (torch.randn(5, 48, device=DEVICE), gu.detach(), None,
+                                                       True, False, "gelu_tanh")),
+        "down_proj fused": (ops.swiglu_down_proj_forward, (gu, None, w, torch.float32, "gelu_tanh")),
+    }[case]
+    torch.library.opcheck(op, args)
 
 
 # ---------------------------------------------------------------- GPU only
@@ -364,7 +788,7 @@ def test_mlp_under_autocast():
 def test_create_graph_is_refused():
     gate, up, _ = make_inputs((3, 41), torch.float32)
     gate.requires_grad_()
-    with pytest.raises(RuntimeError, match="swiglu: create_graph=True"):
+    with pytest.raises(RuntimeError, match="swiglu/geglu: create_graph=True"):
         torch.autograd.grad(swiglu(gate, up).sum(), gate, create_graph=True)
 
 

@@ -86,6 +86,11 @@ def check_no_later_checkpoints(output_dir, start_step):
     """The overwrite rule: a run writes checkpoints after its start step only, so the
     output directory must hold none past it (they would belong to another run, or
     to this run's earlier future)."""
+    for path in glob.glob(os.path.join(output_dir, CHECKPOINT_PREFIX + "*")):
+        suffix = os.path.basename(path)[len(CHECKPOINT_PREFIX):]
+        if suffix.isdigit() and not os.path.isdir(path):
+            raise SystemExit(f"error: --output-dir {output_dir}: {path} is not a checkpoint folder, and a run would "
+                             f"need that name; move it away or choose another --output-dir")
     later = sorted(k for k in existing_checkpoints(output_dir) if k > start_step)
     if later:
         how = f"resumed from step {start_step}" if start_step else "starting from step 0"
@@ -97,6 +102,11 @@ def check_no_later_checkpoints(output_dir, start_step):
 def run_flags(args):
     values = {name: getattr(args, name) for name in RUN_FLAGS}
     values["dataset"] = dataloader.dataset_name(args.dataset)  # the bundled set wherever the repository is
+    if args.dataset and os.path.isfile(args.dataset):
+        # A local file: what counts is its bytes (the same name with other records
+        # is other data), not how its path was spelled.
+        values["dataset"] = dataloader.dataset_name(os.path.realpath(args.dataset))
+        values["dataset_crc32"] = crc32_of(args.dataset)
     return values
 
 
@@ -308,7 +318,7 @@ def latest_complete(folder, flag):
         problem = damage(path)
         if problem is None:
             skipped = f" ({'; '.join(passed)})" if passed else ""
-            flags.note(f"{flag} {folder}: resuming from its latest complete checkpoint, {path}{skipped}")
+            flags.note(f"{flag} {folder}: taking its latest complete checkpoint, {path}{skipped}")
             return path
         passed.append(f"{os.path.basename(path)} skipped: {problem}")
     raise SystemExit(f"error: {flag} {folder}: no complete checkpoint in it ({'; '.join(passed[:3])})")
@@ -332,6 +342,9 @@ def read_checkpoint_state(path, flag="--resume"):
                          f"{CHECKPOINT_PREFIX}K folders of an --output-dir") from None
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: {flag} {path}: cannot read {TRAINER_STATE} ({flags.one_line(e)})") from None
+    if not isinstance(state, dict):
+        raise SystemExit(f"error: {flag} {path}: {TRAINER_STATE} holds a {type(state).__name__}, not a checkpoint's "
+                         f"state")
     if state.get("format") != CHECKPOINT_FORMAT:
         raise SystemExit(f"error: {flag} {path}: checkpoint format {state.get('format')!r}, "
                          f"this code reads {CHECKPOINT_FORMAT}")
@@ -339,6 +352,11 @@ def read_checkpoint_state(path, flag="--resume"):
     if problem:
         raise SystemExit(f"error: {flag} {path}: {problem}; resume from another checkpoint (given the run's "
                          f"folder, --resume takes its latest complete one)")
+    expected = {"step": int, "flags": dict, "model_config": dict, "history": dict, "model_name": str}
+    wrong = [key for key, kind in expected.items() if not isinstance(state.get(key), kind)]
+    if wrong:
+        raise SystemExit(f"error: {flag} {path}: {TRAINER_STATE} lacks {', '.join(wrong)} (or holds another type): "
+                         f"not a checkpoint this code wrote")
     state["path"] = path
     return state
 

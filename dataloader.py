@@ -227,6 +227,12 @@ def instruction_record(row, number, flag):
     for name, value in (("instruction", instruction), ("context", context), ("response", response)):
         if value is not None and not isinstance(value, str):
             raise SystemExit(f"error: {flag}: record {number}: {name} is a {type(value).__name__}, expected text")
+        if value is not None and not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate (JSON "\ud800"): no tokenizer can encode it
+                raise SystemExit(f"error: {flag}: record {number}: {name} is not valid Unicode text "
+                                 f"(an unpaired surrogate)") from None
     if not instruction.strip():
         raise SystemExit(f"error: {flag}: record {number} has an empty instruction")
     if not response.strip():
@@ -302,9 +308,14 @@ def refuse_empty(tokenizer, model_id):
     """``tokenizer``, refused if it turns text into no tokens. transformers builds such
     an empty tokenizer from a folder that has a config but no tokenizer files; a run
     with it would train on nothing (loss NaN or 0) and still exit 0."""
-    if not tokenizer.encode("Hello, world.", add_special_tokens=False):
+    ids = tokenizer.encode("Hello, world.", add_special_tokens=False)
+    if not ids:
         raise SystemExit(f"error: the tokenizer of {model_id} turns text into no tokens (are its tokenizer "
                          f"files missing?)")
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    if unknown is not None and all(i == unknown for i in ids):
+        raise SystemExit(f"error: the tokenizer of {model_id} turns plain English into its unknown token only "
+                         f"(is it the model's own tokenizer?)")
     return tokenizer
 
 

@@ -157,13 +157,16 @@ def check_flce_head(model):
     head = model.get_output_embeddings()
     if head is None or not isinstance(head, torch.nn.Linear) or head.bias is not None:
         raise SystemExit(
-            f"error: --use-custom-flce needs an LM head that is a plain bias-free Linear "
-            f"({type(model).__name__} has {type(head).__name__}); run with --no-use-custom-flce"
+            f"error: --use-custom-flce needs an LM head that is a plain bias-free torch.nn.Linear "
+            f"({type(model).__name__} has {type(head).__module__}.{type(head).__name__}); run with "
+            f"--no-use-custom-flce"
         )
     # Any other transform of the logits (a config attribute this code does not know)
     # shows on a 3-token input: the model's own logits must be the fused loss's.
     if any(p.is_meta for p in model.parameters()):
         return
+    was_training = model.training
+    model.eval()  # no dropout: the two forwards differ only by what follows the LM head
     with torch.no_grad():
         ids = torch.tensor([[1, 2, 3]], device=head.weight.device) % model.config.vocab_size
         theirs = model(input_ids=ids).logits.float()
@@ -172,6 +175,7 @@ def check_flce_head(model):
         cap = getattr(model.config, "final_logit_softcapping", None)
         if cap:
             ours = cap * torch.tanh(ours / cap)
+    model.train(was_training)
     rounding = 1e-4 if head.weight.dtype == torch.float32 else 2**-6  # one rounding of the logits, and margin
     if not torch.allclose(ours, theirs, rtol=rounding, atol=rounding * theirs.abs().max().item()):
         raise SystemExit(f"error: --use-custom-flce: {type(model).__name__} transforms its logits after the LM head "
@@ -213,7 +217,8 @@ def apply_kernels(model, kernels):
         count = refuse_mismatch("rmsnorm", replace_rmsnorm, model)
         if count == 0:
             raise nothing_found("rmsnorm", "RMSNorm modules to replace", model,
-                                "it looks for modules named *RMSNorm with weight and variance_epsilon")
+                                "it looks for modules named *RMSNorm with a weight and variance_epsilon (LLaMA) "
+                                "or eps (Gemma)")
         print(f"Custom rmsnorm: replaced {count} RMSNorm modules with TritonRMSNorm")
         active.append("rmsnorm")
 

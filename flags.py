@@ -195,10 +195,11 @@ def write_json_atomic(path, doc):
     """Write ``doc`` (a dict) as strict JSON to a temporary file beside ``path``, then
     rename it: a reader (or a crash) never sees half a file, and an older file at
     ``path`` stays whole until the new one is complete. The file's first key is
-    this project's mark (WRITTEN_BY), so that a later run may replace it."""
-    tmp = f"{path}.tmp"
+    this project's mark (WRITTEN_BY), so that a later run may replace it. The
+    temporary file's name is new (mkstemp): no file of the user's is replaced by it."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".", suffix=".json.tmp")
     try:
-        with open(tmp, "w") as f:
+        with os.fdopen(fd, "w") as f:
             json.dump(strict_json({WRITTEN_BY: PROJECT, **doc}), f, indent=2, allow_nan=False)
             f.write("\n")
         os.replace(tmp, path)
@@ -416,7 +417,27 @@ def resolve_defaults(args):
         args.warmup_steps = 2 if on_gpu else CPU_WARMUP_STEPS
     if getattr(args, "lr_warmup_steps", 0) is None:
         args.lr_warmup_steps = round(LR_WARMUP_FRACTION * (args.warmup_steps + args.steps))
+    note_idle_flags(args)
     return args
+
+
+def note_idle_flags(args):
+    """Say which flags change nothing in this run (a typo or a forgotten switch would
+    otherwise pass unseen)."""
+    total = getattr(args, "warmup_steps", 0) + getattr(args, "steps", 0)
+    for flag in ("eval_every", "save_every"):
+        every = getattr(args, flag, None)
+        if every and total and every > total:
+            note(f"--{flag.replace('_', '-')} {every} is beyond the run's {total} steps: it never happens")
+    if total and getattr(args, "lr_warmup_steps", 0) and args.lr_warmup_steps > total:
+        note(f"--lr-warmup-steps {args.lr_warmup_steps} spans the whole run of {total} steps: the learning rate "
+             f"never reaches --lr {args.lr:g}")
+    lora_defaults = {"lora_r": 16, "lora_alpha": 32.0, "lora_dropout": 0.0, "lora_targets": list(LORA_TARGETS)}
+    changed = [k for k, v in lora_defaults.items() if hasattr(args, k) and getattr(args, k) != v]
+    if changed and not getattr(args, "lora", False):
+        note(f"{', '.join('--' + k.replace('_', '-') for k in changed)} without --lora: no adapters, nothing changes")
+    if getattr(args, "compile_mode", "default") != "default" and not getattr(args, "compile", False):
+        note(f"--compile-mode {args.compile_mode} without --compile changes nothing")
 
 
 def differences(then, now, limit=4):
@@ -551,6 +572,12 @@ def check_output_flags(args):
     if args.output_dir:
         args.output_dir = check_output_path(args.output_dir, "--output-dir", directory=True,
                                             inputs=input_paths(args))
+        if getattr(args, "json", None) and os.path.realpath(args.json) == os.path.realpath(args.output_dir):
+            raise SystemExit(f"error: --json {args.json} is the --output-dir: choose a file beside it")
+        curve = os.path.join(args.output_dir, LOSS_CURVE)
+        if os.path.exists(curve) and not written_here(curve):
+            raise SystemExit(f"error: --output-dir {args.output_dir}: its {LOSS_CURVE} was not written by this "
+                             f"project and a run would replace it; remove it or choose another --output-dir")
 
 
 # --------------------------------------------------------------------------------

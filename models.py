@@ -234,6 +234,10 @@ def check_causal_lm(config, model_id):
     if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or getattr(config, "is_encoder_decoder", False):
         raise SystemExit(f"error: --model {model_id}: a {kind} model is not a causal decoder (transformers has no "
                          f"causal-LM class for it); only decoder language models are fine-tuned here")
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int) and vocab < 2:
+        raise SystemExit(f"error: --model {model_id}: a vocabulary of {vocab} token has nothing to predict "
+                         f"(the loss is 0 whatever the weights)")
 
 
 @torch.no_grad()
@@ -254,6 +258,11 @@ def check_causal(model, model_id):
         later[0, 2] = (ids[0, 2] + 1) % model.config.vocab_size
         before = model(input_ids=ids).logits[0, :2].float()
         after = model(input_ids=later).logits[0, :2].float()
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:
+        if flags.is_out_of_memory(e):
+            raise
+        raise SystemExit(f"error: --model {model_id}: the model does not run a forward pass of 3 tokens "
+                         f"({flags.one_line(e)}); is its config consistent?") from None
     finally:
         model.train(was_training)
     if not torch.allclose(before, after, rtol=1e-3, atol=1e-3 * before.abs().max().item()):

@@ -15,6 +15,34 @@ Note the order: the normalized value is rounded to the input dtype *before* the
 weight multiplies it. We reproduce exactly that, so a model patched with this
 kernel computes the same numbers as the unpatched one.
 
+The Gemma variant
+-----------------
+Gemma (``GemmaRMSNorm``, ``Gemma2RMSNorm``, ``Gemma3RMSNorm``) names the same
+operation differently and computes two things differently::
+
+    h = x.float()
+    h = h * rsqrt(mean(h ** 2) + eps)        # the same statistics
+    y = (h * (1.0 + weight.float())).to(x.dtype)   # offset weight, float32 product, cast last
+
+* The weight is stored as an *offset from 1* (initialized to zeros): the scale
+  is ``1 + w``. A checkpoint's Gemma weights near 0 mean "scale near 1"; feeding
+  them to LLaMA's formula would multiply every activation by almost nothing.
+* The product is taken in float32 and rounded once, to x's dtype, at the very
+  end (LLaMA rounds x_hat first and then again after the multiply). Keeping the
+  float32 product is what makes our output round exactly where HF's does.
+
+Both are compile-time flags of the same kernels (``W_OFFSET`` 1.0 vs 0.0 and
+``CAST_FIRST``): an ``if`` on a constexpr decides which code is generated, so
+neither variant pays for the other. (Gemma-3n and Gemma-4 keep the float32
+product but store the weight as is: offset 0.0, cast last.) The byte accounting
+below is unchanged: the offset is one add per weight element, in registers,
+once per program; x is read once and y written once, as for LLaMA. Backward
+uses the scale ``1 + w`` for dx; dw's formula does not contain w at all.
+
+Before a module is swapped, ``replace_rmsnorm`` runs the HF module and ours on
+the same random input and refuses (``kernel_common.SwapMismatch``) a module that
+computes anything else: families reuse the name ``*RMSNorm`` for other formulas.
+
 Why a custom kernel
 -------------------
 RMSNorm does almost no arithmetic (a few FLOPs per element) but touches every
@@ -60,6 +88,7 @@ benchmark_kernels.py for the measurements.
 """
 
 import functools
+import math
 
 import torch
 import torch.nn as nn
@@ -67,6 +96,7 @@ import torch.nn as nn
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
     SUPPORTED_DTYPES,
+    SwapMismatch,
     as_rows,
     cast_to,
     cdiv,
@@ -82,6 +112,7 @@ from kernel_common import (
 
 import triton
 import triton.language as tl
+from torch.func import functional_call
 
 # The largest hidden size one program handles with the whole row in registers.
 # LLaMA models use 2,048 - 16,384; beyond this limit we refuse clearly instead of
@@ -94,14 +125,23 @@ MAX_HIDDEN_SIZE = 65536
 # Tests compare against it (and against its float64 version), the benchmark times
 # it as "PyTorch eager" and compiles it for the torch.compile peer.
 # --------------------------------------------------------------------------------
-def rmsnorm_reference(x, weight, eps=1e-6, compute_dtype=torch.float32):
-    """HF ``LlamaRMSNorm.forward``; ``compute_dtype=torch.float64`` gives the truth."""
+def rmsnorm_reference(x, weight, eps=1e-6, compute_dtype=torch.float32, weight_offset=0.0, cast_first=True):
+    """HF ``LlamaRMSNorm.forward``; ``compute_dtype=torch.float64`` gives the truth.
+
+    ``weight_offset=1.0, cast_first=False`` is HF ``GemmaRMSNorm.forward``: the
+    scale is ``1 + weight``, multiplied in float32, the result cast to x's dtype.
+    """
     input_dtype = x.dtype
     h = x.to(compute_dtype)
     variance = h.pow(2).mean(-1, keepdim=True)
     h = h * torch.rsqrt(variance + eps)
     if compute_dtype == torch.float64:
-        return weight.to(torch.float64) * h
+        return (weight.to(torch.float64) + weight_offset) * h
+    if not cast_first:  # Gemma
+        return (h * (weight_offset + weight.float())).to(input_dtype)
+    if weight_offset:  # no HF module does this; the kernel's order: scale in float32, one rounding
+        out_dtype = torch.promote_types(input_dtype, weight.dtype)
+        return ((weight.float() + weight_offset) * h.to(input_dtype)).to(out_dtype)
     return weight * h.to(input_dtype)
 
 
@@ -121,6 +161,8 @@ def _rmsnorm_fwd_kernel(
     eps,
     BLOCK_N: tl.constexpr,  # power of two >= n_cols: one row fits in one block
     ROWS: tl.constexpr,  # rows per program (> 1 only for short rows)
+    W_OFFSET: tl.constexpr = 0.0,  # the scale is W + W_OFFSET: 0.0 for LLaMA, 1.0 for Gemma
+    CAST_FIRST: tl.constexpr = True,  # LLaMA: round x_hat to X's dtype before scaling; Gemma: no
 ):
     # Each program normalizes ROWS consecutive rows. For LLaMA (H = 4096) ROWS is 1:
     # one row is 8 KB of bf16, enough work for 8 warps. For short rows we give one
@@ -139,6 +181,8 @@ def _rmsnorm_fwd_kernel(
     # Load in the input dtype, compute in float32 (as HF does with x.float()).
     x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if W_OFFSET != 0.0:
+        w = w + W_OFFSET  # Gemma: 1.0 + weight.float(), in float32 as HF adds it
 
     # mean(x^2) over the real columns: masked entries were loaded as 0 and add
     # nothing, so we divide by n_cols, not BLOCK_N.
@@ -148,10 +192,14 @@ def _rmsnorm_fwd_kernel(
     # PyTorch's own error (the approximate pair costs up to ~3 ulp).
     rstd = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
 
-    # HF semantics: round the normalized value to the input dtype, then multiply
+    # LLaMA semantics: round the normalized value to the input dtype, then multiply
     # by the weight. The product is computed in float32 and rounded once when it
     # is stored, exactly what PyTorch's bf16 * bf16 multiply does.
-    x_hat = cast_to(x * rstd[:, None], X.dtype.element_ty).to(tl.float32)
+    # Gemma semantics: no rounding of x_hat; the float32 product is rounded once,
+    # to X's dtype (Y has it), when it is stored.
+    x_hat = x * rstd[:, None]
+    if CAST_FIRST:
+        x_hat = cast_to(x_hat, X.dtype.element_ty).to(tl.float32)
     y = x_hat * w[None, :]
     tl.store(Y + rows64[:, None] * n_cols + cols[None, :], cast_to(y, Y.dtype.element_ty), mask=mask)
     tl.store(RSTD + rows64, rstd, mask=row_mask)
@@ -164,15 +212,18 @@ def _rmsnorm_fwd_kernel(
 # which has no derivative):
 #
 #   r     = rstd = (mean(x^2) + eps)^(-1/2)
-#   x_hat = x * r,     y = w * x_hat
-#   g     = dy * w                              (gradient reaching x_hat)
+#   s     = w + o                               (o = W_OFFSET: 0 for LLaMA, 1 for Gemma)
+#   x_hat = x * r,     y = s * x_hat
+#   g     = dy * s                              (gradient reaching x_hat)
 #   dr/dx_j = -r^3 * x_j / H
 #   dx_i  = g_i * r + sum_j g_j * x_j * dr/dx_i
 #         = r * (g_i - x_hat_i * mean_j(g_j * x_hat_j))
-#   dw    = sum over rows of dy * x_hat
+#   dw    = sum over rows of dy * x_hat         (ds/dw = 1: the offset drops out)
 #
-# So backward needs x, dy, w and the saved rstd: no float32 copy of x_hat is kept
-# between forward and backward.
+# So the offset changes only the scale that dx sees, (1 + w) for Gemma, and the
+# order of the casts (which have no derivative) changes nothing. Backward needs
+# x, dy, w and the saved rstd: no float32 copy of x_hat is kept between forward
+# and backward.
 @fast_launch
 @triton.jit
 def _rmsnorm_bwd_kernel(
@@ -191,6 +242,7 @@ def _rmsnorm_bwd_kernel(
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
+    W_OFFSET: tl.constexpr = 0.0,  # as in the forward: the scale is W + W_OFFSET
 ):
     # A *persistent* grid: a fixed number of programs (a few per SM) each walk over
     # many row blocks, pid, pid + num_programs, ... Keeping the program alive lets
@@ -200,6 +252,8 @@ def _rmsnorm_bwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if W_OFFSET != 0.0:
+        w = w + W_OFFSET  # dx sees the scale 1 + w; dw's formula has no w in it
     dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
 
     # Row blocks pid, pid + num_programs, ... The trip count is the same for every
@@ -282,7 +336,7 @@ def _launch_config(n_cols):
 BWD_PROGRAMS_PER_SM = 2
 
 
-def _check_inputs(x, weight, eps):
+def _check_inputs(x, weight, eps, weight_offset=0.0):
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError("rmsnorm expects tensors for x and weight")
     if x.dtype not in SUPPORTED_DTYPES:
@@ -302,18 +356,32 @@ def _check_inputs(x, weight, eps):
         raise ValueError("rmsnorm: hidden size must be at least 1")
     if not eps >= 0:
         raise ValueError(f"rmsnorm: eps must be >= 0, got {eps}")
+    if not math.isfinite(weight_offset):
+        raise ValueError(f"rmsnorm: weight_offset must be a finite number (1.0 for Gemma), got {weight_offset}")
     check_kernel_device(x, weight)
 
 
-def _rmsnorm_forward_fake(x, weight, eps):
+def _output_dtype(x, weight, cast_first):
+    """LLaMA: ``weight * h.to(input_dtype)`` follows PyTorch type promotion; Gemma
+    casts its float32 product to x's dtype (``type_as(x)``)."""
+    if not cast_first or weight.dtype == x.dtype:
+        return x.dtype
+    return torch.promote_types(x.dtype, weight.dtype)
+
+
+def _rmsnorm_forward_fake(x, weight, eps, weight_offset=0.0, cast_first=True):
     n_rows = x.numel() // x.shape[-1]
-    return (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)),
+    return (x.new_empty(x.shape, dtype=_output_dtype(x, weight, cast_first)),
             x.new_empty((n_rows,), dtype=torch.float32))
 
 
 @kernel_op("rmsnorm_forward", fake=_rmsnorm_forward_fake)
-def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel. Returns (y, rstd); y has x's shape."""
+def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0,
+                    cast_first: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel. Returns (y, rstd); y has x's shape.
+
+    ``weight_offset=1.0, cast_first=False``: Gemma's formula (see the docstring).
+    """
     n_cols = x.shape[-1]
     x2 = as_rows(x, n_cols)
     # The kernels index the weight as a contiguous [H] vector. A view such as
@@ -321,8 +389,7 @@ def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[
     # nothing next to [rows, H], and is a no-op for the usual Parameter.
     weight = weight.contiguous()
     n_rows = x2.shape[0]
-    # HF: weight * h.to(input_dtype) follows PyTorch type promotion.
-    out_dtype = x.dtype if weight.dtype == x.dtype else torch.promote_types(x.dtype, weight.dtype)
+    out_dtype = _output_dtype(x, weight, cast_first)
     # y is contiguous in x's shape, i.e. rows n_cols apart, as the kernel writes it.
     # (empty_like costs a third of the host time of torch.empty(shape, ...).)
     y = torch.empty_like(x, dtype=out_dtype, memory_format=torch.contiguous_format)
@@ -331,18 +398,18 @@ def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[
         block_n, rows, num_warps = _launch_config(n_cols)
         _rmsnorm_fwd_kernel[(cdiv(n_rows, rows),)](
             x2, weight, y, rstd, x2.stride(0), n_rows, n_cols, eps,
-            BLOCK_N=block_n, ROWS=rows, num_warps=num_warps,
+            BLOCK_N=block_n, ROWS=rows, W_OFFSET=weight_offset, CAST_FIRST=cast_first, num_warps=num_warps,
         )
     return y, rstd
 
 
-def _rmsnorm_backward_fake(dy, x, weight, rstd, compute_dw):
+def _rmsnorm_backward_fake(dy, x, weight, rstd, compute_dw, weight_offset=0.0):
     return x.new_empty(x.shape), (weight.new_empty(weight.shape[0]) if compute_dw else nothing(weight))
 
 
 @kernel_op("rmsnorm_backward", fake=_rmsnorm_backward_fake)
 def rmsnorm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                     compute_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                     compute_dw: bool, weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the backward kernels. Returns (dx, dw); dw is empty if not asked for."""
     n_cols = x.shape[-1]
     x2 = as_rows(x, n_cols)
@@ -363,7 +430,7 @@ def rmsnorm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rs
         _rmsnorm_bwd_kernel[(n_programs,)](
             dy2, x2, weight, rstd, dx, dw_partial,
             dy2.stride(0), x2.stride(0), n_rows, n_cols, n_programs, cdiv(n_blocks, n_programs),
-            BLOCK_N=block_n, ROWS=rows, COMPUTE_DW=compute_dw,
+            BLOCK_N=block_n, ROWS=rows, COMPUTE_DW=compute_dw, W_OFFSET=weight_offset,
             num_warps=num_warps,
         )
     if compute_dw:
@@ -382,26 +449,29 @@ def rmsnorm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rs
 # Autograd function: connects the kernels to PyTorch's automatic differentiation
 # --------------------------------------------------------------------------------
 def _save_for_backward(ctx, inputs, output):
-    x, weight, _ = inputs
+    x, weight, _, weight_offset, _ = inputs
     _, rstd = output
     # Save the inputs (already alive in the autograd graph) and 4 bytes per row.
     ctx.save_for_backward(x, weight, rstd)
+    ctx.weight_offset = weight_offset  # the cast order has no derivative: not needed
 
 
 def _backward(ctx, dy, *_):
     x, weight, rstd = ctx.saved_tensors
     need_dw = ctx.needs_input_grad[1]
-    dx, dw = rmsnorm_backward(dy, x, weight, rstd, need_dw)
-    return dx, (dw if need_dw else None), None
+    # LLaMA's call is the 5-argument one it always was; only Gemma passes its offset.
+    offset = (ctx.weight_offset,) if ctx.weight_offset != 0.0 else ()
+    dx, dw = rmsnorm_backward(dy, x, weight, rstd, need_dw, *offset)
+    return dx, (dw if need_dw else None), None, None, None
 
 
 class TritonRMSNormFunction(torch.autograd.Function):
     # The classic form (forward with ctx, one output): in eager mode it costs less
     # host time per call than forward + setup_context with rstd as an output.
     @staticmethod
-    def forward(ctx, x, weight, eps):
-        y, rstd = rmsnorm_forward(x, weight, eps)
-        _save_for_backward(ctx, (x, weight, eps), (y, rstd))
+    def forward(ctx, x, weight, eps, weight_offset, cast_first):
+        y, rstd = rmsnorm_forward(x, weight, eps, weight_offset, cast_first)
+        _save_for_backward(ctx, (x, weight, eps, weight_offset, cast_first), (y, rstd))
         return y
 
     @staticmethod
@@ -415,58 +485,196 @@ class TritonRMSNormFunction(torch.autograd.Function):
 rmsnorm_forward.op.register_autograd(first_order_only("rmsnorm")(_backward), setup_context=_save_for_backward)
 
 
-def rmsnorm(x, weight, eps=1e-6):
-    """Fused RMSNorm with HF ``LlamaRMSNorm`` semantics; differentiable in x and weight."""
-    _check_inputs(x, weight, eps)
+def rmsnorm(x, weight, eps=1e-6, weight_offset=0.0, cast_first=True):
+    """Fused RMSNorm with HF ``LlamaRMSNorm`` semantics; differentiable in x and weight.
+
+    ``weight_offset=1.0, cast_first=False`` gives HF ``GemmaRMSNorm``'s instead:
+    the scale is ``1 + weight``, the product float32, cast to x's dtype last.
+    """
+    _check_inputs(x, weight, eps, weight_offset)
+    args = (x, weight, float(eps), float(weight_offset), bool(cast_first))
     if torch.compiler.is_compiling():
-        return rmsnorm_forward.op(x, weight, float(eps))[0]  # one node of the compiled graph
-    return TritonRMSNormFunction.apply(x, weight, float(eps))  # eager: no dispatcher
+        return rmsnorm_forward.op(*args)[0]  # one node of the compiled graph
+    return TritonRMSNormFunction.apply(*args)  # eager: no dispatcher
 
 
 # --------------------------------------------------------------------------------
 # Drop-in module and model patching
 # --------------------------------------------------------------------------------
-class TritonRMSNorm(nn.Module):
-    """Drop-in replacement for HF ``LlamaRMSNorm`` (same ``weight``, ``variance_epsilon``)."""
+# The formulas of HF's RMSNorm modules, as (weight_offset, cast_first):
+LLAMA = (0.0, True)  # LlamaRMSNorm and its copies: weight * h.to(x.dtype)
+GEMMA = (1.0, False)  # GemmaRMSNorm, Gemma2RMSNorm, Gemma3RMSNorm: (h * (1 + weight)).to(x.dtype)
+SCALE_LAST = (0.0, False)  # Gemma3nRMSNorm, Gemma4RMSNorm: (h * weight).to(x.dtype), weight stored as is
 
-    def __init__(self, hidden_size, eps=1e-6):
+
+class TritonRMSNorm(nn.Module):
+    """Drop-in replacement for HF ``LlamaRMSNorm`` (same ``weight``, ``variance_epsilon``)
+    and, with ``weight_offset=1.0, cast_first=False``, for ``GemmaRMSNorm`` (whose
+    epsilon is called ``eps``: here both names read and set the same value)."""
+
+    def __init__(self, hidden_size, eps=1e-6, weight_offset=0.0, cast_first=True):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        # The identity scale: ones for LLaMA, zeros for Gemma (1 + 0), as HF initializes them.
+        self.weight = nn.Parameter(torch.full((hidden_size,), 1.0 - weight_offset))
         self.variance_epsilon = eps
+        self.weight_offset = float(weight_offset)
+        self.cast_first = bool(cast_first)
 
     @classmethod
-    def from_llama_rmsnorm(cls, module):
-        """Wrap an existing RMSNorm, sharing its Parameter object and epsilon.
+    def from_hf_rmsnorm(cls, module, weight_offset=None, cast_first=None):
+        """Wrap an existing HF RMSNorm, sharing its Parameter object and epsilon.
 
         Sharing (not copying) the Parameter keeps optimizer state, weight tying and
         anything else that holds a reference to it pointing at the live weight.
+        The formula is the one ``rmsnorm_formula(module)`` reads from the module's
+        attributes, unless given.
         """
+        if weight_offset is None or cast_first is None:
+            formula = rmsnorm_formula(module)
+            if formula is None:
+                raise TypeError(f"{type(module).__name__} is not an RMSNorm module this kernel knows")
+            weight_offset, cast_first = formula
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.weight = module.weight
-        new.variance_epsilon = module.variance_epsilon
+        new.variance_epsilon = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
+        new.weight_offset = float(weight_offset)
+        new.cast_first = bool(cast_first)
         return new
 
+    @classmethod
+    def from_llama_rmsnorm(cls, module):
+        """Wrap an HF ``LlamaRMSNorm`` (or a copy of it), sharing its Parameter."""
+        return cls.from_hf_rmsnorm(module, *LLAMA)
+
+    @classmethod
+    def from_gemma_rmsnorm(cls, module):
+        """Wrap an HF ``GemmaRMSNorm`` (Gemma2, Gemma3, ...), sharing its Parameter."""
+        return cls.from_hf_rmsnorm(module, *GEMMA)
+
+    @property
+    def eps(self):  # Gemma's name for it
+        return self.variance_epsilon
+
+    @eps.setter
+    def eps(self, value):
+        self.variance_epsilon = value
+
     def forward(self, hidden_states):
-        return rmsnorm(hidden_states, self.weight, self.variance_epsilon)
+        return rmsnorm(hidden_states, self.weight, self.variance_epsilon, self.weight_offset, self.cast_first)
 
     def extra_repr(self):
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+        formula = "" if (self.weight_offset, self.cast_first) == LLAMA else (
+            f", weight_offset={self.weight_offset}, cast_first={self.cast_first}")
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}{formula}"
+
+
+def rmsnorm_formula(module):
+    """The formula an HF RMSNorm module computes, told by its class name and
+    attributes, or None when it is not one we swap.
+
+    ``variance_epsilon``: LLaMA's (LlamaRMSNorm and the families that copy it);
+    ``eps``: Gemma's (GemmaRMSNorm, Gemma2RMSNorm, Gemma3RMSNorm, Qwen3NextRMSNorm,
+    ...), or with ``with_scale`` Gemma3n's and Gemma4's, whose weight is not an
+    offset. A name and attributes are a guess: check_same_rmsnorm proves it
+    before anything is swapped.
+    """
+    if (not type(module).__name__.endswith("RMSNorm") or isinstance(module, TritonRMSNorm)
+            or not isinstance(getattr(module, "weight", None), torch.Tensor)):
+        return None
+    if hasattr(module, "variance_epsilon"):
+        return LLAMA
+    if hasattr(module, "eps"):
+        return SCALE_LAST if hasattr(module, "with_scale") else GEMMA
+    return None
 
 
 def _is_rmsnorm(module):
-    return (
-        type(module).__name__.endswith("RMSNorm")
-        and not isinstance(module, TritonRMSNorm)
-        and isinstance(getattr(module, "weight", None), torch.Tensor)
-        and hasattr(module, "variance_epsilon")
-    )
+    return rmsnorm_formula(module) is not None
+
+
+# --------------------------------------------------------------------------------
+# Checking the swap: the HF module and ours must compute the same numbers
+# --------------------------------------------------------------------------------
+# Families reuse the name *RMSNorm for different formulas (an offset weight,
+# another cast order, the epsilon inside or outside the root), and a tiny random
+# model trains almost alike either way. So before the swap, once per module
+# class, the HF module and ours run on the same random input with the same
+# random weight (a copy handed to both through functional_call: the model's
+# weight is neither read nor changed), in float32 and in the module's dtype.
+# Rows of very different sizes: in the smallest, mean(x^2) is about eps, so the
+# way eps enters shows.
+#
+# Tolerances. float32: a few units in the last place apart (rsqrt and the mean
+# are rounded differently), so 1e-5 relative is tight. bf16/fp16: the same
+# float32 values, rounded at the same places, land on the same output except
+# where a last-bit difference straddles a rounding boundary: rare, and then one
+# unit of the output dtype apart (two where LLaMA rounds twice). Another order of the roundings (LLaMA's cast
+# first vs a float32 product cast last) also stays within one unit, but changes
+# about a quarter of the values: that is what the "rarely" catches.
+_CHECK_ROW_SCALES = (1e-3, 0.5, 2.0, 8.0)
+_CHECK_MIN_VALUES = 256  # rows enough to see a rounding that differs in a few percent of values
+_CHECK_DIFFERING_AT_MOST = 1 / 32  # of the values, in bf16/fp16
+
+
+@torch.no_grad()
+def check_same_rmsnorm(original, new):
+    """Raise kernel_common.SwapMismatch unless module ``new`` computes what ``original`` does.
+
+    ``replace_rmsnorm`` hands it to ``swap_modules``, which calls it once per module
+    class before anything is swapped. A module on the meta device (a model built
+    for --fsdp before its weights exist) cannot be run: it is not checked.
+    """
+    name = type(original).__name__
+    weight = original.weight
+    if any(t.is_meta for t in (*original.parameters(), *original.buffers())):
+        return
+    width = weight.shape[-1]
+    rows = max(len(_CHECK_ROW_SCALES), cdiv(_CHECK_MIN_VALUES, width))
+    gen = torch.Generator().manual_seed(0)  # its own generator: the global RNG stream is left as it was
+    scales = torch.tensor(_CHECK_ROW_SCALES).repeat(cdiv(rows, len(_CHECK_ROW_SCALES)))[:rows, None]
+    x = torch.randn(rows, width, generator=gen) * scales
+    w = 0.2 + 0.5 * torch.randn(width, generator=gen)  # not ones, not zeros: every column scaled differently
+    for dtype in dict.fromkeys((torch.float32, weight.dtype)):
+        params = {"weight": w.to(weight.device, dtype)}
+        xd = x.to(weight.device, dtype)
+        where = f"a random {str(dtype).removeprefix('torch.')} input"
+        try:
+            theirs = functional_call(original, params, (xd,))
+        except Exception as e:  # noqa: BLE001 - any failure: not a module we can stand in for
+            raise SwapMismatch(f"{name} does not run as an RMSNorm on {where} of shape {tuple(xd.shape)} "
+                               f"({type(e).__name__})") from None
+        try:
+            ours = functional_call(new, params, (xd,))
+        except (TypeError, ValueError, RuntimeError) as e:  # what the launcher's input checks raise
+            raise SwapMismatch(f"{type(new).__name__} cannot stand in for {name}: {e}") from None
+        if not isinstance(theirs, torch.Tensor) or theirs.dtype != ours.dtype or theirs.shape != ours.shape:
+            got = f"{theirs.dtype} {tuple(theirs.shape)}" if isinstance(theirs, torch.Tensor) else type(theirs).__name__
+            raise SwapMismatch(f"{name} returns {got} on {where} where {type(new).__name__} returns "
+                               f"{ours.dtype} {tuple(ours.shape)}")
+        a, b = ours.double(), theirs.double()
+        diff = (a - b).abs()
+        if dtype == torch.float32:
+            same = bool((diff <= 1e-5 * b.abs() + 1e-6).all())
+            differing = ""
+        else:
+            unit = torch.finfo(dtype).eps  # one unit in the last place, relative
+            fraction = (a != b).double().mean().item()
+            same = bool((diff <= 2 * unit * b.abs() + torch.finfo(dtype).tiny).all()) \
+                and fraction <= _CHECK_DIFFERING_AT_MOST
+            differing = f" in {fraction:.0%} of the values"
+        if not same:
+            raise SwapMismatch(f"{name} computes something else than {type(new).__name__} "
+                               f"(max difference {diff.max().item():.2g}{differing} on {where})")
 
 
 def replace_rmsnorm(model):
     """Replace every HF RMSNorm in ``model`` with ``TritonRMSNorm``; return the count.
 
-    Modules are found by type name (``LlamaRMSNorm``, ``MistralRMSNorm``, ...) with a
-    ``weight`` and a ``variance_epsilon``.
+    Modules are found by type name (``LlamaRMSNorm``, ``MistralRMSNorm``,
+    ``GemmaRMSNorm``, ...) with a ``weight`` and a ``variance_epsilon`` (LLaMA's
+    formula) or an ``eps`` (Gemma's), see rmsnorm_formula. Each module class is
+    run against ours first (check_same_rmsnorm): one that computes anything else
+    raises kernel_common.SwapMismatch, and then nothing in the model is swapped.
     """
-    return swap_modules(model, _is_rmsnorm, TritonRMSNorm.from_llama_rmsnorm)
+    return swap_modules(model, _is_rmsnorm, TritonRMSNorm.from_hf_rmsnorm, check=check_same_rmsnorm)

@@ -617,7 +617,7 @@ def test_resume_from_the_run_folder_takes_the_latest_complete_checkpoint(tmp_pat
     with pytest.raises(SystemExit) as e:  # checkpoint-3 is damaged and may not be overwritten either
         finetune_baseline.main(argv + ["--resume", str(tmp_path / "run")])
     out = capsys.readouterr().out
-    assert (f"--resume {tmp_path / 'run'}: resuming from its latest complete checkpoint, "
+    assert (f"--resume {tmp_path / 'run'}: taking its latest complete checkpoint, "
             f"{tmp_path / 'run' / 'checkpoint-2'} (checkpoint-3 skipped: optimizer.pt is damaged") in out
     assert "already holds checkpoint-3, which a run resumed from step 2 would overwrite" in str(e.value.code)
     shutil.rmtree(tmp_path / "run" / "checkpoint-3")

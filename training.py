@@ -35,6 +35,7 @@ import os
 import resource
 import signal
 import sys
+import tempfile
 import threading
 import time
 
@@ -688,7 +689,8 @@ def plot_loss_curve(path, history):
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, metadata=flags.PNG_METADATA)  # the mark: a later run may replace it
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".", suffix=".png")  # a new name, never a user's
+    with os.fdopen(fd, "wb") as f:
+        fig.savefig(f, format="png", metadata=flags.PNG_METADATA)  # the mark: a later run may replace it
     os.replace(tmp, path)
     return path

@@ -58,8 +58,8 @@ def check_sharded(state):
                      f"already is save_pretrained's output ({what}); load it with from_pretrained as it is")
 
 
-def check_out_dir(path):
-    path = flags.check_output_path(path, OUT, directory=True)
+def check_out_dir(path, checkpoint):
+    path = flags.check_output_path(path, OUT, directory=True, inputs=[(CHECKPOINT, os.path.realpath(checkpoint))])
     if os.path.isdir(path) and os.listdir(path):
         raise SystemExit(f"error: {OUT} {path}: exists and is not empty; name a new folder")
     return path
@@ -84,7 +84,7 @@ def main(argv=None):
     args = parse_args(argv)
     state = checkpoints.read_checkpoint_state(args.checkpoint, flag=CHECKPOINT)
     check_sharded(state)
-    out = check_out_dir(args.out_dir)
+    out = check_out_dir(args.out_dir, state["path"])
     model = rebuild_model(state)
     checkpoints.load_sharded_model(state["path"], model, flag=CHECKPOINT)
     if not state["lora_config"]:

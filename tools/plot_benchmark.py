@@ -125,7 +125,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     source = check_input_file(args.json, "JSON")
     out = check_output_path(args.out, "--out", inputs=[("JSON", os.path.realpath(source))], suffix=".png")
-    plot_results(load_results(source), out, metadata=PNG_METADATA)
+    try:
+        plot_results(load_results(source), out, metadata=PNG_METADATA)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:  # the right keys, the wrong contents
+        raise SystemExit(f"error: {source}: not the JSON benchmark_kernels.py writes ({type(e).__name__}: {e})") from None
     print(f"Wrote {out} from {source}")
 
 

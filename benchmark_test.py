@@ -165,29 +165,13 @@ def test_bad_paths_fail_in_one_line_before_measuring(tmp_path, monkeypatch, caps
 
     monkeypatch.setattr(bk, "run_kernel", must_not_run)
     monkeypatch.setattr(bk, "environment_info", must_not_run)
-    cases = [
-        (["--json", str(tmp_path / "missing" / "b.json")], "error: --json"),
-        (["--json", str(tmp_path)], "is a directory"),
-        (["--quick", "--plot", str(tmp_path / "missing" / "b.png")], "error: --plot"),
-    ]
-    for argv, expected in cases:
-        with pytest.raises(SystemExit) as exc:
-            bk.main(argv)
-        message = str(exc.value.code)
-        assert expected in message and "\n" not in message, message
-    assert capsys.readouterr().out == ""  # not even the banner
-
-
-def test_output_suffixes_and_foreign_files_fail_in_one_line_before_measuring(tmp_path, monkeypatch, capsys):
-    def must_not_run(*args, **kwargs):
-        raise AssertionError("measured before checking the output paths")
-
-    monkeypatch.setattr(bk, "run_kernel", must_not_run)
-    monkeypatch.setattr(bk, "environment_info", must_not_run)
     users_json, users_png = tmp_path / "users.json", tmp_path / "users.png"
     users_json.write_text('{"kernels": {}}')  # valid JSON, but without this project's mark
     users_png.write_bytes(b"\x89PNG\r\n\x1a\n not ours")
     cases = [
+        (["--json", str(tmp_path / "missing" / "b.json")], "error: --json"),
+        (["--json", str(tmp_path)], "is a directory"),
+        (["--quick", "--plot", str(tmp_path / "missing" / "b.png")], "error: --plot"),
         (["--json", str(tmp_path / "b.txt")], "expected a .json file"),
         (["--quick", "--plot", str(tmp_path / "b.jpg")], "expected a .png file"),
         (["--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.pdf")], "expected a .png file"),

@@ -370,7 +370,7 @@ def check_same_run(args, state):
     then, now = state["flags"], json.loads(json.dumps(run_flags(args)))
     if then != now:
         diff = flags.differences({"--" + k.replace("_", "-"): v for k, v in then.items()},
-                           {"--" + k.replace("_", "-"): v for k, v in now.items()})
+                                 {"--" + k.replace("_", "-"): v for k, v in now.items()})
         raise SystemExit(f"error: --resume {state['path']}: made with other settings: {diff}; "
                          f"resume with the flags of the run that saved it")
     if not state["step"] < args.warmup_steps + args.steps:

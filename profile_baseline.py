@@ -502,7 +502,7 @@ def main(argv=None):
     args = parse_args(argv)
     # Checked now, in one line, not after the model is built and profiled.
     args.trace_dir = flags.check_output_path(args.trace_dir, "--trace-dir", directory=True,
-                                            inputs=flags.input_paths(args))
+                                             inputs=flags.input_paths(args))
     fsdp.check_fsdp_flags(args)
     # --fsdp: every process trains (the collectives need them all); rank 0 alone
     # profiles its GPU, prints and writes (init_distributed silences the others).

@@ -452,6 +452,17 @@ def test_ctrl_c_during_the_update_is_held():
     training.interrupt_if_held()  # delivered once
 
 
+def test_sigterm_during_an_update_outside_a_run_ends_the_process_after_it():
+    # No run loop to deliver it (the profile script): the default action, once the update is whole.
+    code = ("import os, signal, training\n"
+            "with training.hold_interrupts():\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    print('update complete', flush=True)\n"
+            "print('not reached', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGTERM and proc.stdout == "update complete\n", (proc.returncode, proc.stdout)
+
+
 def test_progress_bar_only_on_a_terminal(monkeypatch):
     args = finetune_baseline.parse_args([])
     monkeypatch.setattr("sys.stdout.isatty", lambda: True, raising=False)

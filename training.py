@@ -254,6 +254,11 @@ def hold_interrupts():
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        # A signal whose handler is the default action (SIGTERM outside a run's loop,
+        # e.g. in the profile script) ends the process now, the update complete.
+        for signum in [s for s in _HELD_SIGNALS if previous[s] == signal.SIG_DFL]:
+            _HELD_SIGNALS.remove(signum)
+            signal.raise_signal(signum)
 
 
 def interrupt_if_held():

@@ -128,7 +128,8 @@ def main(argv=None):
     try:
         plot_results(load_results(source), out, metadata=PNG_METADATA)
     except (AttributeError, KeyError, TypeError, ValueError) as e:  # the right keys, the wrong contents
-        raise SystemExit(f"error: {source}: not the JSON benchmark_kernels.py writes ({type(e).__name__}: {e})") from None
+        raise SystemExit(f"error: {source}: not the JSON benchmark_kernels.py writes "
+                         f"({type(e).__name__}: {e})") from None
     print(f"Wrote {out} from {source}")
 
 

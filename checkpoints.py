@@ -57,7 +57,7 @@ import dataloader
 # the speed the files are read, so the check costs a second per few GB).
 CHECKPOINT_PREFIX = "checkpoint-"
 TRAINER_STATE = "trainer_state.json"
-MANIFEST = "manifest.json"
+MANIFEST = flags.CHECKPOINT_MANIFEST  # flags.check_output_path keeps every other output out of the folder
 CHECKPOINT_FORMAT = 2  # 2: with a manifest
 
 # The flags that decide a run's numbers: a resumed run must have the same ones.

@@ -481,6 +481,10 @@ def test_outputs_never_touch_inputs(tmp_path, monkeypatch):
     models.tiny_config().save_pretrained(model_dir)
     user_file = tmp_path / "notes.json"
     user_file.write_text('{"mine": true}')
+    checkpoint = tmp_path / "run" / "checkpoint-1"  # its files carry the mark, and still are no output's
+    checkpoint.mkdir(parents=True)
+    flags.write_json_atomic(str(checkpoint / "manifest.json"), {"files": {}})
+    flags.write_json_atomic(str(checkpoint / "trainer_state.json"), {"step": 1})
     cases = [
         (["--dataset", str(data), "--json", str(data)], f"--json {data}: is the --dataset input {data}"),
         (["--dataset", str(data), "--json", str(tmp_path / "out.txt")], "expected a .json file"),
@@ -489,6 +493,7 @@ def test_outputs_never_touch_inputs(tmp_path, monkeypatch):
          f"is inside the --model input {model_dir}"),
         (["--model", str(model_dir), "--no-tiny", "--output-dir", str(model_dir)],
          f"--output-dir {model_dir}: is the --model input {model_dir}"),
+        (["--json", str(checkpoint / "trainer_state.json")], f"is inside the checkpoint {checkpoint}"),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as e:

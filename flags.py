@@ -123,6 +123,9 @@ def check_output_path(path, flag, directory=False, inputs=(), suffix=None):
         parent = os.path.dirname(path)
         if not os.path.isdir(parent):
             raise SystemExit(f"error: {flag} {path}: directory {parent} does not exist")
+        if os.path.exists(os.path.join(parent, CHECKPOINT_MANIFEST)):
+            raise SystemExit(f"error: {flag} {path}: is inside the checkpoint {parent}, which a write would damage; "
+                             f"choose a path outside it")
         if os.path.exists(path) and not written_here(path):
             raise SystemExit(f"error: {flag} {path}: exists and was not written by this project; remove it or "
                              f"choose another path")
@@ -150,6 +153,7 @@ def input_paths(args):
 PROJECT = "kernel-ft"
 WRITTEN_BY = "written_by"  # the JSON key; figures carry PROJECT as their PNG "Software" text
 PNG_METADATA = {"Software": PROJECT}  # savefig(..., metadata=PNG_METADATA)
+CHECKPOINT_MANIFEST = "manifest.json"  # in every checkpoint folder (checkpoints.py): no output goes in there
 
 
 def written_here(path):

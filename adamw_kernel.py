@@ -93,10 +93,20 @@ coefficient needs every gradient first); the in-place multiplication goes: 4 B
 per bf16 parameter, 32 GB per step for 8B parameters, about 8 ms at copy
 bandwidth.
 
-What it does not do: the step counter lives on the host, so the update cannot
-be captured once in a CUDA graph and replayed for later steps (the replay would
-reuse step t's bias corrections); PyTorch's ``capturable=True`` keeps the step
-on the GPU for that. No AMSGrad, no ``maximize``, no sparse gradients.
+In a CUDA graph (Step 20)
+-------------------------
+A CUDA graph records kernel launches with their arguments and replays them
+unchanged: the host scalars above (``lr * wd``, ``lr / bc1``, ``sqrt(bc2)``) would
+be frozen at the captured step's values, while the learning rate and the bias
+corrections change every step. So when ``step()`` runs while a graph is being
+captured, each launch reads those three numbers from a small float32 tensor in
+GPU memory instead (one per parameter tensor, 12 B: nothing next to its
+gradient), and the host refreshes all of them with one copy before each replay
+(``stage_graph_step``), from the same double-precision formulas rounded to
+float32 as before: the replayed update is bit for bit the eager one. The step
+counter stays a Python int on the host, counted at staging.
+
+What it does not do: no AMSGrad, no ``maximize``, no sparse gradients.
 
 Nothing runs on import. See adamw_test.py for the checks.
 """
@@ -149,9 +159,11 @@ def _adamw_kernel(
     bc2_sqrt,  # sqrt(1 - beta2**t)
     eps,
     GRAD_SCALE,  # [1] float32 on the device: gradient clipping's coefficient (read when HAS_SCALE)
+    SCALARS,  # [3] float32 on the device: lr * wd, lr / bc1, sqrt(bc2) (read when SCALARS_ON_DEVICE)
     BLOCK: tl.constexpr,  # elements per program (power of two)
     PRECISE: tl.constexpr,  # float32 parameters: IEEE-rounded sqrt and division
     HAS_SCALE: tl.constexpr,  # False: the pointer is not read (a constexpr: no branch in the compiled kernel)
+    SCALARS_ON_DEVICE: tl.constexpr,  # True inside a CUDA graph: the per-step scalars come from SCALARS
 ):
     # 64-bit offsets: pid * BLOCK overflows int32 for tensors of more than 2**31
     # elements. The int64 arithmetic is a few instructions per program, and the
@@ -165,6 +177,12 @@ def _adamw_kernel(
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(M + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(V + offs, mask=mask, other=0.0).to(tl.float32)
+    if SCALARS_ON_DEVICE:
+        # The three per-step numbers from memory, so that a replayed graph uses this
+        # step's values (see "In a CUDA graph"); the arguments are ignored.
+        lr_wd = tl.load(SCALARS)
+        step_size = tl.load(SCALARS + 1)
+        bc2_sqrt = tl.load(SCALARS + 2)
     if HAS_SCALE:
         # One float32 every program loads (it stays in cache): the clipped gradient
         # exists only in registers, never written back.
@@ -267,7 +285,15 @@ def _check_tensors(param, grad, exp_avg=None, exp_avg_sq=None):
     check_kernel_device(*tensors)
 
 
-def adamw_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale=None):
+def step_scalars(step, lr, beta1, beta2, weight_decay):
+    """The three numbers of update ``step`` that change from step to step: lr * wd,
+    lr / (1 - beta1**step) and sqrt(1 - beta2**step), in double precision (the
+    kernel gets them rounded to float32, as an argument or from memory)."""
+    return (float(lr) * float(weight_decay), float(lr) / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step))
+
+
+def adamw_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale=None,
+               scalars=None):
     """One fused AdamW update of ``param``, ``exp_avg`` and ``exp_avg_sq`` in place.
 
     param, exp_avg, exp_avg_sq: contiguous tensors of one shape and dtype
@@ -275,8 +301,10 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, we
     non-contiguous gradient is copied, since it is only read). ``step`` is the
     Python int count of this update, 1 for the first. Hyperparameters are
     Python numbers. ``grad_scale``: None, or a one-element float32 tensor on the
-    parameter's device that multiplies the gradient (clipping). One kernel
-    launch, no host synchronization.
+    parameter's device that multiplies the gradient (clipping). ``scalars``: None,
+    or a 3-element float32 tensor on that device holding step_scalars(...), read by
+    the kernel instead of the values computed here from ``step`` and ``lr`` (a CUDA
+    graph's launch). One kernel launch, no host synchronization.
     """
     _check_tensors(param, grad, exp_avg, exp_avg_sq)
     if grad_scale is not None and (not isinstance(grad_scale, torch.Tensor) or grad_scale.numel() != 1
@@ -284,6 +312,9 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, we
         what = (f"{grad_scale.dtype} tensor of {grad_scale.numel()} elements on {grad_scale.device}"
                 if isinstance(grad_scale, torch.Tensor) else type(grad_scale).__name__)
         raise ValueError(f"adamw: grad_scale must be a one-element float32 tensor on {param.device}, got {what}")
+    if scalars is not None and (not isinstance(scalars, torch.Tensor) or scalars.shape != (3,)
+                                or scalars.dtype != torch.float32 or scalars.device != param.device):
+        raise ValueError(f"adamw: scalars must be a 3-element float32 tensor on {param.device}")
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"adamw: step must be a Python int >= 1 (the count of this update), got {step!r}")
     if not grad.is_contiguous():
@@ -293,8 +324,7 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, we
         return
     # Host scalars, in double precision, from the Python step count. Triton passes
     # Python floats to the kernel as float32.
-    bias_correction1 = 1.0 - beta1**step
-    bias_correction2 = 1.0 - beta2**step
+    lr_wd, step_size, bc2_sqrt = step_scalars(step, lr, beta1, beta2, weight_decay)
     block, num_warps = BLOCK, NUM_WARPS
     if INTERPRET:
         # The interpreter runs programs one after another, each with a fixed Python
@@ -303,11 +333,11 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, we
         block = min(INTERPRET_MAX_BLOCK, max(4096, next_power_of_2(cdiv(n, 8))))
     _adamw_kernel[(cdiv(n, block),)](
         param, grad, exp_avg, exp_avg_sq, n,
-        float(lr) * float(weight_decay), 1.0 - float(beta1), float(beta2), 1.0 - float(beta2),
-        float(lr) / bias_correction1, math.sqrt(bias_correction2), float(eps),
+        lr_wd, 1.0 - float(beta1), float(beta2), 1.0 - float(beta2), step_size, bc2_sqrt, float(eps),
         grad_scale if grad_scale is not None else param,  # any pointer; not read without HAS_SCALE
+        scalars if scalars is not None else param,  # not read without SCALARS_ON_DEVICE
         BLOCK=block, PRECISE=param.dtype == torch.float32, HAS_SCALE=grad_scale is not None,
-        num_warps=num_warps,
+        SCALARS_ON_DEVICE=scalars is not None, num_warps=num_warps,
     )
 
 
@@ -337,7 +367,9 @@ def _check_hyperparameters(lr, betas, eps, weight_decay):
 # on is refused wherever it enters (constructor, add_param_group, load_state_dict,
 # or an edit of optimizer.param_groups before a step): silently ignoring it would
 # train something other than what was asked for.
-UNSUPPORTED_OPTIONS = ("amsgrad", "maximize", "capturable", "differentiable")
+# capturable=True (torch.optim.AdamW's option for CUDA graphs) is accepted: every
+# TritonAdamW step can be captured (see "In a CUDA graph").
+UNSUPPORTED_OPTIONS = ("amsgrad", "maximize", "differentiable")
 
 
 def _check_supported(group):
@@ -374,7 +406,10 @@ class TritonAdamW(torch.optim.Optimizer):
     ``clip_grad_norm_(max_norm)`` clips inside the next step (see the docstring).
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, capturable=False):
+        # capturable: accepted for torch.optim.AdamW's signature; every step can be
+        # captured in a CUDA graph (see "In a CUDA graph"), so it changes nothing.
+        del capturable
         _check_hyperparameters(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
@@ -426,6 +461,9 @@ class TritonAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         grad_scale, self._grad_scale = getattr(self, "_grad_scale", None), None  # consumed by this step
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            self._capture_step(grad_scale)
+            return loss
         for group in self.param_groups:
             _check_supported(group)  # a group edited after construction
             beta1, beta2 = group["betas"]
@@ -451,3 +489,58 @@ class TritonAdamW(torch.optim.Optimizer):
                 # Counted only once the launch went through: a failed step changes nothing.
                 state["step"] = step
         return loss
+
+    # ---- Inside a CUDA graph (see "In a CUDA graph" at the top) ----------------------
+    def prepare_capture(self):
+        """Before a CUDA graph captures step(): one row of scalars per parameter that has
+        state (that an eager step has updated), in device memory and in pinned host
+        memory for the copy before each replay. Allocated here, not during the capture."""
+        updated = [(group, p) for group in self.param_groups for p in group["params"] if len(self.state[p])]
+        if not updated:
+            raise RuntimeError("TritonAdamW: a CUDA graph can capture only steps of parameters that already have "
+                               "state: run one step eagerly first")
+        self._graph_rows = {id(p): row for row, (_, p) in enumerate(updated)}
+        self._graph_scalars = torch.zeros(len(updated), 3, dtype=torch.float32, device=_local(updated[0][1]).device)
+        # Pinned: the copy before each replay is then asynchronous (a CPU tensor on a CPU run).
+        self._graph_host = torch.zeros(len(updated), 3, dtype=torch.float32, pin_memory=self._graph_scalars.is_cuda)
+
+    def _capture_step(self, grad_scale):
+        """step() while a CUDA graph is captured: the same launches, each reading its
+        per-step scalars from its row of the tensor that stage_graph_step fills
+        before every replay. Nothing runs now and the host step counts do not move;
+        stage_graph_step counts each replayed update."""
+        rows = getattr(self, "_graph_rows", {})
+        updated = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if any(id(p) not in rows for _, p in updated):
+            raise RuntimeError("TritonAdamW: a CUDA graph can capture only steps of parameters that already have "
+                               "state, after prepare_capture(): run one step eagerly first")
+        self._graph_updates = [(group, p, rows[id(p)]) for group, p in updated]
+        for group, p, row in self._graph_updates:
+            state = self.state[p]
+            adamw_step(
+                _local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]), state["step"] + 1,
+                group["lr"], *group["betas"], group["eps"], group["weight_decay"],
+                grad_scale=None if grad_scale is None else grad_scale.to(_local(p).device),
+                scalars=self._graph_scalars[row],
+            )
+
+    def stage_graph_step(self):
+        """Before each replay of a captured step: this step's scalars (the current
+        lr of each group, the next step count of each parameter) into the tensor the
+        captured launches read, one asynchronous copy; the step counts advance."""
+        if not hasattr(self, "_graph_updates"):
+            raise RuntimeError("TritonAdamW.stage_graph_step: no step was captured in a CUDA graph")
+        host = self._graph_host.numpy()
+        host_done = getattr(self, "_graph_copy_done", None)
+        if host_done is not None:
+            host_done.synchronize()  # the previous copy has read the pinned buffer: it may be rewritten
+        for group, p, row in self._graph_updates:
+            state = self.state[p]
+            state["step"] += 1
+            beta1, beta2 = group["betas"]
+            host[row] = step_scalars(state["step"], group["lr"], beta1, beta2, group["weight_decay"])
+        self._graph_scalars.copy_(self._graph_host, non_blocking=True)
+        if self._graph_scalars.is_cuda:
+            self._graph_copy_done = torch.cuda.Event()
+            self._graph_copy_done.record()
+

@@ -292,7 +292,7 @@ def parse_args(argv=None):
         description="LLaMA fine-tuning loop with the fused Triton kernels (all on by default)."
     )
     flags.add_model_args(parser, custom_kernels_default=True, packing_default=True)
-    flags.add_finetune_args(parser)
+    flags.add_finetune_args(parser, cuda_graphs_default=True)
     return parser.parse_args(argv)
 
 

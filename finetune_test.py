@@ -410,7 +410,7 @@ def test_hub_check_is_quick():
 # Layers: the workload modules import no kernel
 # --------------------------------------------------------------------------------
 # The shared workload, one concern per file; the scripts compose it.
-WORKLOAD = ("flags", "models", "fsdp", "dataloader", "checkpoints", "training")
+WORKLOAD = ("flags", "models", "fsdp", "dataloader", "checkpoints", "cuda_graphs", "training")
 
 
 def imported_modules(path):

@@ -345,9 +345,10 @@ CPU_WARMUP_STEPS = 1  # no compilation, no autotuning: one step to allocate Adam
 CPU_TINY_SEQ_LEN = 128
 
 
-def add_finetune_args(parser):
+def add_finetune_args(parser, cuda_graphs_default=False):
     """Flags of the fine-tune scripts (the profile script has its own --steps)."""
     g = parser.add_argument_group("training loop")
+    add_cuda_graphs_arg(g, cuda_graphs_default)
     g.add_argument(
         "--steps",
         type=positive_int,
@@ -357,8 +358,8 @@ def add_finetune_args(parser):
     g.add_argument(
         "--warmup-steps",
         type=non_negative_int,
-        help=f"untimed steps first: kernel compilation, cuBLAS autotuning (default: 2, or {CPU_WARMUP_STEPS} "
-        f"without a GPU)",
+        help=f"untimed steps first: kernel compilation, cuBLAS autotuning (default: 2, {CUDA_GRAPHS_WARMUP_STEPS} "
+        f"with --cuda-graphs, {CPU_WARMUP_STEPS} without a GPU)",
     )
     g.add_argument(
         "--log-every",
@@ -370,6 +371,24 @@ def add_finetune_args(parser):
     add_lora_args(parser)
     add_fsdp_arg(g)
     return parser
+
+
+# Steps run before the capture with --cuda-graphs (cuda_graphs.EAGER_STEPS), and
+# the capture's own step: the untimed warm-up that then makes every timed step a replay.
+CUDA_GRAPHS_WARMUP_STEPS = 3
+
+
+def add_cuda_graphs_arg(group, default):
+    """--cuda-graphs, for the fine-tune scripts and the profile script."""
+    group.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=default,
+        help="capture the whole step (forward, loss, backward, clipping, optimizer) in a CUDA graph after two "
+             "eager steps and replay it: the GPU no longer waits for Python to queue kernels. Needs batches of "
+             "one shape (packing, or synthetic data); otherwise the run says why and stays eager "
+             "(GPU only; default: %(default)s)",
+    )
 
 
 def add_fsdp_arg(group):
@@ -418,7 +437,8 @@ def resolve_defaults(args):
     if getattr(args, "steps", 0) is None:
         args.steps = 20 if on_gpu else CPU_STEPS
     if getattr(args, "warmup_steps", 0) is None:
-        args.warmup_steps = 2 if on_gpu else CPU_WARMUP_STEPS
+        graphs = on_gpu and getattr(args, "cuda_graphs", False)
+        args.warmup_steps = CUDA_GRAPHS_WARMUP_STEPS if graphs else 2 if on_gpu else CPU_WARMUP_STEPS
     if getattr(args, "lr_warmup_steps", 0) is None:
         args.lr_warmup_steps = round(LR_WARMUP_FRACTION * (args.warmup_steps + args.steps))
     note_idle_flags(args)

@@ -81,8 +81,32 @@ def llama31_70b_config():
                              num_attention_heads=64)
 
 
+def qwen25_1_5b_config():
+    """The architecture of Qwen/Qwen2.5-1.5B (its config.json, written as code): the
+    small model of Step 20, where the host's time to queue a step shows."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        hidden_act="silu",
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        use_sliding_window=False,
+        tie_word_embeddings=True,  # the LM head is the embedding matrix
+        bos_token_id=151643,
+        eos_token_id=151643,
+    )
+
+
 # Configs known without the hub, by hub id; a local folder with the same name counts too.
-BUNDLED_CONFIGS = {flags.DEFAULT_MODEL: llama31_8b_config, "meta-llama/Llama-3.1-70B": llama31_70b_config}
+BUNDLED_CONFIGS = {flags.DEFAULT_MODEL: llama31_8b_config, "meta-llama/Llama-3.1-70B": llama31_70b_config,
+                   "Qwen/Qwen2.5-1.5B": qwen25_1_5b_config}
 
 
 def tiny_config():

@@ -1,8 +1,9 @@
 """
 Step 3 -- Profile a LLaMA training step and find where the time goes.
 
-Runs one warm-up training step (forward, loss, backward, AdamW), then profiles the
-next step(s) with torch.profiler and prints:
+Runs one warm-up training step (forward, loss, backward, AdamW), times the next
+--steps steps without the profiler, then profiles as many with torch.profiler and
+prints:
 
 1. the top-20 operations by self device time (self CPU time without a GPU), with
    the rows that are not work filtered out (profiler step markers, our
@@ -12,7 +13,11 @@ next step(s) with torch.profiler and prints:
    cross-entropy/softmax, matrix multiply, optimizer, communication (--fsdp),
    memory copies, other elementwise, other --
    with each category's share of the time and its number of calls;
-3. when the plain baseline was profiled before, the change per category.
+3. when the plain baseline was profiled before, the change per category;
+4. on a GPU, where the step waits (profile_timeline.py): GPU busy time over the
+   wall time, the host's time to queue the step, kernel launches, the longest
+   idle gaps and what the host did then, MFU, and a one-line verdict
+   (host-bound, GPU-bound, waiting on allocation, synchronization or communication).
 
 It writes, under ``traces/<name>/`` (``<name>`` from the flags: ``baseline``,
 ``custom-rmsnorm``, ``custom-rmsnorm-ce``, ``custom-rmsnorm-swiglu-rope-flce-adamw``, ...):
@@ -38,6 +43,7 @@ Usage:
         --use-custom-flce --use-custom-adamw                       # Step 16: every kernel
     python profile_baseline.py --compile --use-custom-rmsnorm ...   # Step 17: inside torch.compile
     python profile_baseline.py --no-pin-memory                    # Step 18: batches from pageable memory
+    python profile_baseline.py --lora --use-custom-rmsnorm ... --cuda-graphs   # Step 20: the step replayed
     torchrun --standalone --nproc-per-node 2 profile_baseline.py --fsdp --random-init   # Step 19: rank 0's GPU
     python profile_baseline.py --tiny --seq-len 64                # CPU, Triton interpreter
 
@@ -56,6 +62,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections import defaultdict
 
 import flags  # first: flags switches on the Triton interpreter before triton loads
@@ -63,6 +70,7 @@ import dataloader
 import fsdp
 import models
 import training
+import profile_timeline
 
 import torch
 from torch.autograd import DeviceType
@@ -113,6 +121,7 @@ def parse_args(argv=None):
     g.add_argument("--trace-dir", default="traces", help="where <name>/ is written (default: traces)")
     g.add_argument("--top", type=flags.positive_int, default=20, help="rows of the operator table (default: 20)")
     flags.add_fsdp_arg(g)
+    flags.add_cuda_graphs_arg(g, default=False)
     return parser.parse_args(argv)
 
 
@@ -127,6 +136,8 @@ def profile_name(args):
         name += "-pageable"
     if getattr(args, "fsdp", False):
         name += "-fsdp"
+    if getattr(args, "cuda_graphs", False):
+        name += "-graphs"
     return name
 
 
@@ -427,19 +438,24 @@ def swap_in(new_dir, out_dir):
     shutil.rmtree(old_dir, ignore_errors=True)
 
 
-def profile_steps(args, model, loss_fn, optimizer, batches, work_dir, name):
-    """One warm-up step, then ``args.steps`` profiled steps; the traces go into ``work_dir``.
+def profile_steps(args, model, step, batches, work_dir, name):
+    """Warm-up steps (1; with --cuda-graphs, the eager steps and the capture), then
+    ``args.steps`` steps timed without the profiler, then ``args.steps`` profiled
+    steps; the traces go into ``work_dir``. ``step``: training.step_function's.
     ``batches``: dataloader.training_batches (each item is one step's micro-batches),
     the fine-tune scripts' data path.
 
-    Returns the profiler (its events) after the traces are written.
+    Returns (the profiler (its events) after the traces are written, timings):
+    timings holds a step's wall time and the host's time to queue it, means over
+    the unprofiled steps, and the micro-batches of the last step.
     """
     on_gpu = torch.cuda.is_available()
+    warmup = flags.CUDA_GRAPHS_WARMUP_STEPS if getattr(args, "cuda_graphs", False) else 1
     if work_dir is None:  # --fsdp, ranks other than 0: train in step with rank 0, nothing recorded
-        for _ in range(1 + args.steps):
-            training.train_step(model, optimizer, loss_fn, next(batches))
+        for _ in range(warmup + 2 * args.steps):
+            step(next(batches))
         training.sync()
-        return None
+        return None, None
     tb_dir = os.path.join(work_dir, "tensorboard")
     tb_handler = tensorboard_trace_handler(tb_dir, worker_name=name)
 
@@ -452,19 +468,37 @@ def profile_steps(args, model, loss_fn, optimizer, batches, work_dir, name):
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with training.exit_on_oom(args, "profiling", model):
-        # Warm-up: the first step pays for cuBLAS/Triton compilation and for the
-        # optimizer's state allocation; profiling it would blame the wrong ops.
-        training.train_step(model, optimizer, loss_fn, next(batches))
+        return _timed_and_profiled(args, step, batches, warmup, activities, save_traces)
+
+
+def _timed_and_profiled(args, step, batches, warmup, activities, save_traces):
+    on_gpu = torch.cuda.is_available()
+    # Warm-up: the first step pays for cuBLAS/Triton compilation and for the
+    # optimizer's state allocation; profiling it would blame the wrong ops.
+    for _ in range(warmup):
+        step(next(batches))
+    training.sync()
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    # The step's own times: the profiler adds its cost to every operation the host
+    # issues, so the wall and host times of a step are taken without it.
+    wall = host = 0.0
+    for _ in range(args.steps):
+        micro_batches = next(batches)
+        begin = time.perf_counter()
+        step(micro_batches)
+        queued = time.perf_counter()
         training.sync()
-        if on_gpu:
-            torch.cuda.reset_peak_memory_stats()
-        profiler = profile(activities=activities, record_shapes=True, profile_memory=True, on_trace_ready=save_traces)
-        with profiler as prof:
-            for _ in range(args.steps):
-                training.train_step(model, optimizer, loss_fn, next(batches))
-                training.sync()
-                prof.step()
-    return prof
+        wall += time.perf_counter() - begin
+        host += queued - begin
+    timings = {"wall_s": wall / args.steps, "host_s": host / args.steps, "micro_batches": micro_batches}
+    profiler = profile(activities=activities, record_shapes=True, profile_memory=True, on_trace_ready=save_traces)
+    with profiler as prof:
+        for _ in range(args.steps):
+            step(next(batches))
+            training.sync()
+            prof.step()
+    return prof, timings
 
 
 PRINT_ONLY = ("trace_dir", "top")  # flags that change where and how much is printed, not the profile
@@ -527,7 +561,9 @@ def main(argv=None):
         fsdp.shard_model(model, args)
         loss_fn = fsdp.loss_inside_forward(model, loss_fn)
     models.compile_decoder(model, args)
-    optimizer = make_optimizer(model.parameters(), lr=args.lr)
+    graphs = training.use_cuda_graphs(args, model, data)
+    optimizer = make_optimizer(model.parameters(), lr=args.lr, **({"capturable": True} if graphs else {}))
+    step = training.step_function(args, model, optimizer, loss_fn, None, graphs)
     device = world.device if world else next(model.parameters()).device
     # The fine-tune scripts' data path: DataLoader workers, pinned memory, non-blocking copies.
     batches = dataloader.training_batches(args, data, device, model.config.vocab_size)
@@ -536,14 +572,14 @@ def main(argv=None):
     # (a fresh folder also matters for TensorBoard, which would read an older
     # file in it as part of this profile).
     if world and world.rank != 0:
-        profile_steps(args, model, loss_fn, optimizer, batches, None, name)  # the same steps, not profiled
+        profile_steps(args, model, step, batches, None, name)  # the same steps, not profiled
         fsdp.reduce_over_ranks([training.peak_memory()[0]], op="max")
         fsdp.close_distributed()
         return None
     os.makedirs(args.trace_dir, exist_ok=True)
     work_dir = tempfile.mkdtemp(dir=args.trace_dir, prefix=f".{name}.new-")
     try:
-        prof = profile_steps(args, model, loss_fn, optimizer, batches, work_dir, name)
+        prof, timings = profile_steps(args, model, step, batches, work_dir, name)
         peak_bytes, peak_kind = training.peak_memory()
         if world:  # what each GPU must hold: the largest peak of the processes
             peak_bytes = int(fsdp.reduce_over_ranks([peak_bytes], op="max")[0])
@@ -558,6 +594,16 @@ def main(argv=None):
         if h2d:
             print_host_to_device(h2d)
         print(f"\nPeak memory: {peak_bytes / 2**30:.2f} GiB ({peak_kind})")
+        timeline = None
+        if on_gpu:
+            with open(os.path.join(work_dir, "trace.json")) as f:
+                trace = json.load(f)
+            dtype = next(model.parameters()).dtype
+            timeline = profile_timeline.analyze(
+                trace, args.steps, timings["wall_s"], timings["host_s"],
+                flops=profile_timeline.step_flops(model, timings["micro_batches"]),
+                peak=profile_timeline.matmul_peak_flops(dtype))
+            profile_timeline.print_timeline(timeline)
 
         chrome_path = os.path.join(out_dir, "trace.json")  # where they will be once swapped in
         tb_dir = os.path.join(out_dir, "tensorboard")
@@ -569,6 +615,7 @@ def main(argv=None):
             "categories": categories,
             "ops": ops,  # every row, largest first
             "host_to_device": h2d,  # None without a GPU
+            "timeline": timeline,  # profile_timeline.analyze; None without a GPU
             "peak_memory_bytes": peak_bytes,
             "peak_memory_kind": peak_kind,
             # What must match for a before/after comparison to mean anything.

@@ -48,6 +48,7 @@ import models
 import fsdp
 import dataloader
 import checkpoints
+import cuda_graphs
 
 
 # --------------------------------------------------------------------------------
@@ -59,12 +60,19 @@ def hf_loss(model, batch):
     return model(**dataloader.model_inputs(batch), labels=batch["labels"]).loss
 
 
-def pytorch_adamw(params, lr):
+def pytorch_adamw(params, lr, capturable=False):
     """torch.optim.AdamW with PyTorch's defaults (betas 0.9/0.999, eps 1e-8, weight decay 0.01).
 
     fused=True on CUDA: one kernel per step for all parameters instead of a dozen
     elementwise kernels per tensor. The CPU keeps PyTorch's default implementation.
+    ``capturable`` (a step replayed as a CUDA graph, cuda_graphs.py): the step
+    count and the learning rate live in GPU memory, where each replay reads them
+    (the schedule writes the rate into that tensor), instead of being launch arguments.
     """
+    if capturable:
+        params = list(params)
+        rate = torch.tensor(lr, dtype=torch.float32, device=params[0].device)
+        return torch.optim.AdamW(params, lr=rate, fused=True, capturable=True)
     return torch.optim.AdamW(params, lr=lr, fused=torch.cuda.is_available())
 
 
@@ -103,6 +111,54 @@ def train_step(model, optimizer, loss_fn, micro_batches, scheduler=None, max_gra
             return loss, norm if grad_norm is None else grad_norm
         grad_norm = optimizer_update(optimizer, scheduler, max_grad_norm)
     return loss, grad_norm
+
+
+def step_function(args, model, optimizer, loss_fn, scheduler, graphs):
+    """This run's training step as ``step(micro_batches) -> (loss, gradient norm)``:
+    train_step with the run's settings, or, with ``graphs`` (use_cuda_graphs), the
+    same step captured in a CUDA graph once and replayed (cuda_graphs.py)."""
+    skip = getattr(args, "skip_nonfinite_steps", False)
+    max_grad_norm = getattr(args, "max_grad_norm", 0.0)
+    eager = functools.partial(train_step, model, optimizer, loss_fn, scheduler=scheduler,
+                              max_grad_norm=max_grad_norm, skip_nonfinite=skip)
+    if not graphs:
+        return eager
+
+    def captured(micro_batches):
+        # train_step's GPU work, without what stays on the host (the schedule) or
+        # what a replay must not do (free the gradients it writes in place).
+        loss = accumulate_gradients(model, loss_fn, micro_batches)
+        grad_norm = gradient_norm(optimizer, max_grad_norm) if max_grad_norm > 0 else None
+        optimizer.step()
+        return loss, grad_norm
+
+    return cuda_graphs.GraphedStep(
+        captured, eager,
+        after_replay=scheduler.step if scheduler is not None else (lambda: None),
+        clear_gradients=functools.partial(optimizer.zero_grad, set_to_none=True),
+        before_capture=getattr(optimizer, "prepare_capture", None),  # TritonAdamW: its scalars' memory
+        before_replay=getattr(optimizer, "stage_graph_step", None),  # TritonAdamW: this step's scalars
+        hold=hold_interrupts,
+    )
+
+
+def use_cuda_graphs(args, model, data):
+    """Whether this run's step is captured in a CUDA graph (--cuda-graphs, and
+    nothing that rules it out: cuda_graphs.reason_to_stay_eager). Prints the choice;
+    a reason that overrides the flag is a note."""
+    if not getattr(args, "cuda_graphs", False):
+        print("CUDA graphs:   off: every step is queued by Python, kernel by kernel")
+        return False
+    reason = cuda_graphs.reason_to_stay_eager(args, model, data)
+    if reason == "no GPU":
+        print("CUDA graphs:   off (no GPU)")
+        return False
+    if reason:
+        flags.note(f"CUDA graphs are off, the step runs eagerly: {reason}")
+        return False
+    print(f"CUDA graphs:   on: the step is captured after {cuda_graphs.EAGER_STEPS} eager steps, then replayed "
+          f"(--no-cuda-graphs: eager)")
+    return True
 
 
 def step_is_finite(loss, grad_norm):
@@ -349,7 +405,7 @@ def duration(seconds):
     return f"{seconds / 3600:.1f} h"
 
 
-def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, resumed=None):
+def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, resumed=None, graphs=False):
     """The fine-tuning loop: ``loss_fn(model, batch)``, ``optimizer`` and the
     learning-rate ``scheduler`` at every step, on the batches of ``data``
     (prepare_data; None: synthetic). Returns a dict of results (see write_json).
@@ -369,7 +425,8 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
     128 + the signal); with --output-dir the completed steps are saved as a
     checkpoint first. A step with a NaN or infinite loss or gradient norm ends the
     loop (``diverged_at_step``; no checkpoint of its weights), or with
-    --skip-nonfinite-steps is recorded as skipped.
+    --skip-nonfinite-steps is recorded as skipped. ``graphs``: the step is replayed
+    as a CUDA graph (step_function).
     """
     device = next(model.parameters()).device
     start = resumed["step"] if resumed else 0
@@ -385,6 +442,7 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
     steps, evals, saved = [], [], []
     partial, diverged = False, None
     skip_nonfinite = getattr(args, "skip_nonfinite_steps", False)
+    step = step_function(args, model, optimizer, loss_fn, scheduler, graphs)
     stop = _STOP  # set by stop_on_signals (run_finetune); never set without it
     rng = checkpoints.rng_states()  # the random state after the last completed step: what a checkpoint holds
     bar = progress_bar(args, total, start)
@@ -394,11 +452,10 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
             for i in range(start, total):
                 micro_batches = next(batches)
                 warmup = i - start < args.warmup_steps  # the first steps of this process are not timed
-                lr = optimizer.param_groups[0]["lr"]
                 sync()  # time only this step's work, not what is still queued
+                lr = float(optimizer.param_groups[0]["lr"])  # a tensor with --cuda-graphs (pytorch_adamw)
                 begin = time.perf_counter()
-                loss, grad_norm = train_step(model, optimizer, loss_fn, micro_batches, scheduler, args.max_grad_norm,
-                                             skip_nonfinite=skip_nonfinite)
+                loss, grad_norm = step(micro_batches)
                 sync()
                 seconds = time.perf_counter() - begin
                 # Every micro-batch of the step, of every process (--fsdp: the global batch),
@@ -604,15 +661,17 @@ def run_finetune(args, title, script, switch_in):
         fsdp.shard_model(model, args)
         loss_fn = fsdp.loss_inside_forward(model, loss_fn)
     models.compile_decoder(model, args)  # after the kernels (and LoRA): they are what the graphs hold
+    graphs = use_cuda_graphs(args, model, data)
     # Taken again: fully_shard replaced every parameter with a sharded one (DTensor).
-    optimizer = make_optimizer(models.trainable_parameters(model), lr=args.lr)
+    optimizer = make_optimizer(models.trainable_parameters(model), lr=args.lr,
+                               **({"capturable": True} if graphs else {}))
     scheduler = make_scheduler(optimizer, args)
     print_schedule(args)
     if resumed:
         checkpoints.load_checkpoint(args.resume, model, optimizer, scheduler)
         print(f"Resumed:       {args.resume}: step {resumed['step']} of {args.warmup_steps + args.steps} done")
     with stop_on_signals():  # SIGINT, SIGTERM: finish the step, save, write, exit 128 + signal
-        results = run_training(args, model, loss_fn, optimizer, data, scheduler, resumed)
+        results = run_training(args, model, loss_fn, optimizer, data, scheduler, resumed, graphs)
         results["kernels"] = kernels
         write = args.json and fsdp.is_main_process()  # --fsdp: rank 0 writes the one report
         if write:

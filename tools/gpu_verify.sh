@@ -2,7 +2,7 @@
 # Re-measure what README.md and results/ report, on a CUDA machine, in one go.
 #
 #   bash tools/gpu_verify.sh [OUTDIR] [WHAT...]
-#     WHAT: tests bench e2e compile profile maxseq (default: tests bench e2e)
+#     WHAT: tests bench e2e compile profile maxseq graphs (default: tests bench e2e)
 #
 # Each step's full output goes to OUTDIR (default gpu_logs/), together with the
 # JSON the scripts write, and OUTDIR/logs.tgz bundles them. Wheels placed in
@@ -53,7 +53,17 @@ for what in $WHAT; do
     maxseq)
       python3 tools/max_seq_len.py --random-init --json "$OUTDIR/maxseq_baseline.json" 2>&1 | tee "$OUTDIR/maxseq_baseline.log" | tail -5
       python3 tools/max_seq_len.py --random-init --all-kernels --json "$OUTDIR/maxseq_optimized.json" 2>&1 | tee "$OUTDIR/maxseq_optimized.log" | tail -5 ;;
-    *) echo "unknown step: $what (tests bench e2e compile profile maxseq)"; exit 2 ;;
+    graphs)
+      # Step 20's workload: Qwen2.5-1.5B architecture, LoRA, 4 x 512 packed rows of the bundled data.
+      common="--model Qwen/Qwen2.5-1.5B --random-init --lora --lr 2e-4 --batch-size 4 --seq-len 512"
+      for mode in cuda-graphs no-cuda-graphs; do
+        python3 finetune_optimized.py $common --steps 30 --log-every 10 --$mode \
+          --json "$OUTDIR/lora1.5b_$mode.json" 2>&1 | tee "$OUTDIR/lora1.5b_$mode.log" | tail -9
+        python3 profile_baseline.py $common --steps 3 --trace-dir "$OUTDIR/traces" --$mode \
+          --use-custom-rmsnorm --use-custom-swiglu --use-custom-rope --use-custom-flce --use-custom-adamw 2>&1 \
+          | tee "$OUTDIR/profile_lora1.5b_$mode.log" | tail -22
+      done ;;
+    *) echo "unknown step: $what (tests bench e2e compile profile maxseq graphs)"; exit 2 ;;
   esac
 done
 tar czf "$OUTDIR/logs.tgz" --exclude=logs.tgz --exclude=traces -C "$OUTDIR" .

@@ -1,0 +1,202 @@
+"""
+Step 20 -- When the GPU waits for Python: the whole training step in one CUDA graph.
+
+Why
+---
+A training step of a 1.5B model on 4 x 512 tokens is a few thousand kernels, most
+of them short: an RMSNorm of 2,048 rows takes the GPU ~10 us, but queueing it costs
+the host 20-60 us of Python, autograd and launch overhead (NOTES.md measures it).
+When the host needs longer to queue a step than the GPU needs to run it, the GPU
+sits idle between kernels and the step takes the host's time, not the GPU's:
+profile_baseline.py calls that step "host-bound" and shows the gaps.
+
+A CUDA graph removes the host from the step. The step is run once under
+``torch.cuda.graph``, which records every kernel with its arguments (pointers
+included) instead of running it; afterwards ``graph.replay()`` submits the whole
+recording with one call, whatever the number of kernels. What is recorded here is
+everything the step does on the GPU: forward, loss, backward (autograd runs its
+kernels during the capture like any other), the gradient norm and clipping, and
+the AdamW update. The learning-rate schedule stays on the host.
+
+What a recording requires, and how this file meets it
+-----------------------------------------------------
+* Fixed addresses. A replay reads the inputs from the tensors the capture read,
+  so every batch is copied into the same buffers (``StaticInputs``); the outputs
+  (the loss, the gradient norm) are the same tensors after every replay. The
+  gradients too: at capture ``.grad`` is None, so backward allocates them inside
+  the graph and every replay writes them in place.
+* Fixed shapes. A batch whose shapes differ from the captured one cannot be
+  replayed: packing (and synthetic data) make every batch B x T, padded batches
+  do not. A batch that does not fit runs eagerly, with a note.
+* No host synchronization inside the step (``.item()``, a Python branch on a
+  tensor, a ``nonzero``): the kernels of this repository have none; MoE routing
+  and --skip-nonfinite-steps (which reads the loss before deciding to update)
+  do, so they run eagerly.
+* Per-step values in memory, not in launch arguments: PyTorch's AdamW with
+  ``capturable=True`` and a tensor learning rate, and TritonAdamW's scalars
+  (adamw_kernel.py, "In a CUDA graph"), are refreshed before each replay.
+* Work already set up: the first steps run eagerly (Triton compiles its kernels,
+  cuBLAS picks its algorithms, AdamW allocates its state), on a side stream as
+  PyTorch's documentation asks, and the capture comes after them.
+
+What it costs: the capture itself (a step's worth of host time, once), and
+memory: the graph keeps its own pool, so the activations' memory stays reserved
+between steps instead of returning to PyTorch's cache (the peak is about the
+same; it is what a step needs anyway). Everything else is the eager step's
+arithmetic, kernel by kernel, in the same order: the losses are the eager run's.
+
+Nothing runs on import.
+"""
+
+import contextlib
+
+import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
+
+import torch
+
+import flags
+
+EAGER_STEPS = 2  # steps run eagerly before the capture: compilation, autotuning, optimizer state
+
+
+def reason_to_stay_eager(args, model, data):
+    """None when the training step of this run can be captured; otherwise why not,
+    in a few words (the run says it in one line and trains eagerly)."""
+    config = model.config
+    if not torch.cuda.is_available():
+        return "no GPU"
+    if getattr(args, "fsdp", False):
+        return "--fsdp: FSDP2's all-gathers and reduce-scatters are issued by hooks this capture does not cover"
+    if getattr(args, "skip_nonfinite_steps", False):
+        return "--skip-nonfinite-steps reads each step's loss on the host before the update"
+    if getattr(args, "compile", False) and args.compile_mode in ("reduce-overhead", "max-autotune"):
+        return f"--compile-mode {args.compile_mode} replays torch.compile's own CUDA graphs"
+    if data is not None and not args.packing:
+        return "--no-packing: padded batches change shape from step to step"
+    if getattr(args, "lora_4bit", False):
+        return "--lora-4bit: bitsandbytes' 4-bit layers are not known to be capturable"
+    if any(getattr(config, name, None) for name in ("num_local_experts", "num_experts")):
+        return f"{config.model_type} routes tokens to experts with host-side indexing (a host sync per layer)"
+    return None
+
+
+class StaticInputs:
+    """The buffers a captured step reads its micro-batches from: a copy of the
+    first batches' tensors, refilled in place for every replay."""
+
+    def __init__(self, micro_batches):
+        self.batches = [{k: v.clone() if torch.is_tensor(v) else v for k, v in b.items()} for b in micro_batches]
+
+    def fits(self, micro_batches):
+        """Whether ``micro_batches`` can be copied in: as many, with the same keys, each
+        tensor of the same shape, dtype and device (None where None)."""
+        if len(micro_batches) != len(self.batches):
+            return False
+        for new, old in zip(micro_batches, self.batches):
+            if new.keys() != old.keys():
+                return False
+            for k, v in new.items():
+                if torch.is_tensor(v) != torch.is_tensor(old[k]) or (v is None) != (old[k] is None):
+                    return False
+                if torch.is_tensor(v) and (v.shape != old[k].shape or v.dtype != old[k].dtype
+                                           or v.device != old[k].device):
+                    return False
+        return True
+
+    def fill(self, micro_batches):
+        for new, old in zip(micro_batches, self.batches):
+            for k, v in new.items():
+                if torch.is_tensor(v):
+                    old[k].copy_(v, non_blocking=True)
+                else:
+                    old[k] = v
+
+
+class GraphedStep:
+    """A training step that is captured once and replayed.
+
+    ``captured(micro_batches)`` is the GPU work of a step (forward, backward,
+    clipping, optimizer update) and returns its outputs (tensors or None);
+    ``eager(micro_batches)`` is the whole step run eagerly (the same work, and the
+    gradients freed at its end); ``after_replay()`` is the host's share of a step
+    (the learning-rate schedule); ``clear_gradients()`` sets every ``.grad`` to
+    None; ``before_capture()`` allocates what the captured step will read (outside
+    the capture); ``before_replay()`` refreshes per-step values the captured
+    launches read from memory. Calls with batches of another shape, and the first EAGER_STEPS
+    calls, run eagerly.
+    """
+
+    def __init__(self, captured, eager, after_replay, clear_gradients, before_replay=None, before_capture=None,
+                 hold=contextlib.nullcontext, say=print):
+        self.captured, self.eager = captured, eager
+        self.after_replay, self.before_replay = after_replay, before_replay
+        self.before_capture = before_capture
+        self.clear_gradients = clear_gradients
+        self.hold = hold  # a context in which a signal waits: the replay and the schedule's step are one update
+        self.say = say
+        self.graph = None
+        self.inputs = None
+        self.outputs = None
+        self.eager_calls = 0
+        self.replays = 0
+        self.disabled = None  # why capturing failed, once it has
+        self.mismatch_noted = False
+
+    def __call__(self, micro_batches):
+        if self.disabled:
+            return self.eager(micro_batches)
+        if self.graph is None:
+            if self.eager_calls < EAGER_STEPS:
+                return self._eager_on_side_stream(micro_batches)
+            if not self._capture(micro_batches):
+                return self.eager(micro_batches)
+        elif not self.inputs.fits(micro_batches):
+            if not self.mismatch_noted:
+                flags.note("CUDA graphs: a batch of another shape than the captured one runs eagerly "
+                           "(this note is printed once)")
+                self.mismatch_noted = True
+            self.clear_gradients()  # eager backward must start from None, not from the graph's gradients
+            return self.eager(micro_batches)
+        else:
+            self.inputs.fill(micro_batches)
+        with self.hold():
+            if self.before_replay is not None:
+                self.before_replay()
+            self.graph.replay()
+            self.after_replay()
+        self.replays += 1
+        return self.outputs
+
+    def _eager_on_side_stream(self, micro_batches):
+        """A warm-up step, on a side stream: what it allocates lazily (cuBLAS
+        workspaces, autograd's streams) is then in place for the capture."""
+        self.eager_calls += 1
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            outputs = self.eager(micro_batches)
+        torch.cuda.current_stream().wait_stream(side)
+        return outputs
+
+    def _capture(self, micro_batches):
+        """Record the step; True if it worked. Nothing runs during a capture: the
+        caller replays it once for this step. A failure (an operation that cannot
+        be captured) leaves a note and the run eager."""
+        self.inputs = StaticInputs(micro_batches)
+        self.clear_gradients()  # backward allocates them inside the graph
+        graph = torch.cuda.CUDAGraph()
+        try:
+            if self.before_capture is not None:
+                self.before_capture()
+            with torch.cuda.graph(graph):
+                self.outputs = self.captured(self.inputs.batches)
+        except Exception as e:  # noqa: BLE001 - any operation the capture refused: train eagerly
+            self.disabled = flags.one_line(e)
+            self.graph = self.inputs = self.outputs = None
+            self.clear_gradients()  # what the failed capture allocated is not a gradient
+            torch.cuda.synchronize()
+            flags.note(f"CUDA graphs: the step could not be captured ({self.disabled}); training eagerly")
+            return False
+        self.graph = graph
+        self.say("CUDA graphs:   step captured (forward, loss, backward, clipping, optimizer); replayed from now on")
+        return True

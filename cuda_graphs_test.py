@@ -1,0 +1,424 @@
+"""
+Tests of the CUDA-graph step (cuda_graphs.py, Step 20) and the timeline of a
+profiled step (profile_timeline.py).
+
+On the CPU (no capture is possible there):
+* the flags: on by default in finetune_optimized.py, off in the baseline, and
+  three untimed warm-up steps on a GPU when on;
+* every reason a run stays eager is found, and said in one line;
+* the step logic around the graph, with a stand-in graph that records the step
+  and re-runs it on replay: warm-up steps, inputs copied into the captured
+  buffers, a batch of another shape run eagerly, a failed capture falling back
+  to eager with a note; the parameters end as in an eager run;
+* TritonAdamW's launch with its per-step scalars read from memory gives the
+  same bits as with them as arguments;
+* the timeline's gaps, busy time, launch counts, FLOP count and verdicts.
+
+On a GPU: --cuda-graphs gives the losses of the eager run (every kernel, PyTorch's
+AdamW, LoRA, gradient accumulation, clipping), and a step that cannot be captured
+(a host sync) falls back to eager with a note and the same losses.
+
+Usage:
+    python -m pytest cuda_graphs_test.py -v
+    python cuda_graphs_test.py
+"""
+
+import argparse
+import contextlib
+import sys
+
+import pytest
+import torch
+
+import cuda_graphs
+import finetune_baseline
+import finetune_optimized
+import flags
+import models
+import profile_timeline
+import training
+import adamw_kernel
+from adamw_kernel import TritonAdamW, adamw_step, step_scalars
+from conftest import DEVICE, need_gpu
+
+TINY = ["--tiny", "--batch-size", "2", "--seq-len", "64", "--steps", "4", "--log-every", "1"]
+
+
+# --------------------------------------------------------------------------------
+# Flags and reasons
+# --------------------------------------------------------------------------------
+def test_flag_defaults(monkeypatch):
+    assert finetune_optimized.parse_args([]).cuda_graphs is True
+    assert finetune_optimized.parse_args(["--no-cuda-graphs"]).cuda_graphs is False
+    assert finetune_baseline.parse_args([]).cuda_graphs is False
+    monkeypatch.setattr(flags.torch.cuda, "is_available", lambda: True)
+    for argv, warmup in (([], flags.CUDA_GRAPHS_WARMUP_STEPS), (["--no-cuda-graphs"], 2),
+                         (["--warmup-steps", "1"], 1)):
+        args = flags.resolve_defaults(finetune_optimized.parse_args(["--tiny"] + argv))
+        assert args.warmup_steps == warmup, argv
+    # The warm-up covers the eager steps and the capture, so every timed step is a replay.
+    assert flags.CUDA_GRAPHS_WARMUP_STEPS == cuda_graphs.EAGER_STEPS + 1
+
+
+def _args(**changes):
+    args = dict(fsdp=False, skip_nonfinite_steps=False, compile=False, compile_mode="default", packing=True,
+                lora_4bit=False, cuda_graphs=True)
+    return argparse.Namespace(**{**args, **changes})
+
+
+class _Model:
+    def __init__(self, **config):
+        self.config = argparse.Namespace(model_type="llama", **config)
+
+
+@pytest.mark.parametrize("changes, config, words", [
+    ({"fsdp": True}, {}, "--fsdp"),
+    ({"skip_nonfinite_steps": True}, {}, "--skip-nonfinite-steps"),
+    ({"compile": True, "compile_mode": "reduce-overhead"}, {}, "torch.compile's own CUDA graphs"),
+    ({"packing": False}, {}, "padded batches change shape"),
+    ({"lora_4bit": True}, {}, "--lora-4bit"),
+    ({}, {"num_local_experts": 8}, "experts"),
+    ({}, {"num_experts": 4}, "experts"),
+])
+def test_reasons_to_stay_eager(monkeypatch, changes, config, words):
+    monkeypatch.setattr(cuda_graphs.torch.cuda, "is_available", lambda: True)
+    data = object()  # real data (synthetic is None)
+    assert words in cuda_graphs.reason_to_stay_eager(_args(**changes), _Model(**config), data)
+
+
+def test_capturable_runs(monkeypatch):
+    monkeypatch.setattr(cuda_graphs.torch.cuda, "is_available", lambda: True)
+    assert cuda_graphs.reason_to_stay_eager(_args(), _Model(), object()) is None  # packed data
+    assert cuda_graphs.reason_to_stay_eager(_args(packing=False), _Model(), None) is None  # synthetic: one shape
+    assert cuda_graphs.reason_to_stay_eager(_args(compile=True), _Model(), None) is None  # Inductor's kernels
+
+
+def test_the_choice_is_said_in_one_line(monkeypatch, capsys):
+    assert training.use_cuda_graphs(_args(), _Model(), None) is False  # this machine: no GPU
+    assert capsys.readouterr().out == "CUDA graphs:   off (no GPU)\n"
+    assert training.use_cuda_graphs(_args(cuda_graphs=False), _Model(), None) is False
+    assert capsys.readouterr().out.startswith("CUDA graphs:   off: every step is queued by Python")
+    monkeypatch.setattr(cuda_graphs.torch.cuda, "is_available", lambda: True)
+    assert training.use_cuda_graphs(_args(fsdp=True), _Model(), None) is False
+    out = capsys.readouterr().out
+    assert out.startswith("Note:") and "--fsdp" in out and out.count("\n") == 1
+    assert training.use_cuda_graphs(_args(), _Model(), None) is True
+    assert "CUDA graphs:   on" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------
+# The step around the graph, with a stand-in for the capture
+# --------------------------------------------------------------------------------
+class FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on the CPU: "capturing" records the
+    function, which runs for real at each replay, on the captured buffers."""
+    def replay(self):
+        self.replayed += 1
+        self.rerun()
+
+
+@contextlib.contextmanager
+def fake_capture(graph):
+    graph.replayed = 0
+    yield
+
+
+def _toy():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    return model, optimizer, scheduler
+
+
+def _batches(steps, rows=4):
+    g = torch.Generator().manual_seed(1)
+    return [[{"x": torch.randn(rows if i != 5 else rows + 1, 8, generator=g), "n": i}] for i in range(steps)]
+
+
+def _loss(model, batch):
+    return model(batch["x"]).square().mean()
+
+
+def _graphed(monkeypatch, model, optimizer, scheduler, fail=False, notes=None):
+    monkeypatch.setattr(cuda_graphs.torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(cuda_graphs.torch.cuda, "graph", fake_capture)
+    monkeypatch.setattr(cuda_graphs.torch.cuda, "synchronize", lambda: None)
+
+    def eager_here(self, micro_batches):  # no side stream on the CPU
+        self.eager_calls += 1
+        return self.eager(micro_batches)
+    monkeypatch.setattr(cuda_graphs.GraphedStep, "_eager_on_side_stream", eager_here)
+    monkeypatch.setattr(flags, "note", lambda text: notes.append(text) if notes is not None else None)
+
+    def captured(micro_batches):
+        if fail:
+            raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+        def run():
+            # A replayed backward overwrites the gradients it allocated at capture.
+            optimizer.zero_grad(set_to_none=True)
+            loss = _loss(model, micro_batches[0])
+            loss.backward()
+            optimizer.step()
+            outputs[0] = loss.detach()
+        outputs = [None]
+        step.graph_to_be = run
+        return outputs
+
+    def eager(micro_batches):
+        loss = _loss(model, micro_batches[0])
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return [loss.detach()]
+
+    step = cuda_graphs.GraphedStep(captured, eager, after_replay=scheduler.step,
+                                   clear_gradients=lambda: optimizer.zero_grad(set_to_none=True),
+                                   say=lambda text: None)
+    real_capture = step._capture
+
+    def capture_then_wire(micro_batches):
+        ok = real_capture(micro_batches)
+        if ok:
+            step.graph.rerun = step.graph_to_be  # what the stand-in "recorded"
+        return ok
+    step._capture = capture_then_wire
+    return step
+
+
+def _train(step, batches):
+    return [float(step(b)[0]) for b in batches]
+
+
+def test_graphed_step_logic_matches_eager(monkeypatch):
+    batches = _batches(8)
+    model, optimizer, scheduler = _toy()
+    eager_losses = []
+    for b in batches:
+        loss = _loss(model, b[0])
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        eager_losses.append(float(loss.detach()))
+    eager_params = [p.detach().clone() for p in model.parameters()]
+
+    model, optimizer, scheduler = _toy()
+    notes = []
+    step = _graphed(monkeypatch, model, optimizer, scheduler, notes=notes)
+    losses = []
+    for i, b in enumerate(batches):
+        losses.append(float(step(b)[0]))
+        if i == cuda_graphs.EAGER_STEPS:
+            assert step.graph is not None and step.graph.replayed == 1  # captured, then replayed for this step
+    assert losses == pytest.approx(eager_losses, rel=1e-6, abs=0)
+    for p, q in zip(model.parameters(), eager_params):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=0)
+    assert step.eager_calls == cuda_graphs.EAGER_STEPS
+    assert step.graph.replayed == len(batches) - cuda_graphs.EAGER_STEPS - 1  # batch 5 had another shape
+    assert len(notes) == 1 and "another shape" in notes[0]
+
+
+def test_failed_capture_trains_eagerly_with_a_note(monkeypatch):
+    batches = [b for i, b in enumerate(_batches(6)) if i != 5]
+    model, optimizer, scheduler = _toy()
+    reference = _graphed(monkeypatch, model, optimizer, scheduler)
+    reference.disabled = "off"  # all eager
+    expected = _train(reference, batches)
+
+    model, optimizer, scheduler = _toy()
+    notes = []
+    step = _graphed(monkeypatch, model, optimizer, scheduler, fail=True, notes=notes)
+    assert _train(step, batches) == pytest.approx(expected, rel=1e-6, abs=0)
+    assert step.graph is None and step.disabled.startswith("RuntimeError: operation not permitted")
+    assert len(notes) == 1 and "could not be captured" in notes[0] and "\n" not in notes[0]
+
+
+def test_static_inputs():
+    a = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "attention_mask": None, "num_tokens": 8}
+    inputs = cuda_graphs.StaticInputs([a])
+    assert inputs.fits([{**a, "num_tokens": 7}])
+    assert not inputs.fits([{**a, "input_ids": torch.zeros(2, 5, dtype=torch.long)}])
+    assert not inputs.fits([{**a, "input_ids": torch.zeros(2, 4, dtype=torch.int)}])
+    assert not inputs.fits([{**a, "attention_mask": torch.ones(2, 4)}])
+    assert not inputs.fits([a, a])
+    buffer = inputs.batches[0]["input_ids"]
+    inputs.fill([{**a, "input_ids": torch.full((2, 4), 7)}])
+    assert inputs.batches[0]["input_ids"] is buffer and int(buffer.sum()) == 56  # copied in place
+
+
+# --------------------------------------------------------------------------------
+# TritonAdamW: the per-step scalars from memory
+# --------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adamw_scalars_from_memory_are_the_arguments(dtype):
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(5000, generator=g).to(dtype) for _ in range(4)]
+    tensors[3] = tensors[3].abs()
+    a = [t.clone().to(DEVICE) for t in tensors]
+    b = [t.clone().to(DEVICE) for t in tensors]
+    hp = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    adamw_step(a[0], a[1], a[2], a[3], 7, 3e-4, **hp)
+    scalars = torch.tensor(step_scalars(7, 3e-4, 0.9, 0.999, 0.01), dtype=torch.float32, device=DEVICE)
+    adamw_step(b[0], b[1], b[2], b[3], 1, 99.0, **hp, scalars=scalars)  # step and lr ignored: memory wins
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    with pytest.raises(ValueError, match="scalars must be a 3-element float32 tensor"):
+        adamw_step(b[0], b[1], b[2], b[3], 1, 1e-3, **hp, scalars=scalars[:2])
+
+
+def test_triton_adamw_staged_steps_are_eager_steps(monkeypatch):
+    """The captured step's launches (run directly here: the CPU has no graphs),
+    each after stage_graph_step, give the eager optimizer's parameters and step
+    counts, with a learning rate that changes every step."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(33, 7), (4097,), (5,)]
+    values = [torch.randn(s, generator=g).to(DEVICE) for s in shapes]
+    grads = [[torch.randn(s, generator=g).to(DEVICE) for s in shapes] for _ in range(4)]
+    runs = []
+    for staged in (False, True):
+        params = [torch.nn.Parameter(v.clone()) for v in values]
+        opt = TritonAdamW(params, lr=1e-2, weight_decay=0.1)
+        for step, step_grads in enumerate(grads):
+            opt.param_groups[0]["lr"] = 1e-2 / (step + 1)  # what the schedule does
+            for p, grad in zip(params, step_grads):
+                p.grad = grad.clone()
+            if not staged or step == 0:
+                opt.step()  # eager (the warm-up step creates the state)
+                continue
+            if step == 1:
+                opt.prepare_capture()
+                with monkeypatch.context() as m:
+                    m.setattr(adamw_kernel, "adamw_step", lambda *args, **kwargs: None)  # a capture runs nothing
+                    opt._capture_step(None)
+            opt.stage_graph_step()
+            opt._capture_step(None)  # what each replay runs
+        runs.append(([p.detach().clone() for p in params], [opt.state[p]["step"] for p in params]))
+    (eager, eager_steps), (staged, staged_steps) = runs
+    for a, b in zip(eager, staged):
+        assert torch.equal(a, b)
+    assert eager_steps == staged_steps == [4, 4, 4]
+
+
+def test_triton_adamw_accepts_capturable():
+    p = torch.nn.Parameter(torch.ones(3, device=DEVICE))
+    TritonAdamW([p], lr=1e-3, capturable=True)
+    with pytest.raises(RuntimeError, match="no step was captured"):
+        TritonAdamW([p], lr=1e-3).stage_graph_step()
+
+
+# --------------------------------------------------------------------------------
+# The timeline of a profiled step
+# --------------------------------------------------------------------------------
+def _trace():
+    def x(cat, name, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+    return {"traceEvents": [
+        x("user_annotation", "forward", 0, 500),
+        x("cpu_op", "aten::linear", 100, 80),
+        x("cpu_op", "aten::mm", 110, 60),
+        x("cuda_runtime", "cudaLaunchKernel", 120, 10),
+        x("cuda_runtime", "cudaLaunchKernel", 300, 10),
+        x("cuda_runtime", "cudaMalloc", 320, 40),
+        x("cuda_runtime", "cudaDeviceSynchronize", 400, 100),
+        x("kernel", "gemm", 130, 20),
+        x("kernel", "gemm2", 140, 20),  # overlaps the first: counted once
+        x("kernel", "rmsnorm", 310, 30),
+        x("gpu_memcpy", "Memcpy HtoD", 380, 10),
+    ]}
+
+
+def test_timeline_gaps_busy_and_launches():
+    busy, span, gaps = profile_timeline.idle_gaps(profile_timeline.gpu_events(_trace()))
+    assert (busy, span) == (70, 260)
+    assert [(g[0], g[1]) for g in gaps] == [(160, 150), (340, 40)]
+    assert profile_timeline.host_activity(_trace(), 150) == "forward > aten::mm"
+    assert profile_timeline.host_activity(_trace(), 250) == "forward > Python between operators"
+    s = profile_timeline.analyze(_trace(), steps=1, wall_s=500e-6, host_s=480e-6, flops=1e9, peak=1e12)
+    assert s["kernel_launches_per_step"] == 2 and s["kernels_per_step"] == 3
+    assert s["allocation_ms"] == pytest.approx(0.04) and s["syncs_per_step"] == 0
+    assert s["gpu_busy_fraction"] == pytest.approx(70 / 500)
+    assert s["mfu"] == pytest.approx(1e9 / 500e-6 / 1e12)
+    assert s["verdict"].startswith("host-bound")
+    assert s["gaps"][0]["us"] == 150
+
+
+@pytest.mark.parametrize("change, start", [
+    ({}, "host-bound"),
+    ({"host_ms": 0.1, "syncs_per_step": 2}, "waiting on host synchronizations"),
+    ({"gpu_busy_fraction": 0.95}, "GPU-bound"),
+    ({"allocation_ms": 0.2}, "waiting on memory allocation"),
+    ({"nccl_ms": 0.3}, "waiting on communication"),
+])
+def test_verdicts(change, start):
+    s = {"wall_ms": 1.0, "host_ms": 0.95, "gpu_busy_fraction": 0.5, "kernel_launches_per_step": 100,
+         "allocation_ms": 0.0, "syncs_per_step": 0, "nccl_ms": 0.0, "mfu": 0.3}
+    assert profile_timeline.verdict({**s, **change}).startswith(start)
+
+
+def test_step_flops_counts_products():
+    config = models.tiny_config()
+    model = models.build_random(config, torch.device("cpu"), torch.float32)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7]])
+    batch = {"input_ids": ids, "position_ids": positions, "attention_mask": None, "num_real_tokens": 16}
+    h, i, v, layers = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_hidden_layers
+    kv = config.num_key_value_heads * (h // config.num_attention_heads)
+    per_layer = h * h + 2 * h * kv + h * h + 3 * h * i  # q, k, v, o; gate, up, down
+    weights = layers * per_layer + h * v  # and the LM head
+    context = (1 + 2 + 3 + 4) * 2 + sum(range(1, 9))
+    expected = 6 * weights * 16 + 12 * layers * h * context
+    assert profile_timeline.step_flops(model, [batch]) == expected
+    for p in model.parameters():
+        p.requires_grad_(False)  # frozen (LoRA's base): no weight gradients
+    assert profile_timeline.step_flops(model, [batch]) == 4 * weights * 16 + 12 * layers * h * context
+
+
+# --------------------------------------------------------------------------------
+# GPU: the real capture
+# --------------------------------------------------------------------------------
+GPU_CASES = {
+    "every kernel": [],
+    "PyTorch AdamW": ["--no-use-custom-adamw"],
+    "LoRA": ["--lora"],
+    "accumulation, bundled data": ["--grad-accum", "2", "--dataset", "data/instructions.jsonl"],
+    "no clipping, baseline kernels": ["--max-grad-norm", "0", "--no-use-custom-rmsnorm", "--no-use-custom-swiglu",
+                                      "--no-use-custom-rope", "--no-use-custom-flce", "--no-use-custom-adamw"],
+}
+
+
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_graphed_run_matches_eager_on_gpu(case, tmp_path, capsys):
+    need_gpu()
+    argv = TINY + GPU_CASES[case]
+    eager = finetune_optimized.main(argv + ["--no-cuda-graphs"])
+    out = capsys.readouterr().out
+    graphed = finetune_optimized.main(argv + ["--cuda-graphs"])
+    out = capsys.readouterr().out
+    assert "step captured" in out, out
+    assert len(graphed["losses"]) == len(eager["losses"]) == 4 + flags.CUDA_GRAPHS_WARMUP_STEPS
+    # The same kernels in the same order: equal to float32 rounding (the tiny model is float32).
+    assert graphed["losses"] == pytest.approx(eager["losses"], rel=1e-5, abs=1e-6)
+
+
+def test_uncapturable_step_falls_back_on_gpu(monkeypatch, capsys):
+    need_gpu()
+    real = training.accumulate_gradients
+
+    def with_host_sync(model, loss_fn, micro_batches):
+        loss = real(model, loss_fn, micro_batches)
+        loss.item()  # a host sync: not allowed while capturing
+        return loss
+    eager = finetune_optimized.main(TINY + ["--no-cuda-graphs"])
+    capsys.readouterr()
+    monkeypatch.setattr(training, "accumulate_gradients", with_host_sync)
+    graphed = finetune_optimized.main(TINY + ["--cuda-graphs"])
+    out = capsys.readouterr().out
+    assert "could not be captured" in out and "training eagerly" in out
+    assert graphed["losses"] == pytest.approx(eager["losses"], rel=1e-5, abs=1e-6)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -52,12 +52,13 @@ def test_flag_defaults(monkeypatch):
     assert finetune_optimized.parse_args(["--no-cuda-graphs"]).cuda_graphs is False
     assert finetune_baseline.parse_args([]).cuda_graphs is False
     monkeypatch.setattr(flags.torch.cuda, "is_available", lambda: True)
-    for argv, warmup in (([], flags.CUDA_GRAPHS_WARMUP_STEPS), (["--no-cuda-graphs"], 2),
+    # On a GPU the warm-up covers the eager steps and the capture, so every timed step is a
+    # replay; and it is the same without graphs: the learning-rate schedule does not change.
+    for argv, warmup in (([], cuda_graphs.EAGER_STEPS + 1), (["--no-cuda-graphs"], cuda_graphs.EAGER_STEPS + 1),
                          (["--warmup-steps", "1"], 1)):
         args = flags.resolve_defaults(finetune_optimized.parse_args(["--tiny"] + argv))
         assert args.warmup_steps == warmup, argv
-    # The warm-up covers the eager steps and the capture, so every timed step is a replay.
-    assert flags.CUDA_GRAPHS_WARMUP_STEPS == cuda_graphs.EAGER_STEPS + 1
+    assert flags.resolve_defaults(finetune_baseline.parse_args(["--tiny"])).warmup_steps == cuda_graphs.EAGER_STEPS + 1
 
 
 def _args(**changes):
@@ -94,7 +95,8 @@ def test_capturable_runs(monkeypatch):
 
 
 def test_the_choice_is_said_in_one_line(monkeypatch, capsys):
-    assert training.use_cuda_graphs(_args(), _Model(), None) is False  # this machine: no GPU
+    monkeypatch.setattr(cuda_graphs.torch.cuda, "is_available", lambda: False)
+    assert training.use_cuda_graphs(_args(), _Model(), None) is False
     assert capsys.readouterr().out == "CUDA graphs:   off (no GPU)\n"
     assert training.use_cuda_graphs(_args(cuda_graphs=False), _Model(), None) is False
     assert capsys.readouterr().out.startswith("CUDA graphs:   off: every step is queued by Python")
@@ -398,7 +400,7 @@ def test_graphed_run_matches_eager_on_gpu(case, tmp_path, capsys):
     graphed = finetune_optimized.main(argv + ["--cuda-graphs"])
     out = capsys.readouterr().out
     assert "step captured" in out, out
-    assert len(graphed["losses"]) == len(eager["losses"]) == 4 + flags.CUDA_GRAPHS_WARMUP_STEPS
+    assert len(graphed["losses"]) == len(eager["losses"]) == 4 + flags.GPU_WARMUP_STEPS
     # The same kernels in the same order: equal to float32 rounding (the tiny model is float32).
     assert graphed["losses"] == pytest.approx(eager["losses"], rel=1e-5, abs=1e-6)
 

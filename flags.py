@@ -358,8 +358,8 @@ def add_finetune_args(parser, cuda_graphs_default=False):
     g.add_argument(
         "--warmup-steps",
         type=non_negative_int,
-        help=f"untimed steps first: kernel compilation, cuBLAS autotuning (default: 2, {CUDA_GRAPHS_WARMUP_STEPS} "
-        f"with --cuda-graphs, {CPU_WARMUP_STEPS} without a GPU)",
+        help=f"untimed steps first: kernel compilation, cuBLAS autotuning, the CUDA graph's capture (default: "
+        f"{GPU_WARMUP_STEPS}, or {CPU_WARMUP_STEPS} without a GPU)",
     )
     g.add_argument(
         "--log-every",
@@ -373,9 +373,11 @@ def add_finetune_args(parser, cuda_graphs_default=False):
     return parser
 
 
-# Steps run before the capture with --cuda-graphs (cuda_graphs.EAGER_STEPS), and
-# the capture's own step: the untimed warm-up that then makes every timed step a replay.
-CUDA_GRAPHS_WARMUP_STEPS = 3
+# Untimed steps on a GPU: with --cuda-graphs the eager steps before the capture
+# (cuda_graphs.EAGER_STEPS) and the capture's own step, so every timed step is a
+# replay. The same without it: --cuda-graphs must not change the learning-rate
+# schedule (it spans warm-up and timed steps), nor the baseline's.
+GPU_WARMUP_STEPS = 3
 
 
 def add_cuda_graphs_arg(group, default):
@@ -437,8 +439,7 @@ def resolve_defaults(args):
     if getattr(args, "steps", 0) is None:
         args.steps = 20 if on_gpu else CPU_STEPS
     if getattr(args, "warmup_steps", 0) is None:
-        graphs = on_gpu and getattr(args, "cuda_graphs", False)
-        args.warmup_steps = CUDA_GRAPHS_WARMUP_STEPS if graphs else 2 if on_gpu else CPU_WARMUP_STEPS
+        args.warmup_steps = GPU_WARMUP_STEPS if on_gpu else CPU_WARMUP_STEPS
     if getattr(args, "lr_warmup_steps", 0) is None:
         args.lr_warmup_steps = round(LR_WARMUP_FRACTION * (args.warmup_steps + args.steps))
     note_idle_flags(args)

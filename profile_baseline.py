@@ -120,8 +120,12 @@ def parse_args(argv=None):
     g.add_argument("--steps", type=flags.positive_int, default=1, help="profiled steps, after 1 warm-up (default: 1)")
     g.add_argument("--trace-dir", default="traces", help="where <name>/ is written (default: traces)")
     g.add_argument("--top", type=flags.positive_int, default=20, help="rows of the operator table (default: 20)")
+    g.add_argument("--max-grad-norm", type=flags.non_negative_float, default=1.0,
+                   help="clip the gradients to this global norm, as the fine-tune scripts do; 0: off "
+                        "(default: %(default)s)")
     flags.add_fsdp_arg(g)
     flags.add_cuda_graphs_arg(g, default=False)
+    flags.add_lora_args(parser)
     return parser.parse_args(argv)
 
 
@@ -130,6 +134,8 @@ def profile_name(args):
     --compile, '-pageable' with --no-pin-memory, '-fsdp' with --fsdp."""
     kernels = [k for k, on in flags.kernels_from_args(args).items() if on]
     name = "custom-" + "-".join(kernels) if kernels else BASELINE
+    if getattr(args, "lora", False):
+        name += "-lora"
     if getattr(args, "compile", False):
         name += "-compiled"
     if not getattr(args, "pin_memory", True):
@@ -450,7 +456,7 @@ def profile_steps(args, model, step, batches, work_dir, name):
     the unprofiled steps, and the micro-batches of the last step.
     """
     on_gpu = torch.cuda.is_available()
-    warmup = flags.CUDA_GRAPHS_WARMUP_STEPS if getattr(args, "cuda_graphs", False) else 1
+    warmup = flags.GPU_WARMUP_STEPS if getattr(args, "cuda_graphs", False) and on_gpu else 1
     if work_dir is None:  # --fsdp, ranks other than 0: train in step with rank 0, nothing recorded
         for _ in range(warmup + 2 * args.steps):
             step(next(batches))
@@ -538,6 +544,7 @@ def main(argv=None):
     args.trace_dir = flags.check_output_path(args.trace_dir, "--trace-dir", directory=True,
                                              inputs=flags.input_paths(args))
     fsdp.check_fsdp_flags(args)
+    models.check_lora_flags(args)
     # --fsdp: every process trains (the collectives need them all); rank 0 alone
     # profiles its GPU, prints and writes (init_distributed silences the others).
     world = fsdp.init_distributed(args)
@@ -554,7 +561,11 @@ def main(argv=None):
     records = dataloader.load_records(args.dataset)  # a bad --dataset fails now, before the model is built
     model, model_info = models.load_model(args)
     data = dataloader.prepare_data(args, records, model.config.vocab_size)
-    print(f"Batch:         {args.batch_size} x {args.seq_len} tokens; 1 warm-up step, {args.steps} profiled")
+    if args.lora:
+        model = models.apply_lora(model, args)
+    warmup = flags.GPU_WARMUP_STEPS if args.cuda_graphs and on_gpu else 1
+    print(f"Batch:         {args.batch_size} x {args.seq_len} tokens; {warmup} warm-up steps, {args.steps} timed "
+          f"without the profiler, {args.steps} profiled")
     loss_fn, make_optimizer = apply_kernels(model, flags.kernels_from_args(args))
     label_model(model)
     if world:  # as the fine-tune scripts do it: after the kernels, before compiling
@@ -562,7 +573,8 @@ def main(argv=None):
         loss_fn = fsdp.loss_inside_forward(model, loss_fn)
     models.compile_decoder(model, args)
     graphs = training.use_cuda_graphs(args, model, data)
-    optimizer = make_optimizer(model.parameters(), lr=args.lr, **({"capturable": True} if graphs else {}))
+    optimizer = make_optimizer(models.trainable_parameters(model), lr=args.lr,
+                               **({"capturable": True} if graphs else {}))
     step = training.step_function(args, model, optimizer, loss_fn, None, graphs)
     device = world.device if world else next(model.parameters()).device
     # The fine-tune scripts' data path: DataLoader workers, pinned memory, non-blocking copies.

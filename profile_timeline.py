@@ -143,7 +143,8 @@ def step_flops(model, micro_batches):
         tokens = int(batch["num_real_tokens"])
         positions = batch.get("position_ids")
         if positions is None:
-            positions = torch.arange(batch["input_ids"].shape[1]).expand_as(batch["input_ids"])
+            ids = batch["input_ids"]
+            positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         real = torch.ones_like(batch["input_ids"], dtype=torch.bool)
         if isinstance(batch.get("attention_mask"), torch.Tensor) and batch["attention_mask"].dim() == 2:
             real = batch["attention_mask"].bool()  # padded rows: padding is not counted

@@ -188,7 +188,10 @@ class GraphedStep:
         try:
             if self.before_capture is not None:
                 self.before_capture()
-            with torch.cuda.graph(graph):
+            # thread_local: only this thread's calls are checked. The DataLoader's
+            # pin-memory thread keeps allocating pinned buffers for the next batches,
+            # which a global capture would refuse (and the capture with it).
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self.outputs = self.captured(self.inputs.batches)
         except Exception as e:  # noqa: BLE001 - any operation the capture refused: train eagerly
             self.disabled = flags.one_line(e)

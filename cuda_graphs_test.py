@@ -120,7 +120,7 @@ class FakeGraph:
 
 
 @contextlib.contextmanager
-def fake_capture(graph):
+def fake_capture(graph, capture_error_mode):
     graph.replayed = 0
     yield
 

@@ -165,6 +165,20 @@ def attention_for(config):
     return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
 
 
+def avoid_per_shape_attention_plans(args, data):
+    """Padded batches (--no-packing on real data) change their length every step.
+    For each new length PyTorch's cuDNN attention backend builds a new execution
+    plan on the host: 70-110 ms per forward and backward, and every few steps a
+    step of about 3 s (an H100 profile, Step 20). Its other fused backends (flash,
+    memory-efficient) have no such plans: for padded runs cuDNN's is switched off,
+    in the baseline and the optimized script alike. Packed and synthetic batches
+    keep one shape, so the plan is built once and cuDNN stays available."""
+    if data is None or getattr(args, "packing", True) or not torch.cuda.is_available():
+        return
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    print("Attention:     PyTorch's cuDNN attention off (padded batches: it would plan anew for every length)")
+
+
 def _from_pretrained(model_id, device, dtype, **kwargs):
     return AutoModelForCausalLM.from_pretrained(
         model_id,

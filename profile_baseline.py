@@ -561,6 +561,7 @@ def main(argv=None):
     records = dataloader.load_records(args.dataset)  # a bad --dataset fails now, before the model is built
     model, model_info = models.load_model(args)
     data = dataloader.prepare_data(args, records, model.config.vocab_size)
+    models.avoid_per_shape_attention_plans(args, data)
     if args.lora:
         model = models.apply_lora(model, args)
     warmup = flags.GPU_WARMUP_STEPS if args.cuda_graphs and on_gpu else 1

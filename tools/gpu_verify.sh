@@ -59,7 +59,7 @@ for what in $WHAT; do
       for mode in cuda-graphs no-cuda-graphs; do
         python3 finetune_optimized.py $common --steps 30 --log-every 10 --$mode \
           --json "$OUTDIR/lora1.5b_$mode.json" 2>&1 | tee "$OUTDIR/lora1.5b_$mode.log" | tail -9
-        python3 profile_baseline.py $common --steps 3 --trace-dir "$OUTDIR/traces" --$mode \
+        python3 profile_baseline.py $common --packing --steps 3 --trace-dir "$OUTDIR/traces" --$mode \
           --use-custom-rmsnorm --use-custom-swiglu --use-custom-rope --use-custom-flce --use-custom-adamw 2>&1 \
           | tee "$OUTDIR/profile_lora1.5b_$mode.log" | tail -22
       done ;;

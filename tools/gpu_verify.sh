@@ -62,7 +62,12 @@ for what in $WHAT; do
         python3 profile_baseline.py $common --packing --steps 3 --trace-dir "$OUTDIR/traces" --$mode \
           --use-custom-rmsnorm --use-custom-swiglu --use-custom-rope --use-custom-flce --use-custom-adamw 2>&1 \
           | tee "$OUTDIR/profile_lora1.5b_$mode.log" | tail -22
-      done ;;
+      done
+      # Padded (the baseline's batches): no 3 s steps now that cuDNN's attention is off for them.
+      python3 finetune_optimized.py $common --no-packing --steps 25 --log-every 1 \
+        --json "$OUTDIR/padded_optimized.json" 2>&1 | tee "$OUTDIR/padded_optimized.log" | tail -7
+      python3 finetune_baseline.py $common --steps 25 --log-every 1 \
+        --json "$OUTDIR/padded_baseline.json" 2>&1 | tee "$OUTDIR/padded_baseline.log" | tail -7 ;;
     *) echo "unknown step: $what (tests bench e2e compile profile maxseq graphs)"; exit 2 ;;
   esac
 done

@@ -304,6 +304,25 @@ def test_triton_adamw_staged_steps_are_eager_steps(monkeypatch):
     assert eager_steps == staged_steps == [4, 4, 4]
 
 
+def test_resumed_optimizer_stays_capturable():
+    """An eager run's checkpoint loaded into a run with CUDA graphs: its float lr and
+    capturable=False come back with the param groups, and are put right."""
+    p = torch.nn.Parameter(torch.ones(3))
+    eager = torch.optim.AdamW([p], lr=1e-3)
+    p.grad = torch.ones(3)
+    eager.step()
+    graphed = torch.optim.AdamW([p], lr=torch.tensor(1e-3), capturable=True)
+    graphed.load_state_dict(eager.state_dict())
+    assert graphed.param_groups[0]["capturable"] is False and not torch.is_tensor(graphed.param_groups[0]["lr"])
+    training.keep_capturable(graphed)
+    group = graphed.param_groups[0]
+    assert group["capturable"] is True and torch.is_tensor(group["lr"]) and float(group["lr"]) == pytest.approx(1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(graphed, lambda step: 0.5)
+    lr = group["lr"]
+    scheduler.step()
+    assert group["lr"] is lr and float(lr) == pytest.approx(5e-4)  # written into the same tensor a graph reads
+
+
 def test_triton_adamw_accepts_capturable():
     p = torch.nn.Parameter(torch.ones(3, device=DEVICE))
     TritonAdamW([p], lr=1e-3, capturable=True)

@@ -142,6 +142,21 @@ def step_function(args, model, optimizer, loss_fn, scheduler, graphs):
     )
 
 
+def keep_capturable(optimizer):
+    """After a checkpoint was loaded into a PyTorch AdamW made for CUDA graphs
+    (pytorch_adamw(capturable=True)): load_state_dict takes the param groups as
+    saved, and one saved by an eager run holds a float learning rate and
+    capturable=False. A replayed graph would then keep the captured step's rate
+    for ever: the groups are made capturable again, the rate a GPU tensor that the
+    schedule writes into. (TritonAdamW keeps floats: it stages them itself.)"""
+    if not isinstance(optimizer, torch.optim.AdamW):
+        return
+    for group in optimizer.param_groups:
+        group["capturable"] = True
+        if not torch.is_tensor(group["lr"]):
+            group["lr"] = torch.tensor(group["lr"], dtype=torch.float32, device=group["params"][0].device)
+
+
 def use_cuda_graphs(args, model, data):
     """Whether this run's step is captured in a CUDA graph (--cuda-graphs, and
     nothing that rules it out: cuda_graphs.reason_to_stay_eager). Prints the choice;
@@ -670,6 +685,8 @@ def run_finetune(args, title, script, switch_in):
     print_schedule(args)
     if resumed:
         checkpoints.load_checkpoint(args.resume, model, optimizer, scheduler)
+        if graphs:
+            keep_capturable(optimizer)
         print(f"Resumed:       {args.resume}: step {resumed['step']} of {args.warmup_steps + args.steps} done")
     with stop_on_signals():  # SIGINT, SIGTERM: finish the step, save, write, exit 128 + signal
         results = run_training(args, model, loss_fn, optimizer, data, scheduler, resumed, graphs)

@@ -228,7 +228,7 @@ def apply_kernels(model, kernels):
         if count == 0:
             raise nothing_found("swiglu", "gated MLPs to replace", model,
                                 "it looks for modules named *MLP with gate_proj, up_proj and down_proj, or "
-                                "gate_up_proj and down_proj, gated by SiLU or tanh-GELU")
+                                "gate_up_proj and down_proj, and MoE experts modules, gated by SiLU or tanh-GELU")
         print(f"Custom swiglu: replaced {count} gated MLPs with TritonLlamaMLP (fused SwiGLU / GeGLU)")
         # The projections are the MLP's own modules, LoRA layers included; only a
         # plain nn.Linear down_proj lets the MLP recompute h instead of storing it.

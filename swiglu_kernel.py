@@ -15,8 +15,8 @@ Every LLaMA decoder layer ends with a gated MLP. For a token's hidden vector x
 The three projections are matrix multiplications and stay on cuBLAS (plain
 ``nn.Linear``). This step fuses what sits between them, ``silu(gate) * up``,
 the "SwiGLU" activation, into one kernel for the forward pass and one for the
-backward pass. The same kernels serve Gemma's GeGLU and Phi-3's fused gate_up
-projection (sections below).
+backward pass. The same kernels serve Gemma's GeGLU, Phi-3's fused gate_up
+projection and the experts of MoE layers (sections below).
 
 Dtype behaviour, reproduced exactly: for bf16/fp16 tensors PyTorch evaluates
 silu in float32 and rounds the result to the input dtype; the multiply by ``up``
@@ -150,6 +150,7 @@ Nothing runs on import. See swiglu_test.py for the checks.
 """
 
 import functools
+import types
 from typing import Optional
 
 import torch
@@ -963,6 +964,86 @@ def replace_swiglu(model):
     are found). Each MLP class is first checked against its replacement
     (check_same_mlp): one that computes something else raises SwapMismatch and
     the model is left unchanged. kernel_common.swap_modules does the swapping.
+    The experts of MoE layers keep their module, with the kernel as its gate
+    (fuse_expert_gates); each counts as one.
     """
-    return swap_modules(model, lambda m: triton_mlp_class(m) is not None,
-                        lambda m: triton_mlp_class(m).from_mlp(m), check=check_same_mlp)
+    experts = checked_expert_gates(model)  # all checks before any change
+    count = swap_modules(model, lambda m: triton_mlp_class(m) is not None,
+                         lambda m: triton_mlp_class(m).from_mlp(m), check=check_same_mlp)
+    return count + fuse_expert_gates(experts)
+
+
+# --------------------------------------------------------------------------------
+# Mixture-of-experts layers (Mixtral, Qwen3-MoE, ... in transformers 5)
+# --------------------------------------------------------------------------------
+# The experts of an MoE layer are one module with 3-D weights: gate_up_proj
+# [E, 2I, H] (each expert's gate and up rows, concatenated) and down_proj [E, H, I].
+# Its forward gathers the tokens routed to each expert, multiplies them by that
+# expert's slice of gate_up_proj (transformers' grouped or batched matrix products,
+# its default "experts implementation"), and calls ``self._apply_gate`` on the
+# [S, 2I] result: act(gate) * up, the gated activation of a dense MLP, over all
+# routed tokens at once. So the fused kernel goes in there, reading the two halves
+# in place (the fused gate_up layout above), and the products stay transformers'.
+# transformers' "eager" experts implementation writes act(gate) * up inline instead
+# of calling _apply_gate: with it nothing could be fused, and the swap is refused.
+def experts_activation(experts):
+    """The kernels' activation of a transformers experts module whose gate can be
+    fused ("silu" or "gelu_tanh"), or None for any other module."""
+    if not (hasattr(experts, "_apply_gate") and getattr(experts, "has_gate", False)
+            and getattr(experts, "is_concatenated", False)):
+        return None
+    gate_up = getattr(experts, "gate_up_proj", None)
+    if not isinstance(gate_up, torch.Tensor) or gate_up.dim() != 3:
+        return None
+    return module_activation(experts)
+
+
+def _fused_expert_gate(experts, gate_up_out):
+    """``_apply_gate`` of a patched experts module: act(gate) * up of [S, 2I], fused."""
+    return gated_activation(gate_up_out, None, experts.fused_activation)
+
+
+def check_same_expert_gate(experts, activation):
+    """Raise SwapMismatch unless the fused gate computes the module's own _apply_gate
+    (a family may clamp or reorder the halves under the same names), on random rows
+    of [CHECK_ROWS, 2I] in the module's dtype, to check_same_mlp's tolerance; and
+    unless the module's forward calls _apply_gate at all."""
+    name = type(experts).__name__
+    implementation = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+    if implementation in (None, "eager"):
+        raise SwapMismatch(f"{name} runs transformers' eager experts implementation, which computes act(gate) * up "
+                           f"inline; load the model with experts_implementation='grouped_mm' (the default)")
+    weight = experts.gate_up_proj
+    if weight.is_meta:
+        return
+    x = torch.randn(CHECK_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.device,
+                                                                                             weight.dtype)
+    with torch.no_grad():
+        theirs = type(experts)._apply_gate(experts, x)
+        kernels_run_here = x.device.type == "cuda" or (x.device.type == "cpu" and INTERPRET)
+        gate, up = x.chunk(2, dim=-1)
+        ours = gated_activation(x, None, activation) if kernels_run_here else REFERENCES[activation](gate, up)
+    if not isinstance(theirs, torch.Tensor) or theirs.shape != ours.shape:
+        raise SwapMismatch(f"{name}._apply_gate does not return act(gate) * up of its [S, 2I] input")
+    difference = (ours.double() - theirs.double()).abs().max().item()
+    tolerance = max(torch.finfo(ours.dtype).eps, MIN_TOLERANCE) * theirs.double().abs().max().item()
+    if not difference <= tolerance:
+        raise SwapMismatch(f"{name}._apply_gate computes something else than the fused gate "
+                           f"(max difference {difference:.2g} on a random input)")
+
+
+def checked_expert_gates(model):
+    """[(experts module, activation)] of ``model``, each checked (check_same_expert_gate)."""
+    found = [(m, experts_activation(m)) for m in model.modules() if experts_activation(m) is not None]
+    for experts, activation in found:
+        check_same_expert_gate(experts, activation)
+    return found
+
+
+def fuse_expert_gates(found):
+    """Fuse the gated activation of each checked experts module (checked_expert_gates):
+    it keeps its weights and forward, its ``_apply_gate`` becomes the kernel."""
+    for experts, activation in found:
+        experts.fused_activation = activation
+        experts._apply_gate = types.MethodType(_fused_expert_gate, experts)
+    return len(found)

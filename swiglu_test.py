@@ -24,6 +24,7 @@ import torch
 
 from conftest import DEVICE, DTYPES, check_outputs, need_gpu, rel_err
 from kernel_common import SwapMismatch
+import swiglu_kernel
 from swiglu_kernel import (
     TritonGateUpMLP,
     TritonLlamaMLP,
@@ -790,6 +791,59 @@ def test_create_graph_is_refused():
     gate.requires_grad_()
     with pytest.raises(RuntimeError, match="swiglu/geglu: create_graph=True"):
         torch.autograd.grad(swiglu(gate, up).sum(), gate, create_graph=True)
+
+
+# --------------------------------------------------------------------------------
+# MoE experts: the fused gate inside transformers' experts module
+# --------------------------------------------------------------------------------
+def _tiny_moe(model_type, **extra):
+    import models
+    from tools.family_matrix import family_config
+    torch.manual_seed(0)
+    config = family_config(model_type, {"num_experts_per_tok": 2, **extra})
+    return models.build_random(config, torch.device(DEVICE), torch.float32)
+
+
+MOE = [("mixtral", {"num_local_experts": 4}), ("qwen3_moe", {"num_experts": 4, "moe_intermediate_size": 64})]
+
+
+@pytest.mark.parametrize("model_type, extra", MOE, ids=[m[0] for m in MOE])
+def test_experts_gate_is_fused_and_used(model_type, extra, monkeypatch):
+    model = _tiny_moe(model_type, **extra)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    reference = model(ids).logits
+    experts = [m for m in model.modules() if swiglu_kernel.experts_activation(m)]
+    assert len(experts) == model.config.num_hidden_layers
+    count = replace_swiglu(model)
+    assert count >= len(experts)
+    calls = []
+    real = swiglu_kernel.gated_activation
+    monkeypatch.setattr(swiglu_kernel, "gated_activation", lambda *a: calls.append(a[0].shape) or real(*a))
+    torch.testing.assert_close(model(ids).logits, reference, rtol=1e-5, atol=1e-5)
+    # Every layer's experts ran the kernel on the [S, 2I] output of their grouped products.
+    assert len(calls) >= len(experts) and all(shape[-1] == experts[0].gate_up_proj.shape[1] for shape in calls)
+
+
+def test_experts_eager_implementation_refused():
+    model = _tiny_moe("mixtral", num_local_experts=4)
+    model.config._experts_implementation = "eager"
+    with pytest.raises(SwapMismatch, match="eager experts implementation"):
+        replace_swiglu(model)
+    assert all(m._apply_gate.__func__ is not swiglu_kernel._fused_expert_gate
+               for m in model.modules() if swiglu_kernel.experts_activation(m))
+
+
+def test_experts_with_another_gate_refused(monkeypatch):
+    model = _tiny_moe("mixtral", num_local_experts=4)
+    experts = next(m for m in model.modules() if swiglu_kernel.experts_activation(m))
+
+    def clamped(self, gate_up_out):  # a family that clamps its gate, under the same names
+        gate, up = gate_up_out.chunk(2, dim=-1)
+        return self.act_fn(gate.clamp(max=0.5)) * up
+    monkeypatch.setattr(type(experts), "_apply_gate", clamped)
+    with pytest.raises(SwapMismatch, match="computes something else than the fused gate"):
+        replace_swiglu(model)
+    assert not any(isinstance(m, swiglu_kernel.TritonLlamaMLP) for m in model.modules())  # nothing changed
 
 
 if __name__ == "__main__":

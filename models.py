@@ -104,9 +104,38 @@ def qwen25_1_5b_config():
     )
 
 
+def gemma2_2b_config():
+    """google/gemma-2-2b (its config.json as code): the family benchmark of Step 16, with
+    soft-capped attention (eager attention) and logits, GeGLU and (1 + w) RMSNorm."""
+    from transformers import Gemma2Config
+
+    return Gemma2Config(
+        vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=8192,
+        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256, sliding_window=4096,
+        pad_token_id=0, bos_token_id=2, eos_token_id=1,
+    )
+
+
+def phi3_mini_config():
+    """microsoft/Phi-3-mini-4k-instruct (its config.json as code): one fused gate_up_proj
+    per MLP, one qkv_proj per attention."""
+    from transformers import Phi3Config
+
+    return Phi3Config(
+        vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, hidden_act="silu", max_position_embeddings=4096,
+        original_max_position_embeddings=4096, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, sliding_window=2047,
+        tie_word_embeddings=False, pad_token_id=32000, bos_token_id=1, eos_token_id=32000,
+    )
+
+
 # Configs known without the hub, by hub id; a local folder with the same name counts too.
 BUNDLED_CONFIGS = {flags.DEFAULT_MODEL: llama31_8b_config, "meta-llama/Llama-3.1-70B": llama31_70b_config,
-                   "Qwen/Qwen2.5-1.5B": qwen25_1_5b_config}
+                   "Qwen/Qwen2.5-1.5B": qwen25_1_5b_config, "google/gemma-2-2b": gemma2_2b_config,
+                   "microsoft/Phi-3-mini-4k-instruct": phi3_mini_config}
 
 
 def tiny_config():

@@ -2,7 +2,7 @@
 # Re-measure what README.md and results/ report, on a CUDA machine, in one go.
 #
 #   bash tools/gpu_verify.sh [OUTDIR] [WHAT...]
-#     WHAT: tests bench e2e compile profile maxseq graphs (default: tests bench e2e)
+#     WHAT: tests bench e2e compile profile maxseq graphs families (default: tests bench e2e)
 #
 # Each step's full output goes to OUTDIR (default gpu_logs/), together with the
 # JSON the scripts write, and OUTDIR/logs.tgz bundles them. Wheels placed in
@@ -68,7 +68,20 @@ for what in $WHAT; do
         --json "$OUTDIR/padded_optimized.json" 2>&1 | tee "$OUTDIR/padded_optimized.log" | tail -7
       python3 finetune_baseline.py $common --steps 25 --log-every 1 \
         --json "$OUTDIR/padded_baseline.json" 2>&1 | tee "$OUTDIR/padded_baseline.log" | tail -7 ;;
-    *) echo "unknown step: $what (tests bench e2e compile profile maxseq graphs)"; exit 2 ;;
+    families)
+      # Step 16's family rows: published architectures, random weights, full fine-tuning, one shape each;
+      # HF, HF with Liger's own patch for the family (needs liger-kernel in .whl/), ours.
+      for spec in "google/gemma-2-2b 4 1024" "microsoft/Phi-3-mini-4k-instruct 4 2048"; do
+        set -- $spec
+        tag=$(basename "$1")
+        for run in baseline: baseline:--liger optimized:; do
+          script=${run%%:*}; extra=${run#*:}; name=$script${extra#--}
+          python3 finetune_$script.py $extra --model "$1" --random-init --dataset synthetic --batch-size "$2" \
+            --seq-len "$3" --steps 8 --log-every 4 --json "$OUTDIR/family_${tag}_$name.json" 2>&1 \
+            | tee "$OUTDIR/family_${tag}_$name.log" | tail -6
+        done
+      done ;;
+    *) echo "unknown step: $what (tests bench e2e compile profile maxseq graphs families)"; exit 2 ;;
   esac
 done
 tar czf "$OUTDIR/logs.tgz" --exclude=logs.tgz --exclude=traces -C "$OUTDIR" .

@@ -77,6 +77,10 @@ def reason_to_stay_eager(args, model, data):
         return "--lora-4bit: bitsandbytes' 4-bit layers are not known to be capturable"
     if any(getattr(config, name, None) for name in ("num_local_experts", "num_experts")):
         return f"{config.model_type} routes tokens to experts with host-side indexing (a host sync per layer)"
+    if getattr(config, "_attn_implementation", None) == "eager":
+        # transformers' eager attention (Gemma-2's soft-capped scores) builds its mask
+        # from torch.tensor(0.0, device=...) in every forward: a host-to-device copy.
+        return f"{config.model_type} needs transformers' eager attention, whose mask is copied from the host"
     return None
 
 

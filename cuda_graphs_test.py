@@ -80,6 +80,7 @@ class _Model:
     ({"lora_4bit": True}, {}, "--lora-4bit"),
     ({}, {"num_local_experts": 8}, "experts"),
     ({}, {"num_experts": 4}, "experts"),
+    ({}, {"_attn_implementation": "eager"}, "eager attention"),
 ])
 def test_reasons_to_stay_eager(monkeypatch, changes, config, words):
     monkeypatch.setattr(cuda_graphs.torch.cuda, "is_available", lambda: True)

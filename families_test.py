@@ -16,6 +16,7 @@ Usage:
 import contextlib
 import copy
 import io
+import os
 import sys
 
 import pytest
@@ -100,6 +101,16 @@ def test_family_kernels_compute_the_baseline(label, model_type, extra):
         for name, p in base.named_parameters():
             assert_close(f"{label} {list(kernels)} after a step: {name}", ours_params[name].detach(), p.detach())
     assert EXPECTED[label] <= set(went_in), f"{label}: {sorted(EXPECTED[label] - set(went_in))} no longer go in"
+
+
+
+def test_readme_holds_the_generated_matrix():
+    from tools.family_matrix import matrix, readme_matrix, summary
+
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")) as f:
+        text = f.read()
+    assert readme_matrix(text) == summary(matrix()), \
+        "README's family table is not what the code does now: run python tools/family_matrix.py --readme"
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ tool's output. Losses against the baseline are tested in families_test.py.
 Usage:
     python tools/family_matrix.py                       # markdown table
     python tools/family_matrix.py --json matrix.json
+    python tools/family_matrix.py --readme              # its summary into README.md (families_test.py checks it)
 """
 
 import argparse
@@ -55,8 +56,41 @@ def family_config(model_type, extra):
     return transformers.AutoConfig.for_model(model_type, **TINY, **extra)
 
 
+def variants(model):
+    """What each kernel computes for this family, read from the model after every
+    kernel that goes in was switched in: the RMSNorm's weight and casting order, the
+    gated activation and its layout, how much of each head RoPE turns, the fused
+    loss's logit transform."""
+    from finetune_optimized import logit_multiplier
+    from rmsnorm_kernel import TritonRMSNorm
+    from swiglu_kernel import TritonGateUpMLP, TritonLlamaMLP
+
+    found = []
+    norms = {(m.weight_offset, m.cast_first) for m in model.modules() if isinstance(m, TritonRMSNorm)}
+    for offset, cast_first in sorted(norms):
+        weight = "1 + w" if offset == 1.0 else "w"
+        found.append(f"RMSNorm {weight} ({'cast, then weight' if cast_first else 'float32, cast last'})")
+    names = {"silu": "SwiGLU", "gelu_tanh": "GeGLU"}
+    mlps = {(names[m.activation], "one gate_up_proj" if isinstance(m, TritonGateUpMLP) else "")
+            for m in model.modules() if isinstance(m, TritonLlamaMLP)}
+    mlps |= {(names[m.fused_activation], "MoE experts") for m in model.modules() if hasattr(m, "fused_activation")}
+    found += [f"{act} ({layout})" if layout else act for act, layout in sorted(mlps)]
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    partial = getattr(config, "partial_rotary_factor", None)
+    if partial and partial < 1.0:
+        found.append(f"RoPE on {int(head_dim * partial)} of {head_dim} dims")
+    scale = logit_multiplier(config)
+    if scale != 1.0:
+        found.append(f"logits x {scale:g}")
+    if getattr(config, "final_logit_softcapping", None):
+        found.append(f"logits soft-capped at {config.final_logit_softcapping:g}")
+    return "; ".join(found)
+
+
 def matrix():
-    """{label: {"model_type", "attention", kernel: None (on) or the refusal}}, every kernel alone."""
+    """{label: {"model_type", "attention", kernel: None (on) or the refusal, "variants"}},
+    every kernel alone, then all that went in together for the variants."""
     rows = {}
     for label, model_type, extra in FAMILIES:
         torch.manual_seed(0)
@@ -69,6 +103,9 @@ def matrix():
                 row[kernel] = None
             except SystemExit as e:
                 row[kernel] = str(e.code).removeprefix("error: ")
+        with contextlib.redirect_stdout(io.StringIO()):
+            apply_kernels(model, {k: True for k in flags.KERNELS if row[k] is None})
+        row["variants"] = variants(model)
         rows[label] = row
     return rows
 
@@ -76,8 +113,8 @@ def matrix():
 def markdown(rows):
     """The matrix as a markdown table; each refusal once, numbered, under it."""
     reasons = []
-    lines = ["| family (`model_type`) | attention | " + " | ".join(flags.KERNELS) + " |",
-             "|---|---|" + "---|" * len(flags.KERNELS)]
+    lines = ["| family (`model_type`) | attention | " + " | ".join(flags.KERNELS) + " | variants |",
+             "|---|---|" + "---|" * (len(flags.KERNELS) + 1)]
     for label, row in rows.items():
         cells = []
         for kernel in flags.KERNELS:
@@ -87,15 +124,48 @@ def markdown(rows):
                 if row[kernel] not in reasons:
                     reasons.append(row[kernel])
                 cells.append(f"refused ({reasons.index(row[kernel]) + 1})")
-        lines.append(f"| {label} (`{row['model_type']}`) | {row['attention']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label} (`{row['model_type']}`) | {row['attention']} | " + " | ".join(cells)
+                     + f" | {row['variants'] or '-'} |")
     lines.append("")
     lines += [f"({i}) {reason}" for i, reason in enumerate(reasons, start=1)]
     return "\n".join(lines)
 
 
+def summary(rows):
+    """The matrix in fewer lines for README: families with the same kernels, variants
+    and attention in one row, then the reasons of the refusals."""
+    reasons, groups = [], {}
+    for label, row in rows.items():
+        refused = []
+        for kernel in flags.KERNELS:
+            if row[kernel] is not None:
+                if row[kernel] not in reasons:
+                    reasons.append(row[kernel])
+                refused.append(f"{kernel} ({reasons.index(row[kernel]) + 1})")
+        kernels = "all but " + ", ".join(refused) if refused else f"all {len(flags.KERNELS)}"
+        variants = row["variants"] + ("; eager attention" if row["attention"] != "sdpa" else "")
+        groups.setdefault((kernels, variants), []).append(label)
+    lines = ["| families | kernels | variants |", "|---|---|---|"]
+    lines += [f"| {', '.join(labels)} | {kernels} | {variants or '-'} |" for (kernels, variants), labels in groups.items()]
+    lines.append("")
+    lines += [f"({i}) {reason}" for i, reason in enumerate(reasons, start=1)]
+    return "\n".join(lines)
+
+
+README_START = "<!-- tools/family_matrix.py: start -->"
+README_END = "<!-- tools/family_matrix.py: end -->"
+
+
+def readme_matrix(text):
+    """The matrix as README holds it, between the two markers."""
+    return text.split(README_START, 1)[1].split(README_END, 1)[0].strip()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="PATH", help="write the matrix here")
+    parser.add_argument("--readme", action="store_true",
+                        help="write its summary (summary()) into README.md, between the markers")
     args = parser.parse_args(argv)
     if args.json:
         args.json = flags.check_output_path(args.json, "--json", suffix=".json")
@@ -106,6 +176,14 @@ def main(argv=None):
     if args.json:
         flags.write_json_atomic(args.json, {"environment": env, "kernels": list(flags.KERNELS), "families": rows})
         print(f"\nWrote {args.json}")
+    if args.readme:
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+        with open(path) as f:
+            text = f.read()
+        text = text.replace(readme_matrix(text), summary(rows))
+        with open(path, "w") as f:
+            f.write(text)
+        print(f"Wrote the table into {path}")
     return rows
 
 

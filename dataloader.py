@@ -56,7 +56,8 @@ IGNORE_INDEX = -100  # HF's label value for "no loss at this position"
 #   position_ids    [B, T] int64 or None   packing: restart at 0 in every example;
 #                                  None: the model counts 0, 1, 2, ... itself
 #   attention_mask  None, [B, T] (1 = real token, padding) or [B, 1, T, T] bool
-#                   (packing: True where query t may attend to key s)
+#                   (packing: True where query t may attend to key s; None with the
+#                   attention kernel, which reads the examples from position_ids)
 #   num_tokens      int: B * T, the token slots the model computes
 #   num_real_tokens int: the slots that hold real tokens, not padding
 # The two counts are Python ints, known without asking the GPU (no sync).
@@ -447,8 +448,12 @@ class StepBatches(torch.utils.data.Dataset):
     epoch in the examples' own order (the held-out set), the last batch may be short.
     """
 
-    def __init__(self, examples, batch_size, seq_len, packing, seed, pad_id, endless=True, rank=0, ranks=1):
+    def __init__(self, examples, batch_size, seq_len, packing, seed, pad_id, endless=True, rank=0, ranks=1,
+                 dense_mask=True):
         self.examples, self.batch_size, self.seq_len = examples, batch_size, seq_len
+        # Packing without a dense mask: the attention kernel reads the documents from
+        # the position ids (flags.document_attention), and no [B, 1, T, T] is built.
+        self.dense_mask = dense_mask
         # --fsdp: step k's global batch is rows k*N*B ... of N ranks x B rows; this
         # process (rank r of N) takes its slice, rows k*N*B + r*B ... + B - 1.
         self.rank, self.ranks = rank, ranks
@@ -528,7 +533,7 @@ class StepBatches(torch.utils.data.Dataset):
             document[b, t:] = len(row)
         real = sum(sum(row) for row in lengths)
         if self.packing:
-            attention_mask = block_causal_mask(document)
+            attention_mask = block_causal_mask(document) if self.dense_mask else None
         else:
             # Padding: one example per row, padded on the right, so the model's own
             # positions 0, 1, 2, ... are right and a [B, T] mask hides the padding.
@@ -590,7 +595,7 @@ def training_batches(args, data, device, vocab_size, start_step=0):
         stream = itertools.islice(stream, first, None)
     else:
         dataset = StepBatches(data.train, args.batch_size, args.seq_len, args.packing, args.seed, data.pad_id,
-                              rank=rank, ranks=ranks)
+                              rank=rank, ranks=ranks, dense_mask=not flags.document_attention(args))
         stream = (batch_to(batch, device) for batch in loader(dataset, itertools.count(first), args))
     while True:
         yield [next(stream) for _ in range(accum)]
@@ -609,6 +614,6 @@ def held_out_batches(args, data, device, vocab_size):
     if not data.held_out:
         return []
     dataset = StepBatches(data.held_out, args.batch_size, args.seq_len, args.packing, args.seed, data.pad_id,
-                          endless=False)
+                          endless=False, dense_mask=not flags.document_attention(args))
     count = dataset.num_batches() if limit is None else min(limit, dataset.num_batches())
     return [batch_to(batch, device) for batch in loader(dataset, range(count), args)]

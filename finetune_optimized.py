@@ -19,6 +19,9 @@ are active:
   (linear_cross_entropy_kernel.py, step 13): the [B, T, V] logits are never
   built. It supersedes ``--use-custom-ce`` (the fused loss on the model's logits,
   cross_entropy_kernel.py), which is what runs with ``--no-use-custom-flce``.
+* ``--use-custom-attention``: flash attention that reads each token's example from
+  the position ids (attention_kernel.py, Step 21): packed batches carry no mask, and
+  no work is done across examples. On by default with packed real data.
 * ``--use-custom-adamw``: the fused Triton AdamW step (adamw_kernel.py) instead of
   PyTorch's fused AdamW, with the same hyperparameters.
 
@@ -67,6 +70,7 @@ import dataloader
 import models
 import training
 from adamw_kernel import TritonAdamW
+from attention_kernel import use_packed_attention
 from cross_entropy_kernel import cross_entropy
 from kernel_common import SwapMismatch
 from linear_cross_entropy_kernel import fused_linear_cross_entropy
@@ -262,6 +266,14 @@ def apply_kernels(model, kernels):
                                 "it looks for *Attention modules whose python module defines it")
         print(f"Custom rope:   fused RoPE in {count} attention modules")
         active.append("rope")
+
+    # Attention: HF's layers call their attention function by name (the config's
+    # _attn_implementation); ours is registered under a name of its own. It reads
+    # each token's example from the position ids, so packed batches need no mask.
+    if kernels.get("attention"):
+        count = refuse_mismatch("attention", use_packed_attention, model)
+        print(f"Custom attn:   flash attention within each packed example in {count} attention layers (no mask)")
+        active.append("attention")
 
     # AdamW: a different optimizer class with the same defaults and signature
     # (one launch per parameter tensor, the update fused into one pass over memory).

@@ -162,8 +162,9 @@ def test_json_fields(runs):
                 "tokens_per_sec", "time_per_step_s", "peak_memory_bytes", "peak_memory_kind", "warmup_steps"):
         assert key in doc, key
     assert doc["script"] == "finetune_optimized.py"
-    assert doc["kernels"] == {"rmsnorm": True, "swiglu": True, "rope": True, "ce": True, "flce": True,
-                               "adamw": True}
+    # Synthetic rows are one document each: the attention kernel stays off by default (packed real data only).
+    assert doc["kernels"] == {"rmsnorm": True, "swiglu": True, "rope": True, "attention": False, "ce": True,
+                              "flce": True, "adamw": True}
     assert doc["config"]["seq_len"] == 32 and doc["config"]["batch_size"] == 2 and doc["config"]["tiny"] is True
     for key in ("device", "gpu", "python", "torch", "triton", "transformers", "cuda", "date"):
         assert key in doc["environment"], key

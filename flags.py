@@ -306,11 +306,14 @@ def add_model_args(parser, custom_kernels_default=False, packing_default=False):
     )
     k = parser.add_argument_group("custom Triton kernels")
     for name, help_text in KERNEL_FLAGS.items():
+        # The attention kernel pays off where it skips what documents never see:
+        # on by default only for packed real data (None: decided by kernels_from_args).
+        default = None if name == "attention" and custom_kernels_default else custom_kernels_default
         k.add_argument(
             f"--use-custom-{name}",
             action=argparse.BooleanOptionalAction,
-            default=custom_kernels_default,
-            help=f"{help_text} (default: %(default)s)",
+            default=default,
+            help=f"{help_text} (default: {'on with packed real data' if default is None else default})",
         )
     return parser
 
@@ -321,6 +324,8 @@ KERNEL_FLAGS = {
     "rmsnorm": "replace every RMSNorm module with TritonRMSNorm",
     "swiglu": "replace every gated MLP with one whose act(gate) * up is the fused Triton SwiGLU (GeGLU for Gemma)",
     "rope": "rotary position embedding with the fused Triton kernel, inside this model's forward only",
+    "attention": "flash attention in Triton that takes the documents of a packed row from the position ids: "
+                 "no T x T mask, no work across documents",
     "ce": "compute the loss with the Triton cross-entropy on the model's logits",
     "flce": "fused linear cross-entropy: LM head + loss in chunks, the logits are never built "
             "(supersedes --use-custom-ce)",
@@ -331,7 +336,16 @@ KERNELS = tuple(KERNEL_FLAGS)
 
 def kernels_from_args(args):
     """{kernel name: on/off} from the --use-custom-* flags."""
-    return {name: getattr(args, f"use_custom_{name}") for name in KERNELS}
+    kernels = {name: getattr(args, f"use_custom_{name}", False) for name in KERNELS}
+    if kernels["attention"] is None:  # the default of finetune_optimized.py: with packed real data
+        kernels["attention"] = bool(getattr(args, "packing", False)) and getattr(args, "dataset", None) != SYNTHETIC
+    return kernels
+
+
+def document_attention(args):
+    """Whether batches leave the attention mask out (the attention kernel reads the
+    documents from the position ids) instead of carrying a dense [B, 1, T, T] one."""
+    return bool(getattr(args, "packing", False)) and kernels_from_args(args)["attention"]
 
 
 # Defaults on a CPU, where the Triton kernels run in the interpreter (about 10 s

@@ -89,13 +89,13 @@ def variants(model):
 
 
 def matrix():
-    """{label: {"model_type", "attention", kernel: None (on) or the refusal, "variants"}},
+    """{label: {"model_type", "attn_implementation", kernel: None (on) or the refusal, "variants"}},
     every kernel alone, then all that went in together for the variants."""
     rows = {}
     for label, model_type, extra in FAMILIES:
         torch.manual_seed(0)
         model = models.build_random(family_config(model_type, extra), torch.device("cpu"), torch.float32)
-        row = {"model_type": model_type, "attention": model.config._attn_implementation}
+        row = {"model_type": model_type, "attn_implementation": model.config._attn_implementation}
         for kernel in flags.KERNELS:
             try:
                 with contextlib.redirect_stdout(io.StringIO()):
@@ -113,7 +113,7 @@ def matrix():
 def markdown(rows):
     """The matrix as a markdown table; each refusal once, numbered, under it."""
     reasons = []
-    lines = ["| family (`model_type`) | attention | " + " | ".join(flags.KERNELS) + " | variants |",
+    lines = ["| family (`model_type`) | HF attention | " + " | ".join(flags.KERNELS) + " | variants |",
              "|---|---|" + "---|" * (len(flags.KERNELS) + 1)]
     for label, row in rows.items():
         cells = []
@@ -124,7 +124,7 @@ def markdown(rows):
                 if row[kernel] not in reasons:
                     reasons.append(row[kernel])
                 cells.append(f"refused ({reasons.index(row[kernel]) + 1})")
-        lines.append(f"| {label} (`{row['model_type']}`) | {row['attention']} | " + " | ".join(cells)
+        lines.append(f"| {label} (`{row['model_type']}`) | {row['attn_implementation']} | " + " | ".join(cells)
                      + f" | {row['variants'] or '-'} |")
     lines.append("")
     lines += [f"({i}) {reason}" for i, reason in enumerate(reasons, start=1)]
@@ -143,7 +143,7 @@ def summary(rows):
                     reasons.append(row[kernel])
                 refused.append(f"{kernel} ({reasons.index(row[kernel]) + 1})")
         kernels = "all but " + ", ".join(refused) if refused else f"all {len(flags.KERNELS)}"
-        variants = row["variants"] + ("; eager attention" if row["attention"] != "sdpa" else "")
+        variants = row["variants"] + ("; eager attention" if row["attn_implementation"] != "sdpa" else "")
         groups.setdefault((kernels, variants), []).append(label)
     lines = ["| families | kernels | variants |", "|---|---|---|"]
     lines += [f"| {', '.join(labels)} | {kernels} | {variants or '-'} |" for (kernels, variants), labels in groups.items()]

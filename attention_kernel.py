@@ -1,0 +1,610 @@
+"""
+Step 21 -- Attention for packed batches: flash attention in Triton that never
+looks across documents.
+
+What it computes
+----------------
+A packed row holds several documents (instruction examples) end to end. Each
+token attends to the earlier tokens of its own document and to itself, never to
+another document. With ``s`` the first position of token i's document::
+
+    out_i = sum_{j = s..i} softmax_j(scale * q_i . k_j) v_j
+
+per head, with grouped-query attention (GQA: 32 query heads sharing 8 key/value
+heads in LLaMA-3-8B; query head h reads key/value head h // (Hq / Hkv)).
+
+Why a kernel
+------------
+PyTorch's SDPA knows one causal shape. For documents it needs an explicit
+boolean mask ``[B, 1, T, T]`` (dataloader.block_causal_mask), which costs B·T²
+bytes (1 GiB for one 32K row), rules out SDPA's flash backend and computes every
+query-key pair of the T x T square, including all pairs of different documents
+the mask then throws away. With the bundled data's ~100-token examples in a
+16K row, under 1% of the causal triangle is inside a document.
+
+Flash attention (Dao et al.) streams over key tiles with an online softmax:
+for each block of BLOCK_M queries it keeps the running maximum m, the running sum
+l of exp(s - m) and the running output, rescaled whenever m grows, so the
+T x T scores never reach memory. What we add is where the loop starts. Documents
+are contiguous, so the keys any query of a tile may see start at the document
+start of the tile's *first* query (the smallest one) and end at the tile's last
+query: the key loop runs over exactly those tiles, and a tile of queries deep in
+a 100-token document reads two or three key tiles instead of the whole prefix.
+The boundaries come in as one int32 per token (``doc_start``: the position where
+its document starts), which the batch already implies (position ids restart at
+0 with each document: ``doc_start = t - position_id``). No mask exists anywhere.
+
+FlexAttention (PyTorch) reaches the same skipping differently: a ``BlockMask``
+built ahead of time lists, per query tile, the key tiles that are full, partial
+or empty, from a ``mask_mod`` function that torch.compile inlines into a
+generated flash kernel. Ours has the document structure built in: the key range
+of a query tile is two loads (no block mask to build and keep, no compilation),
+and it cannot express other masks (sliding windows, prefix-LM).
+
+Memory traffic: the forward reads q once and each needed k, v tile once per
+query tile, writes the output and one float32 log-sum-exp per row and head
+(the backward recomputes the probabilities from it instead of storing them).
+The FLOPs counted in benchmarks are those of the visible pairs only.
+
+The backward (FlashAttention-2's): with P = softmax(S), S = scale · Q K^T, and
+the upstream dO::
+
+    dV = P^T dO            dP = dO V^T
+    dS = P * (dP - delta)  delta_i = sum_d dO_id O_id   (= sum_j P_ij dP_ij)
+    dQ = scale · dS K      dK = scale · dS^T Q
+
+One kernel walks the key tiles (dK, dV: for key tile j, the query tiles from j to
+the end of the document of its last key, for every query head of the group, so
+no two programs write the same dK row), one walks the query tiles (dQ, the
+forward's loop). ``delta`` is one PyTorch reduction before them.
+
+Triton concepts new in this step
+--------------------------------
+* ``tl.dot`` on tiles: the matrix units (tensor cores), float32 accumulation
+  from bf16/fp16 tiles; for float32 inputs ``input_precision="ieee"`` keeps
+  full float32 (the default would round to TF32).
+* A loop with bounds computed at run time from data (``range(lo, hi, BLOCK_N)``):
+  every program does only the work its documents need.
+* exp2 instead of exp: the scores are scaled by log2(e) once, so each softmax
+  element is one ``ex2`` instruction.
+
+Nothing runs on import. See attention_test.py for the checks.
+"""
+
+import math
+
+import torch
+
+# First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
+from kernel_common import (
+    IN_INTERPRETER, INTERPRET, SUPPORTED_DTYPES, SwapMismatch, cast_to, cdiv, check_kernel_device, exp, fast_launch,
+    first_order_only, kernel_op, log, next_power_of_2,
+)
+
+import triton
+import triton.language as tl
+
+
+# --------------------------------------------------------------------------------
+# The reference: plain softmax attention, document by document
+# --------------------------------------------------------------------------------
+def document_starts(position_ids):
+    """[B, T] position ids that restart at 0 with every document (packing) -> [B, T]
+    int32, the position where each token's document starts. Positions that count on
+    from 0 in one piece (one document per row) give 0 everywhere."""
+    t = torch.arange(position_ids.shape[-1], device=position_ids.device)
+    return (t - position_ids).clamp(min=0).minimum(t).to(torch.int32)
+
+
+def document_ends(doc_start):
+    """[B, T] document starts -> [B, T] int32, one past the last position of each
+    token's document (the next start, or T). No host sync: a reversed running minimum."""
+    T = doc_start.shape[-1]
+    t = torch.arange(T, device=doc_start.device)
+    begins = torch.where(doc_start == t, t, T)  # a document begins where a token is its own start
+    after = torch.cat([begins[..., 1:], torch.full_like(begins[..., :1], T)], dim=-1)
+    return torch.flip(torch.cummin(torch.flip(after, [-1]), dim=-1).values, [-1]).to(torch.int32)
+
+
+def attention_reference(q, k, v, doc_start, scale, window=0):
+    """The truth: q [B, Hq, T, D], k, v [B, Hkv, T, D], doc_start [B, T]; per row and
+    head, softmax(scale q k^T) v over the visible keys (same document, not later,
+    and with a sliding ``window`` > 0 fewer than ``window`` positions back).
+    In the inputs' dtype, float64 for the truth. Returns [B, Hq, T, D]."""
+    B, Hq, T, D = q.shape
+    group = Hq // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    t = torch.arange(T, device=q.device)
+    visible = (t[None, :, None] >= t[None, None, :]) & (t[None, None, :] >= doc_start[:, :, None].long())
+    if window:
+        visible &= t[None, None, :] > t[None, :, None] - window
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+# --------------------------------------------------------------------------------
+# Forward: one program per (query tile, batch row and query head)
+# --------------------------------------------------------------------------------
+@triton.jit
+def _scores(q, k, DOT_PRECISION: tl.constexpr):
+    # q [BM, D], k [BN, D] -> q k^T [BM, BN] in float32. The interpreter multiplies
+    # in float32 (NumPy); on the GPU bf16 tiles go to the tensor cores.
+    if IN_INTERPRETER:
+        return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+    else:
+        return tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _matmul(a, b, DOT_PRECISION: tl.constexpr):
+    # a [M, K], b [K, N], same dtype -> [M, N] float32.
+    if IN_INTERPRETER:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _exp(x, PRECISE: tl.constexpr):
+    # The scores arrive pre-scaled for this: by scale * log2(e) for exp2, one fast
+    # ex2 instruction per element (16-bit inputs); by scale alone for float32
+    # inputs, whose exp must be float32-accurate, as PyTorch's is (an error in the
+    # exponent becomes a relative error of the probability).
+    if PRECISE:
+        return exp(x, True)
+    else:
+        return tl.exp2(x)
+
+
+@triton.jit
+def _log(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return log(x)
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def _tile_for_dot(x, like):
+    # A float32 tile (probabilities, dS) for a product with ``like``'s 16-bit tiles:
+    # rounded to their dtype on the GPU, as every flash kernel does (the tensor
+    # cores take both operands in one dtype); kept in float32 in the interpreter.
+    if IN_INTERPRETER:
+        return x
+    else:
+        return x.to(like.dtype)
+
+
+@fast_launch
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V,  # [B, Hq, T, D], [B, Hkv, T, D] x 2: any strides, contiguous last dim
+    O,  # [B, T, Hq, D] contiguous: the layout HF's attention returns (no transpose copy after)
+    LSE,  # [B, Hq, T] float32: the log-sum-exp of the scaled scores (log2 units with exp2), for backward
+    DOC_START,  # [B, T] int32: where each token's document starts
+    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+    T, HQ, GROUP, scale_log2,  # scale * log2(e) (16-bit inputs, exp2) or scale (float32, exp): see _exp
+    WINDOW,  # a sliding window: keys fewer than WINDOW positions back (T: none)
+    D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    kvh = h // GROUP  # GQA: the key/value head this query head reads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, DP)  # the head dim, padded to a power of two (Phi-3: 96 -> 128)
+    d_ok = offs_d < D
+    row_ok = offs_m < T
+
+    q = tl.load(Q + b.to(tl.int64) * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    starts = tl.load(DOC_START + b * T + offs_m, mask=row_ok, other=0)
+    # The key range of this tile: from the document start of its first query (the
+    # smallest, documents being contiguous), rounded down to a tile, to its last query.
+    first = tl.maximum(tl.load(DOC_START + b * T + pid_m * BLOCK_M), pid_m * BLOCK_M - WINDOW + 1)
+    lo = (first // BLOCK_N) * BLOCK_N
+    hi = tl.minimum((pid_m + 1) * BLOCK_M, T)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DP], tl.float32)
+    k_base = K + b.to(tl.int64) * sk_b + kvh * sk_h
+    v_base = V + b.to(tl.int64) * sv_b + kvh * sv_h
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < T
+        k = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        s = _scores(q, k, DOT_PRECISION) * scale_log2
+        # Visible: not later than the query, not before its document's start.
+        visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] >= starts[:, None]) \
+            & (offs_n[None, :] > offs_m[:, None] - WINDOW)
+        s = tl.where(visible, s, float("-inf"))
+        # Online softmax: a new maximum rescales what was summed so far.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that sees nothing in this tile yet (its document starts further on)
+        # keeps m = -inf; subtracting 0 instead gives exp2(-inf) = 0, not NaN.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = _exp(s - m_sub[:, None], PRECISE)
+        alpha = _exp(m_i - m_sub, PRECISE)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _matmul(_tile_for_dot(p, v), v, DOT_PRECISION)
+        m_i = m_new
+
+    # Every query sees itself, so l_i >= 1 on the rows that exist.
+    out = acc / l_i[:, None]
+    tl.store(O + ((b.to(tl.int64) * T + offs_m[:, None]) * HQ + h) * D + offs_d[None, :],
+             cast_to(out, O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(LSE + bh.to(tl.int64) * T + offs_m, m_i + _log(l_i, PRECISE), mask=row_ok)
+
+
+# --------------------------------------------------------------------------------
+# Backward, dK and dV: one program per (key tile, batch row and key/value head)
+# --------------------------------------------------------------------------------
+@fast_launch
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V,  # as in the forward
+    DO,  # [B, T, Hq, D]: the output's gradient, in the output's layout (any strides, contiguous last dim)
+    LSE, DELTA,  # [B, Hq, T] float32: the forward's log2-sum-exp; rowsum(dO * O)
+    DOC_START, DOC_END,  # [B, T] int32
+    DK, DV,  # [B, Hkv, T, D] contiguous, written
+    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_t, sdo_h,
+    T, HQ, HKV, GROUP, scale_log2, scale, WINDOW,
+    D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    bkv = tl.program_id(1)
+    b = bkv // HKV
+    kvh = bkv % HKV
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, DP)  # the head dim, padded to a power of two (Phi-3: 96 -> 128)
+    d_ok = offs_d < D
+    col_ok = offs_n < T
+    k = tl.load(K + b.to(tl.int64) * sk_b + kvh * sk_h + offs_n[:, None] * sk_t + offs_d[None, :],
+                mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+    v = tl.load(V + b.to(tl.int64) * sv_b + kvh * sv_h + offs_n[:, None] * sv_t + offs_d[None, :],
+                mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+    dk = tl.zeros([BLOCK_N, DP], tl.float32)
+    dv = tl.zeros([BLOCK_N, DP], tl.float32)
+    # The queries that may see these keys: from the first key on (causal), to the
+    # end of the document of the last key (documents are contiguous).
+    last_key = tl.minimum((pid_n + 1) * BLOCK_N, T) - 1
+    lo = ((pid_n * BLOCK_N) // BLOCK_M) * BLOCK_M
+    hi = tl.minimum(tl.load(DOC_END + b * T + last_key), last_key + WINDOW)
+    for g in range(0, GROUP):  # every query head that reads this key/value head
+        h = kvh * GROUP + g
+        q_base = Q + b.to(tl.int64) * sq_b + h * sq_h
+        do_base = DO + b.to(tl.int64) * sdo_b + h * sdo_h
+        row_base = (b * HQ + h).to(tl.int64) * T
+        for start_m in range(lo, hi, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < T
+            q = tl.load(q_base + offs_m[:, None] * sq_t + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * sdo_t + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
+            starts = tl.load(DOC_START + b * T + offs_m, mask=row_ok, other=0)
+            visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] >= starts[:, None]) \
+                & (offs_n[None, :] > offs_m[:, None] - WINDOW) & row_ok[:, None]
+            # The probabilities again, from the saved log-sum-exp: P = exp2(S * log2 e - lse).
+            p = tl.where(visible, _exp(_scores(q, k, DOT_PRECISION) * scale_log2 - lse[:, None], PRECISE), 0.0)
+            dv += _matmul(_tile_for_dot(tl.trans(p), do), do, DOT_PRECISION)
+            dp = _scores(do, v, DOT_PRECISION)  # dO V^T
+            # A query that sees only itself (an example of one token) has P = 1, and
+            # dS = 1 * (dP - dP) = 0 exactly; from delta = dO . O it would be rounding noise.
+            ds = tl.where(starts[:, None] == offs_m[:, None], 0.0, p * (dp - delta[:, None]))
+            dk += _matmul(_tile_for_dot(tl.trans(ds), q), q, DOT_PRECISION)
+    out = (b * HKV + kvh).to(tl.int64) * T * D + offs_n[:, None] * D + offs_d[None, :]
+    tl.store(DK + out, cast_to(dk * scale, DK.dtype.element_ty), mask=col_ok[:, None] & d_ok[None, :])
+    tl.store(DV + out, cast_to(dv, DV.dtype.element_ty), mask=col_ok[:, None] & d_ok[None, :])
+
+
+# --------------------------------------------------------------------------------
+# Backward, dQ: one program per (query tile, batch row and query head), the forward's loop
+# --------------------------------------------------------------------------------
+@fast_launch
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DOC_START,
+    DQ,  # [B, Hq, T, D] contiguous, written
+    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_t, sdo_h,
+    T, HQ, GROUP, scale_log2, scale, WINDOW,
+    D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    kvh = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, DP)  # the head dim, padded to a power of two (Phi-3: 96 -> 128)
+    d_ok = offs_d < D
+    row_ok = offs_m < T
+    q = tl.load(Q + b.to(tl.int64) * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * sdo_b + h * sdo_h + offs_m[:, None] * sdo_t + offs_d[None, :],
+                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    lse = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + bh.to(tl.int64) * T + offs_m, mask=row_ok, other=0.0)
+    starts = tl.load(DOC_START + b * T + offs_m, mask=row_ok, other=0)
+    first = tl.maximum(tl.load(DOC_START + b * T + pid_m * BLOCK_M), pid_m * BLOCK_M - WINDOW + 1)
+    lo = (first // BLOCK_N) * BLOCK_N
+    hi = tl.minimum((pid_m + 1) * BLOCK_M, T)
+    dq = tl.zeros([BLOCK_M, DP], tl.float32)
+    k_base = K + b.to(tl.int64) * sk_b + kvh * sk_h
+    v_base = V + b.to(tl.int64) * sv_b + kvh * sv_h
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < T
+        k = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] >= starts[:, None]) \
+            & (offs_n[None, :] > offs_m[:, None] - WINDOW)
+        p = tl.where(visible, _exp(_scores(q, k, DOT_PRECISION) * scale_log2 - lse[:, None], PRECISE), 0.0)
+        ds = tl.where(starts[:, None] == offs_m[:, None], 0.0, p * (_scores(do, v, DOT_PRECISION) - delta[:, None]))
+        dq += _matmul(_tile_for_dot(ds, k), k, DOT_PRECISION)
+    tl.store(DQ + bh.to(tl.int64) * T * D + offs_m[:, None] * D + offs_d[None, :],
+             cast_to(dq * scale, DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+# --------------------------------------------------------------------------------
+# Launch configuration and checks
+# --------------------------------------------------------------------------------
+# Tiles: 64 x 64 keeps a [64, 128] float32 accumulator, the q tile and a k and v
+# tile in registers with 4 warps; the backward holds two accumulators (dK, dV).
+# The interpreter runs every program in Python: 16 x 16 tiles, so that small test
+# rows still cross several tiles and document boundaries inside tiles.
+def _config(d):
+    if INTERPRET:
+        return 16, 16, 4
+    return 64, 64, 4 if d <= 64 else 8
+
+
+MAX_HEAD_DIM = 256
+LOG2_E = math.log2(math.e)
+
+
+def _check(q, k, v, doc_start, name="attention"):
+    for what, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name}: {what} must be a [B, H, T, D] tensor, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}: unsupported {what} dtype {t.dtype}; use float32, float16 or bfloat16")
+    B, Hq, T, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[2] != T or k.shape[3] != D:
+        raise ValueError(f"{name}: k {tuple(k.shape)} and v {tuple(v.shape)} must be [B, Hkv, T, D] with q's "
+                         f"B, T, D ({tuple(q.shape)})")
+    if Hq % k.shape[1]:
+        raise ValueError(f"{name}: {Hq} query heads cannot share {k.shape[1]} key/value heads (GQA needs a divisor)")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise TypeError(f"{name}: q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"{name}: head dim {D} is not supported (1 to {MAX_HEAD_DIM})")
+    if not isinstance(doc_start, torch.Tensor) or tuple(doc_start.shape) != (B, T) or doc_start.dtype != torch.int32:
+        what = f"{doc_start.dtype} {tuple(doc_start.shape)}" if isinstance(doc_start, torch.Tensor) else "none"
+        raise ValueError(f"{name}: doc_start must be an int32 [B, T] = [{B}, {T}] tensor (document_starts), "
+                         f"got {what}")
+    check_kernel_device(q, k, v, doc_start)
+
+
+def _last_dim_contiguous(t):
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _score_scale(scale, dtype):
+    """What the kernels multiply q k^T by before _exp: scale * log2(e) for exp2, or scale."""
+    return scale if dtype == torch.float32 else scale * LOG2_E
+
+
+def _precision(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32: ignored for 16-bit tiles
+
+
+# --------------------------------------------------------------------------------
+# The launchers, registered as operators (kernel_common.kernel_op)
+# --------------------------------------------------------------------------------
+def _attention_forward_fake(q, k, v, doc_start, scale, window):
+    B, Hq, T, D = q.shape
+    return q.new_empty(B, T, Hq, D), q.new_empty(B, Hq, T, dtype=torch.float32)
+
+
+@kernel_op("attention_forward", fake=_attention_forward_fake)
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_start: torch.Tensor,
+                      scale: float, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, T, Hq, D], lse [B, Hq, T] float32) of q [B, Hq, T, D], k, v [B, Hkv, T, D]."""
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    B, Hq, T, D = q.shape
+    out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    block_m, block_n, warps = _config(D)
+    _attn_fwd_kernel[(cdiv(T, block_m), B * Hq)](
+        q, k, v, out, lse, doc_start,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        T, Hq, Hq // k.shape[1], _score_scale(scale, q.dtype), window or T,
+        D=D, DP=max(16, next_power_of_2(D)), BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_precision(q.dtype),
+        PRECISE=q.dtype == torch.float32, num_warps=warps,
+    )
+    return out, lse
+
+
+def _attention_backward_fake(dout, q, k, v, out, lse, doc_start, scale, window):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@kernel_op("attention_backward", fake=_attention_backward_fake)
+def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                       lse: torch.Tensor, doc_start: torch.Tensor, scale: float,
+                       window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in q's, k's, v's shapes (contiguous) from dout [B, T, Hq, D]."""
+    q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    dq = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
+    dk = torch.empty(B, Hkv, T, D, dtype=k.dtype, device=k.device)
+    dv = torch.empty(B, Hkv, T, D, dtype=v.dtype, device=v.device)
+    if dq.numel() == 0:
+        return dq, dk, dv
+    # delta_i = sum_d dO_id O_id, per row and head, [B, Hq, T] float32.
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
+    doc_end = document_ends(doc_start)
+    block_m, block_n, warps = _config(D)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
+    precision = _precision(q.dtype)
+    _attn_bwd_dkdv_kernel[(cdiv(T, block_n), B * Hkv)](
+        q, k, v, dout, lse, delta, doc_start, doc_end, dk, dv, *strides,
+        T, Hq, Hkv, Hq // Hkv, _score_scale(scale, q.dtype), scale, window or T,
+        D=D, DP=max(16, next_power_of_2(D)), BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision,
+        PRECISE=q.dtype == torch.float32, num_warps=warps,
+    )
+    _attn_bwd_dq_kernel[(cdiv(T, block_m), B * Hq)](
+        q, k, v, dout, lse, delta, doc_start, dq, *strides,
+        T, Hq, Hq // Hkv, _score_scale(scale, q.dtype), scale, window or T,
+        D=D, DP=max(16, next_power_of_2(D)), BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision,
+        PRECISE=q.dtype == torch.float32, num_warps=warps,
+    )
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------
+# Autograd
+# --------------------------------------------------------------------------------
+def _attention_save(ctx, inputs, output):
+    q, k, v, doc_start, scale, window = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, doc_start)
+    ctx.scale, ctx.window = scale, window
+    ctx.mark_non_differentiable(lse)
+
+
+def _attention_grads(ctx, dout, _dlse):
+    q, k, v, out, lse, doc_start = ctx.saved_tensors
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, doc_start, ctx.scale, ctx.window)
+    return dq, dk, dv, None, None, None
+
+
+class TritonAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, doc_start, scale, window):
+        output = attention_forward(q, k, v, doc_start, scale, window)
+        _attention_save(ctx, (q, k, v, doc_start, scale, window), output)
+        return output
+
+    @staticmethod
+    @first_order_only("attention")
+    def backward(ctx, dout, dlse):
+        return _attention_grads(ctx, dout, dlse)
+
+
+attention_forward.op.register_autograd(first_order_only("attention")(_attention_grads),
+                                       setup_context=_attention_save)
+
+
+def packed_attention(q, k, v, doc_start, scale=None, window=None):
+    """Causal attention inside documents: q [B, Hq, T, D], k, v [B, Hkv, T, D]
+    (bf16/fp16/fp32), doc_start [B, T] int32 (document_starts of the position ids).
+    Returns [B, T, Hq, D] (HF's attention output layout). Differentiable in q, k
+    and v. ``scale``: 1/sqrt(D) by default. ``window``: HF's sliding window (keys
+    fewer than ``window`` positions back), None or 0 for none."""
+    _check(q, k, v, doc_start)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    window = int(window or 0)
+    if window < 0:
+        raise ValueError(f"attention: window must be >= 0 (0: none), got {window}")
+    if torch.compiler.is_compiling():
+        return attention_forward.op(q, k, v, doc_start, scale, window)[0]
+    return TritonAttentionFunction.apply(q, k, v, doc_start, scale, window)[0]
+
+
+# --------------------------------------------------------------------------------
+# In a model: an attention function HF's layers call by name
+# --------------------------------------------------------------------------------
+# transformers looks each layer's attention up in AttentionInterface by the
+# config's _attn_implementation; "sdpa" is torch's. We register ours under NAME:
+# it takes what HF passes (q, k, v after RoPE, in [B, H, T, D]; the position ids
+# among the keyword arguments) and ignores the mask, which for a name with no mask
+# function registered HF does not build at all.
+NAME = "triton_packed"
+
+
+def hf_packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The attention function transformers calls under NAME (sdpa_attention_forward's signature)."""
+    if dropout:
+        raise ValueError(f"{NAME} attention has no dropout (attention_dropout {dropout}); set it to 0")
+    B, _, T, _ = query.shape
+    if kwargs.get("softcap"):
+        raise ValueError(f"{NAME} attention does not implement soft-capped scores (softcap {kwargs['softcap']})")
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        doc_start = torch.zeros(B, T, dtype=torch.int32, device=query.device)
+    else:
+        doc_start = document_starts(positions.expand(B, T))
+    return packed_attention(query, key, value, doc_start, scaling, kwargs.get("sliding_window")), None
+
+
+# A family's attention may do more than softmax(scale q k^T) v (soft-capped scores,
+# sliding windows, sink tokens, extra keyword arguments). So before the switch the
+# model runs a packed probe row both ways: two examples of 5 and 3 tokens, with its
+# own attention and the dense block mask, then with ours and only the position
+# ids. The logits must agree to one rounding of the model's dtype; anything else,
+# an error included, is a refusal in one line.
+PROBE_LENGTHS = (5, 3)
+
+
+@torch.no_grad()
+def check_same_attention(model, theirs_name):
+    """Raise SwapMismatch unless the model computes the same logits with NAME as with
+    ``theirs_name`` (its attention before the switch) on the packed probe row."""
+    weight = next(model.parameters())
+    if weight.is_meta:
+        return
+    positions = torch.cat([torch.arange(n) for n in PROBE_LENGTHS])[None].to(weight.device)
+    ids = (torch.arange(positions.shape[1], device=weight.device)[None] * 7 + 1) % model.config.vocab_size
+    document = torch.cat([torch.full((n,), d) for d, n in enumerate(PROBE_LENGTHS)]).to(weight.device)
+    t = torch.arange(positions.shape[1], device=weight.device)
+    mask = ((document[:, None] == document[None, :]) & (t[:, None] >= t[None, :]))[None, None]
+    was_training = model.training
+    model.eval()
+    try:
+        model.set_attn_implementation(theirs_name)
+        expected = model(input_ids=ids, position_ids=positions, attention_mask=mask).logits.float()
+        model.set_attn_implementation(NAME)
+        try:
+            got = model(input_ids=ids, position_ids=positions).logits.float()
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise SwapMismatch(f"{type(model).__name__}'s attention cannot run as {NAME} "
+                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    except SwapMismatch:
+        model.set_attn_implementation(theirs_name)
+        raise
+    finally:
+        model.train(was_training)
+    rounding = 1e-4 if weight.dtype == torch.float32 else 2**-6
+    if not torch.allclose(got, expected, rtol=rounding, atol=rounding * expected.abs().max().item()):
+        model.set_attn_implementation(theirs_name)
+        raise SwapMismatch(f"{type(model).__name__}'s attention computes something else than softmax(scale q k^T) v "
+                           f"within each example (max logit difference {(got - expected).abs().max().item():.2g})")
+
+
+def use_packed_attention(model):
+    """Make ``model``'s attention layers call ours (registered once under NAME), after
+    checking that it computes what theirs does (check_same_attention); return the
+    number of attention layers. Without a mask function registered for NAME, HF
+    builds no mask: the batch's position ids say where examples start."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, hf_packed_attention)
+    theirs = model.config._attn_implementation
+    check_same_attention(model, theirs)
+    model.set_attn_implementation(NAME)
+    return sum(1 for m in model.modules() if type(m).__name__.endswith("Attention"))

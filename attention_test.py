@@ -1,0 +1,244 @@
+"""
+Tests of the packed flash attention (attention_kernel.py, Step 21).
+
+* forward and the gradients of q, k and v against a float64 truth computed
+  document by document, no worse than twice PyTorch's error at the same dtype
+  (conftest.check_outputs): documents of length 1, one document filling the row,
+  many short ones, a padding tail (a document of its own), GQA ratios 1, 4 and 8,
+  head dims 16, 24 (padded to 32) and 64, rows that end inside a tile;
+* document starts and ends from position ids; bad input named in one line;
+* in a model: a packed batch without a mask gives the loss and gradients of the
+  dense-mask path (float32, 1e-4); families whose attention does more are
+  refused in one line; torch.compile (fullgraph) runs the operator;
+* on a GPU: bf16 rows of 1,024 tokens, head dim 128, GQA 4.
+
+Usage:
+    python -m pytest attention_test.py -v
+    python attention_test.py
+"""
+
+import contextlib
+import io
+import math
+import sys
+
+import pytest
+import torch
+
+from conftest import DEVICE, check_outputs, need_gpu
+
+import attention_kernel
+import dataloader
+import flags
+import models
+import training
+from attention_kernel import attention_reference, document_ends, document_starts, packed_attention
+from finetune_optimized import apply_kernels
+from tools.family_matrix import family_config
+
+
+def positions_of(rows, T):
+    """[B, T] position ids of rows of documents (lengths), the rest a padding document."""
+    out = torch.zeros(len(rows), T, dtype=torch.long)
+    for b, lengths in enumerate(rows):
+        pieces = [torch.arange(n) for n in lengths]
+        used = sum(lengths)
+        if used < T:
+            pieces.append(torch.arange(T - used))
+        out[b] = torch.cat(pieces)[:T]
+    return out
+
+
+def run(q, k, v, doc_start, dout, fn):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v, doc_start)
+    out.backward(dout)
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def ours(window=0):
+    return lambda q, k, v, doc_start: packed_attention(q, k, v, doc_start, window=window)
+
+
+def reference(window=0):
+    return lambda q, k, v, doc_start: attention_reference(q, k, v, doc_start, 1.0 / math.sqrt(q.shape[-1]),
+                                                          window).transpose(1, 2)
+
+
+CASES = {  # rows of document lengths, T, query heads, key/value heads, head dim, sliding window
+    "one document": ([[57]], 57, 4, 4, 16, 0),
+    "lengths of 1": ([[1] * 40], 40, 4, 1, 16, 0),
+    "many short, GQA 4": ([[3, 1, 9, 2, 17, 5, 11, 4]], 52, 8, 2, 16, 0),
+    "padding tail, GQA 8": ([[20, 13], [7, 30, 2]], 61, 8, 1, 16, 0),
+    "head dim 24": ([[16, 18, 1, 9]], 44, 4, 2, 24, 0),
+    "head dim 64, two rows": ([[33, 31], [64]], 64, 2, 1, 64, 0),
+    "sliding window 7": ([[40, 3, 17]], 60, 4, 2, 16, 7),
+    "sliding window 20, one document": ([[50]], 50, 2, 2, 16, 20),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_float64_truth(case, dtype):
+    rows, T, Hq, Hkv, D, window = CASES[case]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(len(rows), Hq, T, D, generator=g)
+    k = torch.randn(len(rows), Hkv, T, D, generator=g)
+    v = torch.randn(len(rows), Hkv, T, D, generator=g)
+    dout = torch.randn(len(rows), T, Hq, D, generator=g)
+    doc_start = document_starts(positions_of(rows, T)).to(DEVICE)
+    q, k, v, dout = (t.to(DEVICE, dtype) for t in (q, k, v, dout))
+    got = run(q, k, v, doc_start, dout, ours(window))
+    peer = run(q, k, v, doc_start, dout, reference(window))
+    truth = run(q.double(), k.double(), v.double(), doc_start, dout.double(), reference(window))
+    check_outputs(["out", "dq", "dk", "dv"], got, peer, truth)
+
+
+def test_non_contiguous_inputs_and_upstream_gradient():
+    """HF hands q, k, v as transposed views of [B, T, H, D] projections."""
+    g = torch.Generator().manual_seed(1)
+    B, T, Hq, Hkv, D = 2, 33, 4, 2, 16
+    q = torch.randn(B, T, Hq, D, generator=g).to(DEVICE).transpose(1, 2)
+    k = torch.randn(B, T, Hkv, D, generator=g).to(DEVICE).transpose(1, 2)
+    v = torch.randn(B, T, Hkv, D, generator=g).to(DEVICE).transpose(1, 2)
+    dout = torch.randn(B, T, Hq, 2 * D, generator=g).to(DEVICE)[..., ::2]  # strided last dim: copied
+    doc_start = document_starts(positions_of([[10, 23], [33]], T)).to(DEVICE)
+    got = run(q, k, v, doc_start, dout, ours())
+    want = run(q.contiguous(), k.contiguous(), v.contiguous(), doc_start, dout.contiguous(), ours())
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_document_starts_and_ends():
+    positions = positions_of([[3, 1, 4]], 10)  # a padding document of 2 at the end
+    starts = document_starts(positions)
+    assert starts.tolist() == [[0, 0, 0, 3, 4, 4, 4, 4, 8, 8]] and starts.dtype == torch.int32
+    assert document_ends(starts).tolist() == [[3, 3, 3, 4, 8, 8, 8, 8, 10, 10]]
+    assert document_starts(torch.arange(6)[None]).tolist() == [[0] * 6]  # one document: plain causal
+
+
+def test_bad_inputs():
+    q = torch.randn(1, 4, 8, 16, device=DEVICE)
+    k = torch.randn(1, 2, 8, 16, device=DEVICE)
+    starts = torch.zeros(1, 8, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="3 key/value heads"):
+        packed_attention(q, torch.randn(1, 3, 8, 16, device=DEVICE), torch.randn(1, 3, 8, 16, device=DEVICE), starts)
+    with pytest.raises(ValueError, match="must be \\[B, Hkv, T, D\\]"):
+        packed_attention(q, k, torch.randn(1, 2, 7, 16, device=DEVICE), starts)
+    with pytest.raises(TypeError, match="one dtype"):
+        packed_attention(q, k.double().float().half(), k.half(), starts)
+    with pytest.raises(ValueError, match="doc_start must be an int32"):
+        packed_attention(q, k, k, starts.long())
+    with pytest.raises(ValueError, match="head dim 300"):
+        packed_attention(torch.randn(1, 1, 2, 300), torch.randn(1, 1, 2, 300), torch.randn(1, 1, 2, 300),
+                         torch.zeros(1, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="must be a \\[B, H, T, D\\]"):
+        packed_attention(q[0], k, k, starts)
+
+
+# --------------------------------------------------------------------------------
+# In a model
+# --------------------------------------------------------------------------------
+def packed_batch(model, rows, T):
+    """A packed batch of random tokens with the dense block mask, as the dataloader makes it."""
+    g = torch.Generator().manual_seed(2)
+    positions = positions_of(rows, T)
+    document = (positions == 0).long().cumsum(-1)
+    ids = torch.randint(3, model.config.vocab_size, positions.shape, generator=g)
+    batch = dataloader.lm_batch(ids.to(DEVICE))
+    batch["position_ids"] = positions.to(DEVICE)
+    batch["attention_mask"] = dataloader.block_causal_mask(document).to(DEVICE)
+    return batch
+
+
+def loss_and_grads(model, loss_fn, batch):
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(model, batch)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("model_type, extra", [("llama", {}), ("qwen2", {}), ("phi3", {"pad_token_id": 0})])
+def test_packed_model_matches_the_dense_mask(model_type, extra):
+    torch.manual_seed(0)
+    model = models.build_random(family_config(model_type, extra), torch.device(DEVICE), torch.float32)
+    batch = packed_batch(model, [[9, 4, 13, 6], [20, 12]], 32)
+    want_loss, want_grads = loss_and_grads(model, training.hf_loss, batch)
+    with contextlib.redirect_stdout(io.StringIO()):
+        apply_kernels(model, {"attention": True})
+    assert model.config._attn_implementation == attention_kernel.NAME
+    maskless = {**batch, "attention_mask": None}  # what the dataloader gives with the kernel on
+    loss, grads = loss_and_grads(model, training.hf_loss, maskless)
+    assert abs(loss.item() - want_loss.item()) <= 1e-4
+    assert grads.keys() == want_grads.keys()
+    for name in grads:
+        scale = max(want_grads[name].abs().max().item(), 1.0)
+        assert (grads[name] - want_grads[name]).abs().max().item() <= 1e-4 * scale, name
+
+
+def test_sliding_window_model_matches_hf():
+    """A family with a sliding window shorter than the row (Mistral's config here): HF
+    builds its own sliding mask for an unpacked row; ours applies the same window."""
+    torch.manual_seed(0)
+    model = models.build_random(family_config("mistral", {"sliding_window": 8}), torch.device(DEVICE),
+                                torch.float32)
+    ids = torch.randint(3, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(5))
+    batch = dataloader.lm_batch(ids.to(DEVICE))
+    want_loss, want_grads = loss_and_grads(model, training.hf_loss, batch)
+    with contextlib.redirect_stdout(io.StringIO()):
+        apply_kernels(model, {"attention": True})
+    loss, grads = loss_and_grads(model, training.hf_loss, batch)
+    assert abs(loss.item() - want_loss.item()) <= 1e-4
+    for name in grads:
+        scale = max(want_grads[name].abs().max().item(), 1.0)
+        assert (grads[name] - want_grads[name]).abs().max().item() <= 1e-4 * scale, name
+
+
+def test_dataloader_leaves_the_mask_out():
+    args = flags.resolve_defaults(__import__("finetune_optimized").parse_args(["--tiny"]))
+    assert flags.kernels_from_args(args)["attention"] and flags.document_attention(args)
+    off = flags.resolve_defaults(__import__("finetune_optimized").parse_args(["--tiny", "--no-use-custom-attention"]))
+    assert not flags.document_attention(off)
+    synthetic = __import__("finetune_optimized").parse_args(["--tiny", "--dataset", "synthetic"])
+    assert not flags.kernels_from_args(synthetic)["attention"]  # one document per row: SDPA's own
+    baseline = __import__("finetune_baseline").parse_args(["--tiny", "--packing"])
+    assert not flags.document_attention(baseline)  # the baseline keeps the dense mask
+    data = dataloader.prepare_data(args, dataloader.load_records(args.dataset), 8192)
+    batch = dataloader.StepBatches(data.train, 2, 128, True, 0, data.pad_id, dense_mask=False)[0]
+    assert batch["attention_mask"] is None and batch["position_ids"] is not None
+
+
+def test_soft_capped_family_refused_in_one_line():
+    model = models.build_random(family_config("gemma2", {}), torch.device(DEVICE), torch.float32)
+    with pytest.raises(SystemExit) as e, contextlib.redirect_stdout(io.StringIO()):
+        apply_kernels(model, {"attention": True})
+    message = str(e.value.code)
+    assert message.startswith("error: --use-custom-attention:") and "soft-capped" in message and "\n" not in message
+    assert model.config._attn_implementation == "eager"  # left as it was
+
+
+def test_inside_torch_compile():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 24, 16, generator=g).to(DEVICE) for _ in range(3))
+    doc_start = document_starts(positions_of([[10, 14]], 24)).to(DEVICE)
+    compiled = torch.compile(packed_attention, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v, doc_start), packed_attention(q, k, v, doc_start), rtol=0, atol=0)
+
+
+def test_gpu_bf16_long_rows():
+    need_gpu()
+    g = torch.Generator().manual_seed(4)
+    B, T, Hq, Hkv, D = 2, 1024, 8, 2, 128
+    q = torch.randn(B, Hq, T, D, generator=g).cuda().bfloat16()
+    k = torch.randn(B, Hkv, T, D, generator=g).cuda().bfloat16()
+    v = torch.randn(B, Hkv, T, D, generator=g).cuda().bfloat16()
+    dout = torch.randn(B, T, Hq, D, generator=g).cuda().bfloat16()
+    doc_start = document_starts(positions_of([[100, 300, 7, 500, 117], [1024]], T)).cuda()
+    got = run(q, k, v, doc_start, dout, ours())
+    peer = run(q, k, v, doc_start, dout, reference())
+    truth = run(q.double(), k.double(), v.double(), doc_start, dout.double(), reference())
+    check_outputs(["out", "dq", "dk", "dv"], got, peer, truth)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

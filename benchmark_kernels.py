@@ -29,7 +29,9 @@ import torch.nn.functional as F
 
 # The kernel modules (and benchmark_peers) come before triton: without a GPU, kernel_common (which
 # they import first) switches on Triton's interpreter, and that must precede `import triton`.
-from benchmark_peers import (NOT_INSTALLED, PlaybookCrossEntropy, cut_cross_entropy, liger_cross_entropy, liger_flce,
+from attention_kernel import attention_reference, document_starts, packed_attention
+from benchmark_peers import (NOT_INSTALLED, PlaybookCrossEntropy, cut_cross_entropy, flex_document_attention,
+                             liger_cross_entropy, liger_flce,
                              liger_rmsnorm, liger_rope, liger_swiglu, playbook_rmsnorm, unavailable, version)
 from cross_entropy_kernel import cross_entropy, cross_entropy_reference
 from linear_cross_entropy_kernel import fused_linear_cross_entropy, linear_cross_entropy_reference
@@ -239,7 +241,8 @@ def rope_bytes(s):
     return {"fwd": 2 * qk + table, "fwdbwd": 4 * qk + 2 * table}
 
 
-ATTN = {"seq": 2048, "heads": 32, "kv_heads": 8, "head_dim": 128}  # LLaMA-3.1-8B
+ATTN_HEADS = {"heads": 32, "kv_heads": 8, "head_dim": 128}  # LLaMA-3.1-8B
+ATTN = {"seq": 2048, **ATTN_HEADS}
 ROPE = Spec(
     name="rope", title="RoPE",
     describe=lambda s: f"{s['heads']} query + {s['kv_heads']} key heads of {s['head_dim']}, seq {s['seq']:,}, bfloat16",
@@ -310,7 +313,85 @@ FLCE = Spec(
            "loss |err|: |loss - the same loss with hidden @ weight.T and the softmax in float64|."],
 )
 
-KERNELS = {spec.name: spec for spec in (RMSNORM, CROSS_ENTROPY, SWIGLU, ROPE, FLCE)}
+# --- Attention inside the documents of packed rows -------------------------------------
+def document_lengths(s):
+    """The documents of one row: one causal document, or lengths drawn uniformly from
+    s["docs"] = (shortest, longest) with a fixed seed until the row is full."""
+    if s["docs"] == "one":
+        return [s["seq"]]
+    gen, lengths = torch.Generator().manual_seed(0), []
+    while sum(lengths) < s["seq"]:
+        lengths.append(int(torch.randint(s["docs"][0], s["docs"][1] + 1, (1,), generator=gen)))
+    lengths[-1] -= sum(lengths) - s["seq"]
+    return lengths
+
+
+def attention_inputs(s):
+    b, t, d = s["batch"], s["seq"], s["head_dim"]
+    q = randn(b, t, s["heads"], d).transpose(1, 2).requires_grad_()  # HF's [B, H, T, D] views
+    k = randn(b, t, s["kv_heads"], d).transpose(1, 2).requires_grad_()
+    v = randn(b, t, s["kv_heads"], d).transpose(1, 2).requires_grad_()
+    positions = torch.cat([torch.arange(n) for n in document_lengths(s)]).expand(b, t).to(DEVICE)
+    return {"args": (q, k, v, document_starts(positions)), "wrt": (q, k, v),
+            "upstream": (randn(b, t, s["heads"], d),)}
+
+
+def visible_pairs(s):
+    """Query-key pairs inside the documents of all rows (the causal triangle of each)."""
+    return s["batch"] * sum(n * (n + 1) // 2 for n in document_lengths(s))
+
+
+def sdpa_documents():
+    """PyTorch SDPA: is_causal for one document per row (its flash kernel), else the dense
+    [B, 1, T, T] block mask (its memory-efficient kernel), built once per batch."""
+    masks = {}  # id(doc_start) -> the mask, or None for one document per row (decided once, no sync after)
+
+    def op(q, k, v, doc_start):
+        if id(doc_start) not in masks:
+            t = torch.arange(doc_start.shape[1], device=doc_start.device)
+            one = bool((doc_start == 0).all())
+            masks[id(doc_start)] = None if one else ((t[:, None] >= t[None, :]) & (t[None, :] >= doc_start[:, :, None]))[:, None]
+        mask = masks[id(doc_start)]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+        return out.transpose(1, 2)
+    return op
+
+
+def attention_truth(q, k, v, doc_start):
+    """Per query head in float64 (the whole [B, H, T, T] would not fit), as [B, T, Hq, D]."""
+    group, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
+    heads = [attention_reference(q[:, h:h + 1].double(), k[:, h // group:h // group + 1].double(),
+                                 v[:, h // group:h // group + 1].double(), doc_start, scale)
+             for h in range(q.shape[1])]
+    return torch.cat(heads, dim=1).transpose(1, 2)
+
+
+ATTENTION = Spec(
+    name="attention", title="Attention in packed rows",
+    describe=lambda s: f"{s['heads']} query + {s['kv_heads']} key/value heads of {s['head_dim']}, bfloat16",
+    shapes={"cpu": [{"tokens": 48, "batch": 1, "seq": 48, "heads": 4, "kv_heads": 2, "head_dim": 16, "docs": d}
+                    for d in ("one", [3, 20])],
+            "quick": [{"tokens": 4096, "batch": 1, "seq": 4096, **ATTN_HEADS, "docs": d} for d in ("one", [40, 200])],
+            "full": [{"tokens": 8192, "batch": 1, "seq": 8192, **ATTN_HEADS, "docs": "one"}]
+            + [{"tokens": 16384, "batch": 1, "seq": 16384, **ATTN_HEADS, "docs": d} for d in ([40, 200], [512, 4096])]},
+    make_inputs=attention_inputs,
+    providers={
+        "ours (Triton)": lambda: lambda q, k, v, doc_start: packed_attention(q, k, v, doc_start),
+        "PyTorch SDPA": sdpa_documents,
+        "FlexAttention (compiled)": flex_document_attention,
+    },
+    truth=attention_truth,
+    error_label="max |err|",
+    flops=lambda s: {p: k * s["heads"] * s["head_dim"] * visible_pairs(s) for p, k in (("fwd", 4), ("fwdbwd", 12))},
+    formula=["TFLOP/s counts the visible query-key pairs only (P = sum over documents of n(n+1)/2, heads Hq of D):",
+             "  fwd = 4*Hq*D*P (q k^T and p v), fwd+bwd = 3 x that. Rows: one causal document, or documents",
+             "  of random lengths (seeded) filling the row; a row is labelled by its tokens and documents."],
+    notes=["  Not counted: q, k, v, the document starts and the upstream gradient; SDPA's dense mask and",
+           "  FlexAttention's block mask are built on the first call and kept (not in the peak).",
+           "max |err|: the output vs the same attention per document in float64."],
+)
+
+KERNELS = {spec.name: spec for spec in (RMSNORM, CROSS_ENTROPY, SWIGLU, ROPE, FLCE, ATTENTION)}
 
 # --- Measuring: one provider at one shape, one JSON record ----------------------------
 def free_memory():
@@ -423,10 +504,18 @@ def measure_graph(spec, provider, shape, seed, rec, bench_ms):
             rec["messages"].append(CAPTURE["broken"])
 
 
+def shape_label(shape):
+    """A table row's shape: the token count, and for attention how many documents share it."""
+    if "docs" not in shape:
+        return f"{shape['tokens']:,}"
+    count = len(document_lengths(shape))
+    return f"{shape['tokens']:,} in {count} doc{'s' if count > 1 else ''}"
+
+
 def measure(spec, provider, shape, seed, truth, bench_ms):
     """Every number of one provider at one shape, as one JSON record. Never raises."""
     statuses = ("fwd_status", "fwdbwd_status", "graph_status", "memory_status")  # "ok", OOM, ERR, n/a (CPU), ...
-    rec = {"provider": provider, "shape": dict(shape), "label": f"{shape['tokens']:,}",
+    rec = {"provider": provider, "shape": dict(shape), "label": shape_label(shape),
            "bytes": spec.bytes and spec.bytes(shape), "flops": spec.flops and spec.flops(shape),
            **dict.fromkeys(statuses), "fwd_ms": None, "fwdbwd_ms": None, "graph_ms": None, "peak_extra_MB": None,
            "error": None, "first_fwd_s": None, "first_fwdbwd_s": None, "messages": []}
@@ -550,9 +639,11 @@ def footnotes(spec, shapes):
             lines.append(f"  N = {s['tokens']:>6,}: fwd {amount(b['fwd'] / 1e6)} MB, "
                          f"fwd+bwd {amount(b['fwdbwd'] / 1e6)} MB")
         if spec.flops:
-            f, logits = spec.flops(s), s["tokens"] * s["vocab"] * BYTES / 1e6
-            lines.append(f"  N = {s['tokens']:>6,}: fwd {amount(f['fwd'] / 1e9)} GFLOP, fwd+bwd "
-                         f"{amount(f['fwdbwd'] / 1e9)} GFLOP; the bf16 logits would be {amount(logits)} MB")
+            f = spec.flops(s)
+            logits = f"; the bf16 logits would be {amount(s['tokens'] * s['vocab'] * BYTES / 1e6)} MB" \
+                if "vocab" in s else ""
+            lines.append(f"  {shape_label(s)}: fwd {amount(f['fwd'] / 1e9)} GFLOP, fwd+bwd "
+                         f"{amount(f['fwdbwd'] / 1e9)} GFLOP{logits}")
     return lines + [
         "Peak extra memory (fwd+bwd): max_memory_allocated() in one forward + backward minus what was",
         "  allocated just before it.",

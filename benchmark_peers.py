@@ -70,8 +70,14 @@ def version(package):
         return None
 
 
+# Peers in PyTorch itself that need a GPU here (FlexAttention compiles to Triton kernels for CUDA).
+CUDA_ONLY = {"FlexAttention (compiled)"}
+
+
 def unavailable(provider):
     """None when ``provider`` can run here, else the word its cells show instead."""
+    if provider in CUDA_ONLY:
+        return None if torch.cuda.is_available() else SKIPPED_CPU
     if provider not in NEEDS:
         return None
     if version(NEEDS[provider]) is None:
@@ -114,6 +120,28 @@ def liger_flce():
 def cut_cross_entropy():
     # (hidden, weight, targets) with its defaults: the "cce" kernels, mean.
     return importlib.import_module("cut_cross_entropy").linear_cross_entropy
+
+
+# --- FlexAttention: PyTorch's compiled attention with a block mask ---------------------
+def flex_document_attention():
+    """op(q, k, v, doc_start) -> [B, T, Hq, D]: FlexAttention with a document mask. Its
+    BlockMask (which key tiles each query tile needs) is built on the first call for that
+    doc_start and reused, as a training loop would reuse it for a batch."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    attend = torch.compile(flex_attention)
+    cache = {}
+
+    def op(q, k, v, doc_start):
+        if id(doc_start) not in cache:
+            B, T = doc_start.shape
+            start = doc_start.long()
+
+            def document_causal(b, h, q_idx, kv_idx):
+                return (kv_idx <= q_idx) & (kv_idx >= start[b, q_idx])
+            cache[id(doc_start)] = create_block_mask(document_causal, B, None, T, T, device=q.device)
+        return attend(q, k, v, block_mask=cache[id(doc_start)], enable_gqa=True).transpose(1, 2)
+    return op
 
 
 # --- The playbook's design, as a peer --------------------------------------------------

@@ -438,7 +438,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_sta
 
 
 def _attention_backward_fake(dout, q, k, v, out, lse, doc_start, scale, window):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # Contiguous, as the launcher makes them (empty_like would copy q's strides: HF's q is a transposed view).
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 @kernel_op("attention_backward", fake=_attention_backward_fake)
@@ -544,6 +545,10 @@ def hf_packed_attention(module, query, key, value, attention_mask, scaling=None,
     B, _, T, _ = query.shape
     if kwargs.get("softcap"):
         raise ValueError(f"{NAME} attention does not implement soft-capped scores (softcap {kwargs['softcap']})")
+    device = query.device.type
+    if torch.is_autocast_enabled(device):  # as autocast runs SDPA: all three in its lower-precision dtype
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     positions = kwargs.get("position_ids")
     if positions is None:
         doc_start = torch.zeros(B, T, dtype=torch.int32, device=query.device)

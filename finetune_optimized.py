@@ -52,7 +52,7 @@ each --seq-len row, a block-diagonal attention mask and positions restarting at
 every example, so almost no slot is padding (--no-packing pads like the baseline).
 
 Without a GPU the default is a short run of the tiny LLaMA (1 warm-up + 3 steps of
-2 x 128 byte tokens, under a minute: the kernels run in Triton's interpreter); a
+2 x 128 byte tokens, about 80 s: the kernels run in Triton's interpreter); a
 run that will take more than two minutes prints an estimate after its first step,
 and Ctrl-C keeps the completed steps (--json marks them partial).
 

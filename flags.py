@@ -348,9 +348,9 @@ def document_attention(args):
     return bool(getattr(args, "packing", False)) and kernels_from_args(args)["attention"]
 
 
-# Defaults on a CPU, where the Triton kernels run in the interpreter (about 10 s
+# Defaults on a CPU, where the Triton kernels run in the interpreter (about 18 s
 # per step of 2 x 128 tokens for the tiny model with every kernel on a 2-core
-# laptop): the default run of either fine-tune script then ends within a minute,
+# laptop): the default run of either fine-tune script then ends in 1-2 minutes,
 # with the loss visibly falling. 128 tokens (for --tiny on a GPU too), because
 # without the model's own tokenizer every byte is a token (ByteTokenizer): room
 # for a short prompt and its answer.
@@ -367,7 +367,7 @@ def add_finetune_args(parser, cuda_graphs_default=False):
         "--steps",
         type=positive_int,
         help=f"timed training steps (default: 20, or {CPU_STEPS} without a GPU: with the Triton kernels in the "
-             f"interpreter the default CPU run then ends in about a minute)",
+             f"interpreter the default CPU run of finetune_optimized.py then takes 1-2 minutes)",
     )
     g.add_argument(
         "--warmup-steps",

@@ -445,6 +445,15 @@ def test_evaluate_is_the_token_weighted_mean_and_changes_nothing(tiny_model):
 
 
 def test_ctrl_c_during_the_update_is_held():
+    # Python's own Ctrl-C handler, whatever this process inherited (a shell's background job ignores SIGINT).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _ctrl_c_held()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _ctrl_c_held():
     with training.hold_interrupts():
         os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt inside the block
     with pytest.raises(KeyboardInterrupt):

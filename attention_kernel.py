@@ -106,6 +106,17 @@ def document_ends(doc_start):
     return torch.flip(torch.cummin(torch.flip(after, [-1]), dim=-1).values, [-1]).to(torch.int32)
 
 
+def visible_keys(doc_start, window=0):
+    """[B, T] document starts -> [B, T, T] bool, True where query t may attend to key
+    s: the same document, s <= t, and with a ``window`` > 0, s > t - window. The
+    dense mask the kernel never builds (the reference, the model probe and SDPA do)."""
+    t = torch.arange(doc_start.shape[-1], device=doc_start.device)
+    visible = (t[None, :, None] >= t[None, None, :]) & (t[None, None, :] >= doc_start[:, :, None].long())
+    if window:
+        visible &= t[None, None, :] > t[None, :, None] - window
+    return visible
+
+
 def attention_reference(q, k, v, doc_start, scale, window=0):
     """The truth: q [B, Hq, T, D], k, v [B, Hkv, T, D], doc_start [B, T]; per row and
     head, softmax(scale q k^T) v over the visible keys (same document, not later,
@@ -114,12 +125,8 @@ def attention_reference(q, k, v, doc_start, scale, window=0):
     B, Hq, T, D = q.shape
     group = Hq // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    t = torch.arange(T, device=q.device)
-    visible = (t[None, :, None] >= t[None, None, :]) & (t[None, None, :] >= doc_start[:, :, None].long())
-    if window:
-        visible &= t[None, None, :] > t[None, :, None] - window
     scores = (q @ k.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    scores = scores.masked_fill(~visible_keys(doc_start, window)[:, None], float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
 
 
@@ -575,9 +582,7 @@ def check_same_attention(model, theirs_name):
         return
     positions = torch.cat([torch.arange(n) for n in PROBE_LENGTHS])[None].to(weight.device)
     ids = (torch.arange(positions.shape[1], device=weight.device)[None] * 7 + 1) % model.config.vocab_size
-    document = torch.cat([torch.full((n,), d) for d, n in enumerate(PROBE_LENGTHS)]).to(weight.device)
-    t = torch.arange(positions.shape[1], device=weight.device)
-    mask = ((document[:, None] == document[None, :]) & (t[:, None] >= t[None, :]))[None, None]
+    mask = visible_keys(document_starts(positions))[:, None]
     was_training = model.training
     model.eval()
     try:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 # The kernel modules (and benchmark_peers) come before triton: without a GPU, kernel_common (which
 # they import first) switches on Triton's interpreter, and that must precede `import triton`.
-from attention_kernel import attention_reference, document_starts, packed_attention
+from attention_kernel import attention_reference, document_starts, packed_attention, visible_keys
 from benchmark_peers import (NOT_INSTALLED, PlaybookCrossEntropy, cut_cross_entropy, flex_document_attention,
                              liger_cross_entropy, liger_flce,
                              liger_rmsnorm, liger_rope, liger_swiglu, playbook_rmsnorm, unavailable, version)
@@ -348,9 +348,8 @@ def sdpa_documents():
 
     def op(q, k, v, doc_start):
         if id(doc_start) not in masks:
-            t = torch.arange(doc_start.shape[1], device=doc_start.device)
             one = bool((doc_start == 0).all())
-            masks[id(doc_start)] = None if one else ((t[:, None] >= t[None, :]) & (t[None, :] >= doc_start[:, :, None]))[:, None]
+            masks[id(doc_start)] = None if one else visible_keys(doc_start)[:, None]
         mask = masks[id(doc_start)]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         return out.transpose(1, 2)

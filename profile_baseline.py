@@ -444,6 +444,12 @@ def swap_in(new_dir, out_dir):
     shutil.rmtree(old_dir, ignore_errors=True)
 
 
+def warmup_steps(args):
+    """Unprofiled steps first: one (compilation, AdamW's state), or with --cuda-graphs on a
+    GPU the eager steps and the capture."""
+    return flags.GPU_WARMUP_STEPS if getattr(args, "cuda_graphs", False) and torch.cuda.is_available() else 1
+
+
 def profile_steps(args, model, step, batches, work_dir, name):
     """Warm-up steps (1; with --cuda-graphs, the eager steps and the capture), then
     ``args.steps`` steps timed without the profiler, then ``args.steps`` profiled
@@ -456,7 +462,7 @@ def profile_steps(args, model, step, batches, work_dir, name):
     the unprofiled steps, and the micro-batches of the last step.
     """
     on_gpu = torch.cuda.is_available()
-    warmup = flags.GPU_WARMUP_STEPS if getattr(args, "cuda_graphs", False) and on_gpu else 1
+    warmup = warmup_steps(args)
     if work_dir is None:  # --fsdp, ranks other than 0: train in step with rank 0, nothing recorded
         for _ in range(warmup + 2 * args.steps):
             step(next(batches))
@@ -564,7 +570,7 @@ def main(argv=None):
     models.avoid_per_shape_attention_plans(args, data)
     if args.lora:
         model = models.apply_lora(model, args)
-    warmup = flags.GPU_WARMUP_STEPS if args.cuda_graphs and on_gpu else 1
+    warmup = warmup_steps(args)
     print(f"Batch:         {args.batch_size} x {args.seq_len} tokens; {warmup} warm-up steps, {args.steps} timed "
           f"without the profiler, {args.steps} profiled")
     loss_fn, make_optimizer = apply_kernels(model, flags.kernels_from_args(args))

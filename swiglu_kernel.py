@@ -901,6 +901,15 @@ CHECK_ROWS = 4
 MIN_TOLERANCE = 8 * torch.finfo(torch.float32).eps
 
 
+def rounding_excess(ours, theirs):
+    """None when ``ours`` is ``theirs`` to one rounding of the output dtype at the size
+    of the largest element (at least 8 float32 ulps, above); else the max difference
+    (NaN never passes)."""
+    difference = (ours.double() - theirs.double()).abs().max().item()
+    tolerance = max(torch.finfo(ours.dtype).eps, MIN_TOLERANCE) * theirs.double().abs().max().item()
+    return None if difference <= tolerance else difference
+
+
 def _reference_output(mlp, x):
     """What ``mlp`` (ours) computes, with PyTorch's formula in place of the kernel
     (for a device the kernels cannot run on, as CPU tensors on a GPU machine: the
@@ -949,9 +958,8 @@ def check_same_mlp(original, new):
         what = (f"{tuple(theirs.shape)} {theirs.dtype}" if isinstance(theirs, torch.Tensor)
                 else type(theirs).__name__)
         raise SwapMismatch(f"{theirs_name} returns {what}, {ours_name} {tuple(ours.shape)} {ours.dtype}")
-    difference = (ours.double() - theirs.double()).abs().max().item()
-    tolerance = max(torch.finfo(ours.dtype).eps, MIN_TOLERANCE) * theirs.double().abs().max().item()
-    if not difference <= tolerance:  # NaN fails too
+    difference = rounding_excess(ours, theirs)
+    if difference is not None:
         raise SwapMismatch(f"{theirs_name} computes something else than {ours_name} "
                            f"(max difference {difference:.2g} on a random input)")
 
@@ -1025,9 +1033,8 @@ def check_same_expert_gate(experts, activation):
         ours = gated_activation(x, None, activation) if kernels_run_here else REFERENCES[activation](gate, up)
     if not isinstance(theirs, torch.Tensor) or theirs.shape != ours.shape:
         raise SwapMismatch(f"{name}._apply_gate does not return act(gate) * up of its [S, 2I] input")
-    difference = (ours.double() - theirs.double()).abs().max().item()
-    tolerance = max(torch.finfo(ours.dtype).eps, MIN_TOLERANCE) * theirs.double().abs().max().item()
-    if not difference <= tolerance:
+    difference = rounding_excess(ours, theirs)
+    if difference is not None:
         raise SwapMismatch(f"{name}._apply_gate computes something else than the fused gate "
                            f"(max difference {difference:.2g} on a random input)")
 

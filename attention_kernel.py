@@ -56,7 +56,13 @@ the upstream dO::
 One kernel walks the key tiles (dK, dV: for key tile j, the query tiles from j to
 the end of the document of its last key, for every query head of the group, so
 no two programs write the same dK row), one walks the query tiles (dQ, the
-forward's loop). ``delta`` is one PyTorch reduction before them.
+forward's loop). ``delta`` comes first, from a small kernel that reads O and dO once.
+
+Masks only where needed: in a query tile's key range, most tiles of a long
+document are seen whole by every query of the tile (inside the document, before
+the diagonal). Each loop runs in three pieces, the document's first tile and the
+diagonal with the mask, the run between them without it (``_split``); a
+``tl.constexpr`` flag compiles the loop body twice, once without the mask code.
 
 Triton concepts new in this step
 --------------------------------
@@ -131,7 +137,7 @@ def attention_reference(q, k, v, doc_start, scale, window=0):
 
 
 # --------------------------------------------------------------------------------
-# Forward: one program per (query tile, batch row and query head)
+# Tile helpers shared by the kernels
 # --------------------------------------------------------------------------------
 @triton.jit
 def _scores(q, k, DOT_PRECISION: tl.constexpr):
@@ -183,6 +189,85 @@ def _tile_for_dot(x, like):
         return x.to(like.dtype)
 
 
+@triton.jit
+def _rows(base, offs, stride, ok, offs_d, d_ok, MASK_ROWS: tl.constexpr):
+    # A [len(offs), DP] tile of a [.., T, D] tensor: rows ``offs``, the head dim
+    # padded to DP. Rows past T exist only in edge tiles (MASK_ROWS); the padded
+    # head-dim columns fold away when D is a power of two (d_ok is all-true then).
+    if MASK_ROWS:
+        return tl.load(base + offs[:, None] * stride + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        return tl.load(base + offs[:, None] * stride + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _visible(offs_m, offs_n, starts, WINDOW):
+    # Query offs_m may see key offs_n: not later, not before its document's start,
+    # and fewer than WINDOW positions back (WINDOW = T: no window).
+    return (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] >= starts[:, None]) \
+        & (offs_n[None, :] > offs_m[:, None] - WINDOW)
+
+
+@triton.jit
+def _split(lo, hi, full_lo, full_hi):
+    # The tile range [lo, hi) holds one run of tiles every pair of which is visible,
+    # [full_lo, full_hi) (empty when full_lo >= full_hi): those skip the mask. Returns
+    # the ends of the three runs: masked [lo, e1), full [e1, e2), masked [e2, hi).
+    e1 = tl.minimum(tl.maximum(full_lo, lo), hi)
+    e2 = tl.maximum(tl.minimum(full_hi, hi), e1)
+    return e1, e2
+
+
+# --------------------------------------------------------------------------------
+# Forward: one program per (query tile, batch row and query head)
+# --------------------------------------------------------------------------------
+@triton.jit
+def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sk_t, sv_t, offs_m, starts, offs_d, d_ok, lo, hi, T, WINDOW,
+               scale_log2, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE: tl.constexpr,
+               MASKED: tl.constexpr):
+    # The online softmax over the key tiles [lo, hi). MASKED: tiles on a document's
+    # edge or the diagonal, where some pairs are not visible; the others (most of a
+    # long document's tiles) skip building and applying the mask.
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _rows(k_base, offs_n, sk_t, offs_n < T, offs_d, d_ok, MASKED)
+        v = _rows(v_base, offs_n, sv_t, offs_n < T, offs_d, d_ok, MASKED)
+        s = _scores(q, k, DOT_PRECISION) * scale_log2
+        if MASKED:
+            s = tl.where(_visible(offs_m, offs_n, starts, WINDOW), s, float("-inf"))
+        # Online softmax: a new maximum rescales what was summed so far.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED:
+            # A row that sees nothing in this tile yet (its document starts further on)
+            # keeps m = -inf; subtracting 0 instead gives exp2(-inf) = 0, not NaN.
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_sub = m_new
+        p = _exp(s - m_sub[:, None], PRECISE)
+        alpha = _exp(m_i - m_sub, PRECISE)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _matmul(_tile_for_dot(p, v), v, DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _query_tile_keys(DOC_START, b, pid_m, T, WINDOW, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # The key tiles a query tile [m0, m1] needs, and the run of them it sees whole.
+    m0 = pid_m * BLOCK_M
+    m1 = tl.minimum(m0 + BLOCK_M, T) - 1
+    # From the document start of its first query (the smallest, documents being
+    # contiguous), rounded down to a tile, to its last query.
+    lo = (tl.maximum(tl.load(DOC_START + b * T + m0), m0 - WINDOW + 1) // BLOCK_N) * BLOCK_N
+    hi = m1 + 1
+    # Seen by every query: keys at or after the last query's document start (the
+    # largest), within the last query's window, and not after the first query.
+    full_lo = tl.cdiv(tl.maximum(tl.load(DOC_START + b * T + m1), m1 - WINDOW + 1), BLOCK_N) * BLOCK_N
+    full_hi = ((m0 + 1) // BLOCK_N) * BLOCK_N
+    e1, e2 = _split(lo, hi, full_lo, full_hi)
+    return lo, e1, e2, hi
+
+
 @fast_launch
 @triton.jit
 def _attn_fwd_kernel(
@@ -196,8 +281,11 @@ def _attn_fwd_kernel(
     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PRECISE: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    # Program order: every head of the last query tile first. A causal query tile
+    # late in a long document has the most key tiles to read; launching the
+    # heaviest programs first keeps the GPU from finishing on a few long ones.
+    bh = tl.program_id(0)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
     b = bh // HQ
     h = bh % HQ
     kvh = h // GROUP  # GQA: the key/value head this query head reads
@@ -205,41 +293,22 @@ def _attn_fwd_kernel(
     offs_d = tl.arange(0, DP)  # the head dim, padded to a power of two (Phi-3: 96 -> 128)
     d_ok = offs_d < D
     row_ok = offs_m < T
-
-    q = tl.load(Q + b.to(tl.int64) * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = _rows(Q + b.to(tl.int64) * sq_b + h * sq_h, offs_m, sq_t, row_ok, offs_d, d_ok, True)
     starts = tl.load(DOC_START + b * T + offs_m, mask=row_ok, other=0)
-    # The key range of this tile: from the document start of its first query (the
-    # smallest, documents being contiguous), rounded down to a tile, to its last query.
-    first = tl.maximum(tl.load(DOC_START + b * T + pid_m * BLOCK_M), pid_m * BLOCK_M - WINDOW + 1)
-    lo = (first // BLOCK_N) * BLOCK_N
-    hi = tl.minimum((pid_m + 1) * BLOCK_M, T)
+    lo, e1, e2, hi = _query_tile_keys(DOC_START, b, pid_m, T, WINDOW, BLOCK_M, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DP], tl.float32)
     k_base = K + b.to(tl.int64) * sk_b + kvh * sk_h
     v_base = V + b.to(tl.int64) * sv_b + kvh * sv_h
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < T
-        k = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        s = _scores(q, k, DOT_PRECISION) * scale_log2
-        # Visible: not later than the query, not before its document's start.
-        visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] >= starts[:, None]) \
-            & (offs_n[None, :] > offs_m[:, None] - WINDOW)
-        s = tl.where(visible, s, float("-inf"))
-        # Online softmax: a new maximum rescales what was summed so far.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that sees nothing in this tile yet (its document starts further on)
-        # keeps m = -inf; subtracting 0 instead gives exp2(-inf) = 0, not NaN.
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = _exp(s - m_sub[:, None], PRECISE)
-        alpha = _exp(m_i - m_sub, PRECISE)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _matmul(_tile_for_dot(p, v), v, DOT_PRECISION)
-        m_i = m_new
+    # Three runs of key tiles: the document's first (masked), the inside (no mask), the diagonal (masked).
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sk_t, sv_t, offs_m, starts, offs_d, d_ok, lo, e1,
+                               T, WINDOW, scale_log2, BLOCK_N, DOT_PRECISION, PRECISE, True)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sk_t, sv_t, offs_m, starts, offs_d, d_ok, e1, e2,
+                               T, WINDOW, scale_log2, BLOCK_N, DOT_PRECISION, PRECISE, False)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sk_t, sv_t, offs_m, starts, offs_d, d_ok, e2, hi,
+                               T, WINDOW, scale_log2, BLOCK_N, DOT_PRECISION, PRECISE, True)
 
     # Every query sees itself, so l_i >= 1 on the rows that exist.
     out = acc / l_i[:, None]
@@ -249,8 +318,61 @@ def _attn_fwd_kernel(
 
 
 # --------------------------------------------------------------------------------
+# Backward, delta: one program per (row tile, batch row and query head)
+# --------------------------------------------------------------------------------
+@fast_launch
+@triton.jit
+def _attn_bwd_delta_kernel(
+    O, DO,  # [B, T, Hq, D]: the output (contiguous) and its gradient (any strides, contiguous last dim)
+    DELTA,  # [B, Hq, T] float32, written: rowsum(dO * O)
+    sdo_b, sdo_t, sdo_h, T, HQ,
+    D: tl.constexpr, DP: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    # One read of O and dO, in float32 registers: no [B, T, Hq, D] float32 copies.
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, DP)
+    ok = (offs_t < T)[:, None] & (offs_d < D)[None, :]
+    o = tl.load(O + ((b.to(tl.int64) * T + offs_t[:, None]) * HQ + h) * D + offs_d[None, :], mask=ok, other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * sdo_b + h * sdo_h + offs_t[:, None] * sdo_t + offs_d[None, :],
+                 mask=ok, other=0.0)
+    tl.store(DELTA + bh.to(tl.int64) * T + offs_t, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=offs_t < T)
+
+
+# --------------------------------------------------------------------------------
 # Backward, dK and dV: one program per (key tile, batch row and key/value head)
 # --------------------------------------------------------------------------------
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, row_base, LSE, DELTA, DOC_START, b, sq_t, sdo_t, offs_n, offs_d, d_ok,
+                lo, hi, T, WINDOW, scale_log2, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                PRECISE: tl.constexpr, MASKED: tl.constexpr):
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < T
+        q = _rows(q_base, offs_m, sq_t, row_ok, offs_d, d_ok, MASKED)
+        do = _rows(do_base, offs_m, sdo_t, row_ok, offs_d, d_ok, MASKED)
+        lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0)
+        delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
+        # The probabilities again, from the saved log-sum-exp: P = exp2(S * log2 e - lse).
+        p = _exp(_scores(q, k, DOT_PRECISION) * scale_log2 - lse[:, None], PRECISE)
+        if MASKED:
+            starts = tl.load(DOC_START + b * T + offs_m, mask=row_ok, other=0)
+            p = tl.where(_visible(offs_m, offs_n, starts, WINDOW) & row_ok[:, None], p, 0.0)
+        dv += _matmul(_tile_for_dot(tl.trans(p), do), do, DOT_PRECISION)
+        dp = _scores(do, v, DOT_PRECISION)  # dO V^T
+        ds = p * (dp - delta[:, None])
+        if MASKED:
+            # A query that sees only itself (an example of one token) has P = 1, and
+            # dS = 1 * (dP - dP) = 0 exactly; from delta = dO . O it would be rounding
+            # noise. (Never in a full tile: there every query sees BLOCK_N keys.)
+            ds = tl.where(starts[:, None] == offs_m[:, None], 0.0, ds)
+        dk += _matmul(_tile_for_dot(tl.trans(ds), q), q, DOT_PRECISION)
+    return dk, dv
+
+
 @fast_launch
 @triton.jit
 def _attn_bwd_dkdv_kernel(
@@ -264,48 +386,40 @@ def _attn_bwd_dkdv_kernel(
     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PRECISE: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    bkv = tl.program_id(1)
+    bkv = tl.program_id(0)
+    pid_n = tl.program_id(1)  # the first key tiles (seen by the most queries) first
     b = bkv // HKV
     kvh = bkv % HKV
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, DP)  # the head dim, padded to a power of two (Phi-3: 96 -> 128)
     d_ok = offs_d < D
     col_ok = offs_n < T
-    k = tl.load(K + b.to(tl.int64) * sk_b + kvh * sk_h + offs_n[:, None] * sk_t + offs_d[None, :],
-                mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-    v = tl.load(V + b.to(tl.int64) * sv_b + kvh * sv_h + offs_n[:, None] * sv_t + offs_d[None, :],
-                mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+    k = _rows(K + b.to(tl.int64) * sk_b + kvh * sk_h, offs_n, sk_t, col_ok, offs_d, d_ok, True)
+    v = _rows(V + b.to(tl.int64) * sv_b + kvh * sv_h, offs_n, sv_t, col_ok, offs_d, d_ok, True)
     dk = tl.zeros([BLOCK_N, DP], tl.float32)
     dv = tl.zeros([BLOCK_N, DP], tl.float32)
-    # The queries that may see these keys: from the first key on (causal), to the
-    # end of the document of the last key (documents are contiguous).
-    last_key = tl.minimum((pid_n + 1) * BLOCK_N, T) - 1
-    lo = ((pid_n * BLOCK_N) // BLOCK_M) * BLOCK_M
-    hi = tl.minimum(tl.load(DOC_END + b * T + last_key), last_key + WINDOW)
+    # The queries that may see keys [n0, n1]: from the first key on (causal), to the
+    # end of the document of the last key (documents are contiguous) or its window.
+    n0 = pid_n * BLOCK_N
+    n1 = tl.minimum(n0 + BLOCK_N, T) - 1
+    lo = (n0 // BLOCK_M) * BLOCK_M
+    hi = tl.minimum(tl.load(DOC_END + b * T + n1), n1 + WINDOW)
+    # Seeing every key: queries at or after the last key, still in the first key's
+    # document and window (so their document starts at or before it).
+    full_lo = tl.cdiv(n1, BLOCK_M) * BLOCK_M
+    full_hi = (tl.minimum(tl.load(DOC_END + b * T + n0), n0 + WINDOW) // BLOCK_M) * BLOCK_M
+    e1, e2 = _split(lo, hi, full_lo, full_hi)
     for g in range(0, GROUP):  # every query head that reads this key/value head
         h = kvh * GROUP + g
         q_base = Q + b.to(tl.int64) * sq_b + h * sq_h
         do_base = DO + b.to(tl.int64) * sdo_b + h * sdo_h
         row_base = (b * HQ + h).to(tl.int64) * T
-        for start_m in range(lo, hi, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            row_ok = offs_m < T
-            q = tl.load(q_base + offs_m[:, None] * sq_t + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * sdo_t + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-            lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0)
-            delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
-            starts = tl.load(DOC_START + b * T + offs_m, mask=row_ok, other=0)
-            visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] >= starts[:, None]) \
-                & (offs_n[None, :] > offs_m[:, None] - WINDOW) & row_ok[:, None]
-            # The probabilities again, from the saved log-sum-exp: P = exp2(S * log2 e - lse).
-            p = tl.where(visible, _exp(_scores(q, k, DOT_PRECISION) * scale_log2 - lse[:, None], PRECISE), 0.0)
-            dv += _matmul(_tile_for_dot(tl.trans(p), do), do, DOT_PRECISION)
-            dp = _scores(do, v, DOT_PRECISION)  # dO V^T
-            # A query that sees only itself (an example of one token) has P = 1, and
-            # dS = 1 * (dP - dP) = 0 exactly; from delta = dO . O it would be rounding noise.
-            ds = tl.where(starts[:, None] == offs_m[:, None], 0.0, p * (dp - delta[:, None]))
-            dk += _matmul(_tile_for_dot(tl.trans(ds), q), q, DOT_PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, row_base, LSE, DELTA, DOC_START, b, sq_t, sdo_t, offs_n,
+                             offs_d, d_ok, lo, e1, T, WINDOW, scale_log2, BLOCK_M, DOT_PRECISION, PRECISE, True)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, row_base, LSE, DELTA, DOC_START, b, sq_t, sdo_t, offs_n,
+                             offs_d, d_ok, e1, e2, T, WINDOW, scale_log2, BLOCK_M, DOT_PRECISION, PRECISE, False)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, row_base, LSE, DELTA, DOC_START, b, sq_t, sdo_t, offs_n,
+                             offs_d, d_ok, e2, hi, T, WINDOW, scale_log2, BLOCK_M, DOT_PRECISION, PRECISE, True)
     out = (b * HKV + kvh).to(tl.int64) * T * D + offs_n[:, None] * D + offs_d[None, :]
     tl.store(DK + out, cast_to(dk * scale, DK.dtype.element_ty), mask=col_ok[:, None] & d_ok[None, :])
     tl.store(DV + out, cast_to(dv, DV.dtype.element_ty), mask=col_ok[:, None] & d_ok[None, :])
@@ -314,6 +428,22 @@ def _attn_bwd_dkdv_kernel(
 # --------------------------------------------------------------------------------
 # Backward, dQ: one program per (query tile, batch row and query head), the forward's loop
 # --------------------------------------------------------------------------------
+@triton.jit
+def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, offs_m, starts, offs_d, d_ok, lo, hi, T, WINDOW,
+              scale_log2, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE: tl.constexpr,
+              MASKED: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _rows(k_base, offs_n, sk_t, offs_n < T, offs_d, d_ok, MASKED)
+        v = _rows(v_base, offs_n, sv_t, offs_n < T, offs_d, d_ok, MASKED)
+        p = _exp(_scores(q, k, DOT_PRECISION) * scale_log2 - lse[:, None], PRECISE)
+        ds = p * (_scores(do, v, DOT_PRECISION) - delta[:, None])
+        if MASKED:
+            ds = tl.where(_visible(offs_m, offs_n, starts, WINDOW) & (starts[:, None] != offs_m[:, None]), ds, 0.0)
+        dq += _matmul(_tile_for_dot(ds, k), k, DOT_PRECISION)
+    return dq
+
+
 @fast_launch
 @triton.jit
 def _attn_bwd_dq_kernel(
@@ -324,8 +454,8 @@ def _attn_bwd_dq_kernel(
     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PRECISE: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest first, as in the forward
     b = bh // HQ
     h = bh % HQ
     kvh = h // GROUP
@@ -333,29 +463,21 @@ def _attn_bwd_dq_kernel(
     offs_d = tl.arange(0, DP)  # the head dim, padded to a power of two (Phi-3: 96 -> 128)
     d_ok = offs_d < D
     row_ok = offs_m < T
-    q = tl.load(Q + b.to(tl.int64) * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    do = tl.load(DO + b.to(tl.int64) * sdo_b + h * sdo_h + offs_m[:, None] * sdo_t + offs_d[None, :],
-                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = _rows(Q + b.to(tl.int64) * sq_b + h * sq_h, offs_m, sq_t, row_ok, offs_d, d_ok, True)
+    do = _rows(DO + b.to(tl.int64) * sdo_b + h * sdo_h, offs_m, sdo_t, row_ok, offs_d, d_ok, True)
     lse = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + bh.to(tl.int64) * T + offs_m, mask=row_ok, other=0.0)
     starts = tl.load(DOC_START + b * T + offs_m, mask=row_ok, other=0)
-    first = tl.maximum(tl.load(DOC_START + b * T + pid_m * BLOCK_M), pid_m * BLOCK_M - WINDOW + 1)
-    lo = (first // BLOCK_N) * BLOCK_N
-    hi = tl.minimum((pid_m + 1) * BLOCK_M, T)
+    lo, e1, e2, hi = _query_tile_keys(DOC_START, b, pid_m, T, WINDOW, BLOCK_M, BLOCK_N)
     dq = tl.zeros([BLOCK_M, DP], tl.float32)
     k_base = K + b.to(tl.int64) * sk_b + kvh * sk_h
     v_base = V + b.to(tl.int64) * sv_b + kvh * sv_h
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < T
-        k = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] >= starts[:, None]) \
-            & (offs_n[None, :] > offs_m[:, None] - WINDOW)
-        p = tl.where(visible, _exp(_scores(q, k, DOT_PRECISION) * scale_log2 - lse[:, None], PRECISE), 0.0)
-        ds = tl.where(starts[:, None] == offs_m[:, None], 0.0, p * (_scores(do, v, DOT_PRECISION) - delta[:, None]))
-        dq += _matmul(_tile_for_dot(ds, k), k, DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, offs_m, starts, offs_d, d_ok, lo, e1, T, WINDOW,
+                   scale_log2, BLOCK_N, DOT_PRECISION, PRECISE, True)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, offs_m, starts, offs_d, d_ok, e1, e2, T, WINDOW,
+                   scale_log2, BLOCK_N, DOT_PRECISION, PRECISE, False)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, offs_m, starts, offs_d, d_ok, e2, hi, T, WINDOW,
+                   scale_log2, BLOCK_N, DOT_PRECISION, PRECISE, True)
     tl.store(DQ + bh.to(tl.int64) * T * D + offs_m[:, None] * D + offs_d[None, :],
              cast_to(dq * scale, DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -363,14 +485,31 @@ def _attn_bwd_dq_kernel(
 # --------------------------------------------------------------------------------
 # Launch configuration and checks
 # --------------------------------------------------------------------------------
-# Tiles: 64 x 64 keeps a [64, 128] float32 accumulator, the q tile and a k and v
-# tile in registers with 4 warps; the backward holds two accumulators (dK, dV).
-# The interpreter runs every program in Python: 16 x 16 tiles, so that small test
+# Tiles per kernel: (BLOCK_M queries, BLOCK_N keys, warps, pipeline stages), by the
+# padded head dim, for 16-bit inputs. Chosen by `python tools/tune_kernels.py --only
+# attention` on an H100 (NOTES.md has the table): 64 x 64 tiles with 4 warps won
+# for every kernel and head dim; larger query tiles (128) read each key tile for
+# more queries but spill the [BLOCK_M, DP] float32 accumulator out of registers.
+# Stages: how many tiles' loads the compiler keeps in flight (software
+# pipelining) while one is multiplied; 3 stages of 256-wide tiles overflow the
+# H100's 227 KiB of shared memory. Float32 inputs (the tests' exact path, dots
+# in full float32) take small tiles: their registers are twice as wide. The
+# interpreter runs every program in Python: 16 x 16 tiles, so that small test
 # rows still cross several tiles and document boundaries inside tiles.
-def _config(d):
+TILES = {
+    ("fwd", 64): (64, 64, 4, 3), ("dkdv", 64): (64, 64, 4, 3), ("dq", 64): (64, 64, 4, 3),
+    ("fwd", 128): (64, 64, 4, 3), ("dkdv", 128): (64, 64, 4, 2), ("dq", 128): (64, 64, 4, 2),
+    ("fwd", 256): (64, 64, 4, 3), ("dkdv", 256): (64, 64, 8, 2), ("dq", 256): (64, 64, 4, 2),
+}
+FLOAT32_TILES = (32, 32, 4, 1)
+
+
+def _tiles(kernel, dp, dtype):
     if INTERPRET:
-        return 16, 16, 4
-    return 64, 64, 4 if d <= 64 else 8
+        return 16, 16, 4, 1
+    if dtype == torch.float32:
+        return FLOAT32_TILES
+    return TILES[kernel, max(64, dp)]
 
 
 MAX_HEAD_DIM = 256
@@ -432,14 +571,15 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_sta
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    block_m, block_n, warps = _config(D)
-    _attn_fwd_kernel[(cdiv(T, block_m), B * Hq)](
+    dp = max(16, next_power_of_2(D))
+    block_m, block_n, warps, stages = _tiles("fwd", dp, q.dtype)
+    _attn_fwd_kernel[(B * Hq, cdiv(T, block_m))](
         q, k, v, out, lse, doc_start,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         T, Hq, Hq // k.shape[1], _score_scale(scale, q.dtype), window or T,
-        D=D, DP=max(16, next_power_of_2(D)), BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_precision(q.dtype),
-        PRECISE=q.dtype == torch.float32, num_warps=warps,
+        D=D, DP=dp, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_precision(q.dtype),
+        PRECISE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
     )
     return out, lse
 
@@ -462,24 +602,27 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     dv = torch.empty(B, Hkv, T, D, dtype=v.dtype, device=v.device)
     if dq.numel() == 0:
         return dq, dk, dv
+    dp = max(16, next_power_of_2(D))
     # delta_i = sum_d dO_id O_id, per row and head, [B, Hq, T] float32.
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
+    delta = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
+    block_t = 16 if INTERPRET else 64
+    _attn_bwd_delta_kernel[(cdiv(T, block_t), B * Hq)](
+        out, dout, delta, dout.stride(0), dout.stride(1), dout.stride(2), T, Hq, D=D, DP=dp, BLOCK_T=block_t)
     doc_end = document_ends(doc_start)
-    block_m, block_n, warps = _config(D)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
-    precision = _precision(q.dtype)
-    _attn_bwd_dkdv_kernel[(cdiv(T, block_n), B * Hkv)](
+    common = dict(D=D, DP=dp, DOT_PRECISION=_precision(q.dtype), PRECISE=q.dtype == torch.float32)
+    block_m, block_n, warps, stages = _tiles("dkdv", dp, q.dtype)
+    _attn_bwd_dkdv_kernel[(B * Hkv, cdiv(T, block_n))](
         q, k, v, dout, lse, delta, doc_start, doc_end, dk, dv, *strides,
         T, Hq, Hkv, Hq // Hkv, _score_scale(scale, q.dtype), scale, window or T,
-        D=D, DP=max(16, next_power_of_2(D)), BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision,
-        PRECISE=q.dtype == torch.float32, num_warps=warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
     )
-    _attn_bwd_dq_kernel[(cdiv(T, block_m), B * Hq)](
+    block_m, block_n, warps, stages = _tiles("dq", dp, q.dtype)
+    _attn_bwd_dq_kernel[(B * Hq, cdiv(T, block_m))](
         q, k, v, dout, lse, delta, doc_start, dq, *strides,
         T, Hq, Hq // Hkv, _score_scale(scale, q.dtype), scale, window or T,
-        D=D, DP=max(16, next_power_of_2(D)), BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision,
-        PRECISE=q.dtype == torch.float32, num_warps=warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
     )
     return dq, dk, dv
 

@@ -74,6 +74,9 @@ CASES = {  # rows of document lengths, T, query heads, key/value heads, head dim
     "head dim 64, two rows": ([[33, 31], [64]], 64, 2, 1, 64, 0),
     "sliding window 7": ([[40, 3, 17]], 60, 4, 2, 16, 7),
     "sliding window 20, one document": ([[50]], 50, 2, 2, 16, 20),
+    # Whole tiles inside a document that starts mid-tile: the unmasked runs of every kernel.
+    "long document between short ones": ([[5, 70, 9]], 84, 4, 2, 16, 0),
+    "sliding window 33, long documents": ([[3, 90], [93]], 93, 2, 1, 16, 33),
 }
 
 

@@ -2,7 +2,7 @@
 # Re-measure what README.md and results/ report, on a CUDA machine, in one go.
 #
 #   bash tools/gpu_verify.sh [OUTDIR] [WHAT...]
-#     WHAT: tests bench e2e compile profile maxseq graphs families (default: tests bench e2e)
+#     WHAT: tests bench e2e compile profile maxseq graphs families attention (default: tests bench e2e)
 #
 # Each step's full output goes to OUTDIR (default gpu_logs/), together with the
 # JSON the scripts write, and OUTDIR/logs.tgz bundles them. Wheels placed in
@@ -81,7 +81,20 @@ for what in $WHAT; do
             | tee "$OUTDIR/family_${tag}_$name.log" | tail -6
         done
       done ;;
-    *) echo "unknown step: $what (tests bench e2e compile profile maxseq graphs families)"; exit 2 ;;
+    attention)
+      # Step 21: the kernel's GPU tests, its benchmark rows, and 8B LoRA on the bundled data, packed,
+      # with ours and with the dense block mask (--no-use-custom-attention), at 4 x 2,048 and 1 x 16,384.
+      python3 -m pytest -q -p no:cacheprovider attention_test.py 2>&1 | tee "$OUTDIR/pytest_attention.log" | tail -4
+      python3 benchmark_kernels.py --kernel attention --json "$OUTDIR/bench_attention.json" 2>&1 \
+        | tee "$OUTDIR/bench_attention.log" | tail -32
+      for shape in "4 2048" "1 16384"; do
+        set -- $shape
+        for attn in use-custom-attention no-use-custom-attention; do
+          python3 finetune_optimized.py --random-init --lora --batch-size "$1" --seq-len "$2" --steps 16 --log-every 4 \
+            --$attn --json "$OUTDIR/lora8b_$1x$2_$attn.json" 2>&1 | tee "$OUTDIR/lora8b_$1x$2_$attn.log" | tail -8
+        done
+      done ;;
+    *) echo "unknown step: $what (tests bench e2e compile profile maxseq graphs families attention)"; exit 2 ;;
   esac
 done
 tar czf "$OUTDIR/logs.tgz" --exclude=logs.tgz --exclude=traces -C "$OUTDIR" .

@@ -1,8 +1,9 @@
-"""Sweep the launch parameters of the RMSNorm and cross-entropy kernels (GPU only).
+"""Sweep the launch parameters of the RMSNorm, cross-entropy and attention kernels (GPU only).
 
 Not a tutorial step: it produces the evidence behind the constants chosen in
-rmsnorm_kernel.py (warps, backward programs per SM) and cross_entropy_kernel.py
-(vocabulary chunk, warps), recorded in NOTES.md. It monkeypatches those module
+rmsnorm_kernel.py (warps, backward programs per SM), cross_entropy_kernel.py
+(vocabulary chunk, warps) and attention_kernel.py (tiles, warps, stages per
+kernel), recorded in NOTES.md. It monkeypatches those module
 constants, times each setting with triton.testing.do_bench (median) and prints
 effective bandwidth; `overhead` times the host cost of one call on a tiny
 tensor, where the GPU work is negligible.
@@ -10,7 +11,7 @@ tensor, where the GPU work is negligible.
 Usage (from the repository root, on a CUDA machine):
     python tools/tune_kernels.py                       # everything, ~5 min on an H100
     python tools/tune_kernels.py --only ce --quick     # fewer settings
-    python tools/tune_kernels.py --json tune.json
+    python tools/tune_kernels.py --only attention --json tiles.json
 """
 
 import argparse
@@ -23,6 +24,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+import attention_kernel as ak  # noqa: E402
 import cross_entropy_kernel as ce  # noqa: E402
 import rmsnorm_kernel as rk  # noqa: E402
 from flags import check_output_path, write_json_atomic  # noqa: E402
@@ -92,6 +94,62 @@ def ce_sweep(rows_list, results, quick):
     ce.BLOCK_V_GPU, ce.NUM_WARPS_GPU, ce.FEW_ROWS = orig
 
 
+# Candidates per attention kernel: (BLOCK_M, BLOCK_N, warps, stages). The other two
+# kernels keep attention_kernel.TILES while one is swept; the best of each is the
+# one with the lowest summed time over the rows.
+ATTENTION_CANDIDATES = {
+    "fwd": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2),
+            (128, 32, 4, 3), (64, 32, 4, 4)],
+    "dkdv": [(64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3), (32, 128, 4, 3), (32, 128, 8, 3),
+             (64, 128, 8, 2), (16, 64, 4, 4)],
+    "dq": [(64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2),
+           (64, 32, 4, 4)],
+}
+
+
+def attention_sweep(head_dims, results, quick):
+    """Each kernel's candidates on benchmark_kernels' attention rows (one long document,
+    short documents, long documents), bf16, 32 query and 8 key/value heads."""
+    from benchmark_kernels import ATTENTION, attention_inputs
+
+    rows = ATTENTION.shapes["quick" if quick else "full"]
+    orig = dict(ak.TILES)
+    for d in head_dims:
+        dp = max(64, triton.next_power_of_2(d))
+        inputs = [attention_inputs({**s, "head_dim": d}) for s in rows]
+        for kernel, candidates in ATTENTION_CANDIDATES.items():
+            totals = {}
+            for tiles in candidates if d == 128 else [orig[kernel, dp]] + [c for c in candidates[:3]]:
+                ak.TILES[kernel, dp] = tiles
+                times = []
+                try:
+                    for s, inp in zip(rows, inputs):
+                        q, k, v, starts = inp["args"]
+                        q, k, v = q.detach(), k.detach(), v.detach()
+                        if kernel == "fwd":
+                            ms = bench(lambda: ak.attention_forward(q, k, v, starts, d ** -0.5, 0))
+                        else:
+                            out, lse = ak.attention_forward(q, k, v, starts, d ** -0.5, 0)
+                            dout = inp["upstream"][0]
+                            ms = bench(lambda: ak.attention_backward(dout, q, k, v, out, lse, starts, d ** -0.5, 0))
+                        times.append(ms)
+                        results.append(dict(kernel=f"attention_{kernel}", head_dim=d, seq=s["seq"], docs=str(s["docs"]),
+                                            tiles=tiles, ms=ms))
+                except Exception as e:  # noqa: BLE001 - a config may not fit in shared memory
+                    print(f"attention {kernel} d={d} tiles={tiles}: {type(e).__name__} {str(e)[:120]}")
+                    continue
+                totals[tiles] = sum(times)
+                print(f"attention {kernel:5s} d={d:3d} tiles={tiles}  " + "  ".join(f"{t:7.3f}" for t in times)
+                      + f"  ms (sum {totals[tiles]:.3f})", flush=True)
+            ak.TILES[kernel, dp] = orig[kernel, dp]
+            if totals:
+                best = min(totals, key=totals.get)
+                print(f"attention {kernel} d={d}: best {best} (now {orig[kernel, dp]})", flush=True)
+                results.append(dict(kernel=f"attention_{kernel}_best", head_dim=d, tiles=best, now=orig[kernel, dp]))
+        inputs = None
+    ak.TILES.update(orig)
+
+
 def cpu_overhead(results):
     """Per-call host time of each path on a tiny tensor (GPU work negligible): launch cost."""
     import time
@@ -129,10 +187,10 @@ def cpu_overhead(results):
 
 
 def main():
-    p = argparse.ArgumentParser(description="Sweep launch parameters of the RMSNorm and CE kernels (GPU).")
+    p = argparse.ArgumentParser(description="Sweep launch parameters of the RMSNorm, CE and attention kernels (GPU).")
     p.add_argument("--json", metavar="PATH", help="write every timing here")
     p.add_argument("--quick", action="store_true", help="fewer settings and sizes")
-    p.add_argument("--only", choices=["rmsnorm", "ce", "overhead"], help="one sweep instead of all")
+    p.add_argument("--only", choices=["rmsnorm", "ce", "overhead", "attention"], help="one sweep instead of all")
     args = p.parse_args()
     if args.json:
         args.json = check_output_path(args.json, "--json", suffix=".json")
@@ -147,8 +205,10 @@ def main():
         rmsnorm_sweep((4096, 16384, 65536), results)
     if args.only in (None, "ce"):
         ce_sweep((1024, 8192) if args.quick else (1024, 4096, 8192, 16384), results, args.quick)
+    if args.only in (None, "attention"):
+        attention_sweep((128,) if args.quick else (128, 64, 256), results, args.quick)
     if args.json:
-        write_json_atomic(args.json, results)
+        write_json_atomic(args.json, {"device": torch.cuda.get_device_name(), "results": results})
         print(f"Wrote {args.json}")
 
 

@@ -84,7 +84,7 @@ for what in $WHAT; do
     attention)
       # Step 21: the kernel's GPU tests, its benchmark rows, and 8B LoRA on the bundled data, packed,
       # with ours and with the dense block mask (--no-use-custom-attention), at 4 x 2,048 and 1 x 16,384.
-      python3 -m pytest -q -p no:cacheprovider attention_test.py 2>&1 | tee "$OUTDIR/pytest_attention.log" | tail -4
+      timeout 300 python3 -m pytest -q -p no:cacheprovider attention_test.py 2>&1 | tee "$OUTDIR/pytest_attention.log" | tail -4
       python3 benchmark_kernels.py --kernel attention --json "$OUTDIR/bench_attention.json" 2>&1 \
         | tee "$OUTDIR/bench_attention.log" | tail -32
       for shape in "4 2048" "1 16384"; do

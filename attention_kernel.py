@@ -712,7 +712,11 @@ def hf_packed_attention(module, query, key, value, attention_mask, scaling=None,
 # model runs a packed probe row both ways: two examples of 5 and 3 tokens, with its
 # own attention and the dense block mask, then with ours and only the position
 # ids. The logits must agree to one rounding of the model's dtype; anything else,
-# an error included, is a refusal in one line.
+# an error included, is a refusal in one line. In 16-bit weights two correct
+# attentions drift apart through a deep model (a random 8B LLaMA's logits differ by
+# ~0.1 between SDPA and eager): there the bound is also 4x the model's own drift,
+# measured as the distance between its attention and HF's eager one on the same
+# probe (eager is the reference implementation of every family).
 PROBE_LENGTHS = (5, 3)
 
 
@@ -726,11 +730,20 @@ def check_same_attention(model, theirs_name):
     positions = torch.cat([torch.arange(n) for n in PROBE_LENGTHS])[None].to(weight.device)
     ids = (torch.arange(positions.shape[1], device=weight.device)[None] * 7 + 1) % model.config.vocab_size
     mask = visible_keys(document_starts(positions))[:, None]
+    additive = torch.zeros(mask.shape, dtype=weight.dtype, device=mask.device)  # eager adds its mask to the scores
+    additive.masked_fill_(~mask, torch.finfo(weight.dtype).min)
+
+    def logits(implementation, attention_mask):
+        model.set_attn_implementation(implementation)
+        return model(input_ids=ids, position_ids=positions, attention_mask=attention_mask).logits.float()
+
     was_training = model.training
     model.eval()
+    drift = 0.0
     try:
-        model.set_attn_implementation(theirs_name)
-        expected = model(input_ids=ids, position_ids=positions, attention_mask=mask).logits.float()
+        expected = logits(theirs_name, additive if theirs_name == "eager" else mask)
+        if weight.dtype != torch.float32 and theirs_name != "eager":
+            drift = (logits("eager", additive) - expected).abs().max().item()
         model.set_attn_implementation(NAME)
         try:
             got = model(input_ids=ids, position_ids=positions).logits.float()
@@ -743,10 +756,11 @@ def check_same_attention(model, theirs_name):
     finally:
         model.train(was_training)
     rounding = 1e-4 if weight.dtype == torch.float32 else 2**-6
-    if not torch.allclose(got, expected, rtol=rounding, atol=rounding * expected.abs().max().item()):
+    if not torch.allclose(got, expected, rtol=rounding, atol=max(rounding * expected.abs().max().item(), 4 * drift)):
         model.set_attn_implementation(theirs_name)
         raise SwapMismatch(f"{type(model).__name__}'s attention computes something else than softmax(scale q k^T) v "
-                           f"within each example (max logit difference {(got - expected).abs().max().item():.2g})")
+                           f"within each example (max logit difference {(got - expected).abs().max().item():.2g}, "
+                           f"its own two implementations differ by {drift:.2g})")
 
 
 def use_packed_attention(model):

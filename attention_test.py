@@ -220,6 +220,30 @@ def test_soft_capped_family_refused_in_one_line():
     assert model.config._attn_implementation == "eager"  # left as it was
 
 
+def test_bf16_probe_passes_ours_and_refuses_a_wrong_attention():
+    """In 16-bit weights the probe allows the model's own drift (its eager attention vs
+    its SDPA one), not more: an attention that looks across examples is still refused."""
+    from transformers import AttentionInterface
+
+    def across_examples(module, query, key, value, mask, scaling=None, dropout=0.0, **kwargs):
+        kwargs.pop("position_ids")  # without them: one causal document per row
+        return attention_kernel.hf_packed_attention(module, query, key, value, mask, scaling, dropout, **kwargs)
+
+    torch.manual_seed(0)
+    config = family_config("llama", {})
+    config.num_hidden_layers = 6
+    model = models.build_random(config, torch.device(DEVICE), torch.bfloat16)
+    AttentionInterface.register(attention_kernel.NAME, attention_kernel.hf_packed_attention)
+    attention_kernel.check_same_attention(model, "sdpa")  # ours: passes
+    try:
+        AttentionInterface.register(attention_kernel.NAME, across_examples)
+        with pytest.raises(attention_kernel.SwapMismatch, match="computes something else .* own two"):
+            attention_kernel.check_same_attention(model, "sdpa")
+        assert model.config._attn_implementation == "sdpa"  # left as it was
+    finally:
+        AttentionInterface.register(attention_kernel.NAME, attention_kernel.hf_packed_attention)
+
+
 def test_inside_torch_compile():
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 24, 16, generator=g).to(DEVICE) for _ in range(3))

@@ -24,6 +24,9 @@ are active:
   no work is done across examples. On by default with packed real data.
 * ``--use-custom-adamw``: the fused Triton AdamW step (adamw_kernel.py) instead of
   PyTorch's fused AdamW, with the same hyperparameters.
+* ``--fp8 {tensorwise,rowwise}`` (off by default): the decoder's linear layers
+  multiply in FP8 with dynamic scales (fp8_kernel.py, Step 22); GPUs with FP8
+  tensor cores only.
 
 Usage:
     python finetune_optimized.py                        # every kernel, LLaMA-3.1-8B on a GPU
@@ -72,6 +75,7 @@ import training
 from adamw_kernel import TritonAdamW
 from attention_kernel import use_packed_attention
 from cross_entropy_kernel import cross_entropy
+from fp8_kernel import replace_linears
 from kernel_common import SwapMismatch
 from linear_cross_entropy_kernel import fused_linear_cross_entropy
 from rmsnorm_kernel import replace_rmsnorm
@@ -215,6 +219,20 @@ def apply_kernels(model, kernels):
     """
     active = []
 
+    # FP8 (Step 22, --fp8): the decoder's linear layers become FP8Linear, the same
+    # weights multiplied in FP8 with scales computed at every step. First, so that
+    # the MLP swap below finds them as its projections. The LM head (in the fused
+    # loss), the norms and LoRA's adapters stay in the model's dtype.
+    if kernels.get("fp8"):
+        count, skipped = replace_linears(model, kernels["fp8"])
+        if count == 0:
+            raise SystemExit(f"error: --fp8 found no linear layers to cast in {type(model).__name__}; run without it")
+        print(f"FP8 matmuls:   {count} linear layers in float8_e4m3fn, {kernels['fp8']} scales (Triton casts, "
+              f"cuBLASLt products); the LM head and LoRA adapters as before")
+        if skipped:
+            print(f"               {len(skipped)} left as they were (sizes not multiples of 16), e.g. {skipped[0]}")
+        active.append("fp8")
+
     # RMSNorm: a module swap. TritonRMSNorm reuses each module's weight Parameter,
     # so the optimizer and any weight tying see the same tensors.
     if kernels.get("rmsnorm"):
@@ -292,6 +310,8 @@ def apply_kernels(model, kernels):
               f"(autocast; no float32 copies of the layer inputs)")
 
     active = [name for name in flags.KERNELS if name in active]  # one order in every report
+    if kernels.get("fp8"):
+        active.append(f"fp8 ({kernels['fp8']})")
     print(f"Kernels:       {', '.join(active) if active else 'none (PyTorch / HF)'}")
     return loss_fn, make_optimizer
 

@@ -315,6 +315,11 @@ def add_model_args(parser, custom_kernels_default=False, packing_default=False):
             default=default,
             help=f"{help_text} (default: {'on with packed real data' if default is None else default})",
         )
+    if custom_kernels_default:  # finetune_optimized.py
+        k.add_argument("--fp8", choices=FP8_RECIPES,
+                       help="the decoder's linear layers multiply in FP8 with dynamic scales (fp8_kernel.py): one "
+                            "scale per tensor or per row; the LM head and LoRA adapters stay as they are (default: "
+                            "off; needs a GPU with FP8 tensor cores)")
     return parser
 
 
@@ -332,6 +337,7 @@ KERNEL_FLAGS = {
     "adamw": "the fused Triton AdamW step instead of torch.optim.AdamW(fused=True)",
 }
 KERNELS = tuple(KERNEL_FLAGS)
+FP8_RECIPES = ("tensorwise", "rowwise")  # fp8_kernel.RECIPES (fp8_test checks they agree)
 
 
 def kernels_from_args(args):
@@ -339,7 +345,26 @@ def kernels_from_args(args):
     kernels = {name: getattr(args, f"use_custom_{name}", False) for name in KERNELS}
     if kernels["attention"] is None:  # the default of finetune_optimized.py: with packed real data
         kernels["attention"] = bool(getattr(args, "packing", False)) and getattr(args, "dataset", None) != SYNTHETIC
+    if getattr(args, "fp8", None):
+        kernels["fp8"] = args.fp8  # the recipe
     return kernels
+
+
+def check_fp8_flags(args):
+    """--fp8 before anything is built: a GPU with FP8 tensor cores, bf16 linear layers to cast."""
+    if not getattr(args, "fp8", None):
+        return
+    if getattr(args, "lora_4bit", False):
+        raise SystemExit("error: --fp8 with --lora-4bit: the frozen weights are 4-bit NF4, not linear layers "
+                         "FP8 could cast; use one or the other")
+    if getattr(args, "fsdp", False):
+        raise SystemExit("error: --fp8 is not supported with --fsdp (FP8 casts of sharded weights are not "
+                         "implemented); use one or the other")
+    from fp8_kernel import fp8_supported
+
+    ok, reason = fp8_supported(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    if not ok:
+        raise SystemExit(f"error: --fp8: {reason}")
 
 
 def document_attention(args):

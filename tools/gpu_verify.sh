@@ -2,7 +2,7 @@
 # Re-measure what README.md and results/ report, on a CUDA machine, in one go.
 #
 #   bash tools/gpu_verify.sh [OUTDIR] [WHAT...]
-#     WHAT: tests bench e2e compile profile maxseq graphs families attention (default: tests bench e2e)
+#     WHAT: tests bench e2e compile profile maxseq graphs families attention fp8 fp8e2e (default: tests bench e2e)
 #
 # Each step's full output goes to OUTDIR (default gpu_logs/), together with the
 # JSON the scripts write, and OUTDIR/logs.tgz bundles them. Wheels placed in
@@ -94,7 +94,25 @@ for what in $WHAT; do
             --$attn --json "$OUTDIR/lora8b_$1x$2_$attn.json" 2>&1 | tee "$OUTDIR/lora8b_$1x$2_$attn.log" | tail -8
         done
       done ;;
-    *) echo "unknown step: $what (tests bench e2e compile profile maxseq graphs families attention)"; exit 2 ;;
+    fp8)
+      # Step 22: the GPU tests, the benchmark (torchao as the peer when its wheel is in .whl/), and the
+      # accuracy cost: 200 steps of full fine-tuning on the bundled data, bf16 and each recipe, one seed.
+      timeout 300 python3 -m pytest -q -p no:cacheprovider fp8_test.py 2>&1 | tee "$OUTDIR/pytest_fp8.log" | tail -4
+      python3 benchmark_fp8.py --json "$OUTDIR/bench_fp8.json" 2>&1 | tee "$OUTDIR/bench_fp8.log" | tail -42
+      for recipe in bf16 tensorwise rowwise; do
+        extra=""; [ "$recipe" = bf16 ] || extra="--fp8 $recipe"
+        python3 finetune_optimized.py --model Qwen/Qwen2.5-1.5B --random-init --batch-size 4 --seq-len 512 \
+          --lr 1e-4 --steps 200 --log-every 50 $extra --json "$OUTDIR/curve_$recipe.json" 2>&1 \
+          | tee "$OUTDIR/curve_$recipe.log" | tail -6
+      done ;;
+    fp8e2e)
+      # Step 22: 8B full fine-tuning, 2 x 2,048 synthetic rows, the default command with and without --fp8.
+      for recipe in bf16 tensorwise rowwise; do
+        extra=""; [ "$recipe" = bf16 ] || extra="--fp8 $recipe"
+        python3 finetune_optimized.py --random-init --dataset synthetic --batch-size 2 --seq-len 2048 --steps 12 \
+          --log-every 4 $extra --json "$OUTDIR/ft8b_$recipe.json" 2>&1 | tee "$OUTDIR/ft8b_$recipe.log" | tail -8
+      done ;;
+    *) echo "unknown step: $what (tests bench e2e compile profile maxseq graphs families attention fp8 fp8e2e)"; exit 2 ;;
   esac
 done
 tar czf "$OUTDIR/logs.tgz" --exclude=logs.tgz --exclude=traces -C "$OUTDIR" .

@@ -1,0 +1,659 @@
+"""
+Step 22 -- Past the bf16 matmul roofline: FP8 training with Triton scaling kernels.
+
+What it computes
+----------------
+Once the fused kernels of the earlier steps have removed most of the memory-bound
+work, a training step is its matmuls, already near the bf16 peak of the tensor
+cores. FP8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell) multiply
+at twice that rate. A linear layer ``y = x W^T (+ b)`` runs its three GEMMs in FP8
+when each operand is cast to ``float8_e4m3fn`` (4 exponent bits, 3 mantissa bits,
+largest value 448) with a *dynamic* scale, from this step's absolute maximum::
+
+    scale = 448 / amax        fp8 = e4m3(clamp(x * scale, -448, 448))
+    y = (fp8_x @ fp8_w^T) * (1 / scale_x) * (1 / scale_w)      (float32 accumulation)
+
+The largest value lands on 448: nothing overflows. ``torch._scaled_mm`` (cuBLASLt)
+multiplies and applies the inverse scales to its float32 accumulator.
+
+Two recipes: "tensorwise" (one scale per tensor: one outlier pushes every other
+value toward e4m3's subnormals) and "rowwise" (one scale per row *along the GEMM's
+reduction dim*: an outlier costs precision to its own row only). In the three GEMMs
+of a linear layer each operand is scaled along its own reduction axis::
+
+    forward  Y[M,N]  = X[M,K]    @ W^T    X per row (over K),    W per row (over K)
+    grad_in  dX[M,K] = dY[M,N]   @ W      dY per row (over N),   W^T[K,N] per row (over N)
+    grad_w   dW[N,K] = dY^T[N,M] @ X      dY^T per row (over M), X^T[K,M] per row (over M)
+
+cuBLASLt wants both FP8 operands "K-major" (the reduction dim contiguous), so X, dY
+and W each need a row-major copy *and* a transposed one ([K, M] row-major), scaled
+along the other axis in the rowwise recipe. Both copies come out of one pass.
+
+The kernels and their memory traffic
+------------------------------------
+``quantize`` runs two kernels over [BLOCK_M, BLOCK_K] tiles of x: the amax (|x|
+maximum per tile, folded into float32 buffers with ``tl.atomic_max``: per row, per
+column, or one scalar), then the cast (reads the amaxes from device memory, computes
+the scales exactly as the reference does, writes the fp8 tile and the transposed one).
+
+Per element of a bf16 input: 2 B read for the amax, 2 B read again for the cast, 1 B
+written per fp8 copy: 5 B, or 6 B with the transposed copy, in both recipes (the
+scales, a float per row, are negligible). Quantizing x and then x^T separately would
+cost 10 B. Why not one pass? A dynamic scale must be known before the first element
+is cast, and it depends on every element: one pass would hold the whole tensor (or
+row) on chip. The known next step, not taken here, computes the amax in the kernel
+that *produces* x (the RMSNorm of Step 5 or the SwiGLU of Step 12 has every value in
+registers anyway): the cast then reads x once, 3 B per element.
+
+Measured on an H200 (torch 2.11, triton 3.6), x 8192 x 4096 and W 4096 x 4096 in
+bf16: the bf16 GEMM takes 366 us (750 TFLOP/s), torch._scaled_mm 202-220 us (1250-1360
+TFLOP/s); quantize(x) 54 us (3.1 TB/s effective), 78 us with the transposed copy (113
+us rowwise). The whole layer, forward and backward: 1135 us in bf16, 837 us in FP8
+tensorwise, 927 us rowwise. 1.36x and 1.23x, not 2x: the casts take a quarter of the
+FP8 layer's time, which is why fusing the amax into the producer is the next step.
+
+What backward keeps, and LoRA's frozen weights
+----------------------------------------------
+The weight gradient needs X^T: we save its fp8 copy (1 byte per element) instead of x
+(2 bytes in bf16). W^T for grad_in comes out of the forward's cast pass and is saved
+too (1 byte per weight element until backward; re-quantizing W there would cost two
+more reads of it). A frozen weight (LoRA's base layers) gets no gradient and never
+changes: its fp8 copies are cached across steps, keyed on its storage and version
+counter, so it is quantized once, not every step (an in-place update bumps
+``_version`` and invalidates the entry). The price: 2 bytes per frozen element.
+
+Gradients in e4m3
+-----------------
+e5m2 (2 mantissa bits, ~2^32 of range) for gradients is the older convention, from
+per-tensor and delayed scaling, where a scale from past steps could lag behind a
+growing gradient. torchao's float8 training keeps it in its default tensorwise
+recipe (``Float8LinearConfig``: e4m3 input and weight, e5m2 grad_output) and uses
+e4m3 for activations, weights and gradients alike in its rowwise recipe. With a
+dynamic scale the largest value of each row (or tensor) maps to 448 by construction:
+no range is needed above it, and below it e4m3 still spans ~2^17 (subnormals
+included) with half e5m2's rounding error. We use e4m3 everywhere, in both recipes
+(one cast kernel for all). The cost falls on tensorwise gradients whose rows differ
+by more than ~2^17: their small rows flush to zero. Prefer "rowwise" for those.
+
+Triton concepts new in this step
+--------------------------------
+* ``tl.atomic_max`` combines per-tile reductions across programs (on non-negative
+  floats the order does not change the result: deterministic).
+* ``tl.trans`` before a store into a transposed tensor: the compiler reshuffles the
+  tile through shared memory so that the load and the store are both contiguous.
+* ``tl.math.div_rn``: a correctly rounded float32 division (Triton's ``/`` may be
+  approximate on the GPU), to match PyTorch's scale to the last bit.
+* ``tl.dot`` on float8e4nv tiles (Hopper's FP8 wgmma) and grouped program order for
+  L2 reuse, in ``triton_scaled_mm``, the second half of this file.
+
+Nothing runs on import. See fp8_test.py for the checks.
+"""
+
+import collections
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+# First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
+from kernel_common import (
+    IN_INTERPRETER, INTERPRET, SUPPORTED_DTYPES, cast_to, cdiv, check_kernel_device, fast_launch, first_order_only,
+    kernel_op, nothing,
+)
+
+import triton
+import triton.language as tl
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+RECIPES = ("tensorwise", "rowwise")
+AMAX_FLOOR = 1e-12  # an all-zero row gets a finite scale (and casts to zeros), never inf or NaN
+# The same two numbers inside @triton.jit code (a global there must be a constexpr).
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+
+# One tensor in fp8: data [M, K] row-major; inv_scale float32, [] (tensorwise) or [M, 1]
+# (rowwise): data * inv_scale ~ x. With transpose, data_t [K, M'] (x^T, its M columns
+# padded with zeros to M' when asked) and inv_scale_t [] or [K, 1]; else both None.
+Fp8Tensor = collections.namedtuple("Fp8Tensor", "data inv_scale data_t inv_scale_t")
+
+
+# --------------------------------------------------------------------------------
+# The reference: the scaling recipe in plain PyTorch
+# --------------------------------------------------------------------------------
+def _cast_reference(x, amax):
+    # A tensor over a tensor: one correctly rounded division. (``448 / t`` would be
+    # t.reciprocal() * 448 in PyTorch: two roundings, a different last bit in ~1 of 4.)
+    scale = torch.full_like(amax, FP8_MAX) / amax.clamp(min=AMAX_FLOOR)
+    data = (x.float() * scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return data, scale.reciprocal()  # 1 / scale, rounded once
+
+
+def quantize_reference(x, recipe, transpose=False, align=1):
+    """The truth: x [M, K] -> Fp8Tensor. ``align``: data_t's columns padded to a multiple."""
+    _check_recipe(recipe, "quantize_reference")
+    xf = x.float()
+    if recipe == "tensorwise":
+        amax = amax_t = xf.abs().amax()
+    else:
+        amax, amax_t = xf.abs().amax(dim=1, keepdim=True), xf.abs().amax(dim=0).unsqueeze(1)
+    data, inv = _cast_reference(x, amax)
+    if not transpose:
+        return Fp8Tensor(data, inv, None, None)
+    data_t, inv_t = _cast_reference(x.t(), amax_t)
+    pad = -x.shape[0] % align
+    if pad:
+        data_t = torch.cat([data_t, torch.zeros(data_t.shape[0], pad, dtype=FP8_DTYPE, device=x.device)], dim=1)
+    return Fp8Tensor(data, inv, data_t, inv_t)
+
+
+def scaled_mm_reference(a8, inv_a, b8, inv_b, out_dtype, bias=None):
+    """The truth of a scaled GEMM: dequantize in float32 and multiply. a8 [M, K], b8 [N, K]."""
+    y = (a8.float() * inv_a) @ (b8.float() * inv_b).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+# --------------------------------------------------------------------------------
+# Kernel 1: the amax
+# --------------------------------------------------------------------------------
+@triton.jit
+def _load_tile(X, offs_m, offs_k, M, K, sx_m, sx_k):
+    # Any strides (a transposed view is read in place); rows and columns past the end read 0.
+    mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
+    ptrs = X + offs_m[:, None].to(tl.int64) * sx_m + offs_k[None, :].to(tl.int64) * sx_k
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@fast_launch
+@triton.jit
+def _amax_kernel(
+    X,  # [M, K] bf16/fp16/fp32, any strides
+    AMAX,  # float32, zeros: [M] (rowwise) or [1] (tensorwise)
+    AMAX_T,  # float32 [K], zeros (rowwise with transpose; unused otherwise)
+    M, K, sx_m, sx_k,
+    ROWWISE: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    a = tl.abs(_load_tile(X, offs_m, offs_k, M, K, sx_m, sx_k))
+    # Each tile holds a piece of its rows (and columns); atomic_max folds the pieces
+    # together. |x| >= 0, so the float max is order-independent: deterministic.
+    # One tile per program. Walking several tiles per program to send fewer atomics was
+    # slower on an H200 (fewer loads in flight), though the column maxima of the rowwise
+    # transposed case take this kernel from 27 to 63 us at 8192 x 4096: room left.
+    if ROWWISE:
+        tl.atomic_max(AMAX + offs_m, tl.max(a, axis=1), mask=offs_m < M)
+        if TRANSPOSE:
+            tl.atomic_max(AMAX_T + offs_k, tl.max(a, axis=0), mask=offs_k < K)
+    else:
+        tl.atomic_max(AMAX, tl.max(a))
+
+
+# --------------------------------------------------------------------------------
+# Kernel 2: the cast
+# --------------------------------------------------------------------------------
+@triton.jit
+def _scale(amax):
+    # 448 / max(amax, 1e-12), correctly rounded like PyTorch's division.
+    return tl.math.div_rn(tl.full(amax.shape, _FP8_MAX, tl.float32), tl.maximum(amax, _AMAX_FLOOR))
+
+
+@triton.jit
+def _inverse(scale):
+    return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
+def _e4m3_bits(v):
+    # float32 v with |v| <= 448 -> the uint8 bit pattern of e4m3fn, rounded to nearest even.
+    # The GPU converts in hardware. Triton 3.6's interpreter converts to fp8 with a bug
+    # (a mantissa that rounds up into the next power of two gives half the value: 31.6
+    # becomes 16, not 32), so there we build the bits from the float32 bits instead.
+    # The kernel stores into a uint8 view of the fp8 tensor either way: one kernel for both.
+    if IN_INTERPRETER:
+        bits = v.to(tl.uint32, bitcast=True)
+        sign = (bits >> 24) & 0x80
+        mag = bits & 0x7FFFFFFF
+        # Normal e4m3 (|v| >= 2^-6): keep 3 of float32's 23 mantissa bits, rounding to
+        # nearest even (a carry moves into the exponent by itself), and rebias the
+        # exponent from float32's 127 to e4m3's 7.
+        normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
+        # Subnormal e4m3: multiples of 2^-9. Adding and subtracting 2^23 rounds |v| * 2^9
+        # to the nearest even integer in float32; 8 (= 2^-6) is the smallest normal's code.
+        t = tl.abs(v) * 512.0
+        sub = ((t + 8388608.0) - 8388608.0).to(tl.uint32)
+        return (tl.where(mag < 0x3C800000, sub, normal) | sign).to(tl.uint8)  # 0x3C800000: 2^-6
+    else:
+        return v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _cast_tile(x, scale):
+    return _e4m3_bits(tl.clamp(x * scale, -_FP8_MAX, _FP8_MAX))
+
+
+@fast_launch
+@triton.jit
+def _cast_kernel(
+    X,  # [M, K] bf16/fp16/fp32, any strides
+    OUT,  # [M, K] uint8 (a view of the fp8 data), row-major
+    OUT_T,  # [K, M_PAD] uint8 (a view of the fp8 data_t), row-major; unused without TRANSPOSE
+    AMAX, AMAX_T,  # float32 [M] / [K] (rowwise) or [1] (tensorwise), from _amax_kernel
+    INV, INV_T,  # float32 [M] / [K] or [1]: the inverse scales this kernel writes
+    M, K, M_PAD, sx_m, sx_k,
+    ROWWISE: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    in_m = offs_m < M
+    in_k = offs_k < K
+    x = _load_tile(X, offs_m, offs_k, M, K, sx_m, sx_k)
+    # The scales come from memory, never through the host: no sync, CUDA-graph capturable.
+    # Every program recomputes the scales of its rows: one division per row, cheaper than
+    # a third kernel. The first program of a row (column, tensor) also writes the inverse.
+    if ROWWISE:
+        scale = _scale(tl.load(AMAX + offs_m, mask=in_m, other=0.0))
+        bits = _cast_tile(x, scale[:, None])
+        if pid_k == 0:
+            tl.store(INV + offs_m, _inverse(scale), mask=in_m)
+    else:
+        scale = _scale(tl.load(AMAX))
+        bits = _cast_tile(x, scale)
+        if (pid_m == 0) & (pid_k == 0):
+            tl.store(INV, _inverse(scale))
+    tl.store(OUT + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], bits, mask=in_m[:, None] & in_k[None, :])
+    if TRANSPOSE:
+        if ROWWISE:  # the transposed copy's rows are x's columns: their own scales
+            scale_t = _scale(tl.load(AMAX_T + offs_k, mask=in_k, other=0.0))
+            bits_t = _cast_tile(x, scale_t[None, :])
+            if pid_m == 0:
+                tl.store(INV_T + offs_k, _inverse(scale_t), mask=in_k)
+        else:  # one scale: the same bytes, transposed
+            bits_t = bits
+        # tl.trans makes M the tile's last (contiguous) dim, as it is in OUT_T: the
+        # compiler moves the tile through shared memory and both load and store coalesce.
+        # Rows M..M_PAD of x read as 0: the padding columns of OUT_T are written as zeros.
+        tl.store(OUT_T + offs_k[:, None].to(tl.int64) * M_PAD + offs_m[None, :], tl.trans(bits_t),
+                 mask=in_k[:, None] & (offs_m < M_PAD)[None, :])
+
+
+# Tiles of the two kernels: [BLOCK_M, BLOCK_K] and warps. Not tuned: 64 x 128 bf16 is
+# 16 KB per tile, enough bytes in flight per program. The interpreter gets small tiles,
+# so that small test tensors still cross several of them in both directions.
+def _quantize_tiles():
+    return (32, 32, 1) if INTERPRET else (64, 128, 8)
+
+
+def quantize(x, recipe, transpose=False, align=1):
+    """x [M, K] (bf16/fp16/fp32, any strides) -> Fp8Tensor, bit for bit quantize_reference's."""
+    _check_recipe(recipe, "quantize")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"quantize: unsupported dtype {x.dtype}; use float32, float16 or bfloat16")
+    if x.dim() != 2:
+        raise ValueError(f"quantize: x must be 2-D [M, K], got {tuple(x.shape)}")
+    check_kernel_device(x)
+    M, K = x.shape
+    m_pad = cdiv(M, align) * align
+    rowwise = recipe == "rowwise"
+    device = x.device
+    block_m, block_k, warps = _quantize_tiles()
+    amax = torch.zeros(M if rowwise else 1, dtype=torch.float32, device=device)
+    amax_t = torch.zeros(K, dtype=torch.float32, device=device) if rowwise and transpose else amax
+    inv = torch.empty_like(amax)
+    inv_t = torch.empty_like(amax_t) if rowwise else inv
+    data = torch.empty(M, K, dtype=FP8_DTYPE, device=device)
+    data_t = torch.empty(K, m_pad, dtype=FP8_DTYPE, device=device) if transpose else data
+    common = dict(ROWWISE=rowwise, TRANSPOSE=transpose, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=warps)
+    # At least one program each way: an empty x still gets its (column) scales written.
+    grid_k = max(1, cdiv(K, block_k))
+    _amax_kernel[(max(1, cdiv(M, block_m)), grid_k)](x, amax, amax_t, M, K, x.stride(0), x.stride(1), **common)
+    _cast_kernel[(max(1, cdiv(m_pad, block_m)), grid_k)](
+        x, data.view(torch.uint8), data_t.view(torch.uint8), amax, amax_t, inv, inv_t,
+        M, K, m_pad, x.stride(0), x.stride(1), **common)
+    shape = (-1, 1) if rowwise else ()
+    if not transpose:
+        return Fp8Tensor(data, inv.view(shape), None, None)
+    return Fp8Tensor(data, inv.view(shape), data_t, inv_t.view(shape))
+
+
+# --------------------------------------------------------------------------------
+# The scaled GEMM: cuBLASLt through torch._scaled_mm
+# --------------------------------------------------------------------------------
+def scaled_mm(a8, inv_a, b8, inv_b, out_dtype, bias=None, fast_accum=False):
+    """(a8 * inv_a) @ (b8 * inv_b)^T in out_dtype: a8 [M, K], b8 [N, K] fp8 row-major (K
+    last; K and N multiples of 16 on the GPU), inverse scales [] or [M, 1] / [N, 1].
+    ``fast_accum``: let the tensor cores accumulate K-tiles at their own, lower precision."""
+    # _scaled_mm's second operand is [K, N] column-major, i.e. b8.t(); a rowwise scale of
+    # it is a row vector [1, N].
+    scale_b = inv_b.reshape(1, -1) if inv_b.dim() == 2 else inv_b
+    y = torch._scaled_mm(a8, b8.t(), scale_a=inv_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum)
+    if bias is not None:
+        # A separate pass over y (cuBLASLt can fuse a bias for some dtypes; LLaMA has none).
+        y.add_(bias)
+    return y
+
+
+# --------------------------------------------------------------------------------
+# The same GEMM as a Triton kernel, for comparison with cuBLASLt
+# --------------------------------------------------------------------------------
+# Program order: consecutive program ids walk GROUP_M tiles *down* a column of C before
+# moving to the next column, so the programs running together share a few tiles of A
+# and a few of B, which stay in L2; in plain row order each wave of programs would read
+# all of B for one row of tiles of A.
+@triton.jit
+def _fp8_dot(a, b, acc, FAST_ACCUM: tl.constexpr, BLOCK_K: tl.constexpr):
+    # a [BM, BK], b [BN, BK] fp8 -> acc + a b^T. The interpreter multiplies in float32.
+    # On Hopper the FP8 tensor cores keep fewer bits than float32 in their accumulator;
+    # max_num_imprecise_acc=BLOCK_K adds each K-tile's product into the float32
+    # accumulator (torch._scaled_mm's use_fast_accum=False), FAST_ACCUM does not. On an
+    # H200 at 8192 x 4096 x 4096 that precision costs us 30% (815 vs 1173 TFLOP/s),
+    # cuBLASLt 7% (1272 vs 1363).
+    if IN_INTERPRETER:
+        return acc + tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)))
+    elif FAST_ACCUM:
+        return tl.dot(a, tl.trans(b), acc)
+    else:
+        return tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
+
+
+@fast_launch
+@triton.jit
+def _fp8_gemm_kernel(
+    A,  # [M, K] fp8 row-major
+    B,  # [N, K] fp8 row-major
+    C,  # [M, N] out dtype
+    INV_A, INV_B,  # float32 [M] and [N] (rowwise) or [1] each
+    M, N, K,
+    ROWWISE: tl.constexpr, FAST_ACCUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(tiles_m - first_m, GROUP_M)  # the last group may be shorter
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = A + offs_m[:, None].to(tl.int64) * K + offs_k[None, :]
+    b_ptrs = B + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + offs_k < K)[None, :]
+        a = tl.load(a_ptrs, mask=(offs_m < M)[:, None] & k_ok, other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_n < N)[:, None] & k_ok, other=0.0)
+        acc = _fp8_dot(a, b, acc, FAST_ACCUM, BLOCK_K)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    # The scales multiply the float32 accumulator once, after the whole K loop: they are
+    # constant along K (that is what "scaled along the reduction axis" buys).
+    if ROWWISE:
+        inv_a = tl.load(INV_A + offs_m, mask=offs_m < M, other=0.0)
+        inv_b = tl.load(INV_B + offs_n, mask=offs_n < N, other=0.0)
+        out = acc * inv_a[:, None] * inv_b[None, :]
+    else:
+        out = acc * (tl.load(INV_A) * tl.load(INV_B))
+    c_ptrs = C + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(c_ptrs, cast_to(out, C.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+def triton_scaled_mm(a8, inv_a, b8, inv_b, out_dtype, fast_accum=False):
+    """scaled_mm as one Triton kernel (same arguments, no bias): for the benchmark."""
+    if a8.dtype != FP8_DTYPE or b8.dtype != FP8_DTYPE or a8.dim() != 2 or b8.dim() != 2 \
+            or a8.shape[1] != b8.shape[1]:
+        raise ValueError(f"triton_scaled_mm: a8 [M, K] and b8 [N, K] must be {FP8_DTYPE}, got {a8.dtype} "
+                         f"{tuple(a8.shape)} and {b8.dtype} {tuple(b8.shape)}")
+    check_kernel_device(a8, b8, inv_a, inv_b)
+    a8, b8 = a8.contiguous(), b8.contiguous()
+    (M, K), N = a8.shape, b8.shape[0]
+    c = torch.empty(M, N, dtype=out_dtype, device=a8.device)
+    # 128 x 128 x 128 fp8 tiles: 32 KB of A and B per stage, 3 stages in shared memory.
+    bm, bn, bk, warps, stages = (16, 16, 32, 1, 1) if INTERPRET else (128, 128, 128, 8, 3)
+    if c.numel():
+        _fp8_gemm_kernel[(cdiv(M, bm) * cdiv(N, bn),)](
+            a8, b8, c, inv_a.reshape(-1), inv_b.reshape(-1), M, N, K,
+            ROWWISE=inv_a.dim() == 2, FAST_ACCUM=fast_accum, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+            num_warps=warps, num_stages=stages)
+    return c
+
+
+# --------------------------------------------------------------------------------
+# Frozen weights: quantized once
+# --------------------------------------------------------------------------------
+# Keyed on the tensor object itself (its id; the entry dies with the weight). A plain
+# WeakKeyDictionary would compare tensors with ``==``, elementwise.
+_FROZEN_FP8 = WeakIdKeyDictionary()
+
+
+def _weight_fp8(weight, recipe, transpose):
+    if weight.requires_grad:  # trained: it changes every step, quantize it every call
+        return quantize(weight.detach(), recipe, transpose)
+    key = (weight.data_ptr(), weight._version, recipe, transpose)
+    hit = _FROZEN_FP8.get(weight)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    q = quantize(weight, recipe, transpose)
+    _FROZEN_FP8[weight] = (key, q)
+    return q
+
+
+# --------------------------------------------------------------------------------
+# The linear layer's launchers, registered as operators (kernel_common.kernel_op)
+# --------------------------------------------------------------------------------
+def _scale_shape(recipe, rows):
+    return (rows, 1) if recipe == "rowwise" else ()
+
+
+def _linear_forward_fake(x, weight, bias, recipe, need_dx, need_dw):
+    (M, K), N = x.shape, weight.shape[0]
+    f32 = torch.float32
+    return (x.new_empty(M, N),
+            x.new_empty(K, cdiv(M, 16) * 16, dtype=FP8_DTYPE) if need_dw else nothing(x),
+            x.new_empty(_scale_shape(recipe, K), dtype=f32) if need_dw else nothing(x),
+            x.new_empty(K, N, dtype=FP8_DTYPE) if need_dx else nothing(x),
+            x.new_empty(_scale_shape(recipe, K), dtype=f32) if need_dx else nothing(x))
+
+
+@kernel_op("fp8_linear_forward", fake=_linear_forward_fake)
+def fp8_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], recipe: str,
+                       need_dx: bool, need_dw: bool,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y [M, N] in x's dtype, x_t, x_t's inverse scale, w_t, w_t's inverse scale) of x [M, K]:
+    the fp8 transposed copies backward needs (empty placeholders where it needs none)."""
+    # X^T for dW only when the weight gets a gradient; its M columns padded to a multiple
+    # of 16, the reduction dim of the dW GEMM (zero columns add nothing).
+    xq = quantize(x, recipe, transpose=need_dw, align=16)
+    wq = _weight_fp8(weight, recipe, transpose=need_dx)  # W^T for dX only when x gets one
+    # torchao's default: fast accumulation in the forward GEMM only.
+    y = scaled_mm(xq.data, xq.inv_scale, wq.data, wq.inv_scale, x.dtype, bias, fast_accum=True)
+    keep = [t if t is not None else nothing(x) for t in (xq.data_t, xq.inv_scale_t, wq.data_t, wq.inv_scale_t)]
+    return (y, *keep)
+
+
+def _linear_backward_fake(dy, x_t, x_inv_t, w_t, w_inv_t, recipe, x_dtype, w_dtype, need_dx, need_dw):
+    M, N = dy.shape
+    return (dy.new_empty(M, w_t.shape[0], dtype=x_dtype) if need_dx else nothing(dy),
+            dy.new_empty(N, x_t.shape[0], dtype=w_dtype) if need_dw else nothing(dy))
+
+
+@kernel_op("fp8_linear_backward", fake=_linear_backward_fake)
+def fp8_linear_backward(dy: torch.Tensor, x_t: torch.Tensor, x_inv_t: torch.Tensor, w_t: torch.Tensor,
+                        w_inv_t: torch.Tensor, recipe: str, x_dtype: torch.dtype, w_dtype: torch.dtype,
+                        need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [M, K] in x_dtype, dw [N, K] in w_dtype) from dy [M, N] and the saved fp8 copies."""
+    dyq = quantize(dy, recipe, transpose=need_dw, align=16)
+    dx = scaled_mm(dyq.data, dyq.inv_scale, w_t, w_inv_t, x_dtype) if need_dx else nothing(dy)
+    dw = scaled_mm(dyq.data_t, dyq.inv_scale_t, x_t, x_inv_t, w_dtype) if need_dw else nothing(dy)
+    return dx, dw
+
+
+# --------------------------------------------------------------------------------
+# Autograd
+# --------------------------------------------------------------------------------
+def _linear_save(ctx, inputs, output):
+    x, weight, bias, recipe, need_dx, need_dw = inputs
+    ctx.save_for_backward(*output[1:])  # fp8 copies only: never x or W themselves
+    ctx.recipe, ctx.need_dx, ctx.need_dw = recipe, need_dx, need_dw
+    ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _linear_op_save(ctx, inputs, output):
+    _linear_save(ctx, inputs, output)
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _linear_grads(ctx, dy, *_):
+    x_t, x_inv_t, w_t, w_inv_t = ctx.saved_tensors
+    dx, dw = fp8_linear_backward(dy, x_t, x_inv_t, w_t, w_inv_t, ctx.recipe, ctx.x_dtype, ctx.w_dtype,
+                                 ctx.need_dx, ctx.need_dw)
+    db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
+    return (dx if ctx.need_dx else None), (dw if ctx.need_dw else None), db, None, None, None
+
+
+class FP8LinearFunction(torch.autograd.Function):
+    """y = x W^T + b with all three GEMMs in FP8: x [..., K], weight [N, K], bias [N] or None."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe):
+        x2d = x.reshape(-1, x.shape[-1])
+        inputs = (x2d, weight, bias, recipe, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        output = fp8_linear_forward(*inputs)
+        _linear_save(ctx, inputs, output)
+        ctx.x_shape = x.shape
+        return output[0].view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    @first_order_only("fp8_linear")
+    def backward(ctx, dy):
+        dx, dw, db = _linear_grads(ctx, dy.reshape(-1, dy.shape[-1]))[:3]
+        return (None if dx is None else dx.view(ctx.x_shape)), dw, db, None
+
+
+fp8_linear_forward.op.register_autograd(first_order_only("fp8_linear")(_linear_grads),
+                                        setup_context=_linear_op_save)
+
+
+# --------------------------------------------------------------------------------
+# The entry point and its checks
+# --------------------------------------------------------------------------------
+NEEDS = "FP8 matmuls need a CUDA GPU with FP8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell)"
+
+
+def fp8_supported(device):
+    """(True, "") where FP8 tensor cores exist, else (False, why) in one line."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return False, f"{NEEDS}; this is a CPU"
+    if device.type != "cuda":
+        return False, f"{NEEDS}; this is a {device.type} device"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        return False, f"{NEEDS}; {torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}"
+    return True, ""
+
+
+def _check_recipe(recipe, name):
+    if recipe not in RECIPES:
+        raise ValueError(f"{name}: recipe must be one of {RECIPES}, got {recipe!r}")
+
+
+def _check_linear(x, weight, bias, recipe, emulate):
+    _check_recipe(recipe, "fp8_linear")
+    for what, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"fp8_linear: unsupported {what} dtype {t.dtype}; use float32, float16 or bfloat16")
+    if x.dim() < 2 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"fp8_linear: x must be [..., K] (2-D or more) and weight [N, K], got x "
+                         f"{tuple(x.shape)} and weight {tuple(weight.shape)}")
+    N, K = weight.shape
+    if K % 16 or N % 16:
+        raise ValueError(f"fp8_linear: FP8 GEMMs need in_features and out_features that are multiples of 16, "
+                         f"got weight [{N}, {K}]")
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"fp8_linear: bias must be [{N}], got {tuple(bias.shape)}")
+    supported, why = fp8_supported(x.device)
+    if not supported and not emulate:
+        raise RuntimeError(f"fp8_linear: {why}")
+    check_kernel_device(*(t for t in (x, weight, bias) if t is not None))
+
+
+def fp8_linear(x, weight, bias=None, recipe="tensorwise", emulate=False):
+    """``F.linear(x, weight, bias)`` with its three GEMMs in FP8 (e4m3, dynamic scales).
+
+    x [..., K], weight [N, K], bias [N] (bf16/fp16/fp32; K and N multiples of 16).
+    Returns y [..., N] in x's dtype; differentiable in all three. ``emulate=True`` runs
+    where there are no FP8 tensor cores (CPU: torch's _scaled_mm computes in float32,
+    the kernels in the Triton interpreter): for tests, not for speed.
+    """
+    _check_linear(x, weight, bias, recipe, emulate)
+    grad = torch.is_grad_enabled()
+    need_dx, need_dw = grad and x.requires_grad, grad and weight.requires_grad
+    if torch.compiler.is_compiling() or not (need_dx or need_dw or (grad and bias is not None and bias.requires_grad)):
+        # Traced (one operator in the graph), or nothing to differentiate (no transposed copies).
+        y = fp8_linear_forward(x.reshape(-1, x.shape[-1]), weight, bias, recipe, need_dx, need_dw)[0]
+        return y.view(*x.shape[:-1], weight.shape[0])
+    return FP8LinearFunction.apply(x, weight, bias, recipe)
+
+
+# --------------------------------------------------------------------------------
+# In a model
+# --------------------------------------------------------------------------------
+class FP8Linear(nn.Module):
+    """An nn.Linear whose forward runs fp8_linear. It holds the *same* weight and bias
+    Parameters as the layer it replaces: optimizers, weight tying and checkpoints see
+    no difference."""
+
+    def __init__(self, linear, recipe="tensorwise", emulate=False):
+        super().__init__()
+        _check_recipe(recipe, "FP8Linear")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.register_parameter("bias", linear.bias)
+        self.recipe, self.emulate = recipe, emulate
+
+    def forward(self, x):
+        return fp8_linear(x, self.weight, self.bias, self.recipe, self.emulate)
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, recipe={self.recipe}")
+
+
+def replace_linears(model, recipe="tensorwise", skip=("lm_head",), emulate=False):
+    """Swap every plain nn.Linear of ``model`` for an FP8Linear; returns (count, skipped).
+
+    Left alone: modules whose qualified name ends with an entry of ``skip`` (the LM head:
+    its logits are the loss's input, and often tied to the embedding), LoRA adapters
+    (names with a ``lora_`` part: small, and trained in bf16), subclasses of nn.Linear
+    (they may compute something else), and layers whose in/out features are not
+    multiples of 16: their names come back in ``skipped`` for the caller to print. Under
+    peft, apply this after get_peft_model: a LoRA layer's ``base_layer`` is swapped.
+    """
+    _check_recipe(recipe, "replace_linears")
+    targets, skipped = [], []
+    for name, module in model.named_modules():
+        if not name or type(module) is not nn.Linear:
+            continue
+        if any(part.startswith("lora_") for part in name.split(".")):
+            continue
+        if any(name == s or name.endswith("." + s) for s in skip):
+            continue
+        if module.in_features % 16 or module.out_features % 16:
+            skipped.append(name)
+            continue
+        targets.append((name, module))
+    for name, module in targets:  # swapped after the walk: never change a tree while iterating over it
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, FP8Linear(module, recipe, emulate))
+    return len(targets), skipped

@@ -1,0 +1,420 @@
+"""
+Tests of the FP8 linear layer and its scaling kernels (fp8_kernel.py, Step 22).
+
+* quantize (Triton) equals quantize_reference bit for bit: both recipes, with and
+  without the transposed copy, ragged shapes, bf16/fp16/fp32, a zero row, huge
+  values, a transposed view; every bf16 value and every rounding tie of e4m3;
+* the quantization error is within e4m3's rounding; the launch path never syncs
+  with the host (CPU: Tensor.item and friends raise; GPU: a CUDA graph captures it);
+* triton_scaled_mm and scaled_mm (torch._scaled_mm, which runs on CPU too) against
+  the dequantized float32 product;
+* fp8_linear forward and backward: equal to the product of the dequantized
+  operands to float32 rounding, and within FP8 error of the float64 truth; frozen
+  weights (no gradient, quantized once, re-quantized after an in-place update);
+  torch.compile; refusals in one line;
+* replace_linears on a tiny LLaMA, with and without peft's LoRA;
+* on a GPU: the same bits as PyTorch's cast, cuBLASLt vs the Triton GEMM, bf16
+  layers of realistic size.
+
+Usage:
+    python -m pytest fp8_test.py -v
+    python fp8_test.py
+"""
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import DEVICE, need_gpu, rel_err
+
+import fp8_kernel
+from fp8_kernel import (
+    FP8_DTYPE, FP8_MAX, RECIPES, FP8Linear, FP8LinearFunction, fp8_linear, fp8_supported, quantize,
+    quantize_reference, replace_linears, scaled_mm, scaled_mm_reference, triton_scaled_mm,
+)
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# Two float32 GEMMs of the same fp8 operands: on the CPU they differ only in the order of
+# the float32 sums; the GPU's FP8 tensor cores accumulate with fewer bits than float32.
+SAME_PRODUCT = 1e-6 if DEVICE.type == "cpu" else 2e-3
+
+
+def bits(t):
+    return None if t is None else (t.view(torch.uint8) if t.dtype == FP8_DTYPE else t)
+
+
+def assert_same(got, want):
+    """Two Fp8Tensors hold the same bytes and the same scales (shapes and dtypes included)."""
+    for name, a, b in zip(got._fields, got, want):
+        if b is None:
+            assert a is None, name
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape, \
+            f"{name}: {a.dtype} {tuple(a.shape)} vs {b.dtype} {tuple(b.shape)}"
+        assert torch.equal(bits(a), bits(b)), f"{name}: {(bits(a) != bits(b)).sum().item()} elements differ"
+
+
+def sample(shape, dtype, seed=0):
+    """Rows of random values over several magnitudes, one row of zeros, one of huge values
+    (up to ~4e4: fp16 holds them)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp(torch.randn(*shape[:-1], 1, generator=g))
+    rows = x.view(-1, shape[-1])
+    if rows.shape[0] > 2:
+        rows[1] = 0.0
+        rows[2] = 1e4 * torch.randn(shape[-1], generator=g)
+    return x.to(DEVICE, dtype)
+
+
+# --------------------------------------------------------------------------------
+# The scaling kernels
+# --------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("shape", [(37, 80), (1, 16), (130, 48)], ids=str)
+def test_quantize_is_the_reference_bit_for_bit(shape, dtype):
+    x = sample(shape, dtype)
+    for recipe in RECIPES:
+        for transpose in (False, True):
+            align = 16 if transpose else 1
+            assert_same(quantize(x, recipe, transpose, align), quantize_reference(x, recipe, transpose, align))
+
+
+def test_every_bf16_value_and_every_tie_rounds_as_pytorch():
+    """448 in the tensor makes the tensorwise scale exactly 1: the cast sees the values
+    themselves. Every finite bf16 value up to 448, every midpoint between neighbouring
+    e4m3 values (ties go to the even code) and the floats next to those midpoints."""
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    values = codes[torch.isfinite(codes)].unique()
+    ties = (values[1:] + values[:-1]) / 2
+    up, down = torch.full_like(ties, 1e9), torch.full_like(ties, -1e9)
+    bf16 = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    bf16 = bf16[torch.isfinite(bf16) & (bf16.abs() <= FP8_MAX)]
+    x = torch.cat([torch.tensor([FP8_MAX, -0.0, 1e-30, -1e-40]), values, ties, torch.nextafter(ties, up),
+                   torch.nextafter(ties, down), bf16])
+    x = torch.cat([x, torch.zeros(-x.numel() % 256)]).reshape(-1, 256).to(DEVICE)
+    got, want = quantize(x, "tensorwise"), quantize_reference(x, "tensorwise")
+    assert want.inv_scale.item() == 1.0
+    assert_same(got, want)
+
+
+def test_transposed_view_is_read_in_place():
+    base = sample((48, 37), torch.bfloat16, seed=1)
+    x = base.t()  # [37, 48] with strides (1, 37)
+    for recipe in RECIPES:
+        got = quantize(x, recipe, transpose=True)
+        assert_same(got, quantize_reference(x, recipe, transpose=True))
+        assert_same(got, quantize(x.contiguous(), recipe, transpose=True))
+
+
+def test_all_zeros_give_zeros_and_finite_scales():
+    x = torch.zeros(5, 32, device=DEVICE)
+    for recipe in RECIPES:
+        q = quantize(x, recipe, transpose=True)
+        assert_same(q, quantize_reference(x, recipe, transpose=True))
+        assert not bits(q.data).any() and not bits(q.data_t).any()
+        assert torch.isfinite(q.inv_scale).all() and torch.isfinite(q.inv_scale_t).all()
+
+
+def test_padding_of_the_transposed_copy():
+    x = sample((37, 32), torch.bfloat16, seed=2)
+    q = quantize(x, "rowwise", transpose=True, align=16)
+    assert q.data_t.shape == (32, 48) and not bits(q.data_t[:, 37:]).any()
+    assert torch.equal(bits(q.data_t[:, :37]), bits(quantize(x, "rowwise", transpose=True).data_t))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_quantization_error_within_e4m3_rounding(recipe):
+    # e4m3 keeps 3 mantissa bits: a normal value v = 1.m x 2^e is rounded to a multiple
+    # of 2^(e-3), an error of at most half of it, 2^(e-4) <= 2^-4 |v|. Below 2^-6
+    # (subnormals) the values are multiples of 2^-9: an absolute error of at most 2^-10.
+    # Dequantizing multiplies by inv_scale ~ amax / 448, so in x's units:
+    #     |q * inv_scale - x| <= 2^-4 |x| + 2^-10 amax / 448
+    # plus float32's own roundings of scale and inverse (relative 2^-23: the 1e-6 below).
+    x = sample((37, 80), torch.float32, seed=3)
+    q = quantize(x, recipe, transpose=True)
+    for data, inv, xs in ((q.data, q.inv_scale, x), (q.data_t, q.inv_scale_t, x.t())):
+        amax = xs.abs().amax(dim=1, keepdim=True) if recipe == "rowwise" else xs.abs().amax()
+        error = (data.float() * inv - xs).abs()
+        bound = 2**-4 * xs.abs() + 2**-10 * amax / FP8_MAX
+        assert (error <= bound * (1 + 1e-6)).all(), (error - bound).max().item()
+        assert (error > 0).any()  # it did round (the test can fail)
+
+
+def test_no_host_sync_in_the_launch_path(monkeypatch):
+    """Reading a value on the host would block the CPU until the GPU is done (and break
+    CUDA-graph capture). On the CPU we make every such read raise."""
+    x = sample((20, 32), torch.bfloat16, seed=4).requires_grad_()
+    w = sample((16, 32), torch.bfloat16, seed=5).requires_grad_()
+
+    def sync(*args, **kwargs):
+        raise AssertionError("host sync")
+
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, sync)
+    for recipe in RECIPES:
+        quantize(x.detach(), recipe, transpose=True)
+        fp8_linear(x, w, None, recipe, emulate=True).sum().backward()
+    with pytest.raises(AssertionError, match="host sync"):
+        x.sum().item()  # the patch is in force
+
+
+def test_cuda_graph_captures_quantize_and_the_layer():
+    need_gpu()
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(384, 512, device="cuda", dtype=torch.bfloat16) / 20
+    for recipe in RECIPES:
+        quantize(x, recipe, True, 16), fp8_linear(x, w, None, recipe)  # compile the kernels first
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            q = quantize(x, recipe, True, 16)
+            y = fp8_linear(x, w, None, recipe)
+        x.copy_(torch.randn_like(x) * 3)  # new values, same memory: the replay must see them
+        graph.replay()
+        assert_same(q, quantize_reference(x, recipe, True, 16))
+        assert rel_err(y, F.linear(x.double(), w.double())) < 0.1
+
+
+# --------------------------------------------------------------------------------
+# The scaled GEMMs
+# --------------------------------------------------------------------------------
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_scaled_gemms_match_the_dequantized_product(recipe):
+    a = quantize(sample((48, 64), torch.float32, seed=6), recipe)
+    b = quantize(sample((32, 64), torch.float32, seed=7), recipe)
+    args = (a.data, a.inv_scale, b.data, b.inv_scale)
+    want = scaled_mm_reference(*args, torch.float32)
+    # Products of fp8 values are exact in float32; only the order of the sums differs.
+    assert rel_err(triton_scaled_mm(*args, torch.float32), want) < SAME_PRODUCT
+    got = triton_scaled_mm(*args, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and rel_err(got, want) < 2**-8  # bf16's rounding: 2^-9 at most
+    assert rel_err(scaled_mm(*args, torch.float32), want) < SAME_PRODUCT  # the arguments reach _scaled_mm right
+    bias = torch.randn(32, device=DEVICE)
+    assert rel_err(scaled_mm(*args, torch.float32, bias), scaled_mm_reference(*args, torch.float32, bias)) \
+        < SAME_PRODUCT
+
+
+# --------------------------------------------------------------------------------
+# The linear layer
+# --------------------------------------------------------------------------------
+def run_linear(fn, x, w, b, dy):
+    x, w, b = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    y = fn(x, w, b)
+    y.backward(dy)
+    return [y.detach(), x.grad, w.grad, b.grad]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_linear_is_the_product_of_its_fp8_operands(recipe):
+    """In float32 every GEMM equals the float32 product of the dequantized operands; the
+    operands are quantize_reference's (bit for bit the kernels', tested above)."""
+    x, w, b = sample((2, 21, 64), torch.float32, 8), sample((48, 64), torch.float32, 9), torch.randn(48).to(DEVICE)
+    dy = torch.randn(2, 21, 48)
+    y, dx, dw, db = run_linear(lambda *a: fp8_linear(*a, recipe, emulate=True), x, w, b, dy.to(DEVICE))
+    x2, dy2 = x.reshape(42, 64), dy.reshape(42, 48).to(DEVICE)
+    xq, wq = quantize_reference(x2, recipe, True, 16), quantize_reference(w, recipe, True)
+    dyq = quantize_reference(dy2, recipe, True, 16)
+    f32 = torch.float32
+    want_y = scaled_mm_reference(xq.data, xq.inv_scale, wq.data, wq.inv_scale, f32, b)
+    want_dx = scaled_mm_reference(dyq.data, dyq.inv_scale, wq.data_t, wq.inv_scale_t, f32)
+    want_dw = scaled_mm_reference(dyq.data_t, dyq.inv_scale_t, xq.data_t, xq.inv_scale_t, f32)
+    assert rel_err(y.reshape(42, 48), want_y) < SAME_PRODUCT
+    assert rel_err(dx.reshape(42, 64), want_dx) < SAME_PRODUCT
+    assert rel_err(dw, want_dw) < SAME_PRODUCT
+    assert torch.allclose(db, dy2.sum(0), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_linear_within_fp8_error_of_the_truth(recipe, dtype):
+    # Each operand carries e4m3's rounding, up to 2^-4 relative and about 2^-4/sqrt(3)
+    # ~ 0.036 in RMS for values spread over the binade; a product of two has ~sqrt(2)
+    # times that, and a sum of many such products keeps the relative RMS (the errors are
+    # independent). We measure 0.025 - 0.04 on these shapes; 0.1 leaves room for the
+    # randomness without letting a wrong scale (a factor of 2 or more: error >= 0.5) pass.
+    x, w = sample((3, 17, 64), dtype, 10), (torch.randn(48, 64) / 8).to(DEVICE, dtype)
+    b, dy = torch.randn(48).to(DEVICE, dtype), torch.randn(3, 17, 48).to(DEVICE, dtype)
+    got = run_linear(lambda *a: fp8_linear(*a, recipe, emulate=True), x, w, b, dy)
+    truth = run_linear(F.linear, x.double(), w.double(), b.double(), dy.double())
+    for name, a, t in zip(["y", "dx", "dw", "db"], got, truth):
+        assert a.dtype == dtype, name
+        assert rel_err(a, t) < (0.1 if name != "db" else 1e-2), f"{name}: {rel_err(a, t):.3f}"
+
+
+def test_frozen_weight_is_quantized_once(monkeypatch):
+    calls = []
+    real = fp8_kernel.quantize
+    monkeypatch.setattr(fp8_kernel, "quantize", lambda t, *a, **k: calls.append(tuple(t.shape)) or real(t, *a, **k))
+    w = torch.nn.Parameter(sample((32, 48), torch.float32, 11), requires_grad=False)
+    x = sample((5, 48), torch.float32, 12).requires_grad_()
+    y1 = FP8LinearFunction.apply(x, w, None, "rowwise")
+    assert calls == [(5, 48), (32, 48)]  # x, then W (with its transposed copy: x needs a gradient)
+    y1.sum().backward()
+    assert w.grad is None and x.grad is not None
+    calls.clear()
+    y2 = FP8LinearFunction.apply(x, w, None, "rowwise")
+    assert calls == [(5, 48)] and torch.equal(y1, y2)  # W from the cache
+    with torch.no_grad():
+        w.mul_(2)  # an in-place update: a new version of the weight
+    calls.clear()
+    y3 = FP8LinearFunction.apply(x, w, None, "rowwise")
+    assert calls == [(5, 48), (32, 48)] and torch.allclose(y3, 2 * y1, rtol=1e-6)
+    calls.clear()
+    FP8LinearFunction.apply(x, w, None, "tensorwise")  # another recipe: another entry
+    assert calls == [(5, 48), (32, 48)]
+
+
+def test_forward_without_gradients_quantizes_no_transposed_copy(monkeypatch):
+    seen = []
+    real = fp8_kernel.quantize
+
+    def spy(t, recipe, transpose=False, align=1):
+        seen.append(transpose)
+        return real(t, recipe, transpose, align)
+
+    monkeypatch.setattr(fp8_kernel, "quantize", spy)
+    x, w = sample((8, 32), torch.float32, 13), sample((16, 32), torch.float32, 14).requires_grad_()
+    with torch.no_grad():
+        fp8_linear(x, w, emulate=True)
+    assert seen == [False, False]
+
+
+def test_inside_torch_compile():
+    x, w = sample((2, 9, 32), torch.float32, 15), sample((16, 32), torch.float32, 16)
+    b, dy = torch.randn(16).to(DEVICE), torch.randn(2, 9, 16).to(DEVICE)
+    compiled = torch.compile(lambda x, w, b: fp8_linear(x, w, b, "rowwise", emulate=True), backend="aot_eager",
+                             fullgraph=True)
+    got = run_linear(compiled, x, w, b, dy)
+    want = run_linear(lambda *a: fp8_linear(*a, "rowwise", emulate=True), x, w, b, dy)
+    for a, c in zip(got, want):
+        assert torch.equal(a, c)
+
+
+def test_refusals_in_one_line():
+    x, w = torch.randn(4, 32, device=DEVICE), torch.randn(16, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        fp8_linear(x, w, recipe="blockwise", emulate=True)
+    with pytest.raises(ValueError, match=r"multiples of 16, got weight \[16, 24\]"):
+        fp8_linear(x[:, :24], w[:, :24], emulate=True)
+    with pytest.raises(ValueError, match=r"multiples of 16, got weight \[20, 32\]"):
+        fp8_linear(x, torch.randn(20, 32, device=DEVICE), emulate=True)
+    with pytest.raises(TypeError, match="unsupported x dtype torch.int32"):
+        fp8_linear(x.int(), w, emulate=True)
+    with pytest.raises(ValueError, match=r"weight \[N, K\]"):
+        fp8_linear(x, w.t(), emulate=True)
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        quantize(x, "per-block")
+    ok, why = fp8_supported("cpu")
+    assert not ok and why == ("FP8 matmuls need a CUDA GPU with FP8 tensor cores (compute capability 8.9+: "
+                              "Ada, Hopper, Blackwell); this is a CPU")
+    with pytest.raises(RuntimeError, match="this is a CPU") as e:
+        fp8_linear(x.cpu(), w.cpu())
+    assert "\n" not in str(e.value)
+
+
+# --------------------------------------------------------------------------------
+# In a model
+# --------------------------------------------------------------------------------
+def test_the_command_line_knows_the_recipes():
+    import flags
+
+    assert tuple(flags.FP8_RECIPES) == RECIPES
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=128, max_position_embeddings=64)
+    return LlamaForCausalLM(config).to(DEVICE, torch.float32)
+
+
+def test_replace_linears_in_a_tiny_llama():
+    model = tiny_llama()
+    before = {name: p for name, p in model.named_parameters()}
+    ids = torch.randint(0, 128, (2, 16), device=DEVICE)
+    want = model(input_ids=ids).logits
+    count, skipped = replace_linears(model, "rowwise", emulate=True)
+    assert count == 7 * 2 and skipped == []
+    assert type(model.lm_head) is torch.nn.Linear
+    assert isinstance(model.model.layers[1].mlp.down_proj, FP8Linear)
+    assert "recipe=rowwise" in repr(model.model.layers[0].self_attn.q_proj)
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys() and all(after[n] is before[n] for n in before)  # the same objects
+    got = model(input_ids=ids).logits
+    assert rel_err(got, want) < 0.1
+    got.float().logsumexp(-1).sum().backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+    assert replace_linears(model, "rowwise") == (0, [])  # nothing left to swap
+
+
+def test_replace_linears_skips_shapes_fp8_cannot_run():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 40), torch.nn.Linear(40, 32), torch.nn.Linear(32, 32))
+    count, skipped = replace_linears(model, skip=())
+    assert count == 1 and skipped == ["0", "1"] and isinstance(model[2], FP8Linear)
+
+
+def test_replace_linears_under_lora():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    count, _ = replace_linears(model, "tensorwise", emulate=True)
+    assert count == 7 * 2
+    q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj.base_layer, FP8Linear) and not q_proj.base_layer.weight.requires_grad
+    assert type(q_proj.lora_A["default"]) is torch.nn.Linear and type(q_proj.lora_B["default"]) is torch.nn.Linear
+    ids = torch.randint(0, 128, (2, 16), device=DEVICE)
+    model(input_ids=ids).logits.float().logsumexp(-1).sum().backward()
+    assert q_proj.lora_A["default"].weight.grad is not None and q_proj.base_layer.weight.grad is None
+
+
+# --------------------------------------------------------------------------------
+# On a GPU with FP8 tensor cores
+# --------------------------------------------------------------------------------
+def need_fp8():
+    need_gpu()
+    ok, why = fp8_supported(DEVICE)
+    if not ok:
+        pytest.skip(why)
+
+
+def test_gpu_cast_is_pytorchs_bit_for_bit():
+    need_fp8()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1000, 4096, device="cuda", generator=g, dtype=torch.bfloat16)
+    for recipe in RECIPES:
+        assert_same(quantize(x, recipe, True, 16), quantize_reference(x, recipe, True, 16))
+
+
+def test_gpu_triton_gemm_matches_cublaslt():
+    need_fp8()
+    a = torch.randn(1000, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(768, 4096, device="cuda", dtype=torch.bfloat16)
+    for recipe in RECIPES:
+        qa, qb = quantize(a, recipe), quantize(b, recipe)
+        args = (qa.data, qa.inv_scale, qb.data, qb.inv_scale)
+        want = scaled_mm_reference(*args, torch.float32)
+        assert rel_err(scaled_mm(*args, torch.bfloat16), want) < 4e-3
+        assert rel_err(triton_scaled_mm(*args, torch.bfloat16), want) < 4e-3
+        assert rel_err(triton_scaled_mm(*args, torch.bfloat16, fast_accum=True), want) < 4e-3
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_gpu_bf16_layer(recipe):
+    need_fp8()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(2, 999, 1024, device="cuda", generator=g).bfloat16()  # 1998 rows: padded for dW
+    w = (torch.randn(2048, 1024, device="cuda", generator=g) / 32).bfloat16()
+    b = torch.randn(2048, device="cuda", generator=g).bfloat16()
+    dy = torch.randn(2, 999, 2048, device="cuda", generator=g).bfloat16()
+    got = run_linear(lambda *a: fp8_linear(*a, recipe), x, w, b, dy)
+    truth = run_linear(F.linear, x.double(), w.double(), b.double(), dy.double())
+    for name, a, t in zip(["y", "dx", "dw", "db"], got, truth):
+        assert a.dtype == torch.bfloat16 and rel_err(a, t) < (0.1 if name != "db" else 1e-2), name
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -323,6 +323,49 @@ def test_the_command_line_knows_the_recipes():
     assert tuple(flags.FP8_RECIPES) == RECIPES
 
 
+def test_fine_tune_refuses_fp8_in_one_line_before_loading(monkeypatch):
+    import finetune_optimized
+
+    for argv, expected in ((["--fp8", "rowwise"], "error: --fp8: FP8 matmuls need a CUDA GPU"),
+                           (["--fp8", "tensorwise", "--fsdp"], "error: --fp8 is not supported with --fsdp"),
+                           (["--fp8", "tensorwise", "--lora-4bit"], "error: --fp8 with --lora-4bit")):
+        monkeypatch.setattr("flags.installed", lambda package: True)  # bitsandbytes' check passes
+        monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+        monkeypatch.setattr("models.load_model", lambda *a: pytest.fail("the model was built before the refusal"))
+        if "--lora-4bit" in argv:
+            monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # past --lora-4bit's GPU check
+            monkeypatch.setattr("fp8_kernel.fp8_supported", lambda device: (True, ""))
+        with pytest.raises(SystemExit) as e:
+            finetune_optimized.main(argv)
+        assert str(e.value.code).startswith(expected) and "\n" not in str(e.value.code), argv
+
+
+def test_fine_tune_switches_fp8_in_with_every_kernel(monkeypatch, capsys):
+    """apply_kernels with --fp8 (emulated here): the projections become FP8Linear before
+    the MLP swap keeps them; the loss stays within FP8's error of the plain model's."""
+    import dataloader
+    import flags
+    import training
+    from finetune_optimized import apply_kernels
+
+    monkeypatch.setattr("finetune_optimized.replace_linears",
+                        lambda model, recipe: replace_linears(model, recipe, emulate=True))
+    model = tiny_llama()
+    batch = dataloader.lm_batch(torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0)).to(DEVICE))
+    want = training.hf_loss(model, batch).item()
+    kernels = {**{name: True for name in flags.KERNELS}, "attention": False, "fp8": "tensorwise"}
+    loss_fn, _ = apply_kernels(model, kernels)
+    out = capsys.readouterr().out
+    assert "FP8 matmuls:   14 linear layers" in out and "Kernels:       rmsnorm, swiglu, rope, flce, adamw, fp8 " \
+        "(tensorwise)" in out
+    mlp = model.model.layers[0].mlp
+    assert type(mlp).__name__ == "TritonLlamaMLP" and isinstance(mlp.down_proj, FP8Linear)
+    loss = loss_fn(model, batch)
+    loss.backward()
+    assert abs(loss.item() - want) < 0.02 * want  # e4m3's rounding through two layers, a few parts per thousand
+    assert mlp.down_proj.weight.grad is not None
+
+
 def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 

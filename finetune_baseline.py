@@ -19,6 +19,7 @@ Usage:
     python finetune_baseline.py --use-custom-rmsnorm     # the baseline plus one kernel
     python finetune_baseline.py --lora --output-dir runs/hf-lora --save-every 100
     python finetune_baseline.py --liger --lora      # the production peer: Liger-Kernel (+ PEFT)
+    python finetune_baseline.py --torchao-fp8 tensorwise --use-custom-rmsnorm ...   # the peer of --fp8
 
 Each batch holds --batch-size examples padded to the longest of them, as HF's
 collator does (finetune_optimized.py packs them instead: --packing / --no-packing
@@ -43,14 +44,17 @@ import training
 TITLE = "Fine-tuning: baseline (PyTorch / HF)"
 
 
-def plain_hf(model, kernels, liger=False):
+def plain_hf(model, kernels, liger=False, torchao_fp8=None):
     """What the baseline trains with: ``(loss_fn, make_optimizer)`` for run_training.
 
     HF's loss (the model shifts the labels, upcasts the logits to float32 and calls
     F.cross_entropy) and torch.optim.AdamW. A --use-custom-* flag adds that kernel,
     switched in exactly as finetune_optimized.py does it; --liger switches in
-    Liger-Kernel's instead (with_liger).
+    Liger-Kernel's instead (with_liger); --torchao-fp8 first casts the linear layers
+    with torchao (with_torchao_fp8).
     """
+    if torchao_fp8:
+        with_torchao_fp8(model, torchao_fp8)
     if liger:
         return with_liger(model)
     if any(kernels.values()):
@@ -88,6 +92,24 @@ def with_liger(model):
     return training.hf_loss, training.pytorch_adamw
 
 
+def with_torchao_fp8(model, recipe):
+    """The peer of finetune_optimized.py --fp8 (Step 22): torchao's float8 training
+    (``convert_to_float8_training``, its recipe of the same name) on the same layers
+    ours takes (fp8_kernel.linears_to_cast: not the LM head, not LoRA's adapters)."""
+    import importlib.metadata
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from fp8_kernel import linears_to_cast
+
+    names = {name for name, _ in linears_to_cast(model)[0]}
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
+                               module_filter_fn=lambda module, name: name in names)
+    count = sum(1 for m in model.modules() if type(m).__name__ == "Float8Linear")
+    print(f"FP8 matmuls:   {count} linear layers in torchao {importlib.metadata.version('torchao')}'s float8 training "
+          f"({recipe})")
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="LLaMA fine-tuning loop with PyTorch / HF ops (the baseline).")
     flags.add_model_args(parser, custom_kernels_default=False)
@@ -95,7 +117,13 @@ def parse_args(argv=None):
     parser.add_argument("--liger", action="store_true",
                         help="the baseline with Liger-Kernel's Triton kernels (pip install liger-kernel): the "
                              "production peer, on the same data and loop")
+    parser.add_argument("--torchao-fp8", choices=flags.FP8_RECIPES,
+                        help="the peer of finetune_optimized.py --fp8: torchao's float8 training with this recipe on "
+                             "the decoder's linear layers (pip install torchao; a GPU with FP8 tensor cores); with "
+                             "the --use-custom-* flags, the same run as --fp8 with torchao's casts and products")
     args = parser.parse_args(argv)
+    if args.torchao_fp8 and not flags.installed("torchao"):  # checked before anything is loaded
+        raise SystemExit("error: --torchao-fp8 needs the torchao package (pip install torchao)")
     if args.liger:  # checked before anything is loaded
         custom = [f"--use-custom-{name}" for name, on in flags.kernels_from_args(args).items() if on]
         if custom:
@@ -111,7 +139,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     return training.run_finetune(args, TITLE, script="finetune_baseline.py",
-                                 switch_in=functools.partial(plain_hf, liger=args.liger))
+                                 switch_in=functools.partial(plain_hf, liger=args.liger,
+                                                             torchao_fp8=args.torchao_fp8))
 
 
 if __name__ == "__main__":

@@ -350,21 +350,22 @@ def kernels_from_args(args):
     return kernels
 
 
-def check_fp8_flags(args):
-    """--fp8 before anything is built: a GPU with FP8 tensor cores, bf16 linear layers to cast."""
-    if not getattr(args, "fp8", None):
+def check_fp8_flags(args, flag="--fp8"):
+    """An FP8 flag (--fp8, or the baseline's --torchao-fp8) before anything is built: a
+    GPU with FP8 tensor cores, bf16 linear layers to cast, one process."""
+    if not getattr(args, flag[2:].replace("-", "_"), None):
         return
     if getattr(args, "lora_4bit", False):
-        raise SystemExit("error: --fp8 with --lora-4bit: the frozen weights are 4-bit NF4, not linear layers "
-                         "FP8 could cast; use one or the other")
+        raise SystemExit(f"error: {flag} with --lora-4bit: the frozen weights are 4-bit NF4, not linear layers "
+                         f"FP8 could cast; use one or the other")
     if getattr(args, "fsdp", False):
-        raise SystemExit("error: --fp8 is not supported with --fsdp (FP8 casts of sharded weights are not "
-                         "implemented); use one or the other")
+        raise SystemExit(f"error: {flag} is not supported with --fsdp (FP8 casts of sharded weights are not "
+                         f"implemented); use one or the other")
     from fp8_kernel import fp8_supported
 
     ok, reason = fp8_supported(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     if not ok:
-        raise SystemExit(f"error: --fp8: {reason}")
+        raise SystemExit(f"error: {flag}: {reason}")
 
 
 def document_attention(args):

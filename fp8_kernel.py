@@ -629,17 +629,16 @@ class FP8Linear(nn.Module):
                 f"bias={self.bias is not None}, recipe={self.recipe}")
 
 
-def replace_linears(model, recipe="tensorwise", skip=("lm_head",), emulate=False):
-    """Swap every plain nn.Linear of ``model`` for an FP8Linear; returns (count, skipped).
+def linears_to_cast(model, skip=("lm_head",)):
+    """The plain nn.Linear layers of ``model`` an FP8 recipe should take, as (targets,
+    skipped): targets a list of (qualified name, module); skipped the names of layers
+    left alone because their in/out features are not multiples of 16.
 
-    Left alone: modules whose qualified name ends with an entry of ``skip`` (the LM head:
+    Not taken: modules whose qualified name ends with an entry of ``skip`` (the LM head:
     its logits are the loss's input, and often tied to the embedding), LoRA adapters
-    (names with a ``lora_`` part: small, and trained in bf16), subclasses of nn.Linear
-    (they may compute something else), and layers whose in/out features are not
-    multiples of 16: their names come back in ``skipped`` for the caller to print. Under
-    peft, apply this after get_peft_model: a LoRA layer's ``base_layer`` is swapped.
-    """
-    _check_recipe(recipe, "replace_linears")
+    (names with a ``lora_`` part: small, and trained in bf16) and subclasses of nn.Linear
+    (they may compute something else). finetune_baseline.py --torchao-fp8 gives torchao
+    the same layers."""
     targets, skipped = [], []
     for name, module in model.named_modules():
         if not name or type(module) is not nn.Linear:
@@ -652,6 +651,14 @@ def replace_linears(model, recipe="tensorwise", skip=("lm_head",), emulate=False
             skipped.append(name)
             continue
         targets.append((name, module))
+    return targets, skipped
+
+
+def replace_linears(model, recipe="tensorwise", skip=("lm_head",), emulate=False):
+    """Swap the layers linears_to_cast picks for FP8Linear; returns (count, skipped).
+    Under peft, apply this after get_peft_model: a LoRA layer's ``base_layer`` is swapped."""
+    _check_recipe(recipe, "replace_linears")
+    targets, skipped = linears_to_cast(model, skip)
     for name, module in targets:  # swapped after the walk: never change a tree while iterating over it
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -31,7 +31,7 @@ from conftest import DEVICE, need_gpu, rel_err
 
 import fp8_kernel
 from fp8_kernel import (
-    FP8_DTYPE, FP8_MAX, RECIPES, FP8Linear, FP8LinearFunction, fp8_linear, fp8_supported, quantize,
+    FP8_DTYPE, FP8_MAX, RECIPES, FP8Linear, FP8LinearFunction, fp8_linear, fp8_supported, linears_to_cast, quantize,
     quantize_reference, replace_linears, scaled_mm, scaled_mm_reference, triton_scaled_mm,
 )
 
@@ -338,6 +338,31 @@ def test_fine_tune_refuses_fp8_in_one_line_before_loading(monkeypatch):
         with pytest.raises(SystemExit) as e:
             finetune_optimized.main(argv)
         assert str(e.value.code).startswith(expected) and "\n" not in str(e.value.code), argv
+
+
+def test_baseline_torchao_peer_refused_in_one_line(monkeypatch):
+    import finetune_baseline
+
+    monkeypatch.setattr("flags.installed", lambda package: package != "torchao")
+    with pytest.raises(SystemExit, match=r"^error: --torchao-fp8 needs the torchao package \(pip install torchao\)$"):
+        finetune_baseline.main(["--torchao-fp8", "rowwise"])
+    monkeypatch.setattr("flags.installed", lambda package: True)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(SystemExit, match=r"^error: --torchao-fp8: FP8 matmuls need a CUDA GPU .*this is a CPU$"):
+        finetune_baseline.main(["--torchao-fp8", "rowwise"])
+
+
+def test_baseline_torchao_peer_takes_our_layers():
+    """torchao converts exactly the layers ours casts: not the LM head, not LoRA's adapters."""
+    pytest.importorskip("torchao.float8")
+    import finetune_baseline
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    ours = {name for name, _ in linears_to_cast(model)[0]}
+    finetune_baseline.with_torchao_fp8(model, "tensorwise")
+    theirs = {name for name, m in model.named_modules() if type(m).__name__ == "Float8Linear"}
+    assert theirs == ours and len(ours) == 14
 
 
 def test_fine_tune_switches_fp8_in_with_every_kernel(monkeypatch, capsys):

@@ -640,7 +640,8 @@ def run_finetune(args, title, script, switch_in):
     if args.json:
         args.json = flags.check_output_path(args.json, "--json", inputs=flags.input_paths(args), suffix=".json")
     models.check_lora_flags(args)
-    flags.check_fp8_flags(args)  # flags that cannot go together, before --fsdp's check of its environment
+    for flag in ("--fp8", "--torchao-fp8"):  # flags that cannot go together, before --fsdp's check of its environment
+        flags.check_fp8_flags(args, flag)
     fsdp.check_fsdp_flags(args)
     resumed = checkpoints.read_checkpoint_state(args.resume) if args.resume else None
     if resumed:

@@ -106,11 +106,17 @@ for what in $WHAT; do
           | tee "$OUTDIR/curve_$recipe.log" | tail -6
       done ;;
     fp8e2e)
-      # Step 22: 8B full fine-tuning, 2 x 2,048 synthetic rows, the default command with and without --fp8.
+      # Step 22: 8B full fine-tuning, 2 x 2,048 synthetic rows, the default command with and without --fp8,
+      # and the same run with torchao's float8 training instead of ours (needs torchao in .whl/).
+      common="--random-init --dataset synthetic --batch-size 2 --seq-len 2048 --steps 12 --log-every 4"
       for recipe in bf16 tensorwise rowwise; do
         extra=""; [ "$recipe" = bf16 ] || extra="--fp8 $recipe"
-        python3 finetune_optimized.py --random-init --dataset synthetic --batch-size 2 --seq-len 2048 --steps 12 \
-          --log-every 4 $extra --json "$OUTDIR/ft8b_$recipe.json" 2>&1 | tee "$OUTDIR/ft8b_$recipe.log" | tail -8
+        python3 finetune_optimized.py $common $extra --json "$OUTDIR/ft8b_$recipe.json" 2>&1 \
+          | tee "$OUTDIR/ft8b_$recipe.log" | tail -8
+        [ "$recipe" = bf16 ] && continue
+        python3 finetune_baseline.py $common --torchao-fp8 $recipe --cuda-graphs --use-custom-rmsnorm \
+          --use-custom-swiglu --use-custom-rope --use-custom-flce --use-custom-adamw \
+          --json "$OUTDIR/ft8b_torchao_$recipe.json" 2>&1 | tee "$OUTDIR/ft8b_torchao_$recipe.log" | tail -8
       done ;;
     *) echo "unknown step: $what (tests bench e2e compile profile maxseq graphs families attention fp8 fp8e2e)"; exit 2 ;;
   esac

@@ -197,6 +197,48 @@ def test_sliding_window_model_matches_hf():
         assert (grads[name] - want_grads[name]).abs().max().item() <= 1e-4 * scale, name
 
 
+def test_dense_mask_carries_the_sliding_window():
+    """--no-use-custom-attention on packed rows of a sliding-window family: the dense
+    mask HF applies as given must hold the window (every layer slides here), and then
+    gives the kernel's loss and gradients; the mask is the kernel's visible_keys."""
+    positions = positions_of([[20, 3, 9]], 32)
+    document = (positions == 0).long().cumsum(-1)
+    mask = dataloader.block_causal_mask(document, window=8)
+    assert torch.equal(mask[:, 0], attention_kernel.visible_keys(document_starts(positions), 8))
+    torch.manual_seed(0)
+    model = models.build_random(family_config("mistral", {"sliding_window": 8}), torch.device(DEVICE), torch.float32)
+    args = flags.resolve_defaults(__import__("finetune_optimized").parse_args(
+        ["--tiny", "--seq-len", "32", "--no-use-custom-attention"]))
+    assert models.dense_mask_window(args, object(), model.config) == 8
+    batch = packed_batch(model, [[20, 3, 9]], 32)
+    batch["attention_mask"] = mask.to(DEVICE)
+    want_loss, want_grads = loss_and_grads(model, training.hf_loss, batch)
+    with contextlib.redirect_stdout(io.StringIO()):
+        apply_kernels(model, {"attention": True})
+    loss, grads = loss_and_grads(model, training.hf_loss, {**batch, "attention_mask": None})
+    assert abs(loss.item() - want_loss.item()) <= 1e-4
+    for name in grads:
+        scale = max(want_grads[name].abs().max().item(), 1.0)
+        assert (grads[name] - want_grads[name]).abs().max().item() <= 1e-4 * scale, name
+
+
+def test_dense_mask_window_refuses_mixed_layers():
+    short = flags.resolve_defaults(__import__("finetune_optimized").parse_args(
+        ["--tiny", "--seq-len", "4096", "--no-use-custom-attention"]))
+    long = flags.resolve_defaults(__import__("finetune_optimized").parse_args(
+        ["--tiny", "--seq-len", "8192", "--no-use-custom-attention"]))
+    kernel = flags.resolve_defaults(__import__("finetune_optimized").parse_args(["--tiny", "--seq-len", "8192"]))
+    gemma2 = family_config("gemma2", {})  # sliding (4,096) and full layers alternate
+    assert models.dense_mask_window(short, object(), gemma2) == 0  # rows no longer than the window
+    assert models.dense_mask_window(kernel, object(), gemma2) == 0  # the kernel takes each layer's window
+    assert models.dense_mask_window(long, None, gemma2) == 0  # synthetic rows: one document, HF's own masks
+    with pytest.raises(SystemExit, match=r"^error: --packing with a dense mask: gemma2 mixes sliding-window "
+                                         r"\(4096 tokens\) and full attention layers"):
+        models.dense_mask_window(long, object(), gemma2)
+    qwen2 = family_config("qwen2", {"use_sliding_window": True, "sliding_window": 8})
+    assert models.dense_mask_window(long, object(), qwen2) == 0  # its layers all attend in full
+
+
 def test_dataloader_leaves_the_mask_out():
     args = flags.resolve_defaults(__import__("finetune_optimized").parse_args(["--tiny"]))
     assert flags.kernels_from_args(args)["attention"] and flags.document_attention(args)

@@ -449,11 +449,12 @@ class StepBatches(torch.utils.data.Dataset):
     """
 
     def __init__(self, examples, batch_size, seq_len, packing, seed, pad_id, endless=True, rank=0, ranks=1,
-                 dense_mask=True):
+                 dense_mask=True, window=0):
         self.examples, self.batch_size, self.seq_len = examples, batch_size, seq_len
         # Packing without a dense mask: the attention kernel reads the documents from
         # the position ids (flags.document_attention), and no [B, 1, T, T] is built.
-        self.dense_mask = dense_mask
+        # With one, ``window`` is the model's sliding window it must carry (or 0).
+        self.dense_mask, self.window = dense_mask, window
         # --fsdp: step k's global batch is rows k*N*B ... of N ranks x B rows; this
         # process (rank r of N) takes its slice, rows k*N*B + r*B ... + B - 1.
         self.rank, self.ranks = rank, ranks
@@ -533,7 +534,7 @@ class StepBatches(torch.utils.data.Dataset):
             document[b, t:] = len(row)
         real = sum(sum(row) for row in lengths)
         if self.packing:
-            attention_mask = block_causal_mask(document) if self.dense_mask else None
+            attention_mask = block_causal_mask(document, self.window) if self.dense_mask else None
         else:
             # Padding: one example per row, padded on the right, so the model's own
             # positions 0, 1, 2, ... are right and a [B, T] mask hides the padding.
@@ -543,9 +544,10 @@ class StepBatches(torch.utils.data.Dataset):
                 "attention_mask": attention_mask, "num_tokens": input_ids.numel(), "num_real_tokens": real}
 
 
-def block_causal_mask(document):
+def block_causal_mask(document, window=0):
     """[B, T] example index of every slot -> [B, 1, T, T] bool, True where query t may
-    attend to key s: same example, and s <= t.
+    attend to key s: same example, s <= t, and with a sliding ``window`` > 0, s > t -
+    window (the model's own window: models.dense_mask_window).
 
     Passed to the model as a ready 4-D mask, HF's SDPA attention uses it as given:
     attention never crosses examples, exactly. It costs B * T * T bytes
@@ -555,6 +557,8 @@ def block_causal_mask(document):
     seq_len = document.shape[1]
     same = document[:, :, None] == document[:, None, :]
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    if window:
+        causal = causal.triu(-(window - 1))  # s >= t - window + 1
     return (same & causal)[:, None]
 
 
@@ -595,7 +599,8 @@ def training_batches(args, data, device, vocab_size, start_step=0):
         stream = itertools.islice(stream, first, None)
     else:
         dataset = StepBatches(data.train, args.batch_size, args.seq_len, args.packing, args.seed, data.pad_id,
-                              rank=rank, ranks=ranks, dense_mask=not flags.document_attention(args))
+                              rank=rank, ranks=ranks, dense_mask=not flags.document_attention(args),
+                              window=getattr(args, "_mask_window", 0))
         stream = (batch_to(batch, device) for batch in loader(dataset, itertools.count(first), args))
     while True:
         yield [next(stream) for _ in range(accum)]
@@ -614,6 +619,7 @@ def held_out_batches(args, data, device, vocab_size):
     if not data.held_out:
         return []
     dataset = StepBatches(data.held_out, args.batch_size, args.seq_len, args.packing, args.seed, data.pad_id,
-                          endless=False, dense_mask=not flags.document_attention(args))
+                          endless=False, dense_mask=not flags.document_attention(args),
+                          window=getattr(args, "_mask_window", 0))
     count = dataset.num_batches() if limit is None else min(limit, dataset.num_batches())
     return [batch_to(batch, device) for batch in loader(dataset, range(count), args)]

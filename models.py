@@ -208,6 +208,32 @@ def avoid_per_shape_attention_plans(args, data):
     print("Attention:     PyTorch's cuDNN attention off (padded batches: it would plan anew for every length)")
 
 
+def dense_mask_window(args, data, config):
+    """The sliding window that packed rows' dense [B, 1, T, T] mask must carry, or 0.
+
+    HF applies a ready 4-D mask as given, to every layer: it replaces the sliding-window
+    mask a layer would build itself. So where a layer's window is shorter than a row
+    (an example of more than ``window`` tokens then loses keys in HF's own attention),
+    the dense mask carries the window when every layer slides (Mistral, Phi-3), and
+    packing with it is refused in one line when layers differ (Gemma-2 and -3 alternate
+    sliding and full attention): no single mask is right for both. The attention
+    kernel (--use-custom-attention) takes each layer's own window and needs none."""
+    window = getattr(config, "sliding_window", None) or 0
+    if data is None or not getattr(args, "packing", False) or flags.document_attention(args) \
+            or not window or args.seq_len <= window:
+        return 0
+    types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    sliding = [t == "sliding_attention" for t in types]
+    if not any(sliding):
+        return 0
+    if all(sliding):
+        return window
+    raise SystemExit(f"error: --packing with a dense mask: {config.model_type} mixes sliding-window ({window} tokens) "
+                     f"and full attention layers, and HF applies one 4-D mask to every layer, so rows of "
+                     f"{args.seq_len} tokens would train with the wrong attention in some of them; use --seq-len "
+                     f"{window} or less, --no-packing, or --use-custom-attention (finetune_optimized.py)")
+
+
 def _from_pretrained(model_id, device, dtype, **kwargs):
     return AutoModelForCausalLM.from_pretrained(
         model_id,

@@ -568,6 +568,7 @@ def main(argv=None):
     model, model_info = models.load_model(args)
     data = dataloader.prepare_data(args, records, model.config.vocab_size)
     models.avoid_per_shape_attention_plans(args, data)
+    args._mask_window = models.dense_mask_window(args, data, model.config)  # private: not in the JSON config
     if args.lora:
         model = models.apply_lora(model, args)
     warmup = warmup_steps(args)

@@ -660,6 +660,7 @@ def run_finetune(args, title, script, switch_in):
     model, model_info = models.load_model(args)
     data = dataloader.prepare_data(args, records, model.config.vocab_size)
     models.avoid_per_shape_attention_plans(args, data)
+    args._mask_window = models.dense_mask_window(args, data, model.config)  # private: not in the JSON config
     if args.eval_every and data is not None and not data.held_out:
         raise SystemExit(f"error: --eval-every: {data.name} leaves no held-out example to evaluate on (its "
                          f"held-out split is {dataloader.EVAL_FRACTION:.0%} of the records); use a larger dataset "

@@ -372,12 +372,27 @@ def test_timeline_gaps_busy_and_launches():
     ({"host_ms": 0.1, "syncs_per_step": 2}, "waiting on host synchronizations"),
     ({"gpu_busy_fraction": 0.95}, "GPU-bound"),
     ({"allocation_ms": 0.2}, "waiting on memory allocation"),
-    ({"nccl_ms": 0.3}, "waiting on communication"),
+    ({"nccl_ms": 0.3, "nccl_exposed_ms": 0.3}, "waiting on communication"),
+    ({"nccl_ms": 0.3, "nccl_exposed_ms": 0.1, "gpu_busy_fraction": 0.95}, "GPU-bound"),  # mostly hidden
 ])
 def test_verdicts(change, start):
     s = {"wall_ms": 1.0, "host_ms": 0.95, "gpu_busy_fraction": 0.5, "kernel_launches_per_step": 100,
-         "allocation_ms": 0.0, "syncs_per_step": 0, "nccl_ms": 0.0, "mfu": 0.3}
+         "allocation_ms": 0.0, "syncs_per_step": 0, "nccl_ms": 0.0, "nccl_exposed_ms": 0.0, "mfu": 0.3}
     assert profile_timeline.verdict({**s, **change}).startswith(start)
+
+
+def test_exposed_communication_is_what_no_kernel_overlaps():
+    def kernel(name, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+    events = profile_timeline.gpu_events({"traceEvents": [
+        kernel("ncclDevKernel_AllGather", 0, 100),  # 0-100: compute covers 20-50 and 40-70 -> 50 hidden
+        kernel("gemm", 20, 30), kernel("gemm", 40, 30),
+        kernel("ncclDevKernel_ReduceScatter", 90, 40),  # 90-130 merges with the first: 100-130 exposed
+        kernel("rmsnorm", 200, 10),  # no communication beside it
+        kernel("ncclDevKernel_AllGather", 300, 20),  # alone: exposed
+    ]})
+    total, exposed = profile_timeline.nccl_us(events)
+    assert (total, exposed) == (150, 100)
 
 
 def test_step_flops_counts_products():

@@ -140,19 +140,30 @@ def shard_model(model, args):
 
     world = args._world
     kwargs = {}
+    reduce_dtype = getattr(args, "fsdp_reduce_dtype", "float32")
     if world.device.type == "cuda" and not args.tiny:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                   reduce_dtype=getattr(torch, reduce_dtype))
     layers = model.get_decoder().layers
     for layer in layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    # Prefetch (what it buys: the next layers' all-gathers run while this one computes,
+    # instead of starting when the next layer's forward is reached, which a host that
+    # is not far ahead of the GPU reaches late). Backward walks the layers in reverse.
+    prefetch = getattr(args, "fsdp_prefetch", 1)
+    if prefetch:
+        for i, layer in enumerate(layers):
+            layer.set_modules_to_forward_prefetch(list(layers[i + 1:i + 1 + prefetch]))
+            layer.set_modules_to_backward_prefetch(list(layers[max(0, i - prefetch):i])[::-1])
     materialized = ""
     if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
         materialize(model, world.device)
         materialized = "; built on the meta device, each process initialized its own shards"
-    precision = "bf16 weights, float32 gradient reduction" if kwargs else "float32"
+    precision = f"bf16 weights, {reduce_dtype} gradient reduction" if kwargs else "float32"
+    ahead = f"{prefetch} layer{'s' if prefetch > 1 else ''} gathered ahead" if prefetch else "no prefetch"
     print(f"FSDP:          {world.size} processes, {len(layers)} decoder layers + the root sharded "
-          f"({precision}){materialized}")
+          f"({precision}; {ahead}){materialized}")
     return model
 
 

@@ -23,14 +23,15 @@ step's timings and answers that question:
   the matrix-unit peak measured on this GPU in the same run (a large bf16 matrix
   product). The FLOP count is written out in ``step_flops``.
 * **Allocation, synchronization, communication**: host time in cudaMalloc /
-  cudaFree, blocking synchronizations inside the step, NCCL kernel time.
+  cudaFree, blocking synchronizations inside the step, NCCL kernel time and the part
+  of it no compute kernel overlaps (exposed).
 
 The verdict is the first of these that holds:
 
 =================  ==========================================================
 waiting on ...     the test
 =================  ==========================================================
-communication      NCCL kernels take more than 15% of the wall time
+communication      exposed NCCL time is more than 15% of the wall time
 memory allocation  cudaMalloc/cudaFree take more than 10% of the wall time
 host-bound         GPU busy under 85% and queueing took 85% of the wall time
 host syncs         GPU busy under 85% with synchronizations inside the step
@@ -105,8 +106,35 @@ def runtime_calls(trace):
     return calls
 
 
+def _merged(intervals):
+    """Sorted (start, end) intervals, overlapping ones merged."""
+    out = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return out
+
+
 def nccl_us(events):
-    return sum(e["dur"] for e in events if "nccl" in e["name"].lower())
+    """(NCCL kernel time, the part of it exposed) in us: exposed where no other kernel
+    runs beside it. Communication that overlaps compute costs the step nothing; only
+    the exposed part waits (FSDP's prefetch exists to shrink it)."""
+    is_nccl = [("nccl" in e["name"].lower()) for e in events]
+    comm = _merged((e["ts"], e["ts"] + e["dur"]) for e, n in zip(events, is_nccl) if n)
+    compute = _merged((e["ts"], e["ts"] + e["dur"]) for e, n in zip(events, is_nccl)
+                      if not n and e.get("cat") == "kernel")
+    total = sum(end - start for start, end in comm)
+    hidden, j = 0.0, 0
+    for start, end in comm:
+        while j < len(compute) and compute[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(compute) and compute[k][0] < end:
+            hidden += min(end, compute[k][1]) - max(start, compute[k][0])
+            k += 1
+    return total, total - hidden
 
 
 # --------------------------------------------------------------------------------
@@ -179,6 +207,7 @@ def analyze(trace, steps, wall_s, host_s, flops=None, peak=None, top=5):
     events = gpu_events(trace)
     busy, span, gaps = idle_gaps(events)
     calls = runtime_calls(trace)
+    nccl = nccl_us(events)
 
     def per_step(names, index):
         return sum(calls[n][index] for n in names if n in calls) / steps
@@ -194,7 +223,8 @@ def analyze(trace, steps, wall_s, host_s, flops=None, peak=None, top=5):
         "graph_launches_per_step": per_step(GRAPH_LAUNCHES, 0),
         "allocation_ms": per_step(ALLOCATIONS, 1) / 1e3,
         "syncs_per_step": max(0.0, per_step(SYNCS, 0) - 1),  # the profiler loop's own sync ends each step
-        "nccl_ms": nccl_us(events) / steps / 1e3,
+        "nccl_ms": nccl[0] / steps / 1e3,
+        "nccl_exposed_ms": nccl[1] / steps / 1e3,
         "gaps": [{"us": length, "after": before, "before": after, "host": host_activity(trace, start + length / 2)}
                  for start, length, before, after in sorted(gaps, key=lambda g: -g[1])[:top]],
         "model_flops_per_step": flops,
@@ -210,9 +240,10 @@ def verdict(s):
     wall = s["wall_ms"]
     busy = s["gpu_busy_fraction"]
     mfu = f", MFU {s['mfu']:.0%}" if s["mfu"] is not None else ""
-    if s["nccl_ms"] > 0.15 * wall:
-        return (f"waiting on communication: NCCL takes {s['nccl_ms']:.1f} of {wall:.1f} ms per step; overlap it "
-                f"with compute (FSDP prefetch) or move fewer bytes")
+    if s["nccl_exposed_ms"] > 0.15 * wall:
+        return (f"waiting on communication: {s['nccl_exposed_ms']:.1f} of {wall:.1f} ms per step are NCCL with no "
+                f"compute beside it ({s['nccl_ms']:.1f} ms of NCCL in all); overlap it (FSDP prefetch) or move "
+                f"fewer bytes")
     if s["allocation_ms"] > 0.10 * wall:
         return (f"waiting on memory allocation: cudaMalloc/cudaFree take {s['allocation_ms']:.1f} of {wall:.1f} ms "
                 f"per step (shapes that change defeat PyTorch's cache); keep shapes fixed (--packing)")
@@ -243,7 +274,8 @@ def print_timeline(s):
     print(f"Allocation            {s['allocation_ms']:9.2f} ms   (cudaMalloc/cudaFree on the host)")
     print(f"Syncs inside the step {s['syncs_per_step']:9.0f}")
     if s["nccl_ms"]:
-        print(f"NCCL                  {s['nccl_ms']:9.2f} ms")
+        print(f"NCCL                  {s['nccl_ms']:9.2f} ms   ({s['nccl_exposed_ms']:.2f} ms exposed: no compute "
+              f"kernel beside it)")
     if s["mfu"] is not None:
         print(f"MFU                   {s['mfu'] * 100:9.1f} %    ({s['model_flops_per_step'] / 1e12:.2f} TFLOP per "
               f"step over the wall time; measured matmul peak {s['matmul_peak_flops'] / 1e12:.0f} TFLOP/s)")

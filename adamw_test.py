@@ -453,6 +453,90 @@ def test_clip_grad_norm_folded_into_the_step(dtype, max_norm):
     check_outputs(["m"], [_flat(m_ours)], [_flat(m_torch)], [_flat(truth.m)], dt)
 
 
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(24, 40), nn.SiLU(), nn.Linear(40, 8)).to(DEVICE)
+
+
+def _schedule(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+
+
+def test_update_in_backward_is_the_step():
+    """--optimizer-in-backward: each parameter updated by its hook during backward, its
+    gradient then freed, gives step()'s parameters bit for bit, with the schedule's rate."""
+    x = torch.randn(6, 24, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    plain, inside = _mlp(), _mlp()
+    opt_plain, opt_inside = TritonAdamW(plain.parameters(), **HP), TritonAdamW(inside.parameters(), **HP)
+    sched_plain, sched_inside = _schedule(opt_plain), _schedule(opt_inside)
+    handles = opt_inside.update_in_backward()
+    for _ in range(3):
+        plain(x).square().mean().backward()
+        opt_plain.step()
+        opt_plain.zero_grad(set_to_none=True)
+        sched_plain.step()
+        inside(x).square().mean().backward()
+        assert all(p.grad is None for p in inside.parameters())  # freed inside backward
+        opt_inside.step()  # nothing left to do
+        sched_inside.step()
+        for a, b in zip(plain.parameters(), inside.parameters()):
+            assert torch.equal(a, b)
+    assert [opt_inside.state[p]["step"] for p in inside.parameters()] == [3] * 4
+    for handle in handles:
+        handle.remove()
+
+
+def test_update_in_backward_after_load_state_dict():
+    """The hooks find the groups that load_state_dict put in place (and their rate)."""
+    x = torch.randn(6, 24, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    model, twin = _mlp(), _mlp()
+    opt, opt_twin = TritonAdamW(model.parameters(), **HP), TritonAdamW(twin.parameters(), **HP)
+    opt.update_in_backward()
+    model(x).sum().backward()
+    twin(x).sum().backward()
+    opt_twin.step()
+    opt_twin.zero_grad(set_to_none=True)
+    saved = copy.deepcopy(opt_twin.state_dict())
+    saved["param_groups"][0]["lr"] = 0.5 * HP["lr"]
+    opt.load_state_dict(copy.deepcopy(saved))  # each its own tensors: loading does not copy them
+    opt_twin.load_state_dict(saved)
+    model(x).sum().backward()
+    twin(x).sum().backward()
+    opt_twin.step()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_optimizer_in_backward_run_is_the_plain_run(tmp_path, capsys):
+    """The whole loop, every kernel, tiny model: the same losses, step by step."""
+    import json
+
+    import finetune_optimized
+
+    tiny = ["--tiny", "--dataset", "synthetic", "--warmup-steps", "0", "--seq-len", "16", "--steps", "3",
+            "--max-grad-norm", "0"]
+    losses = []
+    for extra in ([], ["--optimizer-in-backward"]):
+        out = tmp_path / f"run{len(losses)}.json"
+        finetune_optimized.main([*tiny, *extra, "--json", str(out)])
+        losses.append(json.loads(out.read_text())["losses"])
+    assert "each weight updated inside backward" in capsys.readouterr().out
+    assert losses[0] == losses[1] and len(losses[0]) == 3
+
+
+def test_optimizer_in_backward_flags_refused_in_one_line():
+    import finetune_optimized
+
+    for extra, words in (([], "clipping cannot run; add --max-grad-norm 0"),
+                         (["--max-grad-norm", "0", "--grad-accum", "2"], "use --grad-accum 1"),
+                         (["--max-grad-norm", "0", "--skip-nonfinite-steps"], "--skip-nonfinite-steps cannot"),
+                         (["--max-grad-norm", "0", "--no-use-custom-adamw"], "add --use-custom-adamw")):
+        with pytest.raises(SystemExit) as e:
+            finetune_optimized.main(["--optimizer-in-backward", *extra])
+        message = str(e.value.code)
+        assert message.startswith("error: --optimizer-in-backward") and words in message and "\n" not in message
+
+
 def test_grad_scale_must_be_one_float32_element():
     p, g = torch.zeros(8, device=DEVICE), torch.ones(8, device=DEVICE)
     m, v = torch.zeros_like(p), torch.zeros_like(p)

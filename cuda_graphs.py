@@ -69,6 +69,8 @@ def reason_to_stay_eager(args, model, data):
         return "--fsdp: FSDP2's all-gathers and reduce-scatters are issued by hooks this capture does not cover"
     if getattr(args, "skip_nonfinite_steps", False):
         return "--skip-nonfinite-steps reads each step's loss on the host before the update"
+    if getattr(args, "optimizer_in_backward", False):
+        return "--optimizer-in-backward updates inside backward with the learning rate as a launch argument"
     if getattr(args, "compile", False) and args.compile_mode in ("reduce-overhead", "max-autotune"):
         return f"--compile-mode {args.compile_mode} replays torch.compile's own CUDA graphs"
     if data is not None and not args.packing:

@@ -75,6 +75,7 @@ class _Model:
 @pytest.mark.parametrize("changes, config, words", [
     ({"fsdp": True}, {}, "--fsdp"),
     ({"skip_nonfinite_steps": True}, {}, "--skip-nonfinite-steps"),
+    ({"optimizer_in_backward": True}, {}, "--optimizer-in-backward"),
     ({"compile": True, "compile_mode": "reduce-overhead"}, {}, "torch.compile's own CUDA graphs"),
     ({"packing": False}, {}, "padded batches change shape"),
     ({"lora_4bit": True}, {}, "--lora-4bit"),

@@ -601,6 +601,10 @@ def add_real_run_args(parser):
                         "the last step (default: 10%% of all steps). Not --warmup-steps: those are untimed steps")
     g.add_argument("--max-grad-norm", type=non_negative_float, default=1.0,
                    help="clip the gradients to this global norm; 0 turns clipping off (default: %(default)s)")
+    g.add_argument("--optimizer-in-backward", action="store_true",
+                   help="update each weight inside backward as soon as its gradient is ready and free that "
+                        "gradient at once: the gradients never all exist together (the Triton AdamW; needs "
+                        "--max-grad-norm 0 and no --grad-accum)")
     g.add_argument("--skip-nonfinite-steps", action="store_true",
                    help="a step whose loss or gradient norm is NaN or infinite updates nothing and the run goes "
                         "on (counted in the JSON's skipped_steps); one host sync per step. Without it such a "
@@ -640,6 +644,25 @@ def add_lora_args(parser):
                    help="QLoRA: the frozen weights loaded in 4-bit NF4 (pip install bitsandbytes; CUDA GPU, "
                         "pretrained weights); implies --lora")
     return parser
+
+
+def check_optimizer_in_backward(args):
+    """--optimizer-in-backward's limits, one line each, before anything is built."""
+    if not getattr(args, "optimizer_in_backward", False):
+        return
+    flag = "error: --optimizer-in-backward updates each weight as soon as its gradient exists"
+    if args.max_grad_norm > 0:
+        raise SystemExit(f"{flag}, before the norm over all of them is known: clipping cannot run; "
+                         f"add --max-grad-norm 0")
+    if args.grad_accum > 1:
+        raise SystemExit(f"{flag}: with --grad-accum {args.grad_accum} it would update after every micro-batch; "
+                         f"use --grad-accum 1")
+    if args.skip_nonfinite_steps:
+        raise SystemExit(f"{flag}, before the step's loss is known: --skip-nonfinite-steps cannot skip it")
+    if getattr(args, "fsdp", False):
+        raise SystemExit(f"{flag}; with --fsdp that is not implemented (the gradients are sharded DTensors)")
+    if not kernels_from_args(args)["adamw"]:
+        raise SystemExit(f"{flag} through the Triton AdamW's per-parameter update: add --use-custom-adamw")
 
 
 def check_output_flags(args):

@@ -642,6 +642,7 @@ def run_finetune(args, title, script, switch_in):
     models.check_lora_flags(args)
     for flag in ("--fp8", "--torchao-fp8"):  # flags that cannot go together, before --fsdp's check of its environment
         flags.check_fp8_flags(args, flag)
+    flags.check_optimizer_in_backward(args)
     fsdp.check_fsdp_flags(args)
     resumed = checkpoints.read_checkpoint_state(args.resume) if args.resume else None
     if resumed:
@@ -691,6 +692,10 @@ def run_finetune(args, title, script, switch_in):
         if graphs:
             keep_capturable(optimizer)
         print(f"Resumed:       {args.resume}: step {resumed['step']} of {args.warmup_steps + args.steps} done")
+    if getattr(args, "optimizer_in_backward", False):  # after the resume: the hooks update the loaded state
+        optimizer.update_in_backward()
+        print("Optimizer:     each weight updated inside backward as soon as its gradient is ready, the gradient "
+              "freed at once (--optimizer-in-backward)")
     with stop_on_signals():  # SIGINT, SIGTERM: finish the step, save, write, exit 128 + signal
         results = run_training(args, model, loss_fn, optimizer, data, scheduler, resumed, graphs)
         results["kernels"] = kernels

@@ -2,7 +2,8 @@
 # Re-measure what README.md and results/ report, on a CUDA machine, in one go.
 #
 #   bash tools/gpu_verify.sh [OUTDIR] [WHAT...]
-#     WHAT: tests bench e2e compile profile maxseq graphs families attention fp8 fp8e2e (default: tests bench e2e)
+#     WHAT: tests bench e2e compile profile maxseq graphs families attention fp8 fp8e2e inbackward fsdp
+#           (default: tests bench e2e)
 #
 # Each step's full output goes to OUTDIR (default gpu_logs/), together with the
 # JSON the scripts write, and OUTDIR/logs.tgz bundles them. Wheels placed in
@@ -118,7 +119,26 @@ for what in $WHAT; do
           --use-custom-swiglu --use-custom-rope --use-custom-flce --use-custom-adamw \
           --json "$OUTDIR/ft8b_torchao_$recipe.json" 2>&1 | tee "$OUTDIR/ft8b_torchao_$recipe.log" | tail -8
       done ;;
-    *) echo "unknown step: $what (tests bench e2e compile profile maxseq graphs families attention fp8 fp8e2e)"; exit 2 ;;
+    inbackward)
+      # Step 20: 8B full fine-tuning 2 x 2,048, the plain loop without clipping against --optimizer-in-backward.
+      for extra in "" "--optimizer-in-backward"; do
+        python3 finetune_optimized.py --random-init --dataset synthetic --batch-size 2 --seq-len 2048 --steps 12 \
+          --log-every 4 --max-grad-norm 0 $extra --json "$OUTDIR/ft8b_noclip${extra:+_inbackward}.json" 2>&1 \
+          | tee "$OUTDIR/ft8b_noclip${extra:+_inbackward}.log" | tail -8
+      done ;;
+    fsdp)
+      # Step 19 on 2 GPUs: 8B full 2 x 2,048 per GPU; prefetch 0 / 1 and the gradient reduction in float32 / bf16.
+      for extra in "--fsdp-prefetch 0" "" "--fsdp-reduce-dtype bfloat16"; do
+        tag=${extra:-default}; tag=${tag//--/}; tag=${tag// /_}
+        torchrun --standalone --nproc-per-node 2 finetune_optimized.py --fsdp --random-init --dataset synthetic \
+          --batch-size 2 --seq-len 2048 --steps 12 --log-every 4 $extra --json "$OUTDIR/fsdp_$tag.json" 2>&1 \
+          | tee "$OUTDIR/fsdp_$tag.log" | tail -8
+      done
+      torchrun --standalone --nproc-per-node 2 profile_baseline.py --fsdp --random-init --dataset synthetic \
+        --batch-size 2 --seq-len 2048 --trace-dir "$OUTDIR/traces" --use-custom-rmsnorm --use-custom-swiglu \
+        --use-custom-rope --use-custom-flce --use-custom-adamw 2>&1 | tee "$OUTDIR/profile_fsdp.log" | tail -24 ;;
+    *) echo "unknown step: $what (tests bench e2e compile profile maxseq graphs families attention fp8 fp8e2e"\
+         "inbackward fsdp)"; exit 2 ;;
   esac
 done
 tar czf "$OUTDIR/logs.tgz" --exclude=logs.tgz --exclude=traces -C "$OUTDIR" .

@@ -45,12 +45,12 @@ row) on chip. The known next step, not taken here, computes the amax in the kern
 that *produces* x (the RMSNorm of Step 5 or the SwiGLU of Step 12 has every value in
 registers anyway): the cast then reads x once, 3 B per element.
 
-Measured on an H200 (torch 2.11, triton 3.6), x 8192 x 4096 and W 4096 x 4096 in
-bf16: the bf16 GEMM takes 366 us (750 TFLOP/s), torch._scaled_mm 202-220 us (1250-1360
-TFLOP/s); quantize(x) 54 us (3.1 TB/s effective), 78 us with the transposed copy (113
-us rowwise). The whole layer, forward and backward: 1135 us in bf16, 837 us in FP8
-tensorwise, 927 us rowwise. 1.36x and 1.23x, not 2x: the casts take a quarter of the
-FP8 layer's time, which is why fusing the amax into the producer is the next step.
+Measured (benchmark_fp8.py on an H200, torch 2.11, triton 3.6; results/fp8/bench_fp8_h200.txt),
+x 8192 x 4096 and W 4096 x 4096 in bf16: the bf16 GEMM takes 352 us (781 TFLOP/s),
+torch._scaled_mm 219-226 us (1215-1255 TFLOP/s); quantize(x) 55-88 us, 77-123 us with
+the transposed copy. Four LLaMA-8B MLPs, forward and backward: 1.51x bf16 tensorwise,
+1.41x rowwise, not 2x: the casts around each GEMM take their share, which is why fusing
+the amax into the producer is the next step.
 
 What backward keeps, and LoRA's frozen weights
 ----------------------------------------------
@@ -350,9 +350,9 @@ def _fp8_dot(a, b, acc, FAST_ACCUM: tl.constexpr, BLOCK_K: tl.constexpr):
     # a [BM, BK], b [BN, BK] fp8 -> acc + a b^T. The interpreter multiplies in float32.
     # On Hopper the FP8 tensor cores keep fewer bits than float32 in their accumulator;
     # max_num_imprecise_acc=BLOCK_K adds each K-tile's product into the float32
-    # accumulator (torch._scaled_mm's use_fast_accum=False), FAST_ACCUM does not. On an
-    # H200 at 8192 x 4096 x 4096 that precision costs us 30% (815 vs 1173 TFLOP/s),
-    # cuBLASLt 7% (1272 vs 1363).
+    # accumulator (torch._scaled_mm's use_fast_accum=False), FAST_ACCUM does not. In a
+    # development run on an H200 at 8192 x 4096 x 4096 that precision cost us 30% (815 vs
+    # 1173 TFLOP/s) and cuBLASLt 7% (1272 vs 1363); benchmark_fp8.py times both precise.
     if IN_INTERPRETER:
         return acc + tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)))
     elif FAST_ACCUM:

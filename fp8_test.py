@@ -391,6 +391,30 @@ def test_fine_tune_switches_fp8_in_with_every_kernel(monkeypatch, capsys):
     assert mlp.down_proj.weight.grad is not None
 
 
+def test_fine_tune_fp8_under_lora_in_bf16(monkeypatch, capsys):
+    """--fp8 --lora on a bf16 model: the frozen base layers in FP8, the adapters computed
+    in bf16 under autocast (adapters_compute_in); the adapters get finite gradients."""
+    import dataloader
+    import finetune_optimized
+    import flags
+    import models
+    from tools.family_matrix import family_config
+
+    monkeypatch.setattr("finetune_optimized.replace_linears",
+                        lambda model, recipe: replace_linears(model, recipe, emulate=True))
+    torch.manual_seed(0)
+    model = models.build_random(family_config("llama", {}), torch.device(DEVICE), torch.bfloat16)
+    model = models.apply_lora(model, finetune_optimized.parse_args(["--tiny", "--lora", "--lora-r", "4"]))
+    kernels = {**dict.fromkeys(flags.KERNELS, False), "fp8": "tensorwise"}
+    loss_fn, _ = finetune_optimized.apply_kernels(model, kernels)
+    assert "adapters kept in float32, their products in bfloat16" in capsys.readouterr().out
+    batch = dataloader.lm_batch(torch.randint(3, 128, (2, 32), generator=torch.Generator().manual_seed(1)).to(DEVICE))
+    loss_fn(model, batch).backward()
+    grads = [p.grad for n, p in model.named_parameters() if p.grad is not None]
+    assert grads and all("lora_" in n for n, p in model.named_parameters() if p.grad is not None)
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
 def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 

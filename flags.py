@@ -38,7 +38,7 @@ import os
 import platform
 import tempfile
 
-import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
+import kernel_common  # first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1); fp8_supported
 
 import torch
 import transformers
@@ -361,9 +361,7 @@ def check_fp8_flags(args, flag="--fp8"):
     if getattr(args, "fsdp", False):
         raise SystemExit(f"error: {flag} is not supported with --fsdp (FP8 casts of sharded weights are not "
                          f"implemented); use one or the other")
-    from fp8_kernel import fp8_supported
-
-    ok, reason = fp8_supported(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    ok, reason = kernel_common.fp8_supported(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     if not ok:
         raise SystemExit(f"error: {flag}: {reason}")
 

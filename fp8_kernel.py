@@ -97,9 +97,9 @@ import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
-from kernel_common import (
+from kernel_common import (  # noqa: F401 - fp8_supported: part of this file's API, used by the tests
     IN_INTERPRETER, INTERPRET, SUPPORTED_DTYPES, cast_to, cdiv, check_kernel_device, fast_launch, first_order_only,
-    kernel_op, nothing,
+    fp8_supported, kernel_op, linears_to_cast, nothing, swap_modules,
 )
 
 import triton
@@ -546,22 +546,6 @@ fp8_linear_forward.op.register_autograd(first_order_only("fp8_linear")(_linear_g
 # --------------------------------------------------------------------------------
 # The entry point and its checks
 # --------------------------------------------------------------------------------
-NEEDS = "FP8 matmuls need a CUDA GPU with FP8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell)"
-
-
-def fp8_supported(device):
-    """(True, "") where FP8 tensor cores exist, else (False, why) in one line."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        return False, f"{NEEDS}; this is a CPU"
-    if device.type != "cuda":
-        return False, f"{NEEDS}; this is a {device.type} device"
-    capability = torch.cuda.get_device_capability(device)
-    if capability < (8, 9):
-        return False, f"{NEEDS}; {torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}"
-    return True, ""
-
-
 def _check_recipe(recipe, name):
     if recipe not in RECIPES:
         raise ValueError(f"{name}: recipe must be one of {RECIPES}, got {recipe!r}")
@@ -629,38 +613,13 @@ class FP8Linear(nn.Module):
                 f"bias={self.bias is not None}, recipe={self.recipe}")
 
 
-def linears_to_cast(model, skip=("lm_head",)):
-    """The plain nn.Linear layers of ``model`` an FP8 recipe should take, as (targets,
-    skipped): targets a list of (qualified name, module); skipped the names of layers
-    left alone because their in/out features are not multiples of 16.
-
-    Not taken: modules whose qualified name ends with an entry of ``skip`` (the LM head:
-    its logits are the loss's input, and often tied to the embedding), LoRA adapters
-    (names with a ``lora_`` part: small, and trained in bf16) and subclasses of nn.Linear
-    (they may compute something else). finetune_baseline.py --torchao-fp8 gives torchao
-    the same layers."""
-    targets, skipped = [], []
-    for name, module in model.named_modules():
-        if not name or type(module) is not nn.Linear:
-            continue
-        if any(part.startswith("lora_") for part in name.split(".")):
-            continue
-        if any(name == s or name.endswith("." + s) for s in skip):
-            continue
-        if module.in_features % 16 or module.out_features % 16:
-            skipped.append(name)
-            continue
-        targets.append((name, module))
-    return targets, skipped
-
-
 def replace_linears(model, recipe="tensorwise", skip=("lm_head",), emulate=False):
-    """Swap the layers linears_to_cast picks for FP8Linear; returns (count, skipped).
-    Under peft, apply this after get_peft_model: a LoRA layer's ``base_layer`` is swapped."""
+    """Swap the layers kernel_common.linears_to_cast picks (not the LM head, not LoRA's
+    adapters, sizes FP8 can run) for FP8Linear; returns (count, names of the layers left
+    alone for their sizes). Under peft, apply this after get_peft_model: a LoRA layer's
+    ``base_layer`` is swapped."""
     _check_recipe(recipe, "replace_linears")
     targets, skipped = linears_to_cast(model, skip)
-    for name, module in targets:  # swapped after the walk: never change a tree while iterating over it
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, FP8Linear(module, recipe, emulate))
-    return len(targets), skipped
+    chosen = {id(module) for _, module in targets}
+    count = swap_modules(model, lambda module: id(module) in chosen, lambda module: FP8Linear(module, recipe, emulate))
+    return count, skipped

@@ -259,6 +259,48 @@ def swap_modules(model, matches, replacement, check=None):
     return len(targets)
 
 
+# What the FP8 layers (fp8_kernel.py) share with the flags' check (flags.py) and
+# with their torchao peer (finetune_baseline.py --torchao-fp8), which import no kernel.
+FP8_NEEDS = "FP8 matmuls need a CUDA GPU with FP8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell)"
+
+
+def fp8_supported(device):
+    """(True, "") where FP8 tensor cores exist, else (False, why) in one line."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return False, f"{FP8_NEEDS}; this is a CPU"
+    if device.type != "cuda":
+        return False, f"{FP8_NEEDS}; this is a {device.type} device"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        return False, f"{FP8_NEEDS}; {torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}"
+    return True, ""
+
+
+def linears_to_cast(model, skip=("lm_head",)):
+    """The plain nn.Linear layers of ``model`` an FP8 recipe should take, as (targets,
+    skipped): targets a list of (qualified name, module); skipped the names of layers
+    left alone because their in/out features are not multiples of 16 (FP8 GEMMs need it).
+
+    Not taken: modules whose qualified name ends with an entry of ``skip`` (the LM head:
+    its logits are the loss's input, and often tied to the embedding), LoRA adapters
+    (names with a ``lora_`` part: small, and trained in bf16) and subclasses of nn.Linear
+    (they may compute something else)."""
+    targets, skipped = [], []
+    for name, module in model.named_modules():
+        if not name or type(module) is not torch.nn.Linear:
+            continue
+        if any(part.startswith("lora_") for part in name.split(".")):
+            continue
+        if any(name == s or name.endswith("." + s) for s in skip):
+            continue
+        if module.in_features % 16 or module.out_features % 16:
+            skipped.append(name)
+            continue
+        targets.append((name, module))
+    return targets, skipped
+
+
 # --------------------------------------------------------------------------------
 # Launching with less host time
 # --------------------------------------------------------------------------------

@@ -441,9 +441,9 @@ def add_fsdp_arg(group):
              "trains N x --batch-size sequences",
     )
     group.add_argument(
-        "--fsdp-prefetch", type=non_negative_int, default=1,
+        "--fsdp-prefetch", type=non_negative_int, default=0,
         help="--fsdp: gather the weights of this many next layers while one computes, forward and backward "
-             "(0: FSDP's own order only; default: %(default)s)",
+             "(default: %(default)s, FSDP's own order; its gain is not measured yet)",
     )
     group.add_argument(
         "--fsdp-reduce-dtype", choices=("float32", "bfloat16"), default="float32",
@@ -511,7 +511,7 @@ def note_idle_flags(args):
         note(f"{', '.join('--' + k.replace('_', '-') for k in changed)} without --lora: no adapters, nothing changes")
     if getattr(args, "compile_mode", "default") != "default" and not getattr(args, "compile", False):
         note(f"--compile-mode {args.compile_mode} without --compile changes nothing")
-    fsdp_changed = [f"--{k.replace('_', '-')}" for k, v in (("fsdp_prefetch", 1), ("fsdp_reduce_dtype", "float32"))
+    fsdp_changed = [f"--{k.replace('_', '-')}" for k, v in (("fsdp_prefetch", 0), ("fsdp_reduce_dtype", "float32"))
                     if getattr(args, k, v) != v]
     if fsdp_changed and not getattr(args, "fsdp", False):
         note(f"{', '.join(fsdp_changed)} without --fsdp changes nothing")

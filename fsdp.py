@@ -151,7 +151,7 @@ def shard_model(model, args):
     # Prefetch (what it buys: the next layers' all-gathers run while this one computes,
     # instead of starting when the next layer's forward is reached, which a host that
     # is not far ahead of the GPU reaches late). Backward walks the layers in reverse.
-    prefetch = getattr(args, "fsdp_prefetch", 1)
+    prefetch = getattr(args, "fsdp_prefetch", 0)
     if prefetch:
         for i, layer in enumerate(layers):
             layer.set_modules_to_forward_prefetch(list(layers[i + 1:i + 1 + prefetch]))

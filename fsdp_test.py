@@ -119,7 +119,7 @@ def test_prefetch_changes_no_loss(full, tmp_path, capsys):
                 tmp_path, "ahead")
     close(ahead["losses"], one["losses"])
     assert ahead["config"]["fsdp_prefetch"] == 2 and ahead["config"]["fsdp_reduce_dtype"] == "float32"
-    flags.resolve_defaults(finetune_optimized.parse_args(["--fsdp-reduce-dtype", "bfloat16", "--fsdp-prefetch", "0"]))
+    flags.resolve_defaults(finetune_optimized.parse_args(["--fsdp-reduce-dtype", "bfloat16", "--fsdp-prefetch", "1"]))
     assert "--fsdp-prefetch, --fsdp-reduce-dtype without --fsdp changes nothing" in capsys.readouterr().out
 
 

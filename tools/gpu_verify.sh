@@ -128,7 +128,7 @@ for what in $WHAT; do
       done ;;
     fsdp)
       # Step 19 on 2 GPUs: 8B full 2 x 2,048 per GPU; prefetch 0 / 1 and the gradient reduction in float32 / bf16.
-      for extra in "--fsdp-prefetch 0" "" "--fsdp-reduce-dtype bfloat16"; do
+      for extra in "" "--fsdp-prefetch 1" "--fsdp-reduce-dtype bfloat16"; do
         tag=${extra:-default}; tag=${tag//--/}; tag=${tag// /_}
         torchrun --standalone --nproc-per-node 2 finetune_optimized.py --fsdp --random-init --dataset synthetic \
           --batch-size 2 --seq-len 2048 --steps 12 --log-every 4 $extra --json "$OUTDIR/fsdp_$tag.json" 2>&1 \

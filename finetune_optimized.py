@@ -231,7 +231,6 @@ def apply_kernels(model, kernels):
               f"cuBLASLt products); the LM head and LoRA adapters as before")
         if skipped:
             print(f"               {len(skipped)} left as they were (sizes not multiples of 16), e.g. {skipped[0]}")
-        active.append("fp8")
 
     # RMSNorm: a module swap. TritonRMSNorm reuses each module's weight Parameter,
     # so the optimizer and any weight tying see the same tensors.

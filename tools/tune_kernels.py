@@ -119,7 +119,8 @@ def attention_sweep(head_dims, results, quick):
         inputs = [attention_inputs({**s, "head_dim": d}) for s in rows]
         for kernel, candidates in ATTENTION_CANDIDATES.items():
             totals = {}
-            for tiles in candidates if d == 128 else [orig[kernel, dp]] + [c for c in candidates[:3]]:
+            # Other head dims: the current tiles and the first three candidates, each once.
+            for tiles in candidates if d == 128 else dict.fromkeys([orig[kernel, dp], *candidates[:3]]):
                 ak.TILES[kernel, dp] = tiles
                 times = []
                 try:

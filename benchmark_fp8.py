@@ -57,6 +57,9 @@ def timed(fn, bench_ms):
 # 1. Casts
 # --------------------------------------------------------------------------------
 def cast_rows(bench_ms, copy_bw):
+    """Each cast twice: called from Python (eager: host time counts where it exceeds the
+    GPU's) and replayed in a CUDA graph (GPU time only, as inside the training step's
+    graph). %copy: the graph time's bandwidth over the device's copy bandwidth."""
     reference = torch.compile(quantize_reference)
     rows = []
     for m, k in CAST_SHAPES:
@@ -67,22 +70,30 @@ def cast_rows(bench_ms, copy_bw):
                 for provider, fn in (("ours (Triton)", quantize), ("PyTorch eager", quantize_reference),
                                      ("PyTorch compiled", reference)):
                     ms = timed(lambda: fn(x, recipe, transpose), bench_ms)
-                    gbps = nbytes / (ms * 1e-3) / 1e9
+                    try:
+                        graph_ms = bench(lambda: fn(x, recipe, transpose), bench_ms, graph=True)
+                    except RuntimeError as e:  # a provider that cannot be captured: its row says so
+                        print(f"{provider} {recipe}: no CUDA graph ({str(e).splitlines()[0][:100]})")
+                        graph_ms = None
+                    gbps = nbytes / ((graph_ms or ms) * 1e-3) / 1e9
                     rows.append(dict(shape=[m, k], recipe=recipe, transpose=transpose, provider=provider, ms=ms,
-                                     GBps=gbps, copy_fraction=gbps / copy_bw))
+                                     graph_ms=graph_ms, GBps=gbps, copy_fraction=gbps / copy_bw))
         x = None
         free_memory()
     return rows
 
 
 def print_casts(rows):
-    print(f"\n{'x [M, K]':<14} {'recipe':<11} {'copies':<12} {'provider':<18} {'us':>8} {'GB/s':>7} {'%copy':>6}")
+    print(f"\n{'x [M, K]':<14} {'recipe':<11} {'copies':<12} {'provider':<18} {'eager us':>9} {'graph us':>9} "
+          f"{'GB/s':>7} {'%copy':>6}")
     for r in rows:
         copies = "x and x^T" if r["transpose"] else "x"
+        graph = "-" if r["graph_ms"] is None else f"{r['graph_ms'] * 1e3:.1f}"
         print(f"{r['shape'][0]:,} x {r['shape'][1]:<6,} {r['recipe']:<11} {copies:<12} {r['provider']:<18} "
-              f"{r['ms'] * 1e3:8.1f} {r['GBps']:7,.0f} {r['copy_fraction']:6.0%}")
-    print("Bytes per element: 2 read (amax) + 2 read (cast) + 1 written per fp8 copy; %copy: of the device's "
-          "copy bandwidth.")
+              f"{r['ms'] * 1e3:9.1f} {graph:>9} {r['GBps']:7,.0f} {r['copy_fraction']:6.0%}")
+    print("Bytes per element: 2 read (amax) + 2 read (cast) + 1 written per fp8 copy. eager: called from Python; "
+          "graph: replayed in a CUDA graph (GPU time); GB/s and %copy (of the device's copy bandwidth) from the "
+          "graph time (eager where there is none).")
 
 
 # --------------------------------------------------------------------------------
@@ -217,7 +228,8 @@ def main(argv=None):
     env["copy_bandwidth_GBps"] = copy_bandwidth(bench_ms)
     print(f"FP8 benchmark -- GPU: {env['gpu']} | torch {env['torch']} | triton {env['triton']} | "
           f"torchao {env['torchao'] or 'not installed'} | {env['date']}")
-    print(f"Device copy bandwidth: {env['copy_bandwidth_GBps']:,.0f} GB/s; timing: triton.testing.do_bench median")
+    print(f"Device copy bandwidth: {env['copy_bandwidth_GBps']:,.0f} GB/s; timing: triton.testing.do_bench "
+          "median (do_bench_cudagraph for graph replays)")
     results = {"environment": env}
     results["casts"] = cast_rows(bench_ms, env["copy_bandwidth_GBps"])
     print_casts(results["casts"])

@@ -175,21 +175,31 @@ def _amax_kernel(
     AMAX_T,  # float32 [K], zeros (rowwise with transpose; unused otherwise)
     M, K, sx_m, sx_k,
     ROWWISE: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    STEPS: tl.constexpr,
 ):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    # A program walks STEPS tiles down one column strip: [STEPS * BLOCK_M, BLOCK_K].
+    # The column maxima (and the tensor's maximum) are a running elementwise maximum of
+    # the tiles, in registers, reduced once at the end: a reduction down the columns
+    # crosses warps (through shared memory), one per tile would cost more than the load.
+    # Then one atomic per column (or one in all) per program instead of one per tile:
+    # with one tile per program, the 128 programs of an 8192-row strip all hit the same
+    # 128 column addresses, and those atomics queue behind each other in L2.
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    a = tl.abs(_load_tile(X, offs_m, offs_k, M, K, sx_m, sx_k))
-    # Each tile holds a piece of its rows (and columns); atomic_max folds the pieces
-    # together. |x| >= 0, so the float max is order-independent: deterministic.
-    # One tile per program. Walking several tiles per program to send fewer atomics was
-    # slower on an H200 (fewer loads in flight), though the column maxima of the rowwise
-    # transposed case take this kernel from 27 to 63 us at 8192 x 4096: room left.
+    run = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for step in range(STEPS):
+        offs_m = (tl.program_id(0) * STEPS + step) * BLOCK_M + tl.arange(0, BLOCK_M)
+        a = tl.abs(_load_tile(X, offs_m, offs_k, M, K, sx_m, sx_k))
+        run = tl.maximum(run, a)
+        if ROWWISE:
+            # A row's pieces are in programs of other strips: atomic_max folds them
+            # together (within a warp: cheap). |x| >= 0, so the float max is
+            # order-independent: deterministic.
+            tl.atomic_max(AMAX + offs_m, tl.max(a, axis=1), mask=offs_m < M)
     if ROWWISE:
-        tl.atomic_max(AMAX + offs_m, tl.max(a, axis=1), mask=offs_m < M)
         if TRANSPOSE:
-            tl.atomic_max(AMAX_T + offs_k, tl.max(a, axis=0), mask=offs_k < K)
+            tl.atomic_max(AMAX_T + offs_k, tl.max(run, axis=0), mask=offs_k < K)
     else:
-        tl.atomic_max(AMAX, tl.max(a))
+        tl.atomic_max(AMAX, tl.max(run))
 
 
 # --------------------------------------------------------------------------------
@@ -282,11 +292,31 @@ def _cast_kernel(
                  mask=in_k[:, None] & (offs_m < M_PAD)[None, :])
 
 
-# Tiles of the two kernels: [BLOCK_M, BLOCK_K] and warps. Not tuned: 64 x 128 bf16 is
-# 16 KB per tile, enough bytes in flight per program. The interpreter gets small tiles,
-# so that small test tensors still cross several of them in both directions.
-def _quantize_tiles():
-    return (32, 32, 1) if INTERPRET else (64, 128, 8)
+# Launch parameters, from `tools/tune_kernels.py --only fp8` on an H100 (NOTES.md).
+# CAST_TILES: [BLOCK_M, BLOCK_K] and warps of the cast kernel. AMAX_TILES: the amax
+# kernel's tile and warps, and how many programs per SM it aims for: a program walks as
+# many tiles down its strip as keeps the grid at that size (STEPS, a power of two <= 16,
+# so at most five compiled versions). The interpreter gets small tiles and one "SM", so
+# that small test tensors still cross several tiles each way and walk several per program.
+CAST_TILES = (32, 32, 1) if INTERPRET else (32, 128, 4)
+AMAX_TILES = (16, 32, 1, 4) if INTERPRET else (64, 128, 4, 8)
+
+
+def _amax_steps(m_tiles, k_tiles, device):
+    target = AMAX_TILES[3] * (1 if INTERPRET else _sm_count(device))
+    steps = 1
+    while steps < 16 and cdiv(m_tiles, 2 * steps) * k_tiles >= target:
+        steps *= 2
+    return steps
+
+
+_SM_COUNT = {}
+
+
+def _sm_count(device):
+    if device not in _SM_COUNT:
+        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[device]
 
 
 def quantize(x, recipe, transpose=False, align=1):
@@ -301,20 +331,30 @@ def quantize(x, recipe, transpose=False, align=1):
     m_pad = cdiv(M, align) * align
     rowwise = recipe == "rowwise"
     device = x.device
-    block_m, block_k, warps = _quantize_tiles()
-    amax = torch.zeros(M if rowwise else 1, dtype=torch.float32, device=device)
-    amax_t = torch.zeros(K, dtype=torch.float32, device=device) if rowwise and transpose else amax
-    inv = torch.empty_like(amax)
-    inv_t = torch.empty_like(amax_t) if rowwise else inv
+    # The amaxes of rows and columns in one zeroed buffer, the inverse scales in another:
+    # two allocations instead of four (each is host time, in eager mode). The column part
+    # starts 256 bytes in: cuBLASLt wants aligned scale vectors.
+    rows = M if rowwise else 1
+    cols = K if rowwise and transpose else 0
+    start = cdiv(rows, 64) * 64 if cols else rows
+    amax_all = torch.zeros(start + cols, dtype=torch.float32, device=device)
+    inv_all = torch.empty_like(amax_all)
+    amax, inv = amax_all[:rows], inv_all[:rows]
+    amax_t, inv_t = (amax_all[start:], inv_all[start:]) if cols else (amax, inv)
     data = torch.empty(M, K, dtype=FP8_DTYPE, device=device)
     data_t = torch.empty(K, m_pad, dtype=FP8_DTYPE, device=device) if transpose else data
-    common = dict(ROWWISE=rowwise, TRANSPOSE=transpose, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=warps)
     # At least one program each way: an empty x still gets its (column) scales written.
-    grid_k = max(1, cdiv(K, block_k))
-    _amax_kernel[(max(1, cdiv(M, block_m)), grid_k)](x, amax, amax_t, M, K, x.stride(0), x.stride(1), **common)
-    _cast_kernel[(max(1, cdiv(m_pad, block_m)), grid_k)](
+    am, ak, aw, _ = AMAX_TILES
+    m_tiles, k_tiles = max(1, cdiv(M, am)), max(1, cdiv(K, ak))
+    steps = _amax_steps(m_tiles, k_tiles, device)
+    _amax_kernel[(cdiv(m_tiles, steps), k_tiles)](
+        x, amax, amax_t, M, K, x.stride(0), x.stride(1),
+        ROWWISE=rowwise, TRANSPOSE=transpose, BLOCK_M=am, BLOCK_K=ak, STEPS=steps, num_warps=aw)
+    cm, ck, cw = CAST_TILES
+    _cast_kernel[(max(1, cdiv(m_pad, cm)), max(1, cdiv(K, ck)))](
         x, data.view(torch.uint8), data_t.view(torch.uint8), amax, amax_t, inv, inv_t,
-        M, K, m_pad, x.stride(0), x.stride(1), **common)
+        M, K, m_pad, x.stride(0), x.stride(1), ROWWISE=rowwise, TRANSPOSE=transpose, BLOCK_M=cm, BLOCK_K=ck,
+        num_warps=cw)
     shape = (-1, 1) if rowwise else ()
     if not transpose:
         return Fp8Tensor(data, inv.view(shape), None, None)

@@ -1,9 +1,9 @@
-"""Sweep the launch parameters of the RMSNorm, cross-entropy and attention kernels (GPU only).
+"""Sweep the launch parameters of the RMSNorm, cross-entropy, attention and FP8 cast kernels (GPU only).
 
 Not a tutorial step: it produces the evidence behind the constants chosen in
 rmsnorm_kernel.py (warps, backward programs per SM), cross_entropy_kernel.py
-(vocabulary chunk, warps) and attention_kernel.py (tiles, warps, stages per
-kernel), recorded in NOTES.md. It monkeypatches those module
+(vocabulary chunk, warps), attention_kernel.py (tiles, warps, stages per
+kernel) and fp8_kernel.py (the amax and cast kernels' tiles), recorded in NOTES.md. It monkeypatches those module
 constants, times each setting with triton.testing.do_bench (median) and prints
 effective bandwidth; `overhead` times the host cost of one call on a tiny
 tensor, where the GPU work is negligible.
@@ -12,6 +12,7 @@ Usage (from the repository root, on a CUDA machine):
     python tools/tune_kernels.py                       # everything, ~5 min on an H100
     python tools/tune_kernels.py --only ce --quick     # fewer settings
     python tools/tune_kernels.py --only attention --json tiles.json
+    python tools/tune_kernels.py --only fp8
 """
 
 import argparse
@@ -26,6 +27,7 @@ from triton.testing import do_bench  # noqa: E402
 
 import attention_kernel as ak  # noqa: E402
 import cross_entropy_kernel as ce  # noqa: E402
+import fp8_kernel as fk  # noqa: E402
 import rmsnorm_kernel as rk  # noqa: E402
 from flags import check_output_path, write_json_atomic  # noqa: E402
 
@@ -151,6 +153,55 @@ def attention_sweep(head_dims, results, quick):
     ak.TILES.update(orig)
 
 
+FP8_AMAX_CANDIDATES = [(64, 128, 8, 4), (64, 128, 8, 2), (64, 128, 8, 8), (32, 256, 8, 4), (64, 256, 8, 4),
+                       (128, 128, 8, 4), (64, 128, 4, 8), (16, 512, 4, 4), (128, 64, 8, 4)]
+FP8_CAST_CANDIDATES = [(64, 128, 8), (128, 128, 8), (64, 64, 4), (128, 64, 8), (32, 128, 4), (64, 256, 8),
+                       (128, 128, 16), (32, 256, 8)]
+
+
+def fp8_sweep(results, quick, copy_tbs):
+    """quantize() replayed in a CUDA graph (GPU time), both recipes, with and without the
+    transposed copy, on the 8B MLP's activations: the amax kernel's candidates first (the
+    cast at its current tiles), then the cast's with the best amax."""
+    shapes = [(8192, 4096)] if quick else [(4096, 4096), (8192, 4096), (8192, 14336)]
+    cases = [(r, t) for r in fk.RECIPES for t in (False, True)]
+    inputs = {s: torch.randn(*s, device="cuda", dtype=torch.bfloat16) for s in shapes}
+
+    def total(what, setting):
+        ms_all = []
+        for shape, x in inputs.items():
+            for recipe, transpose in cases:
+                fk.quantize(x, recipe, transpose)
+                ms = triton.testing.do_bench_cudagraph(lambda: fk.quantize(x, recipe, transpose), rep=100,
+                                                       return_mode="median")
+                tbs = x.numel() * (5 + int(transpose)) / ms / 1e9
+                ms_all.append(ms)
+                results.append(dict(kernel=f"fp8_{what}", setting=setting, shape=shape, recipe=recipe,
+                                    transpose=transpose, ms=ms, tbs=tbs))
+                print(f"fp8 {what:4s} {str(setting):18s} {shape[0]:5d}x{shape[1]:<5d} {recipe:10s} "
+                      f"{'x,x^T' if transpose else 'x':5s} {ms * 1e3:7.1f} us {tbs:5.2f} TB/s "
+                      f"{tbs / copy_tbs:4.0%}", flush=True)
+        return sum(ms_all)
+
+    orig_amax, orig_cast = fk.AMAX_TILES, fk.CAST_TILES
+    for what, candidates, attr in (("amax", FP8_AMAX_CANDIDATES, "AMAX_TILES"),
+                                   ("cast", FP8_CAST_CANDIDATES, "CAST_TILES")):
+        totals = {}
+        for setting in candidates:
+            setattr(fk, attr, setting)
+            try:
+                totals[setting] = total(what, setting)
+            except Exception as e:  # noqa: BLE001 - a setting may not compile or fit
+                print(f"fp8 {what} {setting}: {type(e).__name__} {str(e)[:120]}")
+        best = min(totals, key=totals.get)
+        setattr(fk, attr, best)  # the cast's sweep runs with the best amax
+        print(f"fp8 {what}: best {best} (now {orig_amax if what == 'amax' else orig_cast}), "
+              f"sum {totals[best] * 1e3:.0f} us", flush=True)
+        results.append(dict(kernel=f"fp8_{what}_best", setting=best,
+                            now=orig_amax if what == "amax" else orig_cast))
+    fk.AMAX_TILES, fk.CAST_TILES = orig_amax, orig_cast
+
+
 def cpu_overhead(results):
     """Per-call host time of each path on a tiny tensor (GPU work negligible): launch cost."""
     import time
@@ -188,10 +239,10 @@ def cpu_overhead(results):
 
 
 def main():
-    p = argparse.ArgumentParser(description="Sweep launch parameters of the RMSNorm, CE and attention kernels (GPU).")
+    p = argparse.ArgumentParser(description="Sweep launch parameters of the RMSNorm, CE, attention and FP8 cast kernels (GPU).")
     p.add_argument("--json", metavar="PATH", help="write every timing here")
     p.add_argument("--quick", action="store_true", help="fewer settings and sizes")
-    p.add_argument("--only", choices=["rmsnorm", "ce", "overhead", "attention"], help="one sweep instead of all")
+    p.add_argument("--only", choices=["rmsnorm", "ce", "overhead", "attention", "fp8"], help="one sweep instead of all")
     args = p.parse_args()
     if args.json:
         args.json = check_output_path(args.json, "--json", suffix=".json")
@@ -208,6 +259,8 @@ def main():
         ce_sweep((1024, 8192) if args.quick else (1024, 4096, 8192, 16384), results, args.quick)
     if args.only in (None, "attention"):
         attention_sweep((128,) if args.quick else (128, 64, 256), results, args.quick)
+    if args.only in (None, "fp8"):
+        fp8_sweep(results, args.quick, results[0]["tbs"])
     if args.json:
         write_json_atomic(args.json, {"device": torch.cuda.get_device_name(), "results": results})
         print(f"Wrote {args.json}")

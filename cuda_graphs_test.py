@@ -144,15 +144,19 @@ def _loss(model, batch):
     return model(batch["x"]).square().mean()
 
 
-def _graphed(monkeypatch, model, optimizer, scheduler, fail=False, notes=None):
+def _graphed(monkeypatch, model, optimizer, scheduler, fail=False, notes=None, times=(100.0, 50.0)):
+    """A GraphedStep on the CPU; ``times``: the clock's (eager warm-up, first replay) in ms."""
     monkeypatch.setattr(cuda_graphs.torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(cuda_graphs.torch.cuda, "graph", fake_capture)
     monkeypatch.setattr(cuda_graphs.torch.cuda, "synchronize", lambda: None)
 
     def eager_here(self, micro_batches):  # no side stream on the CPU
         self.eager_calls += 1
+        if self.eager_calls == cuda_graphs.EAGER_STEPS:
+            self.eager_ms = times[0]
         return self.eager(micro_batches)
     monkeypatch.setattr(cuda_graphs.GraphedStep, "_eager_on_side_stream", eager_here)
+    monkeypatch.setattr(cuda_graphs.GraphedStep, "_clock", lambda self, run: (run(), times[1]))
     monkeypatch.setattr(flags, "note", lambda text: notes.append(text) if notes is not None else None)
 
     def captured(micro_batches):
@@ -238,6 +242,29 @@ def test_failed_capture_trains_eagerly_with_a_note(monkeypatch):
     assert _train(step, batches) == pytest.approx(expected, rel=1e-6, abs=0)
     assert step.graph is None and step.disabled.startswith("RuntimeError: operation not permitted")
     assert len(notes) == 1 and "could not be captured" in notes[0] and "\n" not in notes[0]
+
+
+@pytest.mark.parametrize("replay_ms, stays", [(104.0, True), (106.0, False)])
+def test_a_replay_slower_than_eager_keeps_the_run_eager(monkeypatch, replay_ms, stays):
+    """The first replay is timed against the last eager step: up to 5% slower it stays,
+    beyond that the rest of the run is eager (one note), with the same losses."""
+    batches = [b for i, b in enumerate(_batches(7)) if i != 5]
+    model, optimizer, scheduler = _toy()
+    reference = _graphed(monkeypatch, model, optimizer, scheduler)
+    reference.disabled = "off"  # all eager
+    expected = _train(reference, batches)
+
+    model, optimizer, scheduler = _toy()
+    notes = []
+    step = _graphed(monkeypatch, model, optimizer, scheduler, notes=notes, times=(100.0, replay_ms))
+    assert _train(step, batches) == pytest.approx(expected, rel=1e-6, abs=0)
+    assert step.replays >= 1
+    if stays:
+        assert step.graph is not None and step.replays == len(batches) - cuda_graphs.EAGER_STEPS and not notes
+    else:
+        assert step.graph is None and step.replays == 1
+        assert len(notes) == 1 and "a replay took 106 ms, an eager step 100 ms; training eagerly" in notes[0]
+        assert all(p.grad is None for p in model.parameters())
 
 
 def test_static_inputs():

@@ -78,6 +78,7 @@ from cross_entropy_kernel import cross_entropy
 from fp8_kernel import replace_linears
 from kernel_common import SwapMismatch
 from linear_cross_entropy_kernel import fused_linear_cross_entropy
+from lora_kernel import fuse_lora
 from rmsnorm_kernel import replace_rmsnorm
 from rope_kernel import fuse_rope
 from swiglu_kernel import TritonLlamaMLP, replace_swiglu
@@ -308,7 +309,19 @@ def apply_kernels(model, kernels):
         print(f"LoRA compute:  adapters kept in float32, their products in {str(dtype).replace('torch.', '')} "
               f"(autocast; no float32 copies of the layer inputs)")
 
+    # LoRA in the base layer's GEMMs (Step 20): the adapter's scale and the sums of both
+    # paths in cuBLAS epilogues, forward and backward; each layer falls back to PEFT's
+    # forward where it does not apply (dropout, DoRA, QLoRA, FP8 base layers).
+    lora_fused = False
+    if kernels.get("lora") and models.is_peft_model(model):
+        count = fuse_lora(model)
+        print(f"Custom lora:   {count} LoRA layers: the adapter's scale and sum inside the base layer's matrix "
+              f"products (cuBLAS epilogues), forward and backward")
+        lora_fused = True
+
     active = [name for name in flags.KERNELS if name in active]  # one order in every report
+    if lora_fused:
+        active.append("lora")
     if kernels.get("fp8"):
         active.append(f"fp8 ({kernels['fp8']})")
     print(f"Kernels:       {', '.join(active) if active else 'none (PyTorch / HF)'}")

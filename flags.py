@@ -315,6 +315,10 @@ def add_model_args(parser, custom_kernels_default=False, packing_default=False):
             default=default,
             help=f"{help_text} (default: {'on with packed real data' if default is None else default})",
         )
+    # Not a kernel of every model (and no column of the family matrix): LoRA layers only.
+    k.add_argument("--use-custom-lora", action=argparse.BooleanOptionalAction, default=custom_kernels_default,
+                   help="with --lora: each adapter's scale and sum inside the base layer's matrix products (cuBLAS "
+                        f"epilogues) instead of PEFT's separate passes (default: {custom_kernels_default})")
     if custom_kernels_default:  # finetune_optimized.py
         k.add_argument("--fp8", choices=FP8_RECIPES,
                        help="the decoder's linear layers multiply in FP8 with dynamic scales (fp8_kernel.py): one "
@@ -345,6 +349,8 @@ def kernels_from_args(args):
     kernels = {name: getattr(args, f"use_custom_{name}", False) for name in KERNELS}
     if kernels["attention"] is None:  # the default of finetune_optimized.py: with packed real data
         kernels["attention"] = bool(getattr(args, "packing", False)) and getattr(args, "dataset", None) != SYNTHETIC
+    if getattr(args, "use_custom_lora", False) and getattr(args, "lora", False):
+        kernels["lora"] = True  # reported for LoRA runs only
     if getattr(args, "fp8", None):
         kernels["fp8"] = args.fp8  # the recipe
     return kernels

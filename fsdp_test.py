@@ -136,7 +136,7 @@ def test_lora_two_ranks_match_one_process_and_resume(lora, tmp_path):
     adapters' shards; the shards of a checkpoint hold the adapters only."""
     sharded, one, tmp = lora
     close(sharded["losses"], one["losses"])
-    assert sharded["kernels"] == EVERY_KERNEL
+    assert sharded["kernels"] == {**EVERY_KERNEL, "lora": True}  # the fused LoRA layer too, on the shards
     assert sharded["model"]["trainable_parameters"] == one["model"]["trainable_parameters"] == 18688
     names = saved_names(tmp / "fsdp" / "checkpoint-2")
     assert len(names) == 28 and all(".lora_A." in n or ".lora_B." in n for n in names), names  # 2 x 7 x (A, B)

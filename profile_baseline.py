@@ -86,7 +86,7 @@ CATEGORIES = [
     # they are the operators llama_kernels::<name>.
     ("compiled (Inductor-fused)", ("triton_poi_", "triton_red_", "triton_per_", "triton_tem_", "compiledfunction")),
     ("RMSNorm", ("rmsnorm", "aten::pow", "aten::rsqrt", "aten::mean", "powbackward", "rsqrtbackward", "meanbackward")),
-    ("attention", ("attention", "flash", "fmha", "sdpa", "scaled_dot_product")),
+    ("attention", ("attention", "flash", "fmha", "sdpa", "scaled_dot_product", "_attn_")),  # _attn_: ours
     ("SwiGLU (silu * up)", ("swiglu", "aten::silu", "silubackward")),
     ("RoPE", ("_rope_", "ropefunction", "::rope_")),
     ("cross-entropy/softmax", ("cross_entropy", "crossentropy", "_ce_", "softmax", "nll_loss", "nllloss")),

@@ -191,6 +191,8 @@ def test_profile_names():
         ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", "matrix multiply"),
         ("aten::_flash_attention_forward", "attention"),
         ("aten::_scaled_dot_product_efficient_attention_backward", "attention"),
+        ("_attn_bwd_dkdv_kernel", "attention"),
+        ("_attn_fwd_kernel", "attention"),
         ("aten::pow", "RMSNorm"),
         ("aten::rsqrt", "RMSNorm"),
         ("_rmsnorm_fwd_kernel", "RMSNorm"),

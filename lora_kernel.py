@@ -12,10 +12,12 @@ PEFT computes it as written, in separate operations: the base layer, then
 products are tiny, but the scaling and the sum are each a full pass over the
 [tokens, N] output, and backward repeats the pattern: ``dy * s`` over [tokens, N],
 and the two gradients of x (through W and through A) summed in one more pass over
-[tokens, K]. Per layer of a LLaMA-8B MLP at 8,192 tokens that is about 1.3 GB of
-extra traffic, in seven layers per block, plus some twenty small launches per layer
-and step. A profile of the LoRA step shows them as "other elementwise", a quarter of
-the GPU time at 1.5B parameters (README, Step 20).
+[tokens, K]. In bf16 that is 10 bytes per output value forward (scale: read 2, write
+2; sum: read 4, write 2), 4 backward, and 6 per input value for the sum of dx. For one
+LLaMA-8B decoder block (seven adapted layers) at 8,192 tokens: about 7 GB, 1.4 ms at
+an H200's 4.8 TB/s, 46 ms of a step's 32 blocks, plus a dozen small launches per layer.
+A profile of the LoRA step shows them as "other elementwise", a quarter of the GPU
+time at 1.5B parameters (README, Step 20).
 
 The idea: no new kernel, the GEMMs' own epilogue
 ------------------------------------------------
@@ -31,7 +33,8 @@ happen in the product's epilogue, while the output tile is still in registers
               dA = g^T x ; dB = s * dy^T xa  ([r, K] and [N, r])
 
 The [tokens, N] output is written once and read once more by the second product's
-epilogue, instead of four passes; the gradient of x is summed inside its GEMM. The
+epilogue (2 bytes per value instead of 10); the gradient of x is summed inside its
+GEMM the same way, and the scale lands on [tokens, r] tensors, r = 16 values a row. The
 adapter weights stay in float32 (the optimizer's copy; small updates would vanish in
 bf16) and are cast to the compute dtype once per call: r rows, negligible. Their
 gradients come back in float32. The arithmetic differs from PEFT's only in where

@@ -3,10 +3,11 @@
 Not a tutorial step: it produces the evidence behind the constants chosen in
 rmsnorm_kernel.py (warps, backward programs per SM), cross_entropy_kernel.py
 (vocabulary chunk, warps), attention_kernel.py (tiles, warps, stages per
-kernel) and fp8_kernel.py (the amax and cast kernels' tiles), recorded in NOTES.md. It monkeypatches those module
-constants, times each setting with triton.testing.do_bench (median) and prints
-effective bandwidth; `overhead` times the host cost of one call on a tiny
-tensor, where the GPU work is negligible.
+kernel) and fp8_kernel.py (the amax and cast kernels' tiles), recorded in
+NOTES.md. It monkeypatches those module constants, times each setting with
+triton.testing.do_bench (median; the FP8 casts replayed in a CUDA graph) and
+prints effective bandwidth; `overhead` times the host cost of one call on a
+tiny tensor, where the GPU work is negligible.
 
 Usage (from the repository root, on a CUDA machine):
     python tools/tune_kernels.py                       # everything, ~5 min on an H100
@@ -239,10 +240,12 @@ def cpu_overhead(results):
 
 
 def main():
-    p = argparse.ArgumentParser(description="Sweep launch parameters of the RMSNorm, CE, attention and FP8 cast kernels (GPU).")
+    p = argparse.ArgumentParser(
+        description="Sweep launch parameters of the RMSNorm, CE, attention and FP8 cast kernels (GPU).")
     p.add_argument("--json", metavar="PATH", help="write every timing here")
     p.add_argument("--quick", action="store_true", help="fewer settings and sizes")
-    p.add_argument("--only", choices=["rmsnorm", "ce", "overhead", "attention", "fp8"], help="one sweep instead of all")
+    p.add_argument("--only", choices=["rmsnorm", "ce", "overhead", "attention", "fp8"],
+                   help="one sweep instead of all")
     args = p.parse_args()
     if args.json:
         args.json = check_output_path(args.json, "--json", suffix=".json")
@@ -260,7 +263,11 @@ def main():
     if args.only in (None, "attention"):
         attention_sweep((128,) if args.quick else (128, 64, 256), results, args.quick)
     if args.only in (None, "fp8"):
-        fp8_sweep(results, args.quick, results[0]["tbs"])
+        supported, why = fk.fp8_supported(torch.device("cuda"))
+        if supported:
+            fp8_sweep(results, args.quick, results[0]["tbs"])
+        else:
+            print(f"fp8 sweep skipped: {why}")
     if args.json:
         write_json_atomic(args.json, {"device": torch.cuda.get_device_name(), "results": results})
         print(f"Wrote {args.json}")

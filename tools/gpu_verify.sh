@@ -55,15 +55,22 @@ for what in $WHAT; do
       python3 tools/max_seq_len.py --random-init --json "$OUTDIR/maxseq_baseline.json" 2>&1 | tee "$OUTDIR/maxseq_baseline.log" | tail -5
       python3 tools/max_seq_len.py --random-init --all-kernels --json "$OUTDIR/maxseq_optimized.json" 2>&1 | tee "$OUTDIR/maxseq_optimized.log" | tail -5 ;;
     graphs)
-      # Step 20's workload: Qwen2.5-1.5B architecture, LoRA, 4 x 512 packed rows of the bundled data.
+      # Step 20's workload: Qwen2.5-1.5B architecture, LoRA, 4 x 512 packed rows of the bundled data:
+      # the default (fused LoRA, CUDA graphs), PEFT's LoRA, eager; the profile's verdicts; then 8B LoRA, whose
+      # default keeps the eager step when a replay is slower.
       common="--model Qwen/Qwen2.5-1.5B --random-init --lora --lr 2e-4 --batch-size 4 --seq-len 512"
-      for mode in cuda-graphs no-cuda-graphs; do
-        python3 finetune_optimized.py $common --steps 30 --log-every 10 --$mode \
-          --json "$OUTDIR/lora1.5b_$mode.json" 2>&1 | tee "$OUTDIR/lora1.5b_$mode.log" | tail -9
-        python3 profile_baseline.py $common --packing --steps 3 --trace-dir "$OUTDIR/traces" --$mode \
-          --use-custom-rmsnorm --use-custom-swiglu --use-custom-rope --use-custom-flce --use-custom-adamw 2>&1 \
-          | tee "$OUTDIR/profile_lora1.5b_$mode.log" | tail -22
+      for extra in "" "--no-use-custom-lora" "--no-cuda-graphs"; do
+        tag=${extra:-default}; tag=${tag#--}
+        python3 finetune_optimized.py $common --steps 30 --log-every 10 $extra \
+          --json "$OUTDIR/lora1.5b_$tag.json" 2>&1 | tee "$OUTDIR/lora1.5b_$tag.log" | tail -9
       done
+      for mode in cuda-graphs no-cuda-graphs; do
+        python3 profile_baseline.py $common --packing --steps 3 --trace-dir "$OUTDIR/traces" --$mode \
+          --use-custom-rmsnorm --use-custom-swiglu --use-custom-rope --use-custom-flce --use-custom-adamw \
+          --use-custom-attention --use-custom-lora 2>&1 | tee "$OUTDIR/profile_lora1.5b_$mode.log" | tail -22
+      done
+      python3 finetune_optimized.py --random-init --lora --dataset synthetic --batch-size 4 --seq-len 2048 --steps 16 \
+        --log-every 4 --json "$OUTDIR/lora8b_synth_4x2048.json" 2>&1 | tee "$OUTDIR/lora8b_synth_4x2048.log" | tail -8
       # Padded (the baseline's batches): no 3 s steps now that cuDNN's attention is off for them.
       python3 finetune_optimized.py $common --no-packing --steps 25 --log-every 1 \
         --json "$OUTDIR/padded_optimized.json" 2>&1 | tee "$OUTDIR/padded_optimized.log" | tail -7
@@ -118,6 +125,16 @@ for what in $WHAT; do
         python3 finetune_baseline.py $common --torchao-fp8 $recipe --cuda-graphs --use-custom-rmsnorm \
           --use-custom-swiglu --use-custom-rope --use-custom-flce --use-custom-adamw \
           --json "$OUTDIR/ft8b_torchao_$recipe.json" 2>&1 | tee "$OUTDIR/ft8b_torchao_$recipe.log" | tail -8
+      done
+      # The same with --compile: torchao's casts are PyTorch ops that Inductor fuses.
+      kernels="--use-custom-rmsnorm --use-custom-swiglu --use-custom-rope --use-custom-flce --use-custom-adamw"
+      python3 finetune_optimized.py $common --compile --json "$OUTDIR/ft8b_compile_bf16.json" 2>&1 \
+        | tee "$OUTDIR/ft8b_compile_bf16.log" | tail -8
+      for recipe in tensorwise rowwise; do
+        python3 finetune_optimized.py $common --compile --fp8 $recipe --json "$OUTDIR/ft8b_compile_ours_$recipe.json" \
+          2>&1 | tee "$OUTDIR/ft8b_compile_ours_$recipe.log" | tail -8
+        python3 finetune_baseline.py $common --compile $kernels --torchao-fp8 $recipe \
+          --json "$OUTDIR/ft8b_compile_torchao_$recipe.json" 2>&1 | tee "$OUTDIR/ft8b_compile_torchao_$recipe.log" | tail -8
       done ;;
     inbackward)
       # Step 20: 8B full fine-tuning 2 x 2,048, the plain loop without clipping against --optimizer-in-backward.
@@ -127,7 +144,10 @@ for what in $WHAT; do
           | tee "$OUTDIR/ft8b_noclip${extra:+_inbackward}.log" | tail -8
       done ;;
     fsdp)
-      # Step 19 on 2 GPUs: 8B full 2 x 2,048 per GPU; prefetch 0 / 1 and the gradient reduction in float32 / bf16.
+      # Step 19 on 2 GPUs: 8B full 2 x 2,048 per GPU; prefetch 0 / 1 and the gradient reduction in float32 / bf16,
+      # and one GPU alone (the per-GPU ratio).
+      CUDA_VISIBLE_DEVICES=0 python3 finetune_optimized.py --random-init --dataset synthetic --batch-size 2 \
+        --seq-len 2048 --steps 12 --log-every 4 --json "$OUTDIR/single.json" 2>&1 | tee "$OUTDIR/single.log" | tail -8
       for extra in "" "--fsdp-prefetch 1" "--fsdp-reduce-dtype bfloat16"; do
         tag=${extra:-default}; tag=${tag//--/}; tag=${tag// /_}
         torchrun --standalone --nproc-per-node 2 finetune_optimized.py --fsdp --random-init --dataset synthetic \

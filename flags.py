@@ -449,7 +449,7 @@ def add_fsdp_arg(group):
     group.add_argument(
         "--fsdp-prefetch", type=non_negative_int, default=0,
         help="--fsdp: gather the weights of this many next layers while one computes, forward and backward "
-             "(default: %(default)s, FSDP's own order; its gain is not measured yet)",
+             "(default: %(default)s, FSDP's own order; 1 measured no faster on 2 x H200 at 8B)",
     )
     group.add_argument(
         "--fsdp-reduce-dtype", choices=("float32", "bfloat16"), default="float32",

@@ -432,8 +432,8 @@ def add_cuda_graphs_arg(group, default):
         default=default,
         help="capture the whole step (forward, loss, backward, clipping, optimizer) in a CUDA graph after two "
              "eager steps and replay it: the GPU no longer waits for Python to queue kernels. Needs batches of "
-             "one shape (packing, or synthetic data); otherwise the run says why and stays eager "
-             "(GPU only; default: %(default)s)",
+             "one shape (packing, or synthetic data); otherwise the run says why and stays eager, as it does "
+             "when the first replay is more than 5%% slower than an eager step (GPU only; default: %(default)s)",
     )
 
 

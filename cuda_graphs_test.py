@@ -229,13 +229,17 @@ def test_graphed_step_logic_matches_eager(monkeypatch):
     assert len(notes) == 1 and "another shape" in notes[0]
 
 
-def test_failed_capture_trains_eagerly_with_a_note(monkeypatch):
-    batches = [b for i, b in enumerate(_batches(6)) if i != 5]
+def _eager_losses(monkeypatch, batches):
+    """The losses of the toy run with every step eager: what a graphed run must match."""
     model, optimizer, scheduler = _toy()
     reference = _graphed(monkeypatch, model, optimizer, scheduler)
-    reference.disabled = "off"  # all eager
-    expected = _train(reference, batches)
+    reference.disabled = "off"
+    return _train(reference, batches)
 
+
+def test_failed_capture_trains_eagerly_with_a_note(monkeypatch):
+    batches = [b for i, b in enumerate(_batches(6)) if i != 5]
+    expected = _eager_losses(monkeypatch, batches)
     model, optimizer, scheduler = _toy()
     notes = []
     step = _graphed(monkeypatch, model, optimizer, scheduler, fail=True, notes=notes)
@@ -249,11 +253,7 @@ def test_a_replay_slower_than_eager_keeps_the_run_eager(monkeypatch, replay_ms, 
     """The first replay is timed against the last eager step: up to 5% slower it stays,
     beyond that the rest of the run is eager (one note), with the same losses."""
     batches = [b for i, b in enumerate(_batches(7)) if i != 5]
-    model, optimizer, scheduler = _toy()
-    reference = _graphed(monkeypatch, model, optimizer, scheduler)
-    reference.disabled = "off"  # all eager
-    expected = _train(reference, batches)
-
+    expected = _eager_losses(monkeypatch, batches)
     model, optimizer, scheduler = _toy()
     notes = []
     step = _graphed(monkeypatch, model, optimizer, scheduler, notes=notes, times=(100.0, replay_ms))

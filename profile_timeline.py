@@ -106,35 +106,19 @@ def runtime_calls(trace):
     return calls
 
 
-def _merged(intervals):
-    """Sorted (start, end) intervals, overlapping ones merged."""
-    out = []
-    for start, end in sorted(intervals):
-        if out and start <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], end)
-        else:
-            out.append([start, end])
-    return out
-
-
 def nccl_us(events):
     """(NCCL kernel time, the part of it exposed) in us: exposed where no other kernel
     runs beside it. Communication that overlaps compute costs the step nothing; only
-    the exposed part waits (FSDP's prefetch exists to shrink it)."""
-    is_nccl = [("nccl" in e["name"].lower()) for e in events]
-    comm = _merged((e["ts"], e["ts"] + e["dur"]) for e, n in zip(events, is_nccl) if n)
-    compute = _merged((e["ts"], e["ts"] + e["dur"]) for e, n in zip(events, is_nccl)
-                      if not n and e.get("cat") == "kernel")
-    total = sum(end - start for start, end in comm)
-    hidden, j = 0.0, 0
-    for start, end in comm:
-        while j < len(compute) and compute[j][1] <= start:
-            j += 1
-        k = j
-        while k < len(compute) and compute[k][0] < end:
-            hidden += min(end, compute[k][1]) - max(start, compute[k][0])
-            k += 1
-    return total, total - hidden
+    the exposed part waits (FSDP's prefetch exists to shrink it). With ``events`` in
+    start order: exposed = busy(NCCL and compute) - busy(compute), unions as idle_gaps
+    counts them."""
+    comm, compute, both = [], [], []
+    for e in events:
+        nccl = "nccl" in e["name"].lower()
+        if nccl or e.get("cat") == "kernel":
+            (comm if nccl else compute).append(e)
+            both.append(e)
+    return idle_gaps(comm)[0], idle_gaps(both)[0] - idle_gaps(compute)[0]
 
 
 # --------------------------------------------------------------------------------

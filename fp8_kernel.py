@@ -100,7 +100,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (  # noqa: F401 - fp8_supported: part of this file's API, used by the tests
     IN_INTERPRETER, INTERPRET, SUPPORTED_DTYPES, cast_to, cdiv, check_kernel_device, fast_launch, first_order_only,
-    fp8_supported, kernel_op, linears_to_cast, nothing, swap_modules,
+    fp8_supported, kernel_op, linears_to_cast, nothing, num_sms, swap_modules,
 )
 
 import triton
@@ -304,20 +304,11 @@ AMAX_TILES = (16, 32, 1, 4) if INTERPRET else (64, 128, 4, 8)
 
 
 def _amax_steps(m_tiles, k_tiles, device):
-    target = AMAX_TILES[3] * (1 if INTERPRET else _sm_count(device))
+    target = AMAX_TILES[3] * (1 if INTERPRET else num_sms(device))
     steps = 1
     while steps < 16 and cdiv(m_tiles, 2 * steps) * k_tiles >= target:
         steps *= 2
     return steps
-
-
-_SM_COUNT = {}
-
-
-def _sm_count(device):
-    if device not in _SM_COUNT:
-        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[device]
 
 
 def quantize(x, recipe, transpose=False, align=1):

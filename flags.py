@@ -320,11 +320,16 @@ def add_model_args(parser, custom_kernels_default=False, packing_default=False):
                    help="with --lora: each adapter's scale and sum inside the base layer's matrix products (cuBLAS "
                         f"epilogues) instead of PEFT's separate passes (default: {custom_kernels_default})")
     if custom_kernels_default:  # finetune_optimized.py
-        k.add_argument("--fp8", choices=FP8_RECIPES,
-                       help="the decoder's linear layers multiply in FP8 with dynamic scales (fp8_kernel.py): one "
-                            "scale per tensor or per row; the LM head and LoRA adapters stay as they are (default: "
-                            "off; needs a GPU with FP8 tensor cores)")
+        add_fp8_arg(k)
     return parser
+
+
+def add_fp8_arg(parser):
+    """--fp8 {tensorwise,rowwise}: the fine-tune script's and the profiler's."""
+    parser.add_argument("--fp8", choices=FP8_RECIPES,
+                        help="the decoder's linear layers multiply in FP8 with dynamic scales (fp8_kernel.py): one "
+                             "scale per tensor or per row; the LM head and LoRA adapters stay as they are (default: "
+                             "off; needs a GPU with FP8 tensor cores)")
 
 
 # The kernels a run can switch on, in the order they are applied and reported,

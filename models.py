@@ -208,6 +208,26 @@ def avoid_per_shape_attention_plans(args, data):
     print("Attention:     PyTorch's cuDNN attention off (padded batches: it would plan anew for every length)")
 
 
+def sliding_layers(config):
+    """(window, [whether layer i attends through it]): a sliding window of ``window``
+    keys (0: none) in the layers that slide; without ``layer_types`` every layer does."""
+    window = getattr(config, "sliding_window", None) or 0
+    if not window:
+        return 0, [False] * config.num_hidden_layers
+    types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    return window, [t == "sliding_attention" for t in types]
+
+
+def plain_causal_attention(config, seq_len):
+    """Whether every layer of this model attends causally to all earlier tokens of a
+    row of ``seq_len`` tokens: no window shorter than the row, no chunked attention,
+    a decoder (``is_causal``). Then SDPA's is_causal flag is every layer's mask."""
+    window, sliding = sliding_layers(config)
+    if window and seq_len > window and any(sliding):
+        return False
+    return not getattr(config, "attention_chunk_size", None) and getattr(config, "is_causal", True)
+
+
 def dense_mask_window(args, data, config):
     """The sliding window that packed rows' dense [B, 1, T, T] mask must carry, or 0.
 
@@ -218,12 +238,10 @@ def dense_mask_window(args, data, config):
     packing with it is refused in one line when layers differ (Gemma-2 and -3 alternate
     sliding and full attention): no single mask is right for both. The attention
     kernel (--use-custom-attention) takes each layer's own window and needs none."""
-    window = getattr(config, "sliding_window", None) or 0
+    window, sliding = sliding_layers(config)
     if data is None or not getattr(args, "packing", False) or flags.document_attention(args) \
             or not window or args.seq_len <= window:
         return 0
-    types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
-    sliding = [t == "sliding_attention" for t in types]
     if not any(sliding):
         return 0
     if all(sliding):

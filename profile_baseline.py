@@ -89,9 +89,10 @@ CATEGORIES = [
     ("attention", ("attention", "flash", "fmha", "sdpa", "scaled_dot_product", "_attn_")),  # _attn_: ours
     ("SwiGLU (silu * up)", ("swiglu", "aten::silu", "silubackward")),
     ("RoPE", ("_rope_", "ropefunction", "::rope_")),
+    ("FP8 casts", ("_amax_kernel", "_cast_kernel")),  # --fp8: fp8_kernel's scale and cast passes
     ("cross-entropy/softmax", ("cross_entropy", "crossentropy", "_ce_", "softmax", "nll_loss", "nllloss")),
     ("matrix multiply", ("aten::mm", "aten::bmm", "aten::addmm", "aten::matmul", "aten::linear", "mmbackward",
-                         "gemm", "cutlass", "nvjet", "cublas")),
+                         "gemm", "cutlass", "nvjet", "cublas", "scaled_mm")),
     ("optimizer", ("adam", "optimizer", "_foreach_")),
     # --fsdp: gathering the weights, reducing the gradients (NCCL kernels on a GPU,
     # gloo's c10d ops on a CPU), and FSDP's copies into and out of their buffers.
@@ -125,6 +126,7 @@ def parse_args(argv=None):
                         "(default: %(default)s)")
     flags.add_fsdp_arg(g)
     flags.add_cuda_graphs_arg(g, default=False)
+    flags.add_fp8_arg(g)
     flags.add_lora_args(parser)
     return parser.parse_args(argv)
 
@@ -549,8 +551,9 @@ def main(argv=None):
     # Checked now, in one line, not after the model is built and profiled.
     args.trace_dir = flags.check_output_path(args.trace_dir, "--trace-dir", directory=True,
                                              inputs=flags.input_paths(args))
-    fsdp.check_fsdp_flags(args)
     models.check_lora_flags(args)
+    flags.check_fp8_flags(args)  # before --fsdp's check of its environment, as the fine-tune scripts do
+    fsdp.check_fsdp_flags(args)
     # --fsdp: every process trains (the collectives need them all); rank 0 alone
     # profiles its GPU, prints and writes (init_distributed silences the others).
     world = fsdp.init_distributed(args)

@@ -125,6 +125,14 @@ def test_out_of_memory(monkeypatch, tmp_path):
 # --------------------------------------------------------------------------------
 # Outputs: checked first; a new profile replaces the old one only when complete
 # --------------------------------------------------------------------------------
+def test_fp8_refused_before_the_model_where_there_are_no_fp8_tensor_cores(monkeypatch, tmp_path):
+    monkeypatch.setattr(pb.models, "load_model", lambda *a: pytest.fail("built a model before the check"))
+    monkeypatch.setattr(pb.flags.kernel_common, "fp8_supported", lambda device: (False, "no FP8 tensor cores here"))
+    with pytest.raises(SystemExit) as e:
+        pb.main(TINY + ["--fp8", "tensorwise", "--trace-dir", str(tmp_path)])
+    assert str(e.value.code) == "error: --fp8: no FP8 tensor cores here"
+
+
 def test_bad_trace_dir_fails_before_profiling(tmp_path, monkeypatch):
     monkeypatch.setattr(pb.models, "load_model", lambda *a: pytest.fail("built a model before the check"))
     not_a_dir = tmp_path / "file"
@@ -180,6 +188,7 @@ def test_profile_names():
     assert name("--use-custom-ce") == "custom-ce"
     assert name("--use-custom-rmsnorm", "--use-custom-ce") == "custom-rmsnorm-ce"
     assert name("--no-pin-memory") == "baseline-pageable"
+    assert name("--use-custom-rmsnorm", "--fp8", "rowwise") == "custom-rmsnorm-fp8"
     assert name("--use-custom-rmsnorm", "--compile", "--no-pin-memory") == "custom-rmsnorm-compiled-pageable"
 
 
@@ -207,6 +216,9 @@ def test_profile_names():
         ("aten::silu_backward", "SwiGLU (silu * up)"),
         ("_swiglu_bwd_kernel", "SwiGLU (silu * up)"),
         ("_rope_fwd_kernel", "RoPE"),
+        ("_amax_kernel", "FP8 casts"),
+        ("_cast_kernel", "FP8 casts"),
+        ("aten::_scaled_mm", "matrix multiply"),
         ("TritonRoPEFunctionBackward", "RoPE"),
         ("aten::embedding_dense_backward", "other"),
     ],

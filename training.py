@@ -173,6 +173,8 @@ def use_cuda_graphs(args, model, data):
         return False
     print(f"CUDA graphs:   on: the step is captured after {cuda_graphs.EAGER_STEPS} eager steps, then replayed "
           f"(--no-cuda-graphs: eager)")
+    if data is None:  # synthetic rows: no padding, no packing; the eager step's causal attention, also in the graph
+        cuda_graphs.keep_sdpa_causal(model, args.seq_len)
     return True
 
 

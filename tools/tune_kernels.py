@@ -102,12 +102,22 @@ def ce_sweep(rows_list, results, quick):
 # one with the lowest summed time over the rows.
 ATTENTION_CANDIDATES = {
     "fwd": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2),
-            (128, 32, 4, 3), (64, 32, 4, 4)],
+            (128, 128, 8, 3), (128, 32, 4, 3), (64, 32, 4, 4)],
     "dkdv": [(64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3), (32, 128, 4, 3), (32, 128, 8, 3),
-             (64, 128, 8, 2), (16, 64, 4, 4)],
+             (64, 128, 8, 2), (64, 128, 8, 3),
+             (32, 128, 4, 4), (32, 128, 4, 5), (16, 64, 4, 4)],
     "dq": [(64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2),
-           (64, 32, 4, 4)],
+           (128, 32, 4, 4), (128, 64, 8, 3), (64, 32, 4, 4)],
 }
+
+
+def attention_outputs(kernel, inp, d):
+    """What one attention kernel computes on a benchmark row: the output, or dQ, dK, dV."""
+    q, k, v, starts = (t.detach() if torch.is_tensor(t) else t for t in inp["args"])
+    out, lse = ak.attention_forward(q, k, v, starts, d ** -0.5, 0)
+    if kernel == "fwd":
+        return (out,)
+    return ak.attention_backward(inp["upstream"][0], q, k, v, out, lse, starts, d ** -0.5, 0)
 
 
 def attention_sweep(head_dims, results, quick):
@@ -122,12 +132,18 @@ def attention_sweep(head_dims, results, quick):
         inputs = [attention_inputs({**s, "head_dim": d}) for s in rows]
         for kernel, candidates in ATTENTION_CANDIDATES.items():
             totals = {}
+            expected = [attention_outputs(kernel, inp, d) for inp in inputs]  # at the tested tiles
             # Other head dims: the current tiles and the first three candidates, each once.
             for tiles in candidates if d == 128 else dict.fromkeys([orig[kernel, dp], *candidates[:3]]):
                 ak.TILES[kernel, dp] = tiles
                 times = []
                 try:
-                    for s, inp in zip(rows, inputs):
+                    for s, inp, want in zip(rows, inputs, expected):
+                        # A tile shape the tests never ran must still compute the same thing.
+                        got = attention_outputs(kernel, inp, d)
+                        err = max(((g.float() - w.float()).norm() / w.float().norm()).item() for g, w in zip(got, want))
+                        if err > 1e-2:
+                            raise RuntimeError(f"wrong result at these tiles: relative error {err:.2e}")
                         q, k, v, starts = inp["args"]
                         q, k, v = q.detach(), k.detach(), v.detach()
                         if kernel == "fwd":

@@ -58,9 +58,8 @@ arithmetic, kernel by kernel, in the same order: the losses are the eager run's.
 Graphs remove the host's time from the step; where the GPU bounds the step there is
 none to remove, and a replay may be no faster than the eager step. So the second
 replay is timed against the last eager warm-up step, on the GPU's clock (the first
-replay also carries one-time costs: at 8B it measured 30 ms over the eager step on an
-H200, README Step 20); a replay more than 5% slower keeps the rest of the run eager,
-with a note.
+also uploads the graph to the GPU, which CUDA does at a graph's first launch: a cost
+paid once); a replay more than 5% slower keeps the rest of the run eager, with a note.
 
 Nothing runs on import.
 """
@@ -79,7 +78,7 @@ EAGER_STEPS = 2  # steps run eagerly before the capture: compilation, autotuning
 # GraphedStep._keep_faster): graphs remove the host's time, and where the GPU bounds the
 # step there is none to remove.
 SLOWER = 0.05
-TIMED_REPLAY = 1  # which replay is timed: the second (the first carries one-time costs)
+TIMED_REPLAY = 1  # which replay is timed: the second (the first also uploads the graph)
 
 
 def reason_to_stay_eager(args, model, data):

@@ -48,8 +48,8 @@ registers anyway): the cast then reads x once, 3 B per element.
 Measured (benchmark_fp8.py on an H200, torch 2.11, triton 3.6; results/fp8/bench_fp8_h200.txt),
 x 8192 x 4096 and W 4096 x 4096 in bf16: the bf16 GEMM takes 352 us (781 TFLOP/s),
 torch._scaled_mm 219-226 us (1215-1255 TFLOP/s); quantize(x) 46-52 us in a CUDA graph,
-69-71 us with the transposed copy (67-86% of copy bandwidth; 78-90% at 14,336 wide).
-Four LLaMA-8B MLPs, forward and backward: 1.50x bf16 in both recipes, not 2x: the casts
+64-71 us with the transposed copy (67-75% of copy bandwidth; 78-88% at 14,336 wide).
+Four LLaMA-8B MLPs, forward and backward: 1.46-1.53x bf16, not 2x: the casts
 around each GEMM take their share, which is why fusing the amax into the producer is the
 next step.
 

@@ -457,6 +457,12 @@ def add_fsdp_arg(group):
              "(default: %(default)s, FSDP's own order; 1 measured no faster on 2 x H200 at 8B)",
     )
     group.add_argument(
+        "--fsdp-keep-gathered", action="store_true",
+        help="--fsdp: keep each layer's gathered weights from its forward to its backward instead of gathering "
+             "them again (one all-gather per layer and step fewer; every process holds the bf16 weights of the "
+             "layers between forward and backward)",
+    )
+    group.add_argument(
         "--fsdp-reduce-dtype", choices=("float32", "bfloat16"), default="float32",
         help="--fsdp on a GPU: the dtype the gradients are averaged over the processes in (bfloat16 moves half "
              "the bytes; default: %(default)s)",
@@ -522,7 +528,8 @@ def note_idle_flags(args):
         note(f"{', '.join('--' + k.replace('_', '-') for k in changed)} without --lora: no adapters, nothing changes")
     if getattr(args, "compile_mode", "default") != "default" and not getattr(args, "compile", False):
         note(f"--compile-mode {args.compile_mode} without --compile changes nothing")
-    fsdp_changed = [f"--{k.replace('_', '-')}" for k, v in (("fsdp_prefetch", 0), ("fsdp_reduce_dtype", "float32"))
+    fsdp_changed = [f"--{k.replace('_', '-')}" for k, v in (("fsdp_prefetch", 0), ("fsdp_keep_gathered", False),
+                                                            ("fsdp_reduce_dtype", "float32"))
                     if getattr(args, k, v) != v]
     if fsdp_changed and not getattr(args, "fsdp", False):
         note(f"{', '.join(fsdp_changed)} without --fsdp changes nothing")

@@ -111,16 +111,20 @@ def test_two_ranks_match_one_process_every_kernel_and_resume(full, tmp_path):
         finetune_optimized.main([*args, "--resume", str(ckpt / "checkpoint-2"), "--output-dir", str(tmp_path / "x")])
 
 
-def test_prefetch_changes_no_loss(full, tmp_path, capsys):
-    """--fsdp-prefetch 2 (two layers gathered ahead; the tiny model has two) trains the
-    same steps; the flags say so when --fsdp is missing."""
+def test_prefetch_and_kept_weights_change_no_loss(full, tmp_path, capsys):
+    """--fsdp-prefetch 2 (two layers gathered ahead; the tiny model has two) with
+    --fsdp-keep-gathered (no second all-gather in backward) trains the same steps; the
+    flags say so when --fsdp is missing."""
     _, one, _ = full
-    ahead = run("finetune_optimized.py", [*TINY, "--steps", "3", "--batch-size", "1", "--fsdp-prefetch", "2"], 2,
-                tmp_path, "ahead")
+    ahead = run("finetune_optimized.py", [*TINY, "--steps", "3", "--batch-size", "1", "--fsdp-prefetch", "2",
+                                          "--fsdp-keep-gathered"], 2, tmp_path, "ahead")
     close(ahead["losses"], one["losses"])
     assert ahead["config"]["fsdp_prefetch"] == 2 and ahead["config"]["fsdp_reduce_dtype"] == "float32"
-    flags.resolve_defaults(finetune_optimized.parse_args(["--fsdp-reduce-dtype", "bfloat16", "--fsdp-prefetch", "1"]))
-    assert "--fsdp-prefetch, --fsdp-reduce-dtype without --fsdp changes nothing" in capsys.readouterr().out
+    assert ahead["config"]["fsdp_keep_gathered"] is True
+    flags.resolve_defaults(finetune_optimized.parse_args(["--fsdp-reduce-dtype", "bfloat16", "--fsdp-prefetch", "1",
+                                                          "--fsdp-keep-gathered"]))
+    assert ("--fsdp-prefetch, --fsdp-keep-gathered, --fsdp-reduce-dtype without --fsdp changes nothing"
+            in capsys.readouterr().out)
 
 
 def saved_names(checkpoint):

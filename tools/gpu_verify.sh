@@ -144,11 +144,13 @@ for what in $WHAT; do
           | tee "$OUTDIR/ft8b_noclip${extra:+_inbackward}.log" | tail -8
       done ;;
     fsdp)
-      # Step 19 on 2 GPUs: 8B full 2 x 2,048 per GPU; prefetch 0 / 1 and the gradient reduction in float32 / bf16,
+      # Step 19 on 2 GPUs: 8B full 2 x 2,048 per GPU; prefetch 0 / 1, the gradient reduction in float32 / bf16,
+      # the weights kept gathered from forward to backward,
       # and one GPU alone (the per-GPU ratio).
       CUDA_VISIBLE_DEVICES=0 python3 finetune_optimized.py --random-init --dataset synthetic --batch-size 2 \
         --seq-len 2048 --steps 12 --log-every 4 --json "$OUTDIR/single.json" 2>&1 | tee "$OUTDIR/single.log" | tail -8
-      for extra in "" "--fsdp-prefetch 1" "--fsdp-reduce-dtype bfloat16"; do
+      for extra in "" "--fsdp-prefetch 1" "--fsdp-reduce-dtype bfloat16" "--fsdp-keep-gathered" \
+                   "--fsdp-keep-gathered --fsdp-reduce-dtype bfloat16"; do
         tag=${extra:-default}; tag=${tag//--/}; tag=${tag// /_}
         torchrun --standalone --nproc-per-node 2 finetune_optimized.py --fsdp --random-init --dataset synthetic \
           --batch-size 2 --seq-len 2048 --steps 12 --log-every 4 $extra --json "$OUTDIR/fsdp_$tag.json" 2>&1 \

@@ -18,6 +18,7 @@ Usage: python benchmark_kernels.py [--kernel rmsnorm cross_entropy swiglu rope f
 """
 
 import argparse
+import contextlib
 import gc
 import importlib.util
 import time
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # The kernel modules (and benchmark_peers) come before triton: without a GPU, kernel_common (which
 # they import first) switches on Triton's interpreter, and that must precede `import triton`.
@@ -50,6 +52,7 @@ DTYPE = torch.bfloat16
 BYTES = torch.finfo(DTYPE).bits // 8  # 2: every tensor the formulas count is bf16
 EPS = 1e-6
 NA_CPU = "n/a (CPU)"
+NA_MASK = "n/a (mask)"  # a provider that runs without a mask only (one document per row)
 BENCH_MS = {"full": (25, 100), "quick": (10, 40)}  # do_bench (warm-up, repetitions) in ms
 # "graph" replays the fwd+bwd from a CUDA graph: every kernel launched from the GPU's side, with no
 # Python, dispatcher or launch overhead. Eager minus graph is what the host costs per call, the part
@@ -341,17 +344,22 @@ def visible_pairs(s):
     return s["batch"] * sum(n * (n + 1) // 2 for n in document_lengths(s))
 
 
-def sdpa_documents():
-    """PyTorch SDPA: is_causal for one document per row (its flash kernel), else the dense
-    [B, 1, T, T] block mask (its memory-efficient kernel), built once per batch."""
+def sdpa_documents(backend=None):
+    """PyTorch SDPA: is_causal for one document per row, else the dense [B, 1, T, T] block
+    mask (its memory-efficient kernel), built once per batch. ``backend``: that one
+    backend only (torch.nn.attention.SDPBackend), for one document per row: without it,
+    PyTorch chooses, and on Hopper it prefers cuDNN's kernel to flash."""
     masks = {}  # id(doc_start) -> the mask, or None for one document per row (decided once, no sync after)
 
     def op(q, k, v, doc_start):
         if id(doc_start) not in masks:
             one = bool((doc_start == 0).all())
+            if backend is not None and not (ON_GPU and one):
+                raise NotApplicable(NA_CPU if not ON_GPU else NA_MASK)
             masks[id(doc_start)] = None if one else visible_keys(doc_start)[:, None]
         mask = masks[id(doc_start)]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+        with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         return out.transpose(1, 2)
     return op
 
@@ -365,6 +373,11 @@ def attention_truth(q, k, v, doc_start):
     return torch.cat(heads, dim=1).transpose(1, 2)
 
 
+# SDPA held to one backend, for rows of one document (a mask rules both out): flash
+# (FlashAttention-2's kernels) and cuDNN's, which PyTorch's own choice picks on Hopper.
+SDPA_PINNED = {"PyTorch SDPA, flash only": SDPBackend.FLASH_ATTENTION,
+               "PyTorch SDPA, cuDNN only": SDPBackend.CUDNN_ATTENTION}
+
 ATTENTION = Spec(
     name="attention", title="Attention in packed rows",
     describe=lambda s: f"{s['heads']} query + {s['kv_heads']} key/value heads of {s['head_dim']}, bfloat16",
@@ -377,6 +390,7 @@ ATTENTION = Spec(
     providers={
         "ours (Triton)": lambda: lambda q, k, v, doc_start: packed_attention(q, k, v, doc_start),
         "PyTorch SDPA": sdpa_documents,
+        **{name: (lambda b=backend: sdpa_documents(b)) for name, backend in SDPA_PINNED.items()},
         "FlexAttention (compiled)": flex_document_attention,
     },
     truth=attention_truth,
@@ -400,10 +414,17 @@ def free_memory():
         torch.cuda.empty_cache()
 
 
+class NotApplicable(Exception):
+    """A provider that does not apply to this row (its message is the row's status)."""
+
+
 def guarded(stage, messages):
-    """("ok", stage()), or ("OOM" / "ERR", None): a failing peer never stops the run."""
+    """("ok", stage()), ("n/a ...", None) for a provider that does not apply, or
+    ("OOM" / "ERR", None): a failing peer never stops the run."""
     try:
         return "ok", stage()
+    except NotApplicable as exc:
+        return str(exc), None
     except Exception as exc:  # noqa: BLE001 - OOM or anything else: a row, not a crash
         oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
         if not oom:

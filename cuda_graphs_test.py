@@ -38,6 +38,7 @@ import models
 import profile_timeline
 import training
 import adamw_kernel
+import fp8_kernel
 from adamw_kernel import TritonAdamW, adamw_step, step_scalars
 from conftest import DEVICE, need_gpu
 
@@ -506,6 +507,10 @@ def test_step_flops_counts_products():
     context = (1 + 2 + 3 + 4) * 2 + sum(range(1, 9))
     expected = 6 * weights * 16 + 12 * layers * h * context
     assert profile_timeline.step_flops(model, [batch]) == expected
+    # The same model with FP8 linear layers (not nn.Linear subclasses): the same FLOPs.
+    fp8 = models.build_random(config, torch.device("cpu"), torch.float32)
+    assert fp8_kernel.replace_linears(fp8, "tensorwise", emulate=True)[0] == layers * 7
+    assert profile_timeline.step_flops(fp8, [batch]) == expected
     for p in model.parameters():
         p.requires_grad_(False)  # frozen (LoRA's base): no weight gradients
     assert profile_timeline.step_flops(model, [batch]) == 4 * weights * 16 + 12 * layers * h * context

@@ -127,8 +127,11 @@ def nccl_us(events):
 def step_flops(model, micro_batches):
     """The matrix FLOPs of one training step (forward and backward) of ``model``.
 
-    Every nn.Linear (the projections, LoRA's adapters, the LM head), per token that
-    is not padding, with a weight of ``n_in x n_out``:
+    Every linear layer (the projections, LoRA's adapters, the LM head; nn.Linear, or
+    a module standing in for one with ``in_features``, ``out_features`` and a
+    ``weight``, as fp8_kernel.FP8Linear does: the model's FLOPs do not depend on the
+    precision they run in), per token that is not padding, with a weight of
+    ``n_in x n_out``:
 
     * forward ``2 n_in n_out`` (a multiply and an add per weight);
     * backward, the input's gradient, ``2 n_in n_out``;
@@ -143,9 +146,13 @@ def step_flops(model, micro_batches):
     """
     linear = 0
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
+        weight = getattr(module, "weight", None)
+        if isinstance(module, torch.nn.Linear) or (
+                isinstance(weight, torch.nn.Parameter) and weight.dim() == 2
+                and isinstance(getattr(module, "in_features", None), int)
+                and isinstance(getattr(module, "out_features", None), int)):
             per_token = 2 * module.in_features * module.out_features
-            linear += per_token * (3 if module.weight.requires_grad else 2)
+            linear += per_token * (3 if weight.requires_grad else 2)
     config = model.config
     layers = config.num_hidden_layers
     heads = config.num_attention_heads

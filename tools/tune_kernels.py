@@ -111,13 +111,14 @@ ATTENTION_CANDIDATES = {
 }
 
 
-def attention_outputs(kernel, inp, d):
-    """What one attention kernel computes on a benchmark row: the output, or dQ, dK, dV."""
+def attention_call(kernel, inp, d):
+    """One attention kernel on a benchmark row, as a call to check and to time: the
+    forward (returning (out,)), or the backward after one forward (dQ, dK, dV)."""
     q, k, v, starts = (t.detach() if torch.is_tensor(t) else t for t in inp["args"])
-    out, lse = ak.attention_forward(q, k, v, starts, d ** -0.5, 0)
     if kernel == "fwd":
-        return (out,)
-    return ak.attention_backward(inp["upstream"][0], q, k, v, out, lse, starts, d ** -0.5, 0)
+        return lambda: ak.attention_forward(q, k, v, starts, d ** -0.5, 0)[:1]
+    out, lse = ak.attention_forward(q, k, v, starts, d ** -0.5, 0)
+    return lambda: ak.attention_backward(inp["upstream"][0], q, k, v, out, lse, starts, d ** -0.5, 0)
 
 
 def attention_sweep(head_dims, results, quick):
@@ -132,7 +133,7 @@ def attention_sweep(head_dims, results, quick):
         inputs = [attention_inputs({**s, "head_dim": d}) for s in rows]
         for kernel, candidates in ATTENTION_CANDIDATES.items():
             totals = {}
-            expected = [attention_outputs(kernel, inp, d) for inp in inputs]  # at the tested tiles
+            expected = [attention_call(kernel, inp, d)() for inp in inputs]  # at the tested tiles
             # Other head dims: the current tiles and the first three candidates, each once.
             for tiles in candidates if d == 128 else dict.fromkeys([orig[kernel, dp], *candidates[:3]]):
                 ak.TILES[kernel, dp] = tiles
@@ -140,18 +141,12 @@ def attention_sweep(head_dims, results, quick):
                 try:
                     for s, inp, want in zip(rows, inputs, expected):
                         # A tile shape the tests never ran must still compute the same thing.
-                        got = attention_outputs(kernel, inp, d)
-                        err = max(((g.float() - w.float()).norm() / w.float().norm()).item() for g, w in zip(got, want))
+                        call = attention_call(kernel, inp, d)
+                        err = max(((g.float() - w.float()).norm() / w.float().norm()).item()
+                                  for g, w in zip(call(), want))
                         if err > 1e-2:
                             raise RuntimeError(f"wrong result at these tiles: relative error {err:.2e}")
-                        q, k, v, starts = inp["args"]
-                        q, k, v = q.detach(), k.detach(), v.detach()
-                        if kernel == "fwd":
-                            ms = bench(lambda: ak.attention_forward(q, k, v, starts, d ** -0.5, 0))
-                        else:
-                            out, lse = ak.attention_forward(q, k, v, starts, d ** -0.5, 0)
-                            dout = inp["upstream"][0]
-                            ms = bench(lambda: ak.attention_backward(dout, q, k, v, out, lse, starts, d ** -0.5, 0))
+                        ms = bench(call)
                         times.append(ms)
                         results.append(dict(kernel=f"attention_{kernel}", head_dim=d, seq=s["seq"], docs=str(s["docs"]),
                                             tiles=tiles, ms=ms))

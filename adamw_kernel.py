@@ -116,7 +116,8 @@ import math
 import torch
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
-from kernel_common import INTERPRET, SUPPORTED_DTYPES, cast_to, cdiv, check_kernel_device, fast_launch, next_power_of_2
+from kernel_common import (INTERPRET, SUPPORTED_DTYPES, cast_to, cdiv, check_kernel_device, fast_launch,
+                           next_power_of_2, num_sms)
 
 import triton
 import triton.language as tl
@@ -342,6 +343,71 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, we
 
 
 # --------------------------------------------------------------------------------
+# The gradient norm for clipping
+# --------------------------------------------------------------------------------
+# Clipping needs ||g|| over every gradient: one read of 2 B per bf16 parameter,
+# 16 GB for 8B parameters, ~3.8 ms at an H200's copy bandwidth. PyTorch's
+# ``_foreach_norm`` took 7.0 ms in the 8B step's profile: it cuts the tensors into
+# chunks of 64K elements and launches a kernel per few hundred of them (394
+# launches), each too small to keep the memory system busy. Here a tensor is one
+# launch of a few programs per SM, each walking the tensor with a stride.
+#
+# New Triton concept: a loop whose bounds are runtime values (``range(start,
+# n_elements, step)``), and ``tl.num_programs``: program i sums the blocks i,
+# i + P, i + 2P, ... of its tensor, P = the grid size. Each program writes its own
+# float32 partial sum to its slot; the slots are added up afterwards by one
+# PyTorch reduction. No atomics: float addition in a fixed order, so the norm is
+# the same at every run (an atomic_add would add in whatever order programs end).
+@fast_launch
+@triton.jit
+def _sum_squares_kernel(
+    G,  # [n] a gradient, flat and contiguous; read only
+    PARTIALS,  # [programs] float32: this program's sum of g * g
+    n_elements,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(pid.to(tl.int64) * BLOCK, n_elements, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        g = tl.load(G + offs, mask=offs < n_elements, other=0.0).to(tl.float32)
+        acc += g * g
+    tl.store(PARTIALS + pid, tl.sum(acc))
+
+
+# 4096 elements and 8 warps per block, four programs per SM per tensor: a sweep on an
+# H100 in the GPU run that measured the kernel (NOTES.md, "Gradient norm").
+NORM_BLOCK, NORM_WARPS, NORM_PROGRAMS_PER_SM = (1024, 1, 1) if INTERPRET else (4096, 8, 4)
+
+
+def gradient_norm(grads):
+    """The L2 norm of all ``grads`` (tensors on one device), as
+    ``torch.nn.utils.get_total_norm(grads)`` computes it: the norm of each tensor in
+    float32, rounded to the tensor's dtype, then the norm of those norms. A tensor.
+    The sums of squares are this file's kernel; the few ops after it are PyTorch's."""
+    if not grads:
+        return torch.tensor(0.0)
+    check_kernel_device(*grads)
+    grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+    device = grads[0].device
+    most = num_sms(device) * NORM_PROGRAMS_PER_SM
+    grid = [max(1, min(most, cdiv(g.numel(), NORM_BLOCK))) for g in grads]
+    # One row of slots per tensor; the slots a smaller grid leaves are zeros.
+    partials = torch.zeros(len(grads), max(grid), dtype=torch.float32, device=device)
+    for row, (g, programs) in enumerate(zip(grads, grid)):
+        _sum_squares_kernel[(programs,)](g, partials[row], g.numel(), BLOCK=NORM_BLOCK, num_warps=NORM_WARPS)
+    norms = partials.sum(dim=1).sqrt()
+    # get_total_norm stacks the per-tensor norms in each gradient's dtype (promoted
+    # where dtypes mix) before the outer norm: round them the same way.
+    dtypes = [g.dtype for g in grads]
+    if len(set(dtypes)) == 1:
+        norms = norms.to(dtypes[0])
+    else:
+        norms = torch.stack([n.to(dt) for n, dt in zip(norms.unbind(), dtypes)])
+    return torch.linalg.vector_norm(norms)
+
+
+# --------------------------------------------------------------------------------
 # The optimizer
 # --------------------------------------------------------------------------------
 def _check_hyperparameters(lr, betas, eps, weight_decay):
@@ -445,9 +511,12 @@ class TritonAdamW(torch.optim.Optimizer):
         if not grads:
             self._grad_scale = None
             return torch.tensor(0.0)
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
-        if hasattr(norm, "full_tensor"):  # FSDP: a DTensor of per-shard partial norms; the global norm
-            norm = norm.full_tensor()
+        if any(hasattr(g, "full_tensor") for g in grads):
+            # FSDP: DTensors; PyTorch's norm gives a DTensor of per-shard partial norms,
+            # full_tensor() adds them up across processes: the global norm.
+            norm = torch.nn.utils.get_total_norm(grads, 2.0).full_tensor()
+        else:
+            norm = gradient_norm(grads)
         # clip_grad_norm_'s coefficient, in the norm's dtype as PyTorch computes it.
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         self._grad_scale = coefficient.to(torch.float32).reshape(1)

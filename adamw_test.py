@@ -437,9 +437,9 @@ def test_clip_grad_norm_folded_into_the_step(dtype, max_norm):
         if t == 1:  # clip the first step only
             norm = opt.clip_grad_norm_(max_norm)
             norm_torch = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
-            assert norm.dtype == norm_torch.dtype and torch.equal(norm, norm_torch)
             assert all(torch.equal(p.grad, g) for p, g in zip(ours, grads)), "gradients changed before the step"
             true_norm = torch.cat([g.double().reshape(-1) for g in grads]).norm().item()
+            check_outputs(["norm"], [norm], [norm_torch], [torch.tensor(true_norm, dtype=torch.float64)], dt)
             scale = min(1.0, max_norm / (true_norm + 1e-6))
             grads = [g.double() * scale for g in grads]
         opt.step()
@@ -451,6 +451,34 @@ def test_clip_grad_norm_folded_into_the_step(dtype, max_norm):
     # m carries the scale directly (the update m / sqrt(v) is nearly scale-free).
     m_ours, m_torch = [opt.state[p]["exp_avg"] for p in ours], [opt_torch.state[q]["exp_avg"] for q in theirs]
     check_outputs(["m"], [_flat(m_ours)], [_flat(m_torch)], [_flat(truth.m)], dt)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_gradient_norm_is_get_total_norm(dtype):
+    """adamw_kernel.gradient_norm against a float64 truth, no worse than PyTorch's
+    get_total_norm and in its dtype: tensors of one element, of a masked tail, of
+    more blocks than programs (each program then walks several: 4097 elements, 1024
+    per block, 4 programs in the interpreter), empty, non-contiguous; and mixed dtypes."""
+    dt = DTYPES[dtype]
+    shapes = [(1,), (7,), (4097,), (3, 41, 5), (0,), (123, 41)]
+    grads = make_grads(shapes, dt, 7)
+    grads[-1] = grads[-1].t()  # a transposed view
+    assert not grads[-1].is_contiguous()
+    truth = torch.cat([g.double().reshape(-1) for g in grads]).norm()
+    ours, theirs = adamw_kernel.gradient_norm(grads), torch.nn.utils.get_total_norm(grads)
+    check_outputs(["norm"], [ours], [theirs], [truth], dt)
+    assert rel_err(ours, truth) < 2 * torch.finfo(dt).eps, "the norm is not the norm of these gradients"
+    # The sum of squares of one tensor counted twice, or one left out, is far off:
+    assert rel_err(adamw_kernel.gradient_norm(grads[:-1]), truth) > 1e-2
+
+
+def test_gradient_norm_of_mixed_dtypes_and_nothing():
+    grads = make_grads([(4097,)], torch.float32, 3) + make_grads([(300,)], torch.bfloat16, 4)
+    ours, theirs = adamw_kernel.gradient_norm(grads), torch.nn.utils.get_total_norm(grads)
+    assert ours.dtype == theirs.dtype == torch.float32  # stacked with type promotion, as PyTorch does
+    truth = torch.cat([g.double().reshape(-1) for g in grads]).norm()
+    assert rel_err(ours, truth) < 1e-2 and rel_err(ours, theirs) < 1e-6
+    assert adamw_kernel.gradient_norm([]).item() == 0.0
 
 
 def _mlp():

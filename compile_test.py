@@ -42,7 +42,8 @@ from finetune_optimized import apply_kernels
 from linear_cross_entropy_kernel import fused_linear_cross_entropy
 from rmsnorm_kernel import rmsnorm
 from rope_kernel import rope
-from swiglu_kernel import swiglu, swiglu_down_proj
+from swiglu_kernel import swiglu
+from swiglu_mlp import swiglu_down_proj
 from torch._dynamo.testing import CompileCounterWithBackend
 
 BACKEND = "inductor" if ON_GPU else "aot_eager"

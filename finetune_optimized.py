@@ -10,9 +10,9 @@ are active:
 * ``--use-custom-rmsnorm``: every RMSNorm module becomes ``TritonRMSNorm``
   (rmsnorm_kernel.py), sharing the original weight Parameter.
 * ``--use-custom-swiglu``: every gated MLP becomes ``TritonLlamaMLP``
-  (swiglu_kernel.py): the same projections, the fused SwiGLU (GeGLU for Gemma)
-  between them, and the MLP's hidden activation recomputed in backward instead
-  of stored.
+  (swiglu_mlp.py, its kernels in swiglu_kernel.py): the same projections, the
+  fused SwiGLU (GeGLU for Gemma) between them, and the MLP's hidden activation
+  recomputed in backward instead of stored.
 * ``--use-custom-rope``: the fused rotary embedding (rope_kernel.py), swapped in
   around each attention layer's forward.
 * ``--use-custom-flce``: the LM head and the loss fused
@@ -81,7 +81,7 @@ from linear_cross_entropy_kernel import fused_linear_cross_entropy
 from lora_kernel import fuse_lora
 from rmsnorm_kernel import replace_rmsnorm
 from rope_kernel import fuse_rope
-from swiglu_kernel import TritonLlamaMLP, replace_swiglu
+from swiglu_mlp import TritonLlamaMLP, replace_swiglu
 
 TITLE = "Fine-tuning: optimized (Triton kernels)"
 

@@ -118,7 +118,7 @@ def test_gradient_checkpointing_keeps_the_losses(runs):
 def test_optimized_used_the_kernels(runs):
     from rmsnorm_kernel import TritonRMSNorm
 
-    from swiglu_kernel import TritonLlamaMLP
+    from swiglu_mlp import TritonLlamaMLP
 
     # The baseline touched no kernel.
     base = runs["base_spy"]

@@ -17,6 +17,8 @@ adamw) imports its common ground from here and nothing private from the others:
   output dtype and for exponentials, each with the same result on GPU and CPU.
 * ``as_rows``, ``num_sms``: viewing [..., H] as rows, sizing persistent grids.
 * ``swap_modules``: replacing the HF modules of a model with ours.
+* ``names_defined_in``: a kernel file's public names that its model-patching
+  file (swiglu_mlp.py) defines, found there on first use.
 * ``kernel_op``: registering a launcher as a PyTorch custom operator, so that
   ``torch.compile`` can put our kernels inside its graphs.
 
@@ -24,6 +26,7 @@ Nothing runs on import except the interpreter switch and the version check.
 """
 
 import functools
+import importlib
 import os
 import sys
 
@@ -257,6 +260,21 @@ def swap_modules(model, matches, replacement, check=None):
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, swapped)
     return len(targets)
+
+
+def names_defined_in(module_name, names, owner):
+    """A module-level ``__getattr__`` (PEP 562) for a kernel file whose model
+    patching lives in a file of its own: ``owner``'s ``names`` are looked up in
+    ``module_name``, imported on first use. That file imports the kernel file, so
+    importing it from the kernel file's top would be a cycle; looked up late, both
+    import orders work, and ``from swiglu_kernel import replace_swiglu`` stays as
+    it was.
+    """
+    def __getattr__(name):
+        if name in names:
+            return getattr(importlib.import_module(module_name), name)
+        raise AttributeError(f"module {owner!r} has no attribute {name!r}")
+    return __getattr__
 
 
 # What the FP8 layers (fp8_kernel.py) share with the flags' check (flags.py) and

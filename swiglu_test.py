@@ -1,5 +1,5 @@
 """
-Step 12 (tests) -- Correctness tests for the fused SwiGLU (swiglu_kernel.py).
+Step 12 (tests) -- Correctness tests for the fused SwiGLU (swiglu_kernel.py, swiglu_mlp.py).
 
 Every comparison is against a float64 truth (``F.silu(gate) * up`` evaluated in
 float64, gradients by autograd): our output and both gradients must be no worse
@@ -24,19 +24,15 @@ import torch
 
 from conftest import DEVICE, DTYPES, check_outputs, need_gpu, rel_err
 from kernel_common import SwapMismatch
-import swiglu_kernel
-from swiglu_kernel import (
+import swiglu_mlp
+from swiglu_kernel import TritonSwiGLUFunction, geglu, geglu_reference, swiglu, swiglu_reference
+from swiglu_mlp import (
     TritonGateUpMLP,
     TritonLlamaMLP,
-    TritonSwiGLUFunction,
     check_same_mlp,
-    geglu,
-    geglu_reference,
     module_activation,
     replace_swiglu,
-    swiglu,
     swiglu_down_proj,
-    swiglu_reference,
 )
 
 
@@ -630,11 +626,9 @@ def test_meta_device_is_swapped_unchecked():
 def test_check_on_a_device_the_kernels_cannot_run_on(monkeypatch):
     # CPU modules on a GPU machine (no interpreter): the check runs our module's
     # formula in PyTorch instead of the kernel, and still refuses what differs.
-    import swiglu_kernel
-
-    monkeypatch.setattr(swiglu_kernel, "INTERPRET", False)
-    monkeypatch.setattr(swiglu_kernel, "gated_activation", None)  # a kernel launch would fail loudly
-    monkeypatch.setattr(swiglu_kernel, "swiglu_down_proj", None)
+    monkeypatch.setattr(swiglu_mlp, "INTERPRET", False)
+    monkeypatch.setattr(swiglu_mlp, "gated_activation", None)  # a kernel launch would fail loudly
+    monkeypatch.setattr(swiglu_mlp, "swiglu_down_proj", None)
     from transformers.models.gemma.modeling_gemma import GemmaMLP
 
     torch.manual_seed(0)
@@ -812,13 +806,13 @@ def test_experts_gate_is_fused_and_used(model_type, extra, monkeypatch):
     model = _tiny_moe(model_type, **extra)
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     reference = model(ids).logits
-    experts = [m for m in model.modules() if swiglu_kernel.experts_activation(m)]
+    experts = [m for m in model.modules() if swiglu_mlp.experts_activation(m)]
     assert len(experts) == model.config.num_hidden_layers
     count = replace_swiglu(model)
     assert count >= len(experts)
     calls = []
-    real = swiglu_kernel.gated_activation
-    monkeypatch.setattr(swiglu_kernel, "gated_activation", lambda *a: calls.append(a[0].shape) or real(*a))
+    real = swiglu_mlp.gated_activation
+    monkeypatch.setattr(swiglu_mlp, "gated_activation", lambda *a: calls.append(a[0].shape) or real(*a))
     torch.testing.assert_close(model(ids).logits, reference, rtol=1e-5, atol=1e-5)
     # Every layer's experts ran the kernel on the [S, 2I] output of their grouped products.
     assert len(calls) >= len(experts) and all(shape[-1] == experts[0].gate_up_proj.shape[1] for shape in calls)
@@ -829,13 +823,13 @@ def test_experts_eager_implementation_refused():
     model.config._experts_implementation = "eager"
     with pytest.raises(SwapMismatch, match="eager experts implementation"):
         replace_swiglu(model)
-    assert all(m._apply_gate.__func__ is not swiglu_kernel._fused_expert_gate
-               for m in model.modules() if swiglu_kernel.experts_activation(m))
+    assert all(m._apply_gate.__func__ is not swiglu_mlp._fused_expert_gate
+               for m in model.modules() if swiglu_mlp.experts_activation(m))
 
 
 def test_experts_with_another_gate_refused(monkeypatch):
     model = _tiny_moe("mixtral", num_local_experts=4)
-    experts = next(m for m in model.modules() if swiglu_kernel.experts_activation(m))
+    experts = next(m for m in model.modules() if swiglu_mlp.experts_activation(m))
 
     def clamped(self, gate_up_out):  # a family that clamps its gate, under the same names
         gate, up = gate_up_out.chunk(2, dim=-1)
@@ -843,7 +837,7 @@ def test_experts_with_another_gate_refused(monkeypatch):
     monkeypatch.setattr(type(experts), "_apply_gate", clamped)
     with pytest.raises(SwapMismatch, match="computes something else than the fused gate"):
         replace_swiglu(model)
-    assert not any(isinstance(m, swiglu_kernel.TritonLlamaMLP) for m in model.modules())  # nothing changed
+    assert not any(isinstance(m, TritonLlamaMLP) for m in model.modules())  # nothing changed
 
 
 if __name__ == "__main__":

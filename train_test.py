@@ -125,7 +125,7 @@ def test_lora_optimizer_holds_the_adapters_only(lora_run):
 
 def test_lora_runs_every_kernel(lora_run):
     from rmsnorm_kernel import TritonRMSNorm
-    from swiglu_kernel import TritonLlamaMLP
+    from swiglu_mlp import TritonLlamaMLP
 
     model = lora_run["seen"]["model"]
     assert type(model).__name__ == "PeftModelForCausalLM"

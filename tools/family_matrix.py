@@ -63,7 +63,7 @@ def variants(model):
     loss's logit transform."""
     from finetune_optimized import logit_multiplier
     from rmsnorm_kernel import TritonRMSNorm
-    from swiglu_kernel import TritonGateUpMLP, TritonLlamaMLP
+    from swiglu_mlp import TritonGateUpMLP, TritonLlamaMLP
 
     found = []
     norms = {(m.weight_offset, m.cast_first) for m in model.modules() if isinstance(m, TritonRMSNorm)}

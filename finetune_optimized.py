@@ -14,7 +14,7 @@ are active:
   fused SwiGLU (GeGLU for Gemma) between them, and the MLP's hidden activation
   recomputed in backward instead of stored.
 * ``--use-custom-rope``: the fused rotary embedding (rope_kernel.py), swapped in
-  around each attention layer's forward.
+  around each attention layer's forward (rope_patching.py).
 * ``--use-custom-flce``: the LM head and the loss fused
   (linear_cross_entropy_kernel.py, step 13): the [B, T, V] logits are never
   built. It supersedes ``--use-custom-ce`` (the fused loss on the model's logits,
@@ -80,7 +80,7 @@ from kernel_common import SwapMismatch
 from linear_cross_entropy_kernel import fused_linear_cross_entropy
 from lora_kernel import fuse_lora
 from rmsnorm_kernel import replace_rmsnorm
-from rope_kernel import fuse_rope
+from rope_patching import fuse_rope
 from swiglu_mlp import TritonLlamaMLP, replace_swiglu
 
 TITLE = "Fine-tuning: optimized (Triton kernels)"

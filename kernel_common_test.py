@@ -118,6 +118,7 @@ def test_swap_modules_nested_matches_replace_the_outer_one():
 # file on first use (names_defined_in): no import cycle in either order.
 PATCHING = {
     "swiglu_kernel": ("swiglu_mlp", "replace_swiglu"),
+    "rope_kernel": ("rope_patching", "fuse_rope"),
 }
 
 

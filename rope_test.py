@@ -1,5 +1,5 @@
 """
-Step 14 (tests) -- Correctness tests for the fused RoPE (rope_kernel.py).
+Step 14 (tests) -- Correctness tests for the fused RoPE (rope_kernel.py, rope_patching.py).
 
 Every comparison is against a float64 truth (HF's formula evaluated in float64,
 gradients by autograd): q_embed, k_embed, dq and dk must be no worse than about
@@ -21,17 +21,8 @@ import pytest
 import torch
 
 from conftest import DEVICE, DTYPES, check_outputs, need_gpu, rel_err
-from rope_kernel import (
-    RopeMismatch,
-    TritonRoPEFunction,
-    apply_rotary_pos_emb,
-    check_same_rope,
-    fuse_rope,
-    patched_rope,
-    rope,
-    rope_patch_targets,
-    rope_reference,
-)
+from rope_kernel import TritonRoPEFunction, apply_rotary_pos_emb, rope, rope_reference
+from rope_patching import RopeMismatch, check_same_rope, fuse_rope, patched_rope, rope_patch_targets
 
 
 def rope_tables(batch, seq_len, head_dim, dtype, seed=0, scaling=1.0):

@@ -20,8 +20,9 @@ are active:
   built. It supersedes ``--use-custom-ce`` (the fused loss on the model's logits,
   cross_entropy_kernel.py), which is what runs with ``--no-use-custom-flce``.
 * ``--use-custom-attention``: flash attention that reads each token's example from
-  the position ids (attention_kernel.py, Step 21): packed batches carry no mask, and
-  no work is done across examples. On by default with packed real data.
+  the position ids (attention_kernel.py, attention_patching.py, Step 21): packed
+  batches carry no mask, and no work is done across examples. On by default with
+  packed real data.
 * ``--use-custom-adamw``: the fused Triton AdamW step (adamw_kernel.py) instead of
   PyTorch's fused AdamW, with the same hyperparameters.
 * ``--fp8 {tensorwise,rowwise}`` (off by default): the decoder's linear layers
@@ -73,7 +74,7 @@ import dataloader
 import models
 import training
 from adamw_kernel import TritonAdamW
-from attention_kernel import use_packed_attention
+from attention_patching import use_packed_attention
 from cross_entropy_kernel import cross_entropy
 from fp8_kernel import replace_linears
 from kernel_common import SwapMismatch

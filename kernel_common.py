@@ -18,8 +18,8 @@ adamw) imports its common ground from here and nothing private from the others:
 * ``as_rows``, ``num_sms``: viewing [..., H] as rows, sizing persistent grids.
 * ``swap_modules``: replacing the HF modules of a model with ours.
 * ``names_defined_in``: a kernel file's public names that its model-patching
-  file (swiglu_mlp.py, rope_patching.py) defines, found there on first
-  use.
+  file (swiglu_mlp.py, rope_patching.py, attention_patching.py) defines, found
+  there on first use.
 * ``kernel_op``: registering a launcher as a PyTorch custom operator, so that
   ``torch.compile`` can put our kernels inside its graphs.
 

@@ -119,6 +119,7 @@ def test_swap_modules_nested_matches_replace_the_outer_one():
 PATCHING = {
     "swiglu_kernel": ("swiglu_mlp", "replace_swiglu"),
     "rope_kernel": ("rope_patching", "fuse_rope"),
+    "attention_kernel": ("attention_patching", "use_packed_attention"),
 }
 
 

@@ -4,8 +4,8 @@ Tests of the fine-tune scripts and their shared loader (CPU, --tiny, seconds eac
 * the baseline and the optimized script give the same losses, step by step;
 * the optimized run really swapped the RMSNorm and MLP modules and used the fused
   linear cross-entropy, without ever running the LM head (no logits);
-* the workload modules (flags, models, fsdp, dataloader, checkpoints, training)
-  import no kernel: the optimized script switches them in itself;
+* the workload modules (flags, models, fsdp, dataloader, checkpoints, cuda_graphs,
+  reporting, training) import no kernel: the optimized script switches them in itself;
 * --json writes the documented fields, as strict JSON (NaN as null), atomically;
 * outputs are checked before the work; Ctrl-C keeps the completed steps (partial,
   exit 130); GPU and CPU out-of-memory errors end in the same one-line advice;
@@ -41,6 +41,7 @@ import finetune_baseline
 import finetune_optimized
 import flags
 import models
+import reporting
 import training
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -411,7 +412,7 @@ def test_hub_check_is_quick():
 # Layers: the workload modules import no kernel
 # --------------------------------------------------------------------------------
 # The shared workload, one concern per file; the scripts compose it.
-WORKLOAD = ("flags", "models", "fsdp", "dataloader", "checkpoints", "cuda_graphs", "training")
+WORKLOAD = ("flags", "models", "fsdp", "dataloader", "checkpoints", "cuda_graphs", "reporting", "training")
 
 
 def imported_modules(path):
@@ -727,16 +728,16 @@ def test_ctrl_c_before_any_timed_step(monkeypatch, capsys):
 
 
 def test_estimate_printed_for_a_long_run(monkeypatch, capsys):
-    monkeypatch.setattr(training, "LONG_RUN_S", 0.0)  # every run is "long"
+    monkeypatch.setattr(reporting, "LONG_RUN_S", 0.0)  # every run is "long"
     finetune_baseline.main(TINY)
     out = capsys.readouterr().out
     (line,) = [line for line in out.splitlines() if line.startswith("Estimate:")]
     assert "for the remaining 3 steps" in line
     assert out.index("step    1/4") < out.index("Estimate:") < out.index("step    2/4")
-    monkeypatch.setattr(training, "LONG_RUN_S", 120.0)
-    training.print_estimate(1.0, 10)  # 10 s left: nothing to say
+    monkeypatch.setattr(reporting, "LONG_RUN_S", 120.0)
+    reporting.print_estimate(1.0, 10)  # 10 s left: nothing to say
     assert capsys.readouterr().out == ""
-    training.print_estimate(30.0, 20)
+    reporting.print_estimate(30.0, 20)
     assert "up to 10 min for the remaining 20 steps" in capsys.readouterr().out
 
 

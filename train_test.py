@@ -42,6 +42,7 @@ import finetune_optimized
 import flags
 import linear_cross_entropy_kernel
 import models
+import reporting
 import rmsnorm_kernel
 import training
 from linear_cross_entropy_kernel import fused_linear_cross_entropy
@@ -475,11 +476,11 @@ def test_sigterm_during_an_update_outside_a_run_ends_the_process_after_it():
 def test_progress_bar_only_on_a_terminal(monkeypatch):
     args = finetune_baseline.parse_args([])
     monkeypatch.setattr("sys.stdout.isatty", lambda: True, raising=False)
-    bar = training.progress_bar(args, 10, 0)
+    bar = reporting.progress_bar(args, 10, 0)
     assert type(bar).__name__ == "tqdm"
     bar.close()
     args = finetune_baseline.parse_args(["--log-every", "5"])  # asked for lines
-    assert training.progress_bar(args, 10, 0) is None
+    assert reporting.progress_bar(args, 10, 0) is None
 
 
 # --------------------------------------------------------------------------------

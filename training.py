@@ -1,6 +1,7 @@
 """
 The training loop: one step (forward, loss, backward, clipping, optimizer,
-schedule), the loop around it, and what it reports.
+schedule), the loop around it, and what it reports (printed and written by
+reporting.py).
 
 README Step 11 (the same loop with and without the kernels) and Steps 16-19. What
 it teaches, as a reader of nanoGPT's train.py would expect to find it in one sitting:
@@ -35,7 +36,6 @@ import os
 import resource
 import signal
 import sys
-import tempfile
 import threading
 import time
 
@@ -49,6 +49,7 @@ import fsdp
 import dataloader
 import checkpoints
 import cuda_graphs
+import reporting
 
 
 # --------------------------------------------------------------------------------
@@ -395,37 +396,10 @@ def exit_on_oom(args, what, model):
         ) from None
 
 
-LONG_RUN_S = 120  # a run that will take longer than this says so after its first step
-
-
-def print_estimate(first_step_s, steps_left):
-    """After the first step: how long the rest will take, when that is long.
-
-    The first step is the slowest (Triton compilation on a GPU, AdamW's state
-    allocation everywhere), so the figure is an upper bound.
-    """
-    left_s = first_step_s * steps_left
-    if left_s > LONG_RUN_S:
-        print(
-            f"Estimate:      up to {duration(left_s)} for the remaining {steps_left} steps at the first "
-            f"step's pace; fewer --steps or a shorter --seq-len finish sooner (Ctrl-C keeps the steps done)",
-            flush=True,
-        )
-
-
-def duration(seconds):
-    """'45 s', '7 min', '2.5 h': a human reading of a rough estimate."""
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 90 * 60:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
-
-
 def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, resumed=None, graphs=False):
     """The fine-tuning loop: ``loss_fn(model, batch)``, ``optimizer`` and the
     learning-rate ``scheduler`` at every step, on the batches of ``data``
-    (prepare_data; None: synthetic). Returns a dict of results (see write_json).
+    (prepare_data; None: synthetic). Returns a dict of results (see reporting.write_json).
 
     Throughput is counted two ways: ``tokens_per_sec``, every token slot the model
     computed (padding included), and ``real_tokens_per_sec``, the slots that hold
@@ -462,7 +436,7 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
     step = step_function(args, model, optimizer, loss_fn, scheduler, graphs)
     stop = _STOP  # set by stop_on_signals (run_finetune); never set without it
     rng = checkpoints.rng_states()  # the random state after the last completed step: what a checkpoint holds
-    bar = progress_bar(args, total, start)
+    bar = reporting.progress_bar(args, total, start)
     say = bar.write if bar else functools.partial(print, flush=True)
     with exit_on_oom(args, "training", model):
         try:
@@ -488,14 +462,14 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
                     record["skipped"] = True  # nothing was updated (train_step)
                 steps.append(record)
                 history["train"].append([i + 1, record["loss"]])
-                report_step(args, bar, record, total)
+                reporting.report_step(args, bar, record, total)
                 if not finite and not skip_nonfinite:
                     # The update has been made with NaN or infinite gradients: these weights
                     # are lost. Stop here; the last checkpoint saved stays the last good one.
                     diverged = i + 1
                     break
                 if i == start and not bar:
-                    print_estimate(seconds, total - i - 1)
+                    reporting.print_estimate(seconds, total - i - 1)
                 if args.eval_every and (i + 1) % args.eval_every == 0:
                     eval_loss = evaluate(model, loss_fn, heldout)
                     evals.append({"step": i + 1, "loss": eval_loss})
@@ -528,7 +502,7 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
             saved.append(checkpoints.save_checkpoint(args, model, optimizer, scheduler, done, history, rng))
             print(f"Saved         {saved[-1]}", flush=True)
         if fsdp.is_main_process():
-            curve = plot_loss_curve(os.path.join(args.output_dir, flags.LOSS_CURVE), history)
+            curve = reporting.plot_loss_curve(os.path.join(args.output_dir, flags.LOSS_CURVE), history)
             print(f"Loss curve:   {curve}", flush=True)
 
     timed = [s for s in steps if not s["warmup"]]
@@ -569,62 +543,6 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
         "peak_memory_kind": peak_kind,
         "final_loss": steps[-1]["loss"] if steps else None,
     }
-
-
-def report_step(args, bar, record, total):
-    """A step's loss and speed: on the progress bar, or as a line every --log-every steps."""
-    step, seconds, tokens = record["step"], record["time_s"], record["tokens"]
-    speed = "warm-up" if record["warmup"] else f"{tokens / seconds:,.0f} tok/s"
-    if bar:
-        bar.set_postfix_str(f"loss {record['loss']:.4f}, {speed}", refresh=False)
-        bar.update(1)
-        return
-    if step % (args.log_every or 1) == 0 or step == total or record["warmup"]:
-        tag = "  (warm-up, not timed)" if record["warmup"] else f"  {tokens / seconds:>10,.0f} tokens/s"
-        print(f"step {step:>4}/{total}  loss {record['loss']:.4f}  {seconds:8.3f} s{tag}", flush=True)
-
-
-def progress_bar(args, total, start):
-    """A tqdm bar (loss, tokens/s, ETA) on a terminal when --log-every is not given;
-    otherwise None, and each step prints a line (logs, pipes, tests)."""
-    if args.log_every is not None or not sys.stdout.isatty():
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, file=sys.stdout)
-
-
-def print_results(title, results):
-    """The playbook's result block: time per step, throughput, peak memory."""
-    print("=" * 72)
-    print(title)
-    print("=" * 72)
-    print(f"Timed steps:                {results['timed_steps']} (after {results['warmup_steps']} warm-up)")
-    print(f"Average time per step:      {results['time_per_step_s']:.3f} s")
-    print(f"Average throughput:         {results['tokens_per_sec']:,.0f} tokens/sec")
-    if results.get("world_size", 1) > 1:
-        label = f"Per GPU ({results['world_size']} processes):"
-        print(f"{label:<28}{results['tokens_per_sec_per_gpu']:,.0f} tokens/sec")
-    print(f"Real tokens (no padding):   {results['real_tokens_per_sec']:,.0f} tokens/sec "
-          f"(padding: {results['padding_fraction'] * 100:.1f}% of the token slots)")
-    print(f"Peak memory:                {results['peak_memory_bytes'] / 2**30:.2f} GiB ({results['peak_memory_kind']})")
-    print(f"Final loss:                 {results['final_loss']:.4f}")
-    if results.get("eval"):
-        last = results["eval"][-1]
-        print(f"Held-out loss:              {last['loss']:.4f} (step {last['step']})")
-
-
-def write_json(path, script, args, env, model_info, results):
-    """--json: everything needed to compare two runs later, in one file (strict JSON,
-    NaN as null, written atomically)."""
-    doc = {
-        "script": script,
-        "config": flags.public_config(args),
-        "environment": env,
-        "model": model_info,
-        **results,
-    }
-    flags.write_json_atomic(path, doc)
 
 
 def run_finetune(args, title, script, switch_in):
@@ -703,7 +621,7 @@ def run_finetune(args, title, script, switch_in):
         results["kernels"] = kernels
         write = args.json and fsdp.is_main_process()  # --fsdp: rank 0 writes the one report
         if write:
-            write_json(args.json, script, args, env, model_info, results)
+            reporting.write_json(args.json, script, args, env, model_info, results)
     where = f"wrote them to {args.json} (marked partial)" if write else "not written (no --json)"
     done = f"{len(results['steps'])} of {results['planned_steps'] - results['start_step']} steps completed"
     if results["diverged_at_step"]:
@@ -718,7 +636,7 @@ def run_finetune(args, title, script, switch_in):
         print(f"\nInterrupted ({results['stop_reason']}): {done}, {where}", flush=True)
         # 128 + the signal's number, what a shell reports for a process the signal ended.
         raise SystemExit(128 + signal.Signals[results["stop_reason"]].value)
-    print_results(f"{title}: results", results)
+    reporting.print_results(f"{title}: results", results)
     if write:
         print(f"Wrote {args.json}")
     if results["skipped_steps"]:
@@ -758,31 +676,3 @@ def print_schedule(args):
     clip = f"clipped to norm {args.max_grad_norm:g}" if args.max_grad_norm > 0 else "not clipped"
     print(f"Schedule:      {total} steps: lr warm-up over {args.lr_warmup_steps}, then cosine to 0; "
           f"gradients {clip}")
-
-
-# --------------------------------------------------------------------------------
-# The loss curve
-# --------------------------------------------------------------------------------
-def plot_loss_curve(path, history):
-    """Train (every step) and held-out losses against the step, as a PNG; returns the path.
-    matplotlib's Agg canvas directly: no display, no pyplot state."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    for points, style, label in ((history["train"], "-", "train"), (history["eval"], "o-", "held-out")):
-        points = [(step, loss) for step, loss in points if loss is not None]  # NaN was saved as null
-        if points:
-            ax.plot(*zip(*points), style, label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".", suffix=".png")  # a new name, never a user's
-    with os.fdopen(fd, "wb") as f:
-        fig.savefig(f, format="png", metadata=flags.PNG_METADATA)  # the mark: a later run may replace it
-    os.replace(tmp, path)
-    return path

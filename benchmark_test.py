@@ -1,5 +1,5 @@
 """
-Tests of benchmark_kernels.py and tools/plot_benchmark.py (CPU: Triton interpreter).
+Tests of benchmark_kernels.py, benchmark_specs.py and tools/plot_benchmark.py (CPU: Triton interpreter).
 
 Usage:
     python -m pytest benchmark_test.py
@@ -29,7 +29,9 @@ import torch
 # benchmark_kernels imports the kernel modules first (the Triton interpreter switch).
 import benchmark_kernels as bk
 import benchmark_peers as bp
+import benchmark_specs as specs
 import flags
+from rmsnorm_kernel import rmsnorm_reference
 from tools import plot_benchmark
 
 ON_GPU = torch.cuda.is_available()
@@ -84,15 +86,15 @@ def test_quick_run_prints_tables_and_writes_strict_json(quick_run):
     assert "5*N*H*2 + 3*H*2" in text and "2*N*V*2" in text and "8*N*I*2" in text
     assert re.search(r"N = +[0-9,]+: fwd [0-9.,]+ MB", text), "per-shape byte values missing"
     if not ON_GPU:
-        assert "no performance claim" in text and bk.NA_CPU in text
+        assert "no performance claim" in text and specs.NA_CPU in text
 
     data = strict_load(json_path)
     for key in ENV_KEYS:
         assert key in data["environment"], key
     assert data["settings"]["quick"] is True
-    assert list(data["kernels"]) == list(bk.KERNELS)
+    assert list(data["kernels"]) == list(specs.KERNELS)
     for name, kres in data["kernels"].items():
-        spec = bk.KERNELS[name]
+        spec = specs.KERNELS[name]
         shapes = spec.shapes["quick"] if ON_GPU else spec.shapes["cpu"]
         assert kres["shapes"] == shapes and kres["providers"] == list(spec.providers)
         assert len(kres["results"]) == len(shapes) * len(kres["providers"])
@@ -101,13 +103,13 @@ def test_quick_run_prints_tables_and_writes_strict_json(quick_run):
             for key in RECORD_KEYS:
                 assert key in rec, (name, key)
             assert rec["fwd_status"] and rec["fwdbwd_status"] and rec["memory_status"], rec
-            if rec["provider"] in bk.SDPA_PINNED:  # one backend: GPU rows of one document only
+            if rec["provider"] in specs.SDPA_PINNED:  # one backend: GPU rows of one document only
                 one = rec["shape"]["docs"] == "one"
-                want = ("ok", "ERR") if ON_GPU and one else (bk.NA_MASK if ON_GPU else bk.NA_CPU,)
+                want = ("ok", "ERR") if ON_GPU and one else (specs.NA_MASK if ON_GPU else specs.NA_CPU,)
                 assert rec["fwd_status"] in want and rec["fwdbwd_status"] in want, rec
                 continue
             if rec["provider"] in bp.NEEDS or rec["provider"] in bp.CUDA_ONLY:  # optional or GPU-only peers
-                assert rec["fwd_status"] in ("ok", bk.NA_CPU, bp.NOT_INSTALLED, bp.SKIPPED_CPU, "OOM", "ERR")
+                assert rec["fwd_status"] in ("ok", specs.NA_CPU, bp.NOT_INSTALLED, bp.SKIPPED_CPU, "OOM", "ERR")
                 continue
             # Every other provider ran (torch.compile too: aot_eager on CPU) and has an error.
             assert rec["fwd_status"] not in ("ERR", "OOM") and rec["fwdbwd_status"] not in ("ERR", "OOM"), rec
@@ -118,7 +120,7 @@ def test_quick_run_prints_tables_and_writes_strict_json(quick_run):
                     assert rec["graph_status"] == "ok" and rec["graph_ms"] > 0, rec
             else:  # no timing claims on CPU: no latency, rate, memory or compile time anywhere
                 assert rec["fwd_status"] == rec["fwdbwd_status"] == rec["graph_status"] == rec["memory_status"] \
-                    == bk.NA_CPU
+                    == specs.NA_CPU
                 assert all(rec[k] is None for k in ("fwd_ms", "fwdbwd_ms", "graph_ms", "fwd_GBps", "fwd_TFLOPs",
                                                     "peak_extra_MB", "first_fwd_s", "speedup_fwd"))
 
@@ -139,16 +141,16 @@ def test_ours_matches_the_float64_truth(quick_run):
 def test_playbook_design_peers_are_right():
     # A peer with a wrong gradient would look fast for nothing: check both against PyTorch.
     torch.manual_seed(0)
-    x = torch.randn(6, 96, device=bk.DEVICE, requires_grad=True)
-    w = (1 + 0.1 * torch.randn(96, device=bk.DEVICE)).requires_grad_()
-    dy = torch.randn(6, 96, device=bk.DEVICE)
-    ref = bk.rmsnorm_reference(x, w, bk.EPS)
-    got = bp.PlaybookRMSNorm.apply(x, w, bk.EPS)
+    x = torch.randn(6, 96, device=specs.DEVICE, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(96, device=specs.DEVICE)).requires_grad_()
+    dy = torch.randn(6, 96, device=specs.DEVICE)
+    ref = rmsnorm_reference(x, w, specs.EPS)
+    got = bp.PlaybookRMSNorm.apply(x, w, specs.EPS)
     torch.testing.assert_close(got, ref)
     torch.testing.assert_close(torch.autograd.grad(got, (x, w), dy), torch.autograd.grad(ref, (x, w), dy))
 
-    logits = torch.randn(5, 9000, device=bk.DEVICE, requires_grad=True)  # more than one vocabulary chunk
-    targets = torch.tensor([3, -100, 8999, 0, 4096], device=bk.DEVICE)
+    logits = torch.randn(5, 9000, device=specs.DEVICE, requires_grad=True)  # more than one vocabulary chunk
+    targets = torch.tensor([3, -100, 8999, 0, 4096], device=specs.DEVICE)
     ref = torch.nn.functional.cross_entropy(logits, targets)
     got = bp.PlaybookCrossEntropy.apply(logits, targets)
     torch.testing.assert_close(got, ref)
@@ -223,11 +225,11 @@ def _raise_value_error(*args):
 
 
 def test_failing_peers_are_reported_not_fatal(monkeypatch):
-    providers = dict(bk.RMSNORM.providers)
+    providers = dict(specs.RMSNORM.providers)
     providers["simulated OOM"] = lambda: _raise_oom
     providers["simulated ERR"] = lambda: _raise_value_error
     providers["simulated ERR at build"] = lambda: _raise_value_error()
-    monkeypatch.setattr(bk.RMSNORM, "providers", providers)
+    monkeypatch.setattr(specs.RMSNORM, "providers", providers)
     results, text = run_main(["--quick", "--kernel", "rmsnorm"])
     recs = {r["provider"]: r for r in results["kernels"]["rmsnorm"]["results"]}
     assert recs["simulated OOM"]["fwd_status"] == recs["simulated OOM"]["fwdbwd_status"] == "OOM"
@@ -245,7 +247,7 @@ def test_failing_peers_are_reported_not_fatal(monkeypatch):
 def _syncing_peer():
     """A peer that reads a value back to the host inside its call: it runs eagerly,
     but its CUDA-graph capture fails (as Liger-Kernel's cross-entropy does)."""
-    real = bk.RMSNORM.providers["ours (Triton)"]()
+    real = specs.RMSNORM.providers["ours (Triton)"]()
 
     def op(x, w):
         y = real(x, w)
@@ -259,9 +261,9 @@ def _syncing_peer():
 def test_a_failed_capture_leaves_the_run_usable(monkeypatch):
     """The failed capture is reported, that peer is not captured again, and the
     providers and kernels after it still run and are captured."""
-    providers = {"ours (Triton)": bk.RMSNORM.providers["ours (Triton)"], "syncing peer": _syncing_peer,
-                 "PyTorch eager (HF)": bk.RMSNORM.providers["PyTorch eager (HF)"]}
-    monkeypatch.setattr(bk.RMSNORM, "providers", providers)
+    providers = {"ours (Triton)": specs.RMSNORM.providers["ours (Triton)"], "syncing peer": _syncing_peer,
+                 "PyTorch eager (HF)": specs.RMSNORM.providers["PyTorch eager (HF)"]}
+    monkeypatch.setattr(specs.RMSNORM, "providers", providers)
     results, text = run_main(["--quick", "--kernel", "rmsnorm", "rope"])
     recs = results["kernels"]["rmsnorm"]["results"]
     peer = [r for r in recs if r["provider"] == "syncing peer"]
@@ -274,14 +276,14 @@ def test_a_failed_capture_leaves_the_run_usable(monkeypatch):
 
 
 def test_byte_formulas_and_derived_numbers():
-    rms = bk.RMSNORM.bytes({"tokens": 16384, "hidden": 4096})
+    rms = specs.RMSNORM.bytes({"tokens": 16384, "hidden": 4096})
     assert rms == {"fwd": 2 * 16384 * 4096 * 2 + 4096 * 2, "fwdbwd": 5 * 16384 * 4096 * 2 + 3 * 4096 * 2}
-    assert bk.CROSS_ENTROPY.bytes({"tokens": 8192, "vocab": 128256}) == {
+    assert specs.CROSS_ENTROPY.bytes({"tokens": 8192, "vocab": 128256}) == {
         "fwd": 8192 * 128256 * 2, "fwdbwd": 2 * 8192 * 128256 * 2}
-    assert bk.SWIGLU.bytes({"tokens": 4096, "intermediate": 14336})["fwdbwd"] == 8 * 4096 * 14336 * 2
-    rope = bk.ROPE.bytes({"tokens": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128})
+    assert specs.SWIGLU.bytes({"tokens": 4096, "intermediate": 14336})["fwdbwd"] == 8 * 4096 * 14336 * 2
+    rope = specs.ROPE.bytes({"tokens": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128})
     assert rope == {"fwd": 85983232, "fwdbwd": 171966464}  # as in results/bench_h100.json
-    assert bk.FLCE.flops({"tokens": 4096, "hidden": 4096, "vocab": 128256}) == {
+    assert specs.FLCE.flops({"tokens": 4096, "hidden": 4096, "vocab": 128256}) == {
         "fwd": 4303557230592, "fwdbwd": 12910671691776}
     recs = [
         {"provider": "ours", "bytes": rms, "flops": None, "fwd_ms": 0.1, "fwdbwd_ms": 0.4},

@@ -122,9 +122,9 @@ def attention_call(kernel, inp, d):
 
 
 def attention_sweep(head_dims, results, quick):
-    """Each kernel's candidates on benchmark_kernels' attention rows (one long document,
+    """Each kernel's candidates on benchmark_specs' attention rows (one long document,
     short documents, long documents), bf16, 32 query and 8 key/value heads."""
-    from benchmark_kernels import ATTENTION, attention_inputs
+    from benchmark_specs import ATTENTION, attention_inputs
 
     rows = ATTENTION.shapes["quick" if quick else "full"]
     orig = dict(ak.TILES)

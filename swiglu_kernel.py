@@ -347,6 +347,7 @@ def _swiglu_bwd_kernel(
     U,  # [n_rows, n_cols] saved up; rows stride_u apart
     DG,  # [n_rows, n_cols] output d_gate, gate's dtype; rows stride_dg apart
     DU,  # [n_rows, n_cols] output d_up, up's dtype; rows stride_du apart
+    H,  # [n_rows, n_cols] output h = act(gate) * up as forward wrote it, contiguous (STORE_H only)
     stride_dy,
     stride_g,
     stride_u,
@@ -358,6 +359,7 @@ def _swiglu_bwd_kernel(
     ROWS: tl.constexpr,
     COMPUTE_DG: tl.constexpr,  # False when gate does not require grad: no read of u, no store
     COMPUTE_DU: tl.constexpr,  # False when up does not require grad: no store
+    STORE_H: tl.constexpr,  # also write forward's output h (for down_proj's weight gradient)
     ACT: tl.constexpr,
     PRECISE: tl.constexpr,
 ):
@@ -365,13 +367,21 @@ def _swiglu_bwd_kernel(
     dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     s, s_c, a = _sigmoid_and_act(g, ACT, PRECISE)  # s_c = 1 - s
+    a_rounded = cast_to(a, G.dtype.element_ty).to(tl.float32)  # as forward rounded it
+    if COMPUTE_DG or STORE_H:
+        u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
 
     if COMPUTE_DU:
-        a = cast_to(a, G.dtype.element_ty).to(tl.float32)  # as forward rounded it
-        tl.store(DU + rows[:, None] * stride_du + cols[None, :], cast_to(dy * a, DU.dtype.element_ty), mask=mask)
+        tl.store(DU + rows[:, None] * stride_du + cols[None, :], cast_to(dy * a_rounded, DU.dtype.element_ty),
+                 mask=mask)
+
+    if STORE_H:
+        # The forward kernel's h, bit for bit (same a, same rounding), from the g and u
+        # this program has loaded anyway: 2 B per element written here instead of a
+        # separate forward launch that reads g and u again (6 B). See swiglu_mlp.py.
+        tl.store(H + rows[:, None] * n_cols + cols[None, :], cast_to(a_rounded * u, H.dtype.element_ty), mask=mask)
 
     if COMPUTE_DG:
-        u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if ACT == "gelu_tanh":
             dz = (1.0 + (g * g) * (3.0 * GELU_K)) * GELU_C * 2.0
             dg = dy * u * s * (1.0 + g * s_c * dz)
@@ -494,6 +504,13 @@ def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Ten
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the backward kernel. Returns (d_gate, d_up); each is empty if not asked for.
     up None (fused layout): (d_gate_up, empty), the gradient of the whole [..., 2I] input."""
+    return swiglu_backward_and_hidden(dy, gate, up, compute_dgate, compute_dup, activation, False)[:2]
+
+
+def swiglu_backward_and_hidden(dy, gate, up, compute_dgate, compute_dup, activation="silu", store_h=True):
+    """swiglu_backward's (d_gate, d_up), and with ``store_h`` also forward's output h
+    (swiglu_forward's bits) from the same pass, else None. A plain launcher: callers
+    inside an operator (swiglu_mlp.swiglu_down_proj_backward) use it."""
     g2, u2, n_cols = _rows(gate, up)
     dy2 = as_rows(dy, n_cols)
     n_rows = g2.shape[0]
@@ -508,22 +525,26 @@ def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Ten
     else:
         dg = torch.empty((n_rows, n_cols), dtype=gate.dtype, device=gate.device) if compute_dgate else None
         du = torch.empty((n_rows, n_cols), dtype=up.dtype, device=up.device) if compute_dup else None
-    if n_rows > 0 and (compute_dgate or compute_dup):
+    h = torch.empty((n_rows, n_cols), dtype=_out_dtype(gate, up), device=gate.device) if store_h else None
+    if n_rows > 0 and (compute_dgate or compute_dup or store_h):
         block_n, rows, num_warps = _launch_config(n_cols)
-        dg_arg = dg if compute_dgate else du  # a switched-off output is never written
-        du_arg = du if compute_dup else dg
+        # A switched-off output is never written: any tensor stands in for its pointer.
+        dg_arg = next(t for t in (dg, du, h) if t is not None)
+        du_arg = du if compute_dup else dg_arg
         _swiglu_bwd_kernel[_grid(n_rows, n_cols, block_n, rows)](
-            dy2, g2, u2, dg_arg, du_arg,
+            dy2, g2, u2, dg_arg, du_arg, h if store_h else dg_arg,
             dy2.stride(0), g2.stride(0), u2.stride(0), dg_arg.stride(0), du_arg.stride(0), n_rows, n_cols,
-            BLOCK_N=block_n, ROWS=rows, COMPUTE_DG=compute_dgate, COMPUTE_DU=compute_dup,
+            BLOCK_N=block_n, ROWS=rows, COMPUTE_DG=compute_dgate, COMPUTE_DU=compute_dup, STORE_H=store_h,
             ACT=activation, PRECISE=gate.dtype == torch.float32,
             num_warps=num_warps,
         )
+    h = h.view(_out_shape(gate, up)) if store_h else None
     if up is None:
-        return both.view(gate.shape) if compute_dgate else nothing(gate), nothing(gate)
+        return (both.view(gate.shape) if compute_dgate else nothing(gate)), nothing(gate), h
     return (
         dg.view(gate.shape) if compute_dgate else nothing(gate),
         du.view(up.shape) if compute_dup else nothing(up),
+        h,
     )
 
 

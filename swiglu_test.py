@@ -269,6 +269,42 @@ def _saved_bytes(fn):
     return out, sum(seen.values())
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("fused", [False, True], ids=["gate, up", "gate_up"])
+def test_backward_writes_forward_hidden(activation, dtype, fused):
+    # swiglu_backward_and_hidden: the backward kernel also writes h for down_proj's
+    # weight gradient. h must be swiglu_forward's bits and the gradients
+    # swiglu_backward's, whichever gradients are asked for.
+    from swiglu_kernel import swiglu_backward, swiglu_backward_and_hidden, swiglu_forward
+
+    gate, up, dy = make_inputs((5, 3, 300), DTYPES[dtype], seed=11)
+    if fused:
+        gate, up = torch.cat([gate, up], dim=-1), None
+    for need_gate, need_up in ((True, True), (True, False), (False, True), (False, False)):
+        dg, du, h = swiglu_backward_and_hidden(dy, gate, up, need_gate, need_up, activation)
+        assert torch.equal(h, swiglu_forward(gate, up, activation)), (need_gate, need_up)
+        for ours, theirs in zip((dg, du), swiglu_backward(dy, gate, up, need_gate, need_up, activation)):
+            assert torch.equal(ours, theirs), (need_gate, need_up)
+    assert swiglu_backward_and_hidden(dy, gate, up, True, True, activation, store_h=False)[2] is None
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "gate and up frozen"])
+def test_down_proj_weight_gradient_from_the_hidden_it_recomputes(frozen):
+    # dW_down is dout^T @ h with h the forward's bits: written by the backward kernel
+    # when gate and up need gradients, by a forward launch when they do not.
+    from swiglu_kernel import swiglu_forward
+    from swiglu_mlp import swiglu_down_proj_backward
+
+    gate, up, _ = make_inputs((4, 6, 96), torch.bfloat16, seed=12)
+    weight = torch.randn(40, 96, generator=torch.Generator().manual_seed(13)).to(DEVICE, torch.bfloat16)
+    dout = torch.randn(4, 6, 40, generator=torch.Generator().manual_seed(14)).to(DEVICE, torch.bfloat16)
+    dg, du, dw = swiglu_down_proj_backward(dout, gate, up, weight, not frozen, not frozen, True)
+    h = swiglu_forward(gate, up)
+    assert torch.equal(dw, dout.reshape(-1, 40).t() @ h.reshape(-1, 96))
+    assert (dg.numel(), du.numel()) == ((0, 0) if frozen else (gate.numel(), up.numel()))
+
+
 def test_recompute_hidden_instead_of_saving():
     # TritonLlamaMLP's default recomputes h = silu(gate) * up in backward instead of
     # letting down_proj save it: same results, one [N, I] tensor less kept alive.

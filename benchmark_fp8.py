@@ -5,10 +5,12 @@ Three tables, each printed and written to --json:
 
 1. The casts (fp8_kernel.quantize): bf16 [M, K] -> float8_e4m3fn with dynamic
    scales, per tensor and per row, with and without the transposed copy. Bytes
-   moved per element: 2 read for the amax + 2 read for the cast + 1 written per
-   fp8 copy (5 B, or 6 B with the transposed copy); GB/s and the share of the
-   device's copy bandwidth. Peer: the same recipe in PyTorch (quantize_reference),
-   eager and compiled.
+   moved per element, as our kernels move them (fp8_kernel.cast_traffic): per
+   tensor, and per row with the transposed copy, 2 read for the amax + 2 read for
+   the cast + 1 written per fp8 copy (5 B, or 6 B with the transposed copy); per row
+   without it, one pass (2 read + 1 written: 3 B); GB/s and the share of the
+   device's copy bandwidth, the same bytes for every provider. Peer: the same
+   recipe in PyTorch (quantize_reference), eager and compiled.
 2. The GEMMs at LLaMA-3.1-8B's shapes (M = 8,192 tokens): bf16 torch.mm,
    torch._scaled_mm (cuBLASLt) per tensor and per row, and triton_scaled_mm (the
    lesson's Triton FP8 GEMM), in TFLOP/s.
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 import flags  # first: it switches on the Triton interpreter when there is no GPU
 from benchmark_kernels import bench, copy_bandwidth, free_memory
 from benchmark_peers import version
-from fp8_kernel import RECIPES, fp8_supported, quantize, quantize_reference, replace_linears, scaled_mm, \
+from fp8_kernel import RECIPES, cast_traffic, fp8_supported, quantize, quantize_reference, replace_linears, scaled_mm, \
     triton_scaled_mm
 
 M = 8192  # tokens per step: 4 x 2,048
@@ -66,7 +68,7 @@ def cast_rows(bench_ms, copy_bw):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         for recipe in RECIPES:
             for transpose in (False, True):
-                nbytes = m * k * (2 + 2 + 1 + int(transpose))
+                nbytes = m * k * cast_traffic(x, recipe, transpose)
                 for provider, fn in (("ours (Triton)", quantize), ("PyTorch eager", quantize_reference),
                                      ("PyTorch compiled", reference)):
                     ms = timed(lambda: fn(x, recipe, transpose), bench_ms)
@@ -91,7 +93,8 @@ def print_casts(rows):
         graph = "-" if r["graph_ms"] is None else f"{r['graph_ms'] * 1e3:.1f}"
         print(f"{r['shape'][0]:,} x {r['shape'][1]:<6,} {r['recipe']:<11} {copies:<12} {r['provider']:<18} "
               f"{r['ms'] * 1e3:9.1f} {graph:>9} {r['GBps']:7,.0f} {r['copy_fraction']:6.0%}")
-    print("Bytes per element: 2 read (amax) + 2 read (cast) + 1 written per fp8 copy. eager: called from Python; "
+    print("Bytes per element, as ours moves them: 2 read (amax) + 2 read (cast) + 1 written per fp8 copy, "
+          "or per row without x^T 2 read + 1 written (one pass). eager: called from Python; "
           "graph: replayed in a CUDA graph (GPU time); GB/s and %copy (of the device's copy bandwidth) from the "
           "graph time (eager where there is none).")
 

@@ -41,9 +41,11 @@ written per fp8 copy: 5 B, or 6 B with the transposed copy, in both recipes (the
 scales, a float per row, are negligible). Quantizing x and then x^T separately would
 cost 10 B. Why not one pass? A dynamic scale must be known before the first element
 is cast, and it depends on every element: one pass would hold the whole tensor (or
-row) on chip. The known next step, not taken here, computes the amax in the kernel
-that *produces* x (the RMSNorm of Step 5 or the SwiGLU of Step 12 has every value in
-registers anyway): the cast then reads x once, 3 B per element.
+row) on chip. A row does fit: per row without the transposed copy, a third kernel
+holds whole rows in registers and casts them in one pass, 3 B per element. Per tensor,
+and for x^T's per-column scales, the known next step, not taken here, computes the
+amax in the kernel that *produces* x (the RMSNorm of Step 5 or the SwiGLU of Step 12
+has every value in registers anyway).
 
 Measured (benchmark_fp8.py on an H200, torch 2.11, triton 3.6; results/fp8/bench_fp8_h200.txt),
 x 8192 x 4096 and W 4096 x 4096 in bf16: the bf16 GEMM takes 352 us (781 TFLOP/s),
@@ -103,7 +105,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (  # noqa: F401 - fp8_supported: part of this file's API, used by the tests
     IN_INTERPRETER, INTERPRET, SUPPORTED_DTYPES, cast_to, cdiv, check_kernel_device, fast_launch, first_order_only,
-    fp8_supported, kernel_op, linears_to_cast, nothing, num_sms, swap_modules,
+    fp8_supported, kernel_op, linears_to_cast, next_power_of_2, nothing, num_sms, swap_modules,
 )
 
 import triton
@@ -316,6 +318,39 @@ def _cast_kernel(
                      mask=in_k[:, None] & (offs_m < M_PAD)[None, :])
 
 
+# --------------------------------------------------------------------------------
+# Kernel 3: per row without the transposed copy, one pass
+# --------------------------------------------------------------------------------
+# A row's scale depends on that row only. When a whole row fits in one program's
+# registers (K <= ROW_CAST_MAX_K), the program loads it once, takes its maximum, casts
+# and stores it: 2 B read + 1 B written per element of a bf16 x, against 2 + 2 + 1 for
+# the two kernels above, with no zero-filled buffer and no atomics (H200, 8,192 x 4,096:
+# 26.5 us against 45.5). The transposed copy's scales are per column of x: they need
+# every row first, and the two kernels stay (a variant of this kernel that also kept
+# each program's column maxima, then cast x^T in a second pass, was no faster:
+# NOTES.md, "FP8 casts").
+@fast_launch
+@triton.jit
+def _row_cast_kernel(
+    X,  # [M, K] bf16/fp16/fp32, any strides
+    OUT,  # [M, K] uint8 (a view of the fp8 data), row-major
+    INV,  # float32 [M]: the rows' inverse scales
+    M, K, sx_m, sx_k,
+    blocks_per_program,  # consecutive blocks of ROWS rows per program (a persistent grid)
+    ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_k = tl.arange(0, BLOCK_K)  # the whole row: BLOCK_K >= K
+    for i in range(blocks_per_program):
+        offs_m = (pid * blocks_per_program + i) * ROWS + tl.arange(0, ROWS)
+        in_m = offs_m < M
+        x = _load_tile(X, offs_m, offs_k, M, K, sx_m, sx_k)  # rows past M read as 0
+        scale = _scale(tl.max(tl.abs(x), axis=1))
+        tl.store(OUT + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], _cast_tile(x, scale[:, None]),
+                 mask=in_m[:, None] & (offs_k < K)[None, :])
+        tl.store(INV + offs_m, _inverse(scale), mask=in_m)
+
+
 # Launch parameters, from `tools/tune_kernels.py --only fp8` on an H100 (NOTES.md).
 # CAST_TILES: [BLOCK_M, BLOCK_K] and warps of the cast kernel. AMAX_TILES: the amax
 # kernel's tile and warps, and how many programs per SM it aims for: a program walks as
@@ -324,6 +359,14 @@ def _cast_kernel(
 # that small test tensors still cross several tiles each way and walk several per program.
 CAST_TILES = (32, 32, 1) if INTERPRET else (32, 128, 4)
 AMAX_TILES = (16, 32, 1, 4) if INTERPRET else (64, 128, 4, 8)
+# ROW_CAST: kernel 3's elements per tile (ROWS = that over the row's power of two, at
+# least 1), elements per thread (the warps follow from both) and programs per SM
+# (H200 sweep, 2026-11-24: 4 per SM, 32 per thread, 8,192 per tile, 92-96% of copy
+# bandwidth at 4,096 and 14,336 wide). ROW_CAST_MAX_K: the widest row held in
+# registers; wider rows take the two kernels. The interpreter gets small tiles and a
+# low limit, so that the tests run both paths.
+ROW_CAST = (64, 16, 2) if INTERPRET else (8192, 32, 4)
+ROW_CAST_MAX_K = 64 if INTERPRET else 16384
 
 
 def _amax_steps(m_tiles, k_tiles, device):
@@ -358,6 +401,9 @@ def quantize(x, recipe, transpose=False, align=1):
     amax_t, inv_t = (amax_all[start:], inv_all[start:]) if cols else (amax, inv)
     data = torch.empty(M, K, dtype=FP8_DTYPE, device=device)
     data_t = torch.empty(K, m_pad, dtype=FP8_DTYPE, device=device) if transpose else data
+    if rowwise and not transpose and 0 < K <= ROW_CAST_MAX_K:
+        _cast_rows(x, data, inv)
+        return Fp8Tensor(data, inv.view(-1, 1), None, None)
     # At least one program each way: an empty x still gets its (column) scales written.
     am, ak, aw, _ = AMAX_TILES
     m_tiles, k_tiles = max(1, cdiv(M, am)), max(1, cdiv(K, ak))
@@ -380,6 +426,28 @@ def quantize(x, recipe, transpose=False, align=1):
     if not transpose:
         return Fp8Tensor(data, inv.view(shape), None, None)
     return Fp8Tensor(data, inv.view(shape), data_t, inv_t.view(shape))
+
+
+def _cast_rows(x, data, inv):
+    """Kernel 3's launch: whole rows, a persistent grid of consecutive row blocks."""
+    M, K = x.shape
+    block_k = next_power_of_2(K)
+    tile, per_thread, per_sm = ROW_CAST
+    rows = max(1, tile // block_k)
+    warps = max(1, min(32, rows * block_k // (32 * per_thread)))
+    n_blocks = cdiv(M, rows)
+    programs = max(1, min(n_blocks, (1 if INTERPRET else num_sms(x.device)) * per_sm))
+    _row_cast_kernel[(programs,)](x, data.view(torch.uint8), inv, M, K, x.stride(0), x.stride(1),
+                                  cdiv(n_blocks, programs), ROWS=rows, BLOCK_K=block_k, num_warps=warps)
+
+
+def cast_traffic(x, recipe, transpose):
+    """Bytes per element of x that quantize moves through memory on the path it takes:
+    reads of x and the fp8 copies written (the scales are negligible)."""
+    e = x.element_size()
+    if recipe == "rowwise" and not transpose and 0 < x.shape[-1] <= ROW_CAST_MAX_K:
+        return e + 1  # kernel 3: one read, one write
+    return 2 * e + 1 + int(transpose)  # the amax's read, the cast's read, the copies
 
 
 # --------------------------------------------------------------------------------

@@ -169,12 +169,15 @@ FP8_AMAX_CANDIDATES = [(64, 128, 8, 4), (64, 128, 8, 2), (64, 128, 8, 8), (32, 2
                        (128, 128, 8, 4), (64, 128, 4, 8), (16, 512, 4, 4), (128, 64, 8, 4)]
 FP8_CAST_CANDIDATES = [(64, 128, 8), (128, 128, 8), (64, 64, 4), (128, 64, 8), (32, 128, 4), (64, 256, 8),
                        (128, 128, 16), (32, 256, 8)]
+# Kernel 3 (rowwise without x^T, one pass): elements per tile, elements per thread, programs per SM.
+FP8_ROW_CANDIDATES = [(t, e, p) for t in (4096, 8192, 16384) for e in (8, 16, 32) for p in (1, 2, 4)]
 
 
 def fp8_sweep(results, quick, copy_tbs):
     """quantize() replayed in a CUDA graph (GPU time), both recipes, with and without the
     transposed copy, on the 8B MLP's activations: the amax kernel's candidates first (the
-    cast at its current tiles), then the cast's with the best amax."""
+    cast at its current tiles), then the cast's with the best amax, then the one-pass
+    rowwise kernel's (rowwise without the transposed copy only)."""
     shapes = [(8192, 4096)] if quick else [(4096, 4096), (8192, 4096), (8192, 14336)]
     cases = [(r, t) for r in fk.RECIPES for t in (False, True)]
     inputs = {s: torch.randn(*s, device="cuda", dtype=torch.bfloat16) for s in shapes}
@@ -183,10 +186,12 @@ def fp8_sweep(results, quick, copy_tbs):
         ms_all = []
         for shape, x in inputs.items():
             for recipe, transpose in cases:
+                if what == "rows" and (recipe != "rowwise" or transpose):
+                    continue
                 fk.quantize(x, recipe, transpose)
                 ms = triton.testing.do_bench_cudagraph(lambda: fk.quantize(x, recipe, transpose), rep=100,
                                                        return_mode="median")
-                tbs = x.numel() * (5 + int(transpose)) / ms / 1e9
+                tbs = x.numel() * fk.cast_traffic(x, recipe, transpose) / ms / 1e9
                 ms_all.append(ms)
                 results.append(dict(kernel=f"fp8_{what}", setting=setting, shape=shape, recipe=recipe,
                                     transpose=transpose, ms=ms, tbs=tbs))
@@ -195,9 +200,10 @@ def fp8_sweep(results, quick, copy_tbs):
                       f"{tbs / copy_tbs:4.0%}", flush=True)
         return sum(ms_all)
 
-    orig_amax, orig_cast = fk.AMAX_TILES, fk.CAST_TILES
+    orig = dict(amax=fk.AMAX_TILES, cast=fk.CAST_TILES, rows=fk.ROW_CAST)
     for what, candidates, attr in (("amax", FP8_AMAX_CANDIDATES, "AMAX_TILES"),
-                                   ("cast", FP8_CAST_CANDIDATES, "CAST_TILES")):
+                                   ("cast", FP8_CAST_CANDIDATES, "CAST_TILES"),
+                                   ("rows", FP8_ROW_CANDIDATES, "ROW_CAST")):
         totals = {}
         for setting in candidates:
             setattr(fk, attr, setting)
@@ -206,12 +212,10 @@ def fp8_sweep(results, quick, copy_tbs):
             except Exception as e:  # noqa: BLE001 - a setting may not compile or fit
                 print(f"fp8 {what} {setting}: {type(e).__name__} {str(e)[:120]}")
         best = min(totals, key=totals.get)
-        setattr(fk, attr, best)  # the cast's sweep runs with the best amax
-        print(f"fp8 {what}: best {best} (now {orig_amax if what == 'amax' else orig_cast}), "
-              f"sum {totals[best] * 1e3:.0f} us", flush=True)
-        results.append(dict(kernel=f"fp8_{what}_best", setting=best,
-                            now=orig_amax if what == "amax" else orig_cast))
-    fk.AMAX_TILES, fk.CAST_TILES = orig_amax, orig_cast
+        setattr(fk, attr, best)  # the next sweeps run with the best so far
+        print(f"fp8 {what}: best {best} (now {orig[what]}), sum {totals[best] * 1e3:.0f} us", flush=True)
+        results.append(dict(kernel=f"fp8_{what}_best", setting=best, now=orig[what]))
+    fk.AMAX_TILES, fk.CAST_TILES, fk.ROW_CAST = orig["amax"], orig["cast"], orig["rows"]
 
 
 def cpu_overhead(results):

@@ -46,7 +46,7 @@ def copy_bandwidth():
 
 def rmsnorm_sweep(rows_list, results):
     h = 4096
-    orig_config, orig_per_sm = rk._launch_config, rk.BWD_PROGRAMS_PER_SM
+    orig_config, orig_bwd = rk._launch_config, rk._bwd_launch_config
     for n in rows_list:
         x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         w = (1 + 0.5 * torch.randn(h, device="cuda")).to(torch.bfloat16).requires_grad_()
@@ -58,16 +58,19 @@ def rmsnorm_sweep(rows_list, results):
             tbs = 2 * nbytes / ms / 1e9
             results.append(dict(kernel="rmsnorm_fwd", rows=n, warps=fwd_warps, ms=ms, tbs=tbs))
             print(f"rmsnorm fwd   rows={n:6d} warps={fwd_warps:2d}            {ms * 1e3:8.1f} us {tbs:5.2f} TB/s", flush=True)
-        for warps in (8, 16):
-            for per_sm in (1, 2, 4, 8):
-                rk._launch_config = lambda c, fw=warps: (triton.next_power_of_2(c), 1, fw)
-                rk.BWD_PROGRAMS_PER_SM = per_sm
-                ms = bench(lambda: torch.autograd.grad(rk.rmsnorm(x, w), (x, w), dy))
-                tbs = 5 * nbytes / ms / 1e9
-                results.append(dict(kernel="rmsnorm_fwdbwd", rows=n, warps=warps, per_sm=per_sm, ms=ms, tbs=tbs))
-                print(f"rmsnorm f+b   rows={n:6d} warps={warps:2d} per_sm={per_sm}   {ms * 1e3:8.1f} us {tbs:5.2f} TB/s", flush=True)
+        rk._launch_config = orig_config
+        for step_rows in (1, 2, 4):  # the backward's rows per loop step
+            for warps in (8, 16):
+                for per_sm in (1, 2, 4):
+                    rk._bwd_launch_config = lambda c, r=step_rows, fw=warps, p=per_sm: (triton.next_power_of_2(c), r, fw, p)
+                    ms = bench(lambda: torch.autograd.grad(rk.rmsnorm(x, w), (x, w), dy))
+                    tbs = 5 * nbytes / ms / 1e9
+                    results.append(dict(kernel="rmsnorm_fwdbwd", rows=n, step_rows=step_rows, warps=warps,
+                                        per_sm=per_sm, ms=ms, tbs=tbs))
+                    print(f"rmsnorm f+b   rows={n:6d} step_rows={step_rows} warps={warps:2d} per_sm={per_sm}   "
+                          f"{ms * 1e3:8.1f} us {tbs:5.2f} TB/s", flush=True)
         x = dy = None  # free before the next size (the timed lambdas above are done with them)
-    rk._launch_config, rk.BWD_PROGRAMS_PER_SM = orig_config, orig_per_sm
+    rk._launch_config, rk._bwd_launch_config = orig_config, orig_bwd
 
 
 def ce_sweep(rows_list, results, quick):

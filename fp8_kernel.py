@@ -390,6 +390,10 @@ def quantize(x, recipe, transpose=False, align=1):
     m_pad = cdiv(M, align) * align
     rowwise = recipe == "rowwise"
     device = x.device
+    if _one_pass(recipe, transpose, K):
+        data, inv = torch.empty(M, K, dtype=FP8_DTYPE, device=device), x.new_empty(M, dtype=torch.float32)
+        _cast_rows(x, data, inv)
+        return Fp8Tensor(data, inv.view(-1, 1), None, None)
     # The amaxes of rows and columns in one zeroed buffer, the inverse scales in another:
     # two allocations instead of four (each is host time, in eager mode). The column part
     # starts 256 bytes in: cuBLASLt wants aligned scale vectors.
@@ -402,9 +406,6 @@ def quantize(x, recipe, transpose=False, align=1):
     amax_t, inv_t = (amax_all[start:], inv_all[start:]) if cols else (amax, inv)
     data = torch.empty(M, K, dtype=FP8_DTYPE, device=device)
     data_t = torch.empty(K, m_pad, dtype=FP8_DTYPE, device=device) if transpose else data
-    if rowwise and not transpose and 0 < K <= ROW_CAST_MAX_K:
-        _cast_rows(x, data, inv)
-        return Fp8Tensor(data, inv.view(-1, 1), None, None)
     # At least one program each way: an empty x still gets its (column) scales written.
     am, ak, aw, _ = AMAX_TILES
     m_tiles, k_tiles = max(1, cdiv(M, am)), max(1, cdiv(K, ak))
@@ -429,6 +430,11 @@ def quantize(x, recipe, transpose=False, align=1):
     return Fp8Tensor(data, inv.view(shape), data_t, inv_t.view(shape))
 
 
+def _one_pass(recipe, transpose, K):
+    """Does quantize take kernel 3 (per row, no transposed copy, rows that fit)?"""
+    return recipe == "rowwise" and not transpose and 0 < K <= ROW_CAST_MAX_K
+
+
 def _cast_rows(x, data, inv):
     """Kernel 3's launch: whole rows, a persistent grid of consecutive row blocks."""
     M, K = x.shape
@@ -446,7 +452,7 @@ def cast_traffic(x, recipe, transpose):
     """Bytes per element of x that quantize moves through memory on the path it takes:
     reads of x and the fp8 copies written (the scales are negligible)."""
     e = x.element_size()
-    if recipe == "rowwise" and not transpose and 0 < x.shape[-1] <= ROW_CAST_MAX_K:
+    if _one_pass(recipe, transpose, x.shape[-1]):
         return e + 1  # kernel 3: one read, one write
     return 2 * e + 1 + int(transpose)  # the amax's read, the cast's read, the copies
 

@@ -326,10 +326,8 @@ def _cast_kernel(
 # registers (K <= ROW_CAST_MAX_K), the program loads it once, takes its maximum, casts
 # and stores it: 2 B read + 1 B written per element of a bf16 x, against 2 + 2 + 1 for
 # the two kernels above, with no zero-filled buffer and no atomics (H200, 8,192 x 4,096:
-# 26.5 us against 45.5). The transposed copy's scales are per column of x: they need
-# every row first, and the two kernels stay (a variant of this kernel that also kept
-# each program's column maxima, then cast x^T in a second pass, was no faster:
-# NOTES.md, "FP8 casts").
+# 26.5 us against 45.5). x^T's scales are per column of x, they need every row first:
+# there the two kernels stay (a one-pass variant was no faster: NOTES.md, "FP8 casts").
 @fast_launch
 @triton.jit
 def _row_cast_kernel(
@@ -361,11 +359,9 @@ def _row_cast_kernel(
 CAST_TILES = (32, 32, 1) if INTERPRET else (32, 128, 4)
 AMAX_TILES = (16, 32, 1, 4) if INTERPRET else (64, 128, 4, 8)
 # ROW_CAST: kernel 3's elements per tile (ROWS = that over the row's power of two, at
-# least 1), elements per thread (the warps follow from both) and programs per SM
-# (H200 sweep, 2026-11-24: 4 per SM, 32 per thread, 8,192 per tile, 92-96% of copy
-# bandwidth at 4,096 and 14,336 wide). ROW_CAST_MAX_K: the widest row held in
-# registers; wider rows take the two kernels. The interpreter gets small tiles and a
-# low limit, so that the tests run both paths.
+# least 1), elements per thread (the warps follow) and programs per SM (H200 sweep: 92-96%
+# of copy bandwidth at 4,096 and 14,336 wide). ROW_CAST_MAX_K: the widest row held in
+# registers. The interpreter's small tiles and limit make the tests run both paths.
 ROW_CAST = (64, 16, 2) if INTERPRET else (8192, 32, 4)
 ROW_CAST_MAX_K = 64 if INTERPRET else 16384
 

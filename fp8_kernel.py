@@ -48,7 +48,7 @@ amax in the kernel that *produces* x (the RMSNorm of Step 5 or the SwiGLU of Ste
 has every value in registers anyway).
 
 Measured (benchmark_fp8.py on an H200, torch 2.11, triton 3.6; results/fp8/bench_fp8_h200.txt),
-x 8192 x 4096 and W 4096 x 4096 in bf16: the bf16 GEMM takes 350-390 us (706-785 TFLOP/s),
+x 8192 x 4096 and W 4096 x 4096 in bf16: the bf16 GEMM takes 390 us (706 TFLOP/s),
 torch._scaled_mm 215-236 us (1165-1280 TFLOP/s); quantize(x) 45 us per tensor and 28 us
 per row (one pass) in a CUDA graph, 59-70 us with the transposed copy (68-80% of copy
 bandwidth; 76-87% at 14,336 wide).

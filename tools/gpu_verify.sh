@@ -135,6 +135,13 @@ for what in $WHAT; do
           2>&1 | tee "$OUTDIR/ft8b_compile_ours_$recipe.log" | tail -8
         python3 finetune_baseline.py $common --compile $kernels --torchao-fp8 $recipe \
           --json "$OUTDIR/ft8b_compile_torchao_$recipe.json" 2>&1 | tee "$OUTDIR/ft8b_compile_torchao_$recipe.log" | tail -8
+      done
+      # LoRA r16, 4 x 2,048: the default command with and without --fp8 (per row: the one-pass cast).
+      lora="--random-init --lora --dataset synthetic --batch-size 4 --seq-len 2048 --steps 12 --log-every 4"
+      for recipe in bf16 tensorwise rowwise; do
+        extra=""; [ "$recipe" = bf16 ] || extra="--fp8 $recipe"
+        python3 finetune_optimized.py $lora $extra --json "$OUTDIR/lora8b_$recipe.json" 2>&1 \
+          | tee "$OUTDIR/lora8b_$recipe.log" | tail -8
       done ;;
     inbackward)
       # Step 20: 8B full fine-tuning 2 x 2,048, the plain loop without clipping against --optimizer-in-backward.

@@ -193,20 +193,52 @@ def check_same_rope(original, model, where):
 _FUSED_FORWARDS = {}  # attention class -> its forward, reading our apply_rotary_pos_emb
 
 
+def _copy_function(fn, names=None, closure=None):
+    """A new function with fn's code and metadata, other globals and/or closure cells."""
+    new = types.FunctionType(fn.__code__, fn.__globals__ if names is None else names, fn.__name__,
+                             fn.__defaults__, fn.__closure__ if closure is None else closure)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__dict__.update(fn.__dict__)
+    new.__qualname__ = fn.__qualname__
+    return new
+
+
+def _cell_holds(cell, obj):
+    try:
+        return cell.cell_contents is obj
+    except ValueError:  # an empty cell
+        return False
+
+
+def _with_fused_rope(fn, depth=0):
+    """A copy of ``fn`` that finds our function under HF's name, or None.
+
+    A forward that looks the name up in its globals is copied with those globals
+    (ours in place of HF's). A decorated forward (transformers wraps some in
+    ``deprecate_kwarg``, with functools.wraps: ``__wrapped__``) is copied around
+    such a copy of the function it wraps, when it holds that function in a closure
+    cell; the decorator's own work (renaming an old keyword) still runs.
+    """
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    if "apply_rotary_pos_emb" in code.co_names and "apply_rotary_pos_emb" in fn.__globals__:
+        names = dict(fn.__globals__)  # the module's globals as they are now
+        names["apply_rotary_pos_emb"] = apply_rotary_pos_emb
+        return _copy_function(fn, names=names)
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is None or depth >= 4 or not fn.__closure__ or not any(_cell_holds(c, inner) for c in fn.__closure__):
+        return None
+    fused_inner = _with_fused_rope(inner, depth + 1)
+    if fused_inner is None:
+        return None
+    closure = tuple(types.CellType(fused_inner) if _cell_holds(c, inner) else c for c in fn.__closure__)
+    return _copy_function(fn, closure=closure)
+
+
 def _forward_with_fused_rope(cls):
-    """``cls.forward`` with our function under HF's name in its globals, or None when
-    that forward does not look the name up in its globals (a decorated forward)."""
+    """``cls.forward`` reading our function under HF's name (see _with_fused_rope), or
+    None when neither it nor the function a decorator wraps looks the name up."""
     if cls not in _FUSED_FORWARDS:
-        forward = cls.forward
-        fused = None
-        if "apply_rotary_pos_emb" in getattr(forward, "__code__", types.SimpleNamespace(co_names=())).co_names \
-                and "apply_rotary_pos_emb" in forward.__globals__:
-            names = dict(forward.__globals__)  # the module's globals as they are now
-            names["apply_rotary_pos_emb"] = apply_rotary_pos_emb
-            fused = types.FunctionType(forward.__code__, names, forward.__name__, forward.__defaults__,
-                                       forward.__closure__)
-            fused.__kwdefaults__ = forward.__kwdefaults__
-            fused.__dict__.update(forward.__dict__)
-            fused.__qualname__ = forward.__qualname__
-        _FUSED_FORWARDS[cls] = fused
+        _FUSED_FORWARDS[cls] = _with_fused_rope(cls.forward)
     return _FUSED_FORWARDS[cls]

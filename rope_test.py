@@ -362,6 +362,41 @@ def test_patched_rope_on_llama_fp32():
     assert e_grad <= 1e-6, f"patched gradients differ by up to {e_grad:.2e}"
 
 
+def test_fused_forward_reaches_through_a_keyword_renaming_decorator():
+    # transformers 5.24 wraps LlamaAttention.forward in deprecate_kwarg (functools.wraps,
+    # the wrapped function in a closure cell): the copy must reach that function, and the
+    # wrapper's own work (renaming an old keyword) must still run.
+    import functools
+
+    from rope_patching import _forward_with_fused_rope
+
+    def rename(old, new):
+        def decorator(fn):
+            @functools.wraps(fn)
+            def wrapper(*args, **kwargs):
+                if old in kwargs:
+                    kwargs[new] = kwargs.pop(old)
+                return fn(*args, **kwargs)
+            return wrapper
+        return decorator
+
+    namespace = {"apply_rotary_pos_emb": lambda q, k, cos, sin: ("hf's", q, k)}
+    exec("def forward(self, q, k, cos, sin, cache=None):\n"
+         "    return apply_rotary_pos_emb(q, k, cos, sin), cache\n", namespace)
+    cls = type("ToyAttention", (), {"forward": rename("past_key_values", "cache")(namespace["forward"])})
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 2, 4, 8, generator=g), torch.randn(1, 2, 4, 8, generator=g)
+    angles = torch.rand(1, 4, 4, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
+    (q_out, k_out), cache = _forward_with_fused_rope(cls)(None, q.to(DEVICE), k.to(DEVICE), cos.to(DEVICE),
+                                                          sin.to(DEVICE), past_key_values="kept")
+    assert cache == "kept"  # the decorator ran
+    q_ref, k_ref = rope_reference(q, k, cos, sin)
+    torch.testing.assert_close(q_out.cpu(), q_ref)
+    torch.testing.assert_close(k_out.cpu(), k_ref)
+    assert cls.forward(None, q, k, cos, sin)[0][0] == "hf's"  # the class itself is untouched
+
+
 def test_fuse_rope_with_gradient_checkpointing(monkeypatch):
     # Checkpointing reruns each attention layer during backward; the fused RoPE
     # must run there too (else PyTorch's CheckpointError: different saved tensors).

@@ -233,7 +233,9 @@ def _with_fused_rope(fn, depth=0):
     if fused_inner is None:
         return None
     closure = tuple(types.CellType(fused_inner) if _cell_holds(c, inner) else c for c in fn.__closure__)
-    return _copy_function(fn, closure=closure)
+    fused = _copy_function(fn, closure=closure)
+    fused.__wrapped__ = fused_inner  # what it calls, for anything that unwraps it
+    return fused
 
 
 def _forward_with_fused_rope(cls):

@@ -391,6 +391,8 @@ def test_fused_forward_reaches_through_a_keyword_renaming_decorator():
     (q_out, k_out), cache = _forward_with_fused_rope(cls)(None, q.to(DEVICE), k.to(DEVICE), cos.to(DEVICE),
                                                           sin.to(DEVICE), past_key_values="kept")
     assert cache == "kept"  # the decorator ran
+    unwrapped = _forward_with_fused_rope(cls).__wrapped__  # the copy it calls, not HF's function
+    assert unwrapped.__globals__["apply_rotary_pos_emb"] is not namespace["apply_rotary_pos_emb"]
     q_ref, k_ref = rope_reference(q, k, cos, sin)
     torch.testing.assert_close(q_out.cpu(), q_ref)
     torch.testing.assert_close(k_out.cpu(), k_ref)

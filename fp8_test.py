@@ -259,11 +259,70 @@ def test_frozen_weight_is_quantized_once(monkeypatch):
     with torch.no_grad():
         w.mul_(2)  # an in-place update: a new version of the weight
     calls.clear()
-    y3 = FP8LinearFunction.apply(x, w, None, "rowwise")
-    assert calls == [(5, 48), (32, 48)] and torch.allclose(y3, 2 * y1, rtol=1e-6)
+    y3 = FP8LinearFunction.apply(x, w, None, "rowwise")  # x is y2's: its cast is kept (test below)
+    assert calls == [(32, 48)] and torch.allclose(y3, 2 * y1, rtol=1e-6)
     calls.clear()
     FP8LinearFunction.apply(x, w, None, "tensorwise")  # another recipe: another entry
     assert calls == [(5, 48), (32, 48)]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_layers_that_read_one_x_share_its_cast(monkeypatch, recipe):
+    """q, k and v read one x: it is cast once and its x^T saved once, and every output and
+    gradient is what three layers give on three copies of x."""
+    calls = []
+    real = fp8_kernel.quantize
+    monkeypatch.setattr(fp8_kernel, "quantize", lambda t, *a, **k: calls.append(tuple(t.shape)) or real(t, *a, **k))
+    x = sample((2, 9, 32), torch.float32, 20)
+    ws = [sample((16, 32), torch.float32, 21 + i) for i in range(3)]
+    dys = [torch.randn(2, 9, 16).to(DEVICE) for _ in ws]
+
+    def run(xs):
+        ws_ = [w.clone().requires_grad_() for w in ws]
+        ys = [FP8LinearFunction.apply(xi, w, None, recipe) for xi, w in zip(xs, ws_)]
+        saved = [y.grad_fn.saved_tensors[0] for y in ys]  # each layer's fp8 x^T
+        torch.autograd.backward(ys, dys)
+        return ys, [w.grad for w in ws_], saved
+
+    copies = [x.clone().requires_grad_() for _ in ws]
+    ys, dws, saved = run(copies)
+    assert calls.count((18, 32)) == 3 and len({t.data_ptr() for t in saved}) == 3
+    assert not fp8_kernel._LAST_INPUT  # backward dropped the last input's entry
+    calls.clear()
+    one = x.clone().requires_grad_()
+    ys1, dws1, saved1 = run([one] * 3)
+    assert calls.count((18, 32)) == 1 and len({t.data_ptr() for t in saved1}) == 1
+    for a, b in zip(ys + dws, ys1 + dws1):
+        assert torch.equal(a, b)
+    assert rel_err(one.grad, sum(c.grad for c in copies)) < 1e-6  # the same terms, summed in another order
+
+
+def test_a_written_or_new_x_is_cast_anew(monkeypatch):
+    """The kept cast is never stale: an in-place write, or another tensor with the same
+    shape (or the same address, once the first is freed), is cast again."""
+    calls = []
+    real = fp8_kernel.quantize
+    monkeypatch.setattr(fp8_kernel, "quantize", lambda t, *a, **k: calls.append(tuple(t.shape)) or real(t, *a, **k))
+    w = sample((16, 32), torch.float32, 30).requires_grad_()
+
+    def cast_count_and_check(x):
+        calls.clear()
+        y = FP8LinearFunction.apply(x, w, None, "rowwise")
+        casts = calls.count(tuple(x.shape))
+        with torch.no_grad():  # the operator, no kept cast: the truth for these values
+            want = fp8_kernel.fp8_linear_forward(x, w, None, "rowwise", False, True)[0]
+        assert torch.equal(y, want)
+        return casts
+
+    x = sample((6, 32), torch.float32, 31)
+    assert cast_count_and_check(x) == 1
+    assert cast_count_and_check(x) == 0  # the same x, unwritten: kept
+    x.mul_(3)
+    assert cast_count_and_check(x) == 1  # written in place: a new version
+    assert cast_count_and_check(x.clone()) == 1  # equal values, another storage
+    del x
+    x = sample((6, 32), torch.float32, 32)
+    assert cast_count_and_check(x) == 1  # a new storage, even where it reuses the freed address
 
 
 def test_forward_without_gradients_quantizes_no_transposed_copy(monkeypatch):

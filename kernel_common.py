@@ -434,7 +434,7 @@ def kernel_op(name, fake):
 
         @functools.wraps(launcher)
         def launch(*args):
-            if torch.compiler.is_compiling() or _traced(next(a for a in args if a is not None)):
+            if torch.compiler.is_compiling() or traced(next(a for a in args if a is not None)):
                 return op(*args)
             return launcher(*args)
 
@@ -443,7 +443,7 @@ def kernel_op(name, fake):
     return register
 
 
-def _traced(t):
+def traced(t):
     """Whether ``t`` is a tracer's stand-in (fake or functional tensor), as when
     torch.compile differentiates a graph, or torch.func / make_fx trace one
     without Dynamo (then ``is_compiling()`` is False). Real inputs are plain

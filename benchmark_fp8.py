@@ -13,7 +13,7 @@ Three tables, each printed and written to --json:
    recipe in PyTorch (quantize_reference), eager and compiled.
 2. The GEMMs at LLaMA-3.1-8B's shapes (M = 8,192 tokens): bf16 torch.mm,
    torch._scaled_mm (cuBLASLt) per tensor and per row, and triton_scaled_mm (the
-   lesson's Triton FP8 GEMM), in TFLOP/s.
+   lesson's Triton FP8 GEMM, fp8_gemm_kernel.py), in TFLOP/s.
 3. A stack of four LLaMA-8B MLPs (4,096 -> 14,336 -> 4,096, SiLU gate), forward
    + backward, compiled (torch.compile, default mode): bf16, ours per recipe
    (fp8_kernel.replace_linears), torchao's float8 training per recipe
@@ -37,8 +37,8 @@ import torch.nn.functional as F
 import flags  # first: it switches on the Triton interpreter when there is no GPU
 from benchmark_kernels import bench, copy_bandwidth, free_memory
 from benchmark_peers import version
-from fp8_kernel import RECIPES, cast_traffic, fp8_supported, quantize, quantize_reference, replace_linears, scaled_mm, \
-    triton_scaled_mm
+from fp8_gemm_kernel import triton_scaled_mm
+from fp8_kernel import RECIPES, cast_traffic, fp8_supported, quantize, quantize_reference, replace_linears, scaled_mm
 
 M = 8192  # tokens per step: 4 x 2,048
 GEMMS = {  # LLaMA-3.1-8B's linear layers as (N, K): y[M, N] = x[M, K] W^T

@@ -79,8 +79,8 @@ Triton concepts new in this step
   a quarter as many elements to move (per tensor: +5 to +7 points of copy bandwidth).
 * ``tl.math.div_rn``: a correctly rounded float32 division (Triton's ``/`` may be
   approximate on the GPU), to match PyTorch's scale to the last bit.
-* ``tl.dot`` on float8e4nv tiles (Hopper's FP8 wgmma) and grouped program order for
-  L2 reuse, in ``triton_scaled_mm``, the second half of this file.
+The lesson's second half, ``fp8_gemm_kernel.py``, writes the FP8 GEMM itself in Triton
+(``tl.dot`` on float8e4nv tiles) to compare with cuBLASLt.
 
 Nothing runs on import. See fp8_test.py for the checks.
 """
@@ -197,6 +197,25 @@ def _amax_kernel(
         tl.atomic_max(AMAX, tl.max(run))
 
 
+# Kernel 1b, per tensor: one scale needs the largest |x| of all elements in any order,
+# so x whose elements fill one block of memory (contiguous, or a transposed view of a
+# contiguous tensor) is read as a flat array: long contiguous runs, no tiles. A
+# persistent grid of G programs strides over it, each keeping an elementwise running
+# maximum, and program p writes its maximum to PARTIAL[p]: no zeroed buffer (one launch
+# less) and no atomics; the cast kernel reduces the G partials itself (a few KB from L2).
+@fast_launch
+@triton.jit
+def _amax_flat_kernel(X, PARTIAL, N, iters, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    run = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(iters):
+        # Block i * G + p: the programs' last blocks are x's last, the ones still in L2
+        # when the cast kernel starts from the end (as with kernel 1's strips).
+        offs = (i * tl.num_programs(0) + pid).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        run = tl.maximum(run, tl.abs(tl.load(X + offs, mask=offs < N, other=0.0).to(tl.float32)))
+    tl.store(PARTIAL + pid, tl.max(run, axis=0))
+
+
 # --------------------------------------------------------------------------------
 # Kernel 2: the cast
 # --------------------------------------------------------------------------------
@@ -246,11 +265,12 @@ def _cast_kernel(
     OUT,  # [M, K] uint8 (a view of the fp8 data), row-major
     OUT_T,  # [K, M_PAD] uint8 (a view of the fp8 data_t), row-major, or [K, M_PAD / 4] int32 with PACK;
             # unused without TRANSPOSE
-    AMAX, AMAX_T,  # float32 [M] / [K] (rowwise) or [1] (tensorwise), from _amax_kernel
+    AMAX, AMAX_T,  # float32 [M] / [K] (rowwise), or tensorwise [n_amax] maxima whose maximum is x's
     INV, INV_T,  # float32 [M] / [K] or [1]: the inverse scales this kernel writes
-    M, K, M_PAD, sx_m, sx_k,
+    M, K, M_PAD, sx_m, sx_k, n_amax,
     ROWWISE: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     PACK: tl.constexpr,  # OUT_T written as 32-bit words (M_PAD a multiple of 4)
+    AMAX_BLOCK: tl.constexpr,  # a power of two >= n_amax
 ):
     # What it buys: part of x read from L2 instead of HBM. Programs start in order of id,
     # so the amax kernel's last tiles are still in L2 (50 MB on an H100/H200) when this one
@@ -272,7 +292,8 @@ def _cast_kernel(
         if pid_k == 0:
             tl.store(INV + offs_m, _inverse(scale), mask=in_m)
     else:
-        scale = _scale(tl.load(AMAX))
+        offs_a = tl.arange(0, AMAX_BLOCK)
+        scale = _scale(tl.max(tl.load(AMAX + offs_a, mask=offs_a < n_amax, other=0.0), axis=0))
         bits = _cast_tile(x, scale)
         if (pid_m == 0) & (pid_k == 0):
             tl.store(INV, _inverse(scale))
@@ -345,6 +366,8 @@ AMAX_TILES = (16, 32, 1, 4) if INTERPRET else (64, 128, 4, 8)
 # ROW_CAST_MAX_K: the widest row in registers (small in the interpreter: both paths run).
 ROW_CAST = (64, 16, 2) if INTERPRET else (8192, 32, 4)
 ROW_CAST_MAX_K = 64 if INTERPRET else 16384
+# AMAX_FLAT: kernel 1b's elements per block, warps and programs per SM.
+AMAX_FLAT = (64, 1, 4) if INTERPRET else (8192, 8, 4)
 
 
 def _amax_steps(m_tiles, k_tiles, device):
@@ -371,24 +394,35 @@ def quantize(x, recipe, transpose=False, align=1):
         data, inv = torch.empty(M, K, dtype=FP8_DTYPE, device=device), x.new_empty(M, dtype=torch.float32)
         _cast_rows(x, data, inv)
         return Fp8Tensor(data, inv.view(-1, 1), None, None)
-    # Row and column amaxes in one zeroed buffer, the inverse scales in another: two
-    # allocations, not four (host time). Columns start 256 B in: cuBLASLt aligns scales.
-    rows = M if rowwise else 1
-    cols = K if rowwise and transpose else 0
-    start = cdiv(rows, 64) * 64 if cols else rows
-    amax_all = torch.zeros(start + cols, dtype=torch.float32, device=device)
-    inv_all = torch.empty_like(amax_all)
-    amax, inv = amax_all[:rows], inv_all[:rows]
-    amax_t, inv_t = (amax_all[start:], inv_all[start:]) if cols else (amax, inv)
     data = torch.empty(M, K, dtype=FP8_DTYPE, device=device)
     data_t = torch.empty(K, m_pad, dtype=FP8_DTYPE, device=device) if transpose else data
-    # At least one program each way: an empty x still gets its (column) scales written.
-    am, ak, aw, _ = AMAX_TILES
-    m_tiles, k_tiles = max(1, cdiv(M, am)), max(1, cdiv(K, ak))
-    steps = _amax_steps(m_tiles, k_tiles, device)
-    _amax_kernel[(cdiv(m_tiles, steps), k_tiles)](
-        x, amax, amax_t, M, K, x.stride(0), x.stride(1),
-        ROWWISE=rowwise, TRANSPOSE=transpose, BLOCK_M=am, BLOCK_K=ak, STEPS=steps, num_warps=aw)
+    flat_block, flat_warps, flat_per_sm = AMAX_FLAT
+    most = flat_per_sm * (1 if INTERPRET else num_sms(device))
+    n_amax = 1
+    if not rowwise and (x.is_contiguous() or x.t().is_contiguous()):  # kernel 1b
+        blocks = cdiv(x.numel(), flat_block)
+        n_amax = max(1, min(blocks, most))  # an empty x: one program, its maximum 0
+        amax = amax_t = torch.empty(n_amax, dtype=torch.float32, device=device)
+        inv = inv_t = torch.empty(1, dtype=torch.float32, device=device)
+        _amax_flat_kernel[(n_amax,)](x, amax, x.numel(), cdiv(blocks, n_amax), BLOCK=flat_block,
+                                     num_warps=flat_warps)
+    else:
+        # Row and column amaxes in one zeroed buffer, the inverse scales in another: two
+        # allocations, not four (host time). Columns start 256 B in: cuBLASLt aligns scales.
+        rows = M if rowwise else 1
+        cols = K if rowwise and transpose else 0
+        start = cdiv(rows, 64) * 64 if cols else rows
+        amax_all = torch.zeros(start + cols, dtype=torch.float32, device=device)
+        inv_all = torch.empty_like(amax_all)
+        amax, inv = amax_all[:rows], inv_all[:rows]
+        amax_t, inv_t = (amax_all[start:], inv_all[start:]) if cols else (amax, inv)
+        # At least one program each way: an empty x still gets its (column) scales written.
+        am, ak, aw, _ = AMAX_TILES
+        m_tiles, k_tiles = max(1, cdiv(M, am)), max(1, cdiv(K, ak))
+        steps = _amax_steps(m_tiles, k_tiles, device)
+        _amax_kernel[(cdiv(m_tiles, steps), k_tiles)](
+            x, amax, amax_t, M, K, x.stride(0), x.stride(1),
+            ROWWISE=rowwise, TRANSPOSE=transpose, BLOCK_M=am, BLOCK_K=ak, STEPS=steps, num_warps=aw)
     cm, ck, cw = CAST_TILES
     # x^T as 32-bit words (PACK) per tensor: +5 to +7 points of copy bandwidth (H200). Per
     # row the tile is cast twice, and packing on top measured 2-5 points slower (NOTES.md).
@@ -396,8 +430,8 @@ def quantize(x, recipe, transpose=False, align=1):
     out_t = data_t.view(torch.int32) if pack else data_t.view(torch.uint8)
     _cast_kernel[(max(1, cdiv(m_pad, cm)), max(1, cdiv(K, ck)))](
         x, data.view(torch.uint8), out_t, amax, amax_t, inv, inv_t,
-        M, K, m_pad, x.stride(0), x.stride(1), ROWWISE=rowwise, TRANSPOSE=transpose, BLOCK_M=cm, BLOCK_K=ck,
-        PACK=pack, num_warps=cw)
+        M, K, m_pad, x.stride(0), x.stride(1), n_amax, ROWWISE=rowwise, TRANSPOSE=transpose, BLOCK_M=cm,
+        BLOCK_K=ck, PACK=pack, AMAX_BLOCK=next_power_of_2(most), num_warps=cw)
     shape = (-1, 1) if rowwise else ()
     if not transpose:
         return Fp8Tensor(data, inv.view(shape), None, None)
@@ -446,93 +480,6 @@ def scaled_mm(a8, inv_a, b8, inv_b, out_dtype, bias=None, fast_accum=False):
         # A separate pass over y (cuBLASLt can fuse a bias for some dtypes; LLaMA has none).
         y.add_(bias)
     return y
-
-
-# --------------------------------------------------------------------------------
-# The same GEMM as a Triton kernel, for comparison with cuBLASLt
-# --------------------------------------------------------------------------------
-# Program order: consecutive program ids walk GROUP_M tiles *down* a column of C before
-# moving to the next column, so the programs running together share a few tiles of A
-# and a few of B, which stay in L2; in plain row order each wave of programs would read
-# all of B for one row of tiles of A.
-@triton.jit
-def _fp8_dot(a, b, acc, FAST_ACCUM: tl.constexpr, BLOCK_K: tl.constexpr):
-    # a [BM, BK], b [BN, BK] fp8 -> acc + a b^T (the interpreter: in float32). Hopper's FP8
-    # tensor cores accumulate with fewer bits than float32; max_num_imprecise_acc=BLOCK_K
-    # adds each K-tile's product into the float32 accumulator (_scaled_mm's
-    # use_fast_accum=False). H200, 8192 x 4096 x 4096: that precision cost us 30% and
-    # cuBLASLt 7%; benchmark_fp8.py times both precise.
-    if IN_INTERPRETER:
-        return acc + tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)))
-    elif FAST_ACCUM:
-        return tl.dot(a, tl.trans(b), acc)
-    else:
-        return tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
-
-
-@fast_launch
-@triton.jit
-def _fp8_gemm_kernel(
-    A,  # [M, K] fp8 row-major
-    B,  # [N, K] fp8 row-major
-    C,  # [M, N] out dtype
-    INV_A, INV_B,  # float32 [M] and [N] (rowwise) or [1] each
-    M, N, K,
-    ROWWISE: tl.constexpr, FAST_ACCUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = tl.minimum(tiles_m - first_m, GROUP_M)  # the last group may be shorter
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = A + offs_m[:, None].to(tl.int64) * K + offs_k[None, :]
-    b_ptrs = B + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + offs_k < K)[None, :]
-        a = tl.load(a_ptrs, mask=(offs_m < M)[:, None] & k_ok, other=0.0)
-        b = tl.load(b_ptrs, mask=(offs_n < N)[:, None] & k_ok, other=0.0)
-        acc = _fp8_dot(a, b, acc, FAST_ACCUM, BLOCK_K)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    # The scales multiply the float32 accumulator once, after the whole K loop: they are
-    # constant along K (that is what "scaled along the reduction axis" buys).
-    if ROWWISE:
-        inv_a = tl.load(INV_A + offs_m, mask=offs_m < M, other=0.0)
-        inv_b = tl.load(INV_B + offs_n, mask=offs_n < N, other=0.0)
-        out = acc * inv_a[:, None] * inv_b[None, :]
-    else:
-        out = acc * (tl.load(INV_A) * tl.load(INV_B))
-    c_ptrs = C + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    tl.store(c_ptrs, cast_to(out, C.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
-
-
-def triton_scaled_mm(a8, inv_a, b8, inv_b, out_dtype, fast_accum=False):
-    """scaled_mm as one Triton kernel (same arguments, no bias): for the benchmark."""
-    if a8.dtype != FP8_DTYPE or b8.dtype != FP8_DTYPE or a8.dim() != 2 or b8.dim() != 2 \
-            or a8.shape[1] != b8.shape[1]:
-        raise ValueError(f"triton_scaled_mm: a8 [M, K] and b8 [N, K] must be {FP8_DTYPE}, got {a8.dtype} "
-                         f"{tuple(a8.shape)} and {b8.dtype} {tuple(b8.shape)}")
-    check_kernel_device(a8, b8, inv_a, inv_b)
-    a8, b8 = a8.contiguous(), b8.contiguous()
-    (M, K), N = a8.shape, b8.shape[0]
-    c = torch.empty(M, N, dtype=out_dtype, device=a8.device)
-    # 128 x 128 x 128 fp8 tiles: 32 KB of A and B per stage, 3 stages in shared memory.
-    bm, bn, bk, warps, stages = (16, 16, 32, 1, 1) if INTERPRET else (128, 128, 128, 8, 3)
-    if c.numel():
-        _fp8_gemm_kernel[(cdiv(M, bm) * cdiv(N, bn),)](
-            a8, b8, c, inv_a.reshape(-1), inv_b.reshape(-1), M, N, K,
-            ROWWISE=inv_a.dim() == 2, FAST_ACCUM=fast_accum, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-            num_warps=warps, num_stages=stages)
-    return c
 
 
 # --------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """
-Tests of the FP8 linear layer and its scaling kernels (fp8_kernel.py, Step 22).
+Tests of the FP8 linear layer and its scaling kernels (fp8_kernel.py, Step 22) and of
+the Triton FP8 GEMM (fp8_gemm_kernel.py).
 
 * quantize (Triton) equals quantize_reference bit for bit: both recipes, with and
   without the transposed copy, ragged shapes, bf16/fp16/fp32, a zero row, huge
@@ -32,8 +33,9 @@ from conftest import DEVICE, need_gpu, rel_err
 import fp8_kernel
 from fp8_kernel import (
     FP8_DTYPE, FP8_MAX, RECIPES, FP8Linear, FP8LinearFunction, fp8_linear, fp8_supported, linears_to_cast, quantize,
-    quantize_reference, replace_linears, scaled_mm, scaled_mm_reference, triton_scaled_mm,
+    quantize_reference, replace_linears, scaled_mm, scaled_mm_reference,
 )
+from fp8_gemm_kernel import triton_scaled_mm
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # Two float32 GEMMs of the same fp8 operands: on the CPU they differ only in the order of
@@ -106,6 +108,19 @@ def test_transposed_view_is_read_in_place():
         got = quantize(x, recipe, transpose=True)
         assert_same(got, quantize_reference(x, recipe, transpose=True))
         assert_same(got, quantize(x.contiguous(), recipe, transpose=True))
+
+
+@pytest.mark.parametrize("where", [0, 1000, -1], ids=["first", "middle", "last"])
+def test_per_tensor_amax_of_a_flat_or_a_strided_x(where):
+    """Per tensor, a contiguous x or a transposed view is read flat by several programs and
+    the cast reduces their maxima; a slice of a wider tensor takes the tiled kernel. The
+    largest value first, in the middle or last: whichever program read it, it sets the scale."""
+    wide = sample((40, 96), torch.float32, seed=3)
+    wide.view(-1)[where] = 5e5
+    for x in (wide, wide.t(), wide[:, 7:71], wide[3:, 7:71].t()):
+        for transpose in (False, True):
+            assert_same(quantize(x, "tensorwise", transpose), quantize_reference(x, "tensorwise", transpose))
+    assert quantize(wide, "tensorwise").inv_scale.item() == pytest.approx(5e5 / FP8_MAX, rel=1e-6)
 
 
 def test_all_zeros_give_zeros_and_finite_scales():

@@ -174,13 +174,17 @@ FP8_CAST_CANDIDATES = [(64, 128, 8), (128, 128, 8), (64, 64, 4), (128, 64, 8), (
                        (128, 128, 16), (32, 256, 8)]
 # Kernel 3 (rowwise without x^T, one pass): elements per tile, elements per thread, programs per SM.
 FP8_ROW_CANDIDATES = [(t, e, p) for t in (4096, 8192, 16384) for e in (8, 16, 32) for p in (1, 2, 4)]
+# Kernel 1b (the flat per-tensor amax): elements per block, warps, programs per SM.
+FP8_FLAT_CANDIDATES = [(b, w, p) for b in (4096, 8192, 16384) for w in (4, 8) for p in (1, 2, 4, 8)
+                       if 8 <= b // (32 * w) <= 64]
 
 
 def fp8_sweep(results, quick, copy_tbs):
     """quantize() replayed in a CUDA graph (GPU time), both recipes, with and without the
     transposed copy, on the 8B MLP's activations: the amax kernel's candidates first (the
     cast at its current tiles), then the cast's with the best amax, then the one-pass
-    rowwise kernel's (rowwise without the transposed copy only)."""
+    rowwise kernel's (rowwise without the transposed copy only), then the flat per-tensor
+    amax's (tensorwise only)."""
     shapes = [(8192, 4096)] if quick else [(4096, 4096), (8192, 4096), (8192, 14336)]
     cases = [(r, t) for r in fk.RECIPES for t in (False, True)]
     inputs = {s: torch.randn(*s, device="cuda", dtype=torch.bfloat16) for s in shapes}
@@ -189,7 +193,7 @@ def fp8_sweep(results, quick, copy_tbs):
         ms_all = []
         for shape, x in inputs.items():
             for recipe, transpose in cases:
-                if what == "rows" and (recipe != "rowwise" or transpose):
+                if what == "rows" and (recipe != "rowwise" or transpose) or what == "flat" and recipe != "tensorwise":
                     continue
                 fk.quantize(x, recipe, transpose)
                 ms = triton.testing.do_bench_cudagraph(lambda: fk.quantize(x, recipe, transpose), rep=100,
@@ -203,10 +207,11 @@ def fp8_sweep(results, quick, copy_tbs):
                       f"{tbs / copy_tbs:4.0%}", flush=True)
         return sum(ms_all)
 
-    orig = dict(amax=fk.AMAX_TILES, cast=fk.CAST_TILES, rows=fk.ROW_CAST)
+    orig = dict(amax=fk.AMAX_TILES, cast=fk.CAST_TILES, rows=fk.ROW_CAST, flat=fk.AMAX_FLAT)
     for what, candidates, attr in (("amax", FP8_AMAX_CANDIDATES, "AMAX_TILES"),
                                    ("cast", FP8_CAST_CANDIDATES, "CAST_TILES"),
-                                   ("rows", FP8_ROW_CANDIDATES, "ROW_CAST")):
+                                   ("rows", FP8_ROW_CANDIDATES, "ROW_CAST"),
+                                   ("flat", FP8_FLAT_CANDIDATES, "AMAX_FLAT")):
         totals = {}
         for setting in candidates:
             setattr(fk, attr, setting)
@@ -218,7 +223,7 @@ def fp8_sweep(results, quick, copy_tbs):
         setattr(fk, attr, best)  # the next sweeps run with the best so far
         print(f"fp8 {what}: best {best} (now {orig[what]}), sum {totals[best] * 1e3:.0f} us", flush=True)
         results.append(dict(kernel=f"fp8_{what}_best", setting=best, now=orig[what]))
-    fk.AMAX_TILES, fk.CAST_TILES, fk.ROW_CAST = orig["amax"], orig["cast"], orig["rows"]
+    fk.AMAX_TILES, fk.CAST_TILES, fk.ROW_CAST, fk.AMAX_FLAT = orig["amax"], orig["cast"], orig["rows"], orig["flat"]
 
 
 def cpu_overhead(results):

@@ -46,9 +46,9 @@ per-column scales, the next step (not taken here) is the amax in the kernel that
 *produces* x (the RMSNorm of Step 5 or the SwiGLU of Step 12).
 
 Measured (benchmark_fp8.py, H200; results/fp8/bench_fp8_h200.txt), x 8192 x 4096, W 4096
-x 4096, bf16: the bf16 GEMM 390 us, torch._scaled_mm 215-236 us; quantize(x) 45 us per
-tensor, 28 us per row (one pass), 59-70 us with the transposed copy. Four LLaMA-8B MLPs,
-forward and backward: 1.47-1.53x bf16, not 2x: the casts around each GEMM take their share.
+x 4096, bf16: the bf16 GEMM 381 us, torch._scaled_mm 217-232 us; quantize(x) 43 us per
+tensor, 27 us per row (one pass), 56-69 us with the transposed copy. Four LLaMA-8B MLPs,
+forward and backward: 1.47-1.52x bf16, not 2x: the casts around each GEMM take their share.
 
 What backward keeps, and LoRA's frozen weights
 ----------------------------------------------

@@ -95,7 +95,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (  # noqa: F401 - fp8_supported: part of this file's API, used by the tests
-    IN_INTERPRETER, INTERPRET, SUPPORTED_DTYPES, cast_to, cdiv, check_kernel_device, fast_launch, first_order_only,
+    IN_INTERPRETER, INTERPRET, SUPPORTED_DTYPES, cdiv, check_kernel_device, fast_launch, first_order_only,
     fp8_supported, kernel_op, linears_to_cast, next_power_of_2, nothing, num_sms, swap_modules, traced,
 )
 

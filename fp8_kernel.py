@@ -362,7 +362,7 @@ def _row_cast_kernel(
 CAST_TILES = (32, 32, 1) if INTERPRET else (32, 128, 4)
 AMAX_TILES = (16, 32, 1, 4) if INTERPRET else (64, 128, 4, 8)
 # ROW_CAST: kernel 3's elements per tile (ROWS = that over the row's power of two, >= 1),
-# per thread (the warps follow) and programs per SM (H200: 92-96% of copy bandwidth).
+# per thread (the warps follow) and programs per SM (H200: 89-94% of copy bandwidth).
 # ROW_CAST_MAX_K: the widest row in registers (small in the interpreter: both paths run).
 ROW_CAST = (64, 16, 2) if INTERPRET else (8192, 32, 4)
 ROW_CAST_MAX_K = 64 if INTERPRET else 16384

@@ -27,6 +27,7 @@ import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 import attention_kernel as ak  # noqa: E402
+from benchmark_kernels import copy_bandwidth  # noqa: E402
 import cross_entropy_kernel as ce  # noqa: E402
 import fp8_kernel as fk  # noqa: E402
 import rmsnorm_kernel as rk  # noqa: E402
@@ -35,13 +36,6 @@ from flags import check_output_path, write_json_atomic  # noqa: E402
 
 def bench(fn):
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def copy_bandwidth():
-    a = torch.randn(512 * 2**20 // 2, device="cuda", dtype=torch.bfloat16)
-    b = torch.empty_like(a)
-    ms = bench(lambda: b.copy_(a))
-    return 2 * a.numel() * 2 / ms / 1e9  # TB/s, read + write
 
 
 def rmsnorm_sweep(rows_list, results):
@@ -275,7 +269,7 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("error: tune_kernels.py times GPU kernels and needs a CUDA device")
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
-    results = [dict(kernel="copy", tbs=copy_bandwidth())]
+    results = [dict(kernel="copy", tbs=copy_bandwidth((25, 100)) / 1e3)]  # TB/s, as benchmark_*.py measure it
     print(f"device copy bandwidth: {results[0]['tbs']:.2f} TB/s")
     if args.only in (None, "overhead"):
         cpu_overhead(results)

@@ -175,8 +175,8 @@ FP8_FLAT_CANDIDATES = [(b, w, p) for b in (4096, 8192, 16384) for w in (4, 8) fo
 
 def fp8_sweep(results, quick, copy_tbs):
     """quantize() replayed in a CUDA graph (GPU time), both recipes, with and without the
-    transposed copy, on the 8B MLP's activations: the amax kernel's candidates first (the
-    cast at its current tiles), then the cast's with the best amax, then the one-pass
+    transposed copy, on the 8B MLP's activations: the tiled amax kernel's candidates first
+    (per row; the cast at its current tiles), then the cast's with the best amax, then the one-pass
     rowwise kernel's (rowwise without the transposed copy only), then the flat per-tensor
     amax's (tensorwise only)."""
     shapes = [(8192, 4096)] if quick else [(4096, 4096), (8192, 4096), (8192, 14336)]
@@ -187,7 +187,10 @@ def fp8_sweep(results, quick, copy_tbs):
         ms_all = []
         for shape, x in inputs.items():
             for recipe, transpose in cases:
-                if what == "rows" and (recipe != "rowwise" or transpose) or what == "flat" and recipe != "tensorwise":
+                # Each kernel on the cases it runs: the tiled amax per row (a dense x per tensor
+                # takes the flat one), the one-pass kernel per row without x^T, the flat per tensor.
+                if (what == "amax" and recipe != "rowwise" or what == "rows" and (recipe != "rowwise" or transpose)
+                        or what == "flat" and recipe != "tensorwise"):
                     continue
                 fk.quantize(x, recipe, transpose)
                 ms = triton.testing.do_bench_cudagraph(lambda: fk.quantize(x, recipe, transpose), rep=100,

@@ -258,10 +258,16 @@ def test_linear_within_fp8_error_of_the_truth(recipe, dtype):
         assert rel_err(a, t) < (0.1 if name != "db" else 1e-2), f"{name}: {rel_err(a, t):.3f}"
 
 
-def test_frozen_weight_is_quantized_once(monkeypatch):
+def count_casts(monkeypatch):
+    """The shapes of the tensors fp8_kernel.quantize is called on from now on (a list that grows)."""
     calls = []
     real = fp8_kernel.quantize
     monkeypatch.setattr(fp8_kernel, "quantize", lambda t, *a, **k: calls.append(tuple(t.shape)) or real(t, *a, **k))
+    return calls
+
+
+def test_frozen_weight_is_quantized_once(monkeypatch):
+    calls = count_casts(monkeypatch)
     w = torch.nn.Parameter(sample((32, 48), torch.float32, 11), requires_grad=False)
     x = sample((5, 48), torch.float32, 12).requires_grad_()
     y1 = FP8LinearFunction.apply(x, w, None, "rowwise")
@@ -285,9 +291,7 @@ def test_frozen_weight_is_quantized_once(monkeypatch):
 def test_layers_that_read_one_x_share_its_cast(monkeypatch, recipe):
     """q, k and v read one x: it is cast once and its x^T saved once, and every output and
     gradient is what three layers give on three copies of x."""
-    calls = []
-    real = fp8_kernel.quantize
-    monkeypatch.setattr(fp8_kernel, "quantize", lambda t, *a, **k: calls.append(tuple(t.shape)) or real(t, *a, **k))
+    calls = count_casts(monkeypatch)
     x = sample((2, 9, 32), torch.float32, 20)
     ws = [sample((16, 32), torch.float32, 21 + i) for i in range(3)]
     dys = [torch.randn(2, 9, 16).to(DEVICE) for _ in ws]
@@ -315,9 +319,7 @@ def test_layers_that_read_one_x_share_its_cast(monkeypatch, recipe):
 def test_a_written_or_new_x_is_cast_anew(monkeypatch):
     """The kept cast is never stale: an in-place write, or another tensor with the same
     shape (or the same address, once the first is freed), is cast again."""
-    calls = []
-    real = fp8_kernel.quantize
-    monkeypatch.setattr(fp8_kernel, "quantize", lambda t, *a, **k: calls.append(tuple(t.shape)) or real(t, *a, **k))
+    calls = count_casts(monkeypatch)
     w = sample((16, 32), torch.float32, 30).requires_grad_()
 
     def cast_count_and_check(x):

@@ -19,6 +19,9 @@ are active:
   (linear_cross_entropy_kernel.py, step 13): the [B, T, V] logits are never
   built. It supersedes ``--use-custom-ce`` (the fused loss on the model's logits,
   cross_entropy_kernel.py), which is what runs with ``--no-use-custom-flce``.
+* ``--use-custom-projections``: each attention's q/k/v and each MLP's gate/up
+  projections become one autograd node (projections.py, Step 20): the gradient of
+  their shared input is summed inside cuBLAS's products, with no add kernels.
 * ``--use-custom-attention``: flash attention that reads each token's example from
   the position ids (attention_kernel.py, attention_patching.py, Step 21): packed
   batches carry no mask, and no work is done across examples. On by default with
@@ -80,6 +83,7 @@ from fp8_kernel import replace_linears
 from kernel_common import SwapMismatch
 from linear_cross_entropy_kernel import fused_linear_cross_entropy
 from lora_kernel import fuse_lora
+from projections import group_projections
 from rmsnorm_kernel import replace_rmsnorm
 from rope_patching import fuse_rope
 from swiglu_mlp import TritonLlamaMLP, replace_swiglu
@@ -285,6 +289,19 @@ def apply_kernels(model, kernels):
                                 "it looks for *Attention modules whose python module defines it")
         print(f"Custom rope:   fused RoPE in {count} attention modules")
         active.append("rope")
+
+    # Projections that read one input (projections.py): q/k/v and gate/up become one
+    # autograd node each, so their input gradients are summed by cuBLAS (beta = 1),
+    # not by add kernels. Plain nn.Linear only: LoRA, FP8 and quantized layers keep theirs.
+    if kernels.get("projections"):
+        count = group_projections(model)
+        if count:
+            print(f"Shared inputs: {count} groups of projections (q/k/v, gate/up) with one input gradient, "
+                  f"summed in cuBLAS's epilogues")
+        else:
+            print(f"Shared inputs: nothing to group in {type(model).__name__} (its q/k/v and gate/up are fused "
+                  f"already, or LoRA / FP8 / quantized layers)")
+        active.append("projections")
 
     # Attention: HF's layers call their attention function by name (the config's
     # _attn_implementation); ours is registered under a name of its own. It reads

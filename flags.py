@@ -338,6 +338,8 @@ KERNEL_FLAGS = {
     "rmsnorm": "replace every RMSNorm module with TritonRMSNorm",
     "swiglu": "replace every gated MLP with one whose act(gate) * up is the fused Triton SwiGLU (GeGLU for Gemma)",
     "rope": "rotary position embedding with the fused Triton kernel, inside this model's forward only",
+    "projections": "the projections that read one input (q/k/v, gate/up) as one autograd node: their input "
+                   "gradients summed in cuBLAS's epilogues instead of by add kernels",
     "attention": "flash attention in Triton that takes the documents of a packed row from the position ids: "
                  "no T x T mask, no work across documents",
     "ce": "compute the loss with the Triton cross-entropy on the model's logits",

@@ -44,6 +44,7 @@ Usage:
     python profile_baseline.py --compile --use-custom-rmsnorm ...   # Step 17: inside torch.compile
     python profile_baseline.py --no-pin-memory                    # Step 18: batches from pageable memory
     python profile_baseline.py --lora --use-custom-rmsnorm ... --cuda-graphs   # Step 20: the step replayed
+    python profile_baseline.py --use-custom-rmsnorm ... --use-custom-projections   # Step 20: q/k/v, gate/up
     torchrun --standalone --nproc-per-node 2 profile_baseline.py --fsdp --random-init   # Step 19: rank 0's GPU
     python profile_baseline.py --tiny --seq-len 64                # CPU, Triton interpreter
 

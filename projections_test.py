@@ -1,0 +1,231 @@
+"""
+Tests of projections.py: the projections that read one input as one autograd
+node (CPU, float32 and bf16 autocast; no Triton involved).
+
+* ``shared_input_linear`` gives F.linear's outputs and gradients, with and
+  without biases, frozen weights, unused outputs;
+* its backward sums the input gradient with addmm_ (no add kernel);
+* ``group_projections`` on a tiny LLaMA: same loss and gradients, same
+  Parameters and state-dict names, nothing held after the forward;
+* the fallbacks: no gradients, an input modified in place, a forward that does
+  not call the projections on one input (a one-line note, then separate products).
+
+Usage:
+    python -m pytest projections_test.py -v
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import DEVICE  # first: the Triton interpreter switch
+
+import dataloader
+import models
+import training
+from projections import GroupedLinear, group_projections, shared_input_linear
+
+
+def linears(widths, k=32, bias=False, seed=0):
+    torch.manual_seed(seed)
+    return [nn.Linear(k, n, bias=bias, device=DEVICE) for n in widths]
+
+
+def separate(x, mods):
+    return tuple(F.linear(x, m.weight, m.bias) for m in mods)
+
+
+def grads_of(fn, x, mods, weights_of_outputs):
+    """Outputs, dx and every parameter's gradient of sum(w_i * out_i)."""
+    x = x.detach().clone().requires_grad_(x.requires_grad)
+    for m in mods:
+        for p in m.parameters():
+            p.grad = None
+    outs = fn(x, mods)
+    loss = sum((o * w).sum() for o, w in zip(outs, weights_of_outputs) if w is not None)
+    loss.backward()
+    params = [None if p.grad is None else p.grad.clone() for m in mods for p in m.parameters()]
+    return [o.detach() for o in outs], x.grad, params
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_same_outputs_and_gradients_as_separate_linears(bias):
+    mods = linears((48, 16, 16), bias=bias)
+    x = torch.randn(2, 5, 32, device=DEVICE, requires_grad=True)
+    upstream = [torch.randn(2, 5, n, device=DEVICE) for n in (48, 16, 16)]
+    ours = grads_of(shared_input_linear, x, mods, upstream)
+    ref = grads_of(separate, x, mods, upstream)
+    for a, b in zip(ours[0], ref[0]):
+        assert torch.equal(a, b)  # the same products
+    torch.testing.assert_close(ours[1], ref[1], rtol=1e-6, atol=1e-6)
+    for a, b in zip(ours[2], ref[2]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_frozen_weights_and_an_unused_output():
+    mods = linears((24, 8, 8), bias=True)
+    mods[1].weight.requires_grad_(False)
+    x = torch.randn(7, 32, device=DEVICE, requires_grad=True)
+    upstream = [torch.randn(7, 24, device=DEVICE), torch.randn(7, 8, device=DEVICE), None]  # v unused
+    ours = grads_of(shared_input_linear, x, mods, upstream)
+    ref = grads_of(separate, x, mods, upstream)
+    torch.testing.assert_close(ours[1], ref[1], rtol=1e-6, atol=1e-6)
+    for a, b in zip(ours[2], ref[2]):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+class OpLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
+
+
+def backward_ops(fn):
+    mods = linears((16, 8, 8))
+    x = torch.randn(4, 32, device=DEVICE, requires_grad=True)
+    outs = fn(x, mods)
+    loss = sum(o.sum() for o in outs)
+    with OpLog() as log:
+        loss.backward()
+    return log.ops
+
+
+def test_the_input_gradient_is_summed_in_the_products():
+    ops = backward_ops(shared_input_linear)
+    assert ops.count("addmm_") == 2 and "add" not in ops and "add_" not in ops, ops
+    ref = backward_ops(separate)  # what autograd does on its own: products, then adds
+    assert "addmm_" not in ref and ref.count("add") + ref.count("add_") == 2, ref
+
+
+def test_bf16_autocast_computes_like_f_linear():
+    mods = linears((16, 8))
+    x = torch.randn(3, 32, device=DEVICE, requires_grad=True)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        ours = shared_input_linear(x, mods)
+        ref = separate(x, mods)
+    assert all(o.dtype == torch.bfloat16 for o in ours)
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+    sum(o.float().sum() for o in ours).backward()
+    assert x.grad.dtype == torch.float32 and mods[0].weight.grad.dtype == torch.float32
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    return models.build_random(models.tiny_config(), torch.device(DEVICE), torch.float32)
+
+
+def loss_and_grads(model, batch):
+    model.zero_grad(set_to_none=True)
+    loss = training.hf_loss(model, batch)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_a_grouped_llama_trains_like_the_original():
+    model = tiny_llama()
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    batch = dataloader.lm_batch(ids.to(DEVICE))
+    ref_loss, ref_grads = loss_and_grads(model, batch)
+    params_before = dict(model.named_parameters())
+    keys_before = list(model.state_dict())
+
+    n_layers = model.config.num_hidden_layers
+    assert group_projections(model) == 2 * n_layers  # q/k/v and gate/up in every layer
+    assert sum(isinstance(m, GroupedLinear) for m in model.modules()) == 5 * n_layers
+    assert list(model.state_dict()) == keys_before
+    assert all(p is params_before[n] for n, p in model.named_parameters())
+
+    loss, grads = loss_and_grads(model, batch)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    groups = {m.group for m in model.modules() if isinstance(m, GroupedLinear)}
+    assert all(g.enabled and not g._pending and g._source is None for g in groups)  # nothing held
+
+
+def test_deepcopy_keeps_each_copy_to_its_own_modules():
+    model = tiny_llama()
+    group_projections(model)
+    twin = copy.deepcopy(model)
+    attn = twin.model.layers[0].self_attn
+    assert all(m.group is attn.q_proj.group for m in (attn.k_proj, attn.v_proj))
+    assert attn.q_proj.group.linears[1] is attn.k_proj
+
+
+def test_without_gradients_nothing_is_kept():
+    model = tiny_llama()
+    group_projections(model)
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), device=DEVICE)
+    with torch.no_grad():
+        model(ids)
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.group._pending == {}
+
+
+class TwoInputs(nn.Module):
+    """q from one tensor, k and v from another (cross-attention's shape of call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = linears((8, 8, 8))
+
+    def forward(self, x, memory):
+        return self.q_proj(x).sum() + self.k_proj(memory).sum() + self.v_proj(memory).sum()
+
+
+def test_a_forward_that_calls_on_other_inputs_falls_back_with_a_note(capsys):
+    ref = TwoInputs()
+    model = copy.deepcopy(ref)
+    assert group_projections(model) == 1
+    x = torch.randn(3, 32, device=DEVICE, requires_grad=True)
+    memory = torch.randn(3, 32, device=DEVICE, requires_grad=True)
+    for step in range(2):
+        out = model(x, memory)
+        torch.testing.assert_close(out, ref(x, memory))
+    assert "not called in turn on one unchanged input" in capsys.readouterr().out
+    assert not model.q_proj.group.enabled
+    out.backward()
+    grad_x, grad_memory = x.grad.clone(), memory.grad.clone()
+    x.grad = memory.grad = None
+    ref(x, memory).backward()
+    torch.testing.assert_close(grad_x, x.grad)
+    torch.testing.assert_close(grad_memory, memory.grad)
+
+
+def test_an_input_changed_in_place_is_multiplied_again():
+    module = TwoInputs()
+    group_projections(module)
+    x = torch.randn(3, 32, device=DEVICE, requires_grad=True)
+    h = x * 1.0
+    q = module.q_proj(h)
+    h.mul_(2.0)  # k must see the new values, not the ones q was computed from
+    k = module.k_proj(h)
+    torch.testing.assert_close(k, F.linear(h, module.k_proj.weight))
+    torch.testing.assert_close(q, F.linear(h / 2.0, module.q_proj.weight))
+
+
+def test_activation_checkpointing_recomputes_through_the_groups(capsys):
+    model = tiny_llama()
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    batch = dataloader.lm_batch(ids.to(DEVICE))
+    ref_loss, ref_grads = loss_and_grads(model, batch)
+    model.train()
+    models.enable_checkpointing(model)
+    group_projections(model)
+    for _ in range(2):  # the second step runs on groups the first one's recomputation went through
+        loss, grads = loss_and_grads(model, batch)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+        for name in ref_grads:
+            torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert "note:" not in capsys.readouterr().out
+    assert all(m.group.enabled for m in model.modules() if isinstance(m, GroupedLinear))

@@ -36,6 +36,7 @@ from conftest import DEVICE, ON_GPU, need_gpu  # first: the Triton interpreter s
 import dataloader
 import flags
 import models
+import projections
 import training
 from cross_entropy_kernel import cross_entropy
 from finetune_optimized import apply_kernels
@@ -232,7 +233,9 @@ def _loss_and_grads(model, loss_fn, ids, autocast=None):
 @pytest.mark.parametrize("setting", ["plain", "checkpointing", "autocast-bf16"])
 def test_compiled_decoder_with_every_kernel_matches_eager(setting):
     model, ids = _model_and_batch()
-    kernels = {name: True for name in flags.KERNELS}
+    # Every kernel but the projections' groups, which run in eager only (their sums round
+    # once, Inductor's after each term): the next test.
+    kernels = {name: name != "projections" for name in flags.KERNELS}
     loss_fn, _ = apply_kernels(model, kernels)
     if setting == "checkpointing":
         models.enable_checkpointing(model)
@@ -254,6 +257,29 @@ def test_compiled_decoder_with_every_kernel_matches_eager(setting):
     assert {"rmsnorm_forward", "rope_forward", "swiglu_down_proj_forward"} <= ops_in(counter), ops_in(counter)
 
 
+def test_projection_groups_step_aside_under_compile():
+    """projections.py groups only eager calls: a compiled layer runs each projection on
+    its own (no grouped node in the graph, nothing kept between calls), and the
+    gradients are eager's but for where the sums of dx round."""
+    model, ids = _model_and_batch()
+    loss_fn, _ = apply_kernels(model, {name: True for name in ("rmsnorm", "swiglu", "projections")})
+    eager = _loss_and_grads(model, loss_fn, ids, None)
+    compiled_model = copy.deepcopy(model)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(BACKEND)
+    args = argparse.Namespace(compile=True, compile_mode="default", gradient_checkpointing=False)
+    with unittest.mock.patch.object(models, "BACKENDS", {"cuda": counter, "cpu": counter}):
+        models.compile_decoder(compiled_model, args)
+    grouped = []
+    real = projections.grouped_products
+    with unittest.mock.patch.object(projections, "grouped_products", lambda *a: grouped.append(1) or real(*a)):
+        loss, grads = _loss_and_grads(compiled_model, loss_fn, ids, None)
+    assert counter.frame_count >= 1 and not grouped  # traced and run without a grouped product
+    assert_same(loss, eager[0], "loss")  # the forward products are the same bits
+    for name, g in eager[1].items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("setting", ["synthetic", "lora", "packed data"])
 def test_compile_flag_trains_with_the_eager_losses(setting, capsys):
     # --lora: the layers are compiled with PEFT's adapters in them; packed data:
@@ -270,9 +296,12 @@ def test_compile_flag_trains_with_the_eager_losses(setting, capsys):
         torch._dynamo.reset()
         return training.run_finetune(args, "test", "finetune_optimized.py", apply_kernels)["losses"]
 
-    eager, with_compile = run(), run("--compile")
+    # --compile turns the projections' groups off (their sums round once, Inductor's after
+    # each term): the eager run without them is the one to match.
+    eager, with_compile = run("--no-use-custom-projections"), run("--compile")
     out = capsys.readouterr().out
     assert "Compile:       2 decoder layers with torch.compile" in out
+    assert "--use-custom-projections is off" in out
     if setting == "lora":
         assert "LoRA:          r 16" in out
     if ON_GPU:

@@ -290,19 +290,6 @@ def apply_kernels(model, kernels):
         print(f"Custom rope:   fused RoPE in {count} attention modules")
         active.append("rope")
 
-    # Projections that read one input (projections.py): q/k/v and gate/up become one
-    # autograd node each, so their input gradients are summed by cuBLAS (beta = 1),
-    # not by add kernels. Plain nn.Linear only: LoRA, FP8 and quantized layers keep theirs.
-    if kernels.get("projections"):
-        count = group_projections(model)
-        if count:
-            print(f"Shared inputs: {count} groups of projections (q/k/v, gate/up) with one input gradient, "
-                  f"summed in cuBLAS's epilogues")
-        else:
-            print(f"Shared inputs: nothing to group in {type(model).__name__} (its q/k/v and gate/up are fused "
-                  f"already, or LoRA / FP8 / quantized layers)")
-        active.append("projections")
-
     # Attention: HF's layers call their attention function by name (the config's
     # _attn_implementation); ours is registered under a name of its own. It reads
     # each token's example from the position ids, so packed batches need no mask.
@@ -336,6 +323,20 @@ def apply_kernels(model, kernels):
         print(f"Custom lora:   {count} LoRA layers: the adapter's scale and sum inside the base layer's matrix "
               f"products (cuBLAS epilogues), forward and backward")
         lora_fused = True
+
+    # Projections that read one input (projections.py): q/k/v and gate/up become one
+    # autograd node each, so their input gradients are summed by cuBLAS (beta = 1),
+    # not by add kernels. After the LoRA block: its fused layers join the groups;
+    # FP8 and quantized layers keep their own backward.
+    if kernels.get("projections"):
+        count = group_projections(model)
+        if count:
+            print(f"Shared inputs: {count} groups of projections (q/k/v, gate/up) with one input gradient, "
+                  f"summed in cuBLAS's epilogues")
+            active.append("projections")
+        else:
+            print(f"Shared inputs: nothing to group in {type(model).__name__} (its q/k/v and gate/up are fused "
+                  f"already, or FP8, quantized or unrouted LoRA layers)")
 
     active = [name for name in flags.KERNELS if name in active]  # one order in every report
     if lora_fused:

@@ -148,12 +148,12 @@ def test_optimized_prints_active_kernels(capsys):
                                          "--no-use-custom-swiglu", "--no-use-custom-rope", "--no-use-custom-adamw"])
     out = capsys.readouterr().out
     assert "replaced 5 RMSNorm modules with TritonRMSNorm" in out
-    assert "Kernels:       rmsnorm, ce\n" in out
+    assert "Kernels:       rmsnorm, ce, projections\n" in out
     finetune_optimized.main(TINY[:-4] + ["--steps", "1", "--warmup-steps", "0", "--no-use-custom-rmsnorm"])
     out = capsys.readouterr().out
     assert "replaced 2 gated MLPs with TritonLlamaMLP" in out and "supersedes --use-custom-ce" in out
     assert "fused RoPE in 2 attention modules" in out
-    assert "Kernels:       swiglu, rope, flce, adamw\n" in out
+    assert "Kernels:       swiglu, rope, flce, adamw, projections\n" in out
 
 
 def test_json_fields(runs):
@@ -165,7 +165,7 @@ def test_json_fields(runs):
     assert doc["script"] == "finetune_optimized.py"
     # Synthetic rows are one document each: the attention kernel stays off by default (packed real data only).
     assert doc["kernels"] == {"rmsnorm": True, "swiglu": True, "rope": True, "attention": False, "ce": True,
-                              "flce": True, "adamw": True}
+                              "flce": True, "adamw": True, "projections": True}
     assert doc["config"]["seq_len"] == 32 and doc["config"]["batch_size"] == 2 and doc["config"]["tiny"] is True
     for key in ("device", "gpu", "python", "torch", "triton", "transformers", "cuda", "date"):
         assert key in doc["environment"], key

@@ -338,14 +338,14 @@ KERNEL_FLAGS = {
     "rmsnorm": "replace every RMSNorm module with TritonRMSNorm",
     "swiglu": "replace every gated MLP with one whose act(gate) * up is the fused Triton SwiGLU (GeGLU for Gemma)",
     "rope": "rotary position embedding with the fused Triton kernel, inside this model's forward only",
-    "projections": "the projections that read one input (q/k/v, gate/up) as one autograd node: their input "
-                   "gradients summed in cuBLAS's epilogues instead of by add kernels",
     "attention": "flash attention in Triton that takes the documents of a packed row from the position ids: "
                  "no T x T mask, no work across documents",
     "ce": "compute the loss with the Triton cross-entropy on the model's logits",
     "flce": "fused linear cross-entropy: LM head + loss in chunks, the logits are never built "
             "(supersedes --use-custom-ce)",
     "adamw": "the fused Triton AdamW step instead of torch.optim.AdamW(fused=True)",
+    "projections": "the projections that read one input (q/k/v, gate/up) as one autograd node: their input "
+                   "gradients summed in cuBLAS's epilogues instead of by add kernels",
 }
 KERNELS = tuple(KERNEL_FLAGS)
 FP8_RECIPES = ("tensorwise", "rowwise")  # fp8_kernel.RECIPES (fp8_test checks they agree)
@@ -494,6 +494,10 @@ def resolve_defaults(args):
         # Workers build the next batches while the GPU trains; on a CPU they would
         # only compete with the training for the same cores.
         args.num_workers = 2 if on_gpu else 0
+    if getattr(args, "compile", False) and getattr(args, "use_custom_projections", False):
+        # Compiled layers run each projection on its own (projections.py): the run says so.
+        args.use_custom_projections = False
+        note("--compile: torch.compile plans each decoder layer's sums itself; --use-custom-projections is off")
     if getattr(args, "dataset", None) == SYNTHETIC and getattr(args, "packing", False):
         note("--dataset synthetic has no examples to pack: every row is --seq-len random tokens; "
              "--packing changes nothing")

@@ -40,6 +40,10 @@ bf16) and are cast to the compute dtype once per call: r rows, negligible. Their
 gradients come back in float32. The arithmetic differs from PEFT's only in where
 roundings happen (fewer here: the epilogue adds in float32).
 
+The Function takes a list of such layers on one x (each with or without an adapter):
+projections.py groups an attention's q/k/v and an MLP's gate/up through it, so that
+the sum of their gradients of x is one more addmm_ per layer, not an add kernel.
+
 When it applies
 ---------------
 Each adapted layer is checked on every call; anything else runs PEFT's own forward:
@@ -59,43 +63,70 @@ import torch.nn as nn
 
 
 class LoRALinearFunction(torch.autograd.Function):
-    """y = x W^T + b + s (x A^T) B^T, x [..., K], W [N, K] frozen, A [r, K], B [N, r]."""
+    """Projections of one input x as one autograd node, each y_i = x W_i^T + b_i,
+    plus s_i (x A_i^T) B_i^T where it has an adapter: x [..., K], W_i [N_i, K],
+    A_i [r, K], B_i [N_i, r]. One projection is a LoRA layer; several are
+    projections.py's groups (q/k/v, gate/up), whose gradients of x are summed in
+    the same epilogues."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling):
-        dtype = weight.dtype
-        x2 = x.reshape(-1, x.shape[-1])
-        a, b = lora_a.to(dtype), lora_b.to(dtype)  # r rows: cheap; no copy when already dtype
-        y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias.to(dtype), x2, weight.t())
-        xa = torch.mm(x2, a.t())  # [M, r]
-        y.addmm_(xa, b.t(), alpha=scaling)  # the scale and the sum in the GEMM's epilogue
-        ctx.save_for_backward(x2, weight, a, b, xa)
-        ctx.scaling, ctx.x_shape = scaling, x.shape
-        ctx.adapter_dtypes = lora_a.dtype, lora_b.dtype
-        return y.view(*x.shape[:-1], weight.shape[0])
+    def forward(ctx, x, dtype, scalings, *params):  # per projection: W, b, A, B (b, A, B may be None)
+        x2 = x.to(dtype).reshape(-1, x.shape[-1])  # no copy when x is in dtype already
+        outs, saved = [], [x2]
+        for i, s in enumerate(scalings):
+            weight, bias, lora_a, lora_b = params[4 * i:4 * i + 4]
+            w = weight.to(dtype)
+            y = torch.mm(x2, w.t()) if bias is None else torch.addmm(bias.to(dtype), x2, w.t())
+            a = b = xa = None
+            if lora_a is not None:
+                a, b = lora_a.to(dtype), lora_b.to(dtype)  # r rows: cheap; no copy when already dtype
+                xa = torch.mm(x2, a.t())  # [M, r]
+                y.addmm_(xa, b.t(), alpha=s)  # the scale and the sum in the GEMM's epilogue
+            # The weight as it is: cast again in backward (no float32 -> bf16 copy kept alive).
+            saved += [weight, a, b, xa]
+            outs.append(y.view(*x.shape[:-1], weight.shape[0]))
+        ctx.save_for_backward(*saved)
+        ctx.scalings, ctx.dtype, ctx.x_shape, ctx.x_dtype = scalings, dtype, x.shape, x.dtype
+        ctx.param_dtypes = [None if p is None else p.dtype for p in params]
+        ctx.set_materialize_grads(False)  # an output nobody used gets None, not zeros to multiply
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, dy):
-        x2, weight, a, b, xa = ctx.saved_tensors
-        need_x, _, _, need_a, need_b, _ = ctx.needs_input_grad
-        dy = dy.reshape(-1, dy.shape[-1]).to(weight.dtype)
-        s = ctx.scaling
-        g = torch.mm(dy, b) * s  # [M, r]: the adapter's share of the gradient, scaled where it is small
-        dx = da = db = None
-        if need_x:
-            dx = torch.mm(dy, weight)
-            dx.addmm_(g, a)  # both paths' gradients of x summed in the epilogue
-            dx = dx.view(ctx.x_shape)
-        if need_a:
-            da = torch.mm(g.t(), x2).to(ctx.adapter_dtypes[0])
-        if need_b:
-            db = torch.mm(dy.t(), xa * s).to(ctx.adapter_dtypes[1])
-        return dx, None, None, da, db, None
+    def backward(ctx, *grads):
+        x2, *saved = ctx.saved_tensors
+        need_x, need = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
+        dx, params = None, []
+        for i, (dy, s) in enumerate(zip(grads, ctx.scalings)):
+            weight, a, b, xa = saved[4 * i:4 * i + 4]
+            need_w, need_bias, need_a, need_b = need[4 * i:4 * i + 4]
+            w_dtype, bias_dtype, a_dtype, b_dtype = ctx.param_dtypes[4 * i:4 * i + 4]
+            if dy is None:
+                params += [None] * 4
+                continue
+            dy = dy.reshape(-1, dy.shape[-1]).to(ctx.dtype)
+            # The adapter's share of the gradient, scaled where it is small: [M, r].
+            g = None if a is None else torch.mm(dy, b) * s
+            if need_x:
+                w = weight.to(ctx.dtype)
+                if dx is None:
+                    dx = torch.mm(dy, w)
+                else:
+                    dx.addmm_(dy, w)  # the projections' gradients of x summed in the epilogue
+                if g is not None:
+                    dx.addmm_(g, a)  # and the adapter's
+            dw = torch.mm(dy.t(), x2).to(w_dtype) if need_w else None
+            dbias = dy.sum(0).to(bias_dtype) if need_bias else None
+            da = torch.mm(g.t(), x2).to(a_dtype) if need_a else None
+            db = torch.mm(dy.t(), xa * s).to(b_dtype) if need_b else None
+            params += [dw, dbias, da, db]
+        if dx is not None:
+            dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
+        return (dx, None, None, *params)
 
 
 def lora_linear(x, weight, bias, lora_a, lora_b, scaling):
     """PEFT's ``base(x) + lora_B(lora_A(x)) * scaling`` for one plain LoRA adapter, fused."""
-    return LoRALinearFunction.apply(x, weight, bias, lora_a, lora_b, float(scaling))
+    return LoRALinearFunction.apply(x, weight.dtype, (float(scaling),), weight, bias, lora_a, lora_b)[0]
 
 
 def _fusable(layer, x, args, kwargs):

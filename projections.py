@@ -16,35 +16,39 @@ the product's epilogue, as each output tile is written:
 The add kernels are gone; each addmm_ reads dx once more (2 B per element),
 inside a product that is bound by arithmetic, not memory. At LLaMA-3.1-8B with
 2 x 2,048 tokens that is 96 adds of 32 MB tensors per step (two per attention,
-one per MLP, 32 layers); README Step 20 has what it buys on an H200.
+one per MLP, 32 layers); README Step 20 has what it buys.
 
 What it takes: the projections must be one autograd node, so that its backward
-sees dq, dk and dv together. ``shared_input_linear`` is that node (an autograd
-Function; the products are the cuBLAS calls autograd makes for nn.Linear, so
-outputs and weight gradients are the same bits, and dx differs only in being
-rounded to bf16 once instead of after each term). HF's attention forward
-calls its three projections one by one, though, and that code is the model's.
-``group_projections`` makes them cooperate without touching it: the first
-projection called computes all of them from its input, and the others, called
-next with that same tensor, take their output instead of multiplying again.
+sees dq, dk and dv together. lora_kernel.LoRALinearFunction is that node: it
+already sums a LoRA layer's two gradients of x in the epilogue, and takes a list
+of projections, each with or without an adapter. Its products are the cuBLAS
+calls autograd makes for nn.Linear, so outputs and weight gradients are the same
+bits, and dx differs only in being rounded once instead of after each term.
+HF's attention forward calls its three projections one by one, though, and that
+code is the model's. ``group_projections`` makes them cooperate without touching
+it: the first projection called computes all of them from its input, and the
+others, called next with that same tensor, take their output instead of
+multiplying again. Members are plain nn.Linear layers and the LoRA layers that
+lora_kernel.fuse_lora routes (so it runs first).
 
-Where grouping does not apply, nothing changes: under torch.compile (Inductor
-sees the whole layer and plans the sums itself), without gradients (evaluation,
-generation), for projections that are not plain nn.Linear (LoRA, FP8 and
-quantized layers keep their own backward), and for a model whose forward does
-not call its projections one after another on one input: the first time a
-group's outputs go unused, that group falls back to separate products for good,
-with a one-line note.
+Where grouping does not apply, each projection runs on its own as before: under
+torch.compile (Inductor sees the whole layer and plans the sums itself), without
+gradients of x (evaluation, generation, a frozen first layer), for FP8 and
+quantized layers and LoRA layers outside lora_kernel's cases (dropout, DoRA, ...;
+checked at every call), and for a model whose forward does not call its
+projections one after another on one input: the first time a group's outputs go
+unused, that group falls back to separate products for good, with a one-line note.
 
 Nothing runs on import. See projections_test.py for the checks.
 """
+
+import types
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
-from kernel_common import first_order_only
+from lora_kernel import LoRALinearFunction, _fusable, _fused_forward
 
 # The projections of one module that read the same input, by the names HF gives them.
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -53,72 +57,63 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # --------------------------------------------------------------------------------
 # The autograd node: several products of one input
 # --------------------------------------------------------------------------------
-class SharedInputLinearFunction(torch.autograd.Function):
-    """``tuple(F.linear(x, w, b) for w, b in pairs)`` as one autograd node."""
+# lora_kernel.LoRALinearFunction takes a list of projections, each with or without a
+# LoRA adapter: its forward is the products autograd would run, its backward sums
+# the gradients of x with addmm_ (beta = 1). Below: what it is given.
+def compute_dtype(x, specs):
+    """The dtype the grouped products run in, or None where they cannot run as one.
 
-    @staticmethod
-    def forward(ctx, x, dtype, *params):  # params: w0, b0, w1, b1, ... (a bias may be None)
-        weights, biases = params[0::2], params[1::2]
-        xc = x.to(dtype)  # no copy when x is in dtype already (autocast casts x the same way)
-        outs = tuple(F.linear(xc, w.to(dtype), None if b is None else b.to(dtype)) for w, b in zip(weights, biases))
-        # The weights are saved as they are and cast again in backward, as swiglu_down_proj
-        # does: under autocast with float32 weights that is a copy we do not keep alive.
-        ctx.save_for_backward(xc, *weights)
-        ctx.x_dtype, ctx.dtype = x.dtype, dtype
-        ctx.bias_dtypes = [None if b is None else b.dtype for b in biases]
-        # An output nobody used gets None, not a tensor of zeros to multiply.
-        ctx.set_materialize_grads(False)
-        return outs
-
-    @staticmethod
-    @first_order_only("shared_input_linear")
-    def backward(ctx, *grads):
-        xc, *weights = ctx.saved_tensors
-        x2d = xc.reshape(-1, xc.shape[-1])
-        dx, params = None, []
-        for i, (g, w, bias_dtype) in enumerate(zip(grads, weights, ctx.bias_dtypes)):
-            need_w, need_b = ctx.needs_input_grad[2 + 2 * i], ctx.needs_input_grad[3 + 2 * i]
-            if g is None:
-                params += [None, None]
-                continue
-            g2d = g.to(ctx.dtype).reshape(-1, g.shape[-1])
-            if ctx.needs_input_grad[0]:
-                wc = w.to(ctx.dtype)
-                if dx is None:
-                    dx = g2d @ wc
-                else:
-                    # The point of this file: beta = 1, the running sum read in the epilogue.
-                    dx.addmm_(g2d, wc)
-            dw = (g2d.t() @ x2d).to(w.dtype) if need_w else None
-            db = g2d.sum(0).to(bias_dtype) if need_b else None
-            params += [dw, db]
-        if dx is not None:
-            dx = dx.view(xc.shape).to(ctx.x_dtype)
-        return (dx, None, *params)
-
-
-def compute_dtype(x, linears):
-    """The dtype F.linear would compute in: autocast's when it is on, else the
-    inputs' (None when they differ: F.linear itself raises for that)."""
+    Plain layers: what F.linear would compute in (autocast's dtype when it is on,
+    else the inputs' when they agree). With a LoRA adapter among them: the base
+    weights' dtype, which x must have (lora_kernel's rule for one layer)."""
+    bases = {p.dtype for w, b, *_ in specs for p in (w, b) if p is not None}
+    if any(spec[2] is not None for spec in specs):
+        return x.dtype if bases == {x.dtype} else None
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
-    dtypes = {x.dtype} | {p.dtype for m in linears for p in (m.weight, m.bias) if p is not None}
-    return x.dtype if len(dtypes) == 1 else None
+    return x.dtype if bases == {x.dtype} else None
+
+
+def grouped_products(x, specs):
+    """The projections (W, b, A, B, s) of x as one autograd node, or None where they
+    cannot be (then each runs on its own)."""
+    dtype = compute_dtype(x, specs)
+    if dtype is None:
+        return None
+    scalings = tuple(float(s) for *_, s in specs)
+    return LoRALinearFunction.apply(x, dtype, scalings, *(p for spec in specs for p in spec[:4]))
 
 
 def shared_input_linear(x, linears):
     """``tuple(m(x) for m in linears)`` for plain nn.Linear modules as one autograd
     node, whose backward sums the input gradients in cuBLAS's epilogues."""
-    dtype = compute_dtype(x, linears)
-    if dtype is None:
-        return tuple(F.linear(x, m.weight, m.bias) for m in linears)
-    params = [p for m in linears for p in (m.weight, m.bias)]
-    return SharedInputLinearFunction.apply(x, dtype, *params)
+    out = grouped_products(x, [(m.weight, m.bias, None, None, 1.0) for m in linears])
+    return tuple(F.linear(x, m.weight, m.bias) for m in linears) if out is None else out
 
 
 # --------------------------------------------------------------------------------
 # In a model: HF's forward calls the projections one by one
 # --------------------------------------------------------------------------------
+# A member of a group is a plain nn.Linear (made a GroupedLinear below) or a PEFT
+# LoRA layer that lora_kernel.fuse_lora routes (its forward made _grouped_forward).
+def _is_routed_lora(module):
+    return "_peft_forward" in module.__dict__  # lora_kernel.fuse_lora's mark
+
+
+def _spec(module, x, args, kwargs):
+    """(W, b, A, B, s) of one member for the grouped product, or None: its own forward."""
+    if _is_routed_lora(module):
+        adapter = _fusable(module, x, args, kwargs)
+        return None if adapter is None else (module.base_layer.weight, module.base_layer.bias, *adapter)
+    return None if args or kwargs else (module.weight, module.bias, None, None, 1.0)
+
+
+def _own_forward(module, x, args, kwargs):
+    if _is_routed_lora(module):
+        return _fused_forward(module, x, *args, **kwargs)  # one fused LoRA layer, or PEFT's forward
+    return F.linear(x, module.weight, module.bias)
+
+
 class ProjectionGroup:
     """The projections of one module that read one input.
 
@@ -127,17 +122,18 @@ class ProjectionGroup:
     tensor, not modified in place since), returns it.
     """
 
-    def __init__(self, owner, names, linears):
-        self.owner, self.names, self.linears = owner, names, linears
+    def __init__(self, owner, names, members):
+        self.owner, self.names, self.members = owner, names, members
         self.enabled = True
         self._source, self._version, self._pending = None, None, {}
 
     def _clear(self):
         self._source, self._version, self._pending = None, None, {}
 
-    def output(self, index, x):
+    def output(self, index, x, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if (self._pending and index in self._pending and x is self._source
-                and x._version == self._version):
+                and x._version == self._version and not args and not kwargs):
             out = self._pending.pop(index)
             if not self._pending:
                 self._clear()  # nothing of x is held past the last projection
@@ -149,11 +145,15 @@ class ProjectionGroup:
             self._clear()
             print(f"note: {self.owner}: {', '.join(self.names)} are not called in turn on one unchanged input; "
                   f"separate products from now on (their input gradients summed by autograd)")
-        linear = self.linears[index]
+        outs = None
         # Nothing to gain without an input gradient, or where torch.compile plans the layer.
-        if not (self.enabled and torch.is_grad_enabled() and x.requires_grad) or torch.compiler.is_compiling():
-            return F.linear(x, linear.weight, linear.bias)
-        outs = shared_input_linear(x, self.linears)
+        if self.enabled and torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling():
+            specs = [_spec(m, x, args if i == index else (), kwargs if i == index else {})
+                     for i, m in enumerate(self.members)]
+            if all(spec is not None for spec in specs):
+                outs = grouped_products(x, specs)
+        if outs is None:
+            return _own_forward(self.members[index], x, args, kwargs)
         self._pending = {i: out for i, out in enumerate(outs) if i != index}
         self._source, self._version = x, x._version
         return outs[index]
@@ -182,22 +182,37 @@ class GroupedLinear(nn.Linear):
         return super().extra_repr() + f", grouped with {', '.join(self.group.names)}"
 
 
+def _grouped_forward(layer, x, *args, **kwargs):
+    """A routed PEFT LoRA layer's forward once it is in a group."""
+    return layer.projection_group.output(layer.projection_index, x, args, kwargs)
+
+
+def _width(module):
+    return module.base_layer.in_features if _is_routed_lora(module) else module.in_features
+
+
 def group_projections(model):
     """Group each module's projections that read one input (``GROUPS``: q/k/v,
-    gate/up) where at least two of them are plain nn.Linear of the same width.
-    Returns the number of groups; a model whose projections are fused already
-    (Phi-3's qkv_proj and gate_up_proj) has none to make."""
+    gate/up) where at least two of them are plain nn.Linear or LoRA layers routed
+    by lora_kernel.fuse_lora, all of one width. Returns the number of groups; a
+    model whose projections are fused already (Phi-3's qkv_proj and gate_up_proj)
+    has none to make."""
     count = 0
     for name, module in list(model.named_modules()):
         for names in GROUPS:
             members = [(n, getattr(module, n, None)) for n in names]
-            members = [(n, m) for n, m in members if type(m) is nn.Linear]
-            if len(members) < 2 or len({m.in_features for _, m in members}) != 1:
+            members = [(n, m) for n, m in members if type(m) is nn.Linear
+                       or (m is not None and _is_routed_lora(m) and "projection_group" not in m.__dict__)]
+            if len(members) < 2 or len({_width(m) for _, m in members}) != 1:
                 continue
-            group = ProjectionGroup(f"{name or type(module).__name__}",
-                                    tuple(n for n, _ in members), [m for _, m in members])
-            group.linears = [GroupedLinear.from_linear(m, group, i) for i, (_, m) in enumerate(members)]
-            for (n, _), grouped in zip(members, group.linears):
-                setattr(module, n, grouped)
+            group = ProjectionGroup(name or type(module).__name__, tuple(n for n, _ in members), [])
+            for i, (n, m) in enumerate(members):
+                if _is_routed_lora(m):
+                    m.projection_group, m.projection_index = group, i
+                    m.forward = types.MethodType(_grouped_forward, m)
+                else:
+                    m = GroupedLinear.from_linear(m, group, i)
+                    setattr(module, n, m)
+                group.members.append(m)
             count += 1
     return count

@@ -8,7 +8,9 @@ node (CPU, float32 and bf16 autocast; no Triton involved).
 * ``group_projections`` on a tiny LLaMA: same loss and gradients, same
   Parameters and state-dict names, nothing held after the forward;
 * the fallbacks: no gradients, an input modified in place, a forward that does
-  not call the projections on one input (a one-line note, then separate products).
+  not call the projections on one input (a one-line note, then separate products);
+* LoRA layers routed by lora_kernel.fuse_lora join the groups: PEFT's loss and
+  gradients, no add kernel left in the backward of a group of adapted layers.
 
 Usage:
     python -m pytest projections_test.py -v
@@ -27,6 +29,8 @@ from conftest import DEVICE  # first: the Triton interpreter switch
 import dataloader
 import models
 import training
+import projections
+from lora_kernel import fuse_lora
 from projections import GroupedLinear, group_projections, shared_input_linear
 
 
@@ -159,7 +163,7 @@ def test_deepcopy_keeps_each_copy_to_its_own_modules():
     twin = copy.deepcopy(model)
     attn = twin.model.layers[0].self_attn
     assert all(m.group is attn.q_proj.group for m in (attn.k_proj, attn.v_proj))
-    assert attn.q_proj.group.linears[1] is attn.k_proj
+    assert attn.q_proj.group.members[1] is attn.k_proj
 
 
 def test_without_gradients_nothing_is_kept():
@@ -229,3 +233,61 @@ def test_activation_checkpointing_recomputes_through_the_groups(capsys):
             torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
     assert "note:" not in capsys.readouterr().out
     assert all(m.group.enabled for m in model.modules() if isinstance(m, GroupedLinear))
+
+
+# --------------------------------------------------------------------------------
+# LoRA layers in the groups
+# --------------------------------------------------------------------------------
+def peft_llama(targets):
+    peft = pytest.importorskip("peft")
+    model = tiny_llama().double()
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
+    with torch.no_grad():  # B random: PEFT starts it at zero, where its gradient path would go untested
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                     ["q_proj", "v_proj"]])  # mixed groups: k_proj, gate_proj, up_proj plain
+def test_lora_layers_in_groups_give_pefts_loss_and_gradients(targets):
+    model = peft_llama(targets)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    batch = dataloader.lm_batch(ids.to(DEVICE))
+    ref_loss, ref_grads = loss_and_grads_of_trainable(model, batch)
+    fuse_lora(model)
+    n_layers = model.config.num_hidden_layers
+    assert group_projections(model) == 2 * n_layers
+    grouped = []
+    real = projections.grouped_products
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(projections, "grouped_products", lambda *a: grouped.append(1) or real(*a))
+        loss, grads = loss_and_grads_of_trainable(model, batch)
+    # Layer 0's attention reads the frozen embedding's output: no gradient of x to sum
+    # there, its projections run alone (its MLP reads the adapters' work: grouped).
+    assert len(grouped) == 2 * n_layers - 1
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+    assert grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def loss_and_grads_of_trainable(model, batch):
+    model.zero_grad(set_to_none=True)
+    loss = training.hf_loss(model, batch)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_a_group_of_lora_layers_sums_every_gradient_of_x_in_the_products():
+    model = peft_llama(["q_proj", "k_proj", "v_proj"])
+    fuse_lora(model)
+    group_projections(model)
+    attn = model.base_model.model.model.layers[1].self_attn
+    x = torch.randn(5, model.config.hidden_size, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    loss = sum(attn.__getattr__(n)(x).sum() for n in ("q_proj", "k_proj", "v_proj"))
+    with OpLog() as log:
+        loss.backward()
+    # dx = dq Wq + g_q A_q + dk Wk + g_k A_k + dv Wv + g_v A_v: one mm, five addmm_, no add.
+    assert log.ops.count("addmm_") == 5 and "add" not in log.ops and "add_" not in log.ops, log.ops

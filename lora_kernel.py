@@ -42,7 +42,9 @@ roundings happen (fewer here: the epilogue adds in float32).
 
 The Function takes a list of such layers on one x (each with or without an adapter):
 projections.py groups an attention's q/k/v and an MLP's gate/up through it, so that
-the sum of their gradients of x is one more addmm_ per layer, not an add kernel.
+the sum of their gradients of x is one more addmm_ per layer, not an add kernel, and
+their adapters' A matrices are stacked: x A^T and dA = g^T x, thin products bound by
+their read of x, read x once for the whole group.
 
 When it applies
 ---------------
@@ -65,60 +67,81 @@ import torch.nn as nn
 class LoRALinearFunction(torch.autograd.Function):
     """Projections of one input x as one autograd node, each y_i = x W_i^T + b_i,
     plus s_i (x A_i^T) B_i^T where it has an adapter: x [..., K], W_i [N_i, K],
-    A_i [r, K], B_i [N_i, r]. One projection is a LoRA layer; several are
+    A_i [r_i, K], B_i [N_i, r_i]. One projection is a LoRA layer; several are
     projections.py's groups (q/k/v, gate/up), whose gradients of x are summed in
     the same epilogues."""
 
     @staticmethod
     def forward(ctx, x, dtype, scalings, *params):  # per projection: W, b, A, B (b, A, B may be None)
         x2 = x.to(dtype).reshape(-1, x.shape[-1])  # no copy when x is in dtype already
-        outs, saved = [], [x2]
-        for i, s in enumerate(scalings):
-            weight, bias, lora_a, lora_b = params[4 * i:4 * i + 4]
+        members = [params[4 * i:4 * i + 4] for i in range(len(scalings))]
+        # Optimization: the adapters' A of all projections stacked, [sum r_i, K], so that
+        # x is read once for all of them: xa = x A^T is a thin product, bound by its read of
+        # x (M x K), not by arithmetic. A group of three adapters reads x once instead of
+        # three times, here and for dA in backward. One adapter: A itself, no copy.
+        adapters = [a.to(dtype) for _, _, a, _ in members if a is not None]
+        a_all = (adapters[0] if len(adapters) == 1 else torch.cat(adapters)) if adapters else None
+        xa_all = None if a_all is None else torch.mm(x2, a_all.t())  # [M, sum r]
+        outs, saved, start = [], [x2, a_all, xa_all], 0
+        for (weight, bias, lora_a, lora_b), s in zip(members, scalings):
             w = weight.to(dtype)
             y = torch.mm(x2, w.t()) if bias is None else torch.addmm(bias.to(dtype), x2, w.t())
-            a = b = xa = None
+            b = None
             if lora_a is not None:
-                a, b = lora_a.to(dtype), lora_b.to(dtype)  # r rows: cheap; no copy when already dtype
-                xa = torch.mm(x2, a.t())  # [M, r]
-                y.addmm_(xa, b.t(), alpha=s)  # the scale and the sum in the GEMM's epilogue
+                b, r = lora_b.to(dtype), lora_a.shape[0]  # r rows: cheap; no copy when already dtype
+                y.addmm_(xa_all[:, start:start + r], b.t(), alpha=s)  # the scale and the sum in the epilogue
+                start += r
             # The weight as it is: cast again in backward (no float32 -> bf16 copy kept alive).
-            saved += [weight, a, b, xa]
+            saved += [weight, b]
             outs.append(y.view(*x.shape[:-1], weight.shape[0]))
         ctx.save_for_backward(*saved)
         ctx.scalings, ctx.dtype, ctx.x_shape, ctx.x_dtype = scalings, dtype, x.shape, x.dtype
         ctx.param_dtypes = [None if p is None else p.dtype for p in params]
+        ctx.ranks = [None if a is None else a.shape[0] for _, _, a, _ in members]
         ctx.set_materialize_grads(False)  # an output nobody used gets None, not zeros to multiply
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
-        x2, *saved = ctx.saved_tensors
+        x2, a_all, xa_all, *saved = ctx.saved_tensors
         need_x, need = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
-        dx, params = None, []
-        for i, (dy, s) in enumerate(zip(grads, ctx.scalings)):
-            weight, a, b, xa = saved[4 * i:4 * i + 4]
+        dx, params, gs, start = None, [], [], 0
+        for i, (dy, s, r) in enumerate(zip(grads, ctx.scalings, ctx.ranks)):
+            weight, b = saved[2 * i:2 * i + 2]
             need_w, need_bias, need_a, need_b = need[4 * i:4 * i + 4]
             w_dtype, bias_dtype, a_dtype, b_dtype = ctx.param_dtypes[4 * i:4 * i + 4]
+            xa = None if r is None else xa_all[:, start:start + r]
+            start += r or 0
             if dy is None:
+                if r is not None:  # its adapter's share of dx and dA is zero
+                    gs.append(x2.new_zeros(x2.shape[0], r))
                 params += [None] * 4
                 continue
             dy = dy.reshape(-1, dy.shape[-1]).to(ctx.dtype)
-            # The adapter's share of the gradient, scaled where it is small: [M, r].
-            g = None if a is None else torch.mm(dy, b) * s
             if need_x:
                 w = weight.to(ctx.dtype)
                 if dx is None:
                     dx = torch.mm(dy, w)
                 else:
                     dx.addmm_(dy, w)  # the projections' gradients of x summed in the epilogue
-                if g is not None:
-                    dx.addmm_(g, a)  # and the adapter's
             dw = torch.mm(dy.t(), x2).to(w_dtype) if need_w else None
             dbias = dy.sum(0).to(bias_dtype) if need_bias else None
-            da = torch.mm(g.t(), x2).to(a_dtype) if need_a else None
-            db = torch.mm(dy.t(), xa * s).to(b_dtype) if need_b else None
-            params += [dw, dbias, da, db]
+            db = None
+            if r is not None:
+                gs.append(torch.mm(dy, b) * s)  # the adapter's share of the gradient, scaled where it is small
+                db = torch.mm(dy.t(), xa * s).to(b_dtype) if need_b else None
+            params += [dw, dbias, None, db]
+        if gs:
+            # All adapters at once, as in forward: g = [g_1 | g_2 | ...], [M, sum r].
+            g = gs[0] if len(gs) == 1 else torch.cat(gs, dim=1)
+            if need_x and dx is not None:
+                dx.addmm_(g, a_all)  # and the adapters' gradients of x, in the epilogue too
+            if any(need[4 * i + 2] for i in range(len(ctx.ranks))):
+                da_all, start = torch.mm(g.t(), x2), 0  # [sum r, K]: x read once
+                for i, r in enumerate(ctx.ranks):
+                    if r is not None and need[4 * i + 2] and grads[i] is not None:
+                        params[4 * i + 2] = da_all[start:start + r].to(ctx.param_dtypes[4 * i + 2])
+                    start += r or 0
         if dx is not None:
             dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
         return (dx, None, None, *params)

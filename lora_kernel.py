@@ -63,6 +63,8 @@ import types
 import torch
 import torch.nn as nn
 
+from kernel_common import first_order_only
+
 
 class LoRALinearFunction(torch.autograd.Function):
     """Projections of one input x as one autograd node, each y_i = x W_i^T + b_i,
@@ -82,18 +84,29 @@ class LoRALinearFunction(torch.autograd.Function):
         adapters = [a.to(dtype) for _, _, a, _ in members if a is not None]
         a_all = (adapters[0] if len(adapters) == 1 else torch.cat(adapters)) if adapters else None
         xa_all = None if a_all is None else torch.mm(x2, a_all.t())  # [M, sum r]
-        outs, saved, start = [], [x2, a_all, xa_all], 0
+        # Kept for backward only what a gradient needs: x for dW and dA, x A^T for dB.
+        needs = ctx.needs_input_grad[3:]
+        keep_x = any(needs[4 * i] or needs[4 * i + 2] for i in range(len(members)))
+        keep_xa = any(needs[4 * i + 3] for i in range(len(members)))
+        outs, saved, start = [], [x2 if keep_x else None, a_all, xa_all if keep_xa else None], 0
         for (weight, bias, lora_a, lora_b), s in zip(members, scalings):
             w = weight.to(dtype)
-            y = torch.mm(x2, w.t()) if bias is None else torch.addmm(bias.to(dtype), x2, w.t())
+            # Written in place into the output's own storage: each output is a tensor of its
+            # own, not a view of another, so the caller may change it in place as F.linear's.
+            y = x2.new_empty(*x.shape[:-1], weight.shape[0])
+            y2 = y.view(-1, weight.shape[0])
+            if bias is None:
+                torch.mm(x2, w.t(), out=y2)
+            else:
+                torch.addmm(bias.to(dtype), x2, w.t(), out=y2)
             b = None
             if lora_a is not None:
                 b, r = lora_b.to(dtype), lora_a.shape[0]  # r rows: cheap; no copy when already dtype
-                y.addmm_(xa_all[:, start:start + r], b.t(), alpha=s)  # the scale and the sum in the epilogue
+                y2.addmm_(xa_all[:, start:start + r], b.t(), alpha=s)  # the scale and the sum in the epilogue
                 start += r
             # The weight as it is: cast again in backward (no float32 -> bf16 copy kept alive).
             saved += [weight, b]
-            outs.append(y.view(*x.shape[:-1], weight.shape[0]))
+            outs.append(y)
         ctx.save_for_backward(*saved)
         ctx.scalings, ctx.dtype, ctx.x_shape, ctx.x_dtype = scalings, dtype, x.shape, x.dtype
         ctx.param_dtypes = [None if p is None else p.dtype for p in params]
@@ -102,6 +115,7 @@ class LoRALinearFunction(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
+    @first_order_only("lora_linear")
     def backward(ctx, *grads):
         x2, a_all, xa_all, *saved = ctx.saved_tensors
         need_x, need = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]

@@ -36,8 +36,10 @@ torch.compile (Inductor sees the whole layer and plans the sums itself), without
 gradients of x (evaluation, generation, a frozen first layer), for FP8 and
 quantized layers and LoRA layers outside lora_kernel's cases (dropout, DoRA, ...;
 checked at every call), and for a model whose forward does not call its
-projections one after another on one input: the first time a group's outputs go
-unused, that group falls back to separate products for good, with a one-line note.
+projections one after another on one input: when a group's outputs go unused
+in two forwards in a row (once is an exception cutting a forward short), that
+group falls back to separate products for good, with a one-line note. Between
+the first projection's call and the others', nothing may change the weights.
 
 Nothing runs on import. See projections_test.py for the checks.
 """
@@ -70,7 +72,8 @@ def compute_dtype(x, specs):
     if any(spec[2] is not None for spec in specs):
         return x.dtype if bases == {x.dtype} else None
     if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
+        # Autocast casts float32 (and half types) to its dtype but leaves float64 alone.
+        return None if torch.float64 in bases | {x.dtype} else torch.get_autocast_dtype(x.device.type)
     return x.dtype if bases == {x.dtype} else None
 
 
@@ -125,6 +128,7 @@ class ProjectionGroup:
     def __init__(self, owner, names, members):
         self.owner, self.names, self.members = owner, names, members
         self.enabled = True
+        self._abandoned = 0  # forwards in a row that left outputs unused
         self._source, self._version, self._pending = None, None, {}
 
     def _clear(self):
@@ -137,14 +141,18 @@ class ProjectionGroup:
             out = self._pending.pop(index)
             if not self._pending:
                 self._clear()  # nothing of x is held past the last projection
+                self._abandoned = 0
             return out
         if self._pending:
-            # Outputs computed for nothing: this model does not call the projections
-            # on one input one after another. Separate products from now on.
-            self.enabled = False
+            # Outputs computed for nothing: an exception cut the last forward short (once),
+            # or this model does not call the projections one after another on one input
+            # (every time): then separate products from now on.
             self._clear()
-            print(f"note: {self.owner}: {', '.join(self.names)} are not called in turn on one unchanged input; "
-                  f"separate products from now on (their input gradients summed by autograd)")
+            self._abandoned += 1
+            if self._abandoned >= 2:
+                self.enabled = False
+                print(f"note: {self.owner}: {', '.join(self.names)} are not called in turn on one unchanged "
+                      f"input; separate products from now on (their input gradients summed by autograd)")
         outs = None
         # Nothing to gain without an input gradient, or where torch.compile plans the layer.
         if self.enabled and torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling():
@@ -169,9 +177,9 @@ class GroupedLinear(nn.Linear):
     @classmethod
     def from_linear(cls, linear, group, index):
         new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight, new.bias = linear.weight, linear.bias  # the same Parameters: optimizer and ties unchanged
+        # Everything the module holds: the same Parameters (optimizer and ties unchanged),
+        # its hooks, its training flag.
+        new.__dict__.update(linear.__dict__)
         new.group, new.index = group, index
         return new
 
@@ -201,7 +209,8 @@ def group_projections(model):
     for name, module in list(model.named_modules()):
         for names in GROUPS:
             members = [(n, getattr(module, n, None)) for n in names]
-            members = [(n, m) for n, m in members if type(m) is nn.Linear
+            # A forward set on the instance (accelerate's offloading hooks, say) is left to run.
+            members = [(n, m) for n, m in members if (type(m) is nn.Linear and "forward" not in m.__dict__)
                        or (m is not None and _is_routed_lora(m) and "projection_group" not in m.__dict__)]
             if len(members) < 2 or len({_width(m) for _, m in members}) != 1:
                 continue

@@ -316,3 +316,70 @@ def test_a_lora_group_with_an_unused_output():
     assert got.keys() == want.keys() and not [n for n in got if "k_proj" in n], sorted(got)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-12, msg=name)
+
+
+# --------------------------------------------------------------------------------
+# What an nn.Linear allows stays allowed
+# --------------------------------------------------------------------------------
+def test_grouped_outputs_can_be_changed_in_place():
+    module = TwoInputs()
+    group_projections(module)
+    x = torch.randn(3, 32, device=DEVICE, requires_grad=True)
+    q = module.q_proj(x).mul_(2.0)  # an output of its own, not a view of another
+    k = module.k_proj(x)
+    (q.sum() + k.sum()).backward()
+    ref = x.detach().clone().requires_grad_()
+    (F.linear(ref, module.q_proj.weight).mul(2.0).sum() + F.linear(ref, module.k_proj.weight).sum()).backward()
+    torch.testing.assert_close(x.grad, ref.grad)
+
+
+def test_a_frozen_group_keeps_no_copy_of_its_input():
+    mods = linears((16, 8, 8))
+    for m in mods:
+        m.weight.requires_grad_(False)
+    x = torch.randn(6, 32, device=DEVICE, requires_grad=True)
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+        outs = shared_input_linear(x, mods)
+    assert (6, 32) not in shapes, shapes  # F.linear with a frozen weight saves no input either
+    sum(o.sum() for o in outs).backward()
+    torch.testing.assert_close(x.grad, sum(m.weight.sum(0) for m in mods).expand(6, 32))
+
+
+def test_second_derivatives_are_refused():
+    mods = linears((16, 8))
+    x = torch.randn(4, 32, device=DEVICE, requires_grad=True)
+    loss = sum((o * o).sum() for o in shared_input_linear(x, mods))
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(loss, x, create_graph=True)
+
+
+def test_float64_stays_float64_under_autocast():
+    mods = [m.double() for m in linears((16, 8))]
+    x = torch.randn(4, 32, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        outs = shared_input_linear(x, mods)
+    assert all(o.dtype == torch.float64 for o in outs)
+
+
+def test_hooks_and_the_training_flag_survive_grouping():
+    module = TwoInputs().eval()
+    seen = []
+    module.k_proj.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    group_projections(module)
+    assert not module.k_proj.training
+    x = torch.randn(3, 32, device=DEVICE, requires_grad=True)
+    module.q_proj(x), module.k_proj(x)
+    assert seen == [torch.Size([3, 8])]
+
+
+def test_one_forward_cut_short_does_not_switch_a_group_off(capsys):
+    module = TwoInputs()
+    group_projections(module)
+    x = torch.randn(3, 32, device=DEVICE, requires_grad=True)
+    module.q_proj(x)  # then an exception, say: k and v never asked for
+    for _ in range(2):
+        x = torch.randn(3, 32, device=DEVICE, requires_grad=True)
+        module.q_proj(x), module.k_proj(x), module.v_proj(x)
+    assert module.q_proj.group.enabled and "note:" not in capsys.readouterr().out
+    assert module.q_proj.group._pending == {}

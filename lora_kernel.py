@@ -58,6 +58,7 @@ keep PEFT's path.
 Nothing runs on import. See lora_test.py for the checks.
 """
 
+import math
 import types
 
 import torch
@@ -128,7 +129,7 @@ class LoRALinearFunction(torch.autograd.Function):
             start += r or 0
             if dy is None:
                 if r is not None:  # its adapter's share of dx and dA is zero
-                    gs.append(x2.new_zeros(x2.shape[0], r))
+                    gs.append(a_all.new_zeros(math.prod(ctx.x_shape[:-1]), r))
                 params += [None] * 4
                 continue
             dy = dy.reshape(-1, dy.shape[-1]).to(ctx.dtype)

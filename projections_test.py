@@ -383,3 +383,28 @@ def test_one_forward_cut_short_does_not_switch_a_group_off(capsys):
         module.q_proj(x), module.k_proj(x), module.v_proj(x)
     assert module.q_proj.group.enabled and "note:" not in capsys.readouterr().out
     assert module.q_proj.group._pending == {}
+
+
+def test_a_group_whose_adapters_train_only_b_with_an_unused_output():
+    """No weight or A needs x: it is not kept, and an unused output still gets its zero share."""
+    ref = peft_llama(["q_proj", "k_proj", "v_proj"])
+    for name, p in ref.named_parameters():
+        if "lora_A" in name:
+            p.requires_grad_(False)
+    ours = copy.deepcopy(ref)
+    fuse_lora(ours)
+    group_projections(ours)
+    x = torch.randn(2, 5, ref.config.hidden_size, device=DEVICE, dtype=torch.float64)
+
+    def grads(model):
+        attn = model.base_model.model.model.layers[1].self_attn
+        xi = x.clone().requires_grad_()
+        q, k, v = (attn.__getattr__(n)(xi) for n in ("q_proj", "k_proj", "v_proj"))
+        (q.sum() + (v * v).sum()).backward()
+        return xi.grad, {n: p.grad for n, p in attn.named_parameters() if p.grad is not None}
+
+    (dx, got), (ref_dx, want) = grads(ours), grads(ref)
+    torch.testing.assert_close(dx, ref_dx, rtol=1e-12, atol=1e-12)
+    assert got.keys() == want.keys() and got
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-12, msg=name)

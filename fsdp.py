@@ -116,6 +116,9 @@ def init_distributed(args):
 
 def close_distributed():
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # Every rank reaches the teardown before any closes its connections: a rank that
+        # tears gloo down while the other still sends can abort that one at exit.
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 

@@ -69,9 +69,7 @@ def compute_dtype(x, specs):
     else the inputs' when they agree). With a LoRA adapter among them: the base
     weights' dtype, which x must have (lora_kernel's rule for one layer)."""
     bases = {p.dtype for w, b, *_ in specs for p in (w, b) if p is not None}
-    if any(spec[2] is not None for spec in specs):
-        return x.dtype if bases == {x.dtype} else None
-    if torch.is_autocast_enabled(x.device.type):
+    if torch.is_autocast_enabled(x.device.type) and all(spec[2] is None for spec in specs):
         # Autocast casts float32 (and half types) to its dtype but leaves float64 alone.
         return None if torch.float64 in bases | {x.dtype} else torch.get_autocast_dtype(x.device.type)
     return x.dtype if bases == {x.dtype} else None

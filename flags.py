@@ -465,9 +465,10 @@ def add_fsdp_arg(group):
              "layers between forward and backward)",
     )
     group.add_argument(
-        "--fsdp-reduce-dtype", choices=("float32", "bfloat16"), default="float32",
+        "--fsdp-reduce-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
         help="--fsdp on a GPU: the dtype the gradients are averaged over the processes in (bfloat16 moves half "
-             "the bytes; default: %(default)s)",
+             "the bytes; default: %(default)s, bfloat16 over 2 processes when every trainable weight is bf16: "
+             "the same gradients as float32, see fsdp.reduce_dtype_for; float32 otherwise)",
     )
 
 
@@ -535,7 +536,7 @@ def note_idle_flags(args):
     if getattr(args, "compile_mode", "default") != "default" and not getattr(args, "compile", False):
         note(f"--compile-mode {args.compile_mode} without --compile changes nothing")
     fsdp_changed = [f"--{k.replace('_', '-')}" for k, v in (("fsdp_prefetch", 0), ("fsdp_keep_gathered", False),
-                                                            ("fsdp_reduce_dtype", "float32"))
+                                                            ("fsdp_reduce_dtype", "auto"))
                     if getattr(args, k, v) != v]
     if fsdp_changed and not getattr(args, "fsdp", False):
         note(f"{', '.join(fsdp_changed)} without --fsdp changes nothing")

@@ -129,8 +129,9 @@ def shard_model(model, args):
     must see the modules as built, and FSDP gives every module's forward its full
     (unsharded) weights, so TritonRMSNorm and TritonLlamaMLP run unchanged.
 
-    On a GPU the weights are gathered in bf16 and the gradients reduced in float32
-    (MixedPrecisionPolicy); the tiny float32 model (and the CPU) keeps float32 throughout.
+    On a GPU the weights are gathered in bf16 and the gradients reduced in the dtype
+    reduce_dtype_for chooses (MixedPrecisionPolicy); the tiny float32 model (and the CPU)
+    keeps float32 throughout.
 
     With --lora (apply_lora ran before, on the whole model) each layer's frozen
     weights and its adapters are sharded together, one group: FSDP2 gathers both
@@ -143,7 +144,7 @@ def shard_model(model, args):
 
     world = args._world
     kwargs = {}
-    reduce_dtype = getattr(args, "fsdp_reduce_dtype", "float32")
+    reduce_dtype = reduce_dtype_for(args, model, world.size)
     if world.device.type == "cuda" and not args.tiny:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                    reduce_dtype=getattr(torch, reduce_dtype))
@@ -173,6 +174,25 @@ def shard_model(model, args):
     print(f"FSDP:          {world.size} processes, {len(layers)} decoder layers + the root sharded "
           f"({precision}; {ahead}{kept}){materialized}")
     return model
+
+
+def reduce_dtype_for(args, model, processes):
+    """The dtype FSDP averages the gradients over the processes in: --fsdp-reduce-dtype,
+    or for "auto" bfloat16 over 2 processes when every trainable weight is bf16, else float32.
+
+    Why bfloat16 is free there: the backward computes each gradient in bf16 and the
+    shard keeps it in the weight's dtype, bf16. Averaged over 2 processes in float32,
+    (a + b) / 2 of two bf16 numbers is exact, and the cast back to bf16 rounds once.
+    In bfloat16, NCCL adds the two halves once and rounds the sum once, to nearest:
+    the same bits (fsdp_test checks it on 2 GPUs), with half the bytes to send and
+    to copy. Over more processes a ring adds hop by hop and rounds to bf16 at each
+    hop; with float32 weights (or adapters) float32 keeps digits that bf16 would drop.
+    """
+    chosen = getattr(args, "fsdp_reduce_dtype", "auto")
+    if chosen != "auto":
+        return chosen
+    trainable = {p.dtype for p in model.parameters() if p.requires_grad}
+    return "bfloat16" if processes == 2 and trainable == {torch.bfloat16} else "float32"
 
 
 def materialize(model, device):

@@ -27,6 +27,7 @@ The Triton kernels run in the interpreter: tiny shapes, few steps.
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -119,7 +120,7 @@ def test_prefetch_and_kept_weights_change_no_loss(full, tmp_path, capsys):
     ahead = run("finetune_optimized.py", [*TINY, "--steps", "3", "--batch-size", "1", "--fsdp-prefetch", "2",
                                           "--fsdp-keep-gathered"], 2, tmp_path, "ahead")
     close(ahead["losses"], one["losses"])
-    assert ahead["config"]["fsdp_prefetch"] == 2 and ahead["config"]["fsdp_reduce_dtype"] == "float32"
+    assert ahead["config"]["fsdp_prefetch"] == 2 and ahead["config"]["fsdp_reduce_dtype"] == "auto"
     assert ahead["config"]["fsdp_keep_gathered"] is True
     flags.resolve_defaults(finetune_optimized.parse_args(["--fsdp-reduce-dtype", "bfloat16", "--fsdp-prefetch", "1",
                                                           "--fsdp-keep-gathered"]))
@@ -336,6 +337,69 @@ def test_profile_under_torchrun(tmp_path):
     assert summary["setup"]["world_size"] == 2
     assert summary["categories"]["communication"]["ms_per_step"] > 0
     assert proc.stdout.count("Summary by category") == 1  # printed once
+
+
+def test_reduce_dtype_auto_is_bfloat16_over_two_processes_of_bf16_weights():
+    bf16 = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    auto = argparse.Namespace(fsdp_reduce_dtype="auto")
+    assert fsdp.reduce_dtype_for(auto, bf16, 2) == "bfloat16"
+    assert fsdp.reduce_dtype_for(auto, bf16, 4) == "float32"  # a ring would round at every hop
+    assert fsdp.reduce_dtype_for(auto, torch.nn.Linear(4, 4), 2) == "float32"  # float32 weights keep their digits
+    frozen_bf16 = torch.nn.Sequential(torch.nn.Linear(4, 4).to(torch.bfloat16), torch.nn.Linear(4, 4))
+    frozen_bf16[0].requires_grad_(False)  # LoRA: frozen bf16 base, float32 adapters
+    assert fsdp.reduce_dtype_for(auto, frozen_bf16, 2) == "float32"
+    frozen_bf16[1].to(torch.bfloat16)
+    assert fsdp.reduce_dtype_for(auto, frozen_bf16, 2) == "bfloat16"
+    assert fsdp.reduce_dtype_for(argparse.Namespace(fsdp_reduce_dtype="float32"), bf16, 2) == "float32"
+
+
+# Run by torchrun on 2 GPUs: a small LLaMA in bf16, sharded by fsdp.shard_model, one forward and
+# backward on each process's own tokens; the local gradient shards after a float32 and a
+# bfloat16 reduction, compared bit for bit.
+REDUCE_CHECK = """
+import argparse, sys, torch
+sys.path.insert(0, {here!r})
+import fsdp
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.use_deterministic_algorithms(True)
+torch.distributed.init_process_group("nccl")
+rank = torch.distributed.get_rank()
+torch.cuda.set_device(rank)
+
+def shards(reduce_dtype):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")
+    model = LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+    args = argparse.Namespace(tiny=False, fsdp_reduce_dtype=reduce_dtype,
+                              _world=fsdp.World(rank, 2, rank, torch.device("cuda", rank)))
+    assert fsdp.reduce_dtype_for(argparse.Namespace(), model, 2) == "bfloat16"
+    fsdp.shard_model(model, args)
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(rank)).cuda()
+    model(input_ids=ids, labels=ids).loss.backward()
+    return [p.grad.to_local().clone() for p in model.parameters()]
+
+f32, bf16 = shards("float32"), shards("bfloat16")
+same = sum(torch.equal(a, b) for a, b in zip(f32, bf16))
+nonzero = sum(bool(a.abs().sum() > 0) for a in f32)
+print(f"rank {{rank}}: {{same}} of {{len(f32)}} equal, {{nonzero}} nonzero", flush=True)
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_bfloat16_reduction_over_two_gpus_gives_the_float32_gradients(tmp_path):
+    script = tmp_path / "reduce_check.py"
+    script.write_text(REDUCE_CHECK.format(here=HERE))
+    env = {k: v for k, v in os.environ.items() if k not in fsdp.TORCHRUN_ENV}
+    env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic matmuls: the two backwards are the same
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = sorted(re.findall(r"rank (\d): (\d+) of (\d+) equal, (\d+) nonzero", proc.stdout))
+    assert [rank for rank, *_ in found] == ["0", "1"], proc.stdout
+    for _, equal, total, nonzero in found:  # every weight's shard: reduced (not zero), the same bits
+        assert int(total) > 0 and equal == total == nonzero, proc.stdout
 
 
 def test_fsdp_without_torchrun_is_one_line(monkeypatch, capsys):

@@ -17,6 +17,8 @@
   with --lora its adapters get PEFT's initialization back (B zeros: the model
   starts as the base model), checked in this process on a one-process group.
 * profile_baseline.py --fsdp profiles rank 0 (communication has its category).
+* --fsdp-reduce-dtype auto picks bfloat16 over 2 processes of bf16 weights only; on
+  2 GPUs (NCCL) the bfloat16 and float32 reductions give the same gradient bits.
 * Bad input: --fsdp without torchrun, torchrun without --fsdp, --fsdp with
   --lora-4bit, resuming with another number of processes: one line each,
   before any work.

@@ -555,11 +555,13 @@ def test_gpu_cast_is_pytorchs_bit_for_bit():
     x = torch.randn(1000, 4096, device="cuda", generator=g, dtype=torch.bfloat16)
     for recipe in RECIPES:
         assert_same(quantize(x, recipe, True, 16), quantize_reference(x, recipe, True, 16))
-    # Per row without x^T: the one-pass kernel at LLaMA's widths (whole rows in registers,
-    # several rows or many warps per program) and past its limit (the two kernels).
+    # Per row at LLaMA's widths: without x^T the one-pass kernel (whole rows in registers,
+    # several rows or many warps per program) and past its limit the two kernels, which
+    # also cast every width with x^T.
     for k in (4096, 14336, fp8_kernel.ROW_CAST_MAX_K + 8):
         x = torch.randn(300, k, device="cuda", generator=g, dtype=torch.bfloat16)
         assert_same(quantize(x, "rowwise"), quantize_reference(x, "rowwise"))
+        assert_same(quantize(x, "rowwise", True, 16), quantize_reference(x, "rowwise", True, 16))
 
 
 def test_gpu_triton_gemm_matches_cublaslt():

@@ -459,10 +459,11 @@ def add_fsdp_arg(group):
              "(default: %(default)s, FSDP's own order; 1 measured no faster on 2 x H200 at 8B)",
     )
     group.add_argument(
-        "--fsdp-keep-gathered", action="store_true",
+        "--fsdp-keep-gathered", nargs="?", const="on", choices=("auto", "on", "off"), default="auto",
         help="--fsdp: keep each layer's gathered weights from its forward to its backward instead of gathering "
              "them again (one all-gather per layer and step fewer; every process holds the bf16 weights of the "
-             "layers between forward and backward)",
+             "layers between forward and backward). auto (the default): on a GPU, decided after the first "
+             "steps from their measured peak memory (fsdp.decide_keep_gathered); off on a CPU. Alone: on",
     )
     group.add_argument(
         "--fsdp-reduce-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
@@ -535,7 +536,7 @@ def note_idle_flags(args):
         note(f"{', '.join('--' + k.replace('_', '-') for k in changed)} without --lora: no adapters, nothing changes")
     if getattr(args, "compile_mode", "default") != "default" and not getattr(args, "compile", False):
         note(f"--compile-mode {args.compile_mode} without --compile changes nothing")
-    fsdp_changed = [f"--{k.replace('_', '-')}" for k, v in (("fsdp_prefetch", 0), ("fsdp_keep_gathered", False),
+    fsdp_changed = [f"--{k.replace('_', '-')}" for k, v in (("fsdp_prefetch", 0), ("fsdp_keep_gathered", "auto"),
                                                             ("fsdp_reduce_dtype", "auto"))
                     if getattr(args, k, v) != v]
     if fsdp_changed and not getattr(args, "fsdp", False):

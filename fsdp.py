@@ -152,7 +152,8 @@ def shard_model(model, args):
     # --fsdp-keep-gathered (what it buys: backward skips one all-gather per layer, and
     # FSDP's copy out of its buffer; what it costs: the layers' bf16 weights stay whole
     # on every process from forward until their backward, the memory sharding saved).
-    keep = getattr(args, "fsdp_keep_gathered", False)
+    # "auto" starts without and decides after the first steps (decide_keep_gathered).
+    keep = getattr(args, "fsdp_keep_gathered", "off") == "on"
     for layer in layers:
         fully_shard(layer, reshard_after_forward=not keep, **kwargs)
     fully_shard(model, **kwargs)
@@ -170,10 +171,54 @@ def shard_model(model, args):
         materialized = "; built on the meta device, each process initialized its own shards"
     precision = f"bf16 weights, {reduce_dtype} gradient reduction" if kwargs else "float32"
     ahead = f"{prefetch} layer{'s' if prefetch > 1 else ''} gathered ahead" if prefetch else "no prefetch"
-    kept = "; weights kept gathered from forward to backward" if keep else ""
+    kept = {"on": "; weights kept gathered from forward to backward",
+            "auto": "; weights kept gathered from forward to backward if they fit, decided after "
+                    f"step {KEEP_DECIDED_AFTER}" if world.device.type == "cuda" else ""}.get(
+        getattr(args, "fsdp_keep_gathered", "off"), "")
     print(f"FSDP:          {world.size} processes, {len(layers)} decoder layers + the root sharded "
           f"({precision}; {ahead}{kept}){materialized}")
     return model
+
+
+# --fsdp-keep-gathered auto: decided after this many steps (the second step is the first
+# with AdamW's state, which the first allocates at its end), against this share of the
+# smallest GPU's memory (what the allocator's cache and fragmentation need beyond it).
+KEEP_DECIDED_AFTER = 2
+KEEP_HEADROOM = 0.90
+
+
+def keep_gathered_fits(peak, kept, capacity):
+    """The rule of --fsdp-keep-gathered auto, in bytes: keep the layers' weights gathered
+    when the peak measured so far plus all of them whole stays within KEEP_HEADROOM of
+    the GPU's memory. (The layer being computed is already whole in the peak: the rule
+    counts it twice, on the safe side.)"""
+    return peak + kept <= KEEP_HEADROOM * capacity
+
+
+def decide_keep_gathered(args, model):
+    """--fsdp-keep-gathered auto on a GPU, called by every process after KEEP_DECIDED_AFTER
+    steps: from the largest peak of any process so far, the smallest GPU and the bytes of
+    every layer's weights as FSDP gathers them, the same answer on every process (they must
+    agree: a process that gathers again in backward waits for the others). Keeping them
+    switches each layer to reshard_after_forward=False for the steps to come. Returns the
+    line to print, or None where there is nothing to decide (not auto, not a GPU)."""
+    if not getattr(args, "fsdp", False) or getattr(args, "fsdp_keep_gathered", "off") != "auto" \
+            or not torch.cuda.is_available():
+        return None
+    layers = model.get_decoder().layers
+    gathered = 4 if args.tiny else 2  # bytes per weight: shard_model gathers in bf16 (tiny: float32)
+    kept = gathered * sum(p.numel() for layer in layers for p in layer.parameters())  # DTensors: whole sizes
+    capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    peak, minus_capacity = reduce_over_ranks([torch.cuda.max_memory_allocated(), -capacity], op="max")
+    capacity = -minus_capacity
+    fits = keep_gathered_fits(peak, kept, capacity)
+    if fits:
+        for layer in layers:
+            layer.set_reshard_after_forward(False, recurse=False)
+    verdict = "kept from forward to backward from now on" if fits else "gathered again in backward"
+    return (f"FSDP:          after {KEEP_DECIDED_AFTER} steps the layers' weights are {verdict} (--fsdp-keep-gathered "
+            f"auto): peak {peak / 2**30:.1f} GiB + {kept / 2**30:.1f} GiB of whole weights "
+            f"{'<=' if fits else '>'} {KEEP_HEADROOM:.0%} of {capacity / 2**30:.1f} GiB")
 
 
 def reduce_dtype_for(args, model, processes):

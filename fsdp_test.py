@@ -123,7 +123,7 @@ def test_prefetch_and_kept_weights_change_no_loss(full, tmp_path, capsys):
                                           "--fsdp-keep-gathered"], 2, tmp_path, "ahead")
     close(ahead["losses"], one["losses"])
     assert ahead["config"]["fsdp_prefetch"] == 2 and ahead["config"]["fsdp_reduce_dtype"] == "auto"
-    assert ahead["config"]["fsdp_keep_gathered"] is True
+    assert ahead["config"]["fsdp_keep_gathered"] == "on"
     flags.resolve_defaults(finetune_optimized.parse_args(["--fsdp-reduce-dtype", "bfloat16", "--fsdp-prefetch", "1",
                                                           "--fsdp-keep-gathered"]))
     assert ("--fsdp-prefetch, --fsdp-keep-gathered, --fsdp-reduce-dtype without --fsdp changes nothing"
@@ -353,6 +353,47 @@ def test_reduce_dtype_auto_is_bfloat16_over_two_processes_of_bf16_weights():
     frozen_bf16[1].to(torch.bfloat16)
     assert fsdp.reduce_dtype_for(auto, frozen_bf16, 2) == "bfloat16"
     assert fsdp.reduce_dtype_for(argparse.Namespace(fsdp_reduce_dtype="float32"), bf16, 2) == "float32"
+
+
+def test_keep_gathered_flag_values():
+    parse = finetune_optimized.parse_args
+    assert parse([]).fsdp_keep_gathered == "auto"
+    assert parse(["--fsdp-keep-gathered"]).fsdp_keep_gathered == "on"
+    assert parse(["--fsdp-keep-gathered", "off"]).fsdp_keep_gathered == "off"
+    with pytest.raises(SystemExit):
+        parse(["--fsdp-keep-gathered", "maybe"])
+
+
+def test_keep_gathered_auto_decides_from_the_measured_peak(monkeypatch):
+    """--fsdp-keep-gathered auto keeps the layers' weights when the peak so far plus all of
+    them whole (bf16) fits in 90% of the GPU; at the limit and one byte past it. The GPU's
+    numbers are stood in for (one process: the reduction over processes returns them)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    layers = model.get_decoder().layers
+    switched = []
+    for layer in layers:  # FSDP's method on a sharded layer; recorded here
+        layer.set_reshard_after_forward = lambda flag, recurse=True, _layer=layer: switched.append((_layer, flag, recurse))
+    kept = 2 * sum(p.numel() for layer in layers for p in layer.parameters())
+    capacity, peak = 1000 * kept, [0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: argparse.Namespace(total_memory=capacity))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *device: peak[0])
+    auto = argparse.Namespace(fsdp=True, fsdp_keep_gathered="auto", tiny=False)
+
+    peak[0] = 899 * kept + 1  # one byte past 90%
+    assert "gathered again in backward" in fsdp.decide_keep_gathered(auto, model) and not switched
+    peak[0] = 899 * kept  # exactly 90%
+    line = fsdp.decide_keep_gathered(auto, model)
+    assert "kept from forward to backward from now on" in line and f"{kept / 2**30:.1f} GiB of whole weights" in line
+    assert switched == [(layer, False, False) for layer in layers]
+    for args in (argparse.Namespace(fsdp=True, fsdp_keep_gathered="on", tiny=False),
+                 argparse.Namespace(fsdp=False, fsdp_keep_gathered="auto", tiny=False)):
+        assert fsdp.decide_keep_gathered(args, model) is None  # nothing to decide
+    assert len(switched) == len(layers)
 
 
 # Run by torchrun on 2 GPUs: a small LLaMA in bf16, sharded by fsdp.shard_model, one forward and

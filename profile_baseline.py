@@ -449,8 +449,13 @@ def swap_in(new_dir, out_dir):
 
 def warmup_steps(args):
     """Unprofiled steps first: one (compilation, AdamW's state), or with --cuda-graphs on a
-    GPU the eager steps and the capture."""
-    return flags.GPU_WARMUP_STEPS if getattr(args, "cuda_graphs", False) and torch.cuda.is_available() else 1
+    GPU the eager steps and the capture; with --fsdp-keep-gathered auto on a GPU at least
+    the steps it decides after (the profile then measures the fine-tune script's choice)."""
+    on_gpu = torch.cuda.is_available()
+    steps = flags.GPU_WARMUP_STEPS if getattr(args, "cuda_graphs", False) and on_gpu else 1
+    if on_gpu and getattr(args, "fsdp", False) and getattr(args, "fsdp_keep_gathered", "off") == "auto":
+        steps = max(steps, fsdp.KEEP_DECIDED_AFTER)
+    return steps
 
 
 def profile_steps(args, model, step, batches, work_dir, name):
@@ -466,9 +471,13 @@ def profile_steps(args, model, step, batches, work_dir, name):
     """
     on_gpu = torch.cuda.is_available()
     warmup = warmup_steps(args)
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()  # the peak of training (--fsdp-keep-gathered auto reads it)
     if work_dir is None:  # --fsdp, ranks other than 0: train in step with rank 0, nothing recorded
-        for _ in range(warmup + 2 * args.steps):
+        for i in range(warmup + 2 * args.steps):
             step(next(batches))
+            if i + 1 == warmup:
+                fsdp.decide_keep_gathered(args, model)
         training.sync()
         return None, None
     tb_dir = os.path.join(work_dir, "tensorboard")
@@ -483,16 +492,19 @@ def profile_steps(args, model, step, batches, work_dir, name):
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with training.exit_on_oom(args, "profiling", model):
-        return _timed_and_profiled(args, step, batches, warmup, activities, save_traces)
+        return _timed_and_profiled(args, model, step, batches, warmup, activities, save_traces)
 
 
-def _timed_and_profiled(args, step, batches, warmup, activities, save_traces):
+def _timed_and_profiled(args, model, step, batches, warmup, activities, save_traces):
     on_gpu = torch.cuda.is_available()
     # Warm-up: the first step pays for cuBLAS/Triton compilation and for the
     # optimizer's state allocation; profiling it would blame the wrong ops.
     for _ in range(warmup):
         step(next(batches))
     training.sync()
+    decided = fsdp.decide_keep_gathered(args, model)  # every process, after the same steps
+    if decided:
+        print(decided)
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     # The step's own times: the profiler adds its cost to every operation the host

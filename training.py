@@ -470,6 +470,8 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
                     break
                 if i == start and not bar:
                     reporting.print_estimate(seconds, total - i - 1)
+                if i - start + 1 == fsdp.KEEP_DECIDED_AFTER and (decided := fsdp.decide_keep_gathered(args, model)):
+                    say(decided)
                 if args.eval_every and (i + 1) % args.eval_every == 0:
                     eval_loss = evaluate(model, loss_fn, heldout)
                     evals.append({"step": i + 1, "loss": eval_loss})

@@ -153,7 +153,8 @@ def shard_model(model, args):
     # FSDP's copy out of its buffer; what it costs: the layers' bf16 weights stay whole
     # on every process from forward until their backward, the memory sharding saved).
     # "auto" starts without and decides after the first steps (decide_keep_gathered).
-    keep = getattr(args, "fsdp_keep_gathered", "off") == "on"
+    keep_mode = getattr(args, "fsdp_keep_gathered", "off")
+    keep = keep_mode == "on"
     for layer in layers:
         fully_shard(layer, reshard_after_forward=not keep, **kwargs)
     fully_shard(model, **kwargs)
@@ -171,10 +172,11 @@ def shard_model(model, args):
         materialized = "; built on the meta device, each process initialized its own shards"
     precision = f"bf16 weights, {reduce_dtype} gradient reduction" if kwargs else "float32"
     ahead = f"{prefetch} layer{'s' if prefetch > 1 else ''} gathered ahead" if prefetch else "no prefetch"
-    kept = {"on": "; weights kept gathered from forward to backward",
-            "auto": "; weights kept gathered from forward to backward if they fit, decided after "
-                    f"step {KEEP_DECIDED_AFTER}" if world.device.type == "cuda" else ""}.get(
-        getattr(args, "fsdp_keep_gathered", "off"), "")
+    kept = ""
+    if keep:
+        kept = "; weights kept gathered from forward to backward"
+    elif keep_mode == "auto" and world.device.type == "cuda":
+        kept = f"; weights kept gathered from forward to backward if they fit, decided after step {KEEP_DECIDED_AFTER}"
     print(f"FSDP:          {world.size} processes, {len(layers)} decoder layers + the root sharded "
           f"({precision}; {ahead}{kept}){materialized}")
     return model

@@ -375,7 +375,8 @@ def test_keep_gathered_auto_decides_from_the_measured_peak(monkeypatch):
     layers = model.get_decoder().layers
     switched = []
     for layer in layers:  # FSDP's method on a sharded layer; recorded here
-        layer.set_reshard_after_forward = lambda flag, recurse=True, _layer=layer: switched.append((_layer, flag, recurse))
+        layer.set_reshard_after_forward = (
+            lambda flag, recurse=True, _layer=layer: switched.append((_layer, flag, recurse)))
     kept = 2 * sum(p.numel() for layer in layers for p in layer.parameters())
     capacity, peak = 1000 * kept, [0]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -203,24 +203,31 @@ def decide_keep_gathered(args, model):
     every layer's weights as FSDP gathers them, the same answer on every process (they must
     agree: a process that gathers again in backward waits for the others). Keeping them
     switches each layer to reshard_after_forward=False for the steps to come. Returns the
-    line to print, or None where there is nothing to decide (not auto, not a GPU)."""
+    decision and its numbers (keep_gathered_line prints them), or None where there is
+    nothing to decide (not auto, not a GPU)."""
     if not getattr(args, "fsdp", False) or getattr(args, "fsdp_keep_gathered", "off") != "auto" \
             or not torch.cuda.is_available():
         return None
     layers = model.get_decoder().layers
     gathered = 4 if args.tiny else 2  # bytes per weight: shard_model gathers in bf16 (tiny: float32)
-    kept = gathered * sum(p.numel() for layer in layers for p in layer.parameters())  # DTensors: whole sizes
+    weights = gathered * sum(p.numel() for layer in layers for p in layer.parameters())  # DTensors: whole sizes
     capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     peak, minus_capacity = reduce_over_ranks([torch.cuda.max_memory_allocated(), -capacity], op="max")
-    capacity = -minus_capacity
-    fits = keep_gathered_fits(peak, kept, capacity)
-    if fits:
+    decision = {"kept": keep_gathered_fits(peak, weights, -minus_capacity), "peak_bytes": int(peak),
+                "weights_bytes": int(weights), "capacity_bytes": int(-minus_capacity)}
+    if decision["kept"]:
         for layer in layers:
             layer.set_reshard_after_forward(False, recurse=False)
-    verdict = "kept from forward to backward from now on" if fits else "gathered again in backward"
+    return decision
+
+
+def keep_gathered_line(decision):
+    """The line that says what decide_keep_gathered chose, and why."""
+    verdict = "kept from forward to backward from now on" if decision["kept"] else "gathered again in backward"
     return (f"FSDP:          after {KEEP_DECIDED_AFTER} steps the layers' weights are {verdict} (--fsdp-keep-gathered "
-            f"auto): peak {peak / 2**30:.1f} GiB + {kept / 2**30:.1f} GiB of whole weights "
-            f"{'<=' if fits else '>'} {KEEP_HEADROOM:.0%} of {capacity / 2**30:.1f} GiB")
+            f"auto): peak {decision['peak_bytes'] / 2**30:.1f} GiB + {decision['weights_bytes'] / 2**30:.1f} GiB of "
+            f"whole weights {'<=' if decision['kept'] else '>'} {KEEP_HEADROOM:.0%} of "
+            f"{decision['capacity_bytes'] / 2**30:.1f} GiB")
 
 
 def reduce_dtype_for(args, model, processes):

@@ -123,7 +123,7 @@ def test_prefetch_and_kept_weights_change_no_loss(full, tmp_path, capsys):
                                           "--fsdp-keep-gathered"], 2, tmp_path, "ahead")
     close(ahead["losses"], one["losses"])
     assert ahead["config"]["fsdp_prefetch"] == 2 and ahead["config"]["fsdp_reduce_dtype"] == "auto"
-    assert ahead["config"]["fsdp_keep_gathered"] == "on"
+    assert ahead["config"]["fsdp_keep_gathered"] == "on" and ahead["fsdp_keep_gathered_auto"] is None  # nothing decided
     flags.resolve_defaults(finetune_optimized.parse_args(["--fsdp-reduce-dtype", "bfloat16", "--fsdp-prefetch", "1",
                                                           "--fsdp-keep-gathered"]))
     assert ("--fsdp-prefetch, --fsdp-keep-gathered, --fsdp-reduce-dtype without --fsdp changes nothing"
@@ -386,15 +386,33 @@ def test_keep_gathered_auto_decides_from_the_measured_peak(monkeypatch):
     auto = argparse.Namespace(fsdp=True, fsdp_keep_gathered="auto", tiny=False)
 
     peak[0] = 899 * kept + 1  # one byte past 90%
-    assert "gathered again in backward" in fsdp.decide_keep_gathered(auto, model) and not switched
+    decision = fsdp.decide_keep_gathered(auto, model)
+    assert decision == {"kept": False, "peak_bytes": peak[0], "weights_bytes": kept, "capacity_bytes": capacity}
+    assert "gathered again in backward" in fsdp.keep_gathered_line(decision) and not switched
     peak[0] = 899 * kept  # exactly 90%
-    line = fsdp.decide_keep_gathered(auto, model)
+    decision = fsdp.decide_keep_gathered(auto, model)
+    assert decision["kept"] and decision["peak_bytes"] == peak[0]
+    line = fsdp.keep_gathered_line(decision)
     assert "kept from forward to backward from now on" in line and f"{kept / 2**30:.1f} GiB of whole weights" in line
     assert switched == [(layer, False, False) for layer in layers]
     for args in (argparse.Namespace(fsdp=True, fsdp_keep_gathered="on", tiny=False),
                  argparse.Namespace(fsdp=False, fsdp_keep_gathered="auto", tiny=False)):
         assert fsdp.decide_keep_gathered(args, model) is None  # nothing to decide
     assert len(switched) == len(layers)
+
+
+def test_the_loop_reports_the_keep_decision(monkeypatch, tmp_path, capsys):
+    """The training loop asks once, after KEEP_DECIDED_AFTER steps, prints the line and
+    keeps the numbers in its JSON report (the decision stood in for: it needs GPUs)."""
+    decision = {"kept": True, "peak_bytes": 2**30, "weights_bytes": 2**29, "capacity_bytes": 2**34}
+    asked = []
+    monkeypatch.setattr(fsdp, "decide_keep_gathered", lambda args, model: asked.append(1) or dict(decision))
+    out = tmp_path / "run.json"
+    finetune_optimized.main([*TINY, "--steps", "4", "--json", str(out)])
+    with open(out) as f:
+        doc = json.load(f)
+    assert doc["fsdp_keep_gathered_auto"] == {**decision, "after_step": fsdp.KEEP_DECIDED_AFTER} and len(asked) == 1
+    assert "after 2 steps the layers' weights are kept from forward to backward from now on" in capsys.readouterr().out
 
 
 # Run by torchrun on 2 GPUs: a small LLaMA in bf16, sharded by fsdp.shard_model, one forward and

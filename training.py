@@ -431,6 +431,7 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
         torch.cuda.reset_peak_memory_stats()  # the peak of training, weights included
 
     steps, evals, saved = [], [], []
+    keep_gathered = None  # --fsdp-keep-gathered auto: what was decided, when (fsdp.decide_keep_gathered)
     partial, diverged = False, None
     skip_nonfinite = getattr(args, "skip_nonfinite_steps", False)
     step = step_function(args, model, optimizer, loss_fn, scheduler, graphs)
@@ -470,8 +471,9 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
                     break
                 if i == start and not bar:
                     reporting.print_estimate(seconds, total - i - 1)
-                if i - start + 1 == fsdp.KEEP_DECIDED_AFTER and (decided := fsdp.decide_keep_gathered(args, model)):
-                    say(decided)
+                if i - start + 1 == fsdp.KEEP_DECIDED_AFTER and (kept := fsdp.decide_keep_gathered(args, model)):
+                    say(fsdp.keep_gathered_line(kept))
+                    keep_gathered = {**kept, "after_step": i + 1}
                 if args.eval_every and (i + 1) % args.eval_every == 0:
                     eval_loss = evaluate(model, loss_fn, heldout)
                     evals.append({"step": i + 1, "loss": eval_loss})
@@ -543,6 +545,7 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
         "padding_fraction": 1 - sum(s["real_tokens"] for s in steps) / slots if steps else None,
         "peak_memory_bytes": peak_bytes,
         "peak_memory_kind": peak_kind,
+        "fsdp_keep_gathered_auto": keep_gathered,
         "final_loss": steps[-1]["loss"] if steps else None,
     }
 

@@ -213,8 +213,9 @@ def decide_keep_gathered(args, model):
     weights = gathered * sum(p.numel() for layer in layers for p in layer.parameters())  # DTensors: whole sizes
     capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     peak, minus_capacity = reduce_over_ranks([torch.cuda.max_memory_allocated(), -capacity], op="max")
-    decision = {"kept": keep_gathered_fits(peak, weights, -minus_capacity), "peak_bytes": int(peak),
-                "weights_bytes": int(weights), "capacity_bytes": int(-minus_capacity)}
+    capacity = -minus_capacity  # the smallest GPU's
+    decision = {"kept": keep_gathered_fits(peak, weights, capacity), "peak_bytes": int(peak),
+                "weights_bytes": int(weights), "capacity_bytes": int(capacity)}
     if decision["kept"]:
         for layer in layers:
             layer.set_reshard_after_forward(False, recurse=False)

@@ -502,9 +502,9 @@ def _timed_and_profiled(args, model, step, batches, warmup, activities, save_tra
     for _ in range(warmup):
         step(next(batches))
     training.sync()
-    kept = fsdp.decide_keep_gathered(args, model)  # every process, after the same steps
-    if kept:
-        print(fsdp.keep_gathered_line(kept))
+    decision = fsdp.decide_keep_gathered(args, model)  # every process, after the same steps
+    if decision:
+        print(fsdp.keep_gathered_line(decision))
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     # The step's own times: the profiler adds its cost to every operation the host

@@ -471,9 +471,9 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
                     break
                 if i == start and not bar:
                     reporting.print_estimate(seconds, total - i - 1)
-                if i - start + 1 == fsdp.KEEP_DECIDED_AFTER and (kept := fsdp.decide_keep_gathered(args, model)):
-                    say(fsdp.keep_gathered_line(kept))
-                    keep_gathered = {**kept, "after_step": i + 1}
+                if i - start + 1 == fsdp.KEEP_DECIDED_AFTER and (decision := fsdp.decide_keep_gathered(args, model)):
+                    say(fsdp.keep_gathered_line(decision))
+                    keep_gathered = {**decision, "after_step": i + 1}
                 if args.eval_every and (i + 1) % args.eval_every == 0:
                     eval_loss = evaluate(model, loss_fn, heldout)
                     evals.append({"step": i + 1, "loss": eval_loss})

@@ -153,8 +153,7 @@ def shard_model(model, args):
     # FSDP's copy out of its buffer; what it costs: the layers' bf16 weights stay whole
     # on every process from forward until their backward, the memory sharding saved).
     # "auto" starts without and decides after the first steps (decide_keep_gathered).
-    keep_mode = getattr(args, "fsdp_keep_gathered", "off")
-    keep = keep_mode == "on"
+    keep = getattr(args, "fsdp_keep_gathered", "off") == "on"
     for layer in layers:
         fully_shard(layer, reshard_after_forward=not keep, **kwargs)
     fully_shard(model, **kwargs)
@@ -175,7 +174,7 @@ def shard_model(model, args):
     kept = ""
     if keep:
         kept = "; weights kept gathered from forward to backward"
-    elif keep_mode == "auto" and world.device.type == "cuda":
+    elif keep_gathered_is_decided(args):
         kept = f"; weights kept gathered from forward to backward if they fit, decided after step {KEEP_DECIDED_AFTER}"
     print(f"FSDP:          {world.size} processes, {len(layers)} decoder layers + the root sharded "
           f"({precision}; {ahead}{kept}){materialized}")
@@ -189,12 +188,18 @@ KEEP_DECIDED_AFTER = 2
 KEEP_HEADROOM = 0.90
 
 
-def keep_gathered_fits(peak, kept, capacity):
+def keep_gathered_fits(peak, weights, capacity):
     """The rule of --fsdp-keep-gathered auto, in bytes: keep the layers' weights gathered
     when the peak measured so far plus all of them whole stays within KEEP_HEADROOM of
     the GPU's memory. (The layer being computed is already whole in the peak: the rule
     counts it twice, on the safe side.)"""
-    return peak + kept <= KEEP_HEADROOM * capacity
+    return peak + weights <= KEEP_HEADROOM * capacity
+
+
+def keep_gathered_is_decided(args):
+    """Does this run decide --fsdp-keep-gathered after its first steps? (auto, --fsdp, a GPU)"""
+    return getattr(args, "fsdp", False) and getattr(args, "fsdp_keep_gathered", "off") == "auto" \
+        and torch.cuda.is_available()
 
 
 def decide_keep_gathered(args, model):
@@ -205,8 +210,7 @@ def decide_keep_gathered(args, model):
     switches each layer to reshard_after_forward=False for the steps to come. Returns the
     decision and its numbers (keep_gathered_line prints them), or None where there is
     nothing to decide (not auto, not a GPU)."""
-    if not getattr(args, "fsdp", False) or getattr(args, "fsdp_keep_gathered", "off") != "auto" \
-            or not torch.cuda.is_available():
+    if not keep_gathered_is_decided(args):
         return None
     layers = model.get_decoder().layers
     gathered = 4 if args.tiny else 2  # bytes per weight: shard_model gathers in bf16 (tiny: float32)

@@ -451,11 +451,8 @@ def warmup_steps(args):
     """Unprofiled steps first: one (compilation, AdamW's state), or with --cuda-graphs on a
     GPU the eager steps and the capture; with --fsdp-keep-gathered auto on a GPU at least
     the steps it decides after (the profile then measures the fine-tune script's choice)."""
-    on_gpu = torch.cuda.is_available()
-    steps = flags.GPU_WARMUP_STEPS if getattr(args, "cuda_graphs", False) and on_gpu else 1
-    if on_gpu and getattr(args, "fsdp", False) and getattr(args, "fsdp_keep_gathered", "off") == "auto":
-        steps = max(steps, fsdp.KEEP_DECIDED_AFTER)
-    return steps
+    steps = flags.GPU_WARMUP_STEPS if getattr(args, "cuda_graphs", False) and torch.cuda.is_available() else 1
+    return max(steps, fsdp.KEEP_DECIDED_AFTER) if fsdp.keep_gathered_is_decided(args) else steps
 
 
 def profile_steps(args, model, step, batches, work_dir, name):

@@ -148,6 +148,22 @@ def keep_sdpa_causal(model, seq_len):
     return True
 
 
+def recover_from_failed_capture(stream):
+    """What a capture that failed leaves behind, undone.
+
+    When cudaStreamEndCapture reports the capture broken, ``torch.cuda.graph`` raises
+    on leaving before it restores the stream the step ran on, and before PyTorch takes
+    the device's random generator out of capture mode. The step would then go on on the
+    capture's side stream, and every later random op outside a graph (dropout, a
+    model's random init) would fail with "Offset increment outside graph capture
+    encountered unexpectedly". So the stream is set back, and the generator gets a copy
+    of its own state, which is not capturing: the same seed and offset, so the eager
+    steps draw the numbers they would have drawn without the attempt."""
+    torch.cuda.set_stream(stream)
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    generator.graphsafe_set_state(generator.clone_state())
+
+
 class StaticInputs:
     """The buffers a captured step reads its micro-batches from: a copy of the
     first batches' tensors, refilled in place for every replay."""
@@ -284,6 +300,7 @@ class GraphedStep:
         self.inputs = StaticInputs(micro_batches)
         self.clear_gradients()  # backward allocates them inside the graph
         graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.current_stream()
         try:
             if self.before_capture is not None:
                 self.before_capture()
@@ -297,6 +314,7 @@ class GraphedStep:
             self.graph = self.inputs = self.outputs = None
             self.clear_gradients()  # what the failed capture allocated is not a gradient
             torch.cuda.synchronize()
+            recover_from_failed_capture(stream)
             flags.note(f"CUDA graphs: the step could not be captured ({self.disabled}); training eagerly")
             return False
         self.graph = graph

@@ -214,6 +214,9 @@ def _graphed(monkeypatch, model, optimizer, scheduler, fail=False, notes=None, t
     monkeypatch.setattr(cuda_graphs.torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(cuda_graphs.torch.cuda, "graph", fake_capture)
     monkeypatch.setattr(cuda_graphs.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(cuda_graphs.torch.cuda, "current_stream", lambda: "the step's stream")
+    released = []  # no CUDA stream or generator on the CPU: the calls are recorded
+    monkeypatch.setattr(cuda_graphs, "recover_from_failed_capture", released.append)
 
     def eager_here(self, micro_batches):  # no side stream on the CPU
         self.eager_calls += 1
@@ -264,6 +267,7 @@ def _graphed(monkeypatch, model, optimizer, scheduler, fail=False, notes=None, t
         return ok
     step._capture = capture_then_wire
     step.clocked = clocked
+    step.released = released
     return step
 
 
@@ -317,6 +321,7 @@ def test_failed_capture_trains_eagerly_with_a_note(monkeypatch):
     assert _train(step, batches) == pytest.approx(expected, rel=1e-6, abs=0)
     assert step.graph is None and step.disabled.startswith("RuntimeError: operation not permitted")
     assert len(notes) == 1 and "could not be captured" in notes[0] and "\n" not in notes[0]
+    assert step.released == ["the step's stream"]  # back on it, the random generator out of capture mode
 
 
 @pytest.mark.parametrize("replay_ms, stays", [(104.0, True), (106.0, False)])
@@ -544,6 +549,8 @@ def test_graphed_run_matches_eager_on_gpu(case, tmp_path, capsys):
 
 
 def test_uncapturable_step_falls_back_on_gpu(monkeypatch, capsys):
+    """The eager steps after a failed capture draw random numbers (adapter dropout):
+    the same ones as a run that never tried, and the process can still draw after it."""
     need_gpu()
     real = training.accumulate_gradients
 
@@ -551,13 +558,16 @@ def test_uncapturable_step_falls_back_on_gpu(monkeypatch, capsys):
         loss = real(model, loss_fn, micro_batches)
         loss.item()  # a host sync: not allowed while capturing
         return loss
-    eager = finetune_optimized.main(TINY + ["--no-cuda-graphs"])
+    dropout = ["--lora", "--lora-dropout", "0.2", "--seed", "3"]
+    eager = finetune_optimized.main(TINY + dropout + ["--no-cuda-graphs"])
     capsys.readouterr()
     monkeypatch.setattr(training, "accumulate_gradients", with_host_sync)
-    graphed = finetune_optimized.main(TINY + ["--cuda-graphs"])
+    graphed = finetune_optimized.main(TINY + dropout + ["--cuda-graphs"])
     out = capsys.readouterr().out
     assert "could not be captured" in out and "training eagerly" in out
     assert graphed["losses"] == pytest.approx(eager["losses"], rel=1e-5, abs=1e-6)
+    assert torch.rand(8, device="cuda").isfinite().all()  # the next user of the generator
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()  # not the capture's side stream
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from finetune_optimized import apply_kernels  # noqa: E402
 
+# The swaps' checks run the kernels: on the GPU there is one, else through the interpreter.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Tiny shapes every family accepts: hidden 64, 2 layers, 4 heads (2 for keys and values).
 TINY = dict(vocab_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
             intermediate_size=128, head_dim=16)
@@ -94,7 +96,7 @@ def matrix():
     rows = {}
     for label, model_type, extra in FAMILIES:
         torch.manual_seed(0)
-        model = models.build_random(family_config(model_type, extra), torch.device("cpu"), torch.float32)
+        model = models.build_random(family_config(model_type, extra), DEVICE, torch.float32)
         row = {"model_type": model_type, "attn_implementation": model.config._attn_implementation}
         for kernel in flags.KERNELS:
             try:

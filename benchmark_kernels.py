@@ -30,6 +30,7 @@ import torch
 # that must precede `import triton`.
 from benchmark_specs import BYTES, DEVICE, KERNELS, NA_CPU, ON_GPU, NotApplicable, document_lengths
 from benchmark_peers import NOT_INSTALLED, unavailable, version
+import cuda_graphs
 import flags
 from flags import PNG_METADATA, check_output_path, environment_info, write_json_atomic
 
@@ -122,21 +123,19 @@ def make_calls(spec, provider, shape, seed):
 # A capture that fails (a peer that synchronizes with the host inside its call: Liger-Kernel's
 # cross-entropy does) leaves PyTorch's CUDA random-number generator in the middle of a capture:
 # every later random op in the process, ordinary work included, raises "Offset increment outside
-# graph capture encountered unexpectedly". One clean capture of a random op closes that state
-# again (repair_capture_state). So the CUDA-graph timings run after every eager timing of a
-# kernel, ours first; a provider whose capture failed is not captured again (its other shapes
-# say "skipped"); and if the repair itself fails, no capture is attempted for the rest of the run.
+# graph capture encountered unexpectedly". cuda_graphs.recover_from_failed_capture, the training
+# loop's own repair, takes it out of that state (repair_capture_state). So the CUDA-graph timings
+# run after every eager timing of a kernel, ours first; a provider whose capture failed is not
+# captured again (its other shapes say "skipped"); and if the repair fails, no capture is
+# attempted for the rest of the run.
 CAPTURE = {"failed": {}, "broken": None}  # failed: provider -> where; broken: why captures stopped
 
 
 def repair_capture_state():
-    """After a failed capture: one clean capture of a random op resets the CUDA generator's
-    capture bookkeeping. Returns None, or why the repair failed."""
+    """After a failed capture: the CUDA generator out of capture mode, checked with one random
+    op. Returns None, or why the repair failed."""
     try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            torch.empty(8, device=DEVICE).uniform_()
-        torch.cuda.synchronize()
+        cuda_graphs.recover_from_failed_capture(torch.cuda.current_stream())
         torch.empty(8, device=DEVICE).uniform_()  # ordinary random work runs again
         return None
     except Exception as exc:  # noqa: BLE001 - reported, and captures stop

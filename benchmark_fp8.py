@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import flags  # first: it switches on the Triton interpreter when there is no GPU
-from benchmark_kernels import bench, copy_bandwidth, free_memory
+from benchmark_kernels import bench, copy_bandwidth, free_memory, repair_capture_state
 from benchmark_peers import version
 from fp8_gemm_kernel import triton_scaled_mm
 from fp8_kernel import RECIPES, cast_traffic, fp8_supported, quantize, quantize_reference, replace_linears, scaled_mm
@@ -77,6 +77,10 @@ def cast_rows(bench_ms, copy_bw):
                     except RuntimeError as e:  # a provider that cannot be captured: its row says so
                         print(f"{provider} {recipe}: no CUDA graph ({str(e).splitlines()[0][:100]})")
                         graph_ms = None
+                        # The failed capture left the CUDA generator capturing: the next shape's
+                        # torch.randn would raise (benchmark_kernels.py: repair_capture_state).
+                        if (problem := repair_capture_state()) is not None:
+                            raise SystemExit(f"error: after {provider}'s failed CUDA graph capture: {problem}")
                     gbps = nbytes / ((graph_ms or ms) * 1e-3) / 1e9
                     rows.append(dict(shape=[m, k], recipe=recipe, transpose=transpose, provider=provider, ms=ms,
                                      graph_ms=graph_ms, GBps=gbps, copy_fraction=gbps / copy_bw))

@@ -73,3 +73,13 @@ def peak_extra_mb(fn):
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+@pytest.fixture(autouse=True)
+def give_back_cached_gpu_memory():
+    """After each GPU test, return PyTorch's cached blocks to the driver: with
+    ``-n N`` several test processes share one GPU, and one process's cache of a
+    64-bit-offset test (tens of GiB) must not starve the others."""
+    yield
+    if ON_GPU:
+        torch.cuda.empty_cache()

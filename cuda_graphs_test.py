@@ -516,9 +516,17 @@ def test_step_flops_counts_products():
     fp8 = models.build_random(config, torch.device("cpu"), torch.float32)
     assert fp8_kernel.replace_linears(fp8, "tensorwise", emulate=True)[0] == layers * 7
     assert profile_timeline.step_flops(fp8, [batch]) == expected
+    frozen = 4 * weights * 16 + 12 * layers * h * context
+    # LoRA r4 on every projection: the frozen base products once each (PEFT's layer shows
+    # its base layer's weight too, not a product of its own), and the adapters trained.
+    args = argparse.Namespace(tiny=True, lora_r=4, lora_alpha=8.0, lora_dropout=0.0, lora_4bit=False,
+                              lora_targets=list(flags.LORA_TARGETS))
+    lora = models.apply_lora(models.build_random(config, torch.device("cpu"), torch.float32), args)
+    adapters = 4 * layers * ((h + h) + (h + kv) * 2 + (h + h) + (h + i) * 2 + (i + h))  # r x (in + out) each
+    assert profile_timeline.step_flops(lora, [batch]) == frozen + 6 * adapters * 16
     for p in model.parameters():
         p.requires_grad_(False)  # frozen (LoRA's base): no weight gradients
-    assert profile_timeline.step_flops(model, [batch]) == 4 * weights * 16 + 12 * layers * h * context
+    assert profile_timeline.step_flops(model, [batch]) == frozen
 
 
 # --------------------------------------------------------------------------------

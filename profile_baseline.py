@@ -469,7 +469,7 @@ def profile_steps(args, model, step, batches, work_dir, name):
     on_gpu = torch.cuda.is_available()
     warmup = warmup_steps(args)
     if on_gpu:
-        torch.cuda.reset_peak_memory_stats()  # the peak of training (--fsdp-keep-gathered auto reads it)
+        torch.cuda.reset_peak_memory_stats()  # the peak of training, warm-up included (keep-gathered auto reads it)
     if work_dir is None:  # --fsdp, ranks other than 0: train in step with rank 0, nothing recorded
         for i in range(warmup + 2 * args.steps):
             step(next(batches))
@@ -502,8 +502,9 @@ def _timed_and_profiled(args, model, step, batches, warmup, activities, save_tra
     decision = fsdp.decide_keep_gathered(args, model)  # every process, after the same steps
     if decision:
         print(fsdp.keep_gathered_line(decision))
-    if on_gpu:
-        torch.cuda.reset_peak_memory_stats()
+    # No reset of the peak here: with --cuda-graphs the step's activations are allocated
+    # once, in the warm-up's capture, and a replay allocates nothing, so a peak measured
+    # from now on would leave them out (the peak stays that of training, as the loop's).
     # The step's own times: the profiler adds its cost to every operation the host
     # issues, so the wall and host times of a step are taken without it.
     wall = host = 0.0

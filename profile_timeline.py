@@ -143,10 +143,14 @@ def step_flops(model, micro_batches):
     size ``d``: ``4 h d c`` forward (Q K^T and P V), twice that backward. The
     elementwise work (norms, activations, softmax, the optimizer) is not counted:
     it is not what the matrix units are for. Embedding lookups are not products.
+
+    A module is counted when the weight is its own parameter: PEFT's LoRA layer shows
+    its base layer's ``weight``, ``in_features`` and ``out_features`` too, and would
+    count the base product twice.
     """
     linear = 0
     for module in model.modules():
-        weight = getattr(module, "weight", None)
+        weight = module._parameters.get("weight")  # its own, not a wrapped module's
         if isinstance(module, torch.nn.Linear) or (
                 isinstance(weight, torch.nn.Parameter) and weight.dim() == 2
                 and isinstance(getattr(module, "in_features", None), int)

@@ -493,7 +493,6 @@ def profile_steps(args, model, step, batches, work_dir, name):
 
 
 def _timed_and_profiled(args, model, step, batches, warmup, activities, save_traces):
-    on_gpu = torch.cuda.is_available()
     # Warm-up: the first step pays for cuBLAS/Triton compilation and for the
     # optimizer's state allocation; profiling it would blame the wrong ops.
     for _ in range(warmup):

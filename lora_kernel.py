@@ -41,7 +41,7 @@ gradients come back in float32. The arithmetic differs from PEFT's only in where
 roundings happen (fewer here: the epilogue adds in float32).
 
 The Function takes a list of such layers on one x (each with or without an adapter):
-projections.py groups an attention's q/k/v and an MLP's gate/up through it, so that
+projections_kernel.py groups an attention's q/k/v and an MLP's gate/up through it, so that
 the sum of their gradients of x is one more addmm_ per layer, not an add kernel, and
 their adapters' A matrices are stacked: x A^T and dA = g^T x, thin products bound by
 their read of x, read x once for the whole group.
@@ -49,11 +49,18 @@ their read of x, read x once for the whole group.
 When it applies
 ---------------
 Each adapted layer is checked on every call; anything else runs PEFT's own forward:
-one active adapter of plain LoRA (no DoRA or other variant, no adapter bias), no
-dropout (p = 0, PEFT's ``nn.Identity``), not merged or disabled, no per-example
+one active adapter of plain LoRA (no DoRA or other variant, no adapter bias), not
+merged or disabled, no per-example
 adapter names, a plain ``nn.Linear`` base layer with a frozen weight, and x in the
-base weight's dtype. QLoRA's 4-bit layers, FP8 base layers (Step 22) and dropout
-keep PEFT's path.
+base weight's dtype or under autocast (then the products run in autocast's dtype, as
+F.linear's would). QLoRA's 4-bit layers and FP8 base layers (Step 22) keep PEFT's path.
+
+LoRA dropout (p > 0) drops elements of the adapter's input only: x_a = dropout(x), and
+``(x_a A^T) B^T``, while the base product reads x. PEFT's own dropout module makes x_a
+before the call (its random draws are PEFT's, in PEFT's order); the Function takes it as
+the adapter's input, multiplies it by A on its own (it cannot share the stacked read of
+x) and returns its gradient to the dropout module, which applies the mask. Without
+dropout x_a is x itself and nothing of this runs.
 
 Nothing runs on import. See lora_test.py for the checks.
 """
@@ -69,28 +76,40 @@ from kernel_common import first_order_only
 
 class LoRALinearFunction(torch.autograd.Function):
     """Projections of one input x as one autograd node, each y_i = x W_i^T + b_i,
-    plus s_i (x A_i^T) B_i^T where it has an adapter: x [..., K], W_i [N_i, K],
-    A_i [r_i, K], B_i [N_i, r_i]. One projection is a LoRA layer; several are
-    projections.py's groups (q/k/v, gate/up), whose gradients of x are summed in
-    the same epilogues."""
+    plus s_i (x_i A_i^T) B_i^T where it has an adapter: x [..., K], W_i [N_i, K],
+    A_i [r_i, K], B_i [N_i, r_i]. The adapter reads x itself (x_i = x), or with LoRA
+    dropout its own input x_i = dropout(x), computed by PEFT's dropout module before
+    the call. One projection is a LoRA layer; several are projections_kernel.py's groups
+    (q/k/v, gate/up), whose gradients of x are summed in the same epilogues."""
+
+    PER_PROJECTION = 5  # W, b, A, B, x_i; b, A, B and x_i may be None (x_i None: the adapter reads x)
 
     @staticmethod
-    def forward(ctx, x, dtype, scalings, *params):  # per projection: W, b, A, B (b, A, B may be None)
+    def forward(ctx, x, dtype, scalings, *params):
+        # Every cast below is explicit (to ``dtype``, autocast's when it is on: compute_dtype);
+        # autocast would cast again, and its casts cannot write into the outputs (out=).
+        with torch.autocast(x.device.type, enabled=False):
+            return LoRALinearFunction._forward(ctx, x, dtype, scalings, *params)
+
+    @staticmethod
+    def _forward(ctx, x, dtype, scalings, *params):
+        n = LoRALinearFunction.PER_PROJECTION
         x2 = x.to(dtype).reshape(-1, x.shape[-1])  # no copy when x is in dtype already
-        members = [params[4 * i:4 * i + 4] for i in range(len(scalings))]
-        # Optimization: the adapters' A of all projections stacked, [sum r_i, K], so that
+        members = [params[n * i:n * i + n] for i in range(len(scalings))]
+        # Optimization: the A of every adapter that reads x stacked, [sum r_i, K], so that
         # x is read once for all of them: xa = x A^T is a thin product, bound by its read of
         # x (M x K), not by arithmetic. A group of three adapters reads x once instead of
         # three times, here and for dA in backward. One adapter: A itself, no copy.
-        adapters = [a.to(dtype) for _, _, a, _ in members if a is not None]
+        # An adapter with dropout reads its own input: its product is its own.
+        adapters = [a.to(dtype) for _, _, a, _, own in members if a is not None and own is None]
         a_all = (adapters[0] if len(adapters) == 1 else torch.cat(adapters)) if adapters else None
         xa_all = None if a_all is None else torch.mm(x2, a_all.t())  # [M, sum r]
         # Kept for backward only what a gradient needs: x for dW and dA, x A^T for dB.
         needs = ctx.needs_input_grad[3:]
-        keep_x = any(needs[4 * i] or needs[4 * i + 2] for i in range(len(members)))
-        keep_xa = any(needs[4 * i + 3] for i in range(len(members)))
+        keep_x = any(needs[n * i] or (needs[n * i + 2] and m[4] is None) for i, m in enumerate(members))
+        keep_xa = any(needs[n * i + 3] for i in range(len(members)))
         outs, saved, start = [], [x2 if keep_x else None, a_all, xa_all if keep_xa else None], 0
-        for (weight, bias, lora_a, lora_b), s in zip(members, scalings):
+        for (weight, bias, lora_a, lora_b, own), s in zip(members, scalings):
             w = weight.to(dtype)
             # Written in place into the output's own storage: each output is a tensor of its
             # own, not a view of another, so the caller may change it in place as F.linear's.
@@ -100,37 +119,49 @@ class LoRALinearFunction(torch.autograd.Function):
                 torch.mm(x2, w.t(), out=y2)
             else:
                 torch.addmm(bias.to(dtype), x2, w.t(), out=y2)
-            b = None
+            b, a, own2, xa = None, None, None, None
             if lora_a is not None:
                 b, r = lora_b.to(dtype), lora_a.shape[0]  # r rows: cheap; no copy when already dtype
-                y2.addmm_(xa_all[:, start:start + r], b.t(), alpha=s)  # the scale and the sum in the epilogue
-                start += r
+                if own is None:
+                    xa = xa_all[:, start:start + r]
+                    start += r
+                else:
+                    a, own2 = lora_a.to(dtype), own.to(dtype).reshape(-1, own.shape[-1])
+                    xa = torch.mm(own2, a.t())
+                y2.addmm_(xa, b.t(), alpha=s)  # the scale and the sum in the epilogue
             # The weight as it is: cast again in backward (no float32 -> bf16 copy kept alive).
-            saved += [weight, b]
+            saved += [weight, b, a, own2, xa if own is not None and keep_xa else None]
             outs.append(y)
         ctx.save_for_backward(*saved)
         ctx.scalings, ctx.dtype, ctx.x_shape, ctx.x_dtype = scalings, dtype, x.shape, x.dtype
         ctx.param_dtypes = [None if p is None else p.dtype for p in params]
-        ctx.ranks = [None if a is None else a.shape[0] for _, _, a, _ in members]
+        ctx.ranks = [None if m[2] is None else m[2].shape[0] for m in members]
         ctx.set_materialize_grads(False)  # an output nobody used gets None, not zeros to multiply
         return tuple(outs)
 
     @staticmethod
     @first_order_only("lora_linear")
     def backward(ctx, *grads):
+        with torch.autocast(grads[0].device.type if grads[0] is not None else "cpu", enabled=False):
+            return LoRALinearFunction._backward(ctx, *grads)
+
+    @staticmethod
+    def _backward(ctx, *grads):
+        n = LoRALinearFunction.PER_PROJECTION
         x2, a_all, xa_all, *saved = ctx.saved_tensors
         need_x, need = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
         dx, params, gs, start = None, [], [], 0
         for i, (dy, s, r) in enumerate(zip(grads, ctx.scalings, ctx.ranks)):
-            weight, b = saved[2 * i:2 * i + 2]
-            need_w, need_bias, need_a, need_b = need[4 * i:4 * i + 4]
-            w_dtype, bias_dtype, a_dtype, b_dtype = ctx.param_dtypes[4 * i:4 * i + 4]
-            xa = None if r is None else xa_all[:, start:start + r]
-            start += r or 0
+            weight, b, a, own2, own_xa = saved[n * i:n * i + n]
+            need_w, need_bias, need_a, need_b, need_own = need[n * i:n * i + n]
+            w_dtype, bias_dtype, a_dtype, b_dtype, own_dtype = ctx.param_dtypes[n * i:n * i + n]
+            stacked = r is not None and own2 is None
+            xa = xa_all[:, start:start + r] if stacked and xa_all is not None else own_xa
+            start += r if stacked else 0
             if dy is None:
-                if r is not None:  # its adapter's share of dx and dA is zero
+                if stacked:  # its adapter's share of dx and dA is zero
                     gs.append(a_all.new_zeros(math.prod(ctx.x_shape[:-1]), r))
-                params += [None] * 4
+                params += [None] * n
                 continue
             dy = dy.reshape(-1, dy.shape[-1]).to(ctx.dtype)
             if need_x:
@@ -141,34 +172,61 @@ class LoRALinearFunction(torch.autograd.Function):
                     dx.addmm_(dy, w)  # the projections' gradients of x summed in the epilogue
             dw = torch.mm(dy.t(), x2).to(w_dtype) if need_w else None
             dbias = dy.sum(0).to(bias_dtype) if need_bias else None
-            db = None
+            da = db = d_own = None
             if r is not None:
-                gs.append(torch.mm(dy, b) * s)  # the adapter's share of the gradient, scaled where it is small
+                g = torch.mm(dy, b) * s  # the adapter's share of the gradient, scaled where it is small
                 db = torch.mm(dy.t(), xa * s).to(b_dtype) if need_b else None
-            params += [dw, dbias, None, db]
+                if stacked:
+                    gs.append(g)
+                else:  # dropout's input: its gradient goes back through PEFT's dropout module
+                    da = torch.mm(g.t(), own2).to(a_dtype) if need_a else None
+                    d_own = torch.mm(g, a).view(*ctx.x_shape[:-1], -1).to(own_dtype) if need_own else None
+            params += [dw, dbias, da, db, d_own]
         if gs:
-            # All adapters at once, as in forward: g = [g_1 | g_2 | ...], [M, sum r].
+            # All stacked adapters at once, as in forward: g = [g_1 | g_2 | ...], [M, sum r].
             g = gs[0] if len(gs) == 1 else torch.cat(gs, dim=1)
             if need_x and dx is not None:
                 dx.addmm_(g, a_all)  # and the adapters' gradients of x, in the epilogue too
-            if any(need[4 * i + 2] for i in range(len(ctx.ranks))):
+            stacked_a = [i for i, r in enumerate(ctx.ranks) if r is not None and saved[n * i + 3] is None]
+            if any(need[n * i + 2] for i in stacked_a):
                 da_all, start = torch.mm(g.t(), x2), 0  # [sum r, K]: x read once
-                for i, r in enumerate(ctx.ranks):
-                    if r is not None and need[4 * i + 2] and grads[i] is not None:
-                        params[4 * i + 2] = da_all[start:start + r].to(ctx.param_dtypes[4 * i + 2])
-                    start += r or 0
+                for i in stacked_a:
+                    r = ctx.ranks[i]
+                    if need[n * i + 2] and grads[i] is not None:
+                        params[n * i + 2] = da_all[start:start + r].to(ctx.param_dtypes[n * i + 2])
+                    start += r
         if dx is not None:
             dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
         return (dx, None, None, *params)
 
 
-def lora_linear(x, weight, bias, lora_a, lora_b, scaling):
-    """PEFT's ``base(x) + lora_B(lora_A(x)) * scaling`` for one plain LoRA adapter, fused."""
-    return LoRALinearFunction.apply(x, weight.dtype, (float(scaling),), weight, bias, lora_a, lora_b)[0]
+def lora_linear(x, weight, bias, lora_a, lora_b, scaling, adapter_input=None):
+    """PEFT's ``base(x) + lora_B(lora_A(x_a)) * scaling`` for one plain LoRA adapter, fused;
+    x_a is ``adapter_input`` (PEFT's dropout of x) when given, else x."""
+    dtype = compute_dtype(x, (weight, bias))
+    if dtype is None:
+        raise ValueError(f"lora_linear: x is {x.dtype}, the base weight {weight.dtype}: they must agree "
+                         f"(or run under autocast)")
+    return LoRALinearFunction.apply(x, dtype, (float(scaling),), weight, bias, lora_a, lora_b, adapter_input)[0]
+
+
+def compute_dtype(x, weights):
+    """The dtype the products of x with the base ``weights`` (None entries skipped) run
+    in, as F.linear would: autocast's dtype when it is on (bf16 autocast over float32
+    weights, Trainer's ``bf16=True``), else the inputs' own when they agree; None where
+    they cannot run fused (float64 under autocast, or x and weights in different dtypes).
+    LoRA's adapter weights are cast to it (they stay float32 for the optimizer)."""
+    bases = {w.dtype for w in weights if w is not None}
+    if torch.is_autocast_enabled(x.device.type):
+        # Autocast casts float32 (and half types) to its dtype but leaves float64 alone.
+        return None if torch.float64 in bases | {x.dtype} else torch.get_autocast_dtype(x.device.type)
+    return x.dtype if bases == {x.dtype} else None
 
 
 def _fusable(layer, x, args, kwargs):
-    """The one active plain adapter of ``layer`` as (A, B, scaling), or None: PEFT's path."""
+    """The one active plain adapter of ``layer`` as (A, B, scaling, dropout), or None:
+    PEFT's path. ``dropout`` is the adapter's dropout module when it drops anything (p > 0,
+    training), else None."""
     if args or kwargs or layer.disable_adapters or layer.merged:
         return None
     active = layer.active_adapters
@@ -179,21 +237,31 @@ def _fusable(layer, x, args, kwargs):
         return None
     base = layer.base_layer
     lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
-    if (type(base) is not nn.Linear or base.weight.requires_grad or x.dtype != base.weight.dtype
-            or not isinstance(layer.lora_dropout[name], nn.Identity) or getattr(layer, "fan_in_fan_out", False)
+    if (type(base) is not nn.Linear or base.weight.requires_grad or compute_dtype(x, (base.weight, base.bias)) is None
+            or getattr(layer, "fan_in_fan_out", False)
             or type(lora_a) is not nn.Linear or type(lora_b) is not nn.Linear
             or lora_a.bias is not None or lora_b.bias is not None):
         return None
     if base.bias is not None and base.bias.requires_grad:
         return None
-    return lora_a.weight, lora_b.weight, layer.scaling[name]
+    dropout = layer.lora_dropout[name]
+    drops = not isinstance(dropout, nn.Identity) and dropout.training and getattr(dropout, "p", 1.0) > 0
+    return lora_a.weight, lora_b.weight, layer.scaling[name], dropout if drops else None
+
+
+def adapter_input(x, dropout):
+    """What the adapter reads: x, or PEFT's own dropout module applied to it (the same
+    module, the same random draws in the same order as PEFT's forward makes them)."""
+    return None if dropout is None else dropout(x)
 
 
 def _fused_forward(layer, x, *args, **kwargs):
     adapter = _fusable(layer, x, args, kwargs)
     if adapter is None:
         return layer._peft_forward(x, *args, **kwargs)
-    return lora_linear(x, layer.base_layer.weight, layer.base_layer.bias, *adapter)
+    lora_a, lora_b, scaling, dropout = adapter
+    return lora_linear(x, layer.base_layer.weight, layer.base_layer.bias, lora_a, lora_b, scaling,
+                       adapter_input(x, dropout))
 
 
 def fuse_lora(model):

@@ -70,7 +70,7 @@ def run(model, x, autocast=None):
 @pytest.fixture
 def calls(monkeypatch):
     """The projections of each call of the fused function (one for a single layer,
-    several for projections.py's groups)."""
+    several for projections_kernel.py's groups)."""
     count = []
     real = LoRALinearFunction.forward
 
@@ -121,9 +121,31 @@ def test_bf16_with_float32_adapters_is_within_bf16_rounding():
         assert err <= 2**-6, f"{what}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("case", ["dropout", "dora", "disabled", "merged", "trainable base", "two adapters"])
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_is_fused_with_peft_own_random_draws(p, calls):
+    """LoRA dropout: PEFT's own dropout module makes the adapter's input (same draws, same
+    order), the fused products do the rest; float64 equal to PEFT's forward and backward."""
+    x = torch.randn(2, 5, K, dtype=torch.float64, device=DEVICE)
+    model, _ = lora_block(lora_dropout=p)
+    torch.manual_seed(7)
+    want = run(model, x)
+    assert fuse_lora(model) == 1
+    torch.manual_seed(7)
+    got = run(model, x)
+    assert calls == [1]
+    for w, g in zip(want[:2], got[:2]):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    assert got[2].keys() == want[2].keys() and len(want[2]) == 2
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-12, atol=1e-12)
+    # Another draw gives another output: the dropout really ran inside the fused layer.
+    torch.manual_seed(8)
+    assert not torch.equal(run(model, x)[0], got[0])
+
+
+@pytest.mark.parametrize("case", ["dora", "disabled", "merged", "trainable base", "two adapters"])
 def test_what_it_does_not_cover_runs_peft(case, calls):
-    config = {"lora_dropout": 0.1} if case == "dropout" else {"use_dora": True} if case == "dora" else {}
+    config = {"use_dora": True} if case == "dora" else {}
     x = torch.randn(3, K, dtype=torch.float64, device=DEVICE)
     model, layer = lora_block(**config)
     if case == "trainable base":

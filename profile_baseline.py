@@ -66,11 +66,8 @@ import tempfile
 import time
 from collections import defaultdict
 
-import flags  # first: flags switches on the Triton interpreter before triton loads
-import dataloader
-import fsdp
-import models
-import training
+from kernel_ft import flags  # first: flags switches on the Triton interpreter before triton loads
+from kernel_ft import dataloader, fsdp, models, training
 import profile_timeline
 
 import torch
@@ -591,7 +588,6 @@ def main(argv=None):
     label_model(model)
     if world:  # as the fine-tune scripts do it: after the kernels, before compiling
         fsdp.shard_model(model, args)
-        loss_fn = fsdp.loss_inside_forward(model, loss_fn)
     models.compile_decoder(model, args)
     graphs = training.use_cuda_graphs(args, model, data)
     optimizer = make_optimizer(models.trainable_parameters(model), lr=args.lr,

@@ -1,5 +1,5 @@
 """
-Tests of projections.py: the projections that read one input as one autograd
+Tests of projections_kernel.py: the projections that read one input as one autograd
 node (CPU, float32 and bf16 autocast; no Triton involved).
 
 * ``shared_input_linear`` gives F.linear's outputs and gradients, with and
@@ -26,12 +26,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import DEVICE  # first: the Triton interpreter switch
 
-import dataloader
-import models
-import training
-import projections
+from kernel_ft import dataloader, models, training
+import projections_kernel as projections
 from lora_kernel import fuse_lora
-from projections import GroupedLinear, group_projections, shared_input_linear
+from projections_kernel import GroupedLinear, group_projections, shared_input_linear
 
 
 def linears(widths, k=32, bias=False, seed=0):
@@ -238,10 +236,10 @@ def test_activation_checkpointing_recomputes_through_the_groups(capsys):
 # --------------------------------------------------------------------------------
 # LoRA layers in the groups
 # --------------------------------------------------------------------------------
-def peft_llama(targets):
+def peft_llama(targets, dropout=0.0):
     peft = pytest.importorskip("peft")
     model = tiny_llama().double()
-    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=targets))
     with torch.no_grad():  # B random: PEFT starts it at zero, where its gradient path would go untested
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -249,14 +247,18 @@ def peft_llama(targets):
     return model
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["no-dropout", "dropout"])
 @pytest.mark.parametrize("targets", [["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                                      ["q_proj", "v_proj"]])  # mixed groups: k_proj, gate_proj, up_proj plain
-def test_lora_layers_in_groups_give_pefts_loss_and_gradients(targets):
-    model = peft_llama(targets)
+def test_lora_layers_in_groups_give_pefts_loss_and_gradients(targets, dropout):
+    # With dropout: each adapter's own draws, in the order PEFT makes them (same seed, same loss).
+    model = peft_llama(targets, dropout)
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     batch = dataloader.lm_batch(ids.to(DEVICE))
+    torch.manual_seed(5)
     ref_loss, ref_grads = loss_and_grads_of_trainable(model, batch)
     fuse_lora(model)
+    torch.manual_seed(5)
     n_layers = model.config.num_hidden_layers
     assert group_projections(model) == 2 * n_layers
     grouped = []

@@ -1,5 +1,5 @@
 """
-Step 14 (tests) -- Correctness tests for the fused RoPE (rope_kernel.py, rope_patching.py).
+Step 14 (tests) -- Correctness tests for the fused RoPE (rope_kernel.py).
 
 Every comparison is against a float64 truth (HF's formula evaluated in float64,
 gradients by autograd): q_embed, k_embed, dq and dk must be no worse than about
@@ -22,7 +22,7 @@ import torch
 
 from conftest import DEVICE, DTYPES, check_outputs, need_gpu, rel_err
 from rope_kernel import TritonRoPEFunction, apply_rotary_pos_emb, rope, rope_reference
-from rope_patching import RopeMismatch, check_same_rope, fuse_rope, patched_rope, rope_patch_targets
+from rope_kernel import RopeMismatch, check_same_rope, fuse_rope, patched_rope, rope_patch_targets
 
 
 def rope_tables(batch, seq_len, head_dim, dtype, seed=0, scaling=1.0):
@@ -368,7 +368,7 @@ def test_fused_forward_reaches_through_a_keyword_renaming_decorator():
     # wrapper's own work (renaming an old keyword) must still run.
     import functools
 
-    from rope_patching import _forward_with_fused_rope
+    from rope_kernel import _forward_with_fused_rope
 
     def rename(old, new):
         def decorator(fn):
@@ -403,7 +403,7 @@ def test_fuse_rope_with_gradient_checkpointing(monkeypatch):
     # Checkpointing reruns each attention layer during backward; the fused RoPE
     # must run there too (else PyTorch's CheckpointError: different saved tensors).
     import rope_kernel
-    from models import enable_checkpointing
+    from kernel_ft.models import enable_checkpointing
     from transformers.models.llama import modeling_llama
 
     original = modeling_llama.apply_rotary_pos_emb

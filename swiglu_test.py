@@ -1,5 +1,5 @@
 """
-Step 12 (tests) -- Correctness tests for the fused SwiGLU (swiglu_kernel.py, swiglu_mlp.py).
+Step 12 (tests) -- Correctness tests for the fused SwiGLU (swiglu_kernel.py).
 
 Every comparison is against a float64 truth (``F.silu(gate) * up`` evaluated in
 float64, gradients by autograd): our output and both gradients must be no worse
@@ -24,9 +24,9 @@ import torch
 
 from conftest import DEVICE, DTYPES, check_outputs, need_gpu, rel_err
 from kernel_common import SwapMismatch
-import swiglu_mlp
+import swiglu_kernel
 from swiglu_kernel import TritonSwiGLUFunction, geglu, geglu_reference, swiglu, swiglu_reference
-from swiglu_mlp import (
+from swiglu_kernel import (
     TritonGateUpMLP,
     TritonLlamaMLP,
     check_same_mlp,
@@ -294,7 +294,7 @@ def test_down_proj_weight_gradient_from_the_hidden_it_recomputes(frozen):
     # dW_down is dout^T @ h with h the forward's bits: written by the backward kernel
     # when gate and up need gradients, by a forward launch when they do not.
     from swiglu_kernel import swiglu_forward
-    from swiglu_mlp import swiglu_down_proj_backward
+    from swiglu_kernel import swiglu_down_proj_backward
 
     gate, up, _ = make_inputs((4, 6, 96), torch.bfloat16, seed=12)
     weight = torch.randn(40, 96, generator=torch.Generator().manual_seed(13)).to(DEVICE, torch.bfloat16)
@@ -662,9 +662,9 @@ def test_meta_device_is_swapped_unchecked():
 def test_check_on_a_device_the_kernels_cannot_run_on(monkeypatch):
     # CPU modules on a GPU machine (no interpreter): the check runs our module's
     # formula in PyTorch instead of the kernel, and still refuses what differs.
-    monkeypatch.setattr(swiglu_mlp, "INTERPRET", False)
-    monkeypatch.setattr(swiglu_mlp, "gated_activation", None)  # a kernel launch would fail loudly
-    monkeypatch.setattr(swiglu_mlp, "swiglu_down_proj", None)
+    monkeypatch.setattr(swiglu_kernel, "INTERPRET", False)
+    monkeypatch.setattr(swiglu_kernel, "gated_activation", None)  # a kernel launch would fail loudly
+    monkeypatch.setattr(swiglu_kernel, "swiglu_down_proj", None)
     from transformers.models.gemma.modeling_gemma import GemmaMLP
 
     torch.manual_seed(0)
@@ -827,7 +827,7 @@ def test_create_graph_is_refused():
 # MoE experts: the fused gate inside transformers' experts module
 # --------------------------------------------------------------------------------
 def _tiny_moe(model_type, **extra):
-    import models
+    from kernel_ft import models
     from tools.family_matrix import family_config
     torch.manual_seed(0)
     config = family_config(model_type, {"num_experts_per_tok": 2, **extra})
@@ -842,13 +842,13 @@ def test_experts_gate_is_fused_and_used(model_type, extra, monkeypatch):
     model = _tiny_moe(model_type, **extra)
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     reference = model(ids).logits
-    experts = [m for m in model.modules() if swiglu_mlp.experts_activation(m)]
+    experts = [m for m in model.modules() if swiglu_kernel.experts_activation(m)]
     assert len(experts) == model.config.num_hidden_layers
     count = replace_swiglu(model)
     assert count >= len(experts)
     calls = []
-    real = swiglu_mlp.gated_activation
-    monkeypatch.setattr(swiglu_mlp, "gated_activation", lambda *a: calls.append(a[0].shape) or real(*a))
+    real = swiglu_kernel.gated_activation
+    monkeypatch.setattr(swiglu_kernel, "gated_activation", lambda *a: calls.append(a[0].shape) or real(*a))
     torch.testing.assert_close(model(ids).logits, reference, rtol=1e-5, atol=1e-5)
     # Every layer's experts ran the kernel on the [S, 2I] output of their grouped products.
     assert len(calls) >= len(experts) and all(shape[-1] == experts[0].gate_up_proj.shape[1] for shape in calls)
@@ -859,13 +859,13 @@ def test_experts_eager_implementation_refused():
     model.config._experts_implementation = "eager"
     with pytest.raises(SwapMismatch, match="eager experts implementation"):
         replace_swiglu(model)
-    assert all(m._apply_gate.__func__ is not swiglu_mlp._fused_expert_gate
-               for m in model.modules() if swiglu_mlp.experts_activation(m))
+    assert all(m._apply_gate.__func__ is not swiglu_kernel._fused_expert_gate
+               for m in model.modules() if swiglu_kernel.experts_activation(m))
 
 
 def test_experts_with_another_gate_refused(monkeypatch):
     model = _tiny_moe("mixtral", num_local_experts=4)
-    experts = next(m for m in model.modules() if swiglu_mlp.experts_activation(m))
+    experts = next(m for m in model.modules() if swiglu_kernel.experts_activation(m))
 
     def clamped(self, gate_up_out):  # a family that clamps its gate, under the same names
         gate, up = gate_up_out.chunk(2, dim=-1)

@@ -20,6 +20,7 @@ Usage:
     python train_test.py
 """
 
+import copy
 import json
 import math
 import os
@@ -35,16 +36,12 @@ import torch
 
 from conftest import DEVICE  # first: the Triton interpreter switch
 
-import checkpoints
-import dataloader
 import finetune_baseline
 import finetune_optimized
-import flags
+import kernel_ft
 import linear_cross_entropy_kernel
-import models
-import reporting
 import rmsnorm_kernel
-import training
+from kernel_ft import checkpoints, dataloader, flags, models, reporting, training
 from linear_cross_entropy_kernel import fused_linear_cross_entropy
 from rmsnorm_kernel import rmsnorm
 
@@ -126,7 +123,7 @@ def test_lora_optimizer_holds_the_adapters_only(lora_run):
 
 def test_lora_runs_every_kernel(lora_run):
     from rmsnorm_kernel import TritonRMSNorm
-    from swiglu_mlp import TritonLlamaMLP
+    from swiglu_kernel import TritonLlamaMLP
 
     model = lora_run["seen"]["model"]
     assert type(model).__name__ == "PeftModelForCausalLM"
@@ -134,7 +131,9 @@ def test_lora_runs_every_kernel(lora_run):
     mlps = [m for m in model.modules() if isinstance(m, TritonLlamaMLP)]
     assert len(mlps) == 2 and all(type(m.gate_proj).__module__.startswith("peft") for m in mlps)
     assert not any(m.recomputes_hidden() for m in mlps)  # a LoRA down_proj needs h itself
-    assert lora_run["seen"]["loss_fn"] is finetune_optimized.triton_flce_loss
+    # The loss is HF's call; the model's forward computes it with the fused linear cross-entropy.
+    assert lora_run["seen"]["loss_fn"] is training.hf_loss
+    assert "_kernel_ft_forward" in model.get_base_model().__dict__
 
 
 def test_frozen_weights_skip_their_gradients_in_the_kernels(lora_run):
@@ -178,10 +177,10 @@ def test_lora_adapters_compute_in_the_model_dtype():
         return loss.item(), grads, saved
 
     peft_model = bf16_lora_model()
-    assert finetune_optimized.lora_compute_dtype(peft_model) == torch.bfloat16
+    assert models.lora_compute_dtype(peft_model) == torch.bfloat16
     ref_loss, ref_grads, ref_saved = run(peft_model, training.hf_loss)
     model = bf16_lora_model()
-    ours = finetune_optimized.adapters_compute_in(torch.bfloat16, model, training.hf_loss)
+    ours = models.adapters_compute_in(torch.bfloat16, model, training.hf_loss)
     loss, grads, saved = run(model, ours)
 
     # Activations saved in float32. PEFT's path: for each of the 7 adapted layers of
@@ -205,10 +204,10 @@ def test_lora_adapters_compute_in_the_model_dtype():
 
 
 def test_lora_compute_dtype_only_for_low_precision_models(lora_run):
-    assert finetune_optimized.lora_compute_dtype(lora_run["seen"]["model"]) is None  # float32 tiny: nothing to do
+    assert models.lora_compute_dtype(lora_run["seen"]["model"]) is None  # float32 tiny: nothing to do
     torch.manual_seed(0)
     plain = models.build_random(models.tiny_config(), torch.device(DEVICE), torch.bfloat16)
-    assert finetune_optimized.lora_compute_dtype(plain) is None  # no LoRA
+    assert models.lora_compute_dtype(plain) is None  # no LoRA
 
 
 def test_lora_resume_is_exact(lora_run, tmp_path):
@@ -376,10 +375,14 @@ def toy_batch(kind, vocab_size):
     return dataloader.batch_to(dataloader.lm_batch(ids, labels), DEVICE)
 
 
-@pytest.mark.parametrize("loss_fn", [training.hf_loss, finetune_optimized.triton_flce_loss], ids=["hf", "flce"])
+@pytest.mark.parametrize("fused", [False, True], ids=["hf", "flce"])
 @pytest.mark.parametrize("kind", ["full", "padded", "packed"])
-def test_grad_accum_equals_one_big_batch(tiny_model, loss_fn, kind):
-    model = tiny_model
+def test_grad_accum_equals_one_big_batch(tiny_model, fused, kind):
+    model, loss_fn = tiny_model, training.hf_loss
+    if fused:  # HF's loss call, computed inside the model's forward by the fused linear cross-entropy
+        model = copy.deepcopy(tiny_model)
+        kernel_ft.apply(model, rmsnorm=False, swiglu=False, ce=False, rope=False, attention=False, lora=False,
+                        projections=False, strict=True)
     batch = toy_batch(kind, model.config.vocab_size)
     if kind == "packed":  # the rows hold 10 and 11 targets: the weights are not 1/2 each
         assert [training.target_count(rows(batch, r, r + 1)).item() for r in (0, 1)] == [10, 11]
@@ -464,7 +467,7 @@ def _ctrl_c_held():
 
 def test_sigterm_during_an_update_outside_a_run_ends_the_process_after_it():
     # No run loop to deliver it (the profile script): the default action, once the update is whole.
-    code = ("import os, signal, training\n"
+    code = ("import os, signal\nfrom kernel_ft import training\n"
             "with training.hold_interrupts():\n"
             "    os.kill(os.getpid(), signal.SIGTERM)\n"
             "    print('update complete', flush=True)\n"

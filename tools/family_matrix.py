@@ -25,8 +25,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the scripts live one level up
 
-import flags  # noqa: E402 - first: the Triton interpreter switch, then transformers
-import models  # noqa: E402
+from kernel_ft import flags  # noqa: E402 - first: the Triton interpreter switch, then transformers
+from kernel_ft import models  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from finetune_optimized import apply_kernels  # noqa: E402
@@ -63,9 +63,9 @@ def variants(model):
     kernel that goes in was switched in: the RMSNorm's weight and casting order, the
     gated activation and its layout, how much of each head RoPE turns, the fused
     loss's logit transform."""
-    from finetune_optimized import logit_multiplier
+    from linear_cross_entropy_kernel import logit_multiplier
     from rmsnorm_kernel import TritonRMSNorm
-    from swiglu_mlp import TritonGateUpMLP, TritonLlamaMLP
+    from swiglu_kernel import TritonGateUpMLP, TritonLlamaMLP
 
     found = []
     norms = {(m.weight_offset, m.cast_first) for m in model.modules() if isinstance(m, TritonRMSNorm)}

@@ -3,6 +3,7 @@
 #
 #   bash tools/gpu_verify.sh [OUTDIR] [WHAT...]
 #     WHAT: tests bench e2e compile profile maxseq graphs families attention fp8 fp8e2e inbackward fsdp
+#           trainer trainer-full trainer-small
 #           (default: tests bench e2e)
 #
 # Each step's full output goes to OUTDIR (default gpu_logs/), together with the
@@ -166,8 +167,28 @@ for what in $WHAT; do
       torchrun --standalone --nproc-per-node 2 profile_baseline.py --fsdp --random-init --dataset synthetic \
         --batch-size 2 --seq-len 2048 --trace-dir "$OUTDIR/traces" --use-custom-rmsnorm --use-custom-swiglu \
         --use-custom-rope --use-custom-flce --use-custom-adamw 2>&1 | tee "$OUTDIR/profile_fsdp.log" | tail -24 ;;
+    trainer|trainer-full|trainer-small)
+      # Step 23: TRL's SFTTrainer on the bundled data, packed and padding-free, with kernel_ft.apply
+      # (the default), with Liger-Kernel (TRL's use_liger_kernel=True), plain. One run per row; a run
+      # that runs out of memory says so in its log and the next one runs.
+      row() {  # row NAME FLAGS...
+        local name=$1; shift
+        python3 finetune_trainer.py $common "$@" --json "$OUTDIR/${what}_$name.json" 2>&1 \
+          | tee "$OUTDIR/${what}_$name.log" | tail -9
+      }
+      case $what in
+        trainer)  # 8B LoRA r16 on every projection, 4 x 2,048 tokens per step
+          common="--random-init --lora --batch-size 4 --seq-len 2048 --steps 30"
+          row kernels; row liger --liger; row plain-ckpt --no-kernels --gradient-checkpointing; row plain --no-kernels ;;
+        trainer-full)  # 8B full fine-tuning, 2 x 2,048 tokens per step
+          common="--random-init --batch-size 2 --seq-len 2048 --steps 30"
+          row kernels; row plain --no-kernels; row plain-ckpt --no-kernels --gradient-checkpointing ;;
+        trainer-small)  # Qwen2.5-1.5B LoRA r16, 4 x 512
+          common="--model Qwen/Qwen2.5-1.5B --random-init --lora --lr 2e-4 --batch-size 4 --seq-len 512 --steps 40"
+          row kernels; row liger --liger; row plain --no-kernels ;;
+      esac ;;
     *) echo "unknown step: $what (tests bench e2e compile profile maxseq graphs families attention fp8 fp8e2e"\
-         "inbackward fsdp)"; exit 2 ;;
+         "inbackward fsdp trainer trainer-full trainer-small)"; exit 2 ;;
   esac
 done
 tar czf "$OUTDIR/logs.tgz" --exclude=logs.tgz --exclude=traces -C "$OUTDIR" .

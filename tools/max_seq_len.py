@@ -25,10 +25,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the scripts live one level up
 
-import flags  # noqa: E402 - first: the Triton interpreter switch, then transformers
-import dataloader  # noqa: E402
-import models  # noqa: E402
-import training  # noqa: E402
+from kernel_ft import flags  # noqa: E402 - first: the Triton interpreter switch, then transformers
+from kernel_ft import dataloader  # noqa: E402
+from kernel_ft import models  # noqa: E402
+from kernel_ft import training  # noqa: E402
 import torch  # noqa: E402
 from finetune_optimized import apply_kernels  # noqa: E402
 

@@ -117,7 +117,7 @@ def load_results(path):
 def main(argv=None):
     # Imported here, not above: plot_results alone (what benchmark_kernels.py calls)
     # needs nothing from the repository, and flags loads torch and transformers.
-    from flags import PNG_METADATA, check_input_file, check_output_path
+    from kernel_ft.flags import PNG_METADATA, check_input_file, check_output_path
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("json", help="a JSON written by benchmark_kernels.py --json")

@@ -31,7 +31,7 @@ from benchmark_kernels import copy_bandwidth  # noqa: E402
 import cross_entropy_kernel as ce  # noqa: E402
 import fp8_kernel as fk  # noqa: E402
 import rmsnorm_kernel as rk  # noqa: E402
-from flags import check_output_path, write_json_atomic  # noqa: E402
+from kernel_ft.flags import check_output_path, write_json_atomic  # noqa: E402
 
 
 def bench(fn):

@@ -43,13 +43,7 @@ import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GP
 
 import torch
 
-import flags
-import models
-import fsdp
-import dataloader
-import checkpoints
-import cuda_graphs
-import reporting
+from kernel_ft import flags, models, fsdp, dataloader, checkpoints, cuda_graphs, reporting
 
 
 # --------------------------------------------------------------------------------
@@ -604,7 +598,6 @@ def run_finetune(args, title, script, switch_in):
     loss_fn, make_optimizer = switch_in(model, kernels)
     if world:  # after the kernels: the swapped modules are what is sharded
         fsdp.shard_model(model, args)
-        loss_fn = fsdp.loss_inside_forward(model, loss_fn)
     models.compile_decoder(model, args)  # after the kernels (and LoRA): they are what the graphs hold
     graphs = use_cuda_graphs(args, model, data)
     # Taken again: fully_shard replaced every parameter with a sharded one (DTensor).

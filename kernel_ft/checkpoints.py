@@ -33,10 +33,7 @@ import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GP
 
 import torch
 
-import flags
-import models
-import fsdp
-import dataloader
+from kernel_ft import flags, models, fsdp, dataloader
 
 # --------------------------------------------------------------------------------
 # Checkpoints: DIR/checkpoint-K holds everything step K+1 needs

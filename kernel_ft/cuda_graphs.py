@@ -70,8 +70,7 @@ import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GP
 
 import torch
 
-import flags
-import models
+from kernel_ft import flags, models
 
 EAGER_STEPS = 2  # steps run eagerly before the capture: compilation, autotuning, optimizer state
 # A replay slower than the last eager step by more than this keeps the run eager (see

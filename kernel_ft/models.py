@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-import flags
+from kernel_ft import flags
 
 HUB_TIMEOUT_S = 5  # how long we wait for huggingface.co before giving up on it
 
@@ -621,3 +621,38 @@ def trainable_parameters(model):
     """The parameters the optimizer gets: all of them, or with LoRA the adapters only
     (frozen weights get no gradient, no AdamW state, no update)."""
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def lora_compute_dtype(model):
+    """bf16/fp16 when ``model`` is a PEFT model whose adapters PEFT keeps in float32 on a
+    bf16/fp16 base (its default); None otherwise (no LoRA, a float32 model, QLoRA)."""
+    if not is_peft_model(model) or getattr(model, "is_loaded_in_4bit", False):
+        return None
+    base = model.get_input_embeddings().weight.dtype
+    adapters = {p.dtype for p in trainable_parameters(model)}
+    return base if base in (torch.bfloat16, torch.float16) and adapters == {torch.float32} else None
+
+
+def adapters_compute_in(dtype, model, loss_fn):
+    """LoRA's adapters computed in the base model's ``dtype``, kept in float32.
+
+    PEFT stores the adapters in float32 on a bf16 model (small updates would vanish
+    in bf16) and casts each adapted layer's input to float32 to match: per layer a
+    float32 copy of its input, saved for backward, seven per decoder layer, so a
+    float32 matrix product each and twice the activation memory of the bf16 ones.
+    Instead: no input cast, and the forward under autocast, which casts each
+    adapter's weights to ``dtype`` once per forward (tiny: r rows) and runs its
+    products in ``dtype``. The gradients flow back through the cast into the float32
+    weights, which the optimizer updates in float32, as mixed-precision training
+    does (FSDP's MixedPrecisionPolicy does the same for --fsdp). Everything else in
+    the model is already in ``dtype``: autocast leaves it alone.
+    """
+    for module in model.modules():
+        if hasattr(module, "cast_input_dtype_enabled"):  # PEFT's adapted layers
+            module.cast_input_dtype_enabled = False
+
+    def loss_with_adapters_in_dtype(model, batch):
+        with torch.autocast(batch["input_ids"].device.type, dtype=dtype):
+            return loss_fn(model, batch)
+
+    return loss_with_adapters_in_dtype

@@ -12,16 +12,15 @@ is spread over N processes, and what that costs.
   optimizer state; a layer's full weights are gathered just before it runs and
   freed after; gradients are reduce-scattered, so each process ends the backward
   with the averaged gradient of its own shard only.
-* ``loss_inside_forward``: a loss that calls the LM head's weight itself (the fused
-  linear cross-entropy) runs as an FSDP forward of the root module, so the root's
-  weights are gathered for it and their gradients reduced after it.
+  The fused linear cross-entropy runs inside the model's own forward
+  (linear_cross_entropy_kernel.fuse_linear_cross_entropy), so the root's hooks
+  gather the LM head's weight for it and reduce its gradient after it.
 * ``reduce_over_ranks``: token counts and losses summed over the processes, so a
   step's loss is the mean over all of its tokens, as on one GPU.
 
 Every rank trains; rank 0 alone prints and writes. Nothing runs on import.
 """
 
-import functools
 import os
 import sys
 
@@ -29,7 +28,7 @@ import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GP
 
 import torch
 
-import models
+from kernel_ft import models
 
 # --------------------------------------------------------------------------------
 # Several processes: FSDP2 under torchrun (--fsdp)
@@ -278,35 +277,6 @@ def reset_lora_adapters(model):
         if isinstance(module, LoraLayer):
             for name in module.lora_A:
                 module.reset_lora_parameters(name, model.peft_config[name].init_lora_weights)
-
-
-def loss_inside_forward(model, loss_fn):
-    """A loss that runs the model's parts itself must run inside an FSDP forward.
-
-    FSDP gathers a module's weights in the hooks around its ``forward``. The fused
-    linear cross-entropy (finetune_optimized.py) calls the decoder, then uses
-    ``lm_head.weight`` directly: neither goes through the root's forward, so the
-    embedding, the final norm and the LM head (the root's shards) would still be
-    sharded there, and their gradients would not be reduced. So the loss becomes a
-    method of the root module that FSDP treats as a forward
-    (register_fsdp_forward_method): its hooks gather the root's weights before it
-    and schedule the gradient reduce-scatter after backward, as for forward().
-    Chosen over sharding lm_head apart and unsharding by hand: one call, and the
-    loss function itself stays the same on one GPU and under FSDP.
-    Losses that call ``model(...)`` themselves (HF's, the Triton CE on the logits)
-    already run inside the root's forward and are returned unchanged.
-    """
-    if not getattr(loss_fn, "calls_model_parts", False):
-        return loss_fn
-    from torch.distributed.fsdp import register_fsdp_forward_method
-
-    model.fsdp_loss = functools.partial(loss_fn, model)
-    register_fsdp_forward_method(model, "fsdp_loss")
-
-    def loss_in_root_forward(model, batch):
-        return model.fsdp_loss(batch)
-
-    return loss_in_root_forward
 
 
 def reduce_over_ranks(values, op="sum"):

@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lora_kernel import LoRALinearFunction, _fusable, _fused_forward
+from lora_kernel import LoRALinearFunction, _fusable, _fused_forward, adapter_input, compute_dtype
 
 # The projections of one module that read the same input, by the names HF gives them.
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -62,33 +62,22 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # lora_kernel.LoRALinearFunction takes a list of projections, each with or without a
 # LoRA adapter: its forward is the products autograd would run, its backward sums
 # the gradients of x with addmm_ (beta = 1). Below: what it is given.
-def compute_dtype(x, specs):
-    """The dtype the grouped products run in, or None where they cannot run as one.
-
-    Plain layers: what F.linear would compute in (autocast's dtype when it is on,
-    else the inputs' when they agree). With a LoRA adapter among them: the base
-    weights' dtype, which x must have (lora_kernel's rule for one layer)."""
-    bases = {p.dtype for w, b, *_ in specs for p in (w, b) if p is not None}
-    if torch.is_autocast_enabled(x.device.type) and all(spec[2] is None for spec in specs):
-        # Autocast casts float32 (and half types) to its dtype but leaves float64 alone.
-        return None if torch.float64 in bases | {x.dtype} else torch.get_autocast_dtype(x.device.type)
-    return x.dtype if bases == {x.dtype} else None
-
-
 def grouped_products(x, specs):
-    """The projections (W, b, A, B, s) of x as one autograd node, or None where they
-    cannot be (then each runs on its own)."""
-    dtype = compute_dtype(x, specs)
+    """The projections (W, b, A, B, s, dropout) of x as one autograd node, or None where
+    they cannot be (then each runs on its own). Each adapter's dropout (None: none) runs
+    here, in the group's order, which is the order the model calls the projections in."""
+    dtype = compute_dtype(x, [p for spec in specs for p in spec[:2]])
     if dtype is None:
         return None
-    scalings = tuple(float(s) for *_, s in specs)
-    return LoRALinearFunction.apply(x, dtype, scalings, *(p for spec in specs for p in spec[:4]))
+    scalings = tuple(float(spec[4]) for spec in specs)
+    params = [p for w, b, a, bb, _, dropout in specs for p in (w, b, a, bb, adapter_input(x, dropout))]
+    return LoRALinearFunction.apply(x, dtype, scalings, *params)
 
 
 def shared_input_linear(x, linears):
     """``tuple(m(x) for m in linears)`` for plain nn.Linear modules as one autograd
     node, whose backward sums the input gradients in cuBLAS's epilogues."""
-    out = grouped_products(x, [(m.weight, m.bias, None, None, 1.0) for m in linears])
+    out = grouped_products(x, [(m.weight, m.bias, None, None, 1.0, None) for m in linears])
     return tuple(F.linear(x, m.weight, m.bias) for m in linears) if out is None else out
 
 
@@ -102,11 +91,11 @@ def _is_routed_lora(module):
 
 
 def _spec(module, x, args, kwargs):
-    """(W, b, A, B, s) of one member for the grouped product, or None: its own forward."""
+    """(W, b, A, B, s, dropout) of one member for the grouped product, or None: its own forward."""
     if _is_routed_lora(module):
         adapter = _fusable(module, x, args, kwargs)
         return None if adapter is None else (module.base_layer.weight, module.base_layer.bias, *adapter)
-    return None if args or kwargs else (module.weight, module.bias, None, None, 1.0)
+    return None if args or kwargs else (module.weight, module.bias, None, None, 1.0, None)
 
 
 def _own_forward(module, x, args, kwargs):

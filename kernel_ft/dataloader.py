@@ -38,9 +38,7 @@ import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GP
 import torch
 import torch.nn.functional as F
 
-import flags
-import models
-import fsdp
+from kernel_ft import flags, models, fsdp
 
 IGNORE_INDEX = -100  # HF's label value for "no loss at this position"
 

@@ -14,7 +14,7 @@ import os
 import sys
 import tempfile
 
-import flags
+from kernel_ft import flags
 
 
 # --------------------------------------------------------------------------------

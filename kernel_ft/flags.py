@@ -45,8 +45,9 @@ import transformers
 import triton
 
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B"
-HERE = os.path.dirname(os.path.abspath(__file__))
-BUNDLED_DATASET = os.path.join(HERE, "data", "instructions.jsonl")  # the default --dataset
+# The clone this package sits in: the step scripts and the bundled data are there.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUNDLED_DATASET = os.path.join(ROOT, "data", "instructions.jsonl")  # the default --dataset
 SYNTHETIC = "synthetic"  # --dataset synthetic: seeded random tokens, every slot real
 EVAL_BATCHES = 4  # --eval-batches default (and the synthetic count when args has none)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -497,7 +498,7 @@ def resolve_defaults(args):
         # only compete with the training for the same cores.
         args.num_workers = 2 if on_gpu else 0
     if getattr(args, "compile", False) and getattr(args, "use_custom_projections", False):
-        # Compiled layers run each projection on its own (projections.py): the run says so.
+        # Compiled layers run each projection on its own (projections_kernel.py): the run says so.
         args.use_custom_projections = False
         note("--compile: torch.compile plans each decoder layer's sums itself; --use-custom-projections is off")
     if getattr(args, "dataset", None) == SYNTHETIC and getattr(args, "packing", False):

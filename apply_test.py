@@ -1,0 +1,615 @@
+"""
+Tests of ``kernel_ft.apply`` (kernel_ft/patching.py) as a user's training script meets
+it: tiny random LLaMA, Qwen2, Gemma-2 and Phi-3 models (CPU, the Triton interpreter),
+trained by transformers' Trainer, TRL's SFTTrainer and PEFT, with and without apply.
+
+* Trainer, 3 steps, same seed: the per-step losses (and the gradient norms Trainer
+  logs) of the applied model equal the model's own to 1e-4 in float32, with the
+  fused AdamW against torch.optim.AdamW, with gradient accumulation (Trainer passes
+  num_items_in_batch) and with gradient checkpointing; under bf16 autocast (fp32
+  weights) no further from the float32 run than twice the model's own bf16 run;
+* TRL's SFTTrainer: padding-free packing and completion-only loss, same losses;
+* PEFT LoRA (all-linear, r=8): every layer fused, with lora_dropout 0 and 0.05 (PEFT's
+  dropout module draws the masks), no warning, PEFT's loss and gradients; under bf16
+  autocast within bf16 rounding;
+* with labels the LM head never runs and ``.logits`` is None; without labels the
+  logits, a padded batch (left or right: the model's own attention runs), packed rows
+  (position ids restarting per document: each document's logits, the model's loss)
+  and greedy ``generate()`` (also left-padded) give what the model gives without
+  apply (logits by conftest.check_outputs: float64 truth, no worse than 2x PyTorch);
+* the report (one line per kernel, JSON-ready), Gemma-2's soft-capped attention left
+  to PyTorch (warning; strict=True raises KernelNotApplied), a torch.compile'd model
+  refused in one line; a second apply wraps nothing twice and reports the kernels the
+  model runs (no warning, strict=True passes);
+* ``pip install`` of the repository into a folder: ``import kernel_ft`` from another
+  directory that holds a user's own models.py, flags.py and training.py.
+
+Usage:
+    python -m pytest apply_test.py -v
+    python apply_test.py
+"""
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import DEVICE, check_outputs, no_worse, rel_err  # first: the Triton interpreter switch
+
+import attention_kernel
+import kernel_ft
+import linear_cross_entropy_kernel
+from kernel_ft import models
+from tools.family_matrix import FAMILIES, TINY, family_config
+
+import datasets
+import transformers
+
+ROOT = Path(__file__).resolve().parent
+FAMILY = {label: (model_type, extra) for label, model_type, extra in FAMILIES}
+TESTED = ["Llama", "Qwen2", "Gemma-2", "Phi-3"]
+ON_CPU = DEVICE.type == "cpu"  # Trainer's use_cpu (with a GPU, the kernels run on it)
+VOCAB = 128
+SEQ = 16
+LR = 1e-3
+STEPS = 3
+LOSS_TOL = 1e-4  # float32 losses, with and without apply
+GRAD_TOL = 1e-5  # float32 gradients of one step (families_test.py's bound)
+
+
+# --------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------
+def tiny_config(label):
+    """tools/family_matrix.py's tiny config of the family, with a small vocabulary."""
+    model_type, extra = FAMILY[label]
+    config = family_config(model_type, extra)
+    config.vocab_size = VOCAB
+    # Weights ten times HF's default: attention and logits far from uniform, so that the
+    # loss depends on every kernel (with 0.02 the logits are nearly uniform: the loss is
+    # log(V) to within 1%, whatever the attention computes).
+    config.initializer_range = 0.2
+    config.pad_token_id = 0
+    config.eos_token_id = None  # generate() runs all max_new_tokens
+    return config
+
+
+def tiny_model(label="Llama", seed=0):
+    torch.manual_seed(seed)
+    model = models.build_random(tiny_config(label), torch.device(DEVICE), torch.float32)
+    return model.train()
+
+
+def apply_and_warnings(model, **switches):
+    """kernel_ft.apply; returns (report, the messages of the warnings apply emitted)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = kernel_ft.apply(model, **switches)
+    return report, [str(w.message) for w in caught if str(w.message).startswith("kernel_ft")]
+
+
+def applied(model, **switches):
+    """The model after kernel_ft.apply (its report checked elsewhere)."""
+    apply_and_warnings(model, **switches)
+    return model
+
+
+def token_ids(rows, length=SEQ, seed=1, low=1):
+    return torch.randint(low, VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+def masked_prompts(ids, prompt_lengths):
+    """Labels: the ids, with each row's prompt (of its length) at -100."""
+    labels = ids.clone()
+    for row, n in enumerate(prompt_lengths):
+        labels[row, :n] = -100
+    return labels
+
+
+def assert_close(what, ours, theirs, tol):
+    """max |ours - theirs| <= tol * max(|theirs|, 1) (families_test.py's rule)."""
+    ours, theirs = torch.as_tensor(ours, dtype=torch.float64), torch.as_tensor(theirs, dtype=torch.float64)
+    diff = (ours - theirs).abs().max().item()
+    values = f"{ours.tolist()} vs {theirs.tolist()} " if ours.numel() <= 8 else ""
+    assert diff <= tol * max(theirs.abs().max().item(), 1.0), f"{what}: {values}(max difference {diff:.2g})"
+
+
+def assert_logits_match(names, ours, plain_model, run):
+    """Our logits (a list of tensors) against ``run`` (a list too) of the model without
+    apply in float32 and of its float64 copy (the truth): conftest.check_outputs, the
+    project's rule (no further from the truth than twice the model's own error)."""
+    truth_model = copy.deepcopy(plain_model).to(torch.float64)
+    with torch.no_grad():
+        peer, truth = run(plain_model), run(truth_model)
+    assert len(ours) == len(peer) == len(truth) == len(names)
+    check_outputs(names, ours, peer, truth, peer_name="the model without apply")
+
+
+def spy_on(monkeypatch, module, name):
+    """Count the calls of ``module.name`` (a function our patched forwards look up in
+    their module at each call); returns the list of calls, one entry each."""
+    calls = []
+    real = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+@pytest.fixture
+def attention_calls(monkeypatch):
+    """Calls of our flash attention (attention_kernel.hf_packed_attention calls it)."""
+    return spy_on(monkeypatch, attention_kernel, "packed_attention")
+
+
+@pytest.fixture
+def fused_loss_calls(monkeypatch):
+    """Calls of the fused linear cross-entropy (the flce forward calls it)."""
+    return spy_on(monkeypatch, linear_cross_entropy_kernel, "fused_linear_cross_entropy")
+
+
+# --------------------------------------------------------------------------------
+# 1. transformers.Trainer
+# --------------------------------------------------------------------------------
+def lm_dataset(rows=12):
+    """Token ids with labels whose prompts (of uneven lengths) are masked: the micro-batches
+    (one row each) of a step hold different numbers of targets, so num_items_in_batch matters."""
+    ids = token_ids(rows, seed=2).cpu()
+    labels = masked_prompts(ids, [(3 * r) % 13 for r in range(rows)])
+    return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+
+
+def trainer_run(label, kernels, optimizer=None, **arguments):
+    """(losses, gradient norms) per step of STEPS Trainer steps, from the same seed."""
+    model = tiny_model(label)
+    if kernels:
+        applied(model)
+    optimizers = (None, None) if optimizer is None else (optimizer(model.parameters(), lr=LR), None)
+    with tempfile.TemporaryDirectory() as out:
+        args = transformers.TrainingArguments(
+            output_dir=out, max_steps=STEPS, per_device_train_batch_size=1, learning_rate=LR, logging_steps=1,
+            report_to="none", use_cpu=ON_CPU, save_strategy="no", seed=0, disable_tqdm=True, **arguments)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=lm_dataset(), optimizers=optimizers)
+        trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [entry["step"] for entry in logs] == list(range(1, STEPS + 1))
+    return torch.tensor([e["loss"] for e in logs]), torch.tensor([e["grad_norm"] for e in logs])
+
+
+def assert_same_run(ours, theirs):
+    assert_close("losses", ours[0], theirs[0], LOSS_TOL)
+    assert_close("gradient norms", ours[1], theirs[1], LOSS_TOL)
+
+
+@pytest.mark.parametrize("label", TESTED)
+def test_trainer_losses_fp32(label):
+    assert_same_run(trainer_run(label, kernels=True), trainer_run(label, kernels=False))
+
+
+def test_trainer_fused_adamw_against_torch_adamw():
+    ours = trainer_run("Llama", kernels=True, optimizer=kernel_ft.AdamW)
+    assert_same_run(ours, trainer_run("Llama", kernels=False, optimizer=torch.optim.AdamW))
+
+
+def test_trainer_gradient_accumulation_passes_num_items_in_batch():
+    ours = trainer_run("Llama", kernels=True, gradient_accumulation_steps=2)
+    assert_same_run(ours, trainer_run("Llama", kernels=False, gradient_accumulation_steps=2))
+
+
+def test_trainer_gradient_checkpointing():
+    ours = trainer_run("Llama", kernels=True, gradient_checkpointing=True)
+    assert_same_run(ours, trainer_run("Llama", kernels=False, gradient_checkpointing=True))
+
+
+def test_trainer_bf16_autocast_is_within_bf16_rounding():
+    """Trainer's bf16=True on the CPU: autocast over float32 weights. bf16 rounding moves
+    the model's own run away from its float32 run; ours may move as far, twice at most
+    (conftest.no_worse over the losses and gradient norms of the three steps)."""
+    fp32 = torch.cat(trainer_run("Llama", kernels=False))
+    theirs = torch.cat(trainer_run("Llama", kernels=False, bf16=True))
+    ours = torch.cat(trainer_run("Llama", kernels=True, bf16=True))
+    err_theirs, err_ours = rel_err(theirs, fp32), rel_err(ours, fp32)
+    assert err_theirs > 0, "bf16=True changed nothing: the run was not under autocast"
+    assert no_worse(err_ours, err_theirs, torch.bfloat16), \
+        f"bf16: {err_ours:.2e} from the float32 run, the model's own bf16 run {err_theirs:.2e}"
+
+
+# --------------------------------------------------------------------------------
+# 2. TRL's SFTTrainer
+# --------------------------------------------------------------------------------
+WORDS = [f"w{i}" for i in range(VOCAB - 3)]
+
+
+def word_tokenizer():
+    """A word-level tokenizer built here (no hub): <pad> 0, <eos> 1, <unk> 2, w0 ... ."""
+    from tokenizers import Tokenizer, models as token_models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    tokenizer = Tokenizer(token_models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
+                                                unk_token="<unk>")
+
+
+def sentences(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=g).tolist()) for n in lengths]
+
+
+LENGTHS = [4, 7, 3, 6, 5, 3, 6, 4, 5, 6, 3, 4]  # words per document (or prompt)
+SFT_CASES = {
+    # BFD packing: rows of several documents, position ids restarting at 0, no attention mask.
+    "packing, padding-free": (lambda: {"text": sentences(LENGTHS, 3)},
+                              dict(packing=True, max_length=16, per_device_train_batch_size=1)),
+    # Loss on the completions only; padding-free batches (max_length=None: TRL does not truncate them).
+    "completion only, padding-free": (
+        lambda: {"prompt": sentences(LENGTHS, 4),  # TRL joins the strings: the completion's leading space
+                 "completion": [" " + c for c in sentences([n // 2 + 1 for n in LENGTHS], 5)]},
+        dict(completion_only_loss=True, padding_free=True, max_length=None, per_device_train_batch_size=2)),
+}
+
+
+def sft_run(case, kernels):
+    pytest.importorskip("trl")
+    import trl
+
+    columns, options = SFT_CASES[case]
+    model = tiny_model("Llama")
+    if kernels:
+        applied(model)
+    with tempfile.TemporaryDirectory() as out:
+        args = trl.SFTConfig(output_dir=out, max_steps=STEPS, learning_rate=LR,
+                             logging_steps=1, report_to="none", use_cpu=ON_CPU, save_strategy="no", seed=0,
+                             bf16=False, gradient_checkpointing=False, disable_tqdm=True, **options)
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict(columns()),
+                                 processing_class=word_tokenizer())
+        batch = next(iter(trainer.get_train_dataloader()))
+        trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return batch, torch.tensor([e["loss"] for e in logs]), torch.tensor([e["grad_norm"] for e in logs])
+
+
+@pytest.mark.parametrize("case", list(SFT_CASES))
+def test_sft_trainer_losses(case):
+    batch, *ours = sft_run(case, kernels=True)
+    # What the case is about reached the model: packed rows without a mask, masked prompts.
+    assert "attention_mask" not in batch and (batch["position_ids"] == 0).sum() > 1
+    if "completion" in case:
+        assert (batch["labels"] == -100).sum() > (batch["position_ids"] == 0).sum()
+    _, *theirs = sft_run(case, kernels=False)
+    assert len(ours[0]) == STEPS
+    assert_same_run(ours, theirs)
+
+
+# --------------------------------------------------------------------------------
+# 3. PEFT LoRA
+# --------------------------------------------------------------------------------
+def lora_model(dropout):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_model("Llama"), peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
+                                                                     lora_dropout=dropout))
+    torch.manual_seed(3)
+    with torch.no_grad():  # PEFT starts B at zero, where A's gradient path would go untested
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    return model.train()
+
+
+def loss_and_grads(model, ids, labels, autocast=False, seed=4):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)  # the same dropout masks in both models
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=autocast):
+        loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.05], ids=["dropout 0", "dropout 0.05"])
+def test_peft_lora(dropout):
+    """Every LoRA layer fused, lora_dropout included (PEFT's own dropout module draws the
+    mask: same seed, same mask), with PEFT's loss and gradients."""
+    ours = lora_model(dropout)
+    theirs = copy.deepcopy(ours)
+    report, warned = apply_and_warnings(ours)
+    layers = sum(1 for name, _ in ours.named_modules() if name.endswith("lora_A"))
+    assert layers == 14  # q, k, v, o, gate, up, down in 2 layers
+    assert report["lora"]["status"] == "applied" and report["lora"]["count"] == layers, report["lora"]
+    assert warned == []
+    ids = token_ids(2)
+    labels = masked_prompts(ids, [3, 6])
+    loss, grads = loss_and_grads(ours, ids, labels)
+    want_loss, want_grads = loss_and_grads(theirs, ids, labels)
+    if dropout:  # the masks matter: another seed, another loss
+        assert loss_and_grads(theirs, ids, labels, seed=5)[0] != want_loss
+    assert_close("loss", loss, want_loss, LOSS_TOL)
+    assert grads.keys() == want_grads.keys() and all("lora_" in name for name in grads)
+    for name in grads:
+        assert_close(f"gradient of {name}", grads[name], want_grads[name], GRAD_TOL)
+
+
+def test_peft_lora_under_bf16_autocast_is_within_bf16_rounding():
+    """Fused LoRA layers under bf16 autocast over float32 weights (Trainer's bf16=True):
+    the adapters' gradients no further from the float32 run than twice PEFT's own under
+    the same autocast (check_outputs, the float32 run as truth: its rounding is 2^16
+    times finer than bf16's); the loss, one scalar, within one bf16 rounding (2^-8,
+    relative) of the float32 loss: a single scalar's rounding error is one random draw,
+    too few for a ratio of two of them."""
+    ours = lora_model(0.0)
+    theirs = copy.deepcopy(ours)
+    ids = token_ids(2)
+    labels = masked_prompts(ids, [3, 6])
+    truth_loss, truth_grads = loss_and_grads(theirs, ids, labels)
+    report, _ = apply_and_warnings(ours)
+    assert report["lora"]["status"] == "applied"
+    loss, grads = loss_and_grads(ours, ids, labels, autocast=True)
+    want_loss, want_grads = loss_and_grads(theirs, ids, labels, autocast=True)
+    assert grads.keys() == want_grads.keys() == truth_grads.keys()
+    assert want_loss != truth_loss, "autocast changed nothing"
+    assert abs(loss - truth_loss) <= 2**-8 * abs(truth_loss), f"loss {loss.item()} vs {truth_loss.item()} in float32"
+    check_outputs(list(grads), list(grads.values()), list(want_grads.values()), list(truth_grads.values()),
+                  dtypes=torch.bfloat16, peer_name="PEFT under autocast")
+
+
+# --------------------------------------------------------------------------------
+# 4. No logits with labels; the model's logits without
+# --------------------------------------------------------------------------------
+@pytest.mark.parametrize("label", TESTED)
+def test_labels_give_the_loss_without_running_the_lm_head(label):
+    plain = tiny_model(label)
+    ours = applied(copy.deepcopy(plain))
+    calls = []
+    for model in (plain, ours):
+        model.get_output_embeddings().register_forward_hook(lambda *_: calls.append(1))
+    ids = token_ids(2)  # one training step: forward with labels, backward
+    labels = masked_prompts(ids, [2, 5])
+    want = plain(input_ids=ids, labels=labels)
+    assert calls == [1], "the hook does not see the model's own LM head"
+    got = ours(input_ids=ids, labels=labels)
+    got.loss.backward()
+    assert calls == [1], "the LM head ran in a training step after apply"
+    assert got.logits is None
+    assert_close("loss", got.loss.detach(), want.loss.detach(), LOSS_TOL)
+    want.loss.backward()
+    grads = {name: p.grad for name, p in ours.named_parameters()}
+    for name, p in plain.named_parameters():
+        assert_close(f"gradient of {name}", grads[name], p.grad, GRAD_TOL)
+
+
+@pytest.mark.parametrize("label", TESTED)
+def test_without_labels_the_logits_are_the_models(label):
+    plain = tiny_model(label).eval()
+    ours = applied(copy.deepcopy(plain))
+    ids = token_ids(2)
+    with torch.no_grad():
+        logits = ours(input_ids=ids).logits
+    assert_logits_match(["logits"], [logits], plain, lambda m: [m(input_ids=ids).logits])
+
+
+# --------------------------------------------------------------------------------
+# 5.-7. generate(), padded batches, packed rows
+# --------------------------------------------------------------------------------
+def left_padded(ids, pads):
+    """ids with the first pads[row] tokens of each row replaced by padding, and its mask."""
+    ids, mask = ids.clone(), torch.ones_like(ids)
+    for row, n in enumerate(pads):
+        ids[row, :n], mask[row, :n] = 0, 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("label", ["Llama", "Gemma-2"])
+@pytest.mark.parametrize("padding", ["none", "left"])
+def test_generate_gives_the_same_greedy_tokens(label, padding):
+    plain = tiny_model(label).eval()
+    ours = applied(copy.deepcopy(plain))
+    ids, mask = left_padded(token_ids(2, 6), [0, 2])
+    kwargs = dict(max_new_tokens=8, do_sample=False, **({"attention_mask": mask} if padding == "left" else {}))
+    want = plain.generate(ids, **kwargs)
+    got = ours.generate(ids, **kwargs)
+    assert want.shape == (2, 14)
+    assert torch.equal(got, want), f"{got.tolist()} vs {want.tolist()}"
+
+
+@pytest.mark.parametrize("label", ["Llama", "Phi-3"])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padded_batch_runs_the_models_attention(label, side, attention_calls):
+    plain = tiny_model(label).eval()
+    ours = applied(copy.deepcopy(plain))
+    attention_calls.clear()  # (apply's own check ran it)
+    ids, mask = token_ids(2), torch.ones(2, SEQ, dtype=torch.long, device=DEVICE)
+    pads = {1: 5}  # row 1: 5 padding tokens
+    for row, n in pads.items():
+        where = slice(SEQ - n, SEQ) if side == "right" else slice(0, n)
+        ids[row, where], mask[row, where] = 0, 0
+    labels = ids.masked_fill(mask == 0, -100)
+    real = mask.bool()
+    with torch.no_grad():
+        logits = ours(input_ids=ids, attention_mask=mask).logits
+        loss = ours(input_ids=ids, attention_mask=mask, labels=labels).loss
+        want_loss = plain(input_ids=ids, attention_mask=mask, labels=labels).loss
+    assert attention_calls == [], "a padded batch ran our attention"
+    assert_logits_match(["logits of the real tokens"], [logits[real]], plain,
+                        lambda m: [m(input_ids=ids, attention_mask=mask).logits[real]])
+    assert_close("loss", loss, want_loss, LOSS_TOL)
+
+
+@pytest.mark.parametrize("label", TESTED)
+def test_packed_rows_give_each_documents_logits_and_the_loss(label, attention_calls):
+    """DataCollatorWithFlattening's rows: documents one after another, position ids
+    restarting at 0, no attention mask; each document's logits are its own, and the
+    loss with the collator's labels is the model's."""
+    plain = tiny_model(label).eval()
+    ours = applied(copy.deepcopy(plain))
+    attention_calls.clear()
+    documents = [token_ids(1, n, seed=10 + n)[0].tolist() for n in (5, 7, 4)]
+    batch = transformers.DataCollatorWithFlattening()([{"input_ids": d} for d in documents])
+    assert "attention_mask" not in batch and batch["position_ids"].tolist() == [
+        list(range(5)) + list(range(7)) + list(range(4))]
+    # use_cache=False, as in training: with a cache HF's own attention does not look for
+    # documents in the position ids (Gemma-2's attention is HF's own after apply).
+    with torch.no_grad():
+        logits = ours(input_ids=batch["input_ids"].to(DEVICE), position_ids=batch["position_ids"].to(DEVICE),
+                      use_cache=False).logits
+    pieces = logits[0].split([len(d) for d in documents])
+    layers = plain.config.num_hidden_layers
+    assert len(attention_calls) == (0 if label == "Gemma-2" else layers)  # Gemma-2: HF's attention
+
+    def each_alone(model):
+        return [model(input_ids=torch.tensor([d], device=DEVICE)).logits[0] for d in documents]
+
+    assert_logits_match([f"document {i}" for i in range(len(documents))], list(pieces), plain, each_alone)
+    inputs = {k: batch[k].to(DEVICE) for k in ("input_ids", "position_ids", "labels")}
+    with torch.no_grad():
+        assert_close("loss", ours(**inputs, use_cache=False).loss, plain(**inputs, use_cache=False).loss, LOSS_TOL)
+
+
+# --------------------------------------------------------------------------------
+# 8. The report and the refusals
+# --------------------------------------------------------------------------------
+def test_report_has_one_line_per_kernel_and_is_json():
+    model = tiny_model("Llama")
+    report, warned = apply_and_warnings(model)
+    assert warned == [] and report.left_out == {}
+    assert list(report) == list(kernel_ft.KERNELS)
+    lines = str(report).splitlines()
+    assert [line.split()[0] for line in lines] == list(kernel_ft.KERNELS)
+    for line, (kernel, entry) in zip(lines, report.items()):
+        assert entry["status"] in line and entry["detail"] in line
+    assert json.loads(json.dumps(dict(report))) == dict(report)
+    assert report.applied == ["rmsnorm", "swiglu", "flce", "rope", "attention", "projections"]
+    assert report["fp8"]["status"] == report["ce"]["status"] == report["lora"]["status"] == "not used"
+
+
+def test_gemma2_attention_is_left_to_pytorch_with_one_warning():
+    model = tiny_model("Gemma-2")
+    report, warned = apply_and_warnings(model)
+    assert report["attention"]["status"] == "left to PyTorch", report["attention"]
+    assert "soft" in report["attention"]["detail"] and "\n" not in report["attention"]["detail"]
+    assert list(report.left_out) == ["attention"]
+    assert len(warned) == 1 and "attention (" in warned[0], warned
+    assert model.config._attn_implementation == "eager"  # the model's own, as it was
+
+
+def test_strict_raises_kernel_not_applied_on_gemma2():
+    with pytest.raises(kernel_ft.KernelNotApplied) as raised:
+        kernel_ft.apply(tiny_model("Gemma-2"), strict=True)
+    assert isinstance(raised.value, ValueError)
+    assert raised.value.kernel == "attention" and "soft" in raised.value.reason
+    assert "attention" in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_compiled_model_is_refused_in_one_line():
+    compiled = torch.compile(tiny_model("Llama"))
+    with pytest.raises(TypeError) as raised:
+        kernel_ft.apply(compiled)
+    message = str(raised.value)
+    assert "OptimizedModule" in message and "call apply on the model before" in message, message
+    assert "torch.compile" in message and "\n" not in message
+
+
+def test_second_apply_does_not_wrap_twice(fused_loss_calls):
+    model = tiny_model("Llama")
+    ids = token_ids(2)
+    applied(model)
+    with torch.no_grad():
+        first = model(input_ids=ids, labels=ids).loss
+        logits = model(input_ids=ids).logits
+    assert len(fused_loss_calls) == 1
+    apply_and_warnings(model)  # (what it reports: the next test)
+    with torch.no_grad():
+        second = model(input_ids=ids, labels=ids).loss
+        assert torch.equal(model(input_ids=ids).logits, logits)
+    assert len(fused_loss_calls) == 2, "the fused loss ran twice in one forward"
+    assert torch.equal(second, first)
+    # HF's own forwards under ours, once: the causal LM's (flce) and the decoder's (attention routing).
+    assert model._kernel_ft_forward.__func__ is type(model).forward
+    decoder = model.get_decoder()
+    assert decoder._kernel_ft_attention_forward.__func__ is type(decoder).forward
+
+
+def test_second_apply_reports_what_the_model_runs():
+    """A second call finds every kernel in place: same report, no warning (and so
+    strict=True must not raise)."""
+    model = tiny_model("Llama")
+    first, _ = apply_and_warnings(model)
+    second, warned = apply_and_warnings(model)
+    assert warned == [], warned
+    assert {k: v["status"] for k, v in second.items()} == {k: v["status"] for k, v in first.items()}, str(second)
+    kernel_ft.apply(model, strict=True)
+
+
+# --------------------------------------------------------------------------------
+# 9. The installed package
+# --------------------------------------------------------------------------------
+USER_SCRIPT = """
+import copy, json, sys
+import kernel_ft
+import kernel_common
+import torch, transformers
+
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+torch.manual_seed(0)
+config = transformers.LlamaConfig(**json.loads(sys.argv[1]))
+model = transformers.AutoModelForCausalLM.from_config(config).to(device)
+plain = copy.deepcopy(model)
+report = kernel_ft.apply(model, strict=True)
+ids = torch.randint(0, config.vocab_size, (2, 16), device=device)
+loss = model(input_ids=ids, labels=ids).loss
+loss.backward()
+print(json.dumps({"kernel_ft": kernel_ft.__file__, "kernel_common": kernel_common.__file__, "loss": loss.item(),
+                  "plain": plain(input_ids=ids, labels=ids).loss.item(), "applied": report.applied,
+                  "user modules": [m for m in ("models", "flags", "training") if m in sys.modules]}))
+"""
+NO_INDEX = ("Could not find a version", "No matching distribution", "Failed to establish a new connection",
+            "Temporary failure in name resolution", "Network is unreachable", "ConnectTimeout", "ReadTimeout")
+
+
+def test_installed_package_imports_from_another_directory(tmp_path):
+    """pip install --no-deps --target DIR <the repository>; then, from a folder with a
+    user's own models.py, flags.py and training.py (each raising ImportError) and only
+    DIR on PYTHONPATH, import kernel_ft and apply it to a tiny LLaMA."""
+    # pip builds in the source tree (build/, *.egg-info): build from a copy of it.
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache", "build",
+                                                                "*.egg-info"))
+    target = tmp_path / "site"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(target), str(source)],
+                         capture_output=True, text=True, timeout=600)
+    if pip.returncode != 0:
+        if any(s in pip.stdout + pip.stderr for s in NO_INDEX):
+            pytest.skip("pip could not reach a package index for the build backend: "
+                        + (pip.stderr.strip().splitlines() or ["?"])[-1])
+        pytest.fail(f"pip install failed:\n{pip.stdout[-3000:]}\n{pip.stderr[-3000:]}")
+
+    user = tmp_path / "user"
+    user.mkdir()
+    for name in ("models", "flags", "training"):
+        (user / f"{name}.py").write_text(f"raise ImportError(\"the user's own {name}.py was imported\")\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    env["PYTHONPATH"] = str(target)
+    config = {**TINY, "vocab_size": VOCAB, "initializer_range": 0.2}
+    run = subprocess.run([sys.executable, "-c", USER_SCRIPT, json.dumps(config)], cwd=user, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    for module in ("kernel_ft", "kernel_common"):
+        assert Path(result[module]).resolve().is_relative_to(target.resolve()), result[module]
+    assert result["user modules"] == []
+    assert result["applied"] == ["rmsnorm", "swiglu", "flce", "rope", "attention", "projections"]
+    assert torch.isfinite(torch.tensor(result["loss"])).item()
+    assert_close("loss", result["loss"], result["plain"], LOSS_TOL)
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, *sys.argv[1:]]))

@@ -1,0 +1,224 @@
+"""
+The one call that puts every kernel into a Hugging Face model: ``kernel_ft.apply``.
+
+Each kernel file ends with its own model patching (``replace_rmsnorm``,
+``replace_swiglu``, ``fuse_rope``, ...): the check that the kernel computes what the
+model's module or function computes, then the swap. This file only calls them, in
+one order, and says what happened:
+
+    fp8          the decoder's linear layers multiply in FP8 (off unless asked: fp8="rowwise")
+    rmsnorm      every RMSNorm module becomes TritonRMSNorm
+    swiglu       every gated MLP computes act(gate) * up with the fused kernel
+    flce         with labels, the model's forward computes HF's loss without logits
+    ce           (where flce cannot apply) HF's loss on the logits by the fused kernel
+    rope         the attention layers rotate q and k with the fused kernel
+    attention    flash attention over the documents of each row (padding masks and
+                 KV caches go to the model's own attention)
+    lora         PEFT's LoRA layers (dropout included) in the base layer's matrix products
+    projections  q/k/v and gate/up as one autograd node each
+
+A kernel that cannot compute the model's own function is left out, never forced
+in: by default with one warning for the call, with ``strict=True`` as an error
+(``KernelNotApplied``). The report says what went in, what did not and why.
+
+The optimizer is not part of the model: ``kernel_ft.AdamW`` (adamw_kernel.py) is
+the fused AdamW, to pass to Trainer as ``optimizers=(kernel_ft.AdamW(...), None)``.
+"""
+
+import warnings
+
+import torch
+
+import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
+from kernel_common import SwapMismatch
+from attention_kernel import use_packed_attention
+from cross_entropy_kernel import use_fused_loss
+from fp8_kernel import FP8Linear, replace_linears
+from linear_cross_entropy_kernel import fuse_linear_cross_entropy
+from lora_kernel import fuse_lora
+from projections_kernel import GroupedLinear, group_projections
+from rmsnorm_kernel import TritonRMSNorm, replace_rmsnorm
+from rope_kernel import fuse_rope
+from swiglu_kernel import TritonLlamaMLP, replace_swiglu
+
+# The switches of apply, in the order the kernels go in and are reported.
+KERNELS = ("fp8", "rmsnorm", "swiglu", "flce", "ce", "rope", "attention", "lora", "projections")
+
+APPLIED, LEFT_OUT, NOT_USED = "applied", "left to PyTorch", "not used"
+
+
+class KernelNotApplied(ValueError):
+    """``apply(strict=True)``: a kernel that was asked for cannot compute the model's function."""
+
+    def __init__(self, kernel, reason):
+        super().__init__(f"kernel_ft.apply: {kernel}: {reason}")
+        self.kernel, self.reason = kernel, reason
+
+
+class Report(dict):
+    """What ``apply`` did, one entry per kernel: {"status": "applied" | "left to PyTorch"
+    | "not used", "count": how many modules, "detail": one line}. A dict (``dict(report)``,
+    JSON-ready); printed, one line per kernel."""
+
+    def add(self, kernel, status, count=0, detail=""):
+        self[kernel] = {"status": status, "count": count, "detail": detail}
+
+    @property
+    def applied(self):
+        return [k for k, v in self.items() if v["status"] == APPLIED]
+
+    @property
+    def left_out(self):
+        return {k: v["detail"] for k, v in self.items() if v["status"] == LEFT_OUT}
+
+    def __str__(self):
+        width = max(len(k) for k in self) if self else 0
+        return "\n".join(f"{k:<{width}}  {v['status']:<15}  {v['detail']}" for k, v in self.items())
+
+
+def _unwrapped(model):
+    """The Hugging Face causal LM inside ``model`` (itself, or a PEFT model's), refusing
+    the wrappers of a training framework: the kernels go in before those are made."""
+    wrapper = type(model).__name__
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) or wrapper in (
+            "FullyShardedDataParallel", "OptimizedModule", "DataParallel", "DeepSpeedEngine"):
+        raise TypeError(f"kernel_ft.apply: got a {wrapper}; call apply on the model before Trainer, accelerate or "
+                        f"torch.compile wrap it (after get_peft_model is fine)")
+    if type(model).__name__.startswith("FSDP") or getattr(model, "_is_fsdp_managed_module", False):
+        raise TypeError("kernel_ft.apply: the model is sharded already; call apply before fully_shard")
+    inner = model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
+    if not hasattr(inner, "get_decoder") or not hasattr(inner, "config"):
+        raise TypeError(f"kernel_ft.apply: expects a Hugging Face causal LM (a PreTrainedModel such as "
+                        f"LlamaForCausalLM) or a PEFT model around one, got {wrapper}")
+    return inner
+
+
+# The modules an earlier apply left in a model, by kernel: a second call finds nothing
+# left to swap, and the report must say what the model runs, not "found nothing".
+OURS = {"fp8": FP8Linear, "rmsnorm": TritonRMSNorm, "swiglu": TritonLlamaMLP, "projections": GroupedLinear}
+
+
+def _already_in(kernel, model):
+    """How many of ``kernel``'s modules ``model`` holds already (0: none, or not a module swap)."""
+    kind = OURS.get(kernel)
+    return 0 if kind is None else sum(isinstance(m, kind) for m in model.modules())
+
+
+def _swap(report, kernel, swap, model, found_nothing, line):
+    """Run one kernel's patching; record it as applied, or as left to PyTorch with why."""
+    try:
+        count = swap(model)
+    except SwapMismatch as e:
+        report.add(kernel, LEFT_OUT, 0, str(e))
+        return 0
+    if count == 0 and _already_in(kernel, model):
+        count = _already_in(kernel, model)
+        report.add(kernel, APPLIED, count, f"{count} modules in since an earlier kernel_ft.apply")
+    elif count == 0:
+        report.add(kernel, LEFT_OUT, 0, found_nothing.format(model=type(model).__name__))
+    else:
+        report.add(kernel, APPLIED, count, line.format(count=count))
+    return count
+
+
+def apply(model, *, fp8=None, rmsnorm=True, swiglu=True, flce=True, ce=True, rope=True, attention=True, lora=True,
+          projections=True, strict=False):
+    """Switch the kernels into ``model`` (a Hugging Face causal LM, or a PEFT model around
+    one); return a ``Report``. Every kernel is on unless its switch is False; ``fp8`` is
+    off unless "tensorwise" or "rowwise" (a GPU with FP8 tensor cores). Call it once,
+    before the model goes to Trainer / accelerate; with LoRA after ``get_peft_model``.
+
+    After it, ``model(input_ids, labels=...)`` returns HF's loss (shifted labels,
+    ignore_index -100, ``num_items_in_batch``) without building the logits (flce; the
+    output's ``logits`` is None), calls without labels return logits as before, and a
+    padding ``attention_mask`` or a KV cache (generate) runs the model's own attention.
+    """
+    lm = _unwrapped(model)
+    name = type(lm).__name__
+    report = Report()
+
+    # FP8 first, so that the MLP swap below finds FP8 layers as its projections.
+    if fp8:
+        count, skipped = replace_linears(model, fp8)
+        detail = (f"{count} linear layers in float8_e4m3fn, {fp8} scales (Triton casts, cuBLASLt products); "
+                  f"the LM head and LoRA adapters as before")
+        if skipped:
+            detail += f"; {len(skipped)} left as they were (sizes not multiples of 16), e.g. {skipped[0]}"
+        if count or _already_in("fp8", model):
+            report.add("fp8", APPLIED, count or _already_in("fp8", model), detail)
+        else:
+            report.add("fp8", LEFT_OUT, 0, f"found no linear layers to cast in {name}")
+    else:
+        report.add("fp8", NOT_USED, 0, "off (fp8='tensorwise' or 'rowwise' to use it)")
+
+    def switch(kernel, on, swap, found_nothing, line):
+        if not on:
+            report.add(kernel, NOT_USED, 0, "switched off")
+            return 0
+        return _swap(report, kernel, swap, lm, found_nothing, line)
+
+    switch("rmsnorm", rmsnorm, replace_rmsnorm,
+           "found no RMSNorm modules to replace in {model} (it looks for modules named *RMSNorm with a weight and "
+           "variance_epsilon (LLaMA) or eps (Gemma))",
+           "replaced {count} RMSNorm modules with TritonRMSNorm")
+    if switch("swiglu", swiglu, replace_swiglu,
+              "found no gated MLPs to replace in {model} (it looks for modules named *MLP with gate_proj, up_proj "
+              "and down_proj, or gate_up_proj and down_proj, and MoE experts modules, gated by SiLU or tanh-GELU)",
+              "replaced {count} gated MLPs with TritonLlamaMLP (fused SwiGLU / GeGLU)"):
+        # Only a plain nn.Linear down_proj lets the MLP recompute h instead of storing it.
+        kept = [m for m in lm.modules() if isinstance(m, TritonLlamaMLP) and not m.recomputes_hidden()]
+        if kept:
+            report["swiglu"]["detail"] += (
+                f"; {len(kept)} of them keep h = silu(gate) * up for backward: their down_proj is a "
+                f"{type(kept[0].down_proj).__module__.split('.')[0]} {type(kept[0].down_proj).__name__} "
+                f"(LoRA or quantized), not a plain nn.Linear")
+
+    # The loss: inside the model's forward, without logits (flce), else on the logits (ce).
+    if switch("flce", flce, fuse_linear_cross_entropy, "",
+              "fused linear cross-entropy inside the model's forward: LM head + loss in chunks, no logits"):
+        report.add("ce", NOT_USED, 0, "superseded by flce" if ce else "switched off")
+    else:
+        switch("ce", ce, use_fused_loss, "{model} has no loss_function to set (not a transformers model)",
+               "HF's loss on the model's [B, T, V] logits by the Triton cross-entropy (no float32 copy)")
+
+    switch("rope", rope, fuse_rope,
+           "found no attention modules using apply_rotary_pos_emb in {model} (it looks for *Attention modules "
+           "whose python module defines it)",
+           "fused RoPE in {count} attention modules")
+    switch("attention", attention, use_packed_attention, "found no attention layers in {model}",
+           "flash attention within each document of a row in {count} attention layers; padding masks and KV "
+           "caches run the model's own attention")
+
+    # LoRA: only PEFT models have adapters (each layer checked at every call: DoRA, QLoRA,
+    # FP8 base layers keep PEFT's forward; dropout runs fused).
+    if not lora:
+        report.add("lora", NOT_USED, 0, "switched off")
+    elif not hasattr(model, "peft_config"):
+        report.add("lora", NOT_USED, 0, "no LoRA layers (a PEFT model: call apply after get_peft_model)")
+    else:
+        _swap(report, "lora", fuse_lora, model, "found no PEFT LoRA layers in {model}",
+              "{count} LoRA layers: the adapter's scale and sum inside the base layer's matrix products "
+              "(cuBLAS epilogues), forward and backward")
+
+    # After LoRA: its fused layers join the groups; FP8 and quantized layers keep their own.
+    if not projections:
+        report.add("projections", NOT_USED, 0, "switched off")
+    else:
+        count = group_projections(model) or _already_in("projections", model)
+        if count:
+            report.add("projections", APPLIED, count, f"{count} groups of projections (q/k/v, gate/up) with one "
+                       f"input gradient, summed in cuBLAS's epilogues")
+        else:
+            report.add("projections", NOT_USED, 0, f"nothing to group in {name} (its q/k/v and gate/up are fused "
+                       f"already, or FP8, quantized or unrouted LoRA layers)")
+
+    asked = {"fp8": bool(fp8), "rmsnorm": rmsnorm, "swiglu": swiglu, "flce": flce, "ce": ce, "rope": rope,
+             "attention": attention, "lora": lora, "projections": projections}
+    left = {k: v for k, v in report.left_out.items() if asked[k]}
+    if left and strict:
+        kernel = next(iter(left))
+        raise KernelNotApplied(kernel, left[kernel])
+    if left:
+        warnings.warn("kernel_ft.apply: left to PyTorch: " + "; ".join(f"{k} ({v})" for k, v in left.items()),
+                      stacklevel=2)
+    return report

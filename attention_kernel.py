@@ -270,7 +270,7 @@ def _query_tile_keys(DOC_START, b, pid_m, T, WINDOW, BLOCK_M: tl.constexpr, BLOC
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["T"])  # a varying count: not specialized (rmsnorm_kernel.py)
+@triton.jit(do_not_specialize=["T", "WINDOW"])  # vary with T: not specialized (rmsnorm_kernel.py)
 def _attn_fwd_kernel(
     Q, K, V,  # [B, Hq, T, D], [B, Hkv, T, D] x 2: any strides, contiguous last dim
     O,  # [B, T, Hq, D] contiguous: the layout HF's attention returns (no transpose copy after)
@@ -375,7 +375,7 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, row_base, LSE, DELTA, DOC_START, 
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["T"])  # a varying count: not specialized (rmsnorm_kernel.py)
+@triton.jit(do_not_specialize=["T", "WINDOW"])  # vary with T: not specialized (rmsnorm_kernel.py)
 def _attn_bwd_dkdv_kernel(
     Q, K, V,  # as in the forward
     DO,  # [B, T, Hq, D]: the output's gradient, in the output's layout (any strides, contiguous last dim)
@@ -446,7 +446,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, offs_m, starts,
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["T"])  # a varying count: not specialized (rmsnorm_kernel.py)
+@triton.jit(do_not_specialize=["T", "WINDOW"])  # vary with T: not specialized (rmsnorm_kernel.py)
 def _attn_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DOC_START,
     DQ,  # [B, Hq, T, D] contiguous, written

@@ -153,8 +153,9 @@ def rmsnorm_reference(x, weight, eps=1e-6, compute_dtype=torch.float32, weight_o
 # (alignment it can exploit for pointers and strides). A row count that changes with
 # every batch (padding-free rows, padded batches of varying length) would compile new
 # variants mid-run the first time it is a multiple of 16: several seconds of every
-# kernel of the step, measured as one 6-8 s step in a Trainer run on an H100. Row
-# counts only bound the grid and the masks, so they lose nothing by not being specialized.
+# kernel that takes such a count (in a Trainer run on an H100 the attention kernels'
+# sequence length made one step take 4-8 s). Row counts only bound the grid and the
+# masks, so they lose nothing by not being specialized.
 @fast_launch
 @triton.jit(do_not_specialize=["n_rows"])  # a row count: see above
 def _rmsnorm_fwd_kernel(

@@ -22,7 +22,9 @@ trained by transformers' Trainer, TRL's SFTTrainer and PEFT, with and without ap
   refused in one line; a second apply wraps nothing twice and reports the kernels the
   model runs (no warning, strict=True passes);
 * ``pip install`` of the repository into a folder: ``import kernel_ft`` from another
-  directory that holds a user's own models.py, flags.py and training.py.
+  directory that holds a user's own models.py, flags.py and training.py;
+* Step 23's script, finetune_trainer.py: the same losses with and without the kernels,
+  its JSON, and a one-line refusal of what it cannot do.
 
 Usage:
     python -m pytest apply_test.py -v
@@ -609,6 +611,46 @@ def test_installed_package_imports_from_another_directory(tmp_path):
     assert result["applied"] == ["rmsnorm", "swiglu", "flce", "rope", "attention", "projections"]
     assert torch.isfinite(torch.tensor(result["loss"])).item()
     assert_close("loss", result["loss"], result["plain"], LOSS_TOL)
+
+
+
+# --------------------------------------------------------------------------------
+# Step 23's script: finetune_trainer.py
+# --------------------------------------------------------------------------------
+TRAINER_ARGS = ["--tiny", "--seq-len", "64", "--batch-size", "2", "--warmup-steps", "1", "--steps", "1"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--compile"], "error: --compile is not supported by finetune_trainer.py"),
+    (["--dataset", "synthetic"], "error: finetune_trainer.py trains on instruction data"),
+    (["--lora-4bit"], "error: --lora-4bit is not supported by finetune_trainer.py"),
+])
+def test_trainer_script_refuses_what_it_cannot_do_in_one_line(argv, message, monkeypatch):
+    import finetune_trainer
+
+    monkeypatch.setattr("kernel_ft.models.load_model", lambda *a: pytest.fail("the model was built before the refusal"))
+    with pytest.raises(SystemExit) as e:
+        finetune_trainer.main([*TRAINER_ARGS, *argv])
+    assert str(e.value.code).startswith(message)
+
+
+def test_trainer_script_with_and_without_the_kernels(tmp_path, capsys):
+    """The step script's two runs: the same losses (float32), the report printed, the JSON
+    with the loop's fields; a packed row holds no padding."""
+    import finetune_trainer
+
+    ours = finetune_trainer.main([*TRAINER_ARGS, "--json", str(tmp_path / "ours.json")])
+    out = capsys.readouterr().out
+    assert "kernel_ft.apply:" in out and "rmsnorm      applied" in out
+    plain = finetune_trainer.main([*TRAINER_ARGS, "--no-kernels"])
+    assert "Kernels:       none (PyTorch / HF)" in capsys.readouterr().out
+    assert len(ours["losses"]) == len(plain["losses"]) == 2
+    for a, b in zip(ours["losses"], plain["losses"]):
+        assert abs(a - b) <= 1e-4 * abs(b), (ours["losses"], plain["losses"])
+    doc = json.loads((tmp_path / "ours.json").read_text())
+    assert doc["script"] == "finetune_trainer.py" and doc["kernels"]["flce"]["status"] == "applied"
+    assert doc["timed_steps"] == 1 and doc["warmup_steps"] == 1 and doc["real_tokens_per_sec"] > 0
+    assert doc["tokens_per_step"][0] <= 2 * 64
 
 
 if __name__ == "__main__":

@@ -28,10 +28,9 @@ import torch
 from conftest import DEVICE, check_outputs, need_gpu
 
 import attention_kernel
-import attention_kernel
 from kernel_ft import dataloader, flags, models, training
 from attention_kernel import attention_reference, document_ends, document_starts, packed_attention
-from finetune_optimized import apply_kernels
+from kernel_ft.run import apply_kernels
 from tools.family_matrix import family_config
 
 

@@ -35,8 +35,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernel_ft import flags  # first: it switches on the Triton interpreter when there is no GPU
-from benchmark_kernels import bench, copy_bandwidth, free_memory, repair_capture_state
-from benchmark_peers import version
+from kernel_ft.benchmark_specs import bench, copy_bandwidth, free_memory, repair_capture_state
+from kernel_ft.benchmark_peers import version
 from fp8_gemm_kernel import triton_scaled_mm
 from fp8_kernel import RECIPES, cast_traffic, fp8_supported, quantize, quantize_reference, replace_linears, scaled_mm
 

@@ -15,26 +15,23 @@ under a table give the formula behind GB/s, what peak MB counts, what |err| comp
 that provider failed, the run goes on. No GPU: Triton's interpreter, tiny shapes, |err| only, no time.
 
 Usage: python benchmark_kernels.py [--kernel rmsnorm cross_entropy swiglu rope flce | all] [--quick]
-    [--json bench.json] [--plot bench.png]; tools/plot_benchmark.py redraws a figure from the JSON.
+    [--json bench.json] [--plot bench.png]; kernel_ft/benchmark_plot.py redraws a figure from the JSON.
 """
 
 import argparse
-import gc
 import importlib.util
 import time
 
 import torch
 
-# The kernels' specs (and through them the kernel modules) come before triton: without a GPU,
-# kernel_common (which the kernel modules import first) switches on Triton's interpreter, and
-# that must precede `import triton`.
-from benchmark_specs import BYTES, DEVICE, KERNELS, NA_CPU, ON_GPU, NotApplicable, document_lengths
-from benchmark_peers import NOT_INSTALLED, unavailable, version
-from kernel_ft import cuda_graphs, flags
+# The kernels' specs (and through them the kernel modules) first: without a GPU, kernel_common
+# (which the kernel modules import first) switches on Triton's interpreter before triton loads.
+from kernel_ft.benchmark_specs import (BYTES, KERNELS, NA_CPU, ON_GPU, NotApplicable, bench, copy_bandwidth,
+                                      document_lengths, free_memory, repair_capture_state)
+from kernel_ft.benchmark_peers import NOT_INSTALLED, unavailable, version
+from kernel_ft import flags
 from kernel_ft.flags import PNG_METADATA, check_output_path, environment_info, write_json_atomic
 
-import triton  # isort: skip - after the kernel modules (see above)
-import triton.testing  # isort: skip
 
 BENCH_MS = {"full": (25, 100), "quick": (10, 40)}  # do_bench (warm-up, repetitions) in ms
 # "graph" replays the fwd+bwd from a CUDA graph: every kernel launched from the GPU's side, with no
@@ -54,13 +51,6 @@ def error(out, truth):
 
 
 # --- Measuring: one provider at one shape, one JSON record ----------------------------
-def free_memory():
-    """Drop unreachable tensors and cached blocks, so the next provider starts clean."""
-    gc.collect()
-    if ON_GPU:
-        torch.cuda.empty_cache()
-
-
 def guarded(stage, messages):
     """("ok", stage()), ("n/a ...", None) for a provider that does not apply, or
     ("OOM" / "ERR", None): a failing peer never stops the run."""
@@ -74,24 +64,6 @@ def guarded(stage, messages):
             messages.append(f"{type(exc).__name__}: {exc}".strip())
     free_memory()  # here, once the traceback (and the tensors its frames hold) is gone
     return ("OOM" if oom else "ERR"), None
-
-
-def bench(fn, bench_ms, graph=False):
-    """Median latency in ms of ``fn``, or with ``graph`` of ``fn`` captured in a CUDA graph and
-    replayed. None on CPU: the interpreter's speed says nothing."""
-    if not ON_GPU:
-        return None
-    if graph:
-        return triton.testing.do_bench_cudagraph(fn, rep=bench_ms[1], return_mode="median")
-    return triton.testing.do_bench(fn, warmup=bench_ms[0], rep=bench_ms[1], return_mode="median")
-
-
-def copy_bandwidth(bench_ms):
-    """Device copy bandwidth in GB/s: a 1 GiB device-to-device copy, bytes read + written."""
-    n = 2**28  # float32 elements = 1 GiB, far larger than any L2 cache
-    src = torch.empty(n, dtype=torch.float32, device=DEVICE).uniform_(-1.0, 1.0)
-    dst = torch.empty_like(src)
-    return 2 * n * 4 / (bench(lambda: dst.copy_(src), bench_ms) * 1e-3) / 1e9
 
 
 def make_calls(spec, provider, shape, seed):
@@ -128,17 +100,6 @@ def make_calls(spec, provider, shape, seed):
 # captured again (its other shapes say "skipped"); and if the repair fails, no capture is
 # attempted for the rest of the run.
 CAPTURE = {"failed": {}, "broken": None}  # failed: provider -> where; broken: why captures stopped
-
-
-def repair_capture_state():
-    """After a failed capture: the CUDA generator out of capture mode, checked with one random
-    op. Returns None, or why the repair failed."""
-    try:
-        cuda_graphs.recover_from_failed_capture(torch.cuda.current_stream())
-        torch.empty(8, device=DEVICE).uniform_()  # ordinary random work runs again
-        return None
-    except Exception as exc:  # noqa: BLE001 - reported, and captures stop
-        return f"{type(exc).__name__}: {exc}".strip()
 
 
 def measure_graph(spec, provider, shape, seed, rec, bench_ms):
@@ -400,7 +361,7 @@ def main(argv=None):
                         help="which kernels to benchmark (one or more, or all)")
     parser.add_argument("--quick", action="store_true", help="fewer shapes, shorter timing loops (CPU: tiny shapes)")
     parser.add_argument("--json", metavar="PATH", help="write every number and the environment here")
-    parser.add_argument("--plot", metavar="PATH.png", help="after measuring, draw tools/plot_benchmark.py's figure")
+    parser.add_argument("--plot", metavar="PATH.png", help="after measuring, draw kernel_ft/benchmark_plot.py's figure")
     parser.add_argument("--seed", type=flags.seed, default=0, help="0 .. 2**63 - 1")
     args = parser.parse_args(argv)
     CAPTURE.update(failed={}, broken=None)  # a fresh run tries every provider's capture again
@@ -441,7 +402,7 @@ def main(argv=None):
         print(f"Wrote {args.json}")
     if args.plot:
         # Imported here: matplotlib is needed only when a figure is asked for.
-        from tools.plot_benchmark import plot_results
+        from kernel_ft.benchmark_plot import plot_results
 
         plot_results(results, args.plot, metadata=PNG_METADATA)  # the mark: a later run may replace it
         print(f"Wrote {args.plot}")

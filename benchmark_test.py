@@ -1,5 +1,5 @@
 """
-Tests of benchmark_kernels.py, benchmark_specs.py and tools/plot_benchmark.py (CPU: Triton interpreter).
+Tests of benchmark_kernels.py, kernel_ft/benchmark_specs.py and kernel_ft/benchmark_plot.py (CPU: Triton interpreter).
 
 Usage:
     python -m pytest benchmark_test.py
@@ -28,11 +28,11 @@ import torch
 
 # benchmark_kernels imports the kernel modules first (the Triton interpreter switch).
 import benchmark_kernels as bk
-import benchmark_peers as bp
-import benchmark_specs as specs
+from kernel_ft import benchmark_peers as bp
+from kernel_ft import benchmark_specs as specs
 from kernel_ft import flags
 from rmsnorm_kernel import rmsnorm_reference
-from tools import plot_benchmark
+from kernel_ft import benchmark_plot as plot_benchmark
 
 ON_GPU = torch.cuda.is_available()
 RESULTS = Path(__file__).resolve().parent / "results"

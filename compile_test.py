@@ -35,9 +35,9 @@ from conftest import DEVICE, ON_GPU, need_gpu  # first: the Triton interpreter s
 
 from kernel_ft import dataloader, flags, models
 import projections_kernel as projections
-from kernel_ft import training
+from kernel_ft import run as run_setup
 from cross_entropy_kernel import cross_entropy
-from finetune_optimized import apply_kernels
+from kernel_ft.run import apply_kernels
 from linear_cross_entropy_kernel import fused_linear_cross_entropy
 from rmsnorm_kernel import rmsnorm
 from rope_kernel import rope
@@ -292,7 +292,7 @@ def test_compile_flag_trains_with_the_eager_losses(setting, capsys):
         flags.add_finetune_args(parser)
         args = parser.parse_args(["--tiny", "--steps", "2", "--warmup-steps", "0", *data, *extra])
         torch._dynamo.reset()
-        return training.run_finetune(args, "test", "finetune_optimized.py", apply_kernels)["losses"]
+        return run_setup.run_finetune(args, "test", "finetune_optimized.py", apply_kernels)["losses"]
 
     # --compile turns the projections' groups off (their sums round once, Inductor's after
     # each term): the eager run without them is the one to match.

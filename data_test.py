@@ -30,7 +30,7 @@ import torch
 from kernel_ft import dataloader
 import finetune_baseline
 import finetune_optimized
-from kernel_ft import flags, models, training
+from kernel_ft import flags, models, run, training
 
 IGNORE = dataloader.IGNORE_INDEX
 
@@ -72,7 +72,7 @@ def test_packed_row_equals_examples_one_by_one(path, capsys):
     model = tiny_model()
     loss_fn = training.hf_loss
     if path == "all kernels":
-        loss_fn, _ = finetune_optimized.apply_kernels(model, {name: True for name in flags.KERNELS})
+        loss_fn, _ = run.apply_kernels(model, {name: True for name in flags.KERNELS})
         assert "fused RoPE in 2 attention modules" in capsys.readouterr().out
     examples = toy_examples()
     packed = dataloader.StepBatches(examples, 1, 32, packing=True, seed=0, pad_id=0).collate([[0, 1, 2]])

@@ -25,7 +25,7 @@ import torch
 from conftest import DEVICE  # first: the Triton interpreter switch
 
 from kernel_ft import dataloader, flags, models, training
-from finetune_optimized import apply_kernels
+from kernel_ft.run import apply_kernels
 from tools.family_matrix import FAMILIES, family_config
 
 # The kernels each family must get (every other one may be refused, in one line).

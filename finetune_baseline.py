@@ -37,7 +37,7 @@ import functools
 
 import torch
 
-from kernel_ft import flags, models, training
+from kernel_ft import flags, models, run, training
 
 TITLE = "Fine-tuning: baseline (PyTorch / HF)"
 
@@ -56,7 +56,7 @@ def plain_hf(model, kernels, liger=False, torchao_fp8=None):
     if liger:
         return with_liger(model)
     if any(kernels.values()):
-        from finetune_optimized import apply_kernels  # imported only then: the plain run loads no kernel
+        from kernel_ft.run import apply_kernels  # imported only then: the plain run loads no kernel
 
         return apply_kernels(model, kernels)
     print("Kernels:       none (PyTorch / HF)")
@@ -136,7 +136,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    return training.run_finetune(args, TITLE, script="finetune_baseline.py",
+    return run.run_finetune(args, TITLE, script="finetune_baseline.py",
                                  switch_in=functools.partial(plain_hf, liger=args.liger,
                                                              torchao_fp8=args.torchao_fp8))
 

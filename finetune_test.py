@@ -291,6 +291,30 @@ def test_out_of_memory(monkeypatch, error, where):
     assert "\n" not in msg
 
 
+def test_out_of_memory_under_lora_counts_the_frozen_weights_apart(monkeypatch):
+    """LoRA's frozen base has no gradient and no AdamW state: the message says what the run holds."""
+    monkeypatch.setattr(training, "train_step", lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("OOM")))
+    with pytest.raises(SystemExit) as e:
+        finetune_baseline.main([*TINY, "--lora"])
+    msg = str(e.value.code)
+    assert "the frozen weights alone take 0.0 GiB, the trained ones with their gradients and AdamW state 0.0" in msg
+    assert "weights, gradients and AdamW state alone" not in msg
+
+
+def test_a_model_that_cannot_fit_in_host_memory_is_refused_before_loading(monkeypatch):
+    """On a CPU, the 8B architecture (random init, no download) needs more than this machine
+    has: refused with the estimate before a parameter is allocated."""
+    if torch.cuda.is_available():
+        pytest.skip("the host-memory check is for CPU runs")
+    monkeypatch.setattr(models, "available_ram", lambda: 8 * 2**30)  # an 8 GiB laptop
+    monkeypatch.setattr(models, "build_random", lambda *a: pytest.fail("the model was built"))
+    with pytest.raises(SystemExit) as e:
+        finetune_baseline.main(["--no-tiny", "--random-init", "--dataset", "synthetic", "--seq-len", "64"])
+    msg = str(e.value.code)
+    assert re.match(r"error: this run needs at least 1\d\d\.\d GiB of host memory \(weights 29\.9 GiB, gradients "
+                    r"and AdamW state 89\.\d GiB, .*\) and 8\.0 GiB is available on this CPU; use --tiny", msg), msg
+
+
 def test_other_runtime_errors_are_not_called_out_of_memory(monkeypatch):
     def bug(*args, **kwargs):
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")

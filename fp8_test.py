@@ -447,7 +447,7 @@ def test_fine_tune_switches_fp8_in_with_every_kernel(monkeypatch, capsys):
     from kernel_ft import dataloader
     from kernel_ft import flags
     from kernel_ft import training
-    from finetune_optimized import apply_kernels
+    from kernel_ft.run import apply_kernels
 
     monkeypatch.setattr("kernel_ft.patching.replace_linears",
                         lambda model, recipe: replace_linears(model, recipe, emulate=True))
@@ -473,7 +473,7 @@ def test_fine_tune_fp8_under_lora_in_bf16(monkeypatch, capsys):
     from kernel_ft import dataloader
     import finetune_optimized
     from kernel_ft import flags
-    from kernel_ft import models
+    from kernel_ft import models, run
     from tools.family_matrix import family_config
 
     monkeypatch.setattr("kernel_ft.patching.replace_linears",
@@ -482,7 +482,7 @@ def test_fine_tune_fp8_under_lora_in_bf16(monkeypatch, capsys):
     model = models.build_random(family_config("llama", {}), torch.device(DEVICE), torch.bfloat16)
     model = models.apply_lora(model, finetune_optimized.parse_args(["--tiny", "--lora", "--lora-r", "4"]))
     kernels = {**dict.fromkeys(flags.KERNELS, False), "fp8": "tensorwise"}
-    loss_fn, _ = finetune_optimized.apply_kernels(model, kernels)
+    loss_fn, _ = run.apply_kernels(model, kernels)
     assert "adapters kept in float32, their products in bfloat16" in capsys.readouterr().out
     batch = dataloader.lm_batch(torch.randint(3, 128, (2, 32), generator=torch.Generator().manual_seed(1)).to(DEVICE))
     loss_fn(model, batch).backward()

@@ -67,14 +67,13 @@ import time
 from collections import defaultdict
 
 from kernel_ft import flags  # first: flags switches on the Triton interpreter before triton loads
-from kernel_ft import dataloader, fsdp, models, training
+from kernel_ft import dataloader, fsdp, models, run, training
 import profile_timeline
 
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
 
-from finetune_optimized import apply_kernels  # the same kernel switch as the fine-tune script
 
 CATEGORIES = [
     # (category, lower-case substrings of operator / kernel / autograd-node names)
@@ -558,53 +557,52 @@ def main(argv=None):
     # Checked now, in one line, not after the model is built and profiled.
     args.trace_dir = flags.check_output_path(args.trace_dir, "--trace-dir", directory=True,
                                              inputs=flags.input_paths(args))
-    models.check_lora_flags(args)
-    flags.check_fp8_flags(args)  # before --fsdp's check of its environment, as the fine-tune scripts do
-    fsdp.check_fsdp_flags(args)
+    check_flags(args)
     # --fsdp: every process trains (the collectives need them all); rank 0 alone
     # profiles its GPU, prints and writes (init_distributed silences the others).
     world = fsdp.init_distributed(args)
     name = profile_name(args)
     out_dir = os.path.join(args.trace_dir, name)
-    on_gpu = torch.cuda.is_available()
-    time_kind = "self device time" if on_gpu else "self CPU time"
-
     env = flags.environment_info()
     flags.print_banner(f"Profile: {name}", env)
     flags.resolve_defaults(args)
     if not world or world.rank == 0:
         check_replaceable(out_dir, args)  # before the model: a refusal costs a second
-    records = dataloader.load_records(args.dataset)  # a bad --dataset fails now, before the model is built
-    model, model_info = models.load_model(args)
-    data = dataloader.prepare_data(args, records, model.config.vocab_size)
-    models.avoid_per_shape_attention_plans(args, data)
-    args._mask_window = models.dense_mask_window(args, data, model.config)  # private: not in the JSON config
-    if args.lora:
-        model = models.apply_lora(model, args)
-    warmup = warmup_steps(args)
-    print(f"Batch:         {args.batch_size} x {args.seq_len} tokens; {warmup} warm-up steps, {args.steps} timed "
-          f"without the profiler, {args.steps} profiled")
-    loss_fn, make_optimizer = apply_kernels(model, flags.kernels_from_args(args))
-    label_model(model)
-    if world:  # as the fine-tune scripts do it: after the kernels, before compiling
-        fsdp.shard_model(model, args)
-    models.compile_decoder(model, args)
-    graphs = training.use_cuda_graphs(args, model, data)
-    optimizer = make_optimizer(models.trainable_parameters(model), lr=args.lr,
-                               **({"capturable": True} if graphs else {}))
+
+    # The run as the fine-tune scripts set it up (run.py), the modules labelled for the trace.
+    model, model_info, data = run.load(args)
+    print(f"Batch:         {args.batch_size} x {args.seq_len} tokens; {warmup_steps(args)} warm-up steps, "
+          f"{args.steps} timed without the profiler, {args.steps} profiled")
+    _, loss_fn, optimizer, graphs = run.assemble(args, model, data, run.apply_kernels, world, after_kernels=label_model)
     step = training.step_function(args, model, optimizer, loss_fn, None, graphs)
     device = world.device if world else next(model.parameters()).device
     # The fine-tune scripts' data path: DataLoader workers, pinned memory, non-blocking copies.
     batches = dataloader.training_batches(args, data, device, model.config.vocab_size)
 
-    # The new profile is written beside the old one and swapped in when complete
-    # (a fresh folder also matters for TensorBoard, which would read an older
-    # file in it as part of this profile).
     if world and world.rank != 0:
         profile_steps(args, model, step, batches, None, name)  # the same steps, not profiled
         fsdp.reduce_over_ranks([training.peak_memory()[0]], op="max")
         fsdp.close_distributed()
         return None
+    summary = profile_and_write(args, name, out_dir, env, model, model_info, step, batches, world)
+    print_after(args, name, out_dir, summary)
+    fsdp.close_distributed()
+    return summary
+
+
+def check_flags(args):
+    """The flags' checks that need no model, in the fine-tune scripts' order."""
+    models.check_lora_flags(args)
+    flags.check_fp8_flags(args)  # before --fsdp's check of its environment, as the fine-tune scripts do
+    fsdp.check_fsdp_flags(args)
+
+
+def profile_and_write(args, name, out_dir, env, model, model_info, step, batches, world):
+    """Profile the steps and write the summary. The new profile is written beside the
+    old one and swapped in when complete (a fresh folder also matters for TensorBoard,
+    which would read an older file in it as part of this profile)."""
+    on_gpu = torch.cuda.is_available()
+    time_kind = "self device time" if on_gpu else "self CPU time"
     os.makedirs(args.trace_dir, exist_ok=True)
     work_dir = tempfile.mkdtemp(dir=args.trace_dir, prefix=f".{name}.new-")
     try:
@@ -634,8 +632,6 @@ def main(argv=None):
                 peak=profile_timeline.matmul_peak_flops(dtype))
             profile_timeline.print_timeline(timeline)
 
-        chrome_path = os.path.join(out_dir, "trace.json")  # where they will be once swapped in
-        tb_dir = os.path.join(out_dir, "tensorboard")
         summary = {
             "name": name,
             "time_kind": time_kind,
@@ -661,14 +657,18 @@ def main(argv=None):
             "config": flags.public_config(args),
             "environment": env,
             "model": model_info,
-            "traces": {"chrome": chrome_path, "tensorboard": tb_dir},
+            # Where they will be once swapped in.
+            "traces": {"chrome": os.path.join(out_dir, "trace.json"), "tensorboard": os.path.join(out_dir, "tensorboard")},
         }
         flags.write_json_atomic(os.path.join(work_dir, "summary.json"), summary)
         swap_in(work_dir, out_dir)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)  # gone already when swapped in
-    summary_path = os.path.join(out_dir, "summary.json")
+    return summary
 
+
+def print_after(args, name, out_dir, summary):
+    """The before/after table against the baseline profile, and where the files are."""
     baseline_path = os.path.join(args.trace_dir, BASELINE, "summary.json")
     baseline = read_baseline(baseline_path) if name != BASELINE else None
     if baseline is not None:
@@ -676,12 +676,9 @@ def main(argv=None):
     elif name != BASELINE:
         print(f"\n(No {baseline_path} yet: run without --use-custom-* flags first to get a before/after table.)")
 
-    print(f"\nChrome/Perfetto trace: {chrome_path}  (open in https://ui.perfetto.dev)")
-    print(f"TensorBoard trace:     {tb_dir}/")
-    print(f"Summary:               {summary_path}")
-    fsdp.close_distributed()
-    return summary
-
+    print(f"\nChrome/Perfetto trace: {summary['traces']['chrome']}  (open in https://ui.perfetto.dev)")
+    print(f"TensorBoard trace:     {summary['traces']['tensorboard']}/")
+    print(f"Summary:               {os.path.join(out_dir, 'summary.json')}")
 
 if __name__ == "__main__":
     main()

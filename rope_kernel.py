@@ -619,7 +619,7 @@ def rope(q, k, cos, sin, unsqueeze_dim=1):
 
 
 # HF's name and signature, so the function can replace the one in a model's
-# python module (see patched_rope in rope_patching.py).
+# python module (see patched_rope below).
 apply_rotary_pos_emb = rope
 
 

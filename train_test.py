@@ -643,10 +643,42 @@ def test_resume_from_the_run_folder_takes_the_latest_complete_checkpoint(tmp_pat
     out = capsys.readouterr().out
     assert (f"--resume {tmp_path / 'run'}: taking its latest complete checkpoint, "
             f"{tmp_path / 'run' / 'checkpoint-2'} (checkpoint-3 skipped: optimizer.pt is damaged") in out
-    assert "already holds checkpoint-3, which a run resumed from step 2 would overwrite" in str(e.value.code)
+    msg = str(e.value.code)  # the damaged one is named as such; the advice names a complete checkpoint only
+    assert "already holds checkpoint-3 (not complete: optimizer.pt is damaged" in msg
+    assert "which a run resumed from step 2 would overwrite; move it away" in msg and "--resume" not in msg
     shutil.rmtree(tmp_path / "run" / "checkpoint-3")
     resumed = finetune_baseline.main(argv + ["--resume", str(tmp_path / "run")])
     close(resumed["losses"], whole["losses"][2:])
+
+
+def test_a_folder_the_run_did_not_write_is_never_deleted(tmp_path, monkeypatch):
+    """A checkpoint-K.tmp of someone else's in --output-dir: refused before training, kept.
+    One that an interrupted save of ours left (marked) is replaced by the next save."""
+    no_training(monkeypatch)
+    theirs = tmp_path / "run" / "checkpoint-2.tmp"
+    theirs.mkdir(parents=True)
+    (theirs / "notes.txt").write_text("mine")
+    msg = one_line_error(finetune_baseline.main, SMALL + steps(2) + ["--output-dir", str(tmp_path / "run")])
+    assert f"{theirs} was not written by this project's checkpoint save" in msg
+    assert (theirs / "notes.txt").read_text() == "mine"
+    (theirs / "notes.txt").unlink()
+    (theirs / checkpoints.WRITING_MARK).write_text("")  # as an interrupted save of ours leaves it
+    checkpoints.fresh_tmp(str(theirs))
+    assert sorted(p.name for p in theirs.iterdir()) == [checkpoints.WRITING_MARK]
+
+
+@pytest.mark.parametrize("files, problem", [
+    (["model.safetensors"], "no list of files"),
+    ({"model.safetensors": {"bytes": "12", "crc32": "0badf00d"}}, "the entry of 'model.safetensors' has no byte count"),
+    ({"../../../etc/hostname": {"bytes": 1, "crc32": "0badf00d"}}, "'../../../etc/hostname' is not a file of the"),
+])
+def test_a_forged_manifest_ends_in_one_line(hf_checkpoint, tmp_path, monkeypatch, files, problem):
+    no_training(monkeypatch)
+    ckpt = tmp_path / "checkpoint-1"
+    shutil.copytree(hf_checkpoint / "checkpoint-1", ckpt)
+    (ckpt / checkpoints.MANIFEST).write_text(json.dumps({"files": files}))
+    msg = one_line_error(finetune_baseline.main, SMALL + steps(2) + ["--resume", str(ckpt)])
+    assert msg.startswith(f"error: --resume {ckpt}: {checkpoints.MANIFEST} is not one this code wrote ({problem}"), msg
 
 
 def test_output_dir_is_never_overwritten(hf_checkpoint, monkeypatch):

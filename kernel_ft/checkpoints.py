@@ -25,6 +25,7 @@ import glob
 import json
 import os
 import random
+import re
 import shutil
 import warnings
 import zlib
@@ -88,12 +89,23 @@ def check_no_later_checkpoints(output_dir, start_step):
         if suffix.isdigit() and not os.path.isdir(path):
             raise SystemExit(f"error: --output-dir {output_dir}: {path} is not a checkpoint folder, and a run would "
                              f"need that name; move it away or choose another --output-dir")
+    for tmp in glob.glob(os.path.join(output_dir, CHECKPOINT_PREFIX + "*.tmp")):
+        if not os.path.isfile(os.path.join(tmp, WRITING_MARK)):  # a save of this run would need that name
+            raise SystemExit(f"error: --output-dir {output_dir}: {tmp} was not written by this project's checkpoint "
+                             f"save, and a save would need that name; move it away or choose another --output-dir")
     later = sorted(k for k in existing_checkpoints(output_dir) if k > start_step)
     if later:
         how = f"resumed from step {start_step}" if start_step else "starting from step 0"
-        raise SystemExit(f"error: --output-dir {output_dir} already holds {CHECKPOINT_PREFIX}{later[0]}, which a "
-                         f"run {how} would overwrite; continue it with --resume "
-                         f"{checkpoint_path(output_dir, later[-1])}, or choose another --output-dir")
+        # The advice names a checkpoint that can be resumed: the latest complete one.
+        complete = [k for k in later if damage(checkpoint_path(output_dir, k)) is None]
+        first = f"{CHECKPOINT_PREFIX}{later[0]}"
+        problem = damage(checkpoint_path(output_dir, later[0]))
+        if problem:
+            first += f" (not complete: {problem})"
+        advice = (f"continue it with --resume {checkpoint_path(output_dir, complete[-1])}, or choose another "
+                  f"--output-dir" if complete else "move it away or choose another --output-dir")
+        raise SystemExit(f"error: --output-dir {output_dir} already holds {first}, which a run {how} would "
+                         f"overwrite; {advice}")
 
 
 def run_flags(args):
@@ -139,6 +151,25 @@ def set_rng_states(states):
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
+# The first file of every checkpoint-K.tmp a run makes: a later run removes such a folder
+# (left by a save that was interrupted) only when it holds this mark, never a folder of
+# the same name that someone else put there.
+WRITING_MARK = ".written_by_kernel_ft"
+
+
+def fresh_tmp(tmp):
+    """Make the folder ``tmp`` a save writes into, marked as this project's. A leftover
+    of an interrupted save (marked) is removed; anything else there ends the run in one line."""
+    if os.path.lexists(tmp):
+        if not os.path.isdir(tmp) or os.path.islink(tmp) or not os.path.isfile(os.path.join(tmp, WRITING_MARK)):
+            raise SystemExit(f"error: --output-dir: {tmp} exists and was not written by this project's checkpoint "
+                             f"save; move it away (nothing was deleted)")
+        shutil.rmtree(tmp)  # left by a save of ours that was interrupted
+    os.makedirs(tmp)
+    with open(os.path.join(tmp, WRITING_MARK), "w") as f:
+        f.write("a checkpoint being written; removed by the next save if the save stopped half-way\n")
+
+
 def save_checkpoint(args, model, optimizer, scheduler, step, history, rng):
     """Write DIR/checkpoint-``step`` (layout above); return its path."""
     path = checkpoint_path(args.output_dir, step)
@@ -146,8 +177,7 @@ def save_checkpoint(args, model, optimizer, scheduler, step, history, rng):
     rank, ranks = fsdp.rank_and_size()
     sharded = getattr(args, "fsdp", False)
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was interrupted
-        os.makedirs(tmp)
+        fresh_tmp(tmp)
     fsdp.barrier()  # --fsdp: every process writes into the folder rank 0 made
     if sharded:
         save_sharded(tmp, model, optimizer)
@@ -173,6 +203,7 @@ def save_checkpoint(args, model, optimizer, scheduler, step, history, rng):
         "world_size": ranks,  # --fsdp: the shards fit this many processes only
         "sharded": sharded,
     })
+    os.remove(os.path.join(tmp, WRITING_MARK))  # a finished checkpoint holds its own files only
     write_manifest(tmp)  # last: a checkpoint whose manifest matches its files is whole
     os.rename(tmp, path)
     fsdp.barrier()
@@ -296,6 +327,9 @@ def damage(folder):
         return f"no {MANIFEST}: its save never completed"
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{MANIFEST} is unreadable ({flags.one_line(e)})"
+    forged = manifest_problem(folder, files)
+    if forged:
+        return f"{MANIFEST} is not one this code wrote ({forged})"
     for relative, written in files.items():
         file = os.path.join(folder, relative)
         if not os.path.isfile(file):
@@ -305,6 +339,22 @@ def damage(folder):
             return f"{relative} is damaged ({size:,} bytes, {written['bytes']:,} were written)"
         if crc32_of(file) != written["crc32"]:
             return f"{relative} is damaged (its bytes differ from those written: CRC-32 mismatch)"
+    return None
+
+
+def manifest_problem(folder, files):
+    """What makes a manifest's file list one this code did not write (None if nothing):
+    not a {name: {"bytes": int, "crc32": 8 hex digits}} mapping, or a name outside ``folder``."""
+    if not isinstance(files, dict) or not files:
+        return "no list of files"
+    root = os.path.realpath(folder)
+    for relative, written in files.items():
+        crc = written.get("crc32") if isinstance(written, dict) else None
+        if not isinstance(written.get("bytes") if crc else None, int) or not re.fullmatch(r"[0-9a-f]{8}", str(crc)):
+            return f"the entry of {relative!r} has no byte count and CRC-32"
+        inside = os.path.realpath(os.path.join(folder, relative))
+        if os.path.isabs(relative) or os.path.commonpath([root, inside]) != root:
+            return f"{relative!r} is not a file of the checkpoint folder"
     return None
 
 

@@ -398,6 +398,40 @@ def build_random(config, device, dtype):
         return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention_for(config))
 
 
+def available_ram():
+    """Bytes of host memory available to a new allocation (Linux: MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_fits_in_ram(config, dtype, args):
+    """On a CPU, refuse a run whose model and batch cannot fit in the host's memory, with
+    the estimate, before anything is built: otherwise the OS kills the process without a
+    word. A lower bound only: the weights, and for full fine-tuning their gradients and
+    AdamW's two moments, plus the float32 logits HF's loss keeps with their gradient."""
+    available = available_ram()
+    if available is None:
+        return
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    weights = n_params * dtype.itemsize
+    state = 0 if getattr(args, "lora", False) else 3 * weights  # gradients, exp_avg, exp_avg_sq
+    logits = 2 * 4 * args.batch_size * args.seq_len * config.vocab_size
+    need = weights + state + logits
+    if need > available:
+        gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731 - a local format
+        raise SystemExit(f"error: this run needs at least {gib(need)} of host memory (weights {gib(weights)}, "
+                         f"gradients and AdamW state {gib(state)}, logits of {args.batch_size} x {args.seq_len} "
+                         f"tokens {gib(logits)}) and {gib(available)} is available on this CPU; use --tiny, a "
+                         f"smaller --model, --lora, or a smaller --batch-size / --seq-len")
+
+
 def enable_checkpointing(model):
     """HF's per-layer activation checkpointing, non-reentrant (transformers renamed the
     method in 5.2x: activation_checkpointing_enable; older releases only have the old name)."""
@@ -494,6 +528,8 @@ def load_model(args):
             config = config_for(args.model)
         else:
             name, source = args.model, "pretrained weights"
+            if device.type == "cpu" and bundled_config(args.model):  # a known architecture: checked before loading
+                check_fits_in_ram(bundled_config(args.model)(), dtype, args)
             quantized = getattr(args, "lora_4bit", False)
             extra = {"quantization_config": qlora_quantization_config()} if quantized else {}
             model, reason = try_pretrained(args.model, device, dtype, **extra)
@@ -511,6 +547,8 @@ def load_model(args):
         if model is None:
             check_causal_lm(config, args.model)
             check_seq_len(args.seq_len, config)  # before spending a minute building 8B parameters
+            if device.type == "cpu":
+                check_fits_in_ram(config, dtype, args)
             # --fsdp: no process could hold the whole large model, so it is built on the
             # meta device (shapes only) and each process initializes its own shards once
             # it is sharded (shard_model). The tiny model is built whole, with the weights

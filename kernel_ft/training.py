@@ -22,9 +22,8 @@ it teaches, as a reader of nanoGPT's train.py would expect to find it in one sit
   A NaN or infinite loss or gradient norm stops the run at that step with an error
   (the last good checkpoint stays), or with --skip-nonfinite-steps that step
   updates nothing and the run goes on.
-* ``run_finetune``: the whole fine-tuning run the two scripts share. The baseline
-  hands it HF's loss (``hf_loss``) and ``torch.optim.AdamW``; finetune_optimized.py
-  hands it the fused kernels' loss and optimizer. Everything else is the same code.
+* The baseline's loss (``hf_loss``) and optimizer (``pytorch_adamw``); run.py sets a
+  run up around this loop (run.run_finetune), with the kernels or without.
 
 Nothing runs on import.
 """
@@ -43,7 +42,7 @@ import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GP
 
 import torch
 
-from kernel_ft import flags, models, fsdp, dataloader, checkpoints, cuda_graphs, reporting
+from kernel_ft import flags, fsdp, dataloader, checkpoints, cuda_graphs, reporting
 
 
 # --------------------------------------------------------------------------------
@@ -379,15 +378,24 @@ def exit_on_oom(args, what, model):
             raise
         where = "GPU" if isinstance(e, torch.OutOfMemoryError) else "CPU"
         name = "the tiny LLaMA" if args.tiny else args.model
-        # Weights, gradients and AdamW's two moments: 4 tensors the size of the model,
-        # before a single activation is stored.
-        state_gib = sum(4 * p.numel() * p.element_size() for p in model.parameters()) / 2**30
         hint = "" if getattr(args, "use_custom_flce", False) else ", or add --use-custom-flce (no logits at all)"
         raise SystemExit(
             f"error: out of {where} memory while {what} {name} with batch {args.batch_size} x seq "
-            f"{args.seq_len} ({args.batch_size * args.seq_len:,} tokens per step; weights, gradients "
-            f"and AdamW state alone take {state_gib:.1f} GiB); reduce --batch-size or --seq-len{hint}"
+            f"{args.seq_len} ({args.batch_size * args.seq_len:,} tokens per step; {held_state(model)}); "
+            f"reduce --batch-size or --seq-len{hint}"
         ) from None
+
+
+def held_state(model):
+    """What the run holds before a single activation is stored, in words: the weights,
+    and for each trained one its gradient and AdamW's two moments (its dtype each).
+    A LoRA run's frozen base has neither gradients nor AdamW state."""
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad) / 2**30
+    trained = sum(4 * p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) / 2**30
+    if not frozen:
+        return f"weights, gradients and AdamW state alone take {trained:.1f} GiB"
+    return (f"the frozen weights alone take {frozen:.1f} GiB, the trained ones with their gradients and AdamW "
+            f"state {trained:.2f} GiB")
 
 
 def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, resumed=None, graphs=False):
@@ -444,14 +452,7 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
                 loss, grad_norm = step(micro_batches)
                 sync()
                 seconds = time.perf_counter() - begin
-                # Every micro-batch of the step, of every process (--fsdp: the global batch),
-                # and whether a process was asked to stop: all stop after the same step.
-                tokens, real_tokens, stop_votes = fsdp.reduce_over_ranks(
-                    [sum(b["num_tokens"] for b in micro_batches), sum(b["num_real_tokens"] for b in micro_batches),
-                     int(stop.signum is not None)])
-                record = {"step": i + 1, "loss": loss.item(), "time_s": seconds, "warmup": warmup, "lr": lr,
-                          "grad_norm": None if grad_norm is None else grad_norm.item(),
-                          "tokens": int(tokens), "real_tokens": int(real_tokens)}
+                record, stop_votes = step_record(i + 1, micro_batches, loss, grad_norm, seconds, warmup, lr, stop)
                 finite = step_is_finite(record["loss"], record["grad_norm"])
                 if not finite and skip_nonfinite:
                     record["skipped"] = True  # nothing was updated (train_step)
@@ -469,15 +470,10 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
                     say(fsdp.keep_gathered_line(decision))
                     keep_gathered = {**decision, "after_step": i + 1}
                 if args.eval_every and (i + 1) % args.eval_every == 0:
-                    eval_loss = evaluate(model, loss_fn, heldout)
-                    evals.append({"step": i + 1, "loss": eval_loss})
-                    history["eval"].append([i + 1, eval_loss])
-                    say(f"eval {i + 1:>4}/{total}  held-out loss {eval_loss:.4f} ({len(heldout)} batches)")
+                    evals.append(evaluate_now(model, loss_fn, heldout, i + 1, total, history, say))
                 rng = checkpoints.rng_states()
                 if args.output_dir and args.save_every and (i + 1) % args.save_every == 0:
-                    stop.protected = True  # a second signal waits: the checkpoint is written whole
-                    saved.append(checkpoints.save_checkpoint(args, model, optimizer, scheduler, i + 1, history, rng))
-                    stop.protected = False
+                    saved.append(save_whole(args, model, optimizer, scheduler, i + 1, history, rng, stop))
                     say(f"Saved         {saved[-1]}")
                 interrupt_if_held()  # a signal during the update: this step is complete and recorded
                 if stop_votes:
@@ -502,7 +498,44 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
         if fsdp.is_main_process():
             curve = reporting.plot_loss_curve(os.path.join(args.output_dir, flags.LOSS_CURVE), history)
             print(f"Loss curve:   {curve}", flush=True)
+    stop_reason = ("non-finite loss or gradient" if diverged else
+                   signal.Signals(stop.signum).name if stop.signum else "SIGINT" if partial else None)
+    return training_results(args, steps, evals, saved, start, total, partial or diverged is not None, stop_reason,
+                            diverged, keep_gathered)
 
+
+def save_whole(args, model, optimizer, scheduler, step, history, rng, stop):
+    """--save-every: the checkpoint of ``step``; a second signal waits until it is written whole."""
+    stop.protected = True
+    path = checkpoints.save_checkpoint(args, model, optimizer, scheduler, step, history, rng)
+    stop.protected = False
+    return path
+
+
+def step_record(step, micro_batches, loss, grad_norm, seconds, warmup, lr, stop):
+    """One step's record for the report, and whether any process was asked to stop.
+    Its tokens count every micro-batch of every process (--fsdp: the global batch); the
+    stop votes are summed too, so that all processes stop after the same step."""
+    tokens, real_tokens, stop_votes = fsdp.reduce_over_ranks(
+        [sum(b["num_tokens"] for b in micro_batches), sum(b["num_real_tokens"] for b in micro_batches),
+         int(stop.signum is not None)])
+    record = {"step": step, "loss": loss.item(), "time_s": seconds, "warmup": warmup, "lr": lr,
+              "grad_norm": None if grad_norm is None else grad_norm.item(),
+              "tokens": int(tokens), "real_tokens": int(real_tokens)}
+    return record, stop_votes
+
+
+def evaluate_now(model, loss_fn, heldout, step, total, history, say):
+    """--eval-every: the held-out loss after ``step``, recorded in ``history`` and said."""
+    eval_loss = evaluate(model, loss_fn, heldout)
+    history["eval"].append([step, eval_loss])
+    say(f"eval {step:>4}/{total}  held-out loss {eval_loss:.4f} ({len(heldout)} batches)")
+    return {"step": step, "loss": eval_loss}
+
+
+def training_results(args, steps, evals, saved, start, total, partial, stop_reason, diverged, keep_gathered):
+    """The loop's results (see run_training): every step's record, throughput over the
+    timed steps, the peak memory (the largest of the processes' under --fsdp)."""
     timed = [s for s in steps if not s["warmup"]]
     timed_s = sum(s["time_s"] for s in timed)
     slots = sum(s["tokens"] for s in steps)
@@ -514,10 +547,9 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
     tokens_per_sec = sum(s["tokens"] for s in timed) / timed_s if timed else None
     return {
         "world_size": ranks,
-        "partial": partial or diverged is not None,
+        "partial": partial,
         # Why the run ended before its last step: "SIGINT", "SIGTERM", "non-finite loss or gradient" or None.
-        "stop_reason": ("non-finite loss or gradient" if diverged else
-                        signal.Signals(stop.signum).name if stop.signum else "SIGINT" if partial else None),
+        "stop_reason": stop_reason,
         "diverged_at_step": diverged,
         "skipped_steps": [s["step"] for s in steps if s.get("skipped")],
         "planned_steps": total,
@@ -542,106 +574,6 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
         "fsdp_keep_gathered_auto": keep_gathered,
         "final_loss": steps[-1]["loss"] if steps else None,
     }
-
-
-def run_finetune(args, title, script, switch_in):
-    """Everything a fine-tune script does after parsing its flags.
-
-    ``switch_in(model, kernels)`` is the script's own choice of what to train with:
-    it returns ``(loss_fn, make_optimizer)``, a loss ``loss_fn(model, batch)``
-    (a batch dict, see "Data") and an optimizer factory ``make_optimizer(params,
-    lr)``, and prints what it chose. With --lora the model it gets is already
-    wrapped by PEFT, and the optimizer is given the adapters' parameters only.
-    SIGINT (Ctrl-C) or SIGTERM writes the completed steps (marked partial) and exits
-    130 or 143; a diverged run (NaN or infinite loss) writes them and stops with an error.
-    """
-    # Every check that needs no model comes first: a mistake costs a second, not a load.
-    if args.json:
-        args.json = flags.check_output_path(args.json, "--json", inputs=flags.input_paths(args), suffix=".json")
-    models.check_lora_flags(args)
-    for flag in ("--fp8", "--torchao-fp8"):  # flags that cannot go together, before --fsdp's check of its environment
-        flags.check_fp8_flags(args, flag)
-    flags.check_optimizer_in_backward(args)
-    fsdp.check_fsdp_flags(args)
-    resumed = checkpoints.read_checkpoint_state(args.resume) if args.resume else None
-    if resumed:
-        args.resume = resumed["path"]  # the checkpoint folder, also when --resume named the run's folder
-    flags.check_output_flags(args)
-    world = fsdp.init_distributed(args)  # --fsdp: rank 0 prints from here on
-    env = flags.environment_info()
-    flags.print_banner(title, env)
-    flags.resolve_defaults(args)
-    if resumed:
-        checkpoints.check_same_run(args, resumed)
-    if args.output_dir:
-        checkpoints.check_no_later_checkpoints(args.output_dir, resumed["step"] if resumed else 0)
-    records = dataloader.load_records(args.dataset)  # a bad --dataset fails now, before the model is built
-
-    model, model_info = models.load_model(args)
-    data = dataloader.prepare_data(args, records, model.config.vocab_size)
-    models.avoid_per_shape_attention_plans(args, data)
-    args._mask_window = models.dense_mask_window(args, data, model.config)  # private: not in the JSON config
-    if args.eval_every and data is not None and not data.held_out:
-        raise SystemExit(f"error: --eval-every: {data.name} leaves no held-out example to evaluate on (its "
-                         f"held-out split is {dataloader.EVAL_FRACTION:.0%} of the records); use a larger dataset "
-                         f"or leave --eval-every out")
-    if args.lora:
-        model = models.apply_lora(model, args)
-    if resumed:
-        checkpoints.check_same_model(resumed, model)
-    params = models.trainable_parameters(model)
-    model_info["trainable_parameters"] = sum(p.numel() for p in params)
-    accum = f" x {args.grad_accum} micro-batches per step" if args.grad_accum > 1 else ""
-    per = f" per process, {world.size} processes" if world else ""
-    print(f"Batch:         {args.batch_size} x {args.seq_len} tokens{per}{accum}, lr {args.lr:g}, seed {args.seed}")
-    kernels = flags.kernels_from_args(args)
-    loss_fn, make_optimizer = switch_in(model, kernels)
-    if world:  # after the kernels: the swapped modules are what is sharded
-        fsdp.shard_model(model, args)
-    models.compile_decoder(model, args)  # after the kernels (and LoRA): they are what the graphs hold
-    graphs = use_cuda_graphs(args, model, data)
-    # Taken again: fully_shard replaced every parameter with a sharded one (DTensor).
-    optimizer = make_optimizer(models.trainable_parameters(model), lr=args.lr,
-                               **({"capturable": True} if graphs else {}))
-    scheduler = make_scheduler(optimizer, args)
-    print_schedule(args)
-    if resumed:
-        checkpoints.load_checkpoint(args.resume, model, optimizer, scheduler)
-        if graphs:
-            keep_capturable(optimizer)
-        print(f"Resumed:       {args.resume}: step {resumed['step']} of {args.warmup_steps + args.steps} done")
-    if getattr(args, "optimizer_in_backward", False):  # after the resume: the hooks update the loaded state
-        optimizer.update_in_backward()
-        print("Optimizer:     each weight updated inside backward as soon as its gradient is ready, the gradient "
-              "freed at once (--optimizer-in-backward)")
-    with stop_on_signals():  # SIGINT, SIGTERM: finish the step, save, write, exit 128 + signal
-        results = run_training(args, model, loss_fn, optimizer, data, scheduler, resumed, graphs)
-        results["kernels"] = kernels
-        write = args.json and fsdp.is_main_process()  # --fsdp: rank 0 writes the one report
-        if write:
-            reporting.write_json(args.json, script, args, env, model_info, results)
-    where = f"wrote them to {args.json} (marked partial)" if write else "not written (no --json)"
-    done = f"{len(results['steps'])} of {results['planned_steps'] - results['start_step']} steps completed"
-    if results["diverged_at_step"]:
-        step = results["steps"][-1]
-        kept = (f"the last checkpoint, {results['checkpoints'][-1]}, stays" if results["checkpoints"]
-                else "no checkpoint was saved")
-        norm = "not computed" if step["grad_norm"] is None else f"{step['grad_norm']:.4g}"
-        raise SystemExit(f"error: step {step['step']}: loss {step['loss']:.4g}, gradient norm {norm}: "
-                         f"training diverged and stopped ({done}, {where}; {kept}); lower --lr, or pass "
-                         f"--skip-nonfinite-steps to skip such steps")
-    if results["partial"]:
-        print(f"\nInterrupted ({results['stop_reason']}): {done}, {where}", flush=True)
-        # 128 + the signal's number, what a shell reports for a process the signal ended.
-        raise SystemExit(128 + signal.Signals[results["stop_reason"]].value)
-    reporting.print_results(f"{title}: results", results)
-    if write:
-        print(f"Wrote {args.json}")
-    if results["skipped_steps"]:
-        flags.note(f"{len(results['skipped_steps'])} steps had a non-finite loss or gradient and were skipped: "
-                   f"{results['skipped_steps'][:10]}")
-    fsdp.close_distributed()
-    return results
 
 
 # --------------------------------------------------------------------------------

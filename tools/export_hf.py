@@ -27,15 +27,11 @@ Usage:
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the scripts live one level up
-
-from kernel_ft import flags  # noqa: E402 - first: the Triton interpreter switch, then transformers
-from kernel_ft import checkpoints  # noqa: E402
-from kernel_ft import models  # noqa: E402
-import torch  # noqa: E402
-from transformers import AutoConfig  # noqa: E402
+from kernel_ft import flags  # first: the Triton interpreter switch, then transformers
+from kernel_ft import checkpoints, models
+import torch
+from transformers import AutoConfig
 
 CHECKPOINT = "CHECKPOINT_DIR"
 OUT = "OUT_DIR"

@@ -21,15 +21,12 @@ import contextlib
 import copy
 import io
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the scripts live one level up
-
-from kernel_ft import flags  # noqa: E402 - first: the Triton interpreter switch, then transformers
-from kernel_ft import models  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from finetune_optimized import apply_kernels  # noqa: E402
+from kernel_ft import flags  # first: the Triton interpreter switch, then transformers
+from kernel_ft import models
+import torch
+import transformers
+from kernel_ft.run import apply_kernels
 
 # The swaps' checks run the kernels: on the GPU there is one, else through the interpreter.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -21,6 +21,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
 fi
+# The checkout's package and kernel lessons for tools/*.py, as `pip install -e .` would give them.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
   git rev-parse --short HEAD 2>/dev/null; date -u +%F; } | tee "$OUTDIR/env.txt"

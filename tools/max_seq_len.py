@@ -5,8 +5,8 @@ Loads the model once (same flags as the fine-tune scripts), then tries full
 training steps (forward, loss, backward, AdamW) at growing sequence lengths:
 steps of --step tokens until the first out-of-memory error, then a binary search
 between the last length that trained and the first that did not, down to
---resolution tokens. The kernels are switched in by finetune_optimized.py's
-``apply_kernels``, so the figure is the one the fine-tune script would reach.
+--resolution tokens. The run is set up as the fine-tune scripts set theirs up
+(kernel_ft/run.py), so the figure is the one the fine-tune script would reach.
 
 Memory is what it measures, so it needs a GPU: on a CPU it says so and exits 2
 (the process would swap, then be killed, long before it printed an answer).
@@ -19,18 +19,12 @@ Usage:
 
 import argparse
 import gc
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the scripts live one level up
-
-from kernel_ft import flags  # noqa: E402 - first: the Triton interpreter switch, then transformers
-from kernel_ft import dataloader  # noqa: E402
-from kernel_ft import models  # noqa: E402
-from kernel_ft import training  # noqa: E402
-import torch  # noqa: E402
-from finetune_optimized import apply_kernels  # noqa: E402
+from kernel_ft import flags  # first: the Triton interpreter switch, then transformers
+from kernel_ft import dataloader, models, run, training
+import torch
 
 
 def parse_args(argv=None):
@@ -86,9 +80,8 @@ def main(argv=None):
     t0 = time.perf_counter()
     model, info = models.load_model(args)
     print(f"Model ready in {time.perf_counter() - t0:.0f} s", flush=True)
-    kernels = flags.kernels_from_args(args)
-    loss_fn, make_optimizer = apply_kernels(model, kernels)
-    optimizer = make_optimizer(model.parameters(), lr=args.lr)
+    # The fine-tune scripts' setup (run.assemble): the kernels, compile, the optimizer.
+    kernels, loss_fn, optimizer, _ = run.assemble(args, model, None, run.apply_kernels, None)
     vocab = model.config.vocab_size
     max_pos = model.config.max_position_embeddings
 

@@ -17,21 +17,17 @@ Usage (from the repository root, on a CUDA machine):
 """
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+import triton
+from triton.testing import do_bench
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
-
-import attention_kernel as ak  # noqa: E402
-from benchmark_kernels import copy_bandwidth  # noqa: E402
-import cross_entropy_kernel as ce  # noqa: E402
-import fp8_kernel as fk  # noqa: E402
-import rmsnorm_kernel as rk  # noqa: E402
-from kernel_ft.flags import check_output_path, write_json_atomic  # noqa: E402
+import attention_kernel as ak
+from kernel_ft.benchmark_specs import copy_bandwidth
+import cross_entropy_kernel as ce
+import fp8_kernel as fk
+import rmsnorm_kernel as rk
+from kernel_ft.flags import check_output_path, write_json_atomic
 
 
 def bench(fn):
@@ -121,7 +117,7 @@ def attention_call(kernel, inp, d):
 def attention_sweep(head_dims, results, quick):
     """Each kernel's candidates on benchmark_specs' attention rows (one long document,
     short documents, long documents), bf16, 32 query and 8 key/value heads."""
-    from benchmark_specs import ATTENTION, attention_inputs
+    from kernel_ft.benchmark_specs import ATTENTION, attention_inputs
 
     rows = ATTENTION.shapes["quick" if quick else "full"]
     orig = dict(ak.TILES)

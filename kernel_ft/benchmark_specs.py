@@ -14,6 +14,7 @@ Nothing runs on import.
 """
 
 import contextlib
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,13 +25,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 # The kernel modules come first: without a GPU, kernel_common (which they import first)
 # switches on Triton's interpreter, and that must precede `import triton`.
 from attention_kernel import attention_reference, document_starts, packed_attention, visible_keys
-from benchmark_peers import (PlaybookCrossEntropy, cut_cross_entropy, flex_document_attention, liger_cross_entropy,
+from kernel_ft.benchmark_peers import (PlaybookCrossEntropy, cut_cross_entropy, flex_document_attention, liger_cross_entropy,
                              liger_flce, liger_rmsnorm, liger_rope, liger_swiglu, playbook_rmsnorm)
 from cross_entropy_kernel import cross_entropy, cross_entropy_reference
 from linear_cross_entropy_kernel import fused_linear_cross_entropy, linear_cross_entropy_reference
 from rmsnorm_kernel import rmsnorm, rmsnorm_reference
 from rope_kernel import rope, rope_reference
 from swiglu_kernel import swiglu, swiglu_reference
+from kernel_ft import cuda_graphs
+
+import triton.testing  # isort: skip - after the kernel modules (see above)
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -380,3 +384,42 @@ ATTENTION = Spec(
 )
 
 KERNELS = {spec.name: spec for spec in (RMSNORM, CROSS_ENTROPY, SWIGLU, ROPE, FLCE, ATTENTION)}
+
+
+# --------------------------------------------------------------------------------
+# How one call is timed (benchmark_kernels.py, benchmark_fp8.py, tools/tune_kernels.py)
+# --------------------------------------------------------------------------------
+def free_memory():
+    """Drop unreachable tensors and cached blocks, so the next provider starts clean."""
+    gc.collect()
+    if ON_GPU:
+        torch.cuda.empty_cache()
+
+
+def bench(fn, bench_ms, graph=False):
+    """Median latency in ms of ``fn``, or with ``graph`` of ``fn`` captured in a CUDA graph and
+    replayed. None on CPU: the interpreter's speed says nothing."""
+    if not ON_GPU:
+        return None
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=bench_ms[1], return_mode="median")
+    return triton.testing.do_bench(fn, warmup=bench_ms[0], rep=bench_ms[1], return_mode="median")
+
+
+def copy_bandwidth(bench_ms):
+    """Device copy bandwidth in GB/s: a 1 GiB device-to-device copy, bytes read + written."""
+    n = 2**28  # float32 elements = 1 GiB, far larger than any L2 cache
+    src = torch.empty(n, dtype=torch.float32, device=DEVICE).uniform_(-1.0, 1.0)
+    dst = torch.empty_like(src)
+    return 2 * n * 4 / (bench(lambda: dst.copy_(src), bench_ms) * 1e-3) / 1e9
+
+
+def repair_capture_state():
+    """After a failed capture: the CUDA generator out of capture mode, checked with one random
+    op. Returns None, or why the repair failed."""
+    try:
+        cuda_graphs.recover_from_failed_capture(torch.cuda.current_stream())
+        torch.empty(8, device=DEVICE).uniform_()  # ordinary random work runs again
+        return None
+    except Exception as exc:  # noqa: BLE001 - reported, and captures stop
+        return f"{type(exc).__name__}: {exc}".strip()

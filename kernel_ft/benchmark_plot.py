@@ -10,18 +10,13 @@ The title quotes the GPU, the versions and the date from the JSON.
 It reads the JSON of today's benchmark and of earlier runs (results/bench_h200.json
 predates the "rate_unit" and "flops" keys: such a file is all bandwidth).
 
-Usage (from the repository root):
-    python tools/plot_benchmark.py results/bench_h100.json --out results/bench_h100.png
+Usage:
+    python -m kernel_ft.benchmark_plot results/bench_h100.json --out results/bench_h100.png
 """
 
 import argparse
 import json
 import os
-import sys
-from pathlib import Path
-
-# Run as `python tools/plot_benchmark.py`: the shared helpers live in the repository root.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 PASSES = (("fwd", "fwd"), ("fwdbwd", "fwd+bwd"))
 # One color (a tab10 index) per kind of provider, whatever the kernel: "ours (Triton)"

@@ -1,0 +1,206 @@
+"""
+A run, set up once, in one order, for every script that trains: the fine-tune
+scripts, the profile (profile_baseline.py) and the tools.
+
+    checks        every flag that needs no model, before anything is loaded
+    load          the data records, the model, the tokenized data, LoRA
+    assemble      the kernels (kernel_ft.apply, through apply_kernels), FSDP,
+                  torch.compile, CUDA graphs, the optimizer
+    run_finetune  all of it plus the loop (training.run_training), the report,
+                  the exit code of an interrupted or diverged run
+
+The order matters and is written here only: the kernels go into the model that
+LoRA wrapped, FSDP shards the model with the kernels in it, torch.compile and the
+CUDA graph capture what was sharded, and the optimizer takes the parameters as
+they are after all of that (fully_shard replaces every parameter).
+
+This file composes the workload (flags, models, dataloader, fsdp, checkpoints,
+training, reporting) with the library (kernel_ft.patching): the other workload
+modules import no kernel. Nothing runs on import.
+"""
+
+import signal
+
+import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
+
+from kernel_ft import flags, models, fsdp, dataloader, checkpoints, reporting, training
+from kernel_ft.patching import KERNELS, KernelNotApplied, apply
+from adamw_kernel import TritonAdamW
+
+# How each report entry is labelled in a run's output (kernel_ft.apply says what happened).
+LABELS = {"fp8": "FP8 matmuls:", "rmsnorm": "Custom rmsnorm:", "swiglu": "Custom swiglu:", "flce": "Custom loss:",
+          "ce": "Custom loss:", "rope": "Custom rope:", "attention": "Custom attn:", "lora": "Custom lora:",
+          "projections": "Shared inputs:"}
+
+
+# --------------------------------------------------------------------------------
+# The kernels: the --use-custom-* flags are kernel_ft.apply's switches
+# --------------------------------------------------------------------------------
+def apply_kernels(model, kernels):
+    """Switch into ``model`` the kernels that ``kernels`` ({name: on/off}, see
+    flags.kernels_from_args) turns on, through ``kernel_ft.apply`` (the call a user's
+    own script makes), strictly: a kernel that cannot compute the model's function
+    ends the run in one line. Returns ``(loss_fn, make_optimizer)`` for
+    training.run_training. With every kernel off (and no LoRA on a bf16 model) this is
+    the plain HF baseline.
+    """
+    switches = {name: bool(kernels.get(name)) for name in KERNELS if name != "fp8"}
+    try:
+        report = apply(model, fp8=kernels.get("fp8"), strict=True, **switches)
+    except KernelNotApplied as e:
+        flag = "--fp8" if e.kernel == "fp8" else f"--use-custom-{e.kernel}"
+        undo = "run without it" if e.kernel == "fp8" else f"run with --no-use-custom-{e.kernel}"
+        raise SystemExit(f"error: {flag}: {e.reason}; {undo}") from None
+    for name, entry in report.items():
+        if entry["status"] == "applied" or (name == "projections" and switches["projections"]):
+            print(f"{LABELS[name]:<14} {entry['detail']}")
+    active = [name for name in flags.KERNELS if name in report.applied or (name == "adamw" and kernels.get(name))]
+    active += [name for name in ("lora",) if name in report.applied]
+    active += [f"fp8 ({kernels['fp8']})" for name in ("fp8",) if name in report.applied]
+
+    # The loss: HF's own call; with flce or ce the model computes it with our kernels.
+    loss_fn, make_optimizer = training.hf_loss, training.pytorch_adamw
+    if kernels.get("adamw"):  # a different optimizer class, same defaults and signature
+        make_optimizer = TritonAdamW
+        print("Custom optim:  fused Triton AdamW step (same hyperparameters as torch.optim.AdamW)")
+    # LoRA: the adapters' products in the model's dtype (not a kernel: PEFT's float32
+    # compute path switched off). The baseline keeps PEFT's default.
+    dtype = models.lora_compute_dtype(model)
+    if dtype is not None:
+        loss_fn = models.adapters_compute_in(dtype, model, loss_fn)
+        print(f"LoRA compute:  adapters kept in float32, their products in {str(dtype).replace('torch.', '')} "
+              f"(autocast; no float32 copies of the layer inputs)")
+    print(f"Kernels:       {', '.join(active) if active else 'none (PyTorch / HF)'}")
+    return loss_fn, make_optimizer
+
+
+# --------------------------------------------------------------------------------
+# The run, in its one order
+# --------------------------------------------------------------------------------
+def load(args):
+    """The data records, the model, the tokenized data (None: synthetic) and, with
+    --lora, the adapters. Returns (model, model_info, data). A bad --dataset fails
+    before the model is built."""
+    records = dataloader.load_records(args.dataset)
+    model, model_info = models.load_model(args)
+    data = dataloader.prepare_data(args, records, model.config.vocab_size)
+    models.avoid_per_shape_attention_plans(args, data)
+    args._mask_window = models.dense_mask_window(args, data, model.config)  # private: not in the JSON config
+    if getattr(args, "eval_every", None) and data is not None and not data.held_out:
+        raise SystemExit(f"error: --eval-every: {data.name} leaves no held-out example to evaluate on (its "
+                         f"held-out split is {dataloader.EVAL_FRACTION:.0%} of the records); use a larger dataset "
+                         f"or leave --eval-every out")
+    if args.lora:
+        model = models.apply_lora(model, args)
+    return model, model_info, data
+
+
+def assemble(args, model, data, switch_in, world, after_kernels=None):
+    """The kernels (``switch_in(model, kernels)`` -> (loss_fn, make_optimizer)), then
+    ``after_kernels(model)`` if given, FSDP, torch.compile, CUDA graphs, the optimizer.
+    Returns (kernels, loss_fn, optimizer, graphs)."""
+    kernels = flags.kernels_from_args(args)
+    loss_fn, make_optimizer = switch_in(model, kernels)
+    if after_kernels:
+        after_kernels(model)
+    if world:  # after the kernels: the swapped modules are what is sharded
+        fsdp.shard_model(model, args)
+    models.compile_decoder(model, args)  # after the kernels (and LoRA): they are what the graphs hold
+    graphs = training.use_cuda_graphs(args, model, data)
+    # Taken now: fully_shard replaced every parameter with a sharded one (DTensor).
+    optimizer = make_optimizer(models.trainable_parameters(model), lr=args.lr,
+                               **({"capturable": True} if graphs else {}))
+    return kernels, loss_fn, optimizer, graphs
+
+
+def check_finetune_flags(args):
+    """Every check of a fine-tune run that needs no model: a mistake costs a second, not
+    a load. Returns the checkpoint state to resume from (None: a new run)."""
+    if args.json:
+        args.json = flags.check_output_path(args.json, "--json", inputs=flags.input_paths(args), suffix=".json")
+    models.check_lora_flags(args)
+    for flag in ("--fp8", "--torchao-fp8"):  # flags that cannot go together, before --fsdp's check of its environment
+        flags.check_fp8_flags(args, flag)
+    flags.check_optimizer_in_backward(args)
+    fsdp.check_fsdp_flags(args)
+    resumed = checkpoints.read_checkpoint_state(args.resume) if args.resume else None
+    if resumed:
+        args.resume = resumed["path"]  # the checkpoint folder, also when --resume named the run's folder
+    flags.check_output_flags(args)
+    return resumed
+
+
+def run_finetune(args, title, script, switch_in):
+    """Everything a fine-tune script does after parsing its flags.
+
+    ``switch_in(model, kernels)`` is the script's own choice of what to train with:
+    it returns ``(loss_fn, make_optimizer)``, a loss ``loss_fn(model, batch)``
+    (a batch dict, see dataloader.py) and an optimizer factory ``make_optimizer(params,
+    lr)``, and prints what it chose. With --lora the model it gets is already
+    wrapped by PEFT, and the optimizer is given the adapters' parameters only.
+    SIGINT (Ctrl-C) or SIGTERM writes the completed steps (marked partial) and exits
+    130 or 143; a diverged run (NaN or infinite loss) writes them and stops with an error.
+    """
+    resumed = check_finetune_flags(args)
+    world = fsdp.init_distributed(args)  # --fsdp: rank 0 prints from here on
+    env = flags.environment_info()
+    flags.print_banner(title, env)
+    flags.resolve_defaults(args)
+    if resumed:
+        checkpoints.check_same_run(args, resumed)
+    if args.output_dir:
+        checkpoints.check_no_later_checkpoints(args.output_dir, resumed["step"] if resumed else 0)
+
+    model, model_info, data = load(args)
+    if resumed:
+        checkpoints.check_same_model(resumed, model)
+    model_info["trainable_parameters"] = sum(p.numel() for p in models.trainable_parameters(model))
+    accum = f" x {args.grad_accum} micro-batches per step" if args.grad_accum > 1 else ""
+    per = f" per process, {world.size} processes" if world else ""
+    print(f"Batch:         {args.batch_size} x {args.seq_len} tokens{per}{accum}, lr {args.lr:g}, seed {args.seed}")
+    kernels, loss_fn, optimizer, graphs = assemble(args, model, data, switch_in, world)
+    scheduler = training.make_scheduler(optimizer, args)
+    training.print_schedule(args)
+    if resumed:
+        checkpoints.load_checkpoint(args.resume, model, optimizer, scheduler)
+        if graphs:
+            training.keep_capturable(optimizer)
+        print(f"Resumed:       {args.resume}: step {resumed['step']} of {args.warmup_steps + args.steps} done")
+    if getattr(args, "optimizer_in_backward", False):  # after the resume: the hooks update the loaded state
+        optimizer.update_in_backward()
+        print("Optimizer:     each weight updated inside backward as soon as its gradient is ready, the gradient "
+              "freed at once (--optimizer-in-backward)")
+    with training.stop_on_signals():  # SIGINT, SIGTERM: finish the step, save, write, exit 128 + signal
+        results = training.run_training(args, model, loss_fn, optimizer, data, scheduler, resumed, graphs)
+        results["kernels"] = kernels
+        write = args.json and fsdp.is_main_process()  # --fsdp: rank 0 writes the one report
+        if write:
+            reporting.write_json(args.json, script, args, env, model_info, results)
+    finish(args, title, results, write)
+    return results
+
+
+def finish(args, title, results, written):
+    """The end of a fine-tune run: the results, or the error of a diverged run, or the
+    exit code of an interrupted one (128 + the signal's number, what a shell reports
+    for a process the signal ended)."""
+    where = f"wrote them to {args.json} (marked partial)" if written else "not written (no --json)"
+    done = f"{len(results['steps'])} of {results['planned_steps'] - results['start_step']} steps completed"
+    if results["diverged_at_step"]:
+        step = results["steps"][-1]
+        kept = (f"the last checkpoint, {results['checkpoints'][-1]}, stays" if results["checkpoints"]
+                else "no checkpoint was saved")
+        norm = "not computed" if step["grad_norm"] is None else f"{step['grad_norm']:.4g}"
+        raise SystemExit(f"error: step {step['step']}: loss {step['loss']:.4g}, gradient norm {norm}: "
+                         f"training diverged and stopped ({done}, {where}; {kept}); lower --lr, or pass "
+                         f"--skip-nonfinite-steps to skip such steps")
+    if results["partial"]:
+        print(f"\nInterrupted ({results['stop_reason']}): {done}, {where}", flush=True)
+        raise SystemExit(128 + signal.Signals[results["stop_reason"]].value)
+    reporting.print_results(f"{title}: results", results)
+    if written:
+        print(f"Wrote {args.json}")
+    if results["skipped_steps"]:
+        flags.note(f"{len(results['skipped_steps'])} steps had a non-finite loss or gradient and were skipped: "
+                   f"{results['skipped_steps'][:10]}")
+    fsdp.close_distributed()

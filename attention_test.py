@@ -238,13 +238,13 @@ def test_dense_mask_window_refuses_mixed_layers():
 
 def test_dataloader_leaves_the_mask_out():
     args = flags.resolve_defaults(__import__("finetune_optimized").parse_args(["--tiny"]))
-    assert flags.kernels_from_args(args)["attention"] and flags.document_attention(args)
+    assert flags.kernels_from_args(args)["attention"] and models.document_attention(args)
     off = flags.resolve_defaults(__import__("finetune_optimized").parse_args(["--tiny", "--no-use-custom-attention"]))
-    assert not flags.document_attention(off)
+    assert not models.document_attention(off)
     synthetic = __import__("finetune_optimized").parse_args(["--tiny", "--dataset", "synthetic"])
     assert not flags.kernels_from_args(synthetic)["attention"]  # one document per row: SDPA's own
     baseline = __import__("finetune_baseline").parse_args(["--tiny", "--packing"])
-    assert not flags.document_attention(baseline)  # the baseline keeps the dense mask
+    assert not models.document_attention(baseline)  # the baseline keeps the dense mask
     data = dataloader.prepare_data(args, dataloader.load_records(args.dataset), 8192)
     batch = dataloader.StepBatches(data.train, 2, 128, True, 0, data.pad_id, dense_mask=False)[0]
     assert batch["attention_mask"] is None and batch["position_ids"] is not None

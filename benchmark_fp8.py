@@ -35,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernel_ft import flags  # first: it switches on the Triton interpreter when there is no GPU
+from kernel_ft import files, reporting
 from kernel_ft.benchmark_specs import bench, copy_bandwidth, free_memory, repair_capture_state
 from kernel_ft.benchmark_peers import version
 from fp8_gemm_kernel import triton_scaled_mm
@@ -224,14 +225,14 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="shorter timing loops")
     args = parser.parse_args(argv)
     if args.json:
-        args.json = flags.check_output_path(args.json, "--json", suffix=".json")
+        args.json = files.check_output_path(args.json, "--json", suffix=".json")
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     ok, why = fp8_supported(device)
     if not ok:
         raise SystemExit(f"error: benchmark_fp8.py times FP8 matmuls: {why}")
     started = time.perf_counter()
     bench_ms = (10, 40) if args.quick else (25, 100)
-    env = dict(flags.environment_info(), torchao=version("torchao"))
+    env = dict(reporting.environment_info(), torchao=version("torchao"))
     env["copy_bandwidth_GBps"] = copy_bandwidth(bench_ms)
     print(f"FP8 benchmark -- GPU: {env['gpu']} | torch {env['torch']} | triton {env['triton']} | "
           f"torchao {env['torchao'] or 'not installed'} | {env['date']}")
@@ -247,7 +248,7 @@ def main(argv=None):
     results["total_s"] = time.perf_counter() - started
     print(f"\nTotal time: {results['total_s']:.1f} s")
     if args.json:
-        flags.write_json_atomic(args.json, results)
+        files.write_json_atomic(args.json, results)
         print(f"Wrote {args.json}")
     return results
 

@@ -30,7 +30,8 @@ from kernel_ft.benchmark_specs import (BYTES, KERNELS, NA_CPU, ON_GPU, NotApplic
                                       document_lengths, free_memory, repair_capture_state)
 from kernel_ft.benchmark_peers import NOT_INSTALLED, unavailable, version
 from kernel_ft import flags
-from kernel_ft.flags import PNG_METADATA, check_output_path, environment_info, write_json_atomic
+from kernel_ft.files import PNG_METADATA, check_output_path, write_json_atomic
+from kernel_ft.reporting import environment_info
 
 
 BENCH_MS = {"full": (25, 100), "quick": (10, 40)}  # do_bench (warm-up, repetitions) in ms

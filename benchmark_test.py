@@ -30,7 +30,7 @@ import torch
 import benchmark_kernels as bk
 from kernel_ft import benchmark_peers as bp
 from kernel_ft import benchmark_specs as specs
-from kernel_ft import flags
+from kernel_ft import files
 from rmsnorm_kernel import rmsnorm_reference
 from kernel_ft import benchmark_plot as plot_benchmark
 
@@ -321,11 +321,11 @@ def test_plot_option_draws_after_measuring(tmp_path):
     run_main(["--quick", "--kernel", "swiglu", "--plot", str(png)])
     assert png.stat().st_size > 10_000
     # The figure and the JSON carry this project's mark, so a later run may replace them.
-    assert flags.written_here(str(png))
+    assert files.written_here(str(png))
     for _ in range(2):
         _, text = run_main(["--quick", "--kernel", "swiglu", "--json", str(out), "--plot", str(png)])
         assert f"Wrote {out}" in text and f"Wrote {png}" in text
-        assert flags.written_here(str(out)) and flags.written_here(str(png))
+        assert files.written_here(str(out)) and files.written_here(str(png))
     assert strict_load(out)["kernels"]["swiglu"]["title"] == "SwiGLU"
 
 

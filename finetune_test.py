@@ -41,7 +41,7 @@ import finetune_baseline
 import finetune_optimized
 import kernel_ft
 import linear_cross_entropy_kernel
-from kernel_ft import dataloader, flags, models, reporting, training
+from kernel_ft import dataloader, files, flags, models, reporting, training
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Synthetic tokens: these tests are about the loop and the kernels (data_test.py tests the data).
@@ -446,7 +446,7 @@ def test_hub_check_is_quick():
 # Layers: the workload modules import no kernel
 # --------------------------------------------------------------------------------
 # The shared workload, one concern per file; the scripts compose it.
-WORKLOAD = ("flags", "models", "fsdp", "dataloader", "checkpoints", "cuda_graphs", "reporting", "training")
+WORKLOAD = ("files", "flags", "models", "fsdp", "dataloader", "checkpoints", "cuda_graphs", "reporting", "training")
 
 
 def imported_modules(path):
@@ -521,8 +521,8 @@ def test_outputs_never_touch_inputs(tmp_path, monkeypatch):
     user_file.write_text('{"mine": true}')
     checkpoint = tmp_path / "run" / "checkpoint-1"  # its files carry the mark, and still are no output's
     checkpoint.mkdir(parents=True)
-    flags.write_json_atomic(str(checkpoint / "manifest.json"), {"files": {}})
-    flags.write_json_atomic(str(checkpoint / "trainer_state.json"), {"step": 1})
+    files.write_json_atomic(str(checkpoint / "manifest.json"), {"files": {}})
+    files.write_json_atomic(str(checkpoint / "trainer_state.json"), {"step": 1})
     cases = [
         (["--dataset", str(data), "--json", str(data)], f"--json {data}: is the --dataset input {data}"),
         (["--dataset", str(data), "--json", str(tmp_path / "out.txt")], "expected a .json file"),
@@ -540,8 +540,8 @@ def test_outputs_never_touch_inputs(tmp_path, monkeypatch):
     assert data.read_bytes() == before and user_file.read_text() == '{"mine": true}'
     assert sorted(p.name for p in model_dir.iterdir()) == ["config.json"]
     # A file this project wrote is replaced by the next run.
-    flags.write_json_atomic(str(tmp_path / "ours.json"), {"losses": []})
-    assert flags.written_here(str(tmp_path / "ours.json")) and not flags.written_here(str(user_file))
+    files.write_json_atomic(str(tmp_path / "ours.json"), {"losses": []})
+    assert files.written_here(str(tmp_path / "ours.json")) and not files.written_here(str(user_file))
 
 
 @pytest.mark.parametrize("config, message", [
@@ -655,7 +655,7 @@ def nan_on_step(monkeypatch, bad_step):
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
     nan_on_step(monkeypatch, 3)
     path = tmp_path / "nan.json"
-    flags.write_json_atomic(str(path), {"old": True})  # an earlier run's file: replaced whole
+    files.write_json_atomic(str(path), {"old": True})  # an earlier run's file: replaced whole
     with pytest.raises(SystemExit) as e:
         finetune_baseline.main(TINY + ["--json", str(path), "--output-dir", str(tmp_path / "out"), "--save-every", "1"])
     msg = str(e.value.code)
@@ -715,14 +715,14 @@ def test_a_skipped_step_changes_nothing():
 
 def test_strict_json_helpers(tmp_path):
     doc = {"a": float("nan"), "b": [float("inf"), -float("inf"), 1.5], "c": {"d": (2, float("nan"))}}
-    assert flags.strict_json(doc) == {"a": None, "b": [None, None, 1.5], "c": {"d": [2, None]}}
+    assert files.strict_json(doc) == {"a": None, "b": [None, None, 1.5], "c": {"d": [2, None]}}
     path = tmp_path / "x.json"
-    flags.write_json_atomic(str(path), doc)
+    files.write_json_atomic(str(path), doc)
     assert strict_loads(path.read_text())["b"] == [None, None, 1.5]
     # A document that cannot be written leaves the old file and no temporary file.
     path.write_text('{"old": true}')
     with pytest.raises(TypeError):
-        flags.write_json_atomic(str(path), {"bad": object()})
+        files.write_json_atomic(str(path), {"bad": object()})
     assert json.loads(path.read_text()) == {"old": True}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]
 

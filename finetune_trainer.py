@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from kernel_ft import dataloader, flags, models, reporting
+from kernel_ft import dataloader, files, flags, models, reporting
 import kernel_ft
 
 TITLE = "Fine-tuning in TRL's SFTTrainer"
@@ -84,7 +84,7 @@ def check_flags(args):
     if args.lora_4bit:
         raise SystemExit("error: --lora-4bit is not supported by finetune_trainer.py; use finetune_optimized.py")
     if args.json:
-        args.json = flags.check_output_path(args.json, "--json", suffix=".json")
+        args.json = files.check_output_path(args.json, "--json", suffix=".json")
 
 
 # --------------------------------------------------------------------------------
@@ -215,8 +215,8 @@ def switch_in(args, model):
 def main(argv=None):
     args = parse_args(argv)
     check_flags(args)
-    env = flags.environment_info()
-    flags.print_banner(TITLE, env)
+    env = reporting.environment_info()
+    reporting.print_banner(TITLE, env)
     flags.resolve_defaults(args)
     records = dataloader.load_records(args.dataset)
     model, model_info = models.load_model(args)

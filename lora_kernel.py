@@ -82,122 +82,125 @@ class LoRALinearFunction(torch.autograd.Function):
     the call. One projection is a LoRA layer; several are projections_kernel.py's groups
     (q/k/v, gate/up), whose gradients of x are summed in the same epilogues."""
 
-    PER_PROJECTION = 5  # W, b, A, B, x_i; b, A, B and x_i may be None (x_i None: the adapter reads x)
-
     @staticmethod
     def forward(ctx, x, dtype, scalings, *params):
         # Every cast below is explicit (to ``dtype``, autocast's when it is on: compute_dtype);
         # autocast would cast again, and its casts cannot write into the outputs (out=).
         with torch.autocast(x.device.type, enabled=False):
-            return LoRALinearFunction._forward(ctx, x, dtype, scalings, *params)
-
-    @staticmethod
-    def _forward(ctx, x, dtype, scalings, *params):
-        n = LoRALinearFunction.PER_PROJECTION
-        x2 = x.to(dtype).reshape(-1, x.shape[-1])  # no copy when x is in dtype already
-        members = [params[n * i:n * i + n] for i in range(len(scalings))]
-        # Optimization: the A of every adapter that reads x stacked, [sum r_i, K], so that
-        # x is read once for all of them: xa = x A^T is a thin product, bound by its read of
-        # x (M x K), not by arithmetic. A group of three adapters reads x once instead of
-        # three times, here and for dA in backward. One adapter: A itself, no copy.
-        # An adapter with dropout reads its own input: its product is its own.
-        adapters = [a.to(dtype) for _, _, a, _, own in members if a is not None and own is None]
-        a_all = (adapters[0] if len(adapters) == 1 else torch.cat(adapters)) if adapters else None
-        xa_all = None if a_all is None else torch.mm(x2, a_all.t())  # [M, sum r]
-        # Kept for backward only what a gradient needs: x for dW and dA, x A^T for dB.
-        needs = ctx.needs_input_grad[3:]
-        keep_x = any(needs[n * i] or (needs[n * i + 2] and m[4] is None) for i, m in enumerate(members))
-        keep_xa = any(needs[n * i + 3] for i in range(len(members)))
-        outs, saved, start = [], [x2 if keep_x else None, a_all, xa_all if keep_xa else None], 0
-        for (weight, bias, lora_a, lora_b, own), s in zip(members, scalings):
-            w = weight.to(dtype)
-            # Written in place into the output's own storage: each output is a tensor of its
-            # own, not a view of another, so the caller may change it in place as F.linear's.
-            y = x2.new_empty(*x.shape[:-1], weight.shape[0])
-            y2 = y.view(-1, weight.shape[0])
-            if bias is None:
-                torch.mm(x2, w.t(), out=y2)
-            else:
-                torch.addmm(bias.to(dtype), x2, w.t(), out=y2)
-            b, a, own2, xa = None, None, None, None
-            if lora_a is not None:
-                b, r = lora_b.to(dtype), lora_a.shape[0]  # r rows: cheap; no copy when already dtype
-                if own is None:
-                    xa = xa_all[:, start:start + r]
-                    start += r
-                else:
-                    a, own2 = lora_a.to(dtype), own.to(dtype).reshape(-1, own.shape[-1])
-                    xa = torch.mm(own2, a.t())
-                y2.addmm_(xa, b.t(), alpha=s)  # the scale and the sum in the epilogue
-            # The weight as it is: cast again in backward (no float32 -> bf16 copy kept alive).
-            saved += [weight, b, a, own2, xa if own is not None and keep_xa else None]
-            outs.append(y)
-        ctx.save_for_backward(*saved)
-        ctx.scalings, ctx.dtype, ctx.x_shape, ctx.x_dtype = scalings, dtype, x.shape, x.dtype
-        ctx.param_dtypes = [None if p is None else p.dtype for p in params]
-        ctx.ranks = [None if m[2] is None else m[2].shape[0] for m in members]
-        ctx.set_materialize_grads(False)  # an output nobody used gets None, not zeros to multiply
-        return tuple(outs)
+            return _lora_forward(ctx, x, dtype, scalings, *params)
 
     @staticmethod
     @first_order_only("lora_linear")
     def backward(ctx, *grads):
         with torch.autocast(grads[0].device.type if grads[0] is not None else "cpu", enabled=False):
-            return LoRALinearFunction._backward(ctx, *grads)
+            return _lora_backward(ctx, *grads)
 
-    @staticmethod
-    def _backward(ctx, *grads):
-        n = LoRALinearFunction.PER_PROJECTION
-        x2, a_all, xa_all, *saved = ctx.saved_tensors
-        need_x, need = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
-        dx, params, gs, start = None, [], [], 0
-        for i, (dy, s, r) in enumerate(zip(grads, ctx.scalings, ctx.ranks)):
-            weight, b, a, own2, own_xa = saved[n * i:n * i + n]
-            need_w, need_bias, need_a, need_b, need_own = need[n * i:n * i + n]
-            w_dtype, bias_dtype, a_dtype, b_dtype, own_dtype = ctx.param_dtypes[n * i:n * i + n]
-            stacked = r is not None and own2 is None
-            xa = xa_all[:, start:start + r] if stacked and xa_all is not None else own_xa
-            start += r if stacked else 0
-            if dy is None:
-                if stacked:  # its adapter's share of dx and dA is zero
-                    gs.append(a_all.new_zeros(math.prod(ctx.x_shape[:-1]), r))
-                params += [None] * n
-                continue
-            dy = dy.reshape(-1, dy.shape[-1]).to(ctx.dtype)
-            if need_x:
-                w = weight.to(ctx.dtype)
-                if dx is None:
-                    dx = torch.mm(dy, w)
-                else:
-                    dx.addmm_(dy, w)  # the projections' gradients of x summed in the epilogue
-            dw = torch.mm(dy.t(), x2).to(w_dtype) if need_w else None
-            dbias = dy.sum(0).to(bias_dtype) if need_bias else None
-            da = db = d_own = None
-            if r is not None:
-                g = torch.mm(dy, b) * s  # the adapter's share of the gradient, scaled where it is small
-                db = torch.mm(dy.t(), xa * s).to(b_dtype) if need_b else None
-                if stacked:
-                    gs.append(g)
-                else:  # dropout's input: its gradient goes back through PEFT's dropout module
-                    da = torch.mm(g.t(), own2).to(a_dtype) if need_a else None
-                    d_own = torch.mm(g, a).view(*ctx.x_shape[:-1], -1).to(own_dtype) if need_own else None
-            params += [dw, dbias, da, db, d_own]
-        if gs:
-            # All stacked adapters at once, as in forward: g = [g_1 | g_2 | ...], [M, sum r].
-            g = gs[0] if len(gs) == 1 else torch.cat(gs, dim=1)
-            if need_x and dx is not None:
-                dx.addmm_(g, a_all)  # and the adapters' gradients of x, in the epilogue too
-            stacked_a = [i for i, r in enumerate(ctx.ranks) if r is not None and saved[n * i + 3] is None]
-            if any(need[n * i + 2] for i in stacked_a):
-                da_all, start = torch.mm(g.t(), x2), 0  # [sum r, K]: x read once
-                for i in stacked_a:
-                    r = ctx.ranks[i]
-                    if need[n * i + 2] and grads[i] is not None:
-                        params[n * i + 2] = da_all[start:start + r].to(ctx.param_dtypes[n * i + 2])
-                    start += r
-        if dx is not None:
-            dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
-        return (dx, None, None, *params)
+
+PER_PROJECTION = 5  # LoRALinearFunction's inputs per projection: W, b, A, B, x_i (b, A, B, x_i may be None)
+
+
+def _lora_forward(ctx, x, dtype, scalings, *params):
+    """LoRALinearFunction's forward, autocast off (module-level: torch.compile traces it)."""
+    n = PER_PROJECTION
+    x2 = x.to(dtype).reshape(-1, x.shape[-1])  # no copy when x is in dtype already
+    members = [params[n * i:n * i + n] for i in range(len(scalings))]
+    # Optimization: the A of every adapter that reads x stacked, [sum r_i, K], so that
+    # x is read once for all of them: xa = x A^T is a thin product, bound by its read of
+    # x (M x K), not by arithmetic. A group of three adapters reads x once instead of
+    # three times, here and for dA in backward. One adapter: A itself, no copy.
+    # An adapter with dropout reads its own input: its product is its own.
+    adapters = [a.to(dtype) for _, _, a, _, own in members if a is not None and own is None]
+    a_all = (adapters[0] if len(adapters) == 1 else torch.cat(adapters)) if adapters else None
+    xa_all = None if a_all is None else torch.mm(x2, a_all.t())  # [M, sum r]
+    # Kept for backward only what a gradient needs: x for dW and dA, x A^T for dB.
+    needs = ctx.needs_input_grad[3:]
+    keep_x = any(needs[n * i] or (needs[n * i + 2] and m[4] is None) for i, m in enumerate(members))
+    keep_xa = any(needs[n * i + 3] for i in range(len(members)))
+    outs, saved, start = [], [x2 if keep_x else None, a_all, xa_all if keep_xa else None], 0
+    for (weight, bias, lora_a, lora_b, own), s in zip(members, scalings):
+        w = weight.to(dtype)
+        # Written in place into the output's own storage: each output is a tensor of its
+        # own, not a view of another, so the caller may change it in place as F.linear's.
+        y = x2.new_empty(*x.shape[:-1], weight.shape[0])
+        y2 = y.view(-1, weight.shape[0])
+        if bias is None:
+            torch.mm(x2, w.t(), out=y2)
+        else:
+            torch.addmm(bias.to(dtype), x2, w.t(), out=y2)
+        b, a, own2, xa = None, None, None, None
+        if lora_a is not None:
+            b, r = lora_b.to(dtype), lora_a.shape[0]  # r rows: cheap; no copy when already dtype
+            if own is None:
+                xa = xa_all[:, start:start + r]
+                start += r
+            else:
+                a, own2 = lora_a.to(dtype), own.to(dtype).reshape(-1, own.shape[-1])
+                xa = torch.mm(own2, a.t())
+            y2.addmm_(xa, b.t(), alpha=s)  # the scale and the sum in the epilogue
+        # The weight as it is: cast again in backward (no float32 -> bf16 copy kept alive).
+        saved += [weight, b, a, own2, xa if own is not None and keep_xa else None]
+        outs.append(y)
+    ctx.save_for_backward(*saved)
+    ctx.scalings, ctx.dtype, ctx.x_shape, ctx.x_dtype = scalings, dtype, x.shape, x.dtype
+    ctx.param_dtypes = [None if p is None else p.dtype for p in params]
+    ctx.ranks = [None if m[2] is None else m[2].shape[0] for m in members]
+    ctx.set_materialize_grads(False)  # an output nobody used gets None, not zeros to multiply
+    return tuple(outs)
+
+
+def _lora_backward(ctx, *grads):
+    """LoRALinearFunction's backward, autocast off."""
+    n = PER_PROJECTION
+    x2, a_all, xa_all, *saved = ctx.saved_tensors
+    need_x, need = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
+    dx, params, gs, start = None, [], [], 0
+    for i, (dy, s, r) in enumerate(zip(grads, ctx.scalings, ctx.ranks)):
+        weight, b, a, own2, own_xa = saved[n * i:n * i + n]
+        need_w, need_bias, need_a, need_b, need_own = need[n * i:n * i + n]
+        w_dtype, bias_dtype, a_dtype, b_dtype, own_dtype = ctx.param_dtypes[n * i:n * i + n]
+        stacked = r is not None and own2 is None
+        xa = xa_all[:, start:start + r] if stacked and xa_all is not None else own_xa
+        start += r if stacked else 0
+        if dy is None:
+            if stacked:  # its adapter's share of dx and dA is zero
+                gs.append(a_all.new_zeros(math.prod(ctx.x_shape[:-1]), r))
+            params += [None] * n
+            continue
+        dy = dy.reshape(-1, dy.shape[-1]).to(ctx.dtype)
+        if need_x:
+            w = weight.to(ctx.dtype)
+            if dx is None:
+                dx = torch.mm(dy, w)
+            else:
+                dx.addmm_(dy, w)  # the projections' gradients of x summed in the epilogue
+        dw = torch.mm(dy.t(), x2).to(w_dtype) if need_w else None
+        dbias = dy.sum(0).to(bias_dtype) if need_bias else None
+        da = db = d_own = None
+        if r is not None:
+            g = torch.mm(dy, b) * s  # the adapter's share of the gradient, scaled where it is small
+            db = torch.mm(dy.t(), xa * s).to(b_dtype) if need_b else None
+            if stacked:
+                gs.append(g)
+            else:  # dropout's input: its gradient goes back through PEFT's dropout module
+                da = torch.mm(g.t(), own2).to(a_dtype) if need_a else None
+                d_own = torch.mm(g, a).view(*ctx.x_shape[:-1], -1).to(own_dtype) if need_own else None
+        params += [dw, dbias, da, db, d_own]
+    if gs:
+        # All stacked adapters at once, as in forward: g = [g_1 | g_2 | ...], [M, sum r].
+        g = gs[0] if len(gs) == 1 else torch.cat(gs, dim=1)
+        if need_x and dx is not None:
+            dx.addmm_(g, a_all)  # and the adapters' gradients of x, in the epilogue too
+        stacked_a = [i for i, r in enumerate(ctx.ranks) if r is not None and saved[n * i + 3] is None]
+        if any(need[n * i + 2] for i in stacked_a):
+            da_all, start = torch.mm(g.t(), x2), 0  # [sum r, K]: x read once
+            for i in stacked_a:
+                r = ctx.ranks[i]
+                if need[n * i + 2] and grads[i] is not None:
+                    params[n * i + 2] = da_all[start:start + r].to(ctx.param_dtypes[n * i + 2])
+                start += r
+    if dx is not None:
+        dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
+    return (dx, None, None, *params)
 
 
 def lora_linear(x, weight, bias, lora_a, lora_b, scaling, adapter_input=None):

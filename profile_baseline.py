@@ -67,7 +67,7 @@ import time
 from collections import defaultdict
 
 from kernel_ft import flags  # first: flags switches on the Triton interpreter before triton loads
-from kernel_ft import dataloader, fsdp, models, run, training
+from kernel_ft import dataloader, files, fsdp, models, reporting, run, training
 import profile_timeline
 
 import torch
@@ -530,7 +530,7 @@ def check_replaceable(out_dir, args):
     if not os.path.exists(out_dir):
         return
     summary = os.path.join(out_dir, "summary.json")
-    if not flags.written_here(summary):
+    if not files.written_here(summary):
         raise SystemExit(f"error: --trace-dir {args.trace_dir}: {out_dir} exists and holds no profile of this "
                          f"project; pass another --trace-dir or remove that folder")
     then = {k: v for k, v in read_baseline(summary).get("config", {}).items() if k not in PRINT_ONLY}
@@ -555,16 +555,16 @@ def read_baseline(path):
 def main(argv=None):
     args = parse_args(argv)
     # Checked now, in one line, not after the model is built and profiled.
-    args.trace_dir = flags.check_output_path(args.trace_dir, "--trace-dir", directory=True,
-                                             inputs=flags.input_paths(args))
+    args.trace_dir = files.check_output_path(args.trace_dir, "--trace-dir", directory=True,
+                                             inputs=files.input_paths(args))
     check_flags(args)
     # --fsdp: every process trains (the collectives need them all); rank 0 alone
     # profiles its GPU, prints and writes (init_distributed silences the others).
     world = fsdp.init_distributed(args)
     name = profile_name(args)
     out_dir = os.path.join(args.trace_dir, name)
-    env = flags.environment_info()
-    flags.print_banner(f"Profile: {name}", env)
+    env = reporting.environment_info()
+    reporting.print_banner(f"Profile: {name}", env)
     flags.resolve_defaults(args)
     if not world or world.rank == 0:
         check_replaceable(out_dir, args)  # before the model: a refusal costs a second
@@ -660,7 +660,7 @@ def profile_and_write(args, name, out_dir, env, model, model_info, step, batches
             # Where they will be once swapped in.
             "traces": {"chrome": os.path.join(out_dir, "trace.json"), "tensorboard": os.path.join(out_dir, "tensorboard")},
         }
-        flags.write_json_atomic(os.path.join(work_dir, "summary.json"), summary)
+        files.write_json_atomic(os.path.join(work_dir, "summary.json"), summary)
         swap_in(work_dir, out_dir)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)  # gone already when swapped in

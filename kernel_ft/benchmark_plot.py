@@ -39,7 +39,7 @@ def color_index(provider, others):
 
 def plot_results(results, path, metadata=None):
     """Draw ``results`` (the dict benchmark_kernels.main() returns, or its JSON) to ``path``.
-    ``metadata``: the PNG's text fields (the callers pass flags.PNG_METADATA, the
+    ``metadata``: the PNG's text fields (the callers pass files.PNG_METADATA, the
     project's mark that lets a later run replace the file)."""
     import matplotlib
 
@@ -112,7 +112,7 @@ def load_results(path):
 def main(argv=None):
     # Imported here, not above: plot_results alone (what benchmark_kernels.py calls)
     # needs nothing from the repository, and flags loads torch and transformers.
-    from kernel_ft.flags import PNG_METADATA, check_input_file, check_output_path
+    from kernel_ft.files import PNG_METADATA, check_input_file, check_output_path
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("json", help="a JSON written by benchmark_kernels.py --json")

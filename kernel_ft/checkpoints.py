@@ -34,7 +34,7 @@ import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GP
 
 import torch
 
-from kernel_ft import flags, models, fsdp, dataloader
+from kernel_ft import files, flags, models, fsdp, dataloader
 
 # --------------------------------------------------------------------------------
 # Checkpoints: DIR/checkpoint-K holds everything step K+1 needs
@@ -55,7 +55,7 @@ from kernel_ft import flags, models, fsdp, dataloader
 # the speed the files are read, so the check costs a second per few GB).
 CHECKPOINT_PREFIX = "checkpoint-"
 TRAINER_STATE = "trainer_state.json"
-MANIFEST = flags.CHECKPOINT_MANIFEST  # flags.check_output_path keeps every other output out of the folder
+MANIFEST = files.CHECKPOINT_MANIFEST  # files.check_output_path keeps every other output out of the folder
 CHECKPOINT_FORMAT = 2  # 2: with a manifest
 
 # The flags that decide a run's numbers: a resumed run must have the same ones.
@@ -191,7 +191,7 @@ def save_checkpoint(args, model, optimizer, scheduler, step, history, rng):
         fsdp.barrier()  # until rank 0 has renamed the folder
         return path
     torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
-    flags.write_json_atomic(os.path.join(tmp, TRAINER_STATE), {
+    files.write_json_atomic(os.path.join(tmp, TRAINER_STATE), {
         "format": CHECKPOINT_FORMAT,
         "step": step,
         "total_steps": args.warmup_steps + args.steps,
@@ -314,7 +314,7 @@ def write_manifest(folder):
             relative = os.path.relpath(file, folder)
             if relative != MANIFEST:
                 files[relative] = {"bytes": os.path.getsize(file), "crc32": crc32_of(file)}
-    flags.write_json_atomic(os.path.join(folder, MANIFEST), {"files": dict(sorted(files.items()))})
+    files.write_json_atomic(os.path.join(folder, MANIFEST), {"files": dict(sorted(files.items()))})
 
 
 def damage(folder):
@@ -326,7 +326,7 @@ def damage(folder):
     except FileNotFoundError:
         return f"no {MANIFEST}: its save never completed"
     except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"{MANIFEST} is unreadable ({flags.one_line(e)})"
+        return f"{MANIFEST} is unreadable ({files.one_line(e)})"
     forged = manifest_problem(folder, files)
     if forged:
         return f"{MANIFEST} is not one this code wrote ({forged})"
@@ -388,7 +388,7 @@ def read_checkpoint_state(path, flag="--resume"):
         raise SystemExit(f"error: {flag} {path}: not a checkpoint (no {TRAINER_STATE}); checkpoints are the "
                          f"{CHECKPOINT_PREFIX}K folders of an --output-dir") from None
     except (OSError, ValueError) as e:
-        raise SystemExit(f"error: {flag} {path}: cannot read {TRAINER_STATE} ({flags.one_line(e)})") from None
+        raise SystemExit(f"error: {flag} {path}: cannot read {TRAINER_STATE} ({files.one_line(e)})") from None
     if not isinstance(state, dict):
         raise SystemExit(f"error: {flag} {path}: {TRAINER_STATE} holds a {type(state).__name__}, not a checkpoint's "
                          f"state")

@@ -70,7 +70,7 @@ import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GP
 
 import torch
 
-from kernel_ft import flags, models
+from kernel_ft import files, flags, models
 
 EAGER_STEPS = 2  # steps run eagerly before the capture: compilation, autotuning, optimizer state
 # A replay slower than the last eager step by more than this keeps the run eager (see
@@ -309,7 +309,7 @@ class GraphedStep:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self.outputs = self.captured(self.inputs.batches)
         except Exception as e:  # noqa: BLE001 - any operation the capture refused: train eagerly
-            self.disabled = flags.one_line(e)
+            self.disabled = files.one_line(e)
             self.graph = self.inputs = self.outputs = None
             self.clear_gradients()  # what the failed capture allocated is not a gradient
             torch.cuda.synchronize()

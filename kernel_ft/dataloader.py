@@ -38,7 +38,7 @@ import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GP
 import torch
 import torch.nn.functional as F
 
-from kernel_ft import flags, models, fsdp
+from kernel_ft import files, flags, models, fsdp
 
 IGNORE_INDEX = -100  # HF's label value for "no loss at this position"
 
@@ -152,7 +152,7 @@ def load_records(dataset):
     path = os.path.abspath(os.path.expanduser(dataset))
     is_file_name = dataset.lower().endswith((".json", ".jsonl", ".parquet"))
     if os.path.exists(path) or is_file_name or models.looks_like_path(dataset):
-        flags.check_input_file(path, "--dataset")
+        files.check_input_file(path, "--dataset")
         rows = read_data_file(path, flag)
     else:
         rows = read_hub_dataset(dataset, flag)
@@ -172,12 +172,12 @@ def read_data_file(path, flag):
         try:
             return pyarrow.parquet.read_table(path).to_pylist()
         except Exception as e:  # noqa: BLE001 - any unreadable file is the same problem
-            raise SystemExit(f"error: {flag}: cannot read it as Parquet ({flags.one_line(e)})") from None
+            raise SystemExit(f"error: {flag}: cannot read it as Parquet ({files.one_line(e)})") from None
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
-        raise SystemExit(f"error: {flag}: cannot read it ({flags.one_line(e)})") from None
+        raise SystemExit(f"error: {flag}: cannot read it ({files.one_line(e)})") from None
     if text.lstrip().startswith("["):
         try:
             return json.loads(text)
@@ -206,7 +206,7 @@ def read_hub_dataset(name, flag):
     try:
         return list(datasets.load_dataset(name, split="train"))
     except Exception as e:  # noqa: BLE001 - any loading problem is reported the same way
-        raise SystemExit(f"error: {flag}: cannot load its train split ({flags.one_line(e)})") from None
+        raise SystemExit(f"error: {flag}: cannot load its train split ({files.one_line(e)})") from None
 
 
 def instruction_record(row, number, flag):
@@ -298,7 +298,7 @@ def load_tokenizer(args):
         else:
             problem = "no such file or directory"
     except Exception as e:  # noqa: BLE001 - any loading problem: fall back to bytes
-        problem = flags.one_line(e)
+        problem = files.one_line(e)
     flags.note(f"no tokenizer for {model_id} ({problem}): the byte-level tokenizer is used instead")
     return ByteTokenizer(), "byte-level (the model's own is unavailable)"
 
@@ -450,7 +450,7 @@ class StepBatches(torch.utils.data.Dataset):
                  dense_mask=True, window=0):
         self.examples, self.batch_size, self.seq_len = examples, batch_size, seq_len
         # Packing without a dense mask: the attention kernel reads the documents from
-        # the position ids (flags.document_attention), and no [B, 1, T, T] is built.
+        # the position ids (models.document_attention), and no [B, 1, T, T] is built.
         # With one, ``window`` is the model's sliding window it must carry (or 0).
         self.dense_mask, self.window = dense_mask, window
         # --fsdp: step k's global batch is rows k*N*B ... of N ranks x B rows; this
@@ -597,7 +597,7 @@ def training_batches(args, data, device, vocab_size, start_step=0):
         stream = itertools.islice(stream, first, None)
     else:
         dataset = StepBatches(data.train, args.batch_size, args.seq_len, args.packing, args.seed, data.pad_id,
-                              rank=rank, ranks=ranks, dense_mask=not flags.document_attention(args),
+                              rank=rank, ranks=ranks, dense_mask=not models.document_attention(args),
                               window=getattr(args, "_mask_window", 0))
         stream = (batch_to(batch, device) for batch in loader(dataset, itertools.count(first), args))
     while True:
@@ -617,7 +617,7 @@ def held_out_batches(args, data, device, vocab_size):
     if not data.held_out:
         return []
     dataset = StepBatches(data.held_out, args.batch_size, args.seq_len, args.packing, args.seed, data.pad_id,
-                          endless=False, dense_mask=not flags.document_attention(args),
+                          endless=False, dense_mask=not models.document_attention(args),
                           window=getattr(args, "_mask_window", 0))
     count = dataset.num_batches() if limit is None else min(limit, dataset.num_batches())
     return [batch_to(batch, device) for batch in loader(dataset, range(count), args)]

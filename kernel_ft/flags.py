@@ -1,6 +1,6 @@
 """
-What every script shares before the work starts: its flags, their defaults, the
-environment it reports, and output files that are checked first and written whole.
+What every script shares before the work starts: its flags and their defaults.
+(The output files are files.py's; the environment banner is reporting.py's.)
 
 Used by every script (README Step 2 lists the model and data flags; Steps 17-19 the
 flags of a real run). What it teaches:
@@ -13,12 +13,6 @@ flags of a real run). What it teaches:
   kernels run in Triton's interpreter, so the default run is a tiny model for a
   few steps; on a GPU it is LLaMA-3.1-8B. A flag that another overrides is said
   in one ``Note:`` line, never silently.
-* Output safety (``check_output_path`` / ``write_json_atomic``): a run that trains
-  for an hour and then cannot write its results has lost them, so every output
-  path is checked before a model is built, and files are written to a temporary
-  name and renamed (strict JSON: NaN becomes null), whole or not at all.
-* Errors as one line (``one_line``, ``is_out_of_memory``): the reason, not a
-  traceback.
 
 Without a GPU the Triton kernels run through Triton's interpreter on CPU tensors.
 The interpreter is switched on by an environment variable that must be set before
@@ -26,23 +20,19 @@ The interpreter is switched on by an environment variable that must be set befor
 so it is imported first, here and in every module below that loads torch.
 
 The workload's files, each importing only those before it:
-flags -> models -> fsdp -> dataloader -> checkpoints -> training.
+files -> flags -> models -> fsdp -> dataloader -> checkpoints -> cuda_graphs -> reporting -> training,
+and run.py, which composes them with the kernels (kernel_ft.apply).
 Nothing runs on import.
 """
 
 import argparse
-import contextlib
-import datetime
-import json
 import os
-import platform
-import tempfile
 
 import kernel_common  # first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1); fp8_supported
 
 import torch
-import transformers
-import triton
+
+from kernel_ft import files
 
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B"
 # The clone this package sits in: the step scripts and the bundled data are there.
@@ -52,166 +42,6 @@ SYNTHETIC = "synthetic"  # --dataset synthetic: seeded random tokens, every slot
 EVAL_BATCHES = 4  # --eval-batches default (and the synthetic count when args has none)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # --lora-targets
-
-
-# --------------------------------------------------------------------------------
-# Environment
-# --------------------------------------------------------------------------------
-def environment_info():
-    """Return the device and library versions as a dict (quoted with every figure)."""
-    on_gpu = torch.cuda.is_available()
-    return {
-        "device": "cuda" if on_gpu else "cpu",
-        "gpu": torch.cuda.get_device_name(0) if on_gpu else "CPU",
-        "triton_interpreter": os.environ.get("TRITON_INTERPRET", "0") == "1",
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "transformers": transformers.__version__,
-        "cuda": torch.version.cuda,
-        "date": datetime.date.today().isoformat(),
-    }
-
-
-def print_banner(title, env):
-    print("=" * 72)
-    print(title)
-    print("=" * 72)
-    device = env["gpu"] if env["device"] == "cuda" else "CPU"
-    if env["triton_interpreter"]:
-        device += " (Triton kernels run in the interpreter: correct but slow)"
-    print(f"Device:        {device}")
-    print(
-        f"Versions:      python {env['python']}, torch {env['torch']}, triton {env['triton']}, "
-        f"transformers {env['transformers']}, CUDA {env['cuda'] or '-'}"
-    )
-    print(f"Date:          {env['date']}")
-
-
-# --------------------------------------------------------------------------------
-# Output files: checked before the work, written whole or not at all
-# --------------------------------------------------------------------------------
-def check_output_path(path, flag, directory=False, inputs=(), suffix=None):
-    """Fail now, in one line, if ``path`` cannot be written or must not be; return it
-    absolute.
-
-    A run that trains for minutes and then cannot write its results has lost them,
-    so every script checks its output paths before it builds a model. And an output
-    must never destroy what the user has: it may not be, or be inside, one of the
-    run's ``inputs`` ((flag, path) pairs, see input_paths), and an existing file is
-    replaced only if this project wrote it (written_here). ``suffix``: the one
-    extension the file may have (its format). ``directory``: the path is a folder
-    to create (or reuse), not a file.
-    """
-    path = os.path.abspath(os.path.expanduser(path))
-    real = os.path.realpath(path)  # through symbolic links, as the write would go
-    for input_flag, source in inputs:
-        if real == source or real.startswith(source.rstrip(os.sep) + os.sep):
-            where = "is" if real == source else "is inside"
-            raise SystemExit(f"error: {flag} {path}: {where} the {input_flag} input {source}; a run never writes "
-                             f"into what it reads")
-    if directory:
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise SystemExit(f"error: {flag} {path}: exists and is not a directory")
-        parent = path if os.path.isdir(path) else os.path.dirname(path)
-        while not os.path.exists(parent):  # the first existing ancestor must let us create the rest
-            parent = os.path.dirname(parent)
-    else:
-        if os.path.isdir(path):
-            raise SystemExit(f"error: {flag} {path}: is a directory, expected a file path")
-        if suffix and not path.lower().endswith(suffix):
-            raise SystemExit(f"error: {flag} {path}: expected a {suffix} file")
-        parent = os.path.dirname(path)
-        if not os.path.isdir(parent):
-            raise SystemExit(f"error: {flag} {path}: directory {parent} does not exist")
-        if os.path.exists(os.path.join(parent, CHECKPOINT_MANIFEST)):
-            raise SystemExit(f"error: {flag} {path}: is inside the checkpoint {parent}, which a write would damage; "
-                             f"choose a path outside it")
-        if os.path.exists(path) and not written_here(path):
-            raise SystemExit(f"error: {flag} {path}: exists and was not written by this project; remove it or "
-                             f"choose another path")
-    try:  # os.access says yes to root everywhere; creating a file is the real test
-        with tempfile.TemporaryFile(dir=parent):
-            pass
-    except OSError as e:
-        raise SystemExit(f"error: {flag} {path}: cannot write in {parent} ({e.strerror})") from None
-    return path
-
-
-def input_paths(args):
-    """[(flag, real path)] of what a run reads from disk: the dataset file, a model
-    folder, the checkpoint it resumes. Outputs are checked against them."""
-    found = []
-    for flag in ("--dataset", "--model", "--resume"):
-        value = getattr(args, flag[2:], None)
-        if value and os.path.exists(os.path.expanduser(value)):
-            found.append((flag, os.path.realpath(os.path.expanduser(value))))
-    return found
-
-
-# Every JSON file and figure this project writes says so: a file with the mark may
-# be replaced by a later run, any other file is the user's and is never touched.
-PROJECT = "kernel-ft"
-WRITTEN_BY = "written_by"  # the JSON key; figures carry PROJECT as their PNG "Software" text
-PNG_METADATA = {"Software": PROJECT}  # savefig(..., metadata=PNG_METADATA)
-CHECKPOINT_MANIFEST = "manifest.json"  # in every checkpoint folder (checkpoints.py): no output goes in there
-
-
-def written_here(path):
-    """Whether the file at ``path`` carries this project's mark (write_json_atomic, PNG_METADATA)."""
-    try:
-        if path.lower().endswith(".json"):
-            with open(path) as f:
-                doc = json.load(f)
-            return isinstance(doc, dict) and doc.get(WRITTEN_BY) == PROJECT
-        if path.lower().endswith(".png"):
-            from PIL import Image  # installed with matplotlib
-
-            with Image.open(path) as image:
-                return image.text.get("Software") == PROJECT
-    except (OSError, ValueError):  # unreadable or not that format: not ours
-        return False
-    return False
-
-
-def check_input_file(path, flag):
-    """Fail now, in one line, if ``path`` is not a readable file; return it absolute."""
-    path = os.path.abspath(os.path.expanduser(path))
-    if not os.path.isfile(path):
-        raise SystemExit(f"error: {flag} {path}: no such file")
-    if not os.access(path, os.R_OK):
-        raise SystemExit(f"error: {flag} {path}: not readable")
-    return path
-
-
-def strict_json(value):
-    """``value`` with every float NaN or infinity replaced by None: JSON has no NaN,
-    and a file with a bare NaN in it is rejected by most JSON readers."""
-    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
-        return None
-    if isinstance(value, dict):
-        return {str(k): strict_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [strict_json(v) for v in value]
-    return value
-
-
-def write_json_atomic(path, doc):
-    """Write ``doc`` (a dict) as strict JSON to a temporary file beside ``path``, then
-    rename it: a reader (or a crash) never sees half a file, and an older file at
-    ``path`` stays whole until the new one is complete. The file's first key is
-    this project's mark (WRITTEN_BY), so that a later run may replace it. The
-    temporary file's name is new (mkstemp): no file of the user's is replaced by it."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".", suffix=".json.tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(strict_json({WRITTEN_BY: PROJECT, **doc}), f, indent=2, allow_nan=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):  # no half-written temporary file left behind
-            os.remove(tmp)
-        raise
 
 
 # --------------------------------------------------------------------------------
@@ -378,12 +208,6 @@ def check_fp8_flags(args, flag="--fp8"):
     ok, reason = kernel_common.fp8_supported(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     if not ok:
         raise SystemExit(f"error: {flag}: {reason}")
-
-
-def document_attention(args):
-    """Whether batches leave the attention mask out (the attention kernel reads the
-    documents from the position ids) instead of carrying a dense [B, 1, T, T] one."""
-    return bool(getattr(args, "packing", False)) and kernels_from_args(args)["attention"]
 
 
 # Defaults on a CPU, where the Triton kernels run in the interpreter (about 18 s
@@ -697,34 +521,19 @@ def check_output_flags(args):
     if args.save_every and not args.output_dir:
         raise SystemExit("error: --save-every needs --output-dir (where the checkpoints go)")
     if args.output_dir:
-        args.output_dir = check_output_path(args.output_dir, "--output-dir", directory=True,
-                                            inputs=input_paths(args))
+        args.output_dir = files.check_output_path(args.output_dir, "--output-dir", directory=True,
+                                            inputs=files.input_paths(args))
         if getattr(args, "json", None) and os.path.realpath(args.json) == os.path.realpath(args.output_dir):
             raise SystemExit(f"error: --json {args.json} is the --output-dir: choose a file beside it")
         curve = os.path.join(args.output_dir, LOSS_CURVE)
-        if os.path.exists(curve) and not written_here(curve):
+        if os.path.exists(curve) and not files.written_here(curve):
             raise SystemExit(f"error: --output-dir {args.output_dir}: its {LOSS_CURVE} was not written by this "
                              f"project and a run would replace it; remove it or choose another --output-dir")
 
 
 # --------------------------------------------------------------------------------
-# Errors in one line, optional packages
+# Optional packages
 # --------------------------------------------------------------------------------
-def one_line(exc):
-    """An exception as one short line: the reason, not the traceback."""
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else ""
-    return f"{type(exc).__name__}: {first[:200]}"
-
-
-def is_out_of_memory(exc):
-    """A GPU out-of-memory error, or a failed CPU allocation (a plain RuntimeError)."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "DefaultCPUAllocator" in text)
-
-
 def installed(package):
     import importlib.util
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-from kernel_ft import flags
+from kernel_ft import files, flags
 
 HUB_TIMEOUT_S = 5  # how long we wait for huggingface.co before giving up on it
 
@@ -183,7 +183,7 @@ def hub_problem(model_id, repo_type="model"):
     except RepositoryNotFoundError:
         return "not found on the hub (wrong id, or private without a token)"
     except Exception as e:  # noqa: BLE001 - any network failure means the same thing here
-        return f"cannot reach huggingface.co ({flags.one_line(e)})"
+        return f"cannot reach huggingface.co ({files.one_line(e)})"
     return None
 
 
@@ -239,7 +239,7 @@ def dense_mask_window(args, data, config):
     sliding and full attention): no single mask is right for both. The attention
     kernel (--use-custom-attention) takes each layer's own window and needs none."""
     window, sliding = sliding_layers(config)
-    if data is None or not getattr(args, "packing", False) or flags.document_attention(args) \
+    if data is None or not getattr(args, "packing", False) or document_attention(args) \
             or not window or args.seq_len <= window:
         return 0
     if not any(sliding):
@@ -267,9 +267,9 @@ def _attempt_pretrained(model_id, device, dtype, **kwargs):
     try:
         return _from_pretrained(model_id, device, dtype, **kwargs), None
     except Exception as e:  # noqa: BLE001 - any loading problem becomes the reason we print
-        if flags.is_out_of_memory(e):
+        if is_out_of_memory(e):
             raise
-        return None, flags.one_line(e)
+        return None, files.one_line(e)
 
 
 def try_pretrained(model_id, device, dtype, **kwargs):
@@ -321,7 +321,7 @@ def config_for(model_id, weights_problem=None):
         try:
             return AutoConfig.from_pretrained(model_id)
         except Exception as e:  # noqa: BLE001
-            raise SystemExit(f"error: cannot use {model_id!r} ({why}config: {flags.one_line(e)})") from None
+            raise SystemExit(f"error: cannot use {model_id!r} ({why}config: {files.one_line(e)})") from None
     with contextlib.suppress(Exception):
         return AutoConfig.from_pretrained(model_id, local_files_only=True)
     problem = weights_problem or hub_problem(model_id)
@@ -370,10 +370,10 @@ def check_causal(model, model_id):
         before = model(input_ids=ids).logits[0, :2].float()
         after = model(input_ids=later).logits[0, :2].float()
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
-        if flags.is_out_of_memory(e):
+        if is_out_of_memory(e):
             raise
         raise SystemExit(f"error: --model {model_id}: the model does not run a forward pass of 3 tokens "
-                         f"({flags.one_line(e)}); is its config consistent?") from None
+                         f"({files.one_line(e)}); is its config consistent?") from None
     finally:
         model.train(was_training)
     if not torch.allclose(before, after, rtol=1e-3, atol=1e-3 * before.abs().max().item()):
@@ -396,6 +396,20 @@ def build_random(config, device, dtype):
     """
     with device:
         return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention_for(config))
+
+
+def document_attention(args):
+    """Whether batches leave the attention mask out (the attention kernel reads the
+    documents from the position ids) instead of carrying a dense [B, 1, T, T] one."""
+    return bool(getattr(args, "packing", False)) and flags.kernels_from_args(args)["attention"]
+
+
+def is_out_of_memory(exc):
+    """A GPU out-of-memory error, or a failed CPU allocation (a plain RuntimeError)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "DefaultCPUAllocator" in text)
 
 
 def available_ram():
@@ -558,7 +572,7 @@ def load_model(args):
             if meta:
                 source += ", built on the meta device and initialized shard by shard"
     except RuntimeError as e:
-        if not flags.is_out_of_memory(e):
+        if not is_out_of_memory(e):
             raise
         where = "GPU" if isinstance(e, torch.OutOfMemoryError) else "CPU"
         raise SystemExit(

@@ -1,7 +1,8 @@
 """
-What a fine-tuning run reports: a line per step or a progress bar, an estimate of
-the time left after the first step, the result block at the end, the --json file
-and the loss curve (--output-dir).
+What a run reports: the banner with its environment (device and versions, quoted
+with every figure), a line per step or a progress bar, an estimate of the time
+left after the first step, the result block at the end, the --json file and the
+loss curve (--output-dir).
 
 A file of its own because none of it changes what is trained: training.py decides
 what happened at each step and calls these to say it, so the loop reads in one
@@ -10,11 +11,53 @@ sitting and the look of the output is changed here alone.
 Nothing runs on import.
 """
 
+import datetime
 import os
+import platform
 import sys
 import tempfile
 
-from kernel_ft import flags
+import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
+
+import torch
+import transformers
+import triton
+
+from kernel_ft import files, flags
+
+
+# --------------------------------------------------------------------------------
+# Environment
+# --------------------------------------------------------------------------------
+def environment_info():
+    """Return the device and library versions as a dict (quoted with every figure)."""
+    on_gpu = torch.cuda.is_available()
+    return {
+        "device": "cuda" if on_gpu else "cpu",
+        "gpu": torch.cuda.get_device_name(0) if on_gpu else "CPU",
+        "triton_interpreter": os.environ.get("TRITON_INTERPRET", "0") == "1",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda,
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def print_banner(title, env):
+    print("=" * 72)
+    print(title)
+    print("=" * 72)
+    device = env["gpu"] if env["device"] == "cuda" else "CPU"
+    if env["triton_interpreter"]:
+        device += " (Triton kernels run in the interpreter: correct but slow)"
+    print(f"Device:        {device}")
+    print(
+        f"Versions:      python {env['python']}, torch {env['torch']}, triton {env['triton']}, "
+        f"transformers {env['transformers']}, CUDA {env['cuda'] or '-'}"
+    )
+    print(f"Date:          {env['date']}")
 
 
 # --------------------------------------------------------------------------------
@@ -103,7 +146,7 @@ def write_json(path, script, args, env, model_info, results):
         "model": model_info,
         **results,
     }
-    flags.write_json_atomic(path, doc)
+    files.write_json_atomic(path, doc)
 
 
 # --------------------------------------------------------------------------------
@@ -129,6 +172,6 @@ def plot_loss_curve(path, history):
     fig.tight_layout()
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".", suffix=".png")  # a new name, never a user's
     with os.fdopen(fd, "wb") as f:
-        fig.savefig(f, format="png", metadata=flags.PNG_METADATA)  # the mark: a later run may replace it
+        fig.savefig(f, format="png", metadata=files.PNG_METADATA)  # the mark: a later run may replace it
     os.replace(tmp, path)
     return path

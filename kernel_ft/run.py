@@ -23,7 +23,7 @@ import signal
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
 
-from kernel_ft import flags, models, fsdp, dataloader, checkpoints, reporting, training
+from kernel_ft import files, flags, models, fsdp, dataloader, checkpoints, reporting, training
 from kernel_ft.patching import KERNELS, KernelNotApplied, apply
 from adamw_kernel import TritonAdamW
 
@@ -117,7 +117,7 @@ def check_finetune_flags(args):
     """Every check of a fine-tune run that needs no model: a mistake costs a second, not
     a load. Returns the checkpoint state to resume from (None: a new run)."""
     if args.json:
-        args.json = flags.check_output_path(args.json, "--json", inputs=flags.input_paths(args), suffix=".json")
+        args.json = files.check_output_path(args.json, "--json", inputs=files.input_paths(args), suffix=".json")
     models.check_lora_flags(args)
     for flag in ("--fp8", "--torchao-fp8"):  # flags that cannot go together, before --fsdp's check of its environment
         flags.check_fp8_flags(args, flag)
@@ -143,8 +143,8 @@ def run_finetune(args, title, script, switch_in):
     """
     resumed = check_finetune_flags(args)
     world = fsdp.init_distributed(args)  # --fsdp: rank 0 prints from here on
-    env = flags.environment_info()
-    flags.print_banner(title, env)
+    env = reporting.environment_info()
+    reporting.print_banner(title, env)
     flags.resolve_defaults(args)
     if resumed:
         checkpoints.check_same_run(args, resumed)

@@ -42,7 +42,7 @@ import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GP
 
 import torch
 
-from kernel_ft import flags, fsdp, dataloader, checkpoints, cuda_graphs, reporting
+from kernel_ft import flags, models, fsdp, dataloader, checkpoints, cuda_graphs, reporting
 
 
 # --------------------------------------------------------------------------------
@@ -374,7 +374,7 @@ def exit_on_oom(args, what, model):
     try:
         yield
     except RuntimeError as e:  # torch.OutOfMemoryError is a RuntimeError, so is a failed CPU allocation
-        if not flags.is_out_of_memory(e):
+        if not models.is_out_of_memory(e):
             raise
         where = "GPU" if isinstance(e, torch.OutOfMemoryError) else "CPU"
         name = "the tiny LLaMA" if args.tiny else args.model

@@ -28,8 +28,7 @@ Usage:
 import argparse
 import os
 
-from kernel_ft import flags  # first: the Triton interpreter switch, then transformers
-from kernel_ft import checkpoints, models
+from kernel_ft import checkpoints, files, models  # first: the Triton interpreter switch, then transformers
 import torch
 from transformers import AutoConfig
 
@@ -55,7 +54,7 @@ def check_sharded(state):
 
 
 def check_out_dir(path, checkpoint):
-    path = flags.check_output_path(path, OUT, directory=True, inputs=[(CHECKPOINT, os.path.realpath(checkpoint))])
+    path = files.check_output_path(path, OUT, directory=True, inputs=[(CHECKPOINT, os.path.realpath(checkpoint))])
     if os.path.isdir(path) and os.listdir(path):
         raise SystemExit(f"error: {OUT} {path}: exists and is not empty; name a new folder")
     return path

@@ -23,7 +23,7 @@ import io
 import os
 
 from kernel_ft import flags  # first: the Triton interpreter switch, then transformers
-from kernel_ft import models
+from kernel_ft import files, models, reporting
 import torch
 import transformers
 from kernel_ft.run import apply_kernels
@@ -167,13 +167,13 @@ def main(argv=None):
                         help="write its summary (summary()) into README.md, between the markers")
     args = parser.parse_args(argv)
     if args.json:
-        args.json = flags.check_output_path(args.json, "--json", suffix=".json")
-    env = flags.environment_info()
+        args.json = files.check_output_path(args.json, "--json", suffix=".json")
+    env = reporting.environment_info()
     rows = matrix()
     print(f"transformers {env['transformers']}, torch {env['torch']}, {env['date']}\n")
     print(markdown(rows))
     if args.json:
-        flags.write_json_atomic(args.json, {"environment": env, "kernels": list(flags.KERNELS), "families": rows})
+        files.write_json_atomic(args.json, {"environment": env, "kernels": list(flags.KERNELS), "families": rows})
         print(f"\nWrote {args.json}")
     if args.readme:
         path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")

@@ -23,7 +23,7 @@ import sys
 import time
 
 from kernel_ft import flags  # first: the Triton interpreter switch, then transformers
-from kernel_ft import dataloader, models, run, training
+from kernel_ft import dataloader, files, models, reporting, run, training
 import torch
 
 
@@ -67,13 +67,13 @@ def main(argv=None):
               file=sys.stderr)
         sys.exit(2)
     if args.json:
-        args.json = flags.check_output_path(args.json, "--json", inputs=flags.input_paths(args), suffix=".json")  # before minutes of searching
+        args.json = files.check_output_path(args.json, "--json", inputs=files.input_paths(args), suffix=".json")  # before minutes of searching
     if args.all_kernels:
         for name in flags.KERNELS:
             setattr(args, f"use_custom_{name}", True)
 
-    env = flags.environment_info()
-    flags.print_banner("Longest trainable sequence at batch 1", env)
+    env = reporting.environment_info()
+    reporting.print_banner("Longest trainable sequence at batch 1", env)
     flags.resolve_defaults(args)
     args.batch_size = 1
     args.seq_len = args.step  # load_model checks it against the model's maximum
@@ -116,7 +116,7 @@ def main(argv=None):
     print(f"Result: kernels {', '.join(active)}: longest trainable sequence at batch 1 is {ok:,} tokens "
           f"({first_oom})", flush=True)
     if args.json:
-        flags.write_json_atomic(args.json, {
+        files.write_json_atomic(args.json, {
             "kernels": kernels, "longest_ok": ok, "first_oom": bad, "tried": tried,
             "config": flags.public_config(args), "environment": env, "model": info,
         })

@@ -27,7 +27,7 @@ from kernel_ft.benchmark_specs import copy_bandwidth
 import cross_entropy_kernel as ce
 import fp8_kernel as fk
 import rmsnorm_kernel as rk
-from kernel_ft.flags import check_output_path, write_json_atomic
+from kernel_ft.files import check_output_path, write_json_atomic
 
 
 def bench(fn):

@@ -405,6 +405,7 @@ def test_default_model_falls_back_to_random_weights(monkeypatch, capsys):
         return real_build(config, torch.device("meta"), dtype)  # shapes only, no memory
 
     monkeypatch.setattr(models, "build_random", build_on_meta)
+    monkeypatch.setattr(models, "check_fits_in_ram", lambda *a: None)  # built on the meta device: no RAM needed
     args = finetune_baseline.parse_args(["--no-tiny", "--seq-len", "16"])
     start = time.time()
     model, info = models.load_model(args)

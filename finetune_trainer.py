@@ -83,6 +83,7 @@ def check_flags(args):
                          "--dataset synthetic has none")
     if args.lora_4bit:
         raise SystemExit("error: --lora-4bit is not supported by finetune_trainer.py; use finetune_optimized.py")
+    flags.check_fp8_flags(args)
     if args.json:
         args.json = files.check_output_path(args.json, "--json", suffix=".json")
 
@@ -205,9 +206,10 @@ def switch_in(args, model):
     if not args.kernels:
         print("Kernels:       none (PyTorch / HF)")
         return None
-    switches = {name: bool(on) for name, on in flags.kernels_from_args(args).items() if name in kernel_ft.KERNELS}
+    kernels = flags.kernels_from_args(args)
+    switches = {name: bool(kernels.get(name)) for name in kernel_ft.KERNELS if name != "fp8"}
     switches["lora"] = bool(args.use_custom_lora)
-    report = kernel_ft.apply(model, **switches)
+    report = kernel_ft.apply(model, fp8=args.fp8, **switches)
     print("kernel_ft.apply:\n" + "\n".join(f"  {line}" for line in str(report).splitlines()))
     return dict(report)
 

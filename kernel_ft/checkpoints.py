@@ -307,14 +307,14 @@ def crc32_of(path):
 
 def write_manifest(folder):
     """List every file of the checkpoint in ``folder`` with its size and CRC-32."""
-    files = {}
+    listed = {}
     for root, _, names in os.walk(folder):
         for name in names:
             file = os.path.join(root, name)
             relative = os.path.relpath(file, folder)
             if relative != MANIFEST:
-                files[relative] = {"bytes": os.path.getsize(file), "crc32": crc32_of(file)}
-    files.write_json_atomic(os.path.join(folder, MANIFEST), {"files": dict(sorted(files.items()))})
+                listed[relative] = {"bytes": os.path.getsize(file), "crc32": crc32_of(file)}
+    files.write_json_atomic(os.path.join(folder, MANIFEST), {"files": dict(sorted(listed.items()))})
 
 
 def damage(folder):
@@ -322,15 +322,15 @@ def damage(folder):
     manifest, byte for byte), else what is wrong, naming the file."""
     try:
         with open(os.path.join(folder, MANIFEST)) as f:
-            files = json.load(f)["files"]
+            listed = json.load(f)["files"]
     except FileNotFoundError:
         return f"no {MANIFEST}: its save never completed"
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{MANIFEST} is unreadable ({files.one_line(e)})"
-    forged = manifest_problem(folder, files)
+    forged = manifest_problem(folder, listed)
     if forged:
         return f"{MANIFEST} is not one this code wrote ({forged})"
-    for relative, written in files.items():
+    for relative, written in listed.items():
         file = os.path.join(folder, relative)
         if not os.path.isfile(file):
             return f"{relative} is missing"
@@ -342,13 +342,13 @@ def damage(folder):
     return None
 
 
-def manifest_problem(folder, files):
+def manifest_problem(folder, listed):
     """What makes a manifest's file list one this code did not write (None if nothing):
     not a {name: {"bytes": int, "crc32": 8 hex digits}} mapping, or a name outside ``folder``."""
-    if not isinstance(files, dict) or not files:
+    if not isinstance(listed, dict) or not listed:
         return "no list of files"
     root = os.path.realpath(folder)
-    for relative, written in files.items():
+    for relative, written in listed.items():
         crc = written.get("crc32") if isinstance(written, dict) else None
         if not isinstance(written.get("bytes") if crc else None, int) or not re.fullmatch(r"[0-9a-f]{8}", str(crc)):
             return f"the entry of {relative!r} has no byte count and CRC-32"

@@ -584,8 +584,18 @@ def load_model(args):
     check_causal_lm(model.config, args.model)
     check_causal(model, args.model)
 
+    info = describe(model, name, source, dtype, device)
+    if getattr(args, "gradient_checkpointing", False):
+        # Non-reentrant: it checks that the recomputation saves what the forward
+        # saved, so a kernel swapped in for the forward only would be caught.
+        enable_checkpointing(model)
+        print("Checkpointing: each decoder layer is recomputed in backward (activations not stored)")
+    return model, info
+
+
+def describe(model, name, source, dtype, device):
+    """The model's info dict for the JSON reports, and its two printed lines."""
     n_params = sum(p.numel() for p in model.parameters())
-    max_pos = getattr(model.config, "max_position_embeddings", None)
     info = {
         "name": name,
         "source": source,
@@ -594,17 +604,12 @@ def load_model(args):
         "dtype": str(dtype).replace("torch.", ""),
         "device": str(device),
         "vocab_size": model.config.vocab_size,
-        "max_position_embeddings": max_pos,
+        "max_position_embeddings": getattr(model.config, "max_position_embeddings", None),
     }
     print(f"Model:         {name} [{type(model).__name__}], {source}")
     size = f"{n_params / 1e9:.2f} B" if n_params >= 1e9 else f"{n_params / 1e6:.1f} M"
     print(f"Parameters:    {n_params:,} ({size}), dtype {info['dtype']}, on {device}")
-    if getattr(args, "gradient_checkpointing", False):
-        # Non-reentrant: it checks that the recomputation saves what the forward
-        # saved, so a kernel swapped in for the forward only would be caught.
-        enable_checkpointing(model)
-        print("Checkpointing: each decoder layer is recomputed in backward (activations not stored)")
-    return model, info
+    return info
 
 
 # --------------------------------------------------------------------------------

@@ -137,19 +137,7 @@ def apply(model, *, fp8=None, rmsnorm=True, swiglu=True, flce=True, ce=True, rop
     name = type(lm).__name__
     report = Report()
 
-    # FP8 first, so that the MLP swap below finds FP8 layers as its projections.
-    if fp8:
-        count, skipped = replace_linears(model, fp8)
-        detail = (f"{count} linear layers in float8_e4m3fn, {fp8} scales (Triton casts, cuBLASLt products); "
-                  f"the LM head and LoRA adapters as before")
-        if skipped:
-            detail += f"; {len(skipped)} left as they were (sizes not multiples of 16), e.g. {skipped[0]}"
-        if count or _already_in("fp8", model):
-            report.add("fp8", APPLIED, count or _already_in("fp8", model), detail)
-        else:
-            report.add("fp8", LEFT_OUT, 0, f"found no linear layers to cast in {name}")
-    else:
-        report.add("fp8", NOT_USED, 0, "off (fp8='tensorwise' or 'rowwise' to use it)")
+    _apply_fp8(report, model, fp8, name)  # first: the MLP swap below finds FP8 layers as its projections
 
     def switch(kernel, on, swap, found_nothing, line):
         if not on:
@@ -189,29 +177,7 @@ def apply(model, *, fp8=None, rmsnorm=True, swiglu=True, flce=True, ce=True, rop
            "flash attention within each document of a row in {count} attention layers; padding masks and KV "
            "caches run the model's own attention")
 
-    # LoRA: only PEFT models have adapters (each layer checked at every call: DoRA, QLoRA,
-    # FP8 base layers keep PEFT's forward; dropout runs fused).
-    if not lora:
-        report.add("lora", NOT_USED, 0, "switched off")
-    elif not hasattr(model, "peft_config"):
-        report.add("lora", NOT_USED, 0, "no LoRA layers (a PEFT model: call apply after get_peft_model)")
-    else:
-        _swap(report, "lora", fuse_lora, model, "found no PEFT LoRA layers in {model}",
-              "{count} LoRA layers: the adapter's scale and sum inside the base layer's matrix products "
-              "(cuBLAS epilogues), forward and backward")
-
-    # After LoRA: its fused layers join the groups; FP8 and quantized layers keep their own.
-    if not projections:
-        report.add("projections", NOT_USED, 0, "switched off")
-    else:
-        count = group_projections(model) or _already_in("projections", model)
-        if count:
-            report.add("projections", APPLIED, count, f"{count} groups of projections (q/k/v, gate/up) with one "
-                       f"input gradient, summed in cuBLAS's epilogues")
-        else:
-            report.add("projections", NOT_USED, 0, f"nothing to group in {name} (its q/k/v and gate/up are fused "
-                       f"already, or FP8, quantized or unrouted LoRA layers)")
-
+    _apply_lora_and_groups(report, model, lora, projections, name)
     asked = {"fp8": bool(fp8), "rmsnorm": rmsnorm, "swiglu": swiglu, "flce": flce, "ce": ce, "rope": rope,
              "attention": attention, "lora": lora, "projections": projections}
     left = {k: v for k, v in report.left_out.items() if asked[k]}
@@ -222,3 +188,44 @@ def apply(model, *, fp8=None, rmsnorm=True, swiglu=True, flce=True, ce=True, rop
         warnings.warn("kernel_ft.apply: left to PyTorch: " + "; ".join(f"{k} ({v})" for k, v in left.items()),
                       stacklevel=2)
     return report
+
+
+def _apply_fp8(report, model, fp8, name):
+    """FP8 linear layers (fp8_kernel.replace_linears), when asked for."""
+    if not fp8:
+        report.add("fp8", NOT_USED, 0, "off (fp8='tensorwise' or 'rowwise' to use it)")
+        return
+    count, skipped = replace_linears(model, fp8)
+    detail = (f"{count} linear layers in float8_e4m3fn, {fp8} scales (Triton casts, cuBLASLt products); "
+              f"the LM head and LoRA adapters as before")
+    if skipped:
+        detail += f"; {len(skipped)} left as they were (sizes not multiples of 16), e.g. {skipped[0]}"
+    if count or _already_in("fp8", model):
+        report.add("fp8", APPLIED, count or _already_in("fp8", model), detail)
+    else:
+        report.add("fp8", LEFT_OUT, 0, f"found no linear layers to cast in {name}")
+
+
+def _apply_lora_and_groups(report, model, lora, projections, name):
+    """LoRA in the base layers' products, then the projection groups (LoRA's fused layers
+    join them; FP8 and quantized layers keep their own). Only PEFT models have adapters;
+    each layer is checked at every call (DoRA, QLoRA, FP8 base layers keep PEFT's forward;
+    dropout runs fused)."""
+    if not lora:
+        report.add("lora", NOT_USED, 0, "switched off")
+    elif not hasattr(model, "peft_config"):
+        report.add("lora", NOT_USED, 0, "no LoRA layers (a PEFT model: call apply after get_peft_model)")
+    else:
+        _swap(report, "lora", fuse_lora, model, "found no PEFT LoRA layers in {model}",
+              "{count} LoRA layers: the adapter's scale and sum inside the base layer's matrix products "
+              "(cuBLAS epilogues), forward and backward")
+    if not projections:
+        report.add("projections", NOT_USED, 0, "switched off")
+    else:
+        count = group_projections(model) or _already_in("projections", model)
+        if count:
+            report.add("projections", APPLIED, count, f"{count} groups of projections (q/k/v, gate/up) with one "
+                       f"input gradient, summed in cuBLAS's epilogues")
+        else:
+            report.add("projections", NOT_USED, 0, f"nothing to group in {name} (its q/k/v and gate/up are fused "
+                       f"already, or FP8, quantized or unrouted LoRA layers)")

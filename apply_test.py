@@ -389,6 +389,20 @@ def test_labels_give_the_loss_without_running_the_lm_head(label):
         assert_close(f"gradient of {name}", grads[name], p.grad, GRAD_TOL)
 
 
+def test_an_moe_call_asking_for_the_router_loss_runs_the_models_own_forward():
+    """Mixtral given output_router_logits=True adds its router's auxiliary loss to the loss:
+    that call runs the model's own forward (logits and all), the same loss as without apply."""
+    plain = tiny_model("Mixtral")
+    ours = applied(copy.deepcopy(plain))
+    ids = token_ids(2)
+    want = plain(input_ids=ids, labels=ids, output_router_logits=True)
+    got = ours(input_ids=ids, labels=ids, output_router_logits=True)
+    assert want.aux_loss is not None and got.aux_loss is not None and got.logits is not None
+    assert_close("loss", got.loss.detach(), want.loss.detach(), LOSS_TOL)
+    # Without it the fused loss runs (no logits) and equals the model's plain loss.
+    assert ours(input_ids=ids, labels=ids).logits is None
+
+
 @pytest.mark.parametrize("label", TESTED)
 def test_without_labels_the_logits_are_the_models(label):
     plain = tiny_model(label).eval()

@@ -448,7 +448,8 @@ def causal_lm_forward_with_fused_loss(model, *args, **kwargs):
     arguments = model._kernel_ft_signature.bind(*args, **kwargs).arguments
     extra = arguments.pop(model._kernel_ft_var_keyword, {})  # what came in through **kwargs
     labels = arguments.get("labels")
-    if labels is None:
+    if labels is None or extra.get("output_router_logits") or arguments.get("output_router_logits"):
+        # No loss to compute, or an MoE call that adds its router's auxiliary loss: the model's own forward.
         return model._kernel_ft_forward(*args, **kwargs)
     num_items = extra.pop("num_items_in_batch", None)
     shift_labels = extra.pop("shift_labels", None)

@@ -72,8 +72,7 @@ def check_flags(args):
         raise SystemExit("error: finetune_trainer.py needs TRL: pip install -r requirements.txt")
     if args.liger and not flags.installed("liger_kernel"):
         raise SystemExit("error: --liger needs Liger-Kernel: pip install liger-kernel==0.8.5")
-    if args.liger and args.kernels:
-        args.kernels = False  # one set of kernels at a time: Liger's replaces ours
+    if args.liger and args.kernels:  # one set of kernels at a time: Liger's replaces ours (uses_ours)
         flags.note("--liger: Liger-Kernel's kernels instead of ours (--no-kernels)")
     if args.compile:
         raise SystemExit("error: --compile is not supported by finetune_trainer.py (Trainer's torch_compile "
@@ -172,6 +171,11 @@ def training_sync():
 # --------------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------------
+def uses_ours(args):
+    """Whether this run trains with our kernels: --kernels (the default), not --liger."""
+    return args.kernels and not args.liger
+
+
 def build_trainer(args, model, data, clock):
     """TRL's SFTTrainer as a user writes it: packed, padding-free, completion-only loss."""
     from transformers import PrinterCallback
@@ -189,7 +193,7 @@ def build_trainer(args, model, data, clock):
         dataloader_num_workers=args.num_workers or 0, dataloader_pin_memory=args.pin_memory and on_gpu,
     )
     optimizers = (None, None)
-    if args.kernels and flags.kernels_from_args(args)["adamw"]:
+    if uses_ours(args) and flags.kernels_from_args(args)["adamw"]:
         params = models.trainable_parameters(model)
         optimizers = (kernel_ft.AdamW(params, lr=args.lr, weight_decay=config.weight_decay), None)
     trainer = SFTTrainer(model=model, args=config, train_dataset=sft_dataset(data),
@@ -203,7 +207,7 @@ def switch_in(args, model):
     if args.liger:
         print("Kernels:       Liger-Kernel through TRL (use_liger_kernel=True)")
         return None
-    if not args.kernels:
+    if not uses_ours(args):
         print("Kernels:       none (PyTorch / HF)")
         return None
     kernels = flags.kernels_from_args(args)

@@ -277,10 +277,10 @@ def test_meta_device_lora_starts_as_the_base_model(one_process_group):
     from torch.distributed.tensor import DTensor
 
     args = argparse.Namespace(tiny=False, lora_r=4, lora_alpha=8.0, lora_dropout=0.0, lora_4bit=False,
-                              lora_targets=list(flags.LORA_TARGETS), _world=one_process_group)
+                              lora_targets=list(flags.LORA_TARGETS))
     torch.manual_seed(0)
     model = models.apply_lora(models.build_random(models.tiny_config(), torch.device("meta"), torch.float32), args)
-    fsdp.shard_model(model, args)
+    fsdp.shard_model(model, args, one_process_group)
     assert all(isinstance(p, DTensor) and not p.is_meta for p in model.parameters())
     adapters = {name: p for name, p in model.named_parameters() if ".lora_" in name}
     assert {id(p) for p in models.trainable_parameters(model)} == {id(p) for p in adapters.values()}
@@ -432,10 +432,9 @@ def shards(reduce_dtype):
     config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")
     model = LlamaForCausalLM(config).to("cuda", torch.bfloat16)
-    args = argparse.Namespace(tiny=False, fsdp_reduce_dtype=reduce_dtype,
-                              _world=fsdp.World(rank, 2, rank, torch.device("cuda", rank)))
+    args = argparse.Namespace(tiny=False, fsdp_reduce_dtype=reduce_dtype)
     assert fsdp.reduce_dtype_for(argparse.Namespace(), model, 2) == "bfloat16"
-    fsdp.shard_model(model, args)
+    fsdp.shard_model(model, args, fsdp.World(rank, 2, rank, torch.device("cuda", rank)))
     ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(rank)).cuda()
     model(input_ids=ids, labels=ids).loss.backward()
     return [p.grad.to_local().clone() for p in model.parameters()]

@@ -570,7 +570,7 @@ def main(argv=None):
         check_replaceable(out_dir, args)  # before the model: a refusal costs a second
 
     # The run as the fine-tune scripts set it up (run.py), the modules labelled for the trace.
-    model, model_info, data = run.load(args)
+    model, model_info, data = run.load(args, world)
     print(f"Batch:         {args.batch_size} x {args.seq_len} tokens; {warmup_steps(args)} warm-up steps, "
           f"{args.steps} timed without the profiler, {args.steps} profiled")
     _, loss_fn, optimizer, graphs = run.assemble(args, model, data, run.apply_kernels, world, after_kernels=label_model)

@@ -477,6 +477,18 @@ def add_real_run_args(parser):
     return parser
 
 
+class ImpliesLora(argparse.Action):
+    """--lora-4bit: a switch that also sets --lora, while the flags are parsed (no module
+    changes them later)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, True)
+        namespace.lora = True
+
+
 def add_lora_args(parser):
     g = parser.add_argument_group("LoRA (PEFT)")
     g.add_argument("--lora", action="store_true",
@@ -489,7 +501,7 @@ def add_lora_args(parser):
     g.add_argument("--lora-targets", type=name_list, default=",".join(LORA_TARGETS),
                    help="comma-separated names of the linear layers that get adapters (default: every "
                         "linear layer of the decoder, %(default)s)")
-    g.add_argument("--lora-4bit", action="store_true",
+    g.add_argument("--lora-4bit", action=ImpliesLora,
                    help="QLoRA: the frozen weights loaded in 4-bit NF4 (pip install bitsandbytes; CUDA GPU, "
                         "pretrained weights); implies --lora")
     return parser

@@ -109,8 +109,7 @@ def init_distributed(args):
         torch.distributed.init_process_group(backend=backend, **kwargs)
     if rank != 0:  # one report, rank 0's; errors still reach stderr from every rank
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
-    args._world = World(rank, size, local_rank, device)
-    return args._world
+    return World(rank, size, local_rank, device)
 
 
 def close_distributed():
@@ -121,7 +120,7 @@ def close_distributed():
         torch.distributed.destroy_process_group()
 
 
-def shard_model(model, args):
+def shard_model(model, args, world):
     """--fsdp: fully_shard each decoder layer, then the root (embedding, final norm,
     LM head); a model built on the meta device (load_model) is then materialized,
     shard by shard. Call it after the kernels are switched in: the module swaps
@@ -141,7 +140,6 @@ def shard_model(model, args):
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    world = args._world
     kwargs = {}
     reduce_dtype = reduce_dtype_for(args, model, world.size)
     if world.device.type == "cuda" and not args.tiny:

@@ -519,11 +519,11 @@ def _checkpointed(forward):
     return checkpointed_forward
 
 
-def load_model(args):
-    """Build the model the flags ask for; return (model, info dict). Prints what it did."""
+def load_model(args, world=None):
+    """Build the model the flags ask for; return (model, info dict). Prints what it did.
+    ``world``: --fsdp's process (fsdp.init_distributed), whose GPU the model goes to."""
     flags.resolve_defaults(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    world = getattr(args, "_world", None)
     if world is not None:
         device = world.device  # --fsdp: this process's GPU (cuda:LOCAL_RANK)
     # bf16 is what LLaMA is trained in on GPUs; CPUs do float32 well and bf16 slowly.
@@ -618,7 +618,6 @@ def describe(model, name, source, dtype, device):
 def check_lora_flags(args):
     """What --lora and --lora-4bit need, checked before anything is built."""
     if args.lora_4bit:
-        args.lora = True
         if not flags.installed("bitsandbytes"):
             raise SystemExit("error: --lora-4bit needs bitsandbytes for the 4-bit weights: pip install bitsandbytes")
         if not torch.cuda.is_available():
@@ -626,7 +625,7 @@ def check_lora_flags(args):
         if args.tiny or args.random_init:
             raise SystemExit("error: --lora-4bit quantizes pretrained weights while loading them; "
                              "it cannot be used with --tiny or --random-init")
-    if args.lora and not flags.installed("peft"):
+    if (args.lora or args.lora_4bit) and not flags.installed("peft"):
         raise SystemExit("error: --lora needs the peft package: pip install peft")
 
 

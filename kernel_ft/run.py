@@ -77,15 +77,16 @@ def apply_kernels(model, kernels):
 # --------------------------------------------------------------------------------
 # The run, in its one order
 # --------------------------------------------------------------------------------
-def load(args):
+def load(args, world=None):
     """The data records, the model, the tokenized data (None: synthetic) and, with
     --lora, the adapters. Returns (model, model_info, data). A bad --dataset fails
     before the model is built."""
     records = dataloader.load_records(args.dataset)
-    model, model_info = models.load_model(args)
+    model, model_info = models.load_model(args, world)
     data = dataloader.prepare_data(args, records, model.config.vocab_size)
     models.avoid_per_shape_attention_plans(args, data)
-    args._mask_window = models.dense_mask_window(args, data, model.config)  # private: not in the JSON config
+    if data is not None:  # the sliding window a dense mask must apply (the batches build it)
+        data.mask_window = models.dense_mask_window(args, data, model.config)
     if getattr(args, "eval_every", None) and data is not None and not data.held_out:
         raise SystemExit(f"error: --eval-every: {data.name} leaves no held-out example to evaluate on (its "
                          f"held-out split is {dataloader.EVAL_FRACTION:.0%} of the records); use a larger dataset "
@@ -104,7 +105,7 @@ def assemble(args, model, data, switch_in, world, after_kernels=None):
     if after_kernels:
         after_kernels(model)
     if world:  # after the kernels: the swapped modules are what is sharded
-        fsdp.shard_model(model, args)
+        fsdp.shard_model(model, args, world)
     models.compile_decoder(model, args)  # after the kernels (and LoRA): they are what the graphs hold
     graphs = training.use_cuda_graphs(args, model, data)
     # Taken now: fully_shard replaced every parameter with a sharded one (DTensor).
@@ -151,7 +152,7 @@ def run_finetune(args, title, script, switch_in):
     if args.output_dir:
         checkpoints.check_no_later_checkpoints(args.output_dir, resumed["step"] if resumed else 0)
 
-    model, model_info, data = load(args)
+    model, model_info, data = load(args, world)
     if resumed:
         checkpoints.check_same_model(resumed, model)
     model_info["trainable_parameters"] = sum(p.numel() for p in models.trainable_parameters(model))

@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from kernel_ft import dataloader, files, flags, models, reporting
+from kernel_ft import dataloader, files, flags, models, reporting, run
 import kernel_ft
 
 TITLE = "Fine-tuning in TRL's SFTTrainer"
@@ -82,7 +82,7 @@ def check_flags(args):
                          "--dataset synthetic has none")
     if args.lora_4bit:
         raise SystemExit("error: --lora-4bit is not supported by finetune_trainer.py; use finetune_optimized.py")
-    flags.check_fp8_flags(args)
+    run.check_model_flags(args)  # --lora, --fp8: as the other scripts check them
     if args.json:
         args.json = files.check_output_path(args.json, "--json", suffix=".json")
 
@@ -210,10 +210,7 @@ def switch_in(args, model):
     if not uses_ours(args):
         print("Kernels:       none (PyTorch / HF)")
         return None
-    kernels = flags.kernels_from_args(args)
-    switches = {name: bool(kernels.get(name)) for name in kernel_ft.KERNELS if name != "fp8"}
-    switches["lora"] = bool(args.use_custom_lora)
-    report = kernel_ft.apply(model, fp8=args.fp8, **switches)
+    report = kernel_ft.apply(model, **run.apply_switches(flags.kernels_from_args(args)))
     print("kernel_ft.apply:\n" + "\n".join(f"  {line}" for line in str(report).splitlines()))
     return dict(report)
 

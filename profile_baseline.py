@@ -67,7 +67,7 @@ import time
 from collections import defaultdict
 
 from kernel_ft import flags  # first: flags switches on the Triton interpreter before triton loads
-from kernel_ft import dataloader, files, fsdp, models, reporting, run, training
+from kernel_ft import dataloader, files, fsdp, reporting, run, training
 import profile_timeline
 
 import torch
@@ -557,7 +557,7 @@ def main(argv=None):
     # Checked now, in one line, not after the model is built and profiled.
     args.trace_dir = files.check_output_path(args.trace_dir, "--trace-dir", directory=True,
                                              inputs=files.input_paths(args))
-    check_flags(args)
+    run.check_model_flags(args)
     # --fsdp: every process trains (the collectives need them all); rank 0 alone
     # profiles its GPU, prints and writes (init_distributed silences the others).
     world = fsdp.init_distributed(args)
@@ -588,13 +588,6 @@ def main(argv=None):
     print_after(args, name, out_dir, summary)
     fsdp.close_distributed()
     return summary
-
-
-def check_flags(args):
-    """The flags' checks that need no model, in the fine-tune scripts' order."""
-    models.check_lora_flags(args)
-    flags.check_fp8_flags(args)  # before --fsdp's check of its environment, as the fine-tune scripts do
-    fsdp.check_fsdp_flags(args)
 
 
 def profile_and_write(args, name, out_dir, env, model, model_info, step, batches, world):

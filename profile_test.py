@@ -30,6 +30,7 @@ import torch
 from torch.autograd import DeviceType
 
 import profile_baseline as pb
+from kernel_ft import models
 
 TINY = ["--tiny", "--dataset", "synthetic", "--batch-size", "2", "--seq-len", "32"]
 
@@ -126,7 +127,7 @@ def test_out_of_memory(monkeypatch, tmp_path):
 # Outputs: checked first; a new profile replaces the old one only when complete
 # --------------------------------------------------------------------------------
 def test_fp8_refused_before_the_model_where_there_are_no_fp8_tensor_cores(monkeypatch, tmp_path):
-    monkeypatch.setattr(pb.models, "load_model", lambda *a: pytest.fail("built a model before the check"))
+    monkeypatch.setattr(models, "load_model", lambda *a: pytest.fail("built a model before the check"))
     monkeypatch.setattr(pb.flags.kernel_common, "fp8_supported", lambda device: (False, "no FP8 tensor cores here"))
     with pytest.raises(SystemExit) as e:
         pb.main(TINY + ["--fp8", "tensorwise", "--trace-dir", str(tmp_path)])
@@ -134,7 +135,7 @@ def test_fp8_refused_before_the_model_where_there_are_no_fp8_tensor_cores(monkey
 
 
 def test_bad_trace_dir_fails_before_profiling(tmp_path, monkeypatch):
-    monkeypatch.setattr(pb.models, "load_model", lambda *a: pytest.fail("built a model before the check"))
+    monkeypatch.setattr(models, "load_model", lambda *a: pytest.fail("built a model before the check"))
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("")
     with pytest.raises(SystemExit) as e:

@@ -90,18 +90,19 @@ def check_no_later_checkpoints(output_dir, start_step):
             raise SystemExit(f"error: --output-dir {output_dir}: {path} is not a checkpoint folder, and a run would "
                              f"need that name; move it away or choose another --output-dir")
     for tmp in glob.glob(os.path.join(output_dir, CHECKPOINT_PREFIX + "*.tmp")):
-        if not os.path.isfile(os.path.join(tmp, WRITING_MARK)):  # a save of this run would need that name
+        if not marked_by_a_save(tmp):  # a save of this run would need that name
             raise SystemExit(f"error: --output-dir {output_dir}: {tmp} was not written by this project's checkpoint "
                              f"save, and a save would need that name; move it away or choose another --output-dir")
     later = sorted(k for k in existing_checkpoints(output_dir) if k > start_step)
     if later:
         how = f"resumed from step {start_step}" if start_step else "starting from step 0"
-        # The advice names a checkpoint that can be resumed: the latest complete one.
-        complete = [k for k in later if damage(checkpoint_path(output_dir, k)) is None]
+        # The advice names a checkpoint that can be resumed: the latest complete one. Each
+        # checkpoint is read once (damage reads every file of it).
+        problems = {k: damage(checkpoint_path(output_dir, k)) for k in later}
+        complete = [k for k in later if problems[k] is None]
         first = f"{CHECKPOINT_PREFIX}{later[0]}"
-        problem = damage(checkpoint_path(output_dir, later[0]))
-        if problem:
-            first += f" (not complete: {problem})"
+        if problems[later[0]]:
+            first += f" (not complete: {problems[later[0]]})"
         advice = (f"continue it with --resume {checkpoint_path(output_dir, complete[-1])}, or choose another "
                   f"--output-dir" if complete else "move it away or choose another --output-dir")
         raise SystemExit(f"error: --output-dir {output_dir} already holds {first}, which a run {how} would "
@@ -157,11 +158,16 @@ def set_rng_states(states):
 WRITING_MARK = ".written_by_kernel_ft"
 
 
+def marked_by_a_save(tmp):
+    """Whether the folder ``tmp`` holds WRITING_MARK: a save of this project made it."""
+    return os.path.isfile(os.path.join(tmp, WRITING_MARK))
+
+
 def fresh_tmp(tmp):
     """Make the folder ``tmp`` a save writes into, marked as this project's. A leftover
     of an interrupted save (marked) is removed; anything else there ends the run in one line."""
     if os.path.lexists(tmp):
-        if not os.path.isdir(tmp) or os.path.islink(tmp) or not os.path.isfile(os.path.join(tmp, WRITING_MARK)):
+        if not os.path.isdir(tmp) or os.path.islink(tmp) or not marked_by_a_save(tmp):
             raise SystemExit(f"error: --output-dir: {tmp} exists and was not written by this project's checkpoint "
                              f"save; move it away (nothing was deleted)")
         shutil.rmtree(tmp)  # left by a save of ours that was interrupted

@@ -111,9 +111,9 @@ def _swap(report, kernel, swap, model, found_nothing, line):
     except SwapMismatch as e:
         report.add(kernel, LEFT_OUT, 0, str(e))
         return 0
-    if count == 0 and _already_in(kernel, model):
-        count = _already_in(kernel, model)
-        report.add(kernel, APPLIED, count, f"{count} modules in since an earlier kernel_ft.apply")
+    already = _already_in(kernel, model) if count == 0 else 0
+    if already:
+        report.add(kernel, APPLIED, already, f"{already} modules in since an earlier kernel_ft.apply")
     elif count == 0:
         report.add(kernel, LEFT_OUT, 0, found_nothing.format(model=type(model).__name__))
     else:
@@ -200,8 +200,9 @@ def _apply_fp8(report, model, fp8, name):
               f"the LM head and LoRA adapters as before")
     if skipped:
         detail += f"; {len(skipped)} left as they were (sizes not multiples of 16), e.g. {skipped[0]}"
-    if count or _already_in("fp8", model):
-        report.add("fp8", APPLIED, count or _already_in("fp8", model), detail)
+    count = count or _already_in("fp8", model)
+    if count:
+        report.add("fp8", APPLIED, count, detail)
     else:
         report.add("fp8", LEFT_OUT, 0, f"found no linear layers to cast in {name}")
 

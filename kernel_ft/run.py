@@ -36,6 +36,12 @@ LABELS = {"fp8": "FP8 matmuls:", "rmsnorm": "Custom rmsnorm:", "swiglu": "Custom
 # --------------------------------------------------------------------------------
 # The kernels: the --use-custom-* flags are kernel_ft.apply's switches
 # --------------------------------------------------------------------------------
+def apply_switches(kernels):
+    """kernel_ft.apply's keyword arguments from the --use-custom-* flags
+    (flags.kernels_from_args): each kernel on or off, fp8 the recipe or None."""
+    return {"fp8": kernels.get("fp8") or None, **{name: bool(kernels.get(name)) for name in KERNELS if name != "fp8"}}
+
+
 def apply_kernels(model, kernels):
     """Switch into ``model`` the kernels that ``kernels`` ({name: on/off}, see
     flags.kernels_from_args) turns on, through ``kernel_ft.apply`` (the call a user's
@@ -44,15 +50,15 @@ def apply_kernels(model, kernels):
     training.run_training. With every kernel off (and no LoRA on a bf16 model) this is
     the plain HF baseline.
     """
-    switches = {name: bool(kernels.get(name)) for name in KERNELS if name != "fp8"}
+    switches = apply_switches(kernels)
     try:
-        report = apply(model, fp8=kernels.get("fp8"), strict=True, **switches)
+        report = apply(model, strict=True, **switches)
     except KernelNotApplied as e:
         flag = "--fp8" if e.kernel == "fp8" else f"--use-custom-{e.kernel}"
         undo = "run without it" if e.kernel == "fp8" else f"run with --no-use-custom-{e.kernel}"
         raise SystemExit(f"error: {flag}: {e.reason}; {undo}") from None
     for name, entry in report.items():
-        if entry["status"] == "applied" or (name == "projections" and switches["projections"]):
+        if entry["status"] == "applied" or (name == "projections" and kernels.get("projections")):
             print(f"{LABELS[name]:<14} {entry['detail']}")
     active = [name for name in flags.KERNELS if name in report.applied or (name == "adamw" and kernels.get(name))]
     active += [name for name in ("lora",) if name in report.applied]
@@ -114,16 +120,22 @@ def assemble(args, model, data, switch_in, world, after_kernels=None):
     return kernels, loss_fn, optimizer, graphs
 
 
+def check_model_flags(args):
+    """The checks of the flags that shape the model and its training, for every script that
+    trains: LoRA, FP8, the optimizer in backward, then --fsdp's check of its environment."""
+    models.check_lora_flags(args)
+    for flag in ("--fp8", "--torchao-fp8"):  # flags that cannot go together, before --fsdp's check
+        flags.check_fp8_flags(args, flag)
+    flags.check_optimizer_in_backward(args)
+    fsdp.check_fsdp_flags(args)
+
+
 def check_finetune_flags(args):
     """Every check of a fine-tune run that needs no model: a mistake costs a second, not
     a load. Returns the checkpoint state to resume from (None: a new run)."""
     if args.json:
         args.json = files.check_output_path(args.json, "--json", inputs=files.input_paths(args), suffix=".json")
-    models.check_lora_flags(args)
-    for flag in ("--fp8", "--torchao-fp8"):  # flags that cannot go together, before --fsdp's check of its environment
-        flags.check_fp8_flags(args, flag)
-    flags.check_optimizer_in_backward(args)
-    fsdp.check_fsdp_flags(args)
+    check_model_flags(args)
     resumed = checkpoints.read_checkpoint_state(args.resume) if args.resume else None
     if resumed:
         args.resume = resumed["path"]  # the checkpoint folder, also when --resume named the run's folder

@@ -204,7 +204,7 @@ def test_dense_mask_carries_the_sliding_window():
     assert torch.equal(mask[:, 0], attention_kernel.visible_keys(document_starts(positions), 8))
     torch.manual_seed(0)
     model = models.build_random(family_config("mistral", {"sliding_window": 8}), torch.device(DEVICE), torch.float32)
-    args = flags.resolve_defaults(__import__("finetune_optimized").parse_args(
+    args = flags.settle(__import__("finetune_optimized").parse_args(
         ["--tiny", "--seq-len", "32", "--no-use-custom-attention"]))
     assert models.dense_mask_window(args, object(), model.config) == 8
     batch = packed_batch(model, [[20, 3, 9]], 32)
@@ -220,11 +220,11 @@ def test_dense_mask_carries_the_sliding_window():
 
 
 def test_dense_mask_window_refuses_mixed_layers():
-    short = flags.resolve_defaults(__import__("finetune_optimized").parse_args(
+    short = flags.settle(__import__("finetune_optimized").parse_args(
         ["--tiny", "--seq-len", "4096", "--no-use-custom-attention"]))
-    long = flags.resolve_defaults(__import__("finetune_optimized").parse_args(
+    long = flags.settle(__import__("finetune_optimized").parse_args(
         ["--tiny", "--seq-len", "8192", "--no-use-custom-attention"]))
-    kernel = flags.resolve_defaults(__import__("finetune_optimized").parse_args(["--tiny", "--seq-len", "8192"]))
+    kernel = flags.settle(__import__("finetune_optimized").parse_args(["--tiny", "--seq-len", "8192"]))
     gemma2 = family_config("gemma2", {})  # sliding (4,096) and full layers alternate
     assert models.dense_mask_window(short, object(), gemma2) == 0  # rows no longer than the window
     assert models.dense_mask_window(kernel, object(), gemma2) == 0  # the kernel takes each layer's window
@@ -237,9 +237,9 @@ def test_dense_mask_window_refuses_mixed_layers():
 
 
 def test_dataloader_leaves_the_mask_out():
-    args = flags.resolve_defaults(__import__("finetune_optimized").parse_args(["--tiny"]))
+    args = flags.settle(__import__("finetune_optimized").parse_args(["--tiny"]))
     assert flags.kernels_from_args(args)["attention"] and models.document_attention(args)
-    off = flags.resolve_defaults(__import__("finetune_optimized").parse_args(["--tiny", "--no-use-custom-attention"]))
+    off = flags.settle(__import__("finetune_optimized").parse_args(["--tiny", "--no-use-custom-attention"]))
     assert not models.document_attention(off)
     synthetic = __import__("finetune_optimized").parse_args(["--tiny", "--dataset", "synthetic"])
     assert not flags.kernels_from_args(synthetic)["attention"]  # one document per row: SDPA's own

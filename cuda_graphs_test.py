@@ -56,9 +56,9 @@ def test_flag_defaults(monkeypatch):
     # replay; and it is the same without graphs: the learning-rate schedule does not change.
     for argv, warmup in (([], cuda_graphs.EAGER_STEPS + 1), (["--no-cuda-graphs"], cuda_graphs.EAGER_STEPS + 1),
                          (["--warmup-steps", "1"], 1)):
-        args = flags.resolve_defaults(finetune_optimized.parse_args(["--tiny"] + argv))
+        args = flags.settle(finetune_optimized.parse_args(["--tiny"] + argv))
         assert args.warmup_steps == warmup, argv
-    assert flags.resolve_defaults(finetune_baseline.parse_args(["--tiny"])).warmup_steps == cuda_graphs.EAGER_STEPS + 1
+    assert flags.settle(finetune_baseline.parse_args(["--tiny"])).warmup_steps == cuda_graphs.EAGER_STEPS + 1
 
 
 def _args(**changes):

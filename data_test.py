@@ -36,7 +36,7 @@ IGNORE = dataloader.IGNORE_INDEX
 
 
 def tiny_model():
-    args = flags.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--seq-len", "32"]))
+    args = flags.settle(finetune_baseline.parse_args(["--tiny", "--seq-len", "32"]))
     model, _ = models.load_model(args)
     return model
 
@@ -270,7 +270,7 @@ def test_hub_dataset_offline(monkeypatch):
 
 
 def test_too_short_seq_len_is_refused():
-    args = flags.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--seq-len", "8"]))
+    args = flags.settle(finetune_baseline.parse_args(["--tiny", "--seq-len", "8"]))
     with pytest.raises(SystemExit) as e:
         dataloader.prepare_data(args, dataloader.load_records(args.dataset), 8192)
     assert "--seq-len 8 leaves no response token in any training example" in str(e.value.code)
@@ -321,7 +321,7 @@ def test_examples_without_a_target_are_left_out():
 
 def test_data_with_nothing_to_learn_is_refused(monkeypatch):
     monkeypatch.setattr(dataloader, "load_tokenizer", lambda args: (NoEosTokenizer(), "bytes without EOS"))
-    args = flags.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--seq-len", "64"]))
+    args = flags.settle(finetune_baseline.parse_args(["--tiny", "--seq-len", "64"]))
     records = [{"instruction": f"Question {i}?", "context": "", "response": ""} for i in range(40)]
     with pytest.raises(SystemExit) as e:
         dataloader.prepare_data(args, records, 8192)
@@ -339,7 +339,7 @@ def test_synthetic_keeps_the_old_losses():
     new = finetune_baseline.main(argv)["losses"]
     # The loop as it was written before --dataset: synthetic_batches' (ids, ids)
     # straight into the model, HF's loss, PyTorch's AdamW (stepped by the schedule).
-    args = flags.resolve_defaults(finetune_baseline.parse_args(argv))
+    args = flags.settle(finetune_baseline.parse_args(argv))
     model, _ = models.load_model(args)
     optimizer = training.pytorch_adamw(model.parameters(), lr=args.lr)
     scheduler = training.make_scheduler(optimizer, args)
@@ -376,8 +376,8 @@ def same_batch(a, b):
 
 @pytest.mark.parametrize("packing", [False, True])
 def test_batches_resume_at_any_step(packing):
-    args = flags.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--batch-size", "4"]))
-    args.packing = packing
+    args = flags.settle(finetune_baseline.parse_args(["--tiny", "--batch-size", "4"]))
+    args = args.but(packing=packing)
     data = dataloader.prepare_data(args, dataloader.load_records(args.dataset), 8192)
     cpu = torch.device("cpu")
     stream = dataloader.training_batches(args, data, cpu, 8192)
@@ -389,26 +389,22 @@ def test_batches_resume_at_any_step(packing):
         same_batch(first[step], next(resumed)[0])
     assert first[0]["input_ids"].tolist() != first[1]["input_ids"].tolist()
     # --grad-accum 2: step k holds micro-batches 2k and 2k + 1 of the same stream.
-    args.grad_accum = 2
-    accumulated = next(dataloader.training_batches(args, data, cpu, 8192, start_step=40))
+    accumulated = next(dataloader.training_batches(args.but(grad_accum=2), data, cpu, 8192, start_step=40))
     same_batch(first[80], accumulated[0])
     same_batch(first[81], accumulated[1])
-    args.grad_accum = 1
-    if packing:
-        args.num_workers = 2  # worker processes build the same batches, in the same order
-        with_workers = dataloader.training_batches(args, data, cpu, 8192, start_step=3)
+    if packing:  # worker processes build the same batches, in the same order
+        with_workers = dataloader.training_batches(args.but(num_workers=2), data, cpu, 8192, start_step=3)
         for step in range(3, 6):
             same_batch(first[step], next(with_workers)[0])
 
 
 def test_synthetic_resumes_at_any_step():
-    args = flags.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--dataset", "synthetic"]))
+    args = flags.settle(finetune_baseline.parse_args(["--tiny", "--dataset", "synthetic"]))
     cpu = torch.device("cpu")
     stream = dataloader.training_batches(args, None, cpu, 8192)
     first = [next(stream)[0] for _ in range(4)]
     same_batch(first[3], next(dataloader.training_batches(args, None, cpu, 8192, start_step=3))[0])
-    args.grad_accum = 2
-    same_batch(first[3], next(dataloader.training_batches(args, None, cpu, 8192, start_step=1))[1])
+    same_batch(first[3], next(dataloader.training_batches(args.but(grad_accum=2), None, cpu, 8192, start_step=1))[1])
 
 
 def test_held_out_split():
@@ -417,14 +413,14 @@ def test_held_out_split():
     assert len(held) == int(len(records) * dataloader.EVAL_FRACTION) and len(train) + len(held) == len(records)
     assert not {json.dumps(r) for r in held} & {json.dumps(r) for r in train}
     assert dataloader.split_records(records) == (train, held)
-    args = flags.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--seed", "7", "--packing"]))
+    args = flags.settle(finetune_baseline.parse_args(["--tiny", "--seed", "7", "--packing"]))
     data = dataloader.prepare_data(args, records, 8192)
     assert len(data.held_out) <= len(held) and len(data.train) <= len(train)
-    args.eval_batches = None  # all of them
-    batches = dataloader.held_out_batches(args, data, torch.device("cpu"), 8192)
+    batches = dataloader.held_out_batches(args.but(eval_batches=None), data,  # all of them
+                                          torch.device("cpu"), 8192)
     assert sum(b["num_real_tokens"] for b in batches) == sum(len(ids) for ids, _ in data.held_out)
-    args.eval_batches = 2  # --eval-batches 2: the first two, the same at every evaluation
-    first_two = dataloader.held_out_batches(args, data, torch.device("cpu"), 8192)
+    # --eval-batches 2: the first two, the same at every evaluation
+    first_two = dataloader.held_out_batches(args.but(eval_batches=2), data, torch.device("cpu"), 8192)
     assert len(batches) > 2 and len(first_two) == 2
     for a, b in zip(first_two, batches):
         same_batch(a, b)

@@ -184,7 +184,7 @@ def test_json_fields(runs):
 def test_loss_functions_agree_on_padding():
     """HF's loss and ours agree with ignored labels in the middle and at the end."""
     torch.manual_seed(0)
-    args = flags.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--seq-len", "16"]))
+    args = flags.settle(finetune_baseline.parse_args(["--tiny", "--seq-len", "16"]))
     model, _ = models.load_model(args)
     ids = torch.randint(0, model.config.vocab_size, (2, 16)).to(model.device)
     labels = ids.clone()
@@ -406,7 +406,7 @@ def test_default_model_falls_back_to_random_weights(monkeypatch, capsys):
 
     monkeypatch.setattr(models, "build_random", build_on_meta)
     monkeypatch.setattr(models, "check_fits_in_ram", lambda *a: None)  # built on the meta device: no RAM needed
-    args = finetune_baseline.parse_args(["--no-tiny", "--seq-len", "16"])
+    args = flags.settle(finetune_baseline.parse_args(["--no-tiny", "--seq-len", "16"]))
     start = time.time()
     model, info = models.load_model(args)
     assert time.time() - start < 30
@@ -418,14 +418,14 @@ def test_default_model_falls_back_to_random_weights(monkeypatch, capsys):
 
 
 def test_tiny_is_the_default_without_gpu():
-    args = flags.resolve_defaults(finetune_baseline.parse_args([]))
+    args = flags.settle(finetune_baseline.parse_args([]))
     on_gpu = torch.cuda.is_available()
     assert args.tiny is (not on_gpu)
     # Without a GPU the default run is short: it ends within a minute on a laptop.
     assert args.seq_len == (2048 if on_gpu else flags.CPU_TINY_SEQ_LEN)
     assert (args.steps, args.warmup_steps) == ((20, flags.GPU_WARMUP_STEPS) if on_gpu
                                                else (flags.CPU_STEPS, flags.CPU_WARMUP_STEPS))
-    explicit = flags.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--steps", "3", "--seq-len", "8"]))
+    explicit = flags.settle(finetune_baseline.parse_args(["--tiny", "--steps", "3", "--seq-len", "8"]))
     assert (explicit.steps, explicit.seq_len) == (3, 8)
 
 
@@ -783,22 +783,31 @@ def test_estimate_printed_for_a_long_run(monkeypatch, capsys):
 # --------------------------------------------------------------------------------
 def test_tiny_overrides_model(capsys, monkeypatch):
     monkeypatch.setattr(models, "try_pretrained", lambda *a: pytest.fail("--tiny must not load weights"))
-    args = flags.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--model", "some/model"]))
-    assert args.tiny is True
+    parsed = finetune_baseline.parse_args(["--tiny", "--model", "some/model"])
+    args = flags.settle(parsed)
+    assert args.tiny is True and parsed.seq_len is None  # the parsed flags stay as parsed
+    assert capsys.readouterr().out == ""  # the notes wait for the banner
+    flags.print_notes(args)
     assert "Note:          --tiny overrides --model some/model" in capsys.readouterr().out
-    flags.resolve_defaults(args)  # a second call says nothing new
-    assert capsys.readouterr().out == ""
+    assert flags.settle(args) is args  # settled once
+    with pytest.raises(AttributeError, match=r"settings.seq_len: a run's flags are fixed .* \.but\(seq_len=...\)"):
+        args.seq_len = 64
+    shorter = args.but(seq_len=64)
+    assert (shorter.seq_len, args.seq_len, shorter._notes) == (64, flags.CPU_TINY_SEQ_LEN, args._notes)
+    assert "_notes" not in flags.public_config(args)
+    with pytest.raises(TypeError, match="models.load_model reads the flags flags.settle"):
+        models.load_model(parsed)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the override happens without a GPU")
 def test_random_init_on_cpu_is_reported(capsys):
-    args = flags.resolve_defaults(finetune_baseline.parse_args(["--random-init"]))
+    args = flags.settle(finetune_baseline.parse_args(["--random-init"]))
     assert args.tiny is True
+    flags.print_notes(args)
     out = capsys.readouterr().out
     assert "no GPU, so --tiny is on and --random-init changes nothing" in out
     assert "--no-tiny --random-init" in out
-    flags.resolve_defaults(finetune_baseline.parse_args(["--tiny", "--random-init"]))
-    assert capsys.readouterr().out == ""  # asked for --tiny: nothing was overridden
+    assert flags.settle(finetune_baseline.parse_args(["--tiny", "--random-init"]))._notes == ()  # asked for --tiny: nothing was overridden
 
 
 # --------------------------------------------------------------------------------

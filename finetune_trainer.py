@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from kernel_ft import dataloader, files, flags, models, reporting, run
+from kernel_ft import dataloader, flags, models, reporting, run
 import kernel_ft
 
 TITLE = "Fine-tuning in TRL's SFTTrainer"
@@ -82,9 +82,7 @@ def check_flags(args):
                          "--dataset synthetic has none")
     if args.lora_4bit:
         raise SystemExit("error: --lora-4bit is not supported by finetune_trainer.py; use finetune_optimized.py")
-    run.check_model_flags(args)  # --lora, --fp8: as the other scripts check them
-    if args.json:
-        args.json = files.check_output_path(args.json, "--json", suffix=".json")
+    return run.settle(args)[0]  # --json, --lora, --fp8: as the other scripts check them
 
 
 # --------------------------------------------------------------------------------
@@ -216,11 +214,10 @@ def switch_in(args, model):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    check_flags(args)
+    args = check_flags(parse_args(argv))
     env = reporting.environment_info()
     reporting.print_banner(TITLE, env)
-    flags.resolve_defaults(args)
+    flags.print_notes(args)
     records = dataloader.load_records(args.dataset)
     model, model_info = models.load_model(args)
     data = dataloader.prepare_data(args, records, model.config.vocab_size)

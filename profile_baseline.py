@@ -553,11 +553,8 @@ def read_baseline(path):
 # Main
 # --------------------------------------------------------------------------------
 def main(argv=None):
-    args = parse_args(argv)
-    # Checked now, in one line, not after the model is built and profiled.
-    args.trace_dir = files.check_output_path(args.trace_dir, "--trace-dir", directory=True,
-                                             inputs=files.input_paths(args))
-    run.check_model_flags(args)
+    # Checked now, in one line each, not after the model is built and profiled.
+    args, _ = run.settle(parse_args(argv))
     # --fsdp: every process trains (the collectives need them all); rank 0 alone
     # profiles its GPU, prints and writes (init_distributed silences the others).
     world = fsdp.init_distributed(args)
@@ -565,7 +562,7 @@ def main(argv=None):
     out_dir = os.path.join(args.trace_dir, name)
     env = reporting.environment_info()
     reporting.print_banner(f"Profile: {name}", env)
-    flags.resolve_defaults(args)
+    flags.print_notes(args)
     if not world or world.rank == 0:
         check_replaceable(out_dir, args)  # before the model: a refusal costs a second
 

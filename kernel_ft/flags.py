@@ -9,10 +9,12 @@ flags of a real run). What it teaches:
   finetune_optimized.py must measure exactly the same work, or their numbers
   cannot be compared, so they share ``add_model_args`` / ``add_finetune_args``
   and differ only in what they switch in (``--use-custom-<kernel>``).
-* Defaults that depend on the hardware (``resolve_defaults``): without a GPU the
+* Defaults that depend on the hardware (``settle``): without a GPU the
   kernels run in Triton's interpreter, so the default run is a tiny model for a
   few steps; on a GPU it is LLaMA-3.1-8B. A flag that another overrides is said
   in one ``Note:`` line, never silently.
+* Settled once: ``settle`` returns the resolved flags as read-only ``Settings``;
+  every module reads those and none writes into them.
 
 Without a GPU the Triton kernels run through Triton's interpreter on CPU tensors.
 The interpreter is switched on by an environment variable that must be set before
@@ -298,74 +300,114 @@ def add_fsdp_arg(group):
     )
 
 
-def resolve_defaults(args):
-    """Fill the defaults that depend on the hardware and on --tiny; print each flag
-    that another one overrides. Call it after the banner; a second call changes nothing."""
-    if getattr(args, "_resolved", False):
+class Settings(argparse.Namespace):
+    """A run's flags once ``settle`` has resolved them: every default filled in, and
+    read-only. Each module reads the same values for the whole run; one that needs
+    another value (tools/max_seq_len.py, trying lengths) makes a changed copy with
+    ``settings.but(seq_len=...)``. Pickles like any namespace (DataLoader workers)."""
+
+    def __init__(self, values, notes=()):
+        for key, value in values.items():
+            object.__setattr__(self, key, value)
+        object.__setattr__(self, "_notes", tuple(notes))  # private: left out of the JSON config
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"settings.{name}: a run's flags are fixed once flags.settle() returned them; "
+                             f"make a changed copy with .but({name}=...)")
+
+    __delattr__ = __setattr__
+
+    def but(self, **changes):
+        """A copy with ``changes``, the notes kept."""
+        values = {k: v for k, v in vars(self).items() if k != "_notes"}
+        return Settings({**values, **changes}, self._notes)
+
+
+def settle(args):
+    """The parsed flags -> their ``Settings``: the defaults that depend on the hardware
+    and on --tiny resolved, the flags another overrides or that change nothing kept as
+    notes (``print_notes`` says them, after the banner). ``args`` itself is not changed.
+    Settling settings returns them as they are."""
+    if isinstance(args, Settings):
         return args
-    args._resolved = True  # private: left out of the JSON config (see public_config)
+    a = argparse.Namespace(**vars(args))  # the working copy
+    notes = []
     on_gpu = torch.cuda.is_available()
-    args.model = os.path.expanduser(args.model)
-    model_given = args.model != DEFAULT_MODEL
-    if args.tiny is None:
+    a.model = os.path.expanduser(a.model)
+    model_given = a.model != DEFAULT_MODEL
+    if a.tiny is None:
         # A laptop cannot train 8B parameters; an explicit --model says the user means it.
-        args.tiny = not on_gpu and not model_given
-        if args.tiny and args.random_init:
-            note("no GPU, so --tiny is on and --random-init changes nothing "
-                 "(--no-tiny --random-init builds the 8B architecture on the CPU: slow, over 32 GB)")
-    elif args.tiny and model_given:
-        note(f"--tiny overrides --model {args.model}: the tiny LLaMA is built instead")
-    if args.seq_len is None:
-        args.seq_len = CPU_TINY_SEQ_LEN if args.tiny else 2048  # --tiny: the same on a GPU
-    if getattr(args, "num_workers", 0) is None:
+        a.tiny = not on_gpu and not model_given
+        if a.tiny and a.random_init:
+            notes.append("no GPU, so --tiny is on and --random-init changes nothing "
+                         "(--no-tiny --random-init builds the 8B architecture on the CPU: slow, over 32 GB)")
+    elif a.tiny and model_given:
+        notes.append(f"--tiny overrides --model {a.model}: the tiny LLaMA is built instead")
+    if a.seq_len is None:
+        a.seq_len = CPU_TINY_SEQ_LEN if a.tiny else 2048  # --tiny: the same on a GPU
+    if getattr(a, "num_workers", 0) is None:
         # Workers build the next batches while the GPU trains; on a CPU they would
         # only compete with the training for the same cores.
-        args.num_workers = 2 if on_gpu else 0
-    if getattr(args, "compile", False) and getattr(args, "use_custom_projections", False):
+        a.num_workers = 2 if on_gpu else 0
+    if getattr(a, "compile", False) and getattr(a, "use_custom_projections", False):
         # Compiled layers run each projection on its own (projections_kernel.py): the run says so.
-        args.use_custom_projections = False
-        note("--compile: torch.compile plans each decoder layer's sums itself; --use-custom-projections is off")
-    if getattr(args, "dataset", None) == SYNTHETIC and getattr(args, "packing", False):
-        note("--dataset synthetic has no examples to pack: every row is --seq-len random tokens; "
-             "--packing changes nothing")
-    if args.lr is None:
+        a.use_custom_projections = False
+        notes.append("--compile: torch.compile plans each decoder layer's sums itself; --use-custom-projections is off")
+    if getattr(a, "dataset", None) == SYNTHETIC and getattr(a, "packing", False):
+        notes.append("--dataset synthetic has no examples to pack: every row is --seq-len random tokens; "
+                     "--packing changes nothing")
+    if a.lr is None:
         # Random tiny weights need a big step to show learning in a few steps (the
         # cosine schedule averages half the peak); 1e-5 is a usual full fine-tuning
         # rate for a pretrained 8B model.
-        args.lr = 3e-3 if args.tiny else 1e-5
+        a.lr = 3e-3 if a.tiny else 1e-5
     # The fine-tune scripts' loop lengths (the profile script sets its own --steps).
-    if getattr(args, "steps", 0) is None:
-        args.steps = 20 if on_gpu else CPU_STEPS
-    if getattr(args, "warmup_steps", 0) is None:
-        args.warmup_steps = GPU_WARMUP_STEPS if on_gpu else CPU_WARMUP_STEPS
-    if getattr(args, "lr_warmup_steps", 0) is None:
-        args.lr_warmup_steps = round(LR_WARMUP_FRACTION * (args.warmup_steps + args.steps))
-    note_idle_flags(args)
-    return args
+    if getattr(a, "steps", 0) is None:
+        a.steps = 20 if on_gpu else CPU_STEPS
+    if getattr(a, "warmup_steps", 0) is None:
+        a.warmup_steps = GPU_WARMUP_STEPS if on_gpu else CPU_WARMUP_STEPS
+    if getattr(a, "lr_warmup_steps", 0) is None:
+        a.lr_warmup_steps = round(LR_WARMUP_FRACTION * (a.warmup_steps + a.steps))
+    return Settings(vars(a), notes + idle_flags(a))
 
 
-def note_idle_flags(args):
-    """Say which flags change nothing in this run (a typo or a forgotten switch would
-    otherwise pass unseen)."""
+def print_notes(settings):
+    """The notes ``settle`` kept, one line each."""
+    for text in settings._notes:
+        note(text)
+
+
+def require_settled(args, where):
+    """A function that builds part of a run reads the settled flags, never raw ones."""
+    if not isinstance(args, Settings):
+        raise TypeError(f"{where} reads the flags flags.settle() returns, not the parsed ones")
+
+
+def idle_flags(args):
+    """The flags that change nothing in this run, one note each (a typo or a forgotten
+    switch would otherwise pass unseen)."""
+    notes = []
     total = getattr(args, "warmup_steps", 0) + getattr(args, "steps", 0)
     for flag in ("eval_every", "save_every"):
         every = getattr(args, flag, None)
         if every and total and every > total:
-            note(f"--{flag.replace('_', '-')} {every} is beyond the run's {total} steps: it never happens")
+            notes.append(f"--{flag.replace('_', '-')} {every} is beyond the run's {total} steps: it never happens")
     if total and getattr(args, "lr_warmup_steps", 0) and args.lr_warmup_steps > total:
-        note(f"--lr-warmup-steps {args.lr_warmup_steps} spans the whole run of {total} steps: the learning rate "
-             f"never reaches --lr {args.lr:g}")
+        notes.append(f"--lr-warmup-steps {args.lr_warmup_steps} spans the whole run of {total} steps: the learning "
+                     f"rate never reaches --lr {args.lr:g}")
     lora_defaults = {"lora_r": 16, "lora_alpha": 32.0, "lora_dropout": 0.0, "lora_targets": list(LORA_TARGETS)}
     changed = [k for k, v in lora_defaults.items() if hasattr(args, k) and getattr(args, k) != v]
     if changed and not getattr(args, "lora", False):
-        note(f"{', '.join('--' + k.replace('_', '-') for k in changed)} without --lora: no adapters, nothing changes")
+        notes.append(f"{', '.join('--' + k.replace('_', '-') for k in changed)} without --lora: no adapters, "
+                     f"nothing changes")
     if getattr(args, "compile_mode", "default") != "default" and not getattr(args, "compile", False):
-        note(f"--compile-mode {args.compile_mode} without --compile changes nothing")
+        notes.append(f"--compile-mode {args.compile_mode} without --compile changes nothing")
     fsdp_changed = [f"--{k.replace('_', '-')}" for k, v in (("fsdp_prefetch", 0), ("fsdp_keep_gathered", "auto"),
                                                             ("fsdp_reduce_dtype", "auto"))
                     if getattr(args, k, v) != v]
     if fsdp_changed and not getattr(args, "fsdp", False):
-        note(f"{', '.join(fsdp_changed)} without --fsdp changes nothing")
+        notes.append(f"{', '.join(fsdp_changed)} without --fsdp changes nothing")
+    return notes
 
 
 def differences(then, now, limit=4):

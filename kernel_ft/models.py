@@ -522,7 +522,7 @@ def _checkpointed(forward):
 def load_model(args, world=None):
     """Build the model the flags ask for; return (model, info dict). Prints what it did.
     ``world``: --fsdp's process (fsdp.init_distributed), whose GPU the model goes to."""
-    flags.resolve_defaults(args)
+    flags.require_settled(args, "models.load_model")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if world is not None:
         device = world.device  # --fsdp: this process's GPU (cuda:LOCAL_RANK)

@@ -19,6 +19,7 @@ training, reporting) with the library (kernel_ft.patching): the other workload
 modules import no kernel. Nothing runs on import.
 """
 
+import argparse
 import signal
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
@@ -130,17 +131,25 @@ def check_model_flags(args):
     fsdp.check_fsdp_flags(args)
 
 
-def check_finetune_flags(args):
-    """Every check of a fine-tune run that needs no model: a mistake costs a second, not
-    a load. Returns the checkpoint state to resume from (None: a new run)."""
-    if args.json:
-        args.json = files.check_output_path(args.json, "--json", inputs=files.input_paths(args), suffix=".json")
-    check_model_flags(args)
-    resumed = checkpoints.read_checkpoint_state(args.resume) if args.resume else None
-    if resumed:
-        args.resume = resumed["path"]  # the checkpoint folder, also when --resume named the run's folder
-    flags.check_output_flags(args)
-    return resumed
+def settle(args):
+    """Every check of a script's flags that needs no model, right after parsing (a
+    mistake costs a second, not a load), then the defaults (flags.settle). Returns
+    (settings, resumed): the read-only Settings every module reads from then on, and
+    the checkpoint state to resume from (None: a new run). ``args`` is not changed.
+    Checks what the script has of --json, --trace-dir, --resume and --output-dir."""
+    a = argparse.Namespace(**vars(args))  # the working copy, settled at the end
+    for flag, options in (("--json", dict(suffix=".json")), ("--trace-dir", dict(directory=True))):
+        name = flag[2:].replace("-", "_")
+        if getattr(a, name, None):
+            setattr(a, name, files.check_output_path(getattr(a, name), flag, inputs=files.input_paths(a), **options))
+    check_model_flags(a)
+    resumed = None
+    if hasattr(a, "resume"):  # the fine-tune scripts: checkpoints
+        resumed = checkpoints.read_checkpoint_state(a.resume) if a.resume else None
+        if resumed:
+            a.resume = resumed["path"]  # the checkpoint folder, also when --resume named the run's folder
+        flags.check_output_flags(a)
+    return flags.settle(a), resumed
 
 
 def run_finetune(args, title, script, switch_in):
@@ -154,11 +163,11 @@ def run_finetune(args, title, script, switch_in):
     SIGINT (Ctrl-C) or SIGTERM writes the completed steps (marked partial) and exits
     130 or 143; a diverged run (NaN or infinite loss) writes them and stops with an error.
     """
-    resumed = check_finetune_flags(args)
+    args, resumed = settle(args)
     world = fsdp.init_distributed(args)  # --fsdp: rank 0 prints from here on
     env = reporting.environment_info()
     reporting.print_banner(title, env)
-    flags.resolve_defaults(args)
+    flags.print_notes(args)
     if resumed:
         checkpoints.check_same_run(args, resumed)
     if args.output_dir:

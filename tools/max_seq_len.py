@@ -66,17 +66,13 @@ def main(argv=None):
         print("error: tools/max_seq_len.py measures GPU memory and needs a CUDA GPU; none is available",
               file=sys.stderr)
         sys.exit(2)
-    if args.json:
-        args.json = files.check_output_path(args.json, "--json", inputs=files.input_paths(args), suffix=".json")  # before minutes of searching
-    if args.all_kernels:
-        for name in flags.KERNELS:
-            setattr(args, f"use_custom_{name}", True)
+    args, _ = run.settle(args)  # --json and the rest checked before minutes of searching
+    every = {f"use_custom_{name}": True for name in flags.KERNELS} if args.all_kernels else {}
+    args = args.but(batch_size=1, seq_len=args.step, **every)  # load_model checks the length against the model's maximum
 
     env = reporting.environment_info()
     reporting.print_banner("Longest trainable sequence at batch 1", env)
-    flags.resolve_defaults(args)
-    args.batch_size = 1
-    args.seq_len = args.step  # load_model checks it against the model's maximum
+    flags.print_notes(args)
     t0 = time.perf_counter()
     model, info = models.load_model(args)
     print(f"Model ready in {time.perf_counter() - t0:.0f} s", flush=True)

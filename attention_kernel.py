@@ -85,7 +85,7 @@ import torch
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
     IN_INTERPRETER, INTERPRET, SUPPORTED_DTYPES, SwapMismatch, cast_to, cdiv, check_kernel_device, exp, fast_launch,
-    first_order_only, kernel_op, log, next_power_of_2, wrap_forward,
+    first_order_only, kernel_op, log, next_power_of_2, tanh, wrap_forward,
 )
 
 import triton
@@ -124,15 +124,18 @@ def visible_keys(doc_start, window=0):
     return visible
 
 
-def attention_reference(q, k, v, doc_start, scale, window=0):
+def attention_reference(q, k, v, doc_start, scale, window=0, softcap=0.0):
     """The truth: q [B, Hq, T, D], k, v [B, Hkv, T, D], doc_start [B, T]; per row and
     head, softmax(scale q k^T) v over the visible keys (same document, not later,
-    and with a sliding ``window`` > 0 fewer than ``window`` positions back).
+    and with a sliding ``window`` > 0 fewer than ``window`` positions back); with a
+    ``softcap`` > 0 the scores are capped first, as Gemma-2's: cap tanh(scores / cap).
     In the inputs' dtype, float64 for the truth. Returns [B, Hq, T, D]."""
     B, Hq, T, D = q.shape
     group = Hq // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = (q @ k.transpose(-1, -2)) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~visible_keys(doc_start, window)[:, None], float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
 
@@ -157,6 +160,23 @@ def _matmul(a, b, DOT_PRECISION: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
     else:
         return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _logits(q, k, scale_log2, cap_in, cap_out, DOT_PRECISION: tl.constexpr, PRECISE: tl.constexpr,
+            SOFTCAP: tl.constexpr):
+    # The scores in _exp's units, and (SOFTCAP) t = tanh(scale q k^T / cap), which
+    # the backward needs for the derivative of the cap: d(cap t)/d(scale q k^T) = 1 - t^2.
+    # Gemma-2 caps its scores smoothly below ``cap`` (HF: cap * tanh(scores / cap));
+    # cap_in = scale / cap, cap_out = cap in _exp's units. Float32 inputs take the
+    # accurate tanh: with cap 50 most scores are small, where 2 sigmoid(2x) - 1
+    # cancels (kernel_common.tanh).
+    s = _scores(q, k, DOT_PRECISION)
+    if SOFTCAP:
+        t = tanh(s * cap_in, PRECISE)
+        return t * cap_out, t
+    else:
+        return s * scale_log2, s
 
 
 @triton.jit
@@ -224,8 +244,8 @@ def _split(lo, hi, full_lo, full_hi):
 # --------------------------------------------------------------------------------
 @triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sk_t, sv_t, offs_m, starts, offs_d, d_ok, lo, hi, T, WINDOW,
-               scale_log2, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE: tl.constexpr,
-               MASKED: tl.constexpr):
+               scale_log2, cap_in, cap_out, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               PRECISE: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
     # The online softmax over the key tiles [lo, hi). MASKED: tiles on a document's
     # edge or the diagonal, where some pairs are not visible; the others (most of a
     # long document's tiles) skip building and applying the mask.
@@ -233,7 +253,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sk_t, sv_t, offs_m, starts, off
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _rows(k_base, offs_n, sk_t, offs_n < T, offs_d, d_ok, MASKED)
         v = _rows(v_base, offs_n, sv_t, offs_n < T, offs_d, d_ok, MASKED)
-        s = _scores(q, k, DOT_PRECISION) * scale_log2
+        s, _ = _logits(q, k, scale_log2, cap_in, cap_out, DOT_PRECISION, PRECISE, SOFTCAP)
         if MASKED:
             s = tl.where(_visible(offs_m, offs_n, starts, WINDOW), s, float("-inf"))
         # Online softmax: a new maximum rescales what was summed so far.
@@ -279,8 +299,9 @@ def _attn_fwd_kernel(
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
     T, HQ, GROUP, scale_log2,  # scale * log2(e) (16-bit inputs, exp2) or scale (float32, exp): see _exp
     WINDOW,  # a sliding window: keys fewer than WINDOW positions back (T: none)
+    cap_in, cap_out,  # soft-capped scores (SOFTCAP), see _logits
     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PRECISE: tl.constexpr,
+    PRECISE: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # Program order: every head of the last query tile first. A causal query tile
     # late in a long document has the most key tiles to read; launching the
@@ -305,11 +326,11 @@ def _attn_fwd_kernel(
     v_base = V + b.to(tl.int64) * sv_b + kvh * sv_h
     # Three runs of key tiles: the document's first (masked), the inside (no mask), the diagonal (masked).
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sk_t, sv_t, offs_m, starts, offs_d, d_ok, lo, e1,
-                               T, WINDOW, scale_log2, BLOCK_N, DOT_PRECISION, PRECISE, True)
+                               T, WINDOW, scale_log2, cap_in, cap_out, BLOCK_N, DOT_PRECISION, PRECISE, SOFTCAP, True)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sk_t, sv_t, offs_m, starts, offs_d, d_ok, e1, e2,
-                               T, WINDOW, scale_log2, BLOCK_N, DOT_PRECISION, PRECISE, False)
+                               T, WINDOW, scale_log2, cap_in, cap_out, BLOCK_N, DOT_PRECISION, PRECISE, SOFTCAP, False)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sk_t, sv_t, offs_m, starts, offs_d, d_ok, e2, hi,
-                               T, WINDOW, scale_log2, BLOCK_N, DOT_PRECISION, PRECISE, True)
+                               T, WINDOW, scale_log2, cap_in, cap_out, BLOCK_N, DOT_PRECISION, PRECISE, SOFTCAP, True)
 
     # Every query sees itself, so l_i >= 1 on the rows that exist.
     out = acc / l_i[:, None]
@@ -348,8 +369,8 @@ def _attn_bwd_delta_kernel(
 # --------------------------------------------------------------------------------
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_base, do_base, row_base, LSE, DELTA, DOC_START, b, sq_t, sdo_t, offs_n, offs_d, d_ok,
-                lo, hi, T, WINDOW, scale_log2, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                PRECISE: tl.constexpr, MASKED: tl.constexpr):
+                lo, hi, T, WINDOW, scale_log2, cap_in, cap_out, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                PRECISE: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_ok = offs_m < T
@@ -358,13 +379,16 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, row_base, LSE, DELTA, DOC_START, 
         lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0)
         delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
         # The probabilities again, from the saved log-sum-exp: P = exp2(S * log2 e - lse).
-        p = _exp(_scores(q, k, DOT_PRECISION) * scale_log2 - lse[:, None], PRECISE)
+        s, t = _logits(q, k, scale_log2, cap_in, cap_out, DOT_PRECISION, PRECISE, SOFTCAP)
+        p = _exp(s - lse[:, None], PRECISE)
         if MASKED:
             starts = tl.load(DOC_START + b * T + offs_m, mask=row_ok, other=0)
             p = tl.where(_visible(offs_m, offs_n, starts, WINDOW) & row_ok[:, None], p, 0.0)
         dv += _matmul(_tile_for_dot(tl.trans(p), do), do, DOT_PRECISION)
         dp = _scores(do, v, DOT_PRECISION)  # dO V^T
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)  # through the cap: d(cap tanh(x / cap))/dx
         if MASKED:
             # A query that sees only itself (an example of one token) has P = 1, and
             # dS = 1 * (dP - dP) = 0 exactly; from delta = dO . O it would be rounding
@@ -383,9 +407,9 @@ def _attn_bwd_dkdv_kernel(
     DOC_START, DOC_END,  # [B, T] int32
     DK, DV,  # [B, Hkv, T, D] contiguous, written
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_t, sdo_h,
-    T, HQ, HKV, GROUP, scale_log2, scale, WINDOW,
+    T, HQ, HKV, GROUP, scale_log2, scale, WINDOW, cap_in, cap_out,
     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PRECISE: tl.constexpr,
+    PRECISE: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     bkv = tl.program_id(0)
     pid_n = tl.program_id(1)  # the first key tiles (seen by the most queries) first
@@ -416,11 +440,14 @@ def _attn_bwd_dkdv_kernel(
         do_base = DO + b.to(tl.int64) * sdo_b + h * sdo_h
         row_base = (b * HQ + h).to(tl.int64) * T
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, row_base, LSE, DELTA, DOC_START, b, sq_t, sdo_t, offs_n,
-                             offs_d, d_ok, lo, e1, T, WINDOW, scale_log2, BLOCK_M, DOT_PRECISION, PRECISE, True)
+                             offs_d, d_ok, lo, e1, T, WINDOW, scale_log2, cap_in, cap_out, BLOCK_M, DOT_PRECISION,
+                             PRECISE, SOFTCAP, True)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, row_base, LSE, DELTA, DOC_START, b, sq_t, sdo_t, offs_n,
-                             offs_d, d_ok, e1, e2, T, WINDOW, scale_log2, BLOCK_M, DOT_PRECISION, PRECISE, False)
+                             offs_d, d_ok, e1, e2, T, WINDOW, scale_log2, cap_in, cap_out, BLOCK_M, DOT_PRECISION,
+                             PRECISE, SOFTCAP, False)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, row_base, LSE, DELTA, DOC_START, b, sq_t, sdo_t, offs_n,
-                             offs_d, d_ok, e2, hi, T, WINDOW, scale_log2, BLOCK_M, DOT_PRECISION, PRECISE, True)
+                             offs_d, d_ok, e2, hi, T, WINDOW, scale_log2, cap_in, cap_out, BLOCK_M, DOT_PRECISION,
+                             PRECISE, SOFTCAP, True)
     out = (b * HKV + kvh).to(tl.int64) * T * D + offs_n[:, None] * D + offs_d[None, :]
     tl.store(DK + out, cast_to(dk * scale, DK.dtype.element_ty), mask=col_ok[:, None] & d_ok[None, :])
     tl.store(DV + out, cast_to(dv, DV.dtype.element_ty), mask=col_ok[:, None] & d_ok[None, :])
@@ -431,14 +458,17 @@ def _attn_bwd_dkdv_kernel(
 # --------------------------------------------------------------------------------
 @triton.jit
 def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, offs_m, starts, offs_d, d_ok, lo, hi, T, WINDOW,
-              scale_log2, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE: tl.constexpr,
-              MASKED: tl.constexpr):
+              scale_log2, cap_in, cap_out, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              PRECISE: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _rows(k_base, offs_n, sk_t, offs_n < T, offs_d, d_ok, MASKED)
         v = _rows(v_base, offs_n, sv_t, offs_n < T, offs_d, d_ok, MASKED)
-        p = _exp(_scores(q, k, DOT_PRECISION) * scale_log2 - lse[:, None], PRECISE)
+        s, t = _logits(q, k, scale_log2, cap_in, cap_out, DOT_PRECISION, PRECISE, SOFTCAP)
+        p = _exp(s - lse[:, None], PRECISE)
         ds = p * (_scores(do, v, DOT_PRECISION) - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         if MASKED:
             ds = tl.where(_visible(offs_m, offs_n, starts, WINDOW) & (starts[:, None] != offs_m[:, None]), ds, 0.0)
         dq += _matmul(_tile_for_dot(ds, k), k, DOT_PRECISION)
@@ -451,9 +481,9 @@ def _attn_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DOC_START,
     DQ,  # [B, Hq, T, D] contiguous, written
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_t, sdo_h,
-    T, HQ, GROUP, scale_log2, scale, WINDOW,
+    T, HQ, GROUP, scale_log2, scale, WINDOW, cap_in, cap_out,
     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PRECISE: tl.constexpr,
+    PRECISE: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     bh = tl.program_id(0)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest first, as in the forward
@@ -474,11 +504,11 @@ def _attn_bwd_dq_kernel(
     k_base = K + b.to(tl.int64) * sk_b + kvh * sk_h
     v_base = V + b.to(tl.int64) * sv_b + kvh * sv_h
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, offs_m, starts, offs_d, d_ok, lo, e1, T, WINDOW,
-                   scale_log2, BLOCK_N, DOT_PRECISION, PRECISE, True)
+                   scale_log2, cap_in, cap_out, BLOCK_N, DOT_PRECISION, PRECISE, SOFTCAP, True)
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, offs_m, starts, offs_d, d_ok, e1, e2, T, WINDOW,
-                   scale_log2, BLOCK_N, DOT_PRECISION, PRECISE, False)
+                   scale_log2, cap_in, cap_out, BLOCK_N, DOT_PRECISION, PRECISE, SOFTCAP, False)
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, offs_m, starts, offs_d, d_ok, e2, hi, T, WINDOW,
-                   scale_log2, BLOCK_N, DOT_PRECISION, PRECISE, True)
+                   scale_log2, cap_in, cap_out, BLOCK_N, DOT_PRECISION, PRECISE, SOFTCAP, True)
     tl.store(DQ + bh.to(tl.int64) * T * D + offs_m[:, None] * D + offs_d[None, :],
              cast_to(dq * scale, DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -554,17 +584,24 @@ def _precision(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32: ignored for 16-bit tiles
 
 
+def _cap_args(scale, softcap, dtype):
+    """The kernels' (cap_in, cap_out, SOFTCAP) for a score cap (0: none), see _logits."""
+    if not softcap:
+        return dict(cap_in=0.0, cap_out=0.0, SOFTCAP=False)
+    return dict(cap_in=scale / softcap, cap_out=_score_scale(softcap, dtype), SOFTCAP=True)
+
+
 # --------------------------------------------------------------------------------
 # The launchers, registered as operators (kernel_common.kernel_op)
 # --------------------------------------------------------------------------------
-def _attention_forward_fake(q, k, v, doc_start, scale, window):
+def _attention_forward_fake(q, k, v, doc_start, scale, window, softcap):
     B, Hq, T, D = q.shape
     return q.new_empty(B, T, Hq, D), q.new_empty(B, Hq, T, dtype=torch.float32)
 
 
 @kernel_op("attention_forward", fake=_attention_forward_fake)
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_start: torch.Tensor,
-                      scale: float, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      scale: float, window: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, T, Hq, D], lse [B, Hq, T] float32) of q [B, Hq, T, D], k, v [B, Hkv, T, D]."""
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     B, Hq, T, D = q.shape
@@ -578,22 +615,22 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_sta
         q, k, v, out, lse, doc_start,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
-        T, Hq, Hq // k.shape[1], _score_scale(scale, q.dtype), window or T,
+        T, Hq, Hq // k.shape[1], _score_scale(scale, q.dtype), window or T, **_cap_args(scale, softcap, q.dtype),
         D=D, DP=dp, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_precision(q.dtype),
         PRECISE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
     )
     return out, lse
 
 
-def _attention_backward_fake(dout, q, k, v, out, lse, doc_start, scale, window):
+def _attention_backward_fake(dout, q, k, v, out, lse, doc_start, scale, window, softcap):
     # Contiguous, as the launcher makes them (empty_like would copy q's strides: HF's q is a transposed view).
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 @kernel_op("attention_backward", fake=_attention_backward_fake)
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                       lse: torch.Tensor, doc_start: torch.Tensor, scale: float,
-                       window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       lse: torch.Tensor, doc_start: torch.Tensor, scale: float, window: int,
+                       softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in q's, k's, v's shapes (contiguous) from dout [B, T, Hq, D]."""
     q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
     B, Hq, T, D = q.shape
@@ -612,7 +649,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     doc_end = document_ends(doc_start)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
-    common = dict(D=D, DP=dp, DOT_PRECISION=_precision(q.dtype), PRECISE=q.dtype == torch.float32)
+    common = dict(D=D, DP=dp, DOT_PRECISION=_precision(q.dtype), PRECISE=q.dtype == torch.float32,
+                  **_cap_args(scale, softcap, q.dtype))
     block_m, block_n, warps, stages = _tiles("dkdv", dp, q.dtype)
     _attn_bwd_dkdv_kernel[(B * Hkv, cdiv(T, block_n))](
         q, k, v, dout, lse, delta, doc_start, doc_end, dk, dv, *strides,
@@ -632,24 +670,24 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 # Autograd
 # --------------------------------------------------------------------------------
 def _attention_save(ctx, inputs, output):
-    q, k, v, doc_start, scale, window = inputs
+    q, k, v, doc_start, scale, window, softcap = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, doc_start)
-    ctx.scale, ctx.window = scale, window
+    ctx.scale, ctx.window, ctx.softcap = scale, window, softcap
     ctx.mark_non_differentiable(lse)
 
 
 def _attention_grads(ctx, dout, _dlse):
     q, k, v, out, lse, doc_start = ctx.saved_tensors
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, doc_start, ctx.scale, ctx.window)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, doc_start, ctx.scale, ctx.window, ctx.softcap)
+    return dq, dk, dv, None, None, None, None
 
 
 class TritonAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, doc_start, scale, window):
-        output = attention_forward(q, k, v, doc_start, scale, window)
-        _attention_save(ctx, (q, k, v, doc_start, scale, window), output)
+    def forward(ctx, q, k, v, doc_start, scale, window, softcap):
+        output = attention_forward(q, k, v, doc_start, scale, window, softcap)
+        _attention_save(ctx, (q, k, v, doc_start, scale, window, softcap), output)
         return output
 
     @staticmethod
@@ -662,20 +700,24 @@ attention_forward.op.register_autograd(first_order_only("attention")(_attention_
                                        setup_context=_attention_save)
 
 
-def packed_attention(q, k, v, doc_start, scale=None, window=None):
+def packed_attention(q, k, v, doc_start, scale=None, window=None, softcap=None):
     """Causal attention inside documents: q [B, Hq, T, D], k, v [B, Hkv, T, D]
     (bf16/fp16/fp32), doc_start [B, T] int32 (document_starts of the position ids).
     Returns [B, T, Hq, D] (HF's attention output layout). Differentiable in q, k
     and v. ``scale``: 1/sqrt(D) by default. ``window``: HF's sliding window (keys
-    fewer than ``window`` positions back), None or 0 for none."""
+    fewer than ``window`` positions back), None or 0 for none. ``softcap``: Gemma-2's
+    cap on the scores (cap tanh(scores / cap)), None or 0 for none."""
     _check(q, k, v, doc_start)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     window = int(window or 0)
     if window < 0:
         raise ValueError(f"attention: window must be >= 0 (0: none), got {window}")
+    softcap = float(softcap or 0.0)
+    if not softcap >= 0.0 or math.isinf(softcap):
+        raise ValueError(f"attention: softcap must be a finite number >= 0 (0: none), got {softcap}")
     if torch.compiler.is_compiling():
-        return attention_forward.op(q, k, v, doc_start, scale, window)[0]
-    return TritonAttentionFunction.apply(q, k, v, doc_start, scale, window)[0]
+        return attention_forward.op(q, k, v, doc_start, scale, window, softcap)[0]
+    return TritonAttentionFunction.apply(q, k, v, doc_start, scale, window, softcap)[0]
 
 
 # --------------------------------------------------------------------------------
@@ -705,8 +747,6 @@ def hf_packed_attention(module, query, key, value, attention_mask, scaling=None,
     if key.shape[2] != T:  # a KV cache: route_masked_calls sends such calls to the model's own attention
         raise ValueError(f"{NAME} attention got {T} queries for {key.shape[2]} keys (a KV cache); it computes "
                          f"causal rows whose keys are all in the call")
-    if kwargs.get("softcap"):
-        raise ValueError(f"{NAME} attention does not implement soft-capped scores (softcap {kwargs['softcap']})")
     device = query.device.type
     if torch.is_autocast_enabled(device):  # as autocast runs SDPA: all three in its lower-precision dtype
         dtype = torch.get_autocast_dtype(device)
@@ -716,7 +756,8 @@ def hf_packed_attention(module, query, key, value, attention_mask, scaling=None,
         doc_start = torch.zeros(B, T, dtype=torch.int32, device=query.device)
     else:
         doc_start = document_starts(positions.expand(B, T))
-    return packed_attention(query, key, value, doc_start, scaling, kwargs.get("sliding_window")), None
+    return packed_attention(query, key, value, doc_start, scaling, kwargs.get("sliding_window"),
+                            kwargs.get("softcap")), None
 
 
 # A family's attention may do more than softmax(scale q k^T) v (soft-capped scores,

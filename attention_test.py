@@ -53,34 +53,40 @@ def run(q, k, v, doc_start, dout, fn):
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
-def ours(window=0):
-    return lambda q, k, v, doc_start: packed_attention(q, k, v, doc_start, window=window)
+def ours(window=0, softcap=0.0):
+    return lambda q, k, v, doc_start: packed_attention(q, k, v, doc_start, window=window, softcap=softcap)
 
 
-def reference(window=0):
+def reference(window=0, softcap=0.0):
     return lambda q, k, v, doc_start: attention_reference(q, k, v, doc_start, 1.0 / math.sqrt(q.shape[-1]),
-                                                          window).transpose(1, 2)
+                                                          window, softcap).transpose(1, 2)
 
 
-CASES = {  # rows of document lengths, T, query heads, key/value heads, head dim, sliding window
-    "one document": ([[57]], 57, 4, 4, 16, 0),
-    "lengths of 1": ([[1] * 40], 40, 4, 1, 16, 0),
-    "many short, GQA 4": ([[3, 1, 9, 2, 17, 5, 11, 4]], 52, 8, 2, 16, 0),
-    "padding tail, GQA 8": ([[20, 13], [7, 30, 2]], 61, 8, 1, 16, 0),
-    "head dim 24": ([[16, 18, 1, 9]], 44, 4, 2, 24, 0),
-    "head dim 64, two rows": ([[33, 31], [64]], 64, 2, 1, 64, 0),
-    "sliding window 7": ([[40, 3, 17]], 60, 4, 2, 16, 7),
-    "sliding window 20, one document": ([[50]], 50, 2, 2, 16, 20),
+CASES = {  # rows of document lengths, T, query heads, key/value heads, head dim, sliding window, score cap
+    "one document": ([[57]], 57, 4, 4, 16, 0, 0.0),
+    "lengths of 1": ([[1] * 40], 40, 4, 1, 16, 0, 0.0),
+    "many short, GQA 4": ([[3, 1, 9, 2, 17, 5, 11, 4]], 52, 8, 2, 16, 0, 0.0),
+    "padding tail, GQA 8": ([[20, 13], [7, 30, 2]], 61, 8, 1, 16, 0, 0.0),
+    "head dim 24": ([[16, 18, 1, 9]], 44, 4, 2, 24, 0, 0.0),
+    "head dim 64, two rows": ([[33, 31], [64]], 64, 2, 1, 64, 0, 0.0),
+    "sliding window 7": ([[40, 3, 17]], 60, 4, 2, 16, 7, 0.0),
+    "sliding window 20, one document": ([[50]], 50, 2, 2, 16, 20, 0.0),
     # Whole tiles inside a document that starts mid-tile: the unmasked runs of every kernel.
-    "long document between short ones": ([[5, 70, 9]], 84, 4, 2, 16, 0),
-    "sliding window 33, long documents": ([[3, 90], [93]], 93, 2, 1, 16, 33),
+    "long document between short ones": ([[5, 70, 9]], 84, 4, 2, 16, 0, 0.0),
+    "sliding window 33, long documents": ([[3, 90], [93]], 93, 2, 1, 16, 33, 0.0),
+    # Gemma-2's soft-capped scores (cap tanh(s / cap)); caps small enough to bend most
+    # scores of these random rows (Gemma-2's own is 50), with windows and GQA.
+    "soft cap 2, GQA 2": ([[20, 13], [33]], 33, 4, 2, 16, 0, 2.0),
+    "soft cap 1.5, sliding window 9, long document": ([[5, 70, 9]], 84, 4, 2, 16, 9, 1.5),
+    "head dim 128, soft cap 3": ([[20, 12]], 32, 2, 1, 128, 0, 3.0),
+    "head dim 256, soft cap 3, window 8": ([[9, 23]], 32, 2, 1, 256, 8, 3.0),
 }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_float64_truth(case, dtype):
-    rows, T, Hq, Hkv, D, window = CASES[case]
+    rows, T, Hq, Hkv, D, window, softcap = CASES[case]
     g = torch.Generator().manual_seed(0)
     q = torch.randn(len(rows), Hq, T, D, generator=g)
     k = torch.randn(len(rows), Hkv, T, D, generator=g)
@@ -88,9 +94,9 @@ def test_matches_float64_truth(case, dtype):
     dout = torch.randn(len(rows), T, Hq, D, generator=g)
     doc_start = document_starts(positions_of(rows, T)).to(DEVICE)
     q, k, v, dout = (t.to(DEVICE, dtype) for t in (q, k, v, dout))
-    got = run(q, k, v, doc_start, dout, ours(window))
-    peer = run(q, k, v, doc_start, dout, reference(window))
-    truth = run(q.double(), k.double(), v.double(), doc_start, dout.double(), reference(window))
+    got = run(q, k, v, doc_start, dout, ours(window, softcap))
+    peer = run(q, k, v, doc_start, dout, reference(window, softcap))
+    truth = run(q.double(), k.double(), v.double(), doc_start, dout.double(), reference(window, softcap))
     check_outputs(["out", "dq", "dk", "dv"], got, peer, truth)
 
 
@@ -250,13 +256,32 @@ def test_dataloader_leaves_the_mask_out():
     assert batch["attention_mask"] is None and batch["position_ids"] is not None
 
 
-def test_soft_capped_family_refused_in_one_line():
-    model = models.build_random(family_config("gemma2", {}), torch.device(DEVICE), torch.float32)
-    with pytest.raises(SystemExit) as e, contextlib.redirect_stdout(io.StringIO()):
+def test_soft_capped_family_runs_the_kernel():
+    """Gemma-2's capped scores (cap tanh(s / cap)): packed rows through the kernel give
+    the loss and gradients of its own eager attention with the dense block mask. The
+    random weights' scores are small: q and k are scaled up and the cap is 0.1, so that
+    it bends them (the loss moves by ~1e-2 without it)."""
+    positions = positions_of([[20, 3, 9]], 32)
+    mask = dataloader.block_causal_mask((positions == 0).long().cumsum(-1))
+    torch.manual_seed(0)
+    model = models.build_random(family_config("gemma2", {"attn_logit_softcapping": 0.1}), torch.device(DEVICE),
+                                torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    assert model.config._attn_implementation == "eager"
+    batch = packed_batch(model, [[20, 3, 9]], 32)
+    additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)  # eager adds it
+    want_loss, want_grads = loss_and_grads(model, training.hf_loss, {**batch, "attention_mask": additive.to(DEVICE)})
+    with contextlib.redirect_stdout(io.StringIO()):
         apply_kernels(model, {"attention": True})
-    message = str(e.value.code)
-    assert message.startswith("error: --use-custom-attention:") and "soft-capped" in message and "\n" not in message
-    assert model.config._attn_implementation == "eager"  # left as it was
+    assert model.config._attn_implementation == attention_kernel.NAME
+    loss, grads = loss_and_grads(model, training.hf_loss, {**batch, "attention_mask": None})
+    assert abs(loss.item() - want_loss.item()) <= 1e-4
+    for name in grads:
+        scale = max(want_grads[name].abs().max().item(), 1.0)
+        assert (grads[name] - want_grads[name]).abs().max().item() <= 1e-4 * scale, name
 
 
 def test_bf16_probe_passes_ours_and_refuses_a_wrong_attention():

@@ -135,6 +135,21 @@ def exp(t, PRECISE: tl.constexpr):
 
 
 @triton.jit
+def tanh(t, PRECISE: tl.constexpr):
+    # PRECISE: float32-accurate, libdevice's on the GPU, float64 in the interpreter.
+    # Otherwise 2 sigmoid(2t) - 1: one exp, saturating cleanly to +-1, with an
+    # absolute error of a float32 rounding (ample for 16-bit inputs).
+    if PRECISE:
+        if IN_INTERPRETER:
+            x = t.to(tl.float64)
+            return (2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0).to(tl.float32)
+        else:
+            return libdevice.tanh(t)
+    else:
+        return 2.0 / (1.0 + tl.exp2(-2.0 * LOG2E * t)) - 1.0
+
+
+@triton.jit
 def log(t):
     # Always the accurate one: the kernels take one log per row, not per element.
     if IN_INTERPRETER:

@@ -240,7 +240,7 @@ def reduce_dtype_for(args, model, processes):
     shard keeps it in the weight's dtype, bf16. Averaged over 2 processes in float32,
     (a + b) / 2 of two bf16 numbers is exact, and the cast back to bf16 rounds once.
     In bfloat16, NCCL adds the two halves once and rounds the sum once, to nearest:
-    the same bits (fsdp_test checks it on 2 GPUs), with half the bytes to send and
+    the same bits (tests/fsdp_test.py checks it on 2 GPUs), with half the bytes to send and
     to copy. Over more processes a ring adds hop by hop and rounds to bf16 at each
     hop; with float32 weights (or adapters) float32 keeps digits that bf16 would drop.
     """

@@ -8,12 +8,12 @@ the one-line reason a run would print: the swaps are checked against the module 
 function they replace (kernel_common.SwapMismatch, the RoPE check, the LM-head
 probe), so "on" means the family's own computation was reproduced, not that a name
 matched. The table is generated, never written by hand: README's matrix is this
-tool's output. Losses against the baseline are tested in families_test.py.
+tool's output. Losses against the baseline are tested in tests/families_test.py.
 
 Usage:
     python tools/family_matrix.py                       # markdown table
     python tools/family_matrix.py --json matrix.json
-    python tools/family_matrix.py --readme              # its summary into README.md (families_test.py checks it)
+    python tools/family_matrix.py --readme              # its summary into README.md (tests/families_test.py checks it)
 """
 
 import argparse

@@ -109,9 +109,9 @@ def attention_call(kernel, inp, d):
     forward (returning (out,)), or the backward after one forward (dQ, dK, dV)."""
     q, k, v, starts = (t.detach() if torch.is_tensor(t) else t for t in inp["args"])
     if kernel == "fwd":
-        return lambda: ak.attention_forward(q, k, v, starts, d ** -0.5, 0)[:1]
-    out, lse = ak.attention_forward(q, k, v, starts, d ** -0.5, 0)
-    return lambda: ak.attention_backward(inp["upstream"][0], q, k, v, out, lse, starts, d ** -0.5, 0)
+        return lambda: ak.attention_forward(q, k, v, starts, d ** -0.5, 0, 0.0)[:1]
+    out, lse = ak.attention_forward(q, k, v, starts, d ** -0.5, 0, 0.0)
+    return lambda: ak.attention_backward(inp["upstream"][0], q, k, v, out, lse, starts, d ** -0.5, 0, 0.0)
 
 
 def attention_sweep(head_dims, results, quick):

@@ -26,6 +26,16 @@
 The Triton kernels run in the interpreter: tiny shapes, few steps.
 """
 
+if __name__ == "__main__":
+    # `python tests/fsdp_test.py`: pytest runs this file. Its imports below need the
+    # repository root on the path, which the root's conftest.py gives pytest.
+    import sys
+
+    import pytest
+
+    raise SystemExit(pytest.main([__file__, *sys.argv[1:]]))
+
+
 import argparse
 import json
 import os
@@ -42,7 +52,7 @@ import finetune_baseline
 import finetune_optimized
 from tools import export_hf
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 TINY = ["--tiny", "--dataset", "synthetic", "--warmup-steps", "0", "--seq-len", "16"]
 # finetune_optimized.py's kernels on synthetic rows: every one but attention, which is on by
 # default with packed real data only (a synthetic row is one document: SDPA's own causal case).
@@ -55,13 +65,13 @@ def run(script, args, ranks=None, tmp_path=None, name="run"):
     if ranks and torch.cuda.is_available() and torch.cuda.device_count() < ranks:
         pytest.skip(f"--fsdp on GPUs runs one process per GPU: {ranks} needed, {torch.cuda.device_count()} visible")
     out = os.path.join(tmp_path, f"{name}.json")
-    command = [sys.executable, os.path.join(HERE, script), *args, "--json", out]
+    command = [sys.executable, os.path.join(ROOT, script), *args, "--json", out]
     if ranks:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-                   os.path.join(HERE, script), "--fsdp", *args, "--json", out]
+                   os.path.join(ROOT, script), "--fsdp", *args, "--json", out]
     env = {k: v for k, v in os.environ.items() if k not in fsdp.TORCHRUN_ENV}
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(command, cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out) as f:
         return json.load(f)
@@ -325,12 +335,12 @@ def test_profile_under_torchrun(tmp_path):
     if torch.cuda.is_available() and torch.cuda.device_count() < 2:
         pytest.skip("--fsdp on GPUs runs one process per GPU: 2 needed")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               os.path.join(HERE, "profile_baseline.py"), "--fsdp", "--tiny", "--dataset", "synthetic",
+               os.path.join(ROOT, "profile_baseline.py"), "--fsdp", "--tiny", "--dataset", "synthetic",
                "--seq-len", "16", "--batch-size", "1",
                "--use-custom-rmsnorm", "--use-custom-flce", "--trace-dir", str(tmp_path)]
     env = {k: v for k, v in os.environ.items() if k not in fsdp.TORCHRUN_ENV}
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(command, cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(os.listdir(tmp_path)) == ["custom-rmsnorm-flce-fsdp"]  # one profile: rank 0's
     summary = json.loads((tmp_path / "custom-rmsnorm-flce-fsdp" / "summary.json").read_text())
@@ -449,11 +459,11 @@ torch.distributed.destroy_process_group()
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
 def test_bfloat16_reduction_over_two_gpus_gives_the_float32_gradients(tmp_path):
     script = tmp_path / "reduce_check.py"
-    script.write_text(REDUCE_CHECK.format(here=HERE))
+    script.write_text(REDUCE_CHECK.format(here=ROOT))
     env = {k: v for k, v in os.environ.items() if k not in fsdp.TORCHRUN_ENV}
     env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic matmuls: the two backwards are the same
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script)], cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
+                           str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     found = sorted(re.findall(r"rank (\d): (\d+) of (\d+) equal, (\d+) nonzero", proc.stdout))
     assert [rank for rank, *_ in found] == ["0", "1"], proc.stdout
@@ -486,6 +496,3 @@ def test_fsdp_with_lora_4bit_is_one_line(monkeypatch):
         fsdp.check_fsdp_flags(args)
     args.lora_4bit = False
     fsdp.check_fsdp_flags(args)  # --lora and --compile are
-
-if __name__ == "__main__":
-    pytest.main([__file__, "-q"])

@@ -2,8 +2,8 @@
 Tests of benchmark_kernels.py, kernel_ft/benchmark_specs.py and kernel_ft/benchmark_plot.py (CPU: Triton interpreter).
 
 Usage:
-    python -m pytest benchmark_test.py
-    python benchmark_test.py          # the same, verbose
+    python -m pytest tests/benchmark_test.py
+    python tests/benchmark_test.py          # the same, verbose
 
 The benchmark's ``--quick --kernel all`` run happens once (a module fixture) and the
 checks read its table and its JSON: every provider has a row with a status, our
@@ -15,6 +15,16 @@ peers (out of memory, any exception) become OOM / ERR rows; the playbook-design 
 and derived numbers; the plot tool redraws from a JSON, this run's or the committed
 results/bench_h100.json; a second run may replace the JSON and figure of the first.
 """
+
+if __name__ == "__main__":
+    # `python tests/benchmark_test.py`: pytest runs this file. Its imports below need the
+    # repository root on the path, which the root's conftest.py gives pytest.
+    import sys
+
+    import pytest
+
+    raise SystemExit(pytest.main([__file__, *sys.argv[1:]]))
+
 
 import contextlib
 import io
@@ -35,7 +45,7 @@ from rmsnorm_kernel import rmsnorm_reference
 from kernel_ft import benchmark_plot as plot_benchmark
 
 ON_GPU = torch.cuda.is_available()
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent.parent / "results"
 ENV_KEYS = ("gpu", "python", "torch", "triton", "transformers", "cuda", "date", "liger_kernel",
             "cut_cross_entropy", "copy_bandwidth_GBps")
 RECORD_KEYS = (
@@ -328,8 +338,3 @@ def test_plot_option_draws_after_measuring(tmp_path):
         assert files.written_here(str(out)) and files.written_here(str(png))
     assert strict_load(out)["kernels"]["swiglu"]["title"] == "SwiGLU"
 
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(pytest.main([__file__, "-v"]))

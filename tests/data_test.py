@@ -17,9 +17,19 @@ Tests of the data path (CPU, tiny LLaMA, bundled data, byte-level tokenizer):
   held-out split is fixed and disjoint from the training examples.
 
 Usage:
-    python -m pytest data_test.py -v
-    python data_test.py
+    python -m pytest tests/data_test.py -v
+    python tests/data_test.py
 """
+
+if __name__ == "__main__":
+    # `python tests/data_test.py`: pytest runs this file. Its imports below need the
+    # repository root on the path, which the root's conftest.py gives pytest.
+    import sys
+
+    import pytest
+
+    raise SystemExit(pytest.main([__file__, *sys.argv[1:]]))
+
 
 import json
 import sys
@@ -425,6 +435,3 @@ def test_held_out_split():
     for a, b in zip(first_two, batches):
         same_batch(a, b)
 
-
-if __name__ == "__main__":
-    raise SystemExit(pytest.main([__file__, *sys.argv[1:]]))

@@ -17,8 +17,8 @@ trained by transformers' Trainer, TRL's SFTTrainer and PEFT, with and without ap
   (position ids restarting per document: each document's logits, the model's loss)
   and greedy ``generate()`` (also left-padded) give what the model gives without
   apply (logits by conftest.check_outputs: float64 truth, no worse than 2x PyTorch);
-* the report (one line per kernel, JSON-ready), Gemma-2's soft-capped attention left
-  to PyTorch (warning; strict=True raises KernelNotApplied), a torch.compile'd model
+* the report (one line per kernel, JSON-ready), Cohere's LayerNorm and interleaved RoPE
+  left to PyTorch (warning; strict=True raises KernelNotApplied), a torch.compile'd model
   refused in one line; a second apply wraps nothing twice and reports the kernels the
   model runs (no warning, strict=True passes);
 * ``pip install`` of the repository into a folder: ``import kernel_ft`` from another
@@ -27,9 +27,19 @@ trained by transformers' Trainer, TRL's SFTTrainer and PEFT, with and without ap
   its JSON, and a one-line refusal of what it cannot do.
 
 Usage:
-    python -m pytest apply_test.py -v
-    python apply_test.py
+    python -m pytest tests/apply_test.py -v
+    python tests/apply_test.py
 """
+
+if __name__ == "__main__":
+    # `python tests/apply_test.py`: pytest runs this file. Its imports below need the
+    # repository root on the path, which the root's conftest.py gives pytest.
+    import sys
+
+    import pytest
+
+    raise SystemExit(pytest.main([__file__, *sys.argv[1:]]))
+
 
 import copy
 import json
@@ -55,7 +65,7 @@ from tools.family_matrix import FAMILIES, TINY, family_config
 import datasets
 import transformers
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the repository
 FAMILY = {label: (model_type, extra) for label, model_type, extra in FAMILIES}
 TESTED = ["Llama", "Qwen2", "Gemma-2", "Phi-3"]
 ON_CPU = DEVICE.type == "cpu"  # Trainer's use_cpu (with a GPU, the kernels run on it)
@@ -64,7 +74,7 @@ SEQ = 16
 LR = 1e-3
 STEPS = 3
 LOSS_TOL = 1e-4  # float32 losses, with and without apply
-GRAD_TOL = 1e-5  # float32 gradients of one step (families_test.py's bound)
+GRAD_TOL = 1e-5  # float32 gradients of one step (tests/families_test.py's bound)
 
 
 # --------------------------------------------------------------------------------
@@ -117,7 +127,7 @@ def masked_prompts(ids, prompt_lengths):
 
 
 def assert_close(what, ours, theirs, tol):
-    """max |ours - theirs| <= tol * max(|theirs|, 1) (families_test.py's rule)."""
+    """max |ours - theirs| <= tol * max(|theirs|, 1) (tests/families_test.py's rule)."""
     ours, theirs = torch.as_tensor(ours, dtype=torch.float64), torch.as_tensor(theirs, dtype=torch.float64)
     diff = (ours - theirs).abs().max().item()
     values = f"{ours.tolist()} vs {theirs.tolist()} " if ours.numel() <= 8 else ""
@@ -473,13 +483,13 @@ def test_packed_rows_give_each_documents_logits_and_the_loss(label, attention_ca
     assert "attention_mask" not in batch and batch["position_ids"].tolist() == [
         list(range(5)) + list(range(7)) + list(range(4))]
     # use_cache=False, as in training: with a cache HF's own attention does not look for
-    # documents in the position ids (Gemma-2's attention is HF's own after apply).
+    # documents in the position ids.
     with torch.no_grad():
         logits = ours(input_ids=batch["input_ids"].to(DEVICE), position_ids=batch["position_ids"].to(DEVICE),
                       use_cache=False).logits
     pieces = logits[0].split([len(d) for d in documents])
     layers = plain.config.num_hidden_layers
-    assert len(attention_calls) == (0 if label == "Gemma-2" else layers)  # Gemma-2: HF's attention
+    assert len(attention_calls) == layers  # Gemma-2's soft-capped scores too
 
     def each_alone(model):
         return [model(input_ids=torch.tensor([d], device=DEVICE)).logits[0] for d in documents]
@@ -507,22 +517,23 @@ def test_report_has_one_line_per_kernel_and_is_json():
     assert report["fp8"]["status"] == report["ce"]["status"] == report["lora"]["status"] == "not used"
 
 
-def test_gemma2_attention_is_left_to_pytorch_with_one_warning():
-    model = tiny_model("Gemma-2")
+def test_what_a_family_cannot_run_is_left_to_pytorch_with_one_warning():
+    model = tiny_model("Cohere")  # LayerNorm, not RMSNorm; RoPE on interleaved pairs
     report, warned = apply_and_warnings(model)
-    assert report["attention"]["status"] == "left to PyTorch", report["attention"]
-    assert "soft" in report["attention"]["detail"] and "\n" not in report["attention"]["detail"]
-    assert list(report.left_out) == ["attention"]
-    assert len(warned) == 1 and "attention (" in warned[0], warned
-    assert model.config._attn_implementation == "eager"  # the model's own, as it was
+    assert list(report.left_out) == ["rmsnorm", "rope"], report.left_out
+    for name in report.left_out:
+        assert report[name]["status"] == "left to PyTorch" and "\n" not in report[name]["detail"]
+    assert "RMSNorm" in report["rmsnorm"]["detail"]
+    assert len(warned) == 1 and "rmsnorm (" in warned[0] and "rope (" in warned[0], warned
+    assert report["attention"]["status"] == "applied"
 
 
-def test_strict_raises_kernel_not_applied_on_gemma2():
+def test_strict_raises_kernel_not_applied_on_cohere():
     with pytest.raises(kernel_ft.KernelNotApplied) as raised:
-        kernel_ft.apply(tiny_model("Gemma-2"), strict=True)
+        kernel_ft.apply(tiny_model("Cohere"), strict=True)
     assert isinstance(raised.value, ValueError)
-    assert raised.value.kernel == "attention" and "soft" in raised.value.reason
-    assert "attention" in str(raised.value) and "\n" not in str(raised.value)
+    assert raised.value.kernel == "rmsnorm" and "RMSNorm" in raised.value.reason
+    assert "rmsnorm" in str(raised.value) and "\n" not in str(raised.value)
 
 
 def test_compiled_model_is_refused_in_one_line():
@@ -666,6 +677,3 @@ def test_trainer_script_with_and_without_the_kernels(tmp_path, capsys):
     assert doc["timed_steps"] == 1 and doc["warmup_steps"] == 1 and doc["real_tokens_per_sec"] > 0
     assert doc["tokens_per_step"][0] <= 2 * 64
 
-
-if __name__ == "__main__":
-    raise SystemExit(pytest.main([__file__, *sys.argv[1:]]))

@@ -19,9 +19,19 @@ AdamW, LoRA, gradient accumulation, clipping), and a step that cannot be capture
 (a host sync) falls back to eager with a note and the same losses.
 
 Usage:
-    python -m pytest cuda_graphs_test.py -v
-    python cuda_graphs_test.py
+    python -m pytest tests/cuda_graphs_test.py -v
+    python tests/cuda_graphs_test.py
 """
+
+if __name__ == "__main__":
+    # `python tests/cuda_graphs_test.py`: pytest runs this file. Its imports below need the
+    # repository root on the path, which the root's conftest.py gives pytest.
+    import sys
+
+    import pytest
+
+    raise SystemExit(pytest.main([__file__, *sys.argv[1:]]))
+
 
 import argparse
 import contextlib
@@ -576,6 +586,3 @@ def test_uncapturable_step_falls_back_on_gpu(monkeypatch, capsys):
     assert torch.rand(8, device="cuda").isfinite().all()  # the next user of the generator
     assert torch.cuda.current_stream() == torch.cuda.default_stream()  # not the capture's side stream
 
-
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-v"]))

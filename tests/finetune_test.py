@@ -18,9 +18,19 @@ Tests of the fine-tune scripts and their shared loader (CPU, --tiny, seconds eac
   GPU with liger-kernel installed trains with the baseline's losses.
 
 Usage:
-    python -m pytest finetune_test.py -v
-    python finetune_test.py
+    python -m pytest tests/finetune_test.py -v
+    python tests/finetune_test.py
 """
+
+if __name__ == "__main__":
+    # `python tests/finetune_test.py`: pytest runs this file. Its imports below need the
+    # repository root on the path, which the root's conftest.py gives pytest.
+    import sys
+
+    import pytest
+
+    raise SystemExit(pytest.main([__file__, *sys.argv[1:]]))
+
 
 import ast
 import copy
@@ -43,8 +53,8 @@ import kernel_ft
 import linear_cross_entropy_kernel
 from kernel_ft import dataloader, files, flags, models, reporting, training
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-# Synthetic tokens: these tests are about the loop and the kernels (data_test.py tests the data).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+# Synthetic tokens: these tests are about the loop and the kernels (tests/data_test.py tests the data).
 TINY = ["--tiny", "--dataset", "synthetic", "--batch-size", "2", "--seq-len", "32", "--steps", "3", "--warmup-steps",
         "1"]
 
@@ -102,7 +112,7 @@ def runs(tmp_path_factory):
         base = finetune_baseline.main(TINY + ["--json", str(out / "baseline.json")])
         base_spy = dict(spy, models=list(spy["models"]))
         # Eager on a GPU too: the spies count Python calls, which a CUDA graph's replays
-        # do not make (cuda_graphs_test.py tests the graphs).
+        # do not make (tests/cuda_graphs_test.py tests the graphs).
         opt = finetune_optimized.main(TINY + ["--no-cuda-graphs", "--json", str(out / "optimized.json")])
     return {"base": base, "opt": opt, "base_spy": base_spy, "spy": spy, "dir": out}
 
@@ -252,7 +262,7 @@ def test_liger_trains_like_the_baseline(tmp_path, family):
         argv = [a for a in TINY if a != "--tiny"] + ["--model", str(tmp_path / "model"), "--random-init"]
     out = tmp_path / "liger.json"
     proc = subprocess.run([sys.executable, "finetune_baseline.py", *argv, "--liger", "--json", str(out)],
-                          cwd=HERE, capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"Kernels:       Liger-Kernel's {family or 'llama'} patch" in proc.stdout
     base = finetune_baseline.main(argv + ["--json", str(tmp_path / "base.json")])
@@ -355,7 +365,7 @@ def test_missing_path_and_unknown_id():
 
 def test_no_traceback_from_the_command_line():
     proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "finetune_baseline.py"), "--tiny", "--seq-len", "99999"],
+        [sys.executable, os.path.join(ROOT, "finetune_baseline.py"), "--tiny", "--seq-len", "99999"],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode != 0
@@ -467,7 +477,7 @@ def imported_modules(path):
 
 @pytest.mark.parametrize("module", WORKLOAD)
 def test_workload_imports_no_kernel(module):
-    names = imported_modules(os.path.join(HERE, "kernel_ft", f"{module}.py"))
+    names = imported_modules(os.path.join(ROOT, "kernel_ft", f"{module}.py"))
     kernels = sorted(n for n in names if n.split(".")[0].endswith("_kernel") or n == "kernel_ft.patching")
     assert kernels == [], f"{module} imports {kernels}; kernels are switched in by finetune_optimized.py"
     if "torch" in names:
@@ -480,7 +490,7 @@ def test_workload_imports_no_kernel(module):
 
 def test_baseline_imports_no_kernel():
     # The plain baseline shows the HF loop; it reaches the kernels only through a flag.
-    top_level = {n for n in imported_modules(os.path.join(HERE, "finetune_baseline.py"))}
+    top_level = {n for n in imported_modules(os.path.join(ROOT, "finetune_baseline.py"))}
     assert not any(n.endswith("_kernel") for n in top_level)
 
 
@@ -814,7 +824,7 @@ def test_random_init_on_cpu_is_reported(capsys):
 # tools/max_seq_len.py
 # --------------------------------------------------------------------------------
 def load_tool(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, "tools", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -839,6 +849,3 @@ def test_max_seq_len_checks_its_output_first(tmp_path, monkeypatch):
         tool.main(["--json", str(tmp_path / "missing" / "maxseq.json")])
     assert str(e.value.code).startswith("error: --json ") and "does not exist" in str(e.value.code)
 
-
-if __name__ == "__main__":
-    raise SystemExit(pytest.main([__file__, *sys.argv[1:]]))

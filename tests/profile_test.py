@@ -12,9 +12,19 @@ Tests of profile_baseline.py (CPU, --tiny).
   memory, leaves the old one as it was); summary.json is strict JSON.
 
 Usage:
-    python -m pytest profile_test.py -v
-    python profile_test.py
+    python -m pytest tests/profile_test.py -v
+    python tests/profile_test.py
 """
+
+if __name__ == "__main__":
+    # `python tests/profile_test.py`: pytest runs this file. Its imports below need the
+    # repository root on the path, which the root's conftest.py gives pytest.
+    import sys
+
+    import pytest
+
+    raise SystemExit(pytest.main([__file__, *sys.argv[1:]]))
+
 
 import contextlib
 import glob
@@ -340,6 +350,3 @@ def test_pin_memory_flag_reaches_the_data_loader():
     args.pin_memory = True
     assert pb.dataloader.loader([], range(0), args).pin_memory is torch.cuda.is_available()
 
-
-if __name__ == "__main__":
-    raise SystemExit(pytest.main([__file__, *sys.argv[1:]]))

@@ -16,9 +16,19 @@ steps each):
 * on the synthetic data the tiny model's loss falls by more than 20% in 40 steps.
 
 Usage:
-    python -m pytest train_test.py -v
-    python train_test.py
+    python -m pytest tests/train_test.py -v
+    python tests/train_test.py
 """
+
+if __name__ == "__main__":
+    # `python tests/train_test.py`: pytest runs this file. Its imports below need the
+    # repository root on the path, which the root's conftest.py gives pytest.
+    import sys
+
+    import pytest
+
+    raise SystemExit(pytest.main([__file__, *sys.argv[1:]]))
+
 
 import copy
 import json
@@ -45,9 +55,9 @@ from kernel_ft import checkpoints, dataloader, flags, models, reporting, trainin
 from linear_cross_entropy_kernel import fused_linear_cross_entropy
 from rmsnorm_kernel import rmsnorm
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 # Synthetic tokens (the loop is under test here; the data path has its own tests
-# below and in data_test.py).
+# below and in tests/data_test.py).
 SMALL = ["--tiny", "--dataset", "synthetic", "--batch-size", "1", "--seq-len", "16", "--warmup-steps", "0"]
 
 
@@ -258,7 +268,7 @@ def run_and_signal(argv, signals, after="step    3/"):
     """Start finetune_baseline.py; once it prints ``after``, send ``signals`` (10 ms
     apart). Returns (exit code, everything it printed)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "finetune_baseline.py", *argv], cwd=HERE, env=env, text=True,
+    proc = subprocess.Popen([sys.executable, "finetune_baseline.py", *argv], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     printed = []
     for line in proc.stdout:
@@ -472,7 +482,7 @@ def test_sigterm_during_an_update_outside_a_run_ends_the_process_after_it():
             "    os.kill(os.getpid(), signal.SIGTERM)\n"
             "    print('update complete', flush=True)\n"
             "print('not reached', flush=True)\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGTERM and proc.stdout == "update complete\n", (proc.returncode, proc.stdout)
 
 
@@ -708,6 +718,3 @@ def test_loss_falls_in_40_steps():
     assert abs(first - math.log(8192)) < 0.5
     assert last < 0.8 * first, f"{first:.3f} -> {last:.3f}"
 
-
-if __name__ == "__main__":
-    pytest.main([__file__, "-q"])

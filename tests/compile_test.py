@@ -24,6 +24,16 @@ On CPU the backend is aot_eager: the graph is traced and differentiated like
 Inductor's input, and runs eagerly (the kernels in the interpreter).
 """
 
+if __name__ == "__main__":
+    # `python tests/compile_test.py`: pytest runs this file. Its imports below need the
+    # repository root on the path, which the root's conftest.py gives pytest.
+    import sys
+
+    import pytest
+
+    raise SystemExit(pytest.main([__file__, *sys.argv[1:]]))
+
+
 import argparse
 import copy
 import unittest.mock
@@ -344,6 +354,3 @@ def test_cuda_graph_mode_matches_eager():
         for name, g in eager[1].items():
             torch.testing.assert_close(grads[name], g, msg=lambda m, name=name: f"{name}, step {step}: {m}")
 
-
-if __name__ == "__main__":
-    pytest.main([__file__, "-q"])

@@ -64,6 +64,31 @@ the diagonal). Each loop runs in three pieces, the document's first tile and the
 diagonal with the mask, the run between them without it (``_split``); a
 ``tl.constexpr`` flag compiles the loop body twice, once without the mask code.
 
+Soft-capped scores (Gemma-2): the scores s = scale q k^T pass through
+cap * tanh(s / cap) before the softmax, which SDPA cannot do (HF runs such models
+with its eager attention: the T x T scores in memory). Here it is one more
+elementwise step on the tile; the backward multiplies dS by the cap's derivative
+1 - tanh^2, recomputed with the probabilities.
+
+What each change bought (H100, bf16, 32 query / 8 key-value heads of 128; ms on
+one 8,192-token document, 16,384 tokens in 133 documents, in 7 documents;
+results/attention/tma_h100.txt):
+
+* TMA loads (Hopper's tensor memory accelerator) in the forward and the dK/dV
+  kernel: a tensor descriptor per input describes its [B, H, T, D] layout once,
+  and one instruction copies a whole tile into shared memory, asynchronously,
+  the rows past T and the padded head-dim columns filled with zeros by the
+  hardware; no address computed per element, and the copies of the next tiles
+  run under the products of this one. Forward 1.31 / 0.31 / 1.07 -> 1.11 / 0.23
+  / 0.90; backward 3.98 / 1.03 / 3.24 -> 3.77 / 0.82 / 2.93. The dQ kernel
+  gained nothing and keeps plain loads; devices before Hopper and layouts the
+  copies cannot take (a start or row stride not a multiple of 16 bytes) too.
+* Measured and not kept: dQ added up across key tiles in float32 by the dK/dV
+  kernel (five products per tile instead of seven, FlashAttention-2's way), with
+  TMA reduce-adds or atomics: 0.6x of the two kernels, the adds cost more than
+  the products they save; 128-query tiles with TMA; warp specialization
+  (``tl.range(warp_specialize=True)``) does not compile for this loop in Triton 3.6.
+
 Triton concepts new in this step
 --------------------------------
 * ``tl.dot`` on tiles: the matrix units (tensor cores), float32 accumulation
@@ -72,11 +97,16 @@ Triton concepts new in this step
 * A loop with bounds computed at run time from data (``range(lo, hi, BLOCK_N)``):
   every program does only the work its documents need.
 * exp2 instead of exp: the scores are scaled by log2(e) once, so each softmax
-  element is one ``ex2`` instruction.
+  element is one ``ex2`` instruction; the scale itself rides in the subtraction
+  of the running maximum (``x * unit - m``: one fused multiply-add).
+* ``tl.dot(a, b, acc)``: the tensor cores add the product into the accumulator.
+* Tensor descriptors (``TensorDescriptor`` on the host, ``desc.load`` in the
+  kernel): TMA copies, above.
 
 Nothing runs on import. See attention_test.py for the checks.
 """
 
+import contextlib
 import inspect
 import math
 
@@ -90,6 +120,7 @@ from kernel_common import (
 
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 # --------------------------------------------------------------------------------
@@ -154,29 +185,29 @@ def _scores(q, k, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _matmul(a, b, DOT_PRECISION: tl.constexpr):
-    # a [M, K], b [K, N], same dtype -> [M, N] float32.
+def _matmul_add(acc, a, b, DOT_PRECISION: tl.constexpr):
+    # acc + a b: the tensor cores add the product into the accumulator they hold
+    # (no separate pass over acc).
     if IN_INTERPRETER:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+        return acc + tl.dot(a.to(tl.float32), b.to(tl.float32))
     else:
-        return tl.dot(a, b, input_precision=DOT_PRECISION)
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
-def _logits(q, k, scale_log2, cap_in, cap_out, DOT_PRECISION: tl.constexpr, PRECISE: tl.constexpr,
-            SOFTCAP: tl.constexpr):
-    # The scores in _exp's units, and (SOFTCAP) t = tanh(scale q k^T / cap), which
-    # the backward needs for the derivative of the cap: d(cap t)/d(scale q k^T) = 1 - t^2.
-    # Gemma-2 caps its scores smoothly below ``cap`` (HF: cap * tanh(scores / cap));
-    # cap_in = scale / cap, cap_out = cap in _exp's units. Float32 inputs take the
-    # accurate tanh: with cap 50 most scores are small, where 2 sigmoid(2x) - 1
-    # cancels (kernel_common.tanh).
+def _logits(q, k, cap_in, DOT_PRECISION: tl.constexpr, PRECISE: tl.constexpr, SOFTCAP: tl.constexpr):
+    # The scores are x * unit: x = q k^T, unit = scale (times log2(e) for exp2); or,
+    # with Gemma-2's cap on them (HF: cap * tanh(scores / cap)), x = t = tanh(scale
+    # q k^T / cap) (cap_in = scale / cap) and unit = cap. Kept apart, the scale costs
+    # nothing: _exp(x * unit - m) is one fused multiply-add per score. The backward
+    # needs t for the cap's derivative: d(cap t)/d(scale q k^T) = 1 - t^2. Float32
+    # inputs take the accurate tanh: with cap 50 most scores are small, where
+    # 2 sigmoid(2x) - 1 cancels (kernel_common.tanh).
     s = _scores(q, k, DOT_PRECISION)
     if SOFTCAP:
-        t = tanh(s * cap_in, PRECISE)
-        return t * cap_out, t
+        return tanh(s * cap_in, PRECISE)
     else:
-        return s * scale_log2, s
+        return s
 
 
 @triton.jit
@@ -222,6 +253,21 @@ def _rows(base, offs, stride, ok, offs_d, d_ok, MASK_ROWS: tl.constexpr):
 
 
 @triton.jit
+def _head_rows(X, b, h, start, sb, sh, st, T, offs_d, d_ok, BLOCK: tl.constexpr, DP: tl.constexpr,
+               MASK_ROWS: tl.constexpr, TMA: tl.constexpr):
+    # Rows [start, start + BLOCK) of head h of batch row b: a [BLOCK, DP] tile.
+    # TMA (Hopper's tensor memory accelerator): X is a tensor descriptor, and one
+    # instruction copies the whole tile to shared memory, asynchronously, rows past
+    # T and padded head-dim columns filled with zeros by the hardware: no address
+    # per element, no masks, and the loads of the next tiles overlap the products.
+    if TMA:
+        return X.load([b, h, start, 0]).reshape(BLOCK, DP)
+    else:
+        offs = start + tl.arange(0, BLOCK)
+        return _rows(X + b.to(tl.int64) * sb + h * sh, offs, st, offs < T, offs_d, d_ok, MASK_ROWS)
+
+
+@triton.jit
 def _visible(offs_m, offs_n, starts, WINDOW):
     # Query offs_m may see key offs_n: not later, not before its document's start,
     # and fewer than WINDOW positions back (WINDOW = T: no window).
@@ -243,31 +289,32 @@ def _split(lo, hi, full_lo, full_hi):
 # Forward: one program per (query tile, batch row and query head)
 # --------------------------------------------------------------------------------
 @triton.jit
-def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sk_t, sv_t, offs_m, starts, offs_d, d_ok, lo, hi, T, WINDOW,
-               scale_log2, cap_in, cap_out, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               PRECISE: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
+def _fwd_tiles(acc, l_i, m_i, q, K, V, b, kvh, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, offs_m, starts, offs_d, d_ok, lo,
+               hi, T, WINDOW, unit, cap_in, BLOCK_N: tl.constexpr, DP: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, PRECISE: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
+               TMA: tl.constexpr):
     # The online softmax over the key tiles [lo, hi). MASKED: tiles on a document's
     # edge or the diagonal, where some pairs are not visible; the others (most of a
     # long document's tiles) skip building and applying the mask.
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _rows(k_base, offs_n, sk_t, offs_n < T, offs_d, d_ok, MASKED)
-        v = _rows(v_base, offs_n, sv_t, offs_n < T, offs_d, d_ok, MASKED)
-        s, _ = _logits(q, k, scale_log2, cap_in, cap_out, DOT_PRECISION, PRECISE, SOFTCAP)
+        k = _head_rows(K, b, kvh, start_n, sk_b, sk_h, sk_t, T, offs_d, d_ok, BLOCK_N, DP, MASKED, TMA)
+        v = _head_rows(V, b, kvh, start_n, sv_b, sv_h, sv_t, T, offs_d, d_ok, BLOCK_N, DP, MASKED, TMA)
+        x = _logits(q, k, cap_in, DOT_PRECISION, PRECISE, SOFTCAP)
         if MASKED:
-            s = tl.where(_visible(offs_m, offs_n, starts, WINDOW), s, float("-inf"))
+            x = tl.where(_visible(offs_m, offs_n, starts, WINDOW), x, float("-inf"))
         # Online softmax: a new maximum rescales what was summed so far.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(x, 1) * unit)
         if MASKED:
             # A row that sees nothing in this tile yet (its document starts further on)
             # keeps m = -inf; subtracting 0 instead gives exp2(-inf) = 0, not NaN.
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_sub = m_new
-        p = _exp(s - m_sub[:, None], PRECISE)
+        p = _exp(x * unit - m_sub[:, None], PRECISE)
         alpha = _exp(m_i - m_sub, PRECISE)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _matmul(_tile_for_dot(p, v), v, DOT_PRECISION)
+        acc = _matmul_add(acc * alpha[:, None], _tile_for_dot(p, v), v, DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -292,16 +339,16 @@ def _query_tile_keys(DOC_START, b, pid_m, T, WINDOW, BLOCK_M: tl.constexpr, BLOC
 @fast_launch
 @triton.jit(do_not_specialize=["T", "WINDOW"])  # vary with T: not specialized (rmsnorm_kernel.py)
 def _attn_fwd_kernel(
-    Q, K, V,  # [B, Hq, T, D], [B, Hkv, T, D] x 2: any strides, contiguous last dim
+    Q, K, V,  # [B, Hq, T, D], [B, Hkv, T, D] x 2: any strides, contiguous last dim (TMA: their descriptors)
     O,  # [B, T, Hq, D] contiguous: the layout HF's attention returns (no transpose copy after)
     LSE,  # [B, Hq, T] float32: the log-sum-exp of the scaled scores (log2 units with exp2), for backward
     DOC_START,  # [B, T] int32: where each token's document starts
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
-    T, HQ, GROUP, scale_log2,  # scale * log2(e) (16-bit inputs, exp2) or scale (float32, exp): see _exp
+    T, HQ, GROUP,
     WINDOW,  # a sliding window: keys fewer than WINDOW positions back (T: none)
-    cap_in, cap_out,  # soft-capped scores (SOFTCAP), see _logits
+    unit, cap_in,  # the scores are x * unit, see _logits; unit in _exp's units (times log2(e) for exp2)
     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PRECISE: tl.constexpr, SOFTCAP: tl.constexpr,
+    PRECISE: tl.constexpr, SOFTCAP: tl.constexpr, TMA: tl.constexpr,
 ):
     # Program order: every head of the last query tile first. A causal query tile
     # late in a long document has the most key tiles to read; launching the
@@ -315,22 +362,23 @@ def _attn_fwd_kernel(
     offs_d = tl.arange(0, DP)  # the head dim, padded to a power of two (Phi-3: 96 -> 128)
     d_ok = offs_d < D
     row_ok = offs_m < T
-    q = _rows(Q + b.to(tl.int64) * sq_b + h * sq_h, offs_m, sq_t, row_ok, offs_d, d_ok, True)
+    q = _head_rows(Q, b, h, pid_m * BLOCK_M, sq_b, sq_h, sq_t, T, offs_d, d_ok, BLOCK_M, DP, True, TMA)
     starts = tl.load(DOC_START + b * T + offs_m, mask=row_ok, other=0)
     lo, e1, e2, hi = _query_tile_keys(DOC_START, b, pid_m, T, WINDOW, BLOCK_M, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DP], tl.float32)
-    k_base = K + b.to(tl.int64) * sk_b + kvh * sk_h
-    v_base = V + b.to(tl.int64) * sv_b + kvh * sv_h
     # Three runs of key tiles: the document's first (masked), the inside (no mask), the diagonal (masked).
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sk_t, sv_t, offs_m, starts, offs_d, d_ok, lo, e1,
-                               T, WINDOW, scale_log2, cap_in, cap_out, BLOCK_N, DOT_PRECISION, PRECISE, SOFTCAP, True)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sk_t, sv_t, offs_m, starts, offs_d, d_ok, e1, e2,
-                               T, WINDOW, scale_log2, cap_in, cap_out, BLOCK_N, DOT_PRECISION, PRECISE, SOFTCAP, False)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sk_t, sv_t, offs_m, starts, offs_d, d_ok, e2, hi,
-                               T, WINDOW, scale_log2, cap_in, cap_out, BLOCK_N, DOT_PRECISION, PRECISE, SOFTCAP, True)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, b, kvh, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, offs_m, starts,
+                               offs_d, d_ok, lo, e1, T, WINDOW, unit, cap_in, BLOCK_N, DP,
+                               DOT_PRECISION, PRECISE, SOFTCAP, True, TMA)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, b, kvh, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, offs_m, starts,
+                               offs_d, d_ok, e1, e2, T, WINDOW, unit, cap_in, BLOCK_N, DP,
+                               DOT_PRECISION, PRECISE, SOFTCAP, False, TMA)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, b, kvh, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, offs_m, starts,
+                               offs_d, d_ok, e2, hi, T, WINDOW, unit, cap_in, BLOCK_N, DP,
+                               DOT_PRECISION, PRECISE, SOFTCAP, True, TMA)
 
     # Every query sees itself, so l_i >= 1 on the rows that exist.
     out = acc / l_i[:, None]
@@ -368,33 +416,34 @@ def _attn_bwd_delta_kernel(
 # Backward, dK and dV: one program per (key tile, batch row and key/value head)
 # --------------------------------------------------------------------------------
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_base, do_base, row_base, LSE, DELTA, DOC_START, b, sq_t, sdo_t, offs_n, offs_d, d_ok,
-                lo, hi, T, WINDOW, scale_log2, cap_in, cap_out, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                PRECISE: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
+def _dkdv_tiles(dk, dv, k, v, Q, DO, b, h, sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, row_base, LSE, DELTA, DOC_START,
+                offs_n, offs_d, d_ok, lo, hi, T, WINDOW, unit, cap_in, BLOCK_M: tl.constexpr,
+                DP: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE: tl.constexpr, SOFTCAP: tl.constexpr,
+                MASKED: tl.constexpr, TMA: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_ok = offs_m < T
-        q = _rows(q_base, offs_m, sq_t, row_ok, offs_d, d_ok, MASKED)
-        do = _rows(do_base, offs_m, sdo_t, row_ok, offs_d, d_ok, MASKED)
+        q = _head_rows(Q, b, h, start_m, sq_b, sq_h, sq_t, T, offs_d, d_ok, BLOCK_M, DP, MASKED, TMA)
+        do = _head_rows(DO, b, h, start_m, sdo_b, sdo_h, sdo_t, T, offs_d, d_ok, BLOCK_M, DP, MASKED, TMA)
         lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0)
         delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
         # The probabilities again, from the saved log-sum-exp: P = exp2(S * log2 e - lse).
-        s, t = _logits(q, k, scale_log2, cap_in, cap_out, DOT_PRECISION, PRECISE, SOFTCAP)
-        p = _exp(s - lse[:, None], PRECISE)
+        x = _logits(q, k, cap_in, DOT_PRECISION, PRECISE, SOFTCAP)
+        p = _exp(x * unit - lse[:, None], PRECISE)
         if MASKED:
             starts = tl.load(DOC_START + b * T + offs_m, mask=row_ok, other=0)
             p = tl.where(_visible(offs_m, offs_n, starts, WINDOW) & row_ok[:, None], p, 0.0)
-        dv += _matmul(_tile_for_dot(tl.trans(p), do), do, DOT_PRECISION)
+        dv = _matmul_add(dv, _tile_for_dot(tl.trans(p), do), do, DOT_PRECISION)
         dp = _scores(do, v, DOT_PRECISION)  # dO V^T
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
-            ds = ds * (1.0 - t * t)  # through the cap: d(cap tanh(x / cap))/dx
+            ds = ds * (1.0 - x * x)  # through the cap: x = t, d(cap tanh(s / cap))/ds = 1 - t^2
         if MASKED:
             # A query that sees only itself (an example of one token) has P = 1, and
             # dS = 1 * (dP - dP) = 0 exactly; from delta = dO . O it would be rounding
             # noise. (Never in a full tile: there every query sees BLOCK_N keys.)
             ds = tl.where(starts[:, None] == offs_m[:, None], 0.0, ds)
-        dk += _matmul(_tile_for_dot(tl.trans(ds), q), q, DOT_PRECISION)
+        dk = _matmul_add(dk, _tile_for_dot(tl.trans(ds), q), q, DOT_PRECISION)
     return dk, dv
 
 
@@ -402,14 +451,15 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, row_base, LSE, DELTA, DOC_START, 
 @triton.jit(do_not_specialize=["T", "WINDOW"])  # vary with T: not specialized (rmsnorm_kernel.py)
 def _attn_bwd_dkdv_kernel(
     Q, K, V,  # as in the forward
-    DO,  # [B, T, Hq, D]: the output's gradient, in the output's layout (any strides, contiguous last dim)
+    DO,  # [B, T, Hq, D]: the output's gradient, in the output's layout (any strides, contiguous last dim;
+    #      TMA: the descriptor of its [B, Hq, T, D] view)
     LSE, DELTA,  # [B, Hq, T] float32: the forward's log2-sum-exp; rowsum(dO * O)
     DOC_START, DOC_END,  # [B, T] int32
     DK, DV,  # [B, Hkv, T, D] contiguous, written
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_t, sdo_h,
-    T, HQ, HKV, GROUP, scale_log2, scale, WINDOW, cap_in, cap_out,
+    T, HQ, HKV, GROUP, scale, WINDOW, unit, cap_in,
     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PRECISE: tl.constexpr, SOFTCAP: tl.constexpr,
+    PRECISE: tl.constexpr, SOFTCAP: tl.constexpr, TMA: tl.constexpr,
 ):
     bkv = tl.program_id(0)
     pid_n = tl.program_id(1)  # the first key tiles (seen by the most queries) first
@@ -419,8 +469,8 @@ def _attn_bwd_dkdv_kernel(
     offs_d = tl.arange(0, DP)  # the head dim, padded to a power of two (Phi-3: 96 -> 128)
     d_ok = offs_d < D
     col_ok = offs_n < T
-    k = _rows(K + b.to(tl.int64) * sk_b + kvh * sk_h, offs_n, sk_t, col_ok, offs_d, d_ok, True)
-    v = _rows(V + b.to(tl.int64) * sv_b + kvh * sv_h, offs_n, sv_t, col_ok, offs_d, d_ok, True)
+    k = _head_rows(K, b, kvh, pid_n * BLOCK_N, sk_b, sk_h, sk_t, T, offs_d, d_ok, BLOCK_N, DP, True, TMA)
+    v = _head_rows(V, b, kvh, pid_n * BLOCK_N, sv_b, sv_h, sv_t, T, offs_d, d_ok, BLOCK_N, DP, True, TMA)
     dk = tl.zeros([BLOCK_N, DP], tl.float32)
     dv = tl.zeros([BLOCK_N, DP], tl.float32)
     # The queries that may see keys [n0, n1]: from the first key on (causal), to the
@@ -436,18 +486,16 @@ def _attn_bwd_dkdv_kernel(
     e1, e2 = _split(lo, hi, full_lo, full_hi)
     for g in range(0, GROUP):  # every query head that reads this key/value head
         h = kvh * GROUP + g
-        q_base = Q + b.to(tl.int64) * sq_b + h * sq_h
-        do_base = DO + b.to(tl.int64) * sdo_b + h * sdo_h
         row_base = (b * HQ + h).to(tl.int64) * T
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, row_base, LSE, DELTA, DOC_START, b, sq_t, sdo_t, offs_n,
-                             offs_d, d_ok, lo, e1, T, WINDOW, scale_log2, cap_in, cap_out, BLOCK_M, DOT_PRECISION,
-                             PRECISE, SOFTCAP, True)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, row_base, LSE, DELTA, DOC_START, b, sq_t, sdo_t, offs_n,
-                             offs_d, d_ok, e1, e2, T, WINDOW, scale_log2, cap_in, cap_out, BLOCK_M, DOT_PRECISION,
-                             PRECISE, SOFTCAP, False)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, row_base, LSE, DELTA, DOC_START, b, sq_t, sdo_t, offs_n,
-                             offs_d, d_ok, e2, hi, T, WINDOW, scale_log2, cap_in, cap_out, BLOCK_M, DOT_PRECISION,
-                             PRECISE, SOFTCAP, True)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, b, h, sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, row_base, LSE, DELTA,
+                             DOC_START, offs_n, offs_d, d_ok, lo, e1, T, WINDOW, unit, cap_in, BLOCK_M,
+                             DP, DOT_PRECISION, PRECISE, SOFTCAP, True, TMA)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, b, h, sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, row_base, LSE, DELTA,
+                             DOC_START, offs_n, offs_d, d_ok, e1, e2, T, WINDOW, unit, cap_in, BLOCK_M,
+                             DP, DOT_PRECISION, PRECISE, SOFTCAP, False, TMA)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, b, h, sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, row_base, LSE, DELTA,
+                             DOC_START, offs_n, offs_d, d_ok, e2, hi, T, WINDOW, unit, cap_in, BLOCK_M,
+                             DP, DOT_PRECISION, PRECISE, SOFTCAP, True, TMA)
     out = (b * HKV + kvh).to(tl.int64) * T * D + offs_n[:, None] * D + offs_d[None, :]
     tl.store(DK + out, cast_to(dk * scale, DK.dtype.element_ty), mask=col_ok[:, None] & d_ok[None, :])
     tl.store(DV + out, cast_to(dv, DV.dtype.element_ty), mask=col_ok[:, None] & d_ok[None, :])
@@ -458,20 +506,20 @@ def _attn_bwd_dkdv_kernel(
 # --------------------------------------------------------------------------------
 @triton.jit
 def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, offs_m, starts, offs_d, d_ok, lo, hi, T, WINDOW,
-              scale_log2, cap_in, cap_out, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              unit, cap_in, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
               PRECISE: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _rows(k_base, offs_n, sk_t, offs_n < T, offs_d, d_ok, MASKED)
         v = _rows(v_base, offs_n, sv_t, offs_n < T, offs_d, d_ok, MASKED)
-        s, t = _logits(q, k, scale_log2, cap_in, cap_out, DOT_PRECISION, PRECISE, SOFTCAP)
-        p = _exp(s - lse[:, None], PRECISE)
+        x = _logits(q, k, cap_in, DOT_PRECISION, PRECISE, SOFTCAP)
+        p = _exp(x * unit - lse[:, None], PRECISE)
         ds = p * (_scores(do, v, DOT_PRECISION) - delta[:, None])
         if SOFTCAP:
-            ds = ds * (1.0 - t * t)
+            ds = ds * (1.0 - x * x)
         if MASKED:
             ds = tl.where(_visible(offs_m, offs_n, starts, WINDOW) & (starts[:, None] != offs_m[:, None]), ds, 0.0)
-        dq += _matmul(_tile_for_dot(ds, k), k, DOT_PRECISION)
+        dq = _matmul_add(dq, _tile_for_dot(ds, k), k, DOT_PRECISION)
     return dq
 
 
@@ -481,7 +529,7 @@ def _attn_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DOC_START,
     DQ,  # [B, Hq, T, D] contiguous, written
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_t, sdo_h,
-    T, HQ, GROUP, scale_log2, scale, WINDOW, cap_in, cap_out,
+    T, HQ, GROUP, scale, WINDOW, unit, cap_in,
     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PRECISE: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
@@ -504,11 +552,11 @@ def _attn_bwd_dq_kernel(
     k_base = K + b.to(tl.int64) * sk_b + kvh * sk_h
     v_base = V + b.to(tl.int64) * sv_b + kvh * sv_h
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, offs_m, starts, offs_d, d_ok, lo, e1, T, WINDOW,
-                   scale_log2, cap_in, cap_out, BLOCK_N, DOT_PRECISION, PRECISE, SOFTCAP, True)
+                   unit, cap_in, BLOCK_N, DOT_PRECISION, PRECISE, SOFTCAP, True)
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, offs_m, starts, offs_d, d_ok, e1, e2, T, WINDOW,
-                   scale_log2, cap_in, cap_out, BLOCK_N, DOT_PRECISION, PRECISE, SOFTCAP, False)
+                   unit, cap_in, BLOCK_N, DOT_PRECISION, PRECISE, SOFTCAP, False)
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, offs_m, starts, offs_d, d_ok, e2, hi, T, WINDOW,
-                   scale_log2, cap_in, cap_out, BLOCK_N, DOT_PRECISION, PRECISE, SOFTCAP, True)
+                   unit, cap_in, BLOCK_N, DOT_PRECISION, PRECISE, SOFTCAP, True)
     tl.store(DQ + bh.to(tl.int64) * T * D + offs_m[:, None] * D + offs_d[None, :],
              cast_to(dq * scale, DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -533,6 +581,10 @@ TILES = {
     ("fwd", 256): (64, 64, 4, 3), ("dkdv", 256): (64, 64, 8, 2), ("dq", 256): (64, 64, 4, 2),
 }
 FLOAT32_TILES = (32, 32, 4, 1)
+# TMA loads (Hopper) keep these tiles: with them 64 x 64 stayed ahead of 128 x 64
+# (4 or 8 warps) on two of the three benchmark rows (results/attention/tma_h100.txt).
+# The dQ kernel gained nothing from TMA there and keeps its pointer loads.
+USE_TMA = True  # tests switch it off to run the pointer loads on the same rows
 
 
 def _tiles(kernel, dp, dtype):
@@ -541,6 +593,26 @@ def _tiles(kernel, dp, dtype):
     if dtype == torch.float32:
         return FLOAT32_TILES
     return TILES[kernel, max(64, dp)]
+
+
+def _tma_ok(*tensors):
+    """Whether the kernels may read these [B, H, T, D] tensors through TMA descriptors:
+    a Hopper GPU or newer (or the interpreter, which runs the same code on the CPU),
+    and what the hardware's copies need: a 16-byte aligned start, every stride but
+    the last a positive multiple of 16 bytes, the last dim contiguous."""
+    if not USE_TMA or (not INTERPRET and torch.cuda.get_device_capability(tensors[0].device) < (9, 0)):
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if t.data_ptr() % 16 or t.stride(-1) != 1 or any(st <= 0 or st * size % 16 for st in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _descriptor(t, rows, dp):
+    """A TMA descriptor of a [B, H, T, D] tensor for tiles of ``rows`` x ``dp`` (the head
+    dim padded to a power of two: the copy fills the columns past D with zeros)."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, dp])
 
 
 MAX_HEAD_DIM = 256
@@ -584,11 +656,11 @@ def _precision(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32: ignored for 16-bit tiles
 
 
-def _cap_args(scale, softcap, dtype):
-    """The kernels' (cap_in, cap_out, SOFTCAP) for a score cap (0: none), see _logits."""
+def _score_args(scale, softcap, dtype):
+    """The kernels' (unit, cap_in, SOFTCAP) for a scale and a score cap (0: none), see _logits."""
     if not softcap:
-        return dict(cap_in=0.0, cap_out=0.0, SOFTCAP=False)
-    return dict(cap_in=scale / softcap, cap_out=_score_scale(softcap, dtype), SOFTCAP=True)
+        return dict(unit=_score_scale(scale, dtype), cap_in=0.0, SOFTCAP=False)
+    return dict(unit=_score_scale(softcap, dtype), cap_in=scale / softcap, SOFTCAP=True)
 
 
 # --------------------------------------------------------------------------------
@@ -605,19 +677,22 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_sta
     """(out [B, T, Hq, D], lse [B, Hq, T] float32) of q [B, Hq, T, D], k, v [B, Hkv, T, D]."""
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
     out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
     dp = max(16, next_power_of_2(D))
+    tma = _tma_ok(q, k, v)
     block_m, block_n, warps, stages = _tiles("fwd", dp, q.dtype)
+    if tma:
+        q, k, v = _descriptor(q, block_m, dp), _descriptor(k, block_n, dp), _descriptor(v, block_n, dp)
     _attn_fwd_kernel[(B * Hq, cdiv(T, block_m))](
         q, k, v, out, lse, doc_start,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        T, Hq, Hq // k.shape[1], _score_scale(scale, q.dtype), window or T, **_cap_args(scale, softcap, q.dtype),
-        D=D, DP=dp, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_precision(q.dtype),
-        PRECISE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
+        *strides, T, Hq, Hq // Hkv, window or T, **_score_args(scale, softcap, out.dtype),
+        D=D, DP=dp, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_precision(out.dtype),
+        PRECISE=out.dtype == torch.float32, TMA=tma, num_warps=warps, num_stages=stages,
     )
     return out, lse
 
@@ -650,17 +725,22 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
     common = dict(D=D, DP=dp, DOT_PRECISION=_precision(q.dtype), PRECISE=q.dtype == torch.float32,
-                  **_cap_args(scale, softcap, q.dtype))
+                  **_score_args(scale, softcap, q.dtype))
+    tma = _tma_ok(q, k, v, dout)
     block_m, block_n, warps, stages = _tiles("dkdv", dp, q.dtype)
+    inputs = (q, k, v, dout)
+    if tma:  # dO through the [B, Hq, T, D] view of its [B, T, Hq, D] layout
+        inputs = (_descriptor(q, block_m, dp), _descriptor(k, block_n, dp), _descriptor(v, block_n, dp),
+                  _descriptor(dout.transpose(1, 2), block_m, dp))
     _attn_bwd_dkdv_kernel[(B * Hkv, cdiv(T, block_n))](
-        q, k, v, dout, lse, delta, doc_start, doc_end, dk, dv, *strides,
-        T, Hq, Hkv, Hq // Hkv, _score_scale(scale, q.dtype), scale, window or T,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
+        *inputs, lse, delta, doc_start, doc_end, dk, dv, *strides,
+        T, Hq, Hkv, Hq // Hkv, scale, window or T,
+        BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, num_warps=warps, num_stages=stages, **common,
     )
     block_m, block_n, warps, stages = _tiles("dq", dp, q.dtype)
     _attn_bwd_dq_kernel[(B * Hq, cdiv(T, block_m))](
         q, k, v, dout, lse, delta, doc_start, dq, *strides,
-        T, Hq, Hq // Hkv, _score_scale(scale, q.dtype), scale, window or T,
+        T, Hq, Hq // Hkv, scale, window or T,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
     )
     return dq, dk, dv
@@ -769,8 +849,46 @@ def hf_packed_attention(module, query, key, value, attention_mask, scaling=None,
 # attentions drift apart through a deep model (a random 8B LLaMA's logits differ by
 # ~0.1 between SDPA and eager): there the bound is also 4x the model's own drift,
 # measured as the distance between its attention and HF's eager one on the same
-# probe (eager is the reference implementation of every family).
+# probe (eager is the reference implementation of every family). A family whose
+# own attention is the eager one (Gemma-2: soft-capped scores) is measured against
+# that same eager attention computed in float64: its own 16-bit rounding.
 PROBE_LENGTHS = (5, 3)
+
+
+@contextlib.contextmanager
+def _eager_in_float64(model):
+    """Within: the model's eager attention computes in float64 and rounds its output
+    to the model's dtype. The layers look ``eager_attention_forward`` up by name in
+    their forward's globals (their python module's, or the copy fuse_rope gave them),
+    so it is swapped there. Yields False, changing nothing, where there is none."""
+    spaces = {}
+    for layer in model.modules():
+        if type(layer).__name__.endswith("Attention"):
+            forward = getattr(layer.forward, "__func__", layer.forward)
+            names = getattr(forward, "__globals__", {})
+            if callable(names.get("eager_attention_forward")):
+                spaces[id(names)] = names
+    if not spaces:
+        yield False
+        return
+    saved = [(names, names["eager_attention_forward"]) for names in spaces.values()]
+
+    def in_float64(eager):
+        def attention(layer, query, key, value, attention_mask, *args, **kwargs):
+            mask = attention_mask
+            if mask is not None and mask.is_floating_point():
+                mask = mask.double()
+            out, weights = eager(layer, query.double(), key.double(), value.double(), mask, *args, **kwargs)
+            return out.to(query.dtype), weights
+        return attention
+
+    for names, eager in saved:
+        names["eager_attention_forward"] = in_float64(eager)
+    try:
+        yield True
+    finally:
+        for names, eager in saved:
+            names["eager_attention_forward"] = eager
 
 
 @torch.no_grad()
@@ -797,6 +915,10 @@ def check_same_attention(model, theirs_name):
         expected = logits(theirs_name, additive if theirs_name == "eager" else mask)
         if weight.dtype != torch.float32 and theirs_name != "eager":
             drift = (logits("eager", additive) - expected).abs().max().item()
+        elif weight.dtype != torch.float32:
+            with _eager_in_float64(model) as wide:
+                if wide:
+                    drift = (logits("eager", additive) - expected).abs().max().item()
         model.set_attn_implementation(NAME)
         try:
             got = model(input_ids=ids, position_ids=positions).logits.float()

@@ -100,6 +100,38 @@ def test_matches_float64_truth(case, dtype):
     check_outputs(["out", "dq", "dk", "dv"], got, peer, truth)
 
 
+@pytest.mark.parametrize("case", ["padding tail, GQA 8", "long document between short ones",
+                                  "head dim 256, soft cap 3, window 8"])
+def test_pointer_loads_give_what_tma_loads_give(case, monkeypatch):
+    """The forward and dK/dV kernels read tiles through TMA descriptors where the layout
+    allows (the truth test above runs that path); the plain pointer loads they fall
+    back to compute the same numbers."""
+    rows, T, Hq, Hkv, D, window, softcap = CASES[case]
+    g = torch.Generator().manual_seed(2)
+    q, dout = torch.randn(len(rows), Hq, T, D, generator=g), torch.randn(len(rows), T, Hq, D, generator=g)
+    k, v = torch.randn(len(rows), Hkv, T, D, generator=g), torch.randn(len(rows), Hkv, T, D, generator=g)
+    q, k, v, dout = (t.to(DEVICE, torch.bfloat16) for t in (q, k, v, dout))
+    doc_start = document_starts(positions_of(rows, T)).to(DEVICE)
+    hopper = attention_kernel.INTERPRET or torch.cuda.get_device_capability() >= (9, 0)
+    assert attention_kernel._tma_ok(q, k, v, dout) == hopper
+    tma = run(q, k, v, doc_start, dout, ours(window, softcap))
+    monkeypatch.setattr(attention_kernel, "USE_TMA", False)
+    pointers = run(q, k, v, doc_start, dout, ours(window, softcap))
+    check_outputs(["out", "dq", "dk", "dv"], pointers, tma, run(q.double(), k.double(), v.double(), doc_start,
+                                                                  dout.double(), reference(window, softcap)))
+
+
+def test_tma_only_for_layouts_the_copies_allow():
+    x = torch.randn(1, 4, 8, 16, dtype=torch.bfloat16, device=DEVICE)
+    hopper = attention_kernel.INTERPRET or torch.cuda.get_device_capability() >= (9, 0)
+    assert attention_kernel._tma_ok(x) == hopper
+    assert attention_kernel._tma_ok(x[..., :12]) == hopper  # 12 columns of rows 32 bytes apart: the copy clips
+    assert not attention_kernel._tma_ok(torch.randn(1, 4, 8, 12, dtype=torch.bfloat16, device=DEVICE))  # 24-byte rows
+    assert not attention_kernel._tma_ok(x.flatten()[1:].view(1, 1, 1, -1)[..., :16].expand(1, 4, 8, 16))  # stride 0
+    odd = torch.randn(1 * 4 * 8 * 16 + 1, dtype=torch.bfloat16, device=DEVICE)[1:].view(1, 4, 8, 16)
+    assert not attention_kernel._tma_ok(odd)  # starts 2 bytes past an aligned address
+
+
 def test_non_contiguous_inputs_and_upstream_gradient():
     """HF hands q, k, v as transposed views of [B, T, H, D] projections."""
     g = torch.Generator().manual_seed(1)
@@ -284,9 +316,48 @@ def test_soft_capped_family_runs_the_kernel():
         assert (grads[name] - want_grads[name]).abs().max().item() <= 1e-4 * scale, name
 
 
-def test_bf16_probe_passes_ours_and_refuses_a_wrong_attention():
+def test_eager_families_take_the_kernel_by_default(tmp_path):
+    """A family whose own attention is transformers' eager one (Gemma-2) runs ours by
+    default on every row, one document per row included; --no-use-custom-attention
+    keeps its own."""
+    import json
+
+    family_config("gemma2", {}).save_pretrained(tmp_path / "model")
+    ran = {}
+    for flag in ([], ["--no-use-custom-attention"]):
+        out = tmp_path / f"run{len(flag)}.json"
+        with contextlib.redirect_stdout(io.StringIO()):
+            __import__("finetune_optimized").main(["--model", str(tmp_path / "model"), "--random-init",
+                                                   "--dataset", "synthetic", "--seq-len", "16", "--steps", "1",
+                                                   "--warmup-steps", "0", "--json", str(out), *flag])
+        ran[bool(flag)] = json.loads(out.read_text())["kernels"]["attention"]
+    assert ran == {False: True, True: False}
+
+
+def test_probe_measures_eager_rounding_also_after_fused_rope():
+    """The probe's drift for an eager family is its attention in float64 against its
+    own: swapped where the layers look it up, also in the forward copies fuse_rope gives
+    them (a drift of 0 would make the probe refuse a correct kernel in bf16)."""
+    from rope_kernel import fuse_rope
+
+    torch.manual_seed(0)
+    model = models.build_random(family_config("gemma2", {}), torch.device(DEVICE), torch.bfloat16).eval()
+    assert fuse_rope(model) == model.config.num_hidden_layers
+    ids = torch.arange(1, 9, device=DEVICE)[None]
+    with torch.no_grad():
+        own = model(input_ids=ids).logits
+        with attention_kernel._eager_in_float64(model) as wide:
+            assert wide
+            in_float64 = model(input_ids=ids).logits
+        again = model(input_ids=ids).logits
+    assert not torch.equal(in_float64, own) and torch.equal(again, own)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_bf16_probe_passes_ours_and_refuses_a_wrong_attention(family):
     """In 16-bit weights the probe allows the model's own drift (its eager attention vs
-    its SDPA one), not more: an attention that looks across examples is still refused."""
+    its SDPA one; Gemma-2's eager attention, soft-capped, vs the same in float64), not
+    more: an attention that looks across examples is still refused."""
     from transformers import AttentionInterface
 
     def across_examples(module, query, key, value, mask, scaling=None, dropout=0.0, **kwargs):
@@ -294,16 +365,17 @@ def test_bf16_probe_passes_ours_and_refuses_a_wrong_attention():
         return attention_kernel.hf_packed_attention(module, query, key, value, mask, scaling, dropout, **kwargs)
 
     torch.manual_seed(0)
-    config = family_config("llama", {})
-    config.num_hidden_layers = 6
-    model = models.build_random(config, torch.device(DEVICE), torch.bfloat16)
+    model = models.build_random(family_config(family, {"num_hidden_layers": 6}), torch.device(DEVICE), torch.bfloat16)
+    assert model.config.num_hidden_layers == 6
+    theirs = model.config._attn_implementation
+    assert theirs == ("eager" if family == "gemma2" else "sdpa")
     AttentionInterface.register(attention_kernel.NAME, attention_kernel.hf_packed_attention)
-    attention_kernel.check_same_attention(model, "sdpa")  # ours: passes
+    attention_kernel.check_same_attention(model, theirs)  # ours: passes
     try:
         AttentionInterface.register(attention_kernel.NAME, across_examples)
         with pytest.raises(attention_kernel.SwapMismatch, match="computes something else .* own two"):
-            attention_kernel.check_same_attention(model, "sdpa")
-        assert model.config._attn_implementation == "sdpa"  # left as it was
+            attention_kernel.check_same_attention(model, theirs)
+        assert model.config._attn_implementation == theirs  # left as it was
     finally:
         AttentionInterface.register(attention_kernel.NAME, attention_kernel.hf_packed_attention)
 

@@ -139,14 +139,16 @@ def add_model_args(parser, custom_kernels_default=False, packing_default=False):
     )
     k = parser.add_argument_group("custom Triton kernels")
     for name, help_text in KERNEL_FLAGS.items():
-        # The attention kernel pays off where it skips what documents never see:
-        # on by default only for packed real data (None: decided by kernels_from_args).
+        # The attention kernel pays off where it skips what documents never see: on by
+        # default for packed real data (None: decided by kernels_from_args), and for
+        # families whose own attention is the eager one (run.assemble).
         default = None if name == "attention" and custom_kernels_default else custom_kernels_default
+        said = "on with packed real data, or where the model runs eager attention" if default is None else default
         k.add_argument(
             f"--use-custom-{name}",
             action=argparse.BooleanOptionalAction,
             default=default,
-            help=f"{help_text} (default: {'on with packed real data' if default is None else default})",
+            help=f"{help_text} (default: {said})",
         )
     # Not a kernel of every model (and no column of the family matrix): LoRA layers only.
     k.add_argument("--use-custom-lora", action=argparse.BooleanOptionalAction, default=custom_kernels_default,

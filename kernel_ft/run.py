@@ -108,6 +108,11 @@ def assemble(args, model, data, switch_in, world, after_kernels=None):
     ``after_kernels(model)`` if given, FSDP, torch.compile, CUDA graphs, the optimizer.
     Returns (kernels, loss_fn, optimizer, graphs)."""
     kernels = flags.kernels_from_args(args)
+    if kernels_default_attention(args, model) and not kernels["attention"]:
+        # A family whose own attention is transformers' eager one (Gemma-2: soft-capped
+        # scores, which SDPA cannot compute): ours is faster on every row, packed or not,
+        # and lets the step run as a CUDA graph.
+        kernels["attention"] = True
     loss_fn, make_optimizer = switch_in(model, kernels)
     if after_kernels:
         after_kernels(model)
@@ -119,6 +124,11 @@ def assemble(args, model, data, switch_in, world, after_kernels=None):
     optimizer = make_optimizer(models.trainable_parameters(model), lr=args.lr,
                                **({"capturable": True} if graphs else {}))
     return kernels, loss_fn, optimizer, graphs
+
+
+def kernels_default_attention(args, model):
+    """--use-custom-attention left at its default, and the model's attention is the eager one."""
+    return getattr(args, "use_custom_attention", False) is None and model.config._attn_implementation == "eager"
 
 
 def check_model_flags(args):

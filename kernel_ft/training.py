@@ -398,6 +398,20 @@ def held_state(model):
             f"state {trained:.2f} GiB")
 
 
+def save_at_end(args, model, optimizer, scheduler, start, done, diverged, history, rng):
+    """--output-dir at the end of the run, or after the last completed step of an
+    interrupted one: its checkpoint (never the weights of a diverged step; none if
+    that step was just saved) and the loss curve. Returns the paths saved."""
+    saved = []
+    if done > start and not diverged and not os.path.exists(checkpoints.checkpoint_path(args.output_dir, done)):
+        saved.append(checkpoints.save_checkpoint(args, model, optimizer, scheduler, done, history, rng))
+        print(f"Saved         {saved[-1]}", flush=True)
+    if fsdp.is_main_process():
+        curve = reporting.plot_loss_curve(os.path.join(args.output_dir, flags.LOSS_CURVE), history)
+        print(f"Loss curve:   {curve}", flush=True)
+    return saved
+
+
 def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, resumed=None, graphs=False):
     """The fine-tuning loop: ``loss_fn(model, batch)``, ``optimizer`` and the
     learning-rate ``scheduler`` at every step, on the batches of ``data``
@@ -488,16 +502,8 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
             if bar:
                 bar.close()
 
-    done = start + len(steps)
     if args.output_dir:
-        # The end of the run, or the last completed step of an interrupted one; never
-        # the weights of a diverged step.
-        if done > start and not diverged and not os.path.exists(checkpoints.checkpoint_path(args.output_dir, done)):
-            saved.append(checkpoints.save_checkpoint(args, model, optimizer, scheduler, done, history, rng))
-            print(f"Saved         {saved[-1]}", flush=True)
-        if fsdp.is_main_process():
-            curve = reporting.plot_loss_curve(os.path.join(args.output_dir, flags.LOSS_CURVE), history)
-            print(f"Loss curve:   {curve}", flush=True)
+        saved += save_at_end(args, model, optimizer, scheduler, start, start + len(steps), diverged, history, rng)
     stop_reason = ("non-finite loss or gradient" if diverged else
                    signal.Signals(stop.signum).name if stop.signum else "SIGINT" if partial else None)
     return training_results(args, steps, evals, saved, start, total, partial or diverged is not None, stop_reason,

@@ -52,7 +52,7 @@ FAMILIES = [
 
 
 def family_config(model_type, extra):
-    return transformers.AutoConfig.for_model(model_type, **TINY, **extra)
+    return transformers.AutoConfig.for_model(model_type, **{**TINY, **extra})  # extra may override TINY
 
 
 def variants(model):

@@ -123,6 +123,33 @@ def test_two_ranks_match_one_process_every_kernel_and_resume(full, tmp_path):
         finetune_optimized.main([*args, "--resume", str(ckpt / "checkpoint-2"), "--output-dir", str(tmp_path / "x")])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="two 'hosts' on one machine would share its first GPU")
+def test_two_nodes_through_a_rendezvous_match_one_process(full, tmp_path):
+    """README Step 19's command for several hosts, with two "hosts" of one process each
+    on this machine: torchrun's c10d rendezvous at one address gives each its rank; the
+    run is the one of two processes on one host (and of one process at batch 2)."""
+    import socket
+
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = tmp_path / "nodes.json"
+    env = {k: v for k, v in os.environ.items() if k not in fsdp.TORCHRUN_ENV}
+    env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--rdzv-id", "two-nodes", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               os.path.join(ROOT, "finetune_optimized.py"), "--fsdp", *TINY, "--steps", "3", "--batch-size", "1",
+               "--json", str(out)]
+    nodes = [subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    logs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    doc = json.loads(out.read_text())
+    _, one, _ = full
+    assert doc["world_size"] == 2
+    close(doc["losses"], one["losses"])
+
+
 def test_prefetch_and_kept_weights_change_no_loss(full, tmp_path, capsys):
     """--fsdp-prefetch 2 (two layers gathered ahead; the tiny model has two) with
     --fsdp-keep-gathered (no second all-gather in backward) trains the same steps; the

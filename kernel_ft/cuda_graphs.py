@@ -88,6 +88,8 @@ def reason_to_stay_eager(args, model, data):
         return "no GPU"
     if getattr(args, "fsdp", False):
         return "--fsdp: FSDP2's all-gathers and reduce-scatters are issued by hooks this capture does not cover"
+    if getattr(args, "ddp", False):
+        return "--ddp: DistributedDataParallel's all-reduces are issued by hooks this capture does not cover"
     if getattr(args, "skip_nonfinite_steps", False):
         return "--skip-nonfinite-steps reads each step's loss on the host before the update"
     if getattr(args, "optimizer_in_backward", False):

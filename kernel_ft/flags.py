@@ -209,6 +209,8 @@ def check_fp8_flags(args, flag="--fp8"):
     if getattr(args, "fsdp", False):
         raise SystemExit(f"error: {flag} is not supported with --fsdp (FP8 casts of sharded weights are not "
                          f"implemented); use one or the other")
+    if getattr(args, "ddp", False):
+        raise SystemExit(f"error: {flag} with --ddp is not tested yet; use one or the other")
     ok, reason = kernel_common.fp8_supported(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     if not ok:
         raise SystemExit(f"error: {flag}: {reason}")
@@ -281,6 +283,13 @@ def add_fsdp_arg(group):
         help="shard the model, gradients and optimizer state over the processes of torchrun with FSDP2 "
              "(torchrun --nproc-per-node N SCRIPT --fsdp ...); --batch-size is per process, so a step "
              "trains N x --batch-size sequences",
+    )
+    group.add_argument(
+        "--ddp",
+        action="store_true",
+        help="for a model that fits one GPU: a full copy on every process of torchrun, gradients averaged by "
+             "DistributedDataParallel in buckets while backward runs (no weight gathers); --batch-size is per "
+             "process. No checkpoints yet (--output-dir, --resume): use --fsdp for those",
     )
     group.add_argument(
         "--fsdp-prefetch", type=non_negative_int, default=0,
@@ -566,6 +575,8 @@ def check_optimizer_in_backward(args):
         raise SystemExit(f"{flag}, before the step's loss is known: --skip-nonfinite-steps cannot skip it")
     if getattr(args, "fsdp", False):
         raise SystemExit(f"{flag}; with --fsdp that is not implemented (the gradients are sharded DTensors)")
+    if getattr(args, "ddp", False):
+        raise SystemExit(f"{flag}; with --ddp that is not implemented (the gradients are averaged in buckets)")
     if not kernels_from_args(args)["adamw"]:
         raise SystemExit(f"{flag} through the Triton AdamW's per-parameter update: add --use-custom-adamw")
 

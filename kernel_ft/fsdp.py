@@ -69,34 +69,48 @@ def barrier():
 
 
 def check_fsdp_flags(args):
-    """--fsdp needs torchrun; torchrun with several processes needs --fsdp. One line
-    each, before any work."""
-    sharded = getattr(args, "fsdp", False)
+    """--fsdp and --ddp need torchrun; torchrun with several processes needs one of
+    them. One line each, before any work."""
+    sharded, replicated = getattr(args, "fsdp", False), getattr(args, "ddp", False)
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if not sharded:
+    if sharded and replicated:
+        raise SystemExit("error: --fsdp and --ddp: choose one (--fsdp shards the model, --ddp copies it whole)")
+    if not sharded and not replicated:
         if world > 1:
-            raise SystemExit(f"error: started by torchrun with {world} processes but without --fsdp: each "
-                             f"would train its own full copy of the model; add --fsdp")
+            raise SystemExit(f"error: started by torchrun with {world} processes but without --fsdp or --ddp: each "
+                             f"would train its own full copy of the model; add --fsdp (or --ddp if it fits one GPU)")
         return
+    flag = "--fsdp" if sharded else "--ddp"
     missing = [name for name in TORCHRUN_ENV if name not in os.environ]
     if missing:
-        raise SystemExit(f"error: --fsdp runs under torchrun, which sets {', '.join(missing)}: "
-                         f"torchrun --nproc-per-node N {os.path.basename(sys.argv[0])} --fsdp ...")
+        raise SystemExit(f"error: {flag} runs under torchrun, which sets {', '.join(missing)}: "
+                         f"torchrun --nproc-per-node N {os.path.basename(sys.argv[0])} {flag} ...")
+    if replicated:
+        check_ddp_flags(args)
     if getattr(args, "lora_4bit", False):  # --lora (bf16 or float32 adapters and weights) is sharded like any model
         raise SystemExit("error: --fsdp with --lora-4bit is not supported: FSDP2 would have to shard "
                          "bitsandbytes' packed 4-bit weights; use --lora, or --lora-4bit on one GPU")
     if torch.cuda.is_available():
         local_rank = int(os.environ["LOCAL_RANK"])
         if local_rank >= torch.cuda.device_count():
-            raise SystemExit(f"error: --fsdp: LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs "
+            raise SystemExit(f"error: {flag}: LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs "
                              f"are visible; start at most that many processes per node")
 
 
+def check_ddp_flags(args):
+    """What --ddp does not do yet, one line each."""
+    if getattr(args, "output_dir", None) or getattr(args, "resume", None):
+        raise SystemExit("error: --ddp does not write or read checkpoints yet (--output-dir, --resume); "
+                         "use --fsdp for a run that saves")
+    if getattr(args, "compile", False):
+        raise SystemExit("error: --ddp with --compile is not tested yet; use --fsdp --compile or one process")
+
+
 def init_distributed(args):
-    """--fsdp: join torchrun's process group (NCCL between GPUs, gloo on CPU), pin this
-    process to GPU LOCAL_RANK; every process but rank 0 stops printing. Returns a
-    World, or None without --fsdp."""
-    if not getattr(args, "fsdp", False):
+    """--fsdp or --ddp: join torchrun's process group (NCCL between GPUs, gloo on CPU),
+    pin this process to GPU LOCAL_RANK; every process but rank 0 stops printing.
+    Returns a World, or None without either."""
+    if not getattr(args, "fsdp", False) and not getattr(args, "ddp", False):
         return None
     rank, size, local_rank = (int(os.environ[name]) for name in TORCHRUN_ENV)
     if torch.cuda.is_available():
@@ -118,6 +132,20 @@ def close_distributed():
         # tears gloo down while the other still sends can abort that one at exit.
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+def replicate_model(model, world):
+    """--ddp: DistributedDataParallel on ``model`` in place (torch's composable
+    ``replicate``: the model stays the HF model it was, with its config and methods).
+    Every process starts from rank 0's weights (broadcast now); in backward, the
+    gradients of each bucket of parameters are averaged over the processes as soon as
+    the bucket is complete, while the rest of backward runs. The gradients are views
+    into the buckets (gradient_as_bucket_view): no second copy of them (16 GB for an
+    8B model). Call it after the kernels are switched in, like shard_model."""
+    from torch.distributed._composable.replicate import replicate
+
+    device = {"device_id": world.device} if world.device.type == "cuda" else {}
+    replicate(model, gradient_as_bucket_view=True, **device)
 
 
 def shard_model(model, args, world):

@@ -116,7 +116,9 @@ def assemble(args, model, data, switch_in, world, after_kernels=None):
     loss_fn, make_optimizer = switch_in(model, kernels)
     if after_kernels:
         after_kernels(model)
-    if world:  # after the kernels: the swapped modules are what is sharded
+    if world and args.ddp:  # after the kernels: the swapped modules are what is replicated
+        fsdp.replicate_model(model, world)
+    elif world:  # after the kernels: the swapped modules are what is sharded
         fsdp.shard_model(model, args, world)
     models.compile_decoder(model, args)  # after the kernels (and LoRA): they are what the graphs hold
     graphs = training.use_cuda_graphs(args, model, data)

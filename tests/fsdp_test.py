@@ -59,16 +59,16 @@ TINY = ["--tiny", "--dataset", "synthetic", "--warmup-steps", "0", "--seq-len", 
 EVERY_KERNEL = {**dict.fromkeys(flags.KERNELS, True), "attention": False}
 
 
-def run(script, args, ranks=None, tmp_path=None, name="run"):
-    """Run ``script`` (under torchrun with ``ranks`` processes, with --fsdp) and
-    return its --json document."""
+def run(script, args, ranks=None, tmp_path=None, name="run", mode="--fsdp"):
+    """Run ``script`` (under torchrun with ``ranks`` processes, with ``mode``: --fsdp or
+    --ddp) and return its --json document."""
     if ranks and torch.cuda.is_available() and torch.cuda.device_count() < ranks:
         pytest.skip(f"--fsdp on GPUs runs one process per GPU: {ranks} needed, {torch.cuda.device_count()} visible")
     out = os.path.join(tmp_path, f"{name}.json")
     command = [sys.executable, os.path.join(ROOT, script), *args, "--json", out]
     if ranks:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-                   os.path.join(ROOT, script), "--fsdp", *args, "--json", out]
+                   os.path.join(ROOT, script), mode, *args, "--json", out]
     env = {k: v for k, v in os.environ.items() if k not in fsdp.TORCHRUN_ENV}
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -148,6 +148,36 @@ def test_two_nodes_through_a_rendezvous_match_one_process(full, tmp_path):
     _, one, _ = full
     assert doc["world_size"] == 2
     close(doc["losses"], one["losses"])
+
+
+def test_ddp_two_ranks_match_one_process(full, lora, tmp_path):
+    """--ddp: a whole copy of the model per process, the gradients averaged by
+    DistributedDataParallel; 2 x batch 1 gives the losses of one process at batch 2,
+    every kernel, and with LoRA adapters."""
+    args = [*TINY, "--steps", "3", "--batch-size", "1"]
+    replicated = run("finetune_optimized.py", args, 2, tmp_path, "ddp", mode="--ddp")
+    _, one, _ = full
+    close(replicated["losses"], one["losses"])
+    assert replicated["world_size"] == 2 and replicated["kernels"] == EVERY_KERNEL
+    assert replicated["tokens_per_step"] == one["tokens_per_step"] == 32  # the global batch
+    adapters = run("finetune_optimized.py", [*args, "--lora", "--lora-r", "4"], 2, tmp_path, "ddp_lora", mode="--ddp")
+    _, one_lora, _ = lora
+    close(adapters["losses"], one_lora["losses"])
+
+
+def test_ddp_refusals_are_one_line(monkeypatch):
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    for argv, says in ((["--ddp", "--fsdp"], "--fsdp and --ddp: choose one"),
+                       (["--ddp", "--output-dir", "somewhere"], "--ddp does not write or read checkpoints yet"),
+                       (["--ddp", "--compile"], "--ddp with --compile is not tested yet"),
+                       ([], "without --fsdp or --ddp")):
+        with pytest.raises(SystemExit) as e:
+            fsdp.check_fsdp_flags(finetune_optimized.parse_args(["--tiny", *argv]))
+        assert str(e.value).startswith("error: ") and says in str(e.value) and "\n" not in str(e.value), argv
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(SystemExit, match="--ddp runs under torchrun"):
+        fsdp.check_fsdp_flags(finetune_optimized.parse_args(["--tiny", "--ddp"]))
 
 
 def test_prefetch_and_kept_weights_change_no_loss(full, tmp_path, capsys):

@@ -292,6 +292,11 @@ def add_fsdp_arg(group):
              "process. No checkpoints yet (--output-dir, --resume): use --fsdp for those",
     )
     group.add_argument(
+        "--ddp-bucket-mb", type=positive_int, default=25,
+        help="--ddp: the size of the buckets whose gradients are averaged together, in MB (default: %(default)s, "
+             "PyTorch's; larger buckets: fewer, larger all-reduces)",
+    )
+    group.add_argument(
         "--fsdp-prefetch", type=non_negative_int, default=0,
         help="--fsdp: gather the weights of this many next layers while one computes, forward and backward "
              "(default: %(default)s, FSDP's own order; 1 measured no faster on 2 x H200 at 8B)",
@@ -418,6 +423,8 @@ def idle_flags(args):
                     if getattr(args, k, v) != v]
     if fsdp_changed and not getattr(args, "fsdp", False):
         notes.append(f"{', '.join(fsdp_changed)} without --fsdp changes nothing")
+    if getattr(args, "ddp_bucket_mb", 25) != 25 and not getattr(args, "ddp", False):
+        notes.append("--ddp-bucket-mb without --ddp changes nothing")
     return notes
 
 

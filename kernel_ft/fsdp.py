@@ -134,7 +134,7 @@ def close_distributed():
         torch.distributed.destroy_process_group()
 
 
-def replicate_model(model, world):
+def replicate_model(model, world, bucket_mb=25):
     """--ddp: DistributedDataParallel on ``model`` in place (torch's composable
     ``replicate``: the model stays the HF model it was, with its config and methods).
     Every process starts from rank 0's weights (broadcast now); in backward, the
@@ -145,7 +145,7 @@ def replicate_model(model, world):
     from torch.distributed._composable.replicate import replicate
 
     device = {"device_id": world.device} if world.device.type == "cuda" else {}
-    replicate(model, gradient_as_bucket_view=True, **device)
+    replicate(model, gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb, **device)
 
 
 def shard_model(model, args, world):

@@ -117,7 +117,7 @@ def assemble(args, model, data, switch_in, world, after_kernels=None):
     if after_kernels:
         after_kernels(model)
     if world and args.ddp:  # after the kernels: the swapped modules are what is replicated
-        fsdp.replicate_model(model, world)
+        fsdp.replicate_model(model, world, args.ddp_bucket_mb)
     elif world:  # after the kernels: the swapped modules are what is sharded
         fsdp.shard_model(model, args, world)
     models.compile_decoder(model, args)  # after the kernels (and LoRA): they are what the graphs hold

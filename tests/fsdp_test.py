@@ -175,6 +175,8 @@ def test_ddp_refusals_are_one_line(monkeypatch):
         with pytest.raises(SystemExit) as e:
             fsdp.check_fsdp_flags(finetune_optimized.parse_args(["--tiny", *argv]))
         assert str(e.value).startswith("error: ") and says in str(e.value) and "\n" not in str(e.value), argv
+    assert "--ddp-bucket-mb without --ddp changes nothing" in flags.settle(
+        finetune_optimized.parse_args(["--tiny", "--ddp-bucket-mb", "100"]))._notes
     monkeypatch.delenv("WORLD_SIZE")
     with pytest.raises(SystemExit, match="--ddp runs under torchrun"):
         fsdp.check_fsdp_flags(finetune_optimized.parse_args(["--tiny", "--ddp"]))

@@ -79,10 +79,11 @@ results/attention/tma_h100.txt):
   and one instruction copies a whole tile into shared memory, asynchronously,
   the rows past T and the padded head-dim columns filled with zeros by the
   hardware; no address computed per element, and the copies of the next tiles
-  run under the products of this one. Forward 1.31 / 0.31 / 1.07 -> 1.11 / 0.23
-  / 0.90; backward 3.98 / 1.03 / 3.24 -> 3.77 / 0.82 / 2.93. The dQ kernel
-  gained nothing and keeps plain loads; devices before Hopper and layouts the
-  copies cannot take (a start or row stride not a multiple of 16 bytes) too.
+  run under the products of this one. Same call, before -> after: forward
+  1.21-1.34 / 0.31 / 1.04 -> 1.13-1.26 / 0.22 / 0.87-0.90, forward and backward
+  5.44-5.46 / 1.33 / 4.27 -> 4.87-5.01 / 1.04 / 3.91-3.92. The dQ kernel gained
+  nothing and keeps plain loads; so do devices before Hopper and layouts the
+  copies cannot take (a start or row stride not a multiple of 16 bytes).
 * Measured and not kept: dQ added up across key tiles in float32 by the dK/dV
   kernel (five products per tile instead of seven, FlashAttention-2's way), with
   TMA reduce-adds or atomics: 0.6x of the two kernels, the adds cost more than

@@ -146,7 +146,7 @@ def tanh(t, PRECISE: tl.constexpr):
         else:
             return libdevice.tanh(t)
     else:
-        return 2.0 / (1.0 + tl.exp2(-2.0 * LOG2E * t)) - 1.0
+        return 2.0 / (1.0 + tl.exp2(t * (-2.0 * LOG2E))) - 1.0  # the tensor first: Triton 3.9's interpreter
 
 
 @triton.jit

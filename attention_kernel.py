@@ -860,15 +860,19 @@ PROBE_LENGTHS = (5, 3)
 def _eager_in_float64(model):
     """Within: the model's eager attention computes in float64 and rounds its output
     to the model's dtype. The layers look ``eager_attention_forward`` up by name in
-    their forward's globals (their python module's, or the copy fuse_rope gave them),
-    so it is swapped there. Yields False, changing nothing, where there is none."""
+    their forward's globals (their python module's, or the copy fuse_rope gave them;
+    behind a decorator, those of the function it wraps), so it is swapped there. Yields False, changing nothing, where there is none."""
     spaces = {}
     for layer in model.modules():
         if type(layer).__name__.endswith("Attention"):
             forward = getattr(layer.forward, "__func__", layer.forward)
-            names = getattr(forward, "__globals__", {})
-            if callable(names.get("eager_attention_forward")):
-                spaces[id(names)] = names
+            for _ in range(5):  # through decorators (functools.wraps: __wrapped__) to the function that looks it up
+                names = getattr(forward, "__globals__", {})
+                if callable(names.get("eager_attention_forward")):
+                    spaces[id(names)] = names
+                forward = getattr(forward, "__wrapped__", None)
+                if forward is None:
+                    break
     if not spaces:
         yield False
         return

@@ -135,7 +135,7 @@ def kernels_default_attention(args, model):
 
 def check_model_flags(args):
     """The checks of the flags that shape the model and its training, for every script that
-    trains: LoRA, FP8, the optimizer in backward, then --fsdp's check of its environment."""
+    trains: LoRA, FP8, the optimizer in backward, then --fsdp's or --ddp's check of its environment."""
     models.check_lora_flags(args)
     for flag in ("--fp8", "--torchao-fp8"):  # flags that cannot go together, before --fsdp's check
         flags.check_fp8_flags(args, flag)

@@ -139,9 +139,10 @@ def replicate_model(model, world, bucket_mb=25):
     ``replicate``: the model stays the HF model it was, with its config and methods).
     Every process starts from rank 0's weights (broadcast now); in backward, the
     gradients of each bucket of parameters are averaged over the processes as soon as
-    the bucket is complete, while the rest of backward runs. The gradients are views
-    into the buckets (gradient_as_bucket_view): no second copy of them (16 GB for an
-    8B model). Call it after the kernels are switched in, like shard_model."""
+    the bucket is complete, while the rest of backward runs. The gradients are asked
+    to be views into the buckets (gradient_as_bucket_view), yet an 8B run still peaks
+    14.6 GiB above one GPU alone (NOTES, Step 19): not explained yet. Call it after the
+    kernels are switched in, like shard_model."""
     from torch.distributed._composable.replicate import replicate
 
     device = {"device_id": world.device} if world.device.type == "cuda" else {}

@@ -16,7 +16,9 @@ What it teaches:
   fingerprint of the model are stored with the checkpoint, and ``--resume`` with
   other ones stops in one line that lists the differences.
 * Under ``--fsdp`` every process writes its own shards with torch.distributed.checkpoint
-  (no process ever holds the whole model).
+  (no process ever holds the whole model). Under ``--ddp`` every process holds the
+  same whole model: rank 0 writes it as one process would, every process its own
+  random generators.
 
 Nothing runs on import.
 """
@@ -44,6 +46,7 @@ from kernel_ft import files, flags, models, fsdp, dataloader
 #   adapter_model.safetensors + adapter_config.json     the adapters only
 #   optimizer.pt, scheduler.pt               their state_dict()s (torch.save)
 #   rng_state.pt                             python, torch CPU and CUDA generators
+#                                            (--ddp: rng_state_rankR.pt, one per process)
 #   trainer_state.json                       step K, the flags and model config it was
 #                                            made with, the loss history
 #   manifest.json                            written last: every other file with its
@@ -181,17 +184,16 @@ def save_checkpoint(args, model, optimizer, scheduler, step, history, rng):
     path = checkpoint_path(args.output_dir, step)
     tmp = path + ".tmp"
     rank, ranks = fsdp.rank_and_size()
-    sharded = getattr(args, "fsdp", False)
+    mode = parallel_mode(args)
     if rank == 0:
         fresh_tmp(tmp)
-    fsdp.barrier()  # --fsdp: every process writes into the folder rank 0 made
-    if sharded:
+    fsdp.barrier()  # --fsdp, --ddp: every process writes into the folder rank 0 made
+    if mode == "fsdp":
         save_sharded(tmp, model, optimizer)
-        torch.save(rng, os.path.join(tmp, f"rng_state_rank{rank}.pt"))  # each process's own generators
-    else:
+    elif rank == 0:  # one process, or --ddp's rank 0: every rank holds the same model and AdamW state
         model.save_pretrained(tmp)  # safetensors; a PeftModel writes its adapters only
         torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-        torch.save(rng, os.path.join(tmp, "rng_state.pt"))
+    torch.save(rng, os.path.join(tmp, rng_file(mode, rank)))  # each process's own generators
     fsdp.barrier()
     if rank != 0:
         fsdp.barrier()  # until rank 0 has renamed the folder
@@ -206,14 +208,26 @@ def save_checkpoint(args, model, optimizer, scheduler, step, history, rng):
         "model_config": model_fingerprint(model),
         "lora_config": lora_fingerprint(model),
         "history": history,
-        "world_size": ranks,  # --fsdp: the shards fit this many processes only
-        "sharded": sharded,
+        "world_size": ranks,  # --fsdp: the shards fit this many processes only; --ddp: the data order
+        "sharded": mode == "fsdp",
+        "replicated": mode == "ddp",
     })
     os.remove(os.path.join(tmp, WRITING_MARK))  # a finished checkpoint holds its own files only
     write_manifest(tmp)  # last: a checkpoint whose manifest matches its files is whole
     os.rename(tmp, path)
     fsdp.barrier()
     return path
+
+
+def parallel_mode(args):
+    """"fsdp", "ddp" or "one": how the run spreads over processes, which decides what
+    a checkpoint holds and which runs can resume it."""
+    return "fsdp" if getattr(args, "fsdp", False) else "ddp" if getattr(args, "ddp", False) else "one"
+
+
+def rng_file(mode, rank):
+    """One process's random generators: every process keeps its own under --fsdp and --ddp."""
+    return "rng_state.pt" if mode == "one" else f"rng_state_rank{rank}.pt"
 
 
 SHARDED_DIR = "sharded"  # --fsdp: DCP's files in DIR/checkpoint-K/sharded (tools/export_hf.py
@@ -428,14 +442,14 @@ def check_same_run(args, state):
                          f"resume with the flags of the run that saved it")
     if not state["step"] < args.warmup_steps + args.steps:
         raise SystemExit(f"error: --resume {state['path']}: the run is complete ({state['step']} steps)")
-    sharded = bool(getattr(args, "fsdp", False))
-    then_size, now_size = state.get("world_size", 1), fsdp.rank_and_size()[1] if sharded else 1
-    then_fsdp, now_fsdp = state.get("sharded", False), sharded
-    if then_fsdp != now_fsdp or then_size != now_size:
-        def how(sharded, size):
-            return f"--fsdp with {size} processes" if sharded else "one process without --fsdp"
-        raise SystemExit(f"error: --resume {state['path']}: written by {how(then_fsdp, then_size)}, this run is "
-                         f"{how(now_fsdp, now_size)}; resume it as it was written (--batch-size is per process)")
+    now_mode = parallel_mode(args)
+    then_mode = "fsdp" if state.get("sharded") else "ddp" if state.get("replicated") else "one"
+    then_size, now_size = state.get("world_size", 1), fsdp.rank_and_size()[1] if now_mode != "one" else 1
+    if then_mode != now_mode or then_size != now_size:
+        def how(mode, size):
+            return f"--{mode} with {size} processes" if mode != "one" else "one process without --fsdp or --ddp"
+        raise SystemExit(f"error: --resume {state['path']}: written by {how(then_mode, then_size)}, this run is "
+                         f"{how(now_mode, now_size)}; resume it as it was written (--batch-size is per process)")
 
 
 def check_same_model(state, model, flag="--resume"):
@@ -454,11 +468,15 @@ def load_checkpoint(path, model, optimizer, scheduler):
     from safetensors.torch import load_file
 
     device = str(next(model.parameters()).device)
-    if os.path.isdir(os.path.join(path, SHARDED_DIR)):  # --fsdp (check_same_run made sure this run is too)
+    rank = fsdp.rank_and_size()[0]
+    # check_same_run made sure this run spreads over processes as the one that saved
+    rng = os.path.join(path, rng_file("one", rank))
+    if not os.path.isfile(rng):  # --fsdp or --ddp: one file per process
+        rng = os.path.join(path, rng_file("ddp", rank))
+    if os.path.isdir(os.path.join(path, SHARDED_DIR)):  # --fsdp
         load_sharded(path, model, optimizer)
         scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt")))
-        rank = fsdp.rank_and_size()[0]
-        set_rng_states(torch.load(os.path.join(path, f"rng_state_rank{rank}.pt"), weights_only=False))
+        set_rng_states(torch.load(rng))
         return
     if models.is_peft_model(model):
         from peft import set_peft_model_state_dict
@@ -481,4 +499,4 @@ def load_checkpoint(path, model, optimizer, scheduler):
                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), map_location=device))
     scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt")))
-    set_rng_states(torch.load(os.path.join(path, "rng_state.pt")))
+    set_rng_states(torch.load(rng))

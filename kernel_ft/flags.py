@@ -289,7 +289,7 @@ def add_fsdp_arg(group):
         action="store_true",
         help="for a model that fits one GPU: a full copy on every process of torchrun, gradients averaged by "
              "DistributedDataParallel in buckets while backward runs (no weight gathers); --batch-size is per "
-             "process. No checkpoints yet (--output-dir, --resume): use --fsdp for those",
+             "process; rank 0 writes the checkpoints (--output-dir) as one process does",
     )
     group.add_argument(
         "--ddp-bucket-mb", type=positive_int, default=25,

@@ -99,9 +99,6 @@ def check_fsdp_flags(args):
 
 def check_ddp_flags(args):
     """What --ddp does not do yet, one line each."""
-    if getattr(args, "output_dir", None) or getattr(args, "resume", None):
-        raise SystemExit("error: --ddp does not write or read checkpoints yet (--output-dir, --resume); "
-                         "use --fsdp for a run that saves")
     if getattr(args, "compile", False):
         raise SystemExit("error: --ddp with --compile is not tested yet; use --fsdp --compile or one process")
 
@@ -127,11 +124,23 @@ def init_distributed(args):
 
 
 def close_distributed():
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        # Every rank reaches the teardown before any closes its connections: a rank that
-        # tears gloo down while the other still sends can abort that one at exit.
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    """The end of a run under torchrun: every rank reaches the teardown before any closes
+    its connections (a rank that tears gloo down while the other still sends can abort
+    that one), then the process group goes, then the process itself, at once.
+
+    Why at once: Python's own shutdown then still runs C++ destructors (gloo's worker
+    threads, the autograd engine's) against an interpreter half torn down, and now and
+    then that aborts a rank (SIGABRT, "terminate called without an active exception")
+    after its work is done and its results are written: torchrun then reports the whole
+    run as failed. Everything is written and flushed by now, so nothing is lost."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker, not a test holding a group
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def replicate_model(model, world, bucket_mb=25):

@@ -153,13 +153,25 @@ def test_two_nodes_through_a_rendezvous_match_one_process(full, tmp_path):
 def test_ddp_two_ranks_match_one_process(full, lora, tmp_path):
     """--ddp: a whole copy of the model per process, the gradients averaged by
     DistributedDataParallel; 2 x batch 1 gives the losses of one process at batch 2,
-    every kernel, and with LoRA adapters."""
+    every kernel, and with LoRA adapters. Rank 0 saves the model as one process does
+    (with every process's random generators); the run resumes from it to the same
+    losses, and only as --ddp with 2 processes."""
     args = [*TINY, "--steps", "3", "--batch-size", "1"]
-    replicated = run("finetune_optimized.py", args, 2, tmp_path, "ddp", mode="--ddp")
+    saves = ["--output-dir", str(tmp_path / "ddp_ckpt"), "--save-every", "2"]
+    replicated = run("finetune_optimized.py", [*args, *saves], 2, tmp_path, "ddp", mode="--ddp")
     _, one, _ = full
     close(replicated["losses"], one["losses"])
     assert replicated["world_size"] == 2 and replicated["kernels"] == EVERY_KERNEL
     assert replicated["tokens_per_step"] == one["tokens_per_step"] == 32  # the global batch
+    ckpt = tmp_path / "ddp_ckpt" / "checkpoint-2"
+    assert sorted(os.listdir(ckpt)) == sorted([checkpoints.MANIFEST, "config.json", "generation_config.json",
+                                               "model.safetensors", "optimizer.pt", "rng_state_rank0.pt",
+                                               "rng_state_rank1.pt", "scheduler.pt", checkpoints.TRAINER_STATE])
+    resumed = run("finetune_optimized.py", [*args, "--resume", str(ckpt), "--output-dir", str(tmp_path / "again")],
+                  2, tmp_path, "ddp_resumed", mode="--ddp")
+    close(resumed["losses"], replicated["losses"][2:], tol=1e-6)
+    with pytest.raises(SystemExit, match="written by --ddp with 2 processes, this run is one process"):
+        finetune_optimized.main([*args, "--resume", str(ckpt), "--output-dir", str(tmp_path / "x")])
     adapters = run("finetune_optimized.py", [*args, "--lora", "--lora-r", "4"], 2, tmp_path, "ddp_lora", mode="--ddp")
     _, one_lora, _ = lora
     close(adapters["losses"], one_lora["losses"])
@@ -169,7 +181,6 @@ def test_ddp_refusals_are_one_line(monkeypatch):
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
         monkeypatch.setenv(name, value)
     for argv, says in ((["--ddp", "--fsdp"], "--fsdp and --ddp: choose one"),
-                       (["--ddp", "--output-dir", "somewhere"], "--ddp does not write or read checkpoints yet"),
                        (["--ddp", "--compile"], "--ddp with --compile is not tested yet"),
                        ([], "without --fsdp or --ddp")):
         with pytest.raises(SystemExit) as e:

@@ -563,6 +563,7 @@ def main(argv=None):
     env = reporting.environment_info()
     reporting.print_banner(f"Profile: {name}", env)
     flags.print_notes(args)
+    run.print_parallel_choice(args)
     if not world or world.rank == 0:
         check_replaceable(out_dir, args)  # before the model: a refusal costs a second
 

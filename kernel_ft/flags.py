@@ -275,6 +275,9 @@ def add_cuda_graphs_arg(group, default):
     )
 
 
+DDP_BUCKET_MB = 25  # --ddp-bucket-mb's default: DistributedDataParallel's own
+
+
 def add_fsdp_arg(group):
     """--fsdp, for the fine-tune scripts and the profile script."""
     group.add_argument(
@@ -289,10 +292,11 @@ def add_fsdp_arg(group):
         action="store_true",
         help="for a model that fits one GPU: a full copy on every process of torchrun, gradients averaged by "
              "DistributedDataParallel in buckets while backward runs (no weight gathers); --batch-size is per "
-             "process; rank 0 writes the checkpoints (--output-dir) as one process does",
+             "process; rank 0 writes the checkpoints (--output-dir) as one process does. Under torchrun without --fsdp or "
+             "--ddp the run picks one: --ddp where the model's state fits 60%% of the free memory",
     )
     group.add_argument(
-        "--ddp-bucket-mb", type=positive_int, default=25,
+        "--ddp-bucket-mb", type=positive_int, default=DDP_BUCKET_MB,
         help="--ddp: the size of the buckets whose gradients are averaged together, in MB (default: %(default)s, "
              "PyTorch's; larger buckets: fewer, larger all-reduces)",
     )
@@ -337,6 +341,10 @@ class Settings(argparse.Namespace):
         """A copy with ``changes``, the notes kept."""
         values = {k: v for k, v in vars(self).items() if k != "_notes"}
         return Settings({**values, **changes}, self._notes)
+
+    def noted(self, *notes):
+        """A copy with ``notes`` added to those ``print_notes`` says."""
+        return Settings({k: v for k, v in vars(self).items() if k != "_notes"}, self._notes + notes)
 
 
 def settle(args):
@@ -418,14 +426,27 @@ def idle_flags(args):
                      f"nothing changes")
     if getattr(args, "compile_mode", "default") != "default" and not getattr(args, "compile", False):
         notes.append(f"--compile-mode {args.compile_mode} without --compile changes nothing")
+    if getattr(args, "fsdp", False) or getattr(args, "ddp", False) or processes_started() == 1:
+        notes += idle_parallel_flags(args)  # else the mode is chosen later (run.choose_parallel), and these with it
+    return notes
+
+
+def idle_parallel_flags(args):
+    """--fsdp's own flags without --fsdp, --ddp's without --ddp."""
+    notes = []
     fsdp_changed = [f"--{k.replace('_', '-')}" for k, v in (("fsdp_prefetch", 0), ("fsdp_keep_gathered", "auto"),
                                                             ("fsdp_reduce_dtype", "auto"))
                     if getattr(args, k, v) != v]
     if fsdp_changed and not getattr(args, "fsdp", False):
         notes.append(f"{', '.join(fsdp_changed)} without --fsdp changes nothing")
-    if getattr(args, "ddp_bucket_mb", 25) != 25 and not getattr(args, "ddp", False):
+    if getattr(args, "ddp_bucket_mb", DDP_BUCKET_MB) != DDP_BUCKET_MB and not getattr(args, "ddp", False):
         notes.append("--ddp-bucket-mb without --ddp changes nothing")
     return notes
+
+
+def processes_started():
+    """How many processes torchrun started for this run (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
 def differences(then, now, limit=4):

@@ -28,7 +28,7 @@ import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GP
 
 import torch
 
-from kernel_ft import models
+from kernel_ft import flags, models
 
 # --------------------------------------------------------------------------------
 # Several processes: FSDP2 under torchrun (--fsdp)
@@ -69,16 +69,12 @@ def barrier():
 
 
 def check_fsdp_flags(args):
-    """--fsdp and --ddp need torchrun; torchrun with several processes needs one of
-    them. One line each, before any work."""
+    """--fsdp and --ddp need torchrun. One line each, before any work. (torchrun with
+    several processes and neither flag gets one: run.choose_parallel.)"""
     sharded, replicated = getattr(args, "fsdp", False), getattr(args, "ddp", False)
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if sharded and replicated:
         raise SystemExit("error: --fsdp and --ddp: choose one (--fsdp shards the model, --ddp copies it whole)")
     if not sharded and not replicated:
-        if world > 1:
-            raise SystemExit(f"error: started by torchrun with {world} processes but without --fsdp or --ddp: each "
-                             f"would train its own full copy of the model; add --fsdp (or --ddp if it fits one GPU)")
         return
     flag = "--fsdp" if sharded else "--ddp"
     missing = [name for name in TORCHRUN_ENV if name not in os.environ]
@@ -95,6 +91,34 @@ def check_fsdp_flags(args):
         if local_rank >= torch.cuda.device_count():
             raise SystemExit(f"error: {flag}: LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs "
                              f"are visible; start at most that many processes per node")
+
+
+# A whole copy per process (--ddp) when its weights, gradients and AdamW state take at
+# most this share of the memory free on the device; the rest is for activations. 8B full
+# fine-tuning, 2 x 2,048 per GPU, measured on 2 x H200: 74.73 GiB at the peak with --ddp,
+# where REPLICA_STATE_COPIES x 16 GB of bf16 weights is 74.8 GiB.
+REPLICA_SHARE = 0.6
+# Weights, their gradients, AdamW's two moments (the weights' dtype each), and a copy of
+# the gradients that DistributedDataParallel's buckets hold at the peak (measured: --ddp's
+# peak is one GPU's plus about one gradient copy).
+REPLICA_STATE_COPIES = 5
+
+
+def replica_memory(args):
+    """(bytes a whole copy of the model holds before any activation, bytes free on this
+    process's device, the device in words): what --ddp needs per process. With --lora
+    only the adapters train: the frozen weights alone count."""
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_gpu else torch.device("cpu")
+    config = models.tiny_config() if args.tiny else models.config_for(args.model)
+    weights = models.parameter_count(config) * models.weights_dtype(args, device).itemsize
+    need = weights if getattr(args, "lora", False) else REPLICA_STATE_COPIES * weights
+    if on_gpu:
+        free, _ = torch.cuda.mem_get_info(device)
+        return need, free, f"free on {torch.cuda.get_device_name(device)}"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)  # processes of this host share its RAM
+    available = models.available_ram()
+    return need, (available or 0) // local, f"of host memory available per process ({local} on this host)"
 
 
 def check_ddp_flags(args):
@@ -143,7 +167,7 @@ def close_distributed():
         os._exit(0)
 
 
-def replicate_model(model, world, bucket_mb=25):
+def replicate_model(model, world, bucket_mb=flags.DDP_BUCKET_MB):
     """--ddp: DistributedDataParallel on ``model`` in place (torch's composable
     ``replicate``: the model stays the HF model it was, with its config and methods).
     Every process starts from rank 0's weights (broadcast now); in backward, the

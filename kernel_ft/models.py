@@ -424,6 +424,19 @@ def available_ram():
     return None
 
 
+def parameter_count(config):
+    """The number of parameters of ``config``'s model, built on the meta device (no memory)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+
+
+def weights_dtype(args, device):
+    """bf16 is what LLaMA is trained in on GPUs; CPUs do float32 well and bf16 slowly.
+    The tiny model is for learning and tests: float32 everywhere, so its losses can be
+    compared to 1e-4 on any device."""
+    return torch.bfloat16 if device.type == "cuda" and not args.tiny else torch.float32
+
+
 def check_fits_in_ram(config, dtype, args):
     """On a CPU, refuse a run whose model and batch cannot fit in the host's memory, with
     the estimate, before anything is built: otherwise the OS kills the process without a
@@ -432,9 +445,7 @@ def check_fits_in_ram(config, dtype, args):
     available = available_ram()
     if available is None:
         return
-    with torch.device("meta"):
-        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-    weights = n_params * dtype.itemsize
+    weights = parameter_count(config) * dtype.itemsize
     state = 0 if getattr(args, "lora", False) else 3 * weights  # gradients, exp_avg, exp_avg_sq
     logits = 2 * 4 * args.batch_size * args.seq_len * config.vocab_size
     need = weights + state + logits
@@ -526,10 +537,7 @@ def load_model(args, world=None):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if world is not None:
         device = world.device  # --fsdp: this process's GPU (cuda:LOCAL_RANK)
-    # bf16 is what LLaMA is trained in on GPUs; CPUs do float32 well and bf16 slowly.
-    # The tiny model is for learning and tests: float32 everywhere, so its losses
-    # can be compared to 1e-4 on any device.
-    dtype = torch.bfloat16 if device.type == "cuda" and not args.tiny else torch.float32
+    dtype = weights_dtype(args, device)
     torch.manual_seed(args.seed)  # same seed, same random weights, in every script
 
     model = None

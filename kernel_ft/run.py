@@ -143,6 +143,38 @@ def check_model_flags(args):
     fsdp.check_fsdp_flags(args)
 
 
+def print_parallel_choice(settings):
+    if getattr(settings, "parallel_choice", None):
+        print(f"Parallel:      {settings.parallel_choice}", flush=True)
+
+
+def choose_parallel(settings):
+    """torchrun started several processes and neither --fsdp nor --ddp was given: a
+    whole copy per process (--ddp, no weight gathers) where the model's state fits this
+    device with room for activations (fsdp.REPLICA_SHARE of its free memory) and the
+    other flags allow it, else --fsdp. Returns the settings with the choice, and with the
+    line that says why in ``parallel_choice`` (printed at the start, kept in the JSON)."""
+    processes = flags.processes_started()
+    if settings.fsdp or settings.ddp or processes == 1:
+        return settings
+    start = f"torchrun started {processes} processes without --fsdp or --ddp, so"
+    try:
+        check_model_flags(settings.but(ddp=True))  # what --ddp refuses (--compile, FP8, ...)
+    except SystemExit as refusal:
+        check_model_flags(settings.but(fsdp=True))  # refused with --fsdp too: that error is the run's
+        replicate, why = False, f"--fsdp: {str(refusal).removeprefix('error: ')}"
+    else:
+        need, free, where = fsdp.replica_memory(settings)
+        held = "frozen weights" if getattr(settings, "lora", False) else "weights, gradients and AdamW state"
+        replicate = need <= fsdp.REPLICA_SHARE * free
+        why = (f"{'--ddp: a whole copy per process' if replicate else '--fsdp: the model sharded over them'} "
+               f"(its {held}, ~{need / 2**30:.2f} GiB, {'fit in' if replicate else 'exceed'} "
+               f"{fsdp.REPLICA_SHARE:.0%} of the {free / 2**30:.1f} GiB {where}); pass "
+               f"{'--fsdp to shard it' if replicate else '--ddp to copy it whole anyway'}")
+    chosen = settings.but(fsdp=not replicate, ddp=replicate, parallel_choice=f"{start} {why}")
+    return chosen.noted(*flags.idle_parallel_flags(chosen))
+
+
 def settle(args):
     """Every check of a script's flags that needs no model, right after parsing (a
     mistake costs a second, not a load), then the defaults (flags.settle). Returns
@@ -161,7 +193,10 @@ def settle(args):
         if resumed:
             a.resume = resumed["path"]  # the checkpoint folder, also when --resume named the run's folder
         flags.check_output_flags(a)
-    return flags.settle(a), resumed
+    settings = flags.settle(a)
+    if hasattr(settings, "fsdp"):  # the scripts that train under torchrun themselves
+        settings = choose_parallel(settings.but(parallel_choice=None))
+    return settings, resumed
 
 
 def run_finetune(args, title, script, switch_in):
@@ -180,6 +215,7 @@ def run_finetune(args, title, script, switch_in):
     env = reporting.environment_info()
     reporting.print_banner(title, env)
     flags.print_notes(args)
+    print_parallel_choice(args)
     if resumed:
         checkpoints.check_same_run(args, resumed)
     if args.output_dir:

@@ -48,6 +48,7 @@ import torch
 
 from kernel_ft import flags  # first: the Triton interpreter switch
 from kernel_ft import checkpoints, fsdp, models
+from kernel_ft import run as run_module
 import finetune_baseline
 import finetune_optimized
 from tools import export_hf
@@ -60,15 +61,15 @@ EVERY_KERNEL = {**dict.fromkeys(flags.KERNELS, True), "attention": False}
 
 
 def run(script, args, ranks=None, tmp_path=None, name="run", mode="--fsdp"):
-    """Run ``script`` (under torchrun with ``ranks`` processes, with ``mode``: --fsdp or
-    --ddp) and return its --json document."""
+    """Run ``script`` (under torchrun with ``ranks`` processes, with ``mode``: --fsdp,
+    --ddp or None, the run's own choice) and return its --json document."""
     if ranks and torch.cuda.is_available() and torch.cuda.device_count() < ranks:
         pytest.skip(f"--fsdp on GPUs runs one process per GPU: {ranks} needed, {torch.cuda.device_count()} visible")
     out = os.path.join(tmp_path, f"{name}.json")
     command = [sys.executable, os.path.join(ROOT, script), *args, "--json", out]
     if ranks:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-                   os.path.join(ROOT, script), mode, *args, "--json", out]
+                   os.path.join(ROOT, script), *([mode] if mode else []), *args, "--json", out]
     env = {k: v for k, v in os.environ.items() if k not in fsdp.TORCHRUN_ENV}
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -172,25 +173,55 @@ def test_ddp_two_ranks_match_one_process(full, lora, tmp_path):
     close(resumed["losses"], replicated["losses"][2:], tol=1e-6)
     with pytest.raises(SystemExit, match="written by --ddp with 2 processes, this run is one process"):
         finetune_optimized.main([*args, "--resume", str(ckpt), "--output-dir", str(tmp_path / "x")])
-    adapters = run("finetune_optimized.py", [*args, "--lora", "--lora-r", "4"], 2, tmp_path, "ddp_lora", mode="--ddp")
+    # Without --ddp or --fsdp the run chooses: the tiny model fits many times, so --ddp.
+    adapters = run("finetune_optimized.py", [*args, "--lora", "--lora-r", "4"], 2, tmp_path, "ddp_lora", mode=None)
     _, one_lora, _ = lora
     close(adapters["losses"], one_lora["losses"])
+    assert adapters["config"]["ddp"] and not adapters["config"]["fsdp"]
+    assert adapters["config"]["parallel_choice"].startswith("torchrun started 2 processes without --fsdp or --ddp, "
+                                                            "so --ddp: a whole copy per process (its frozen weights")
 
 
 def test_ddp_refusals_are_one_line(monkeypatch):
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
         monkeypatch.setenv(name, value)
     for argv, says in ((["--ddp", "--fsdp"], "--fsdp and --ddp: choose one"),
-                       (["--ddp", "--compile"], "--ddp with --compile is not tested yet"),
-                       ([], "without --fsdp or --ddp")):
+                       (["--ddp", "--compile"], "--ddp with --compile is not tested yet")):
         with pytest.raises(SystemExit) as e:
             fsdp.check_fsdp_flags(finetune_optimized.parse_args(["--tiny", *argv]))
         assert str(e.value).startswith("error: ") and says in str(e.value) and "\n" not in str(e.value), argv
+    monkeypatch.delenv("WORLD_SIZE")
     assert "--ddp-bucket-mb without --ddp changes nothing" in flags.settle(
         finetune_optimized.parse_args(["--tiny", "--ddp-bucket-mb", "100"]))._notes
-    monkeypatch.delenv("WORLD_SIZE")
     with pytest.raises(SystemExit, match="--ddp runs under torchrun"):
         fsdp.check_fsdp_flags(finetune_optimized.parse_args(["--tiny", "--ddp"]))
+
+
+def test_torchrun_without_fsdp_or_ddp_chooses_from_memory(monkeypatch):
+    """Several processes and neither flag: --ddp where the model's state fits the share of
+    the memory free per process, --fsdp where it does not or where --ddp refuses another
+    flag; said in one line, with the flags the other mode would have used noted as idle."""
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    choose = lambda *argv: run_module.settle(finetune_optimized.parse_args(["--tiny", *argv]))[0]  # noqa: E731
+    chosen = choose("--fsdp-prefetch", "1")
+    assert chosen.ddp and not chosen.fsdp
+    assert chosen.parallel_choice.startswith("torchrun started 2 processes without --fsdp or --ddp, so --ddp: a "
+                                             "whole copy per process (its weights, gradients and AdamW state, ~")
+    assert "--fsdp-prefetch without --fsdp changes nothing" in chosen._notes
+    need, _, _ = fsdp.replica_memory(chosen)  # float32 tiny model: weights, gradients, moments, buckets
+    params = sum(p.numel() for p in models.build_random(models.tiny_config(), torch.device("cpu"), torch.float32).parameters())
+    assert need == fsdp.REPLICA_STATE_COPIES * 4 * params
+    monkeypatch.setattr(fsdp, "replica_memory", lambda args: (10 * 2**30, 12 * 2**30, "free here"))
+    chosen = choose("--ddp-bucket-mb", "50")
+    assert chosen.fsdp and not chosen.ddp and "--ddp-bucket-mb without --ddp changes nothing" in chosen._notes
+    assert ("so --fsdp: the model sharded over them (its weights, gradients and AdamW state, ~10.00 GiB, exceed 60% "
+            "of the 12.0 GiB free here); pass --ddp") in chosen.parallel_choice
+    chosen = choose("--compile")  # fits, but --ddp does not take --compile
+    assert chosen.fsdp and "so --fsdp: --ddp with --compile is not tested yet" in chosen.parallel_choice
+    monkeypatch.delenv("WORLD_SIZE")  # one process: nothing to choose
+    alone = choose()
+    assert not alone.fsdp and not alone.ddp and alone.parallel_choice is None
 
 
 def test_prefetch_and_kept_weights_change_no_loss(full, tmp_path, capsys):

@@ -20,7 +20,9 @@ modules import no kernel. Nothing runs on import.
 """
 
 import argparse
+import os
 import signal
+import sys
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
 
@@ -157,6 +159,10 @@ def choose_parallel(settings):
     processes = flags.processes_started()
     if settings.fsdp or settings.ddp or processes == 1:
         return settings
+    missing = [name for name in fsdp.TORCHRUN_ENV if name not in os.environ]
+    if missing:
+        raise SystemExit(f"error: WORLD_SIZE is {processes} but {', '.join(missing)} not set: start the processes "
+                         f"with torchrun --nproc-per-node {processes} {os.path.basename(sys.argv[0])} ...")
     start = f"torchrun started {processes} processes without --fsdp or --ddp, so"
     try:
         check_model_flags(settings.but(ddp=True))  # what --ddp refuses (--compile, FP8, ...)

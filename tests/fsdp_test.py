@@ -581,11 +581,14 @@ def test_fsdp_without_torchrun_is_one_line(monkeypatch, capsys):
     assert "Model:" not in capsys.readouterr().out  # before any work
 
 
-def test_torchrun_without_fsdp_is_one_line(monkeypatch):
+def test_a_world_size_without_torchrun_is_one_line(monkeypatch, capsys):
+    """WORLD_SIZE set by hand (not by torchrun): nothing to choose from, the variables
+    torchrun would have set are named, before any work."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(SystemExit, match="2 processes but without --fsdp"):
+    with pytest.raises(SystemExit, match="^error: WORLD_SIZE is 2 but RANK, LOCAL_RANK not set: start the processes "
+                                         "with torchrun --nproc-per-node 2 "):
         finetune_optimized.main([*TINY, "--steps", "1"])
-
+    assert "Model:" not in capsys.readouterr().out
 
 
 def test_fsdp_with_lora_4bit_is_one_line(monkeypatch):

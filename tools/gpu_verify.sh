@@ -2,7 +2,7 @@
 # Re-measure what README.md and results/ report, on a CUDA machine, in one go.
 #
 #   bash tools/gpu_verify.sh [OUTDIR] [WHAT...]
-#     WHAT: tests bench e2e compile profile maxseq graphs families attention fp8 fp8e2e inbackward fsdp
+#     WHAT: tests bench e2e compile profile maxseq graphs families attention fp8 fp8e2e fp8loss inbackward fsdp
 #           trainer trainer-full trainer-small
 #           (default: tests bench e2e)
 #
@@ -146,6 +146,19 @@ for what in $WHAT; do
         python3 finetune_optimized.py $lora $extra --json "$OUTDIR/lora8b_$recipe.json" 2>&1 \
           | tee "$OUTDIR/lora8b_$recipe.log" | tail -8
       done ;;
+    fp8loss)
+      # Step 22's loss parity: 500 steps of 8B (random weights) on the bundled data, bf16, ours
+      # (both recipes) and torchao's tensorwise recipe (e5m2 gradients; needs torchao in .whl/)
+      # with the same kernels around it: is FP8's higher loss the recipe's or ours?
+      common="--random-init --batch-size 2 --seq-len 2048 --steps 500 --log-every 50"
+      for recipe in bf16 tensorwise rowwise; do
+        extra=""; [ "$recipe" = bf16 ] || extra="--fp8 $recipe"
+        python3 finetune_optimized.py $common $extra --json "$OUTDIR/loss500_$recipe.json" 2>&1 \
+          | tee "$OUTDIR/loss500_$recipe.log" | tail -4
+      done
+      python3 finetune_baseline.py $common --packing --torchao-fp8 tensorwise --cuda-graphs --use-custom-rmsnorm \
+        --use-custom-swiglu --use-custom-rope --use-custom-flce --use-custom-adamw \
+        --json "$OUTDIR/loss500_torchao_tensorwise.json" 2>&1 | tee "$OUTDIR/loss500_torchao_tensorwise.log" | tail -4 ;;
     inbackward)
       # Step 20: 8B full fine-tuning 2 x 2,048, the plain loop without clipping against --optimizer-in-backward.
       for extra in "" "--optimizer-in-backward"; do

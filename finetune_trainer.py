@@ -29,17 +29,19 @@ Usage:
     python finetune_trainer.py --liger                 # SFTTrainer(use_liger_kernel=True)
     python finetune_trainer.py --lora --batch-size 4   # PEFT LoRA r16 on every projection
     python finetune_trainer.py --no-use-custom-attention --json trainer.json   # switches map onto apply's
+    torchrun --nproc-per-node 2 finetune_trainer.py    # the trainer's own DDP, the kernels in every process
 
 Prints the kernels' report, a line per step and a table (tokens/s over the steps
 after the warm-up, which compiles the kernels; peak memory); --json writes them.
 """
 
 import argparse
+import os
 import time
 
 import torch
 
-from kernel_ft import dataloader, flags, models, reporting, run
+from kernel_ft import dataloader, flags, fsdp, models, reporting, run
 import kernel_ft
 
 TITLE = "Fine-tuning in TRL's SFTTrainer"
@@ -214,6 +216,10 @@ def switch_in(args, model):
 
 
 def main(argv=None):
+    # Under torchrun the trainer runs DistributedDataParallel itself (accelerate): every
+    # process trains, rank 0 alone prints and writes (the token counts are the sum over all).
+    rank, processes = int(os.environ.get("RANK", "0")), flags.processes_started()
+    fsdp.print_on_rank0_only(rank)
     args = check_flags(parse_args(argv))
     env = reporting.environment_info()
     reporting.print_banner(TITLE, env)
@@ -229,8 +235,10 @@ def main(argv=None):
     trainer.train()
     results = summarize(clock, args)
     results["kernels"] = report
+    results["world_size"] = processes
+    results["tokens_per_sec_per_gpu"] = results["tokens_per_sec"] / processes
     reporting.print_results(f"{TITLE}: results", results)
-    if args.json:
+    if args.json and rank == 0:
         reporting.write_json(args.json, "finetune_trainer.py", args, env, model_info, results)
         print(f"Wrote {args.json}")
     return results

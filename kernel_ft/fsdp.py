@@ -142,9 +142,14 @@ def init_distributed(args):
     if not torch.distributed.is_initialized():
         kwargs = {"device_id": device} if backend == "nccl" else {}
         torch.distributed.init_process_group(backend=backend, **kwargs)
-    if rank != 0:  # one report, rank 0's; errors still reach stderr from every rank
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
+    print_on_rank0_only(rank)
     return World(rank, size, local_rank, device)
+
+
+def print_on_rank0_only(rank):
+    """One report, rank 0's; errors still reach stderr from every rank."""
+    if rank != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
 
 
 def close_distributed():

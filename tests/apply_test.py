@@ -23,7 +23,8 @@ trained by transformers' Trainer, TRL's SFTTrainer and PEFT, with and without ap
   model runs (no warning, strict=True passes);
 * ``pip install`` of the repository into a folder: ``import kernel_ft`` from another
   directory that holds a user's own models.py, flags.py and training.py;
-* Step 23's script, finetune_trainer.py: the same losses with and without the kernels,
+* Step 23's script, finetune_trainer.py: the same losses with and without the kernels, and
+  under torchrun (2 processes of batch 1 as one of batch 2),
   its JSON, and a one-line refusal of what it cannot do.
 
 Usage:
@@ -661,7 +662,7 @@ def test_trainer_script_refuses_what_it_cannot_do_in_one_line(argv, message, mon
 
 def test_trainer_script_with_and_without_the_kernels(tmp_path, capsys):
     """The step script's two runs: the same losses (float32), the report printed, the JSON
-    with the loop's fields; a packed row holds no padding."""
+    with the loop's fields; a packed row holds no padding. On the CPU also under torchrun."""
     import finetune_trainer
 
     ours = finetune_trainer.main([*TRAINER_ARGS, "--json", str(tmp_path / "ours.json")])
@@ -676,4 +677,23 @@ def test_trainer_script_with_and_without_the_kernels(tmp_path, capsys):
     assert doc["script"] == "finetune_trainer.py" and doc["kernels"]["flce"]["status"] == "applied"
     assert doc["timed_steps"] == 1 and doc["warmup_steps"] == 1 and doc["real_tokens_per_sec"] > 0
     assert doc["tokens_per_step"][0] <= 2 * 64
+    if not torch.cuda.is_available():  # two processes of the CPU (gloo), as CI runs them
+        under_torchrun_as_one_process(ours, tmp_path)
 
+
+def under_torchrun_as_one_process(one, tmp_path):
+    """torchrun with 2 processes of batch 1: the trainer's own DistributedDataParallel,
+    the kernels in each process, the losses of ``one`` process at batch 2; rank 0 alone
+    prints and writes, the tokens counted over both."""
+    out = tmp_path / "two.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(ROOT / "finetune_trainer.py"), *TRAINER_ARGS, "--batch-size", "1", "--json", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("Wrote ") == 1 and proc.stdout.count("kernel_ft.apply:") == 1, proc.stdout
+    doc = json.loads(out.read_text())
+    assert doc["world_size"] == 2 and doc["tokens_per_step"] == one["tokens_per_step"]
+    for a, b in zip(doc["losses"], one["losses"], strict=True):
+        assert abs(a - b) <= 1e-4 * abs(b), (doc["losses"], one["losses"])

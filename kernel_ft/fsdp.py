@@ -94,7 +94,7 @@ def check_fsdp_flags(args):
 
 
 # A whole copy per process (--ddp) when its weights, gradients and AdamW state take at
-# most this share of the memory free on the device; the rest is for activations. 8B full
+# most this share of the device's memory; the rest is for activations. 8B full
 # fine-tuning, 2 x 2,048 per GPU, measured on 2 x H200: 74.73 GiB at the peak with --ddp,
 # where REPLICA_STATE_COPIES x 16 GB of bf16 weights is 74.8 GiB.
 REPLICA_SHARE = 0.6
@@ -105,20 +105,23 @@ REPLICA_STATE_COPIES = 5
 
 
 def replica_memory(args):
-    """(bytes a whole copy of the model holds before any activation, bytes free on this
-    process's device, the device in words): what --ddp needs per process. With --lora
-    only the adapters train: the frozen weights alone count."""
+    """(bytes a whole copy of the model holds before any activation, bytes of this
+    process's device, the device in words): what --ddp needs per process, and what it
+    has. With --lora only the adapters train: the frozen weights alone count. The
+    device's whole memory, not what is free now: every process must make the same
+    choice (they have no process group yet to agree on one), and the free memory of
+    two GPUs of one host can differ by what else runs on them."""
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_gpu else torch.device("cpu")
     config = models.tiny_config() if args.tiny else models.config_for(args.model)
     weights = models.parameter_count(config) * models.weights_dtype(args, device).itemsize
     need = weights if getattr(args, "lora", False) else REPLICA_STATE_COPIES * weights
     if on_gpu:
-        free, _ = torch.cuda.mem_get_info(device)
-        return need, free, f"free on {torch.cuda.get_device_name(device)}"
+        properties = torch.cuda.get_device_properties(device)
+        return need, properties.total_memory, f"of an {properties.name}"
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)  # processes of this host share its RAM
-    available = models.available_ram()
-    return need, (available or 0) // local, f"of host memory available per process ({local} on this host)"
+    total = models.available_ram("MemTotal")
+    return need, (total or 0) // local, f"of host memory per process ({local} on this host)"
 
 
 def check_ddp_flags(args):

@@ -412,12 +412,13 @@ def is_out_of_memory(exc):
     return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "DefaultCPUAllocator" in text)
 
 
-def available_ram():
-    """Bytes of host memory available to a new allocation (Linux: MemAvailable), or None."""
+def available_ram(field="MemAvailable"):
+    """Bytes of host memory available to a new allocation (Linux: MemAvailable), or
+    another field of /proc/meminfo (MemTotal: all of it), or None."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None

@@ -153,7 +153,7 @@ def print_parallel_choice(settings):
 def choose_parallel(settings):
     """torchrun started several processes and neither --fsdp nor --ddp was given: a
     whole copy per process (--ddp, no weight gathers) where the model's state fits this
-    device with room for activations (fsdp.REPLICA_SHARE of its free memory) and the
+    device with room for activations (fsdp.REPLICA_SHARE of its memory) and the
     other flags allow it, else --fsdp. Returns the settings with the choice, and with the
     line that says why in ``parallel_choice`` (printed at the start, kept in the JSON)."""
     processes = flags.processes_started()
@@ -170,12 +170,12 @@ def choose_parallel(settings):
         check_model_flags(settings.but(fsdp=True))  # refused with --fsdp too: that error is the run's
         replicate, why = False, f"--fsdp: {str(refusal).removeprefix('error: ')}"
     else:
-        need, free, where = fsdp.replica_memory(settings)
+        need, memory, where = fsdp.replica_memory(settings)
         held = "frozen weights" if getattr(settings, "lora", False) else "weights, gradients and AdamW state"
-        replicate = need <= fsdp.REPLICA_SHARE * free
+        replicate = need <= fsdp.REPLICA_SHARE * memory
         why = (f"{'--ddp: a whole copy per process' if replicate else '--fsdp: the model sharded over them'} "
                f"(its {held}, ~{need / 2**30:.2f} GiB, {'fit in' if replicate else 'exceed'} "
-               f"{fsdp.REPLICA_SHARE:.0%} of the {free / 2**30:.1f} GiB {where}); pass "
+               f"{fsdp.REPLICA_SHARE:.0%} of the {memory / 2**30:.1f} GiB {where}); pass "
                f"{'--fsdp to shard it' if replicate else '--ddp to copy it whole anyway'}")
     chosen = settings.but(fsdp=not replicate, ddp=replicate, parallel_choice=f"{start} {why}")
     return chosen.noted(*flags.idle_parallel_flags(chosen))

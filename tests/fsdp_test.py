@@ -199,7 +199,7 @@ def test_ddp_refusals_are_one_line(monkeypatch):
 
 def test_torchrun_without_fsdp_or_ddp_chooses_from_memory(monkeypatch):
     """Several processes and neither flag: --ddp where the model's state fits the share of
-    the memory free per process, --fsdp where it does not or where --ddp refuses another
+    the memory per process, --fsdp where it does not or where --ddp refuses another
     flag; said in one line, with the flags the other mode would have used noted as idle."""
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
         monkeypatch.setenv(name, value)
@@ -212,11 +212,11 @@ def test_torchrun_without_fsdp_or_ddp_chooses_from_memory(monkeypatch):
     need, _, _ = fsdp.replica_memory(chosen)  # float32 tiny model: weights, gradients, moments, buckets
     params = sum(p.numel() for p in models.build_random(models.tiny_config(), torch.device("cpu"), torch.float32).parameters())
     assert need == fsdp.REPLICA_STATE_COPIES * 4 * params
-    monkeypatch.setattr(fsdp, "replica_memory", lambda args: (10 * 2**30, 12 * 2**30, "free here"))
+    monkeypatch.setattr(fsdp, "replica_memory", lambda args: (10 * 2**30, 12 * 2**30, "here"))
     chosen = choose("--ddp-bucket-mb", "50")
     assert chosen.fsdp and not chosen.ddp and "--ddp-bucket-mb without --ddp changes nothing" in chosen._notes
     assert ("so --fsdp: the model sharded over them (its weights, gradients and AdamW state, ~10.00 GiB, exceed 60% "
-            "of the 12.0 GiB free here); pass --ddp") in chosen.parallel_choice
+            "of the 12.0 GiB here); pass --ddp") in chosen.parallel_choice
     chosen = choose("--compile")  # fits, but --ddp does not take --compile
     assert chosen.fsdp and "so --fsdp: --ddp with --compile is not tested yet" in chosen.parallel_choice
     monkeypatch.delenv("WORLD_SIZE")  # one process: nothing to choose

@@ -81,8 +81,6 @@ def check_fsdp_flags(args):
     if missing:
         raise SystemExit(f"error: {flag} runs under torchrun, which sets {', '.join(missing)}: "
                          f"torchrun --nproc-per-node N {os.path.basename(sys.argv[0])} {flag} ...")
-    if replicated:
-        check_ddp_flags(args)
     if getattr(args, "lora_4bit", False):  # --lora (bf16 or float32 adapters and weights) is sharded like any model
         raise SystemExit("error: --fsdp with --lora-4bit is not supported: FSDP2 would have to shard "
                          "bitsandbytes' packed 4-bit weights; use --lora, or --lora-4bit on one GPU")
@@ -122,12 +120,6 @@ def replica_memory(args):
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)  # processes of this host share its RAM
     total = models.available_ram("MemTotal")
     return need, (total or 0) // local, f"of host memory per process ({local} on this host)"
-
-
-def check_ddp_flags(args):
-    """What --ddp does not do yet, one line each."""
-    if getattr(args, "compile", False):
-        raise SystemExit("error: --ddp with --compile is not tested yet; use --fsdp --compile or one process")
 
 
 def init_distributed(args):

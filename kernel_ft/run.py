@@ -153,9 +153,9 @@ def print_parallel_choice(settings):
 def choose_parallel(settings):
     """torchrun started several processes and neither --fsdp nor --ddp was given: a
     whole copy per process (--ddp, no weight gathers) where the model's state fits this
-    device with room for activations (fsdp.REPLICA_SHARE of its memory) and the
-    other flags allow it, else --fsdp. Returns the settings with the choice, and with the
-    line that says why in ``parallel_choice`` (printed at the start, kept in the JSON)."""
+    device with room for activations (fsdp.REPLICA_SHARE of its memory), else --fsdp.
+    Returns the settings with the choice, and with the line that says why in
+    ``parallel_choice`` (printed at the start, kept in the JSON)."""
     processes = flags.processes_started()
     if settings.fsdp or settings.ddp or processes == 1:
         return settings
@@ -163,21 +163,16 @@ def choose_parallel(settings):
     if missing:
         raise SystemExit(f"error: WORLD_SIZE is {processes} but {', '.join(missing)} not set: start the processes "
                          f"with torchrun --nproc-per-node {processes} {os.path.basename(sys.argv[0])} ...")
-    start = f"torchrun started {processes} processes without --fsdp or --ddp, so"
-    try:
-        check_model_flags(settings.but(ddp=True))  # what --ddp refuses (--compile, FP8, ...)
-    except SystemExit as refusal:
-        check_model_flags(settings.but(fsdp=True))  # refused with --fsdp too: that error is the run's
-        replicate, why = False, f"--fsdp: {str(refusal).removeprefix('error: ')}"
-    else:
-        need, memory, where = fsdp.replica_memory(settings)
-        held = "frozen weights" if getattr(settings, "lora", False) else "weights, gradients and AdamW state"
-        replicate = need <= fsdp.REPLICA_SHARE * memory
-        why = (f"{'--ddp: a whole copy per process' if replicate else '--fsdp: the model sharded over them'} "
-               f"(its {held}, ~{need / 2**30:.2f} GiB, {'fit in' if replicate else 'exceed'} "
-               f"{fsdp.REPLICA_SHARE:.0%} of the {memory / 2**30:.1f} GiB {where}); pass "
-               f"{'--fsdp to shard it' if replicate else '--ddp to copy it whole anyway'}")
-    chosen = settings.but(fsdp=not replicate, ddp=replicate, parallel_choice=f"{start} {why}")
+    need, memory, where = fsdp.replica_memory(settings)
+    held = "frozen weights" if getattr(settings, "lora", False) else "weights, gradients and AdamW state"
+    replicate = need <= fsdp.REPLICA_SHARE * memory
+    why = (f"torchrun started {processes} processes without --fsdp or --ddp, so "
+           f"{'--ddp: a whole copy per process' if replicate else '--fsdp: the model sharded over them'} "
+           f"(its {held}, ~{need / 2**30:.2f} GiB, {'fit in' if replicate else 'exceed'} "
+           f"{fsdp.REPLICA_SHARE:.0%} of the {memory / 2**30:.1f} GiB {where}); pass "
+           f"{'--fsdp to shard it' if replicate else '--ddp to copy it whole anyway'}")
+    chosen = settings.but(fsdp=not replicate, ddp=replicate, parallel_choice=why)
+    check_model_flags(chosen)  # what the chosen mode refuses (FP8, the optimizer in backward)
     return chosen.noted(*flags.idle_parallel_flags(chosen))
 
 

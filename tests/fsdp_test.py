@@ -185,11 +185,9 @@ def test_ddp_two_ranks_match_one_process(full, lora, tmp_path):
 def test_ddp_refusals_are_one_line(monkeypatch):
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
         monkeypatch.setenv(name, value)
-    for argv, says in ((["--ddp", "--fsdp"], "--fsdp and --ddp: choose one"),
-                       (["--ddp", "--compile"], "--ddp with --compile is not tested yet")):
-        with pytest.raises(SystemExit) as e:
-            fsdp.check_fsdp_flags(finetune_optimized.parse_args(["--tiny", *argv]))
-        assert str(e.value).startswith("error: ") and says in str(e.value) and "\n" not in str(e.value), argv
+    with pytest.raises(SystemExit) as e:
+        fsdp.check_fsdp_flags(finetune_optimized.parse_args(["--tiny", "--ddp", "--fsdp"]))
+    assert str(e.value) == "error: --fsdp and --ddp: choose one (--fsdp shards the model, --ddp copies it whole)"
     monkeypatch.delenv("WORLD_SIZE")
     assert "--ddp-bucket-mb without --ddp changes nothing" in flags.settle(
         finetune_optimized.parse_args(["--tiny", "--ddp-bucket-mb", "100"]))._notes
@@ -199,8 +197,8 @@ def test_ddp_refusals_are_one_line(monkeypatch):
 
 def test_torchrun_without_fsdp_or_ddp_chooses_from_memory(monkeypatch):
     """Several processes and neither flag: --ddp where the model's state fits the share of
-    the memory per process, --fsdp where it does not or where --ddp refuses another
-    flag; said in one line, with the flags the other mode would have used noted as idle."""
+    the memory per process, --fsdp where it does not; said in one line, with the flags
+    the other mode would have used noted as idle, and the chosen mode's refusals."""
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
         monkeypatch.setenv(name, value)
     choose = lambda *argv: run_module.settle(finetune_optimized.parse_args(["--tiny", *argv]))[0]  # noqa: E731
@@ -217,11 +215,21 @@ def test_torchrun_without_fsdp_or_ddp_chooses_from_memory(monkeypatch):
     assert chosen.fsdp and not chosen.ddp and "--ddp-bucket-mb without --ddp changes nothing" in chosen._notes
     assert ("so --fsdp: the model sharded over them (its weights, gradients and AdamW state, ~10.00 GiB, exceed 60% "
             "of the 12.0 GiB here); pass --ddp") in chosen.parallel_choice
-    chosen = choose("--compile")  # fits, but --ddp does not take --compile
-    assert chosen.fsdp and "so --fsdp: --ddp with --compile is not tested yet" in chosen.parallel_choice
+    with pytest.raises(SystemExit, match="^error: --optimizer-in-backward.*with --fsdp that is not implemented"):
+        choose("--optimizer-in-backward", "--max-grad-norm", "0")
     monkeypatch.delenv("WORLD_SIZE")  # one process: nothing to choose
     alone = choose()
     assert not alone.fsdp and not alone.ddp and alone.parallel_choice is None
+
+
+def test_ddp_compiled_matches_one_process(full, tmp_path):
+    """--ddp --compile: each decoder layer compiled (aot_eager on the CPU) inside the
+    replicated model; DistributedDataParallel's hooks see the compiled layers' gradients."""
+    _, one, _ = full
+    doc = run("finetune_optimized.py", [*TINY, "--steps", "3", "--batch-size", "1", "--compile"], 2, tmp_path,
+              mode="--ddp")
+    close(doc["losses"], one["losses"])
+    assert doc["config"]["compile"] and doc["config"]["ddp"]
 
 
 def test_prefetch_and_kept_weights_change_no_loss(full, tmp_path, capsys):

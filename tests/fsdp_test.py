@@ -19,8 +19,10 @@
 * profile_baseline.py --fsdp profiles rank 0 (communication has its category).
 * --fsdp-reduce-dtype auto picks bfloat16 over 2 processes of bf16 weights only; on
   2 GPUs (NCCL) the bfloat16 and float32 reductions give the same gradient bits.
-* Bad input: --fsdp without torchrun, torchrun without --fsdp, --fsdp with
-  --lora-4bit, resuming with another number of processes: one line each,
+* --ddp (DistributedDataParallel): the same losses, with LoRA and --compile; its
+  checkpoints resume exactly. torchrun without --fsdp or --ddp picks one from memory.
+* Bad input: --fsdp without torchrun, WORLD_SIZE without torchrun, --fsdp with
+  --lora-4bit, resuming with another number of processes or mode: one line each,
   before any work.
 
 The Triton kernels run in the interpreter: tiny shapes, few steps.
@@ -208,8 +210,8 @@ def test_torchrun_without_fsdp_or_ddp_chooses_from_memory(monkeypatch):
                                              "whole copy per process (its weights, gradients and AdamW state, ~")
     assert "--fsdp-prefetch without --fsdp changes nothing" in chosen._notes
     need, _, _ = fsdp.replica_memory(chosen)  # float32 tiny model: weights, gradients, moments, buckets
-    params = sum(p.numel() for p in models.build_random(models.tiny_config(), torch.device("cpu"), torch.float32).parameters())
-    assert need == fsdp.REPLICA_STATE_COPIES * 4 * params
+    tiny = models.build_random(models.tiny_config(), torch.device("cpu"), torch.float32)
+    assert need == fsdp.REPLICA_STATE_COPIES * 4 * sum(p.numel() for p in tiny.parameters())
     monkeypatch.setattr(fsdp, "replica_memory", lambda args: (10 * 2**30, 12 * 2**30, "here"))
     chosen = choose("--ddp-bucket-mb", "50")
     assert chosen.fsdp and not chosen.ddp and "--ddp-bucket-mb without --ddp changes nothing" in chosen._notes

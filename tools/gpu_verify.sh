@@ -2,7 +2,7 @@
 # Re-measure what README.md and results/ report, on a CUDA machine, in one go.
 #
 #   bash tools/gpu_verify.sh [OUTDIR] [WHAT...]
-#     WHAT: tests bench e2e compile profile maxseq graphs families attention fp8 fp8e2e fp8loss inbackward fsdp
+#     WHAT: tests bench e2e compile profile maxseq graphs families attention fp8 fp8e2e fp8loss inbackward fsdp gpus
 #           trainer trainer-full trainer-small
 #           (default: tests bench e2e)
 #
@@ -182,6 +182,26 @@ for what in $WHAT; do
       torchrun --standalone --nproc-per-node 2 profile_baseline.py --fsdp --random-init --dataset synthetic \
         --batch-size 2 --seq-len 2048 --trace-dir "$OUTDIR/traces" --use-custom-rmsnorm --use-custom-swiglu \
         --use-custom-rope --use-custom-flce --use-custom-adamw 2>&1 | tee "$OUTDIR/profile_fsdp.log" | tail -24 ;;
+    gpus)
+      # Step 19 on every visible GPU (2 or 4): one GPU alone, then all of them with the run's own choice between
+      # --ddp and --fsdp, each named, FSDP with bf16 reduction, --ddp --compile; tests/fsdp_test.py over NCCL (DDP's
+      # checkpoints and the choice included); on 4 GPUs, 70B LoRA r16 too.
+      n=$(nvidia-smi -L | wc -l)
+      common="--random-init --dataset synthetic --batch-size 2 --seq-len 2048 --steps 12 --log-every 4"
+      CUDA_VISIBLE_DEVICES=0 python3 finetune_optimized.py $common --json "$OUTDIR/gpus_one.json" 2>&1 \
+        | tee "$OUTDIR/gpus_one.log" | tail -8
+      for extra in "" "--fsdp" "--ddp" "--fsdp --fsdp-reduce-dtype bfloat16" "--ddp --compile"; do
+        tag=${extra:-chosen}; tag=${tag//--/}; tag=${tag// /_}
+        torchrun --standalone --nproc-per-node "$n" finetune_optimized.py $common $extra \
+          --json "$OUTDIR/gpus_${n}_$tag.json" 2>&1 | tee "$OUTDIR/gpus_${n}_$tag.log" | tail -8
+      done
+      python3 -m pytest -q tests/fsdp_test.py 2>&1 | tee "$OUTDIR/pytest_fsdp_$n.log" | tail -3
+      if [ "$n" -ge 4 ]; then
+        torchrun --standalone --nproc-per-node "$n" finetune_optimized.py --fsdp --model meta-llama/Llama-3.1-70B \
+          --random-init --lora --gradient-checkpointing --dataset synthetic --batch-size 1 --seq-len 2048 \
+          --warmup-steps 1 --steps 4 --json "$OUTDIR/gpus_${n}_lora70b.json" 2>&1 \
+          | tee "$OUTDIR/gpus_${n}_lora70b.log" | tail -8
+      fi ;;
     trainer|trainer-full|trainer-small)
       # Step 23: TRL's SFTTrainer on the bundled data, packed and padding-free, with kernel_ft.apply
       # (the default), with Liger-Kernel (TRL's use_liger_kernel=True), plain. One run per row; a run

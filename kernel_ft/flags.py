@@ -276,6 +276,7 @@ def add_cuda_graphs_arg(group, default):
 
 
 DDP_BUCKET_MB = 25  # --ddp-bucket-mb's default: DistributedDataParallel's own
+FSDP_COMMS = ("default", "symm-mem", "pg-memory")  # --fsdp-comm (fsdp.COMM_SETTERS)
 
 
 def add_fsdp_arg(group):
@@ -317,6 +318,13 @@ def add_fsdp_arg(group):
         help="--fsdp on a GPU: the dtype the gradients are averaged over the processes in (bfloat16 moves half "
              "the bytes; default: %(default)s, bfloat16 over 2 processes when every trainable weight is bf16: "
              "the same gradients as float32, see fsdp.reduce_dtype_for; float32 otherwise)",
+    )
+    group.add_argument(
+        "--fsdp-comm", choices=FSDP_COMMS, default="default",
+        help="--fsdp on GPUs: where FSDP2's communication buffers live. symm-mem: NCCL symmetric memory for the "
+             "all-gathers, with NCCL_CTA_POLICY=2 (one host: the copy engines move the weights, no SM is taken from "
+             "the matmuls); pg-memory: buffers from NCCL's own allocator (zero-copy where the fabric allows). "
+             "Default: %(default)s (PyTorch's caching allocator, NCCL's kernels). Experimental",
     )
 
 
@@ -435,7 +443,7 @@ def idle_parallel_flags(args):
     """--fsdp's own flags without --fsdp, --ddp's without --ddp."""
     notes = []
     fsdp_changed = [f"--{k.replace('_', '-')}" for k, v in (("fsdp_prefetch", 0), ("fsdp_keep_gathered", "auto"),
-                                                            ("fsdp_reduce_dtype", "auto"))
+                                                            ("fsdp_reduce_dtype", "auto"), ("fsdp_comm", "default"))
                     if getattr(args, k, v) != v]
     if fsdp_changed and not getattr(args, "fsdp", False):
         notes.append(f"{', '.join(fsdp_changed)} without --fsdp changes nothing")

@@ -81,6 +81,7 @@ def check_fsdp_flags(args):
     if missing:
         raise SystemExit(f"error: {flag} runs under torchrun, which sets {', '.join(missing)}: "
                          f"torchrun --nproc-per-node N {os.path.basename(sys.argv[0])} {flag} ...")
+    check_fsdp_comm(args)
     if getattr(args, "lora_4bit", False):  # --lora (bf16 or float32 adapters and weights) is sharded like any model
         raise SystemExit("error: --fsdp with --lora-4bit is not supported: FSDP2 would have to shard "
                          "bitsandbytes' packed 4-bit weights; use --lora, or --lora-4bit on one GPU")
@@ -122,6 +123,30 @@ def replica_memory(args):
     return need, (total or 0) // local, f"of host memory per process ({local} on this host)"
 
 
+# --fsdp-comm: the FSDPModule method each choice calls on every sharded module, and its
+# argument. What each may buy (not measured yet): symm-mem, all-gathers run by the copy
+# engines instead of SMs, so the matmuls beside them keep every SM (FSDP2's collectives
+# slow the matmuls by ~25 ms a step at 8B on 2 GPUs, NOTES.md); pg-memory, NCCL's own
+# buffers, which it can send from without a copy where the fabric allows (NVLS).
+COMM_SETTERS = {"symm-mem": ("set_symm_mem_for_comm", "NCCL"),
+                "pg-memory": ("set_allocate_memory_from_process_group_for_comm", True)}
+
+
+def check_fsdp_comm(args):
+    """--fsdp-comm other than the default: NCCL on GPUs, and a torch that has the method."""
+    comm = getattr(args, "fsdp_comm", "default")
+    if comm == "default" or not getattr(args, "fsdp", False):
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit(f"error: --fsdp-comm {comm} places NCCL's buffers on GPUs; without a GPU (gloo) leave it out")
+    from torch.distributed.fsdp import FSDPModule
+
+    method = COMM_SETTERS[comm][0]
+    if not hasattr(FSDPModule, method):
+        raise SystemExit(f"error: --fsdp-comm {comm} needs FSDPModule.{method}, which torch {torch.__version__} "
+                         f"lacks; leave it out or upgrade torch")
+
+
 def init_distributed(args):
     """--fsdp or --ddp: join torchrun's process group (NCCL between GPUs, gloo on CPU),
     pin this process to GPU LOCAL_RANK; every process but rank 0 stops printing.
@@ -134,6 +159,10 @@ def init_distributed(args):
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
+    if getattr(args, "fsdp_comm", "default") == "symm-mem":
+        # NCCL reads it when the communicator is made: its all-gathers from symmetric
+        # memory then go through the copy engines (zero CTAs). A value set by hand stays.
+        os.environ.setdefault("NCCL_CTA_POLICY", "2")
     if not torch.distributed.is_initialized():
         kwargs = {"device_id": device} if backend == "nccl" else {}
         torch.distributed.init_process_group(backend=backend, **kwargs)
@@ -216,6 +245,11 @@ def shard_model(model, args, world):
     for layer in layers:
         fully_shard(layer, reshard_after_forward=not keep, **kwargs)
     fully_shard(model, **kwargs)
+    comm = getattr(args, "fsdp_comm", "default")
+    if comm != "default":
+        method, value = COMM_SETTERS[comm]
+        for module in [*layers, model]:
+            getattr(module, method)(value)
     # Prefetch (what it buys: the next layers' all-gathers run while this one computes,
     # instead of starting when the next layer's forward is reached, which a host that
     # is not far ahead of the GPU reaches late). Backward walks the layers in reverse.
@@ -235,8 +269,9 @@ def shard_model(model, args, world):
         kept = "; weights kept gathered from forward to backward"
     elif keep_gathered_is_decided(args):
         kept = f"; weights kept gathered from forward to backward if they fit, decided after step {KEEP_DECIDED_AFTER}"
+    comms = "" if comm == "default" else f"; communication buffers: {comm}"
     print(f"FSDP:          {world.size} processes, {len(layers)} decoder layers + the root sharded "
-          f"({precision}; {ahead}{kept}){materialized}")
+          f"({precision}; {ahead}{kept}{comms}){materialized}")
     return model
 
 

@@ -419,6 +419,41 @@ def test_meta_device_lora_starts_as_the_base_model(one_process_group):
     assert torch.equal(out, base)
 
 
+def test_fsdp_comm_sets_every_sharded_module(one_process_group, monkeypatch, capsys):
+    """--fsdp-comm pg-memory / symm-mem: the FSDPModule setter runs on every decoder layer
+    and the root, and the FSDP line names it (the setters themselves need NCCL)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for comm, (method, value) in fsdp.COMM_SETTERS.items():
+        calls = []
+        monkeypatch.setattr(FSDPModule, method, lambda self, v: calls.append((type(self).__name__, v)), raising=False)
+        args = argparse.Namespace(tiny=True, fsdp_comm=comm)
+        model = models.build_random(models.tiny_config(), torch.device("cpu"), torch.float32)
+        fsdp.shard_model(model, args, one_process_group)
+        assert calls == [("FSDPLlamaDecoderLayer", value)] * 2 + [("FSDPLlamaForCausalLM", value)], comm
+        assert f"communication buffers: {comm}" in capsys.readouterr().out
+
+
+def test_fsdp_comm_refusals_are_one_line(monkeypatch):
+    from torch.distributed.fsdp import FSDPModule
+
+    for name, value in zip(fsdp.TORCHRUN_ENV, ("0", "2", "0")):
+        monkeypatch.setenv(name, value)
+    args = finetune_optimized.parse_args(["--tiny", "--fsdp", "--fsdp-comm", "symm-mem"])
+    with pytest.raises(SystemExit, match=r"^error: --fsdp-comm symm-mem places NCCL's buffers on GPUs; without a GPU "
+                                         r"\(gloo\) leave it out$"):
+        fsdp.check_fsdp_flags(args)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delattr(FSDPModule, "set_symm_mem_for_comm", raising=False)
+    with pytest.raises(SystemExit, match=r"^error: --fsdp-comm symm-mem needs FSDPModule.set_symm_mem_for_comm, "
+                                         r"which torch .* lacks; leave it out or upgrade torch$"):
+        fsdp.check_fsdp_flags(args)
+    monkeypatch.delenv("WORLD_SIZE")
+    notes = flags.settle(finetune_optimized.parse_args(["--tiny", "--fsdp-comm", "pg-memory"]))._notes
+    assert "--fsdp-comm without --fsdp changes nothing" in notes
+
+
 def test_two_ranks_match_one_process_baseline_packed_data(tmp_path):
     args = ["--tiny", "--warmup-steps", "0", "--steps", "2", "--seq-len", "64", "--packing"]
     sharded = run("finetune_baseline.py", [*args, "--batch-size", "1"], 2, tmp_path, "fsdp")

@@ -440,6 +440,7 @@ def test_fsdp_comm_refusals_are_one_line(monkeypatch):
     for name, value in zip(fsdp.TORCHRUN_ENV, ("0", "2", "0")):
         monkeypatch.setenv(name, value)
     args = finetune_optimized.parse_args(["--tiny", "--fsdp", "--fsdp-comm", "symm-mem"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a GPU machine
     with pytest.raises(SystemExit, match=r"^error: --fsdp-comm symm-mem places NCCL's buffers on GPUs; without a GPU "
                                          r"\(gloo\) leave it out$"):
         fsdp.check_fsdp_flags(args)

@@ -26,6 +26,24 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
   git rev-parse --short HEAD 2>/dev/null; date -u +%F; } | tee "$OUTDIR/env.txt"
+# Our fine-tune script once per precision, bf16 then --fp8 tensorwise and rowwise:
+# recipes NAME LINES FLAGS... writes OUTDIR/NAME_{bf16,tensorwise,rowwise}.{json,log}, shows LINES of each.
+recipes() {
+  local name=$1 lines=$2 recipe extra; shift 2
+  for recipe in bf16 tensorwise rowwise; do
+    extra=""; [ "$recipe" = bf16 ] || extra="--fp8 $recipe"
+    python3 finetune_optimized.py "$@" $extra --json "$OUTDIR/${name}_$recipe.json" 2>&1 \
+      | tee "$OUTDIR/${name}_$recipe.log" | tail -"$lines"
+  done
+}
+# torchao's float8 training instead of ours (needs torchao in .whl/), our other kernels around it:
+# torchao NAME LINES FLAGS... writes OUTDIR/NAME.{json,log}.
+# The five kernels the profile and torchao runs switch on by flag (the baseline scripts' defaults are off).
+KERNELS="--use-custom-rmsnorm --use-custom-swiglu --use-custom-rope --use-custom-flce --use-custom-adamw"
+torchao() {
+  local name=$1 lines=$2; shift 2
+  python3 finetune_baseline.py "$@" $KERNELS --json "$OUTDIR/$name.json" 2>&1 | tee "$OUTDIR/$name.log" | tail -"$lines"
+}
 for what in $WHAT; do
   case $what in
     tests)
@@ -52,8 +70,7 @@ for what in $WHAT; do
       python3 profile_baseline.py --random-init --dataset synthetic --batch-size 2 --seq-len 2048 --trace-dir "$OUTDIR/traces" 2>&1 \
         | tee "$OUTDIR/profile_baseline.log" | tail -30
       python3 profile_baseline.py --random-init --dataset synthetic --batch-size 2 --seq-len 2048 --trace-dir "$OUTDIR/traces" \
-        --use-custom-rmsnorm --use-custom-swiglu --use-custom-rope --use-custom-flce --use-custom-adamw 2>&1 \
-        | tee "$OUTDIR/profile_optimized.log" | tail -30 ;;
+        $KERNELS 2>&1 | tee "$OUTDIR/profile_optimized.log" | tail -30 ;;
     maxseq)
       python3 tools/max_seq_len.py --random-init --json "$OUTDIR/maxseq_baseline.json" 2>&1 | tee "$OUTDIR/maxseq_baseline.log" | tail -5
       python3 tools/max_seq_len.py --random-init --all-kernels --json "$OUTDIR/maxseq_optimized.json" 2>&1 | tee "$OUTDIR/maxseq_optimized.log" | tail -5 ;;
@@ -69,8 +86,7 @@ for what in $WHAT; do
       done
       for mode in cuda-graphs no-cuda-graphs; do
         python3 profile_baseline.py $common --packing --steps 3 --trace-dir "$OUTDIR/traces" --$mode \
-          --use-custom-rmsnorm --use-custom-swiglu --use-custom-rope --use-custom-flce --use-custom-adamw \
-          --use-custom-attention --use-custom-lora 2>&1 | tee "$OUTDIR/profile_lora1.5b_$mode.log" | tail -22
+          $KERNELS --use-custom-attention --use-custom-lora 2>&1 | tee "$OUTDIR/profile_lora1.5b_$mode.log" | tail -22
       done
       python3 finetune_optimized.py --random-init --lora --dataset synthetic --batch-size 4 --seq-len 2048 --steps 16 \
         --log-every 4 --json "$OUTDIR/lora8b_synth_4x2048.json" 2>&1 | tee "$OUTDIR/lora8b_synth_4x2048.log" | tail -8
@@ -110,55 +126,33 @@ for what in $WHAT; do
       # accuracy cost: 200 steps of full fine-tuning on the bundled data, bf16 and each recipe, one seed.
       timeout 300 python3 -m pytest -q -p no:cacheprovider fp8_test.py 2>&1 | tee "$OUTDIR/pytest_fp8.log" | tail -4
       python3 benchmark_fp8.py --json "$OUTDIR/bench_fp8.json" 2>&1 | tee "$OUTDIR/bench_fp8.log" | tail -42
-      for recipe in bf16 tensorwise rowwise; do
-        extra=""; [ "$recipe" = bf16 ] || extra="--fp8 $recipe"
-        python3 finetune_optimized.py --model Qwen/Qwen2.5-1.5B --random-init --batch-size 4 --seq-len 512 \
-          --lr 1e-4 --steps 200 --log-every 50 $extra --json "$OUTDIR/curve_$recipe.json" 2>&1 \
-          | tee "$OUTDIR/curve_$recipe.log" | tail -6
-      done ;;
+      recipes curve 6 --model Qwen/Qwen2.5-1.5B --random-init --batch-size 4 --seq-len 512 --lr 1e-4 --steps 200 \
+        --log-every 50 ;;
     fp8e2e)
       # Step 22: 8B full fine-tuning, 2 x 2,048 synthetic rows, the default command with and without --fp8,
       # and the same run with torchao's float8 training instead of ours (needs torchao in .whl/).
       common="--random-init --dataset synthetic --batch-size 2 --seq-len 2048 --steps 12 --log-every 4"
-      for recipe in bf16 tensorwise rowwise; do
-        extra=""; [ "$recipe" = bf16 ] || extra="--fp8 $recipe"
-        python3 finetune_optimized.py $common $extra --json "$OUTDIR/ft8b_$recipe.json" 2>&1 \
-          | tee "$OUTDIR/ft8b_$recipe.log" | tail -8
-        [ "$recipe" = bf16 ] && continue
-        python3 finetune_baseline.py $common --torchao-fp8 $recipe --cuda-graphs --use-custom-rmsnorm \
-          --use-custom-swiglu --use-custom-rope --use-custom-flce --use-custom-adamw \
-          --json "$OUTDIR/ft8b_torchao_$recipe.json" 2>&1 | tee "$OUTDIR/ft8b_torchao_$recipe.log" | tail -8
+      recipes ft8b 8 $common
+      for recipe in tensorwise rowwise; do
+        torchao "ft8b_torchao_$recipe" 8 $common --torchao-fp8 $recipe --cuda-graphs
       done
       # The same with --compile: torchao's casts are PyTorch ops that Inductor fuses.
-      kernels="--use-custom-rmsnorm --use-custom-swiglu --use-custom-rope --use-custom-flce --use-custom-adamw"
       python3 finetune_optimized.py $common --compile --json "$OUTDIR/ft8b_compile_bf16.json" 2>&1 \
         | tee "$OUTDIR/ft8b_compile_bf16.log" | tail -8
       for recipe in tensorwise rowwise; do
         python3 finetune_optimized.py $common --compile --fp8 $recipe --json "$OUTDIR/ft8b_compile_ours_$recipe.json" \
           2>&1 | tee "$OUTDIR/ft8b_compile_ours_$recipe.log" | tail -8
-        python3 finetune_baseline.py $common --compile $kernels --torchao-fp8 $recipe \
-          --json "$OUTDIR/ft8b_compile_torchao_$recipe.json" 2>&1 | tee "$OUTDIR/ft8b_compile_torchao_$recipe.log" | tail -8
+        torchao "ft8b_compile_torchao_$recipe" 8 $common --compile --torchao-fp8 $recipe
       done
       # LoRA r16, 4 x 2,048: the default command with and without --fp8 (per row: the one-pass cast).
-      lora="--random-init --lora --dataset synthetic --batch-size 4 --seq-len 2048 --steps 12 --log-every 4"
-      for recipe in bf16 tensorwise rowwise; do
-        extra=""; [ "$recipe" = bf16 ] || extra="--fp8 $recipe"
-        python3 finetune_optimized.py $lora $extra --json "$OUTDIR/lora8b_$recipe.json" 2>&1 \
-          | tee "$OUTDIR/lora8b_$recipe.log" | tail -8
-      done ;;
+      recipes lora8b 8 --random-init --lora --dataset synthetic --batch-size 4 --seq-len 2048 --steps 12 --log-every 4 ;;
     fp8loss)
       # Step 22's loss parity: 500 steps of 8B (random weights) on the bundled data, bf16, ours
       # (both recipes) and torchao's tensorwise recipe (e5m2 gradients; needs torchao in .whl/)
       # with the same kernels around it: is FP8's higher loss the recipe's or ours?
       common="--random-init --batch-size 2 --seq-len 2048 --steps 500 --log-every 50"
-      for recipe in bf16 tensorwise rowwise; do
-        extra=""; [ "$recipe" = bf16 ] || extra="--fp8 $recipe"
-        python3 finetune_optimized.py $common $extra --json "$OUTDIR/loss500_$recipe.json" 2>&1 \
-          | tee "$OUTDIR/loss500_$recipe.log" | tail -4
-      done
-      python3 finetune_baseline.py $common --packing --torchao-fp8 tensorwise --cuda-graphs --use-custom-rmsnorm \
-        --use-custom-swiglu --use-custom-rope --use-custom-flce --use-custom-adamw \
-        --json "$OUTDIR/loss500_torchao_tensorwise.json" 2>&1 | tee "$OUTDIR/loss500_torchao_tensorwise.log" | tail -4 ;;
+      recipes loss500 4 $common
+      torchao loss500_torchao_tensorwise 4 $common --packing --torchao-fp8 tensorwise --cuda-graphs ;;
     inbackward)
       # Step 20: 8B full fine-tuning 2 x 2,048, the plain loop without clipping against --optimizer-in-backward.
       for extra in "" "--optimizer-in-backward"; do
@@ -180,8 +174,8 @@ for what in $WHAT; do
           | tee "$OUTDIR/fsdp_$tag.log" | tail -8
       done
       torchrun --standalone --nproc-per-node 2 profile_baseline.py --fsdp --random-init --dataset synthetic \
-        --batch-size 2 --seq-len 2048 --trace-dir "$OUTDIR/traces" --use-custom-rmsnorm --use-custom-swiglu \
-        --use-custom-rope --use-custom-flce --use-custom-adamw 2>&1 | tee "$OUTDIR/profile_fsdp.log" | tail -24 ;;
+        --batch-size 2 --seq-len 2048 --trace-dir "$OUTDIR/traces" $KERNELS 2>&1 \
+        | tee "$OUTDIR/profile_fsdp.log" | tail -24 ;;
     gpus)
       # Step 19 on every visible GPU (2 or 4): one GPU alone, then all of them with the run's own choice between
       # --ddp and --fsdp, each named, FSDP with bf16 reduction, --ddp --compile, FSDP's communication buffers in

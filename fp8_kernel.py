@@ -59,15 +59,17 @@ backward would read it twice more). A frozen weight (LoRA's base layers) never c
 its fp8 copies are cached, keyed on its storage and version counter (an in-place update
 invalidates them): quantized once, not every step, for 2 B per frozen element.
 
-Gradients in e4m3
------------------
-e5m2 (2 mantissa bits, ~2^32 of range) for gradients comes from delayed scaling, where
+Gradients: e4m3 or e5m2
+-----------------------
+e5m2 (2 mantissa bits, ~2^31 of range) for gradients comes from delayed scaling, where
 a scale from past steps could lag behind a growing gradient; torchao keeps it in its
 tensorwise recipe and uses e4m3 for everything in its rowwise one. With a dynamic scale
-the largest value maps to 448 by construction: no range is needed above it, and below
-it e4m3 spans ~2^17 (subnormals included) with half e5m2's rounding error. We use e4m3
-everywhere (one cast kernel). The cost falls on tensorwise gradients whose rows differ
-by more than ~2^17: their small rows flush to zero; prefer "rowwise" there.
+the largest value maps to the format's largest by construction: no range is needed
+above it, and below it e4m3 spans ~2^17 (subnormals included) with half e5m2's rounding
+error. The cost of e4m3 falls on tensorwise gradients whose rows differ by more than
+~2^17: their small rows flush to zero. Both are here (``grads="e5m2"``: the same
+kernels with another constexpr, ``--fp8-grads``); e4m3 is the default because over 500
+steps of 8B full fine-tuning e5m2 learned no better (NOTES.md, Step 22).
 
 Triton concepts new in this step
 --------------------------------
@@ -109,9 +111,12 @@ import triton.language as tl
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 RECIPES = ("tensorwise", "rowwise")
+# The gradients' format (below, "Gradients: e4m3 or e5m2"): each name -> (dtype, largest value).
+GRAD_FORMATS = {"e4m3": (FP8_DTYPE, FP8_MAX), "e5m2": (torch.float8_e5m2, 57344.0)}
 AMAX_FLOOR = 1e-12  # an all-zero row gets a finite scale (and casts to zeros), never inf or NaN
 # The same two numbers inside @triton.jit code (a global there must be a constexpr).
 _FP8_MAX = tl.constexpr(FP8_MAX)
+_E5M2_MAX = tl.constexpr(GRAD_FORMATS["e5m2"][1])
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 
 # One tensor in fp8: data [M, K] row-major; inv_scale float32, [] (tensorwise) or [M, 1]
@@ -123,29 +128,32 @@ Fp8Tensor = collections.namedtuple("Fp8Tensor", "data inv_scale data_t inv_scale
 # --------------------------------------------------------------------------------
 # The reference: the scaling recipe in plain PyTorch
 # --------------------------------------------------------------------------------
-def _cast_reference(x, amax):
+def _cast_reference(x, amax, fmt):
     # A tensor over a tensor: one correctly rounded division. (``448 / t`` would be
     # t.reciprocal() * 448 in PyTorch: two roundings, a different last bit in ~1 of 4.)
-    scale = torch.full_like(amax, FP8_MAX) / amax.clamp(min=AMAX_FLOOR)
-    data = (x.float() * scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    dtype, top = GRAD_FORMATS[fmt]
+    scale = torch.full_like(amax, top) / amax.clamp(min=AMAX_FLOOR)
+    data = (x.float() * scale).clamp(-top, top).to(dtype)
     return data, scale.reciprocal()  # 1 / scale, rounded once
 
 
-def quantize_reference(x, recipe, transpose=False, align=1):
-    """The truth: x [M, K] -> Fp8Tensor. ``align``: data_t's columns padded to a multiple."""
+def quantize_reference(x, recipe, transpose=False, align=1, fmt="e4m3"):
+    """The truth: x [M, K] -> Fp8Tensor. ``align``: data_t's columns padded to a multiple;
+    ``fmt``: "e4m3" or "e5m2" (GRAD_FORMATS)."""
     _check_recipe(recipe, "quantize_reference")
+    _check_format(fmt, "quantize_reference")
     xf = x.float()
     if recipe == "tensorwise":
         amax = amax_t = xf.abs().amax()
     else:
         amax, amax_t = xf.abs().amax(dim=1, keepdim=True), xf.abs().amax(dim=0).unsqueeze(1)
-    data, inv = _cast_reference(x, amax)
+    data, inv = _cast_reference(x, amax, fmt)
     if not transpose:
         return Fp8Tensor(data, inv, None, None)
-    data_t, inv_t = _cast_reference(x.t(), amax_t)
+    data_t, inv_t = _cast_reference(x.t(), amax_t, fmt)
     pad = -x.shape[0] % align
     if pad:
-        data_t = torch.cat([data_t, torch.zeros(data_t.shape[0], pad, dtype=FP8_DTYPE, device=x.device)], dim=1)
+        data_t = torch.cat([data_t, torch.zeros(data_t.shape[0], pad, dtype=data.dtype, device=x.device)], dim=1)
     return Fp8Tensor(data, inv, data_t, inv_t)
 
 
@@ -224,9 +232,14 @@ def _amax_flat_kernel(X, PARTIAL, N, iters, BLOCK: tl.constexpr):
 # Kernel 2: the cast
 # --------------------------------------------------------------------------------
 @triton.jit
-def _scale(amax):
-    # 448 / max(amax, 1e-12), correctly rounded like PyTorch's division.
-    return tl.math.div_rn(tl.full(amax.shape, _FP8_MAX, tl.float32), tl.maximum(amax, _AMAX_FLOOR))
+def _scale(amax, E5M2: tl.constexpr):
+    # The format's largest value (448 for e4m3, 57344 for e5m2) / max(amax, 1e-12),
+    # correctly rounded like PyTorch's division.
+    if E5M2:
+        top = tl.full(amax.shape, _E5M2_MAX, tl.float32)
+    else:
+        top = tl.full(amax.shape, _FP8_MAX, tl.float32)
+    return tl.math.div_rn(top, tl.maximum(amax, _AMAX_FLOOR))
 
 
 @triton.jit
@@ -235,31 +248,42 @@ def _inverse(scale):
 
 
 @triton.jit
-def _e4m3_bits(v):
-    # float32 v with |v| <= 448 -> the uint8 bits of e4m3fn, rounded to nearest even. The GPU
-    # converts in hardware; Triton 3.6's interpreter has a bug (a mantissa rounding up into
-    # the next power of two gives half the value: 31.6 -> 16), so there we build the bits
-    # from float32's. Either way the kernel stores into a uint8 view of the fp8 tensor.
+def _fp8_bits(v, E5M2: tl.constexpr):
+    # float32 v within the format's range -> the uint8 bits of e4m3fn (or e5m2), rounded to
+    # nearest even. The GPU converts in hardware; Triton 3.6's interpreter has a bug (a
+    # mantissa rounding up into the next power of two gives half the value: 31.6 -> 16), so
+    # there we build the bits from float32's. Either way the kernel stores into a uint8 view.
     if IN_INTERPRETER:
+        # MANT mantissa bits, exponent BIAS: e4m3 3 and 7, e5m2 2 and 15.
+        MANT: tl.constexpr = 2 if E5M2 else 3
+        BIAS: tl.constexpr = 15 if E5M2 else 7
         bits = v.to(tl.uint32, bitcast=True)
         sign = (bits >> 24) & 0x80
         mag = bits & 0x7FFFFFFF
-        # Normal e4m3 (|v| >= 2^-6): keep 3 of float32's 23 mantissa bits, rounding to
-        # nearest even (a carry moves into the exponent by itself), and rebias the
-        # exponent from float32's 127 to e4m3's 7.
-        normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
-        # Subnormal e4m3: multiples of 2^-9. Adding and subtracting 2^23 rounds |v| * 2^9
-        # to the nearest even integer in float32; 8 (= 2^-6) is the smallest normal's code.
-        t = tl.abs(v) * 512.0
+        # Normal values (|v| >= 2^(1-BIAS)): keep MANT of float32's 23 mantissa bits,
+        # rounding to nearest even (a carry moves into the exponent by itself), and rebias
+        # the exponent from float32's 127 to the format's BIAS.
+        drop: tl.constexpr = 23 - MANT
+        normal = ((mag + ((1 << (drop - 1)) - 1) + ((mag >> drop) & 1)) >> drop) - ((127 - BIAS) << MANT)
+        # Subnormals: multiples of 2^(1-BIAS-MANT). Adding and subtracting 2^23 rounds |v|
+        # scaled to those units to the nearest even integer in float32; the smallest
+        # normal's code is 2^MANT.
+        t = tl.abs(v) * (2.0 ** (BIAS - 1 + MANT))
         sub = ((t + 8388608.0) - 8388608.0).to(tl.uint32)
-        return (tl.where(mag < 0x3C800000, sub, normal) | sign).to(tl.uint8)  # 0x3C800000: 2^-6
+        return (tl.where(mag < ((128 - BIAS) << 23), sub, normal) | sign).to(tl.uint8)  # float32 bits of 2^(1-BIAS)
+    elif E5M2:
+        return v.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
     else:
         return v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
 
 
 @triton.jit
-def _cast_tile(x, scale):
-    return _e4m3_bits(tl.clamp(x * scale, -_FP8_MAX, _FP8_MAX))
+def _cast_tile(x, scale, E5M2: tl.constexpr):
+    if E5M2:
+        y = tl.clamp(x * scale, -_E5M2_MAX, _E5M2_MAX)
+    else:
+        y = tl.clamp(x * scale, -_FP8_MAX, _FP8_MAX)
+    return _fp8_bits(y, E5M2)
 
 
 @fast_launch
@@ -275,6 +299,7 @@ def _cast_kernel(
     ROWWISE: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     PACK: tl.constexpr,  # OUT_T written as 32-bit words (M_PAD a multiple of 4)
     AMAX_BLOCK: tl.constexpr,  # a power of two >= n_amax
+    E5M2: tl.constexpr,  # cast to e5m2 instead of e4m3
 ):
     # What it buys: part of x read from L2 instead of HBM. Programs start in order of id,
     # so the amax kernel's last tiles are still in L2 (50 MB on an H100/H200) when this one
@@ -291,21 +316,21 @@ def _cast_kernel(
     # Every program recomputes the scales of its rows: one division per row, cheaper than
     # a third kernel. The first program of a row (column, tensor) also writes the inverse.
     if ROWWISE:
-        scale = _scale(tl.load(AMAX + offs_m, mask=in_m, other=0.0))
-        bits = _cast_tile(x, scale[:, None])
+        scale = _scale(tl.load(AMAX + offs_m, mask=in_m, other=0.0), E5M2)
+        bits = _cast_tile(x, scale[:, None], E5M2)
         if pid_k == 0:
             tl.store(INV + offs_m, _inverse(scale), mask=in_m)
     else:
         offs_a = tl.arange(0, AMAX_BLOCK)
-        scale = _scale(tl.max(tl.load(AMAX + offs_a, mask=offs_a < n_amax, other=0.0), axis=0))
-        bits = _cast_tile(x, scale)
+        scale = _scale(tl.max(tl.load(AMAX + offs_a, mask=offs_a < n_amax, other=0.0), axis=0), E5M2)
+        bits = _cast_tile(x, scale, E5M2)
         if (pid_m == 0) & (pid_k == 0):
             tl.store(INV, _inverse(scale))
     tl.store(OUT + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], bits, mask=in_m[:, None] & in_k[None, :])
     if TRANSPOSE:
         if ROWWISE:  # the transposed copy's rows are x's columns: their own scales
-            scale_t = _scale(tl.load(AMAX_T + offs_k, mask=in_k, other=0.0))
-            bits_t = _cast_tile(x, scale_t[None, :])
+            scale_t = _scale(tl.load(AMAX_T + offs_k, mask=in_k, other=0.0), E5M2)
+            bits_t = _cast_tile(x, scale_t[None, :], E5M2)
             if pid_m == 0:
                 tl.store(INV_T + offs_k, _inverse(scale_t), mask=in_k)
         else:  # one scale: the same bytes, transposed
@@ -344,7 +369,7 @@ def _row_cast_kernel(
     INV,  # float32 [M]: the rows' inverse scales
     M, K, sx_m, sx_k,
     blocks_per_program,  # consecutive blocks of ROWS rows per program (a persistent grid)
-    ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_K: tl.constexpr, E5M2: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_k = tl.arange(0, BLOCK_K)  # the whole row: BLOCK_K >= K
@@ -352,8 +377,8 @@ def _row_cast_kernel(
         offs_m = (pid * blocks_per_program + i) * ROWS + tl.arange(0, ROWS)
         in_m = offs_m < M
         x = _load_tile(X, offs_m, offs_k, M, K, sx_m, sx_k)  # rows past M read as 0
-        scale = _scale(tl.max(tl.abs(x), axis=1))
-        tl.store(OUT + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], _cast_tile(x, scale[:, None]),
+        scale = _scale(tl.max(tl.abs(x), axis=1), E5M2)
+        tl.store(OUT + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], _cast_tile(x, scale[:, None], E5M2),
                  mask=in_m[:, None] & (offs_k < K)[None, :])
         tl.store(INV + offs_m, _inverse(scale), mask=in_m)
 
@@ -382,9 +407,10 @@ def _amax_steps(m_tiles, k_tiles, device):
     return steps
 
 
-def quantize(x, recipe, transpose=False, align=1):
+def quantize(x, recipe, transpose=False, align=1, fmt="e4m3"):
     """x [M, K] (bf16/fp16/fp32, any strides) -> Fp8Tensor, bit for bit quantize_reference's."""
     _check_recipe(recipe, "quantize")
+    _check_format(fmt, "quantize")
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"quantize: unsupported dtype {x.dtype}; use float32, float16 or bfloat16")
     if x.dim() != 2:
@@ -394,12 +420,13 @@ def quantize(x, recipe, transpose=False, align=1):
     m_pad = cdiv(M, align) * align
     rowwise = recipe == "rowwise"
     device = x.device
+    dtype, e5m2 = GRAD_FORMATS[fmt][0], fmt == "e5m2"
     if _one_pass(recipe, transpose, K):
-        data, inv = torch.empty(M, K, dtype=FP8_DTYPE, device=device), x.new_empty(M, dtype=torch.float32)
-        _cast_rows(x, data, inv)
+        data, inv = torch.empty(M, K, dtype=dtype, device=device), x.new_empty(M, dtype=torch.float32)
+        _cast_rows(x, data, inv, e5m2)
         return Fp8Tensor(data, inv.view(-1, 1), None, None)
-    data = torch.empty(M, K, dtype=FP8_DTYPE, device=device)
-    data_t = torch.empty(K, m_pad, dtype=FP8_DTYPE, device=device) if transpose else data
+    data = torch.empty(M, K, dtype=dtype, device=device)
+    data_t = torch.empty(K, m_pad, dtype=dtype, device=device) if transpose else data
     flat_block, flat_warps, flat_per_sm = AMAX_FLAT
     most = flat_per_sm * (1 if INTERPRET else num_sms(device))
     n_amax = 1
@@ -435,7 +462,7 @@ def quantize(x, recipe, transpose=False, align=1):
     _cast_kernel[(max(1, cdiv(m_pad, cm)), max(1, cdiv(K, ck)))](
         x, data.view(torch.uint8), out_t, amax, amax_t, inv, inv_t,
         M, K, m_pad, x.stride(0), x.stride(1), n_amax, ROWWISE=rowwise, TRANSPOSE=transpose, BLOCK_M=cm,
-        BLOCK_K=ck, PACK=pack, AMAX_BLOCK=next_power_of_2(most), num_warps=cw)
+        BLOCK_K=ck, PACK=pack, AMAX_BLOCK=next_power_of_2(most), E5M2=e5m2, num_warps=cw)
     shape = (-1, 1) if rowwise else ()
     if not transpose:
         return Fp8Tensor(data, inv.view(shape), None, None)
@@ -447,7 +474,7 @@ def _one_pass(recipe, transpose, K):
     return recipe == "rowwise" and not transpose and 0 < K <= ROW_CAST_MAX_K
 
 
-def _cast_rows(x, data, inv):
+def _cast_rows(x, data, inv, e5m2):
     """Kernel 3's launch: whole rows, a persistent grid of consecutive row blocks."""
     M, K = x.shape
     block_k = next_power_of_2(K)
@@ -457,7 +484,7 @@ def _cast_rows(x, data, inv):
     n_blocks = cdiv(M, rows)
     programs = max(1, min(n_blocks, (1 if INTERPRET else num_sms(x.device)) * per_sm))
     _row_cast_kernel[(programs,)](x, data.view(torch.uint8), inv, M, K, x.stride(0), x.stride(1),
-                                  cdiv(n_blocks, programs), ROWS=rows, BLOCK_K=block_k, num_warps=warps)
+                                  cdiv(n_blocks, programs), ROWS=rows, BLOCK_K=block_k, E5M2=e5m2, num_warps=warps)
 
 
 def cast_traffic(x, recipe, transpose):
@@ -532,7 +559,7 @@ def _scale_shape(recipe, rows):
     return (rows, 1) if recipe == "rowwise" else ()
 
 
-def _linear_forward_fake(x, weight, bias, recipe, need_dx, need_dw):
+def _linear_forward_fake(x, weight, bias, recipe, grads, need_dx, need_dw):
     (M, K), N = x.shape, weight.shape[0]
     f32 = torch.float32
     return (x.new_empty(M, N),
@@ -544,10 +571,11 @@ def _linear_forward_fake(x, weight, bias, recipe, need_dx, need_dw):
 
 @kernel_op("fp8_linear_forward", fake=_linear_forward_fake)
 def fp8_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], recipe: str,
-                       need_dx: bool, need_dw: bool,
+                       grads: str, need_dx: bool, need_dw: bool,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y [M, N] in x's dtype, x_t, x_t's inverse scale, w_t, w_t's inverse scale) of x [M, K]:
-    the fp8 transposed copies backward needs (empty placeholders where it needs none)."""
+    the fp8 transposed copies backward needs (empty placeholders where it needs none).
+    ``grads``: the format backward casts dy to (kept for the backward registered below)."""
     # X^T for dW only when the weight gets a gradient; its M columns padded to a multiple
     # of 16, the reduction dim of the dW GEMM (zero columns add nothing).
     return _linear_forward(x, weight, bias, recipe, need_dx, quantize(x, recipe, transpose=need_dw, align=16))
@@ -561,7 +589,7 @@ def _linear_forward(x, weight, bias, recipe, need_dx, xq):
     return (y, *keep)
 
 
-def _linear_backward_fake(dy, x_t, x_inv_t, w_t, w_inv_t, recipe, x_dtype, w_dtype, need_dx, need_dw):
+def _linear_backward_fake(dy, x_t, x_inv_t, w_t, w_inv_t, recipe, grads, x_dtype, w_dtype, need_dx, need_dw):
     M, N = dy.shape
     return (dy.new_empty(M, w_t.shape[0], dtype=x_dtype) if need_dx else nothing(dy),
             dy.new_empty(N, x_t.shape[0], dtype=w_dtype) if need_dw else nothing(dy))
@@ -569,10 +597,11 @@ def _linear_backward_fake(dy, x_t, x_inv_t, w_t, w_inv_t, recipe, x_dtype, w_dty
 
 @kernel_op("fp8_linear_backward", fake=_linear_backward_fake)
 def fp8_linear_backward(dy: torch.Tensor, x_t: torch.Tensor, x_inv_t: torch.Tensor, w_t: torch.Tensor,
-                        w_inv_t: torch.Tensor, recipe: str, x_dtype: torch.dtype, w_dtype: torch.dtype,
-                        need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx [M, K] in x_dtype, dw [N, K] in w_dtype) from dy [M, N] and the saved fp8 copies."""
-    dyq = quantize(dy, recipe, transpose=need_dw, align=16)
+                        w_inv_t: torch.Tensor, recipe: str, grads: str, x_dtype: torch.dtype,
+                        w_dtype: torch.dtype, need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [M, K] in x_dtype, dw [N, K] in w_dtype) from dy [M, N] and the saved fp8 copies;
+    dy cast to the ``grads`` format."""
+    dyq = quantize(dy, recipe, transpose=need_dw, align=16, fmt=grads)
     dx = scaled_mm(dyq.data, dyq.inv_scale, w_t, w_inv_t, x_dtype) if need_dx else nothing(dy)
     dw = scaled_mm(dyq.data_t, dyq.inv_scale_t, x_t, x_inv_t, w_dtype) if need_dw else nothing(dy)
     return dx, dw
@@ -582,9 +611,9 @@ def fp8_linear_backward(dy: torch.Tensor, x_t: torch.Tensor, x_inv_t: torch.Tens
 # Autograd
 # --------------------------------------------------------------------------------
 def _linear_save(ctx, inputs, output):
-    x, weight, bias, recipe, need_dx, need_dw = inputs
+    x, weight, bias, recipe, grads, need_dx, need_dw = inputs
     ctx.save_for_backward(*output[1:])  # fp8 copies only: never x or W themselves
-    ctx.recipe, ctx.need_dx, ctx.need_dw = recipe, need_dx, need_dw
+    ctx.recipe, ctx.grads, ctx.need_dx, ctx.need_dw = recipe, grads, need_dx, need_dw
     ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
     ctx.bias_dtype = None if bias is None else bias.dtype
 
@@ -597,23 +626,24 @@ def _linear_op_save(ctx, inputs, output):
 def _linear_grads(ctx, dy, *_):
     _LAST_INPUT.clear()  # the forward is over: its last input's fp8 copy need not outlive it
     x_t, x_inv_t, w_t, w_inv_t = ctx.saved_tensors
-    dx, dw = fp8_linear_backward(dy, x_t, x_inv_t, w_t, w_inv_t, ctx.recipe, ctx.x_dtype, ctx.w_dtype,
-                                 ctx.need_dx, ctx.need_dw)
+    dx, dw = fp8_linear_backward(dy, x_t, x_inv_t, w_t, w_inv_t, ctx.recipe, ctx.grads, ctx.x_dtype,
+                                 ctx.w_dtype, ctx.need_dx, ctx.need_dw)
     db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
-    return (dx if ctx.need_dx else None), (dw if ctx.need_dw else None), db, None, None, None
+    return (dx if ctx.need_dx else None), (dw if ctx.need_dw else None), db, None, None, None, None
 
 
 class FP8LinearFunction(torch.autograd.Function):
     """y = x W^T + b with all three GEMMs in FP8: x [..., K], weight [N, K], bias [N] or None."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe):
+    def forward(ctx, x, weight, bias, recipe, grads):
         x2d = x.reshape(-1, x.shape[-1])
-        inputs = (x2d, weight, bias, recipe, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        inputs = (x2d, weight, bias, recipe, grads, need_dx, need_dw)
         if traced(x2d):
             output = fp8_linear_forward(*inputs)
         else:  # eager: the cast of x shared with the layers before that read the same x
-            output = _linear_forward(*inputs[:5], _input_fp8(x2d, recipe, inputs[5]))
+            output = _linear_forward(x2d, weight, bias, recipe, need_dx, _input_fp8(x2d, recipe, need_dw))
         _linear_save(ctx, inputs, output)
         ctx.x_shape = x.shape
         return output[0].view(*x.shape[:-1], weight.shape[0])
@@ -622,7 +652,7 @@ class FP8LinearFunction(torch.autograd.Function):
     @first_order_only("fp8_linear")
     def backward(ctx, dy):
         dx, dw, db = _linear_grads(ctx, dy.reshape(-1, dy.shape[-1]))[:3]
-        return (None if dx is None else dx.view(ctx.x_shape)), dw, db, None
+        return (None if dx is None else dx.view(ctx.x_shape)), dw, db, None, None
 
 
 fp8_linear_forward.op.register_autograd(first_order_only("fp8_linear")(_linear_grads),
@@ -637,8 +667,14 @@ def _check_recipe(recipe, name):
         raise ValueError(f"{name}: recipe must be one of {RECIPES}, got {recipe!r}")
 
 
-def _check_linear(x, weight, bias, recipe, emulate):
+def _check_format(fmt, name):
+    if fmt not in GRAD_FORMATS:
+        raise ValueError(f"{name}: the fp8 format must be one of {tuple(GRAD_FORMATS)}, got {fmt!r}")
+
+
+def _check_linear(x, weight, bias, recipe, grads, emulate):
     _check_recipe(recipe, "fp8_linear")
+    _check_format(grads, "fp8_linear")
     for what, t in (("x", x), ("weight", weight), ("bias", bias)):
         if t is not None and t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"fp8_linear: unsupported {what} dtype {t.dtype}; use float32, float16 or bfloat16")
@@ -657,22 +693,23 @@ def _check_linear(x, weight, bias, recipe, emulate):
     check_kernel_device(*(t for t in (x, weight, bias) if t is not None))
 
 
-def fp8_linear(x, weight, bias=None, recipe="tensorwise", emulate=False):
-    """``F.linear(x, weight, bias)`` with its three GEMMs in FP8 (e4m3, dynamic scales).
+def fp8_linear(x, weight, bias=None, recipe="tensorwise", emulate=False, grads="e4m3"):
+    """``F.linear(x, weight, bias)`` with its three GEMMs in FP8 (dynamic scales; x and W in
+    e4m3, the output's gradient in ``grads``: "e4m3" or "e5m2").
 
     x [..., K], weight [N, K], bias [N] (bf16/fp16/fp32; K and N multiples of 16).
     Returns y [..., N] in x's dtype; differentiable in all three. ``emulate=True`` runs
     where there are no FP8 tensor cores (CPU: torch's _scaled_mm computes in float32,
     the kernels in the Triton interpreter): for tests, not for speed.
     """
-    _check_linear(x, weight, bias, recipe, emulate)
+    _check_linear(x, weight, bias, recipe, grads, emulate)
     grad = torch.is_grad_enabled()
     need_dx, need_dw = grad and x.requires_grad, grad and weight.requires_grad
     if torch.compiler.is_compiling() or not (need_dx or need_dw or (grad and bias is not None and bias.requires_grad)):
         # Traced (one operator in the graph), or nothing to differentiate (no transposed copies).
-        y = fp8_linear_forward(x.reshape(-1, x.shape[-1]), weight, bias, recipe, need_dx, need_dw)[0]
+        y = fp8_linear_forward(x.reshape(-1, x.shape[-1]), weight, bias, recipe, grads, need_dx, need_dw)[0]
         return y.view(*x.shape[:-1], weight.shape[0])
-    return FP8LinearFunction.apply(x, weight, bias, recipe)
+    return FP8LinearFunction.apply(x, weight, bias, recipe, grads)
 
 
 # --------------------------------------------------------------------------------
@@ -683,29 +720,32 @@ class FP8Linear(nn.Module):
     Parameters as the layer it replaces: optimizers, weight tying and checkpoints see
     no difference."""
 
-    def __init__(self, linear, recipe="tensorwise", emulate=False):
+    def __init__(self, linear, recipe="tensorwise", emulate=False, grads="e4m3"):
         super().__init__()
         _check_recipe(recipe, "FP8Linear")
+        _check_format(grads, "FP8Linear")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.register_parameter("bias", linear.bias)
-        self.recipe, self.emulate = recipe, emulate
+        self.recipe, self.emulate, self.grads = recipe, emulate, grads
 
     def forward(self, x):
-        return fp8_linear(x, self.weight, self.bias, self.recipe, self.emulate)
+        return fp8_linear(x, self.weight, self.bias, self.recipe, self.emulate, self.grads)
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, recipe={self.recipe}")
+                f"bias={self.bias is not None}, recipe={self.recipe}, grads={self.grads}")
 
 
-def replace_linears(model, recipe="tensorwise", skip=("lm_head",), emulate=False):
+def replace_linears(model, recipe="tensorwise", skip=("lm_head",), emulate=False, grads="e4m3"):
     """Swap the layers kernel_common.linears_to_cast picks (not the LM head, not LoRA's
     adapters, sizes FP8 can run) for FP8Linear; returns (count, names of the layers left
     alone for their sizes). Under peft, apply this after get_peft_model: a LoRA layer's
-    ``base_layer`` is swapped."""
+    ``base_layer`` is swapped. ``grads``: the gradients' format, "e4m3" or "e5m2"."""
     _check_recipe(recipe, "replace_linears")
+    _check_format(grads, "replace_linears")
     targets, skipped = linears_to_cast(model, skip)
     chosen = {id(module) for _, module in targets}
-    count = swap_modules(model, lambda module: id(module) in chosen, lambda module: FP8Linear(module, recipe, emulate))
+    count = swap_modules(model, lambda module: id(module) in chosen,
+                         lambda module: FP8Linear(module, recipe, emulate, grads))
     return count, skipped

@@ -32,7 +32,7 @@ from conftest import DEVICE, need_gpu, rel_err
 
 import fp8_kernel
 from fp8_kernel import (
-    FP8_DTYPE, FP8_MAX, RECIPES, FP8Linear, FP8LinearFunction, fp8_linear, fp8_supported, linears_to_cast, quantize,
+    FP8_DTYPE, FP8_MAX, GRAD_FORMATS, RECIPES, FP8Linear, FP8LinearFunction, fp8_linear, fp8_supported, linears_to_cast, quantize,
     quantize_reference, replace_linears, scaled_mm, scaled_mm_reference,
 )
 from fp8_gemm_kernel import triton_scaled_mm
@@ -44,7 +44,7 @@ SAME_PRODUCT = 1e-6 if DEVICE.type == "cpu" else 2e-3
 
 
 def bits(t):
-    return None if t is None else (t.view(torch.uint8) if t.dtype == FP8_DTYPE else t)
+    return None if t is None else (t.view(torch.uint8) if t.element_size() == 1 else t)
 
 
 def assert_same(got, want):
@@ -80,23 +80,29 @@ def test_quantize_is_the_reference_bit_for_bit(shape, dtype):
     for recipe in RECIPES:
         for transpose in (False, True):
             align = 16 if transpose else 1
-            assert_same(quantize(x, recipe, transpose, align), quantize_reference(x, recipe, transpose, align))
+            for fmt in GRAD_FORMATS:
+                got = quantize(x, recipe, transpose, align, fmt)
+                assert got.data.dtype == GRAD_FORMATS[fmt][0]
+                assert_same(got, quantize_reference(x, recipe, transpose, align, fmt))
 
 
-def test_every_bf16_value_and_every_tie_rounds_as_pytorch():
-    """448 in the tensor makes the tensorwise scale exactly 1: the cast sees the values
-    themselves. Every finite bf16 value up to 448, every midpoint between neighbouring
-    e4m3 values (ties go to the even code) and the floats next to those midpoints."""
-    codes = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+@pytest.mark.parametrize("fmt", GRAD_FORMATS)
+def test_every_bf16_value_and_every_tie_rounds_as_pytorch(fmt):
+    """The format's largest value in the tensor makes the tensorwise scale exactly 1: the
+    cast sees the values themselves. Every finite bf16 value in range, every midpoint
+    between neighbouring fp8 values (ties go to the even code) and the floats next to
+    those midpoints."""
+    dtype, top = GRAD_FORMATS[fmt]
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype).float()
     values = codes[torch.isfinite(codes)].unique()
     ties = (values[1:] + values[:-1]) / 2
     up, down = torch.full_like(ties, 1e9), torch.full_like(ties, -1e9)
     bf16 = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
-    bf16 = bf16[torch.isfinite(bf16) & (bf16.abs() <= FP8_MAX)]
-    x = torch.cat([torch.tensor([FP8_MAX, -0.0, 1e-30, -1e-40]), values, ties, torch.nextafter(ties, up),
+    bf16 = bf16[torch.isfinite(bf16) & (bf16.abs() <= top)]
+    x = torch.cat([torch.tensor([top, -0.0, 1e-30, -1e-40]), values, ties, torch.nextafter(ties, up),
                    torch.nextafter(ties, down), bf16])
     x = torch.cat([x, torch.zeros(-x.numel() % 256)]).reshape(-1, 256).to(DEVICE)
-    got, want = quantize(x, "tensorwise"), quantize_reference(x, "tensorwise")
+    got, want = quantize(x, "tensorwise", fmt=fmt), quantize_reference(x, "tensorwise", fmt=fmt)
     assert want.inv_scale.item() == 1.0
     assert_same(got, want)
 
@@ -221,16 +227,18 @@ def run_linear(fn, x, w, b, dy):
     return [y.detach(), x.grad, w.grad, b.grad]
 
 
+@pytest.mark.parametrize("grads", GRAD_FORMATS)
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_linear_is_the_product_of_its_fp8_operands(recipe):
+def test_linear_is_the_product_of_its_fp8_operands(recipe, grads):
     """In float32 every GEMM equals the float32 product of the dequantized operands; the
-    operands are quantize_reference's (bit for bit the kernels', tested above)."""
+    operands are quantize_reference's (bit for bit the kernels', tested above), the
+    output's gradient in the asked format."""
     x, w, b = sample((2, 21, 64), torch.float32, 8), sample((48, 64), torch.float32, 9), torch.randn(48).to(DEVICE)
-    dy = torch.randn(2, 21, 48)
-    y, dx, dw, db = run_linear(lambda *a: fp8_linear(*a, recipe, emulate=True), x, w, b, dy.to(DEVICE))
+    dy = torch.randn(2, 21, 48) * torch.exp(2 * torch.randn(2, 21, 1))  # rows of many sizes: e4m3 != e5m2
+    y, dx, dw, db = run_linear(lambda *a: fp8_linear(*a, recipe, emulate=True, grads=grads), x, w, b, dy.to(DEVICE))
     x2, dy2 = x.reshape(42, 64), dy.reshape(42, 48).to(DEVICE)
     xq, wq = quantize_reference(x2, recipe, True, 16), quantize_reference(w, recipe, True)
-    dyq = quantize_reference(dy2, recipe, True, 16)
+    dyq = quantize_reference(dy2, recipe, True, 16, grads)
     f32 = torch.float32
     want_y = scaled_mm_reference(xq.data, xq.inv_scale, wq.data, wq.inv_scale, f32, b)
     want_dx = scaled_mm_reference(dyq.data, dyq.inv_scale, wq.data_t, wq.inv_scale_t, f32)
@@ -241,17 +249,19 @@ def test_linear_is_the_product_of_its_fp8_operands(recipe):
     assert torch.allclose(db, dy2.sum(0), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("grads", GRAD_FORMATS)
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_linear_within_fp8_error_of_the_truth(recipe, dtype):
+def test_linear_within_fp8_error_of_the_truth(recipe, dtype, grads):
     # Each operand carries e4m3's rounding, up to 2^-4 relative and about 2^-4/sqrt(3)
     # ~ 0.036 in RMS for values spread over the binade; a product of two has ~sqrt(2)
     # times that, and a sum of many such products keeps the relative RMS (the errors are
     # independent). We measure 0.025 - 0.04 on these shapes; 0.1 leaves room for the
     # randomness without letting a wrong scale (a factor of 2 or more: error >= 0.5) pass.
+    # e5m2 gradients (2 mantissa bits) double dy's share in dx and dw: ~0.06, still < 0.1.
     x, w = sample((3, 17, 64), dtype, 10), (torch.randn(48, 64) / 8).to(DEVICE, dtype)
     b, dy = torch.randn(48).to(DEVICE, dtype), torch.randn(3, 17, 48).to(DEVICE, dtype)
-    got = run_linear(lambda *a: fp8_linear(*a, recipe, emulate=True), x, w, b, dy)
+    got = run_linear(lambda *a: fp8_linear(*a, recipe, emulate=True, grads=grads), x, w, b, dy)
     truth = run_linear(F.linear, x.double(), w.double(), b.double(), dy.double())
     for name, a, t in zip(["y", "dx", "dw", "db"], got, truth):
         assert a.dtype == dtype, name
@@ -270,20 +280,20 @@ def test_frozen_weight_is_quantized_once(monkeypatch):
     calls = count_casts(monkeypatch)
     w = torch.nn.Parameter(sample((32, 48), torch.float32, 11), requires_grad=False)
     x = sample((5, 48), torch.float32, 12).requires_grad_()
-    y1 = FP8LinearFunction.apply(x, w, None, "rowwise")
+    y1 = FP8LinearFunction.apply(x, w, None, "rowwise", "e4m3")
     assert calls == [(5, 48), (32, 48)]  # x, then W (with its transposed copy: x needs a gradient)
     y1.sum().backward()
     assert w.grad is None and x.grad is not None
     calls.clear()
-    y2 = FP8LinearFunction.apply(x, w, None, "rowwise")
+    y2 = FP8LinearFunction.apply(x, w, None, "rowwise", "e4m3")
     assert calls == [(5, 48)] and torch.equal(y1, y2)  # W from the cache
     with torch.no_grad():
         w.mul_(2)  # an in-place update: a new version of the weight
     calls.clear()
-    y3 = FP8LinearFunction.apply(x, w, None, "rowwise")  # x is y2's: its cast is kept (test below)
+    y3 = FP8LinearFunction.apply(x, w, None, "rowwise", "e4m3")  # x is y2's: its cast is kept (test below)
     assert calls == [(32, 48)] and torch.allclose(y3, 2 * y1, rtol=1e-6)
     calls.clear()
-    FP8LinearFunction.apply(x, w, None, "tensorwise")  # another recipe: another entry
+    FP8LinearFunction.apply(x, w, None, "tensorwise", "e4m3")  # another recipe: another entry
     assert calls == [(5, 48), (32, 48)]
 
 
@@ -298,7 +308,7 @@ def test_layers_that_read_one_x_share_its_cast(monkeypatch, recipe):
 
     def run(xs):
         ws_ = [w.clone().requires_grad_() for w in ws]
-        ys = [FP8LinearFunction.apply(xi, w, None, recipe) for xi, w in zip(xs, ws_)]
+        ys = [FP8LinearFunction.apply(xi, w, None, recipe, "e4m3") for xi, w in zip(xs, ws_)]
         saved = [y.grad_fn.saved_tensors[0] for y in ys]  # each layer's fp8 x^T
         torch.autograd.backward(ys, dys)
         return ys, [w.grad for w in ws_], saved
@@ -324,10 +334,10 @@ def test_a_written_or_new_x_is_cast_anew(monkeypatch):
 
     def cast_count_and_check(x):
         calls.clear()
-        y = FP8LinearFunction.apply(x, w, None, "rowwise")
+        y = FP8LinearFunction.apply(x, w, None, "rowwise", "e4m3")
         casts = calls.count(tuple(x.shape))
         with torch.no_grad():  # the operator, no kept cast: the truth for these values
-            want = fp8_kernel.fp8_linear_forward(x, w, None, "rowwise", False, True)[0]
+            want = fp8_kernel.fp8_linear_forward(x, w, None, "rowwise", "e4m3", False, True)[0]
         assert torch.equal(y, want)
         return casts
 
@@ -397,6 +407,20 @@ def test_the_command_line_knows_the_recipes():
     from kernel_ft import flags
 
     assert tuple(flags.FP8_RECIPES) == RECIPES
+    assert tuple(flags.FP8_GRAD_FORMATS) == tuple(GRAD_FORMATS)
+
+
+def test_gradient_format_without_fp8_is_noted_and_a_bad_one_refused():
+    import finetune_optimized
+    from kernel_ft import apply, flags
+
+    notes = flags.settle(finetune_optimized.parse_args(["--tiny", "--fp8-grads", "e5m2"]))._notes
+    assert "--fp8-grads e5m2 without --fp8 changes nothing" in notes
+    assert not any("fp8" in n for n in flags.settle(finetune_optimized.parse_args(["--tiny"]))._notes)
+    with pytest.raises(ValueError, match="fp8_grads must be one of .'e4m3', 'e5m2'., got 'e5m3'"):
+        apply(tiny_llama(), fp8="tensorwise", fp8_grads="e5m3")
+    with pytest.raises(ValueError, match="fp8 format must be one of"):
+        quantize(torch.ones(4, 16, device=DEVICE), "tensorwise", fmt="e3m4")
 
 
 def test_fine_tune_refuses_fp8_in_one_line_before_loading(monkeypatch):
@@ -450,17 +474,18 @@ def test_fine_tune_switches_fp8_in_with_every_kernel(monkeypatch, capsys):
     from kernel_ft.run import apply_kernels
 
     monkeypatch.setattr("kernel_ft.patching.replace_linears",
-                        lambda model, recipe: replace_linears(model, recipe, emulate=True))
+                        lambda model, recipe, grads: replace_linears(model, recipe, emulate=True, grads=grads))
     model = tiny_llama()
     batch = dataloader.lm_batch(torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0)).to(DEVICE))
     want = training.hf_loss(model, batch).item()
-    kernels = {**{name: True for name in flags.KERNELS}, "attention": False, "fp8": "tensorwise"}
+    kernels = {**{name: True for name in flags.KERNELS}, "attention": False, "fp8": "tensorwise", "fp8_grads": "e5m2"}
     loss_fn, _ = apply_kernels(model, kernels)
     out = capsys.readouterr().out
-    assert "FP8 matmuls:   14 linear layers" in out and "Kernels:       rmsnorm, swiglu, rope, flce, adamw, fp8 " \
-        "(tensorwise)" in out
+    assert "FP8 matmuls:   14 linear layers in float8_e4m3fn (e5m2 gradients)" in out
+    assert "Kernels:       rmsnorm, swiglu, rope, flce, adamw, fp8 (tensorwise, e5m2 gradients)" in out
     mlp = model.model.layers[0].mlp
     assert type(mlp).__name__ == "TritonLlamaMLP" and isinstance(mlp.down_proj, FP8Linear)
+    assert mlp.down_proj.grads == "e5m2"
     loss = loss_fn(model, batch)
     loss.backward()
     assert abs(loss.item() - want) < 0.02 * want  # e4m3's rounding through two layers, a few parts per thousand
@@ -477,7 +502,7 @@ def test_fine_tune_fp8_under_lora_in_bf16(monkeypatch, capsys):
     from tools.family_matrix import family_config
 
     monkeypatch.setattr("kernel_ft.patching.replace_linears",
-                        lambda model, recipe: replace_linears(model, recipe, emulate=True))
+                        lambda model, recipe, grads: replace_linears(model, recipe, emulate=True, grads=grads))
     torch.manual_seed(0)
     model = models.build_random(family_config("llama", {}), torch.device(DEVICE), torch.bfloat16)
     model = models.apply_lora(model, finetune_optimized.parse_args(["--tiny", "--lora", "--lora-r", "4"]))
@@ -554,14 +579,16 @@ def test_gpu_cast_is_pytorchs_bit_for_bit():
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(1000, 4096, device="cuda", generator=g, dtype=torch.bfloat16)
     for recipe in RECIPES:
-        assert_same(quantize(x, recipe, True, 16), quantize_reference(x, recipe, True, 16))
+        for fmt in GRAD_FORMATS:
+            assert_same(quantize(x, recipe, True, 16, fmt), quantize_reference(x, recipe, True, 16, fmt))
     # Per row at LLaMA's widths: without x^T the one-pass kernel (whole rows in registers,
     # several rows or many warps per program) and past its limit the two kernels, which
     # also cast every width with x^T.
     for k in (4096, 14336, fp8_kernel.ROW_CAST_MAX_K + 8):
         x = torch.randn(300, k, device="cuda", generator=g, dtype=torch.bfloat16)
-        assert_same(quantize(x, "rowwise"), quantize_reference(x, "rowwise"))
-        assert_same(quantize(x, "rowwise", True, 16), quantize_reference(x, "rowwise", True, 16))
+        for fmt in GRAD_FORMATS:
+            assert_same(quantize(x, "rowwise", fmt=fmt), quantize_reference(x, "rowwise", fmt=fmt))
+            assert_same(quantize(x, "rowwise", True, 16, fmt), quantize_reference(x, "rowwise", True, 16, fmt))
 
 
 def test_gpu_triton_gemm_matches_cublaslt():

@@ -165,6 +165,10 @@ def add_fp8_arg(parser):
                         help="the decoder's linear layers multiply in FP8 with dynamic scales (fp8_kernel.py): one "
                              "scale per tensor or per row; the LM head and LoRA adapters stay as they are (default: "
                              "off; needs a GPU with FP8 tensor cores)")
+    parser.add_argument("--fp8-grads", choices=FP8_GRAD_FORMATS, default="e4m3",
+                        help="with --fp8: the format of the output gradients backward casts: e4m3 (3 mantissa bits, "
+                             "~2^17 of range below the largest value) or e5m2 (2 bits, ~2^31; torchao's tensorwise "
+                             "choice) (default: e4m3)")
 
 
 # The kernels a run can switch on, in the order they are applied and reported,
@@ -184,6 +188,7 @@ KERNEL_FLAGS = {
 }
 KERNELS = tuple(KERNEL_FLAGS)
 FP8_RECIPES = ("tensorwise", "rowwise")  # fp8_kernel.RECIPES (fp8_test checks they agree)
+FP8_GRAD_FORMATS = ("e4m3", "e5m2")  # fp8_kernel.GRAD_FORMATS (the same)
 
 
 def kernels_from_args(args):
@@ -195,6 +200,7 @@ def kernels_from_args(args):
         kernels["lora"] = True  # reported for LoRA runs only
     if getattr(args, "fp8", None):
         kernels["fp8"] = args.fp8  # the recipe
+        kernels["fp8_grads"] = getattr(args, "fp8_grads", "e4m3")  # the gradients' format
     return kernels
 
 
@@ -432,6 +438,8 @@ def idle_flags(args):
     if changed and not getattr(args, "lora", False):
         notes.append(f"{', '.join('--' + k.replace('_', '-') for k in changed)} without --lora: no adapters, "
                      f"nothing changes")
+    if getattr(args, "fp8_grads", "e4m3") != "e4m3" and not getattr(args, "fp8", None):
+        notes.append(f"--fp8-grads {args.fp8_grads} without --fp8 changes nothing")
     if getattr(args, "compile_mode", "default") != "default" and not getattr(args, "compile", False):
         notes.append(f"--compile-mode {args.compile_mode} without --compile changes nothing")
     if getattr(args, "fsdp", False) or getattr(args, "ddp", False) or processes_started() == 1:

@@ -33,7 +33,7 @@ import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GP
 from kernel_common import SwapMismatch
 from attention_kernel import use_packed_attention
 from cross_entropy_kernel import use_fused_loss
-from fp8_kernel import FP8Linear, replace_linears
+from fp8_kernel import GRAD_FORMATS, FP8Linear, replace_linears
 from linear_cross_entropy_kernel import fuse_linear_cross_entropy
 from lora_kernel import fuse_lora
 from projections_kernel import GroupedLinear, group_projections
@@ -122,10 +122,11 @@ def _swap(report, kernel, swap, model, found_nothing, line):
 
 
 def apply(model, *, fp8=None, rmsnorm=True, swiglu=True, flce=True, ce=True, rope=True, attention=True, lora=True,
-          projections=True, strict=False):
+          projections=True, strict=False, fp8_grads="e4m3"):
     """Switch the kernels into ``model`` (a Hugging Face causal LM, or a PEFT model around
     one); return a ``Report``. Every kernel is on unless its switch is False; ``fp8`` is
-    off unless "tensorwise" or "rowwise" (a GPU with FP8 tensor cores). Call it once,
+    off unless "tensorwise" or "rowwise" (a GPU with FP8 tensor cores), its gradients in
+    ``fp8_grads`` ("e4m3" or "e5m2"). Call it once,
     before the model goes to Trainer / accelerate; with LoRA after ``get_peft_model``.
 
     After it, ``model(input_ids, labels=...)`` returns HF's loss (shifted labels,
@@ -137,7 +138,7 @@ def apply(model, *, fp8=None, rmsnorm=True, swiglu=True, flce=True, ce=True, rop
     name = type(lm).__name__
     report = Report()
 
-    _apply_fp8(report, model, fp8, name)  # first: the MLP swap below finds FP8 layers as its projections
+    _apply_fp8(report, model, fp8, fp8_grads, name)  # first: the MLP swap below finds FP8 layers as its projections
 
     def switch(kernel, on, swap, found_nothing, line):
         if not on:
@@ -190,13 +191,16 @@ def apply(model, *, fp8=None, rmsnorm=True, swiglu=True, flce=True, ce=True, rop
     return report
 
 
-def _apply_fp8(report, model, fp8, name):
+def _apply_fp8(report, model, fp8, grads, name):
     """FP8 linear layers (fp8_kernel.replace_linears), when asked for."""
+    if grads not in GRAD_FORMATS:
+        raise ValueError(f"kernel_ft.apply: fp8_grads must be one of {tuple(GRAD_FORMATS)}, got {grads!r}")
     if not fp8:
         report.add("fp8", NOT_USED, 0, "off (fp8='tensorwise' or 'rowwise' to use it)")
         return
-    count, skipped = replace_linears(model, fp8)
-    detail = (f"{count} linear layers in float8_e4m3fn, {fp8} scales (Triton casts, cuBLASLt products); "
+    count, skipped = replace_linears(model, fp8, grads=grads)
+    detail = (f"{count} linear layers in float8_e4m3fn ({grads} gradients), {fp8} scales (Triton casts, cuBLASLt "
+              f"products); "
               f"the LM head and LoRA adapters as before")
     if skipped:
         detail += f"; {len(skipped)} left as they were (sizes not multiples of 16), e.g. {skipped[0]}"

@@ -41,8 +41,10 @@ LABELS = {"fp8": "FP8 matmuls:", "rmsnorm": "Custom rmsnorm:", "swiglu": "Custom
 # --------------------------------------------------------------------------------
 def apply_switches(kernels):
     """kernel_ft.apply's keyword arguments from the --use-custom-* flags
-    (flags.kernels_from_args): each kernel on or off, fp8 the recipe or None."""
-    return {"fp8": kernels.get("fp8") or None, **{name: bool(kernels.get(name)) for name in KERNELS if name != "fp8"}}
+    (flags.kernels_from_args): each kernel on or off, fp8 the recipe or None and its
+    gradients' format."""
+    return {"fp8": kernels.get("fp8") or None, "fp8_grads": kernels.get("fp8_grads", "e4m3"),
+            **{name: bool(kernels.get(name)) for name in KERNELS if name != "fp8"}}
 
 
 def apply_kernels(model, kernels):
@@ -65,7 +67,8 @@ def apply_kernels(model, kernels):
             print(f"{LABELS[name]:<14} {entry['detail']}")
     active = [name for name in flags.KERNELS if name in report.applied or (name == "adamw" and kernels.get(name))]
     active += [name for name in ("lora",) if name in report.applied]
-    active += [f"fp8 ({kernels['fp8']})" for name in ("fp8",) if name in report.applied]
+    active += [f"fp8 ({switches['fp8']}, {switches['fp8_grads']} gradients)" for name in ("fp8",)
+               if name in report.applied]
 
     # The loss: HF's own call; with flce or ce the model computes it with our kernels.
     loss_fn, make_optimizer = training.hf_loss, training.pytorch_adamw

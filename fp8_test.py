@@ -32,7 +32,7 @@ from conftest import DEVICE, need_gpu, rel_err
 
 import fp8_kernel
 from fp8_kernel import (
-    FP8_DTYPE, FP8_MAX, GRAD_FORMATS, RECIPES, FP8Linear, FP8LinearFunction, fp8_linear, fp8_supported, linears_to_cast, quantize,
+    FP8_MAX, GRAD_FORMATS, RECIPES, FP8Linear, FP8LinearFunction, fp8_linear, fp8_supported, linears_to_cast, quantize,
     quantize_reference, replace_linears, scaled_mm, scaled_mm_reference,
 )
 from fp8_gemm_kernel import triton_scaled_mm

@@ -191,6 +191,9 @@ def build_trainer(args, model, data, clock):
         gradient_checkpointing=args.gradient_checkpointing, use_liger_kernel=args.liger,
         include_num_input_tokens_seen="all" if args.packing else "non_padding",
         dataloader_num_workers=args.num_workers or 0, dataloader_pin_memory=args.pin_memory and on_gpu,
+        # Under torchrun: every trained parameter takes part in each step, so DDP need not walk the
+        # autograd graph looking for unused ones (Trainer's default for a PEFT model).
+        ddp_find_unused_parameters=False,
     )
     optimizers = (None, None)
     if uses_ours(args) and flags.kernels_from_args(args)["adamw"]:

@@ -147,12 +147,17 @@ for what in $WHAT; do
       # LoRA r16, 4 x 2,048: the default command with and without --fp8 (per row: the one-pass cast).
       recipes lora8b 8 --random-init --lora --dataset synthetic --batch-size 4 --seq-len 2048 --steps 12 --log-every 4 ;;
     fp8loss)
-      # Step 22's loss parity: 500 steps of 8B (random weights) on the bundled data, bf16, ours
-      # (both recipes) and torchao's tensorwise recipe (e5m2 gradients; needs torchao in .whl/)
-      # with the same kernels around it: is FP8's higher loss the recipe's or ours?
-      common="--random-init --batch-size 2 --seq-len 2048 --steps 500 --log-every 50"
+      # Step 22's loss parity: 500 steps of 8B (random weights) on the bundled data, the held-out loss every
+      # 100: bf16 and ours (both recipes), ours with e5m2 gradients, and torchao's tensorwise recipe (e5m2
+      # gradients; needs torchao in .whl/) compiled, with the same kernels around it, attention included.
+      common="--random-init --batch-size 2 --seq-len 2048 --steps 500 --log-every 50 --eval-every 100"
       recipes loss500 4 $common
-      torchao loss500_torchao_tensorwise 4 $common --packing --torchao-fp8 tensorwise --cuda-graphs ;;
+      for recipe in tensorwise rowwise; do
+        python3 finetune_optimized.py $common --fp8 $recipe --fp8-grads e5m2 \
+          --json "$OUTDIR/loss500_${recipe}_e5m2.json" 2>&1 | tee "$OUTDIR/loss500_${recipe}_e5m2.log" | tail -4
+      done
+      torchao loss500_torchao_tensorwise 4 $common --packing --compile --torchao-fp8 tensorwise \
+        --use-custom-attention ;;
     inbackward)
       # Step 20: 8B full fine-tuning 2 x 2,048, the plain loop without clipping against --optimizer-in-backward.
       for extra in "" "--optimizer-in-backward"; do

@@ -427,7 +427,7 @@ def test_fine_tune_refuses_fp8_in_one_line_before_loading(monkeypatch):
     import finetune_optimized
 
     for argv, expected in ((["--fp8", "rowwise"], "error: --fp8: FP8 matmuls need a CUDA GPU"),
-                           (["--fp8", "tensorwise", "--fsdp"], "error: --fp8 is not supported with --fsdp"),
+
                            (["--fp8", "tensorwise", "--lora-4bit"], "error: --fp8 with --lora-4bit")):
         monkeypatch.setattr("kernel_ft.flags.installed", lambda package: True)  # bitsandbytes' check passes
         monkeypatch.setattr("torch.cuda.is_available", lambda: False)
@@ -450,6 +450,8 @@ def test_baseline_torchao_peer_refused_in_one_line(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(SystemExit, match=r"^error: --torchao-fp8: FP8 matmuls need a CUDA GPU .*this is a CPU$"):
         finetune_baseline.main(["--torchao-fp8", "rowwise"])
+    with pytest.raises(SystemExit, match=r"^error: --torchao-fp8 runs in one process .*; leave out --fsdp$"):
+        finetune_baseline.main(["--torchao-fp8", "rowwise", "--fsdp"])
 
 
 def test_baseline_torchao_peer_takes_our_layers():

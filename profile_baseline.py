@@ -131,8 +131,11 @@ def parse_args(argv=None):
 def profile_name(args):
     """traces/<name>: 'baseline', or 'custom-' plus the kernels in use; '-compiled' with
     --compile, '-pageable' with --no-pin-memory, '-fsdp' with --fsdp."""
-    kernels = [k for k, on in flags.kernels_from_args(args).items() if on]
+    switches = flags.kernels_from_args(args)
+    kernels = [k for k, on in switches.items() if on and k != "fp8_grads"]  # the gradients' format: below
     name = "custom-" + "-".join(kernels) if kernels else BASELINE
+    if switches.get("fp8_grads", "e4m3") != "e4m3":
+        name += "-" + switches["fp8_grads"]
     if getattr(args, "lora", False):
         name += "-lora"
     if getattr(args, "compile", False):

@@ -206,17 +206,15 @@ def kernels_from_args(args):
 
 def check_fp8_flags(args, flag="--fp8"):
     """An FP8 flag (--fp8, or the baseline's --torchao-fp8) before anything is built: a
-    GPU with FP8 tensor cores, bf16 linear layers to cast, one process."""
+    GPU with FP8 tensor cores, bf16 linear layers to cast; the peer in one process."""
     if not getattr(args, flag[2:].replace("-", "_"), None):
         return
     if getattr(args, "lora_4bit", False):
         raise SystemExit(f"error: {flag} with --lora-4bit: the frozen weights are 4-bit NF4, not linear layers "
                          f"FP8 could cast; use one or the other")
-    if getattr(args, "fsdp", False):
-        raise SystemExit(f"error: {flag} is not supported with --fsdp (FP8 casts of sharded weights are not "
-                         f"implemented); use one or the other")
-    if getattr(args, "ddp", False):
-        raise SystemExit(f"error: {flag} with --ddp is not tested yet; use one or the other")
+    parallel = "--fsdp" if getattr(args, "fsdp", False) else "--ddp" if getattr(args, "ddp", False) else None
+    if parallel and flag != "--fp8":
+        raise SystemExit(f"error: {flag} runs in one process (the peer of --fp8 on one GPU); leave out {parallel}")
     ok, reason = kernel_common.fp8_supported(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     if not ok:
         raise SystemExit(f"error: {flag}: {reason}")

@@ -419,6 +419,34 @@ def test_meta_device_lora_starts_as_the_base_model(one_process_group):
     assert torch.equal(out, base)
 
 
+def test_fp8_layers_under_fully_shard_give_the_unsharded_model(one_process_group):
+    """--fp8 with --fsdp: FP8Linear holds the layer's own Parameters, so fully_shard shards
+    them like any Linear's and hands the forward the whole weights; the loss and every
+    gradient equal those of the same FP8 model unsharded (emulated FP8 on the CPU)."""
+    import copy
+
+    from fp8_kernel import FP8Linear, replace_linears
+
+    torch.manual_seed(0)
+    model = models.build_random(models.tiny_config(), torch.device("cpu"), torch.float32)
+    assert replace_linears(model, "tensorwise", emulate=True)[0] == 14
+    unsharded = copy.deepcopy(model)
+    fsdp.shard_model(model, argparse.Namespace(tiny=True), one_process_group)
+    assert sum(isinstance(m, FP8Linear) for m in model.modules()) == 14
+    ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for m in (model, unsharded):
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=0)
+    grads = {n: p.grad for n, p in unsharded.named_parameters()}
+    got = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    assert got.keys() == grads.keys()
+    for name, g in grads.items():
+        assert torch.allclose(got[name], g, rtol=1e-5, atol=1e-7), name
+
+
 def test_fsdp_comm_sets_every_sharded_module(one_process_group, monkeypatch, capsys):
     """--fsdp-comm pg-memory / symm-mem: the FSDPModule setter runs on every decoder layer
     and the root, and the FSDP line names it (the setters themselves need NCCL)."""

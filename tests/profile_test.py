@@ -200,6 +200,7 @@ def test_profile_names():
     assert name("--use-custom-rmsnorm", "--use-custom-ce") == "custom-rmsnorm-ce"
     assert name("--no-pin-memory") == "baseline-pageable"
     assert name("--use-custom-rmsnorm", "--fp8", "rowwise") == "custom-rmsnorm-fp8"
+    assert name("--fp8", "tensorwise", "--fp8-grads", "e5m2") == "custom-fp8-e5m2"
     assert name("--use-custom-rmsnorm", "--compile", "--no-pin-memory") == "custom-rmsnorm-compiled-pageable"
 
 

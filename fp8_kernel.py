@@ -61,7 +61,7 @@ invalidates them): quantized once, not every step, for 2 B per frozen element.
 
 Gradients: e4m3 or e5m2
 -----------------------
-e5m2 (2 mantissa bits, ~2^31 of range) for gradients comes from delayed scaling, where
+e5m2 (2 mantissa bits, ~2^32 of range) for gradients comes from delayed scaling, where
 a scale from past steps could lag behind a growing gradient; torchao keeps it in its
 tensorwise recipe and uses e4m3 for everything in its rowwise one. With a dynamic scale
 the largest value maps to the format's largest by construction: no range is needed

@@ -167,7 +167,7 @@ def add_fp8_arg(parser):
                              "off; needs a GPU with FP8 tensor cores)")
     parser.add_argument("--fp8-grads", choices=FP8_GRAD_FORMATS, default="e4m3",
                         help="with --fp8: the format of the output gradients backward casts: e4m3 (3 mantissa bits, "
-                             "~2^17 of range below the largest value) or e5m2 (2 bits, ~2^31; torchao's tensorwise "
+                             "~2^17 of range below the largest value) or e5m2 (2 bits, ~2^32; torchao's tensorwise "
                              "choice) (default: e4m3)")
 
 

@@ -427,8 +427,9 @@ def test_fine_tune_refuses_fp8_in_one_line_before_loading(monkeypatch):
     import finetune_optimized
 
     for argv, expected in ((["--fp8", "rowwise"], "error: --fp8: FP8 matmuls need a CUDA GPU"),
-
-                           (["--fp8", "tensorwise", "--lora-4bit"], "error: --fp8 with --lora-4bit")):
+                           (["--fp8", "tensorwise", "--lora-4bit"], "error: --fp8 with --lora-4bit"),
+                           (["--fp8", "rowwise", "--fsdp", "--lora"], "error: --fp8 with --fsdp --lora: the fp8 "
+                                                                      "copies of the frozen weights are kept whole")):
         monkeypatch.setattr("kernel_ft.flags.installed", lambda package: True)  # bitsandbytes' check passes
         monkeypatch.setattr("torch.cuda.is_available", lambda: False)
         monkeypatch.setattr("kernel_ft.models.load_model", lambda *a: pytest.fail("the model was built before the refusal"))

@@ -215,6 +215,10 @@ def check_fp8_flags(args, flag="--fp8"):
     parallel = "--fsdp" if getattr(args, "fsdp", False) else "--ddp" if getattr(args, "ddp", False) else None
     if parallel and flag != "--fp8":
         raise SystemExit(f"error: {flag} runs in one process (the peer of --fp8 on one GPU); leave out {parallel}")
+    if parallel == "--fsdp" and getattr(args, "lora", False):
+        # fp8_kernel caches the fp8 copies of frozen weights, whole: on every GPU that would undo the sharding.
+        raise SystemExit(f"error: {flag} with --fsdp --lora: the fp8 copies of the frozen weights are kept whole on "
+                         f"every GPU, which undoes the sharding; use --ddp, or leave out {flag}")
     ok, reason = kernel_common.fp8_supported(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     if not ok:
         raise SystemExit(f"error: {flag}: {reason}")

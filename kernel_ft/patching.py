@@ -200,8 +200,7 @@ def _apply_fp8(report, model, fp8, grads, name):
         return
     count, skipped = replace_linears(model, fp8, grads=grads)
     detail = (f"{count} linear layers in float8_e4m3fn ({grads} gradients), {fp8} scales (Triton casts, cuBLASLt "
-              f"products); "
-              f"the LM head and LoRA adapters as before")
+              f"products); the LM head and LoRA adapters as before")
     if skipped:
         detail += f"; {len(skipped)} left as they were (sizes not multiples of 16), e.g. {skipped[0]}"
     count = count or _already_in("fp8", model)

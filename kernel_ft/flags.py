@@ -331,8 +331,9 @@ def add_fsdp_arg(group):
         "--fsdp-comm", choices=FSDP_COMMS, default="default",
         help="--fsdp on GPUs: where FSDP2's communication buffers live. symm-mem: NCCL symmetric memory for the "
              "all-gathers, with NCCL_CTA_POLICY=2 (one host: the copy engines move the weights, no SM is taken from "
-             "the matmuls); pg-memory: buffers from NCCL's own allocator (zero-copy where the fabric allows). "
-             "Default: %(default)s (PyTorch's caching allocator, NCCL's kernels). Experimental",
+             "the matmuls; needs a torch newer than 2.11); pg-memory: buffers from NCCL's own allocator (zero-copy "
+             "where the fabric allows; slower on 2 x H200). Default: %(default)s (PyTorch's caching allocator, "
+             "NCCL's kernels). Experimental",
     )
 
 

@@ -124,10 +124,11 @@ def replica_memory(args):
 
 
 # --fsdp-comm: the FSDPModule method each choice calls on every sharded module, and its
-# argument. What each may buy (not measured yet): symm-mem, all-gathers run by the copy
-# engines instead of SMs, so the matmuls beside them keep every SM (FSDP2's collectives
-# slow the matmuls by ~25 ms a step at 8B on 2 GPUs, NOTES.md); pg-memory, NCCL's own
-# buffers, which it can send from without a copy where the fabric allows (NVLS).
+# argument. What each may buy: symm-mem, all-gathers run by the copy engines instead of
+# SMs, so the matmuls beside them keep every SM (FSDP2's collectives slow the matmuls by
+# ~25 ms a step at 8B on 2 GPUs, NOTES.md; torch 2.11 lacks the method: not measured);
+# pg-memory, NCCL's own buffers, which it can send from without a copy where the fabric
+# allows (NVLS; measured slower: 0.77x against 0.81x per GPU, 8B full on 2 x H200).
 COMM_SETTERS = {"symm-mem": ("set_symm_mem_for_comm", "NCCL"),
                 "pg-memory": ("set_allocate_memory_from_process_group_for_comm", True)}
 

@@ -66,9 +66,10 @@ def apply_kernels(model, kernels):
         if entry["status"] == "applied" or (name == "projections" and kernels.get("projections")):
             print(f"{LABELS[name]:<14} {entry['detail']}")
     active = [name for name in flags.KERNELS if name in report.applied or (name == "adamw" and kernels.get(name))]
-    active += [name for name in ("lora",) if name in report.applied]
-    active += [f"fp8 ({switches['fp8']}, {switches['fp8_grads']} gradients)" for name in ("fp8",)
-               if name in report.applied]
+    if "lora" in report.applied:
+        active.append("lora")
+    if "fp8" in report.applied:
+        active.append(f"fp8 ({switches['fp8']}, {switches['fp8_grads']} gradients)")
 
     # The loss: HF's own call; with flce or ce the model computes it with our kernels.
     loss_fn, make_optimizer = training.hf_loss, training.pytorch_adamw

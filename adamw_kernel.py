@@ -117,7 +117,7 @@ import torch
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (INTERPRET, SUPPORTED_DTYPES, cast_to, cdiv, check_kernel_device, fast_launch,
-                           next_power_of_2, num_sms)
+                           next_power_of_2, note_weight_amax, num_sms, weight_amax_slots)
 
 import triton
 import triton.language as tl
@@ -161,10 +161,12 @@ def _adamw_kernel(
     eps,
     GRAD_SCALE,  # [1] float32 on the device: gradient clipping's coefficient (read when HAS_SCALE)
     SCALARS,  # [3] float32 on the device: lr * wd, lr / bc1, sqrt(bc2) (read when SCALARS_ON_DEVICE)
+    AMAX,  # [AMAX_SLOTS] float32, zeroed: max |new P| folded in (AMAX_SLOTS > 0 only)
     BLOCK: tl.constexpr,  # elements per program (power of two)
     PRECISE: tl.constexpr,  # float32 parameters: IEEE-rounded sqrt and division
     HAS_SCALE: tl.constexpr,  # False: the pointer is not read (a constexpr: no branch in the compiled kernel)
     SCALARS_ON_DEVICE: tl.constexpr,  # True inside a CUDA graph: the per-step scalars come from SCALARS
+    AMAX_SLOTS: tl.constexpr = 0,  # > 0: P is a per-tensor FP8 layer's weight (Step 22): fold max |P| into AMAX
 ):
     # 64-bit offsets: pid * BLOCK overflows int32 for tensors of more than 2**31
     # elements. The int64 arithmetic is a few instructions per program, and the
@@ -213,7 +215,12 @@ def _adamw_kernel(
         denom = tl.sqrt(v) / bc2_sqrt + eps
         p = p - step_size * (m / denom)
 
-    tl.store(P + offs, cast_to(p, P.dtype.element_ty), mask=mask)
+    p = cast_to(p, P.dtype.element_ty)
+    tl.store(P + offs, p, mask=mask)
+    if AMAX_SLOTS:
+        # The weight's FP8 cast in the next forward then reads it once, not twice (Step 22,
+        # kernel_common "FP8 producers"); masked lanes hold 0.
+        tl.atomic_max(AMAX + pid % AMAX_SLOTS, tl.max(tl.abs(p.to(tl.float32)), axis=0), sem="relaxed")
     tl.store(M + offs, cast_to(m, M.dtype.element_ty), mask=mask)
     tl.store(V + offs, cast_to(v, V.dtype.element_ty), mask=mask)
 
@@ -294,7 +301,7 @@ def step_scalars(step, lr, beta1, beta2, weight_decay):
 
 
 def adamw_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale=None,
-               scalars=None):
+               scalars=None, amax=None):
     """One fused AdamW update of ``param``, ``exp_avg`` and ``exp_avg_sq`` in place.
 
     param, exp_avg, exp_avg_sq: contiguous tensors of one shape and dtype
@@ -305,7 +312,9 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, we
     parameter's device that multiplies the gradient (clipping). ``scalars``: None,
     or a 3-element float32 tensor on that device holding step_scalars(...), read by
     the kernel instead of the values computed here from ``step`` and ``lr`` (a CUDA
-    graph's launch). One kernel launch, no host synchronization.
+    graph's launch). ``amax``: None, or zeroed float32 slots on that device that get
+    max |updated param| (an FP8 weight's, kernel_common.weight_amax_slots). One kernel
+    launch, no host synchronization.
     """
     _check_tensors(param, grad, exp_avg, exp_avg_sq)
     if grad_scale is not None and (not isinstance(grad_scale, torch.Tensor) or grad_scale.numel() != 1
@@ -337,8 +346,9 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, we
         lr_wd, 1.0 - float(beta1), float(beta2), 1.0 - float(beta2), step_size, bc2_sqrt, float(eps),
         grad_scale if grad_scale is not None else param,  # any pointer; not read without HAS_SCALE
         scalars if scalars is not None else param,  # not read without SCALARS_ON_DEVICE
+        param if amax is None else amax,  # not read without AMAX_SLOTS
         BLOCK=block, PRECISE=param.dtype == torch.float32, HAS_SCALE=grad_scale is not None,
-        SCALARS_ON_DEVICE=scalars is not None, num_warps=num_warps,
+        SCALARS_ON_DEVICE=scalars is not None, AMAX_SLOTS=0 if amax is None else amax.numel(), num_warps=num_warps,
     )
 
 
@@ -477,13 +487,19 @@ class TritonAdamW(torch.optim.Optimizer):
     ``clip_grad_norm_(max_norm)`` clips inside the next step (see the docstring).
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, capturable=False):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, capturable=False,
+                 fp8_weight_amax=False):
         # capturable: accepted for torch.optim.AdamW's signature; every step can be
         # captured in a CUDA graph (see "In a CUDA graph"), so it changes nothing.
         del capturable
         _check_hyperparameters(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
+        # What it buys: a per-tensor FP8 layer's next forward casts its weight from one read,
+        # not two (Step 22). Only for a loop where nothing else writes the weights between
+        # step() and the next forward: a write through .data bumps no version counter, so a
+        # cast could not tell its amax is stale (kernel_common, "Weights").
+        self.fp8_weight_amax = bool(fp8_weight_amax)
 
     def add_param_group(self, param_group):
         # A group may override any default; check what it will actually use.
@@ -559,13 +575,21 @@ class TritonAdamW(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
         step = state["step"] + 1
         beta1, beta2 = group["betas"]
+        amax = self._weight_amax(p)
         adamw_step(
             _local(p), _local(grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]), step,
             group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-            grad_scale=None if grad_scale is None else grad_scale.to(_local(p).device),
+            grad_scale=None if grad_scale is None else grad_scale.to(_local(p).device), amax=amax,
         )
+        if amax is not None:
+            note_weight_amax(p)
         # Counted only once the launch went through: a failed step changes nothing.
         state["step"] = step
+
+    def _weight_amax(self, p):
+        """Zeroed slots for max |p| when p is a per-tensor FP8 layer's weight and the
+        optimizer was asked to measure it (fp8_weight_amax), else None."""
+        return weight_amax_slots(p) if self.fp8_weight_amax else None
 
     # ---- Inside backward (--optimizer-in-backward) -------------------------------------
     # What it buys: without it every gradient exists at once between backward and
@@ -620,12 +644,15 @@ class TritonAdamW(torch.optim.Optimizer):
         self._graph_updates = [(group, p, rows[id(p)]) for group, p in updated]
         for group, p, row in self._graph_updates:
             state = self.state[p]
+            amax = self._weight_amax(p)  # the slots outlive the graph: the replayed forward reads them
             adamw_step(
                 _local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]), state["step"] + 1,
                 group["lr"], *group["betas"], group["eps"], group["weight_decay"],
                 grad_scale=None if grad_scale is None else grad_scale.to(_local(p).device),
-                scalars=self._graph_scalars[row],
+                scalars=self._graph_scalars[row], amax=amax,
             )
+            if amax is not None:
+                note_weight_amax(p)
 
     def stage_graph_step(self):
         """Before each replay of a captured step: this step's scalars (the current

@@ -41,9 +41,8 @@ written per fp8 copy: 5 B, or 6 B with the transposed copy (the scales are negli
 x and then x^T separately would cost 10 B. Why not one pass? A dynamic scale depends on
 every element and must be known before the first is cast: one pass would hold the whole
 tensor (or row) on chip. A row does fit: per row without the transposed copy, a third
-kernel casts whole rows from registers, 3 B per element. Per tensor, and for x^T's
-per-column scales, the next step (not taken here) is the amax in the kernel that
-*produces* x (the RMSNorm of Step 5 or the SwiGLU of Step 12).
+kernel casts whole rows from registers, 3 B per element. Per tensor the amax can come
+from the kernel that *produces* x: "Producers" below.
 
 Measured (benchmark_fp8.py, H200; results/fp8/bench_fp8_h200.txt), x 8192 x 4096, W 4096
 x 4096, bf16: the bf16 GEMM 381 us, torch._scaled_mm 217-232 us; quantize(x) 43 us per
@@ -70,6 +69,40 @@ error. The cost of e4m3 falls on tensorwise gradients whose rows differ by more 
 ~2^17: their small rows flush to zero. Both are here (``grads="e5m2"``: the same
 kernels with another constexpr, ``--fp8-grads``); e4m3 is the default because over 500
 steps of 8B full fine-tuning e5m2 learned no better (NOTES.md, Step 22).
+
+Producers: the amax where x is made
+-----------------------------------
+A per-tensor cast reads x twice only because nobody measured max |x| before. The kernel
+that writes x holds every element in registers: RMSNorm (the input of q/k/v and of
+gate/up), SwiGLU (down_proj's input), SwiGLU's backward (the output gradients of gate and
+up) and the AdamW step (next forward's weight) fold max |what they store| into a few
+float32 slots (one relaxed atomic per program), and note (tensor, slots) on the host;
+the cast handed that exact, unchanged tensor skips its amax pass: 3 B per element
+instead of 5, 4 instead of 6 with x^T (kernel_common, "FP8 producers", has the rules
+that keep it safe). The maximum is of the values as stored, so scales and fp8 bits are
+the two-pass cast's: no accuracy is traded (fp8_test.py compares every bit, and a
+fine-tuning run's losses are the same to the last printed digit).
+
+Why not let the producer write the fp8 copy itself, one pass and no cast at all? Its
+scale must be known before the first element is written. Delayed scaling (the first
+FP8 recipes; Transformer Engine's default) takes it from the amaxes of earlier steps: a
+tensor that grows past that history is clamped at 448 for a step, and every scale lags.
+Current scaling, this step's own amax, is what torchao and we use; the producers move
+where it is measured, which costs the cast one read of x, never a result.
+Not covered: per row (x^T's scales are column maxima over all rows, which a row-by-row
+producer cannot finish), tensors other code writes (SDPA's attention output, the
+gradients autograd sums into q/k/v/o/down: 6 of a LLaMA layer's 18 casts), and
+torch.compile (nothing is noted under a tracer). The weights' share needs
+``TritonAdamW(fp8_weight_amax=True)`` (the fine-tune script sets it for ``--fp8
+tensorwise``): a loop that writes a weight through ``.data`` between ``step()`` and the
+next forward would leave a stale amax no version counter reveals, so it is not the
+default.
+
+Measured on an H100 (benchmark_fp8.py, 2026-11-26; NOTES.md, Step 22): per-tensor casts
+with the amax handed over, 8,192 x 4,096 57.7 -> 36.8 us (x^T too: 73.6 -> 49.7), 8,192 x
+14,336 202 -> 125 us (250 -> 170), 90-94% of copy bandwidth over one read; the producers
+pay 1.4 us (RMSNorm) or nothing measurable (SwiGLU). The 8B step: amax passes 13.3 -> 2.2
+ms, 14,575 -> 14,982 tokens/s.
 
 Triton concepts new in this step
 --------------------------------
@@ -102,7 +135,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (  # noqa: F401 - fp8_supported: part of this file's API, used by the tests
     IN_INTERPRETER, INTERPRET, SUPPORTED_DTYPES, cdiv, check_kernel_device, fast_launch, first_order_only,
-    fp8_supported, kernel_op, linears_to_cast, next_power_of_2, nothing, num_sms, swap_modules, traced,
+    FP8_CONSUMERS, fp8_supported, kernel_op, linears_to_cast, next_power_of_2, nothing, num_sms,
+    register_fp8_weight, swap_modules, take_amax, take_weight_amax, traced,
 )
 
 import triton
@@ -407,10 +441,14 @@ def _amax_steps(m_tiles, k_tiles, device):
     return steps
 
 
-def quantize(x, recipe, transpose=False, align=1, fmt="e4m3"):
-    """x [M, K] (bf16/fp16/fp32, any strides) -> Fp8Tensor, bit for bit quantize_reference's."""
+def quantize(x, recipe, transpose=False, align=1, fmt="e4m3", amax=None):
+    """x [M, K] (bf16/fp16/fp32, any strides) -> Fp8Tensor, bit for bit quantize_reference's.
+    ``amax`` (per tensor only): float32 maxima whose maximum is max |x|, from the kernel that
+    produced x (kernel_common.take_amax); then x is read once, by the cast."""
     _check_recipe(recipe, "quantize")
     _check_format(fmt, "quantize")
+    if amax is not None and recipe != "tensorwise":
+        raise ValueError(f"quantize: a produced amax is one maximum per tensor, not per row (recipe {recipe!r})")
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"quantize: unsupported dtype {x.dtype}; use float32, float16 or bfloat16")
     if x.dim() != 2:
@@ -430,7 +468,10 @@ def quantize(x, recipe, transpose=False, align=1, fmt="e4m3"):
     flat_block, flat_warps, flat_per_sm = AMAX_FLAT
     most = flat_per_sm * (1 if INTERPRET else num_sms(device))
     n_amax = 1
-    if not rowwise and (x.is_contiguous() or x.t().is_contiguous()):  # kernel 1b
+    if amax is not None:  # the producer measured it: no amax pass
+        n_amax, amax_t = amax.numel(), amax
+        inv = inv_t = torch.empty(1, dtype=torch.float32, device=device)
+    elif not rowwise and (x.is_contiguous() or x.t().is_contiguous()):  # kernel 1b
         blocks = cdiv(x.numel(), flat_block)
         n_amax = max(1, min(blocks, most))  # an empty x: one program, its maximum 0
         amax = amax_t = torch.empty(n_amax, dtype=torch.float32, device=device)
@@ -462,7 +503,7 @@ def quantize(x, recipe, transpose=False, align=1, fmt="e4m3"):
     _cast_kernel[(max(1, cdiv(m_pad, cm)), max(1, cdiv(K, ck)))](
         x, data.view(torch.uint8), out_t, amax, amax_t, inv, inv_t,
         M, K, m_pad, x.stride(0), x.stride(1), n_amax, ROWWISE=rowwise, TRANSPOSE=transpose, BLOCK_M=cm,
-        BLOCK_K=ck, PACK=pack, AMAX_BLOCK=next_power_of_2(most), E5M2=e5m2, num_warps=cw)
+        BLOCK_K=ck, PACK=pack, AMAX_BLOCK=next_power_of_2(max(most, n_amax)), E5M2=e5m2, num_warps=cw)
     shape = (-1, 1) if rowwise else ()
     if not transpose:
         return Fp8Tensor(data, inv.view(shape), None, None)
@@ -487,13 +528,15 @@ def _cast_rows(x, data, inv, e5m2):
                                   cdiv(n_blocks, programs), ROWS=rows, BLOCK_K=block_k, E5M2=e5m2, num_warps=warps)
 
 
-def cast_traffic(x, recipe, transpose):
+def cast_traffic(x, recipe, transpose, produced=False):
     """Bytes per element of x that quantize moves through memory on the path it takes:
-    reads of x and the fp8 copies written (the scales are negligible)."""
+    reads of x and the fp8 copies written (the scales are negligible). ``produced``: the
+    amax came from x's producer (per tensor)."""
     e = x.element_size()
     if _one_pass(recipe, transpose, x.shape[-1]):
         return e + 1  # kernel 3: one read, one write
-    return 2 * e + 1 + int(transpose)  # the amax's read, the cast's read, the copies
+    reads = 1 if produced and recipe == "tensorwise" else 2  # the amax's read, unless produced
+    return reads * e + 1 + int(transpose)  # + the cast's read, the copies
 
 
 # --------------------------------------------------------------------------------
@@ -521,19 +564,27 @@ def scaled_mm(a8, inv_a, b8, inv_b, out_dtype, bias=None, fast_accum=False):
 _FROZEN_FP8 = WeakIdKeyDictionary()
 
 
-def _cast_once(cache, slot, key, x, recipe, transpose, align=1):
-    """quantize(x), or the copy cache[slot] holds while its key is the same."""
+def _cast_once(cache, slot, key, x, recipe, transpose, align=1, produced=False):
+    """quantize(x), or the copy cache[slot] holds while its key is the same. ``produced``:
+    per tensor, take the amax x's producer noted (kernel_common.take_amax), if any."""
     hit = cache.get(slot)
     if hit is not None and hit[0] == key:
         return hit[1]
-    q = quantize(x, recipe, transpose, align)
+    q = quantize(x, recipe, transpose, align, amax=_produced_amax(x, recipe) if produced else None)
     cache[slot] = (key, q)
     return q
 
 
+def _produced_amax(x, recipe):
+    """The maxima x's producer noted, per tensor; None: quantize measures them."""
+    return take_amax(x) if recipe == "tensorwise" else None
+
+
 def _weight_fp8(weight, recipe, transpose):
     if weight.requires_grad:  # trained: it changes every step, quantize it every call
-        return quantize(weight.detach(), recipe, transpose)
+        # Per tensor, the amax its last AdamW update measured (kernel_common), if any.
+        amax = take_weight_amax(weight) if recipe == "tensorwise" else None
+        return quantize(weight.detach(), recipe, transpose, amax=amax)
     key = (weight.data_ptr(), weight._version, recipe, transpose)
     return _cast_once(_FROZEN_FP8, weight, key, weight, recipe, transpose)
 
@@ -549,7 +600,7 @@ def _input_fp8(x, recipe, transpose):
         return quantize(x, recipe, transpose, align=16)
     key = (StorageWeakRef(x.untyped_storage()), x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x._version,
            recipe, transpose)
-    return _cast_once(_LAST_INPUT, "x", key, x, recipe, transpose, align=16)
+    return _cast_once(_LAST_INPUT, "x", key, x, recipe, transpose, align=16, produced=True)
 
 
 # --------------------------------------------------------------------------------
@@ -601,7 +652,7 @@ def fp8_linear_backward(dy: torch.Tensor, x_t: torch.Tensor, x_inv_t: torch.Tens
                         w_dtype: torch.dtype, need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [M, K] in x_dtype, dw [N, K] in w_dtype) from dy [M, N] and the saved fp8 copies;
     dy cast to the ``grads`` format."""
-    dyq = quantize(dy, recipe, transpose=need_dw, align=16, fmt=grads)
+    dyq = quantize(dy, recipe, transpose=need_dw, align=16, fmt=grads, amax=_produced_amax(dy, recipe))
     dx = scaled_mm(dyq.data, dyq.inv_scale, w_t, w_inv_t, x_dtype) if need_dx else nothing(dy)
     dw = scaled_mm(dyq.data_t, dyq.inv_scale_t, x_t, x_inv_t, w_dtype) if need_dw else nothing(dy)
     return dx, dw
@@ -705,11 +756,16 @@ def fp8_linear(x, weight, bias=None, recipe="tensorwise", emulate=False, grads="
     _check_linear(x, weight, bias, recipe, grads, emulate)
     grad = torch.is_grad_enabled()
     need_dx, need_dw = grad and x.requires_grad, grad and weight.requires_grad
-    if torch.compiler.is_compiling() or not (need_dx or need_dw or (grad and bias is not None and bias.requires_grad)):
-        # Traced (one operator in the graph), or nothing to differentiate (no transposed copies).
-        y = fp8_linear_forward(x.reshape(-1, x.shape[-1]), weight, bias, recipe, grads, need_dx, need_dw)[0]
-        return y.view(*x.shape[:-1], weight.shape[0])
-    return FP8LinearFunction.apply(x, weight, bias, recipe, grads)
+    x2d = x.reshape(-1, x.shape[-1])
+    if torch.compiler.is_compiling() or traced(x2d):  # one operator in the graph
+        y = fp8_linear_forward(x2d, weight, bias, recipe, grads, need_dx, need_dw)[0]
+    elif not (need_dx or need_dw or (grad and bias is not None and bias.requires_grad)):
+        # Nothing to differentiate: no transposed copies; x's amax from its producer, if noted.
+        y = _linear_forward(x2d, weight, bias, recipe, False,
+                            quantize(x2d, recipe, align=16, amax=_produced_amax(x2d, recipe)))[0]
+    else:
+        return FP8LinearFunction.apply(x, weight, bias, recipe, grads)
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 # --------------------------------------------------------------------------------
@@ -728,6 +784,9 @@ class FP8Linear(nn.Module):
         self.weight = linear.weight
         self.register_parameter("bias", linear.bias)
         self.recipe, self.emulate, self.grads = recipe, emulate, grads
+        if recipe == "tensorwise":
+            FP8_CONSUMERS.add(self)  # the kernels that produce its input note their amax (kernel_common)
+            register_fp8_weight(self.weight)  # and so does the optimizer for its weight
 
     def forward(self, x):
         return fp8_linear(x, self.weight, self.bias, self.recipe, self.emulate, self.grads)

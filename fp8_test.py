@@ -13,6 +13,8 @@ the Triton FP8 GEMM (fp8_gemm_kernel.py).
   operands to float32 rounding, and within FP8 error of the float64 truth; frozen
   weights (no gradient, quantized once, re-quantized after an in-place update);
   torch.compile; refusals in one line;
+* producers (RMSNorm, SwiGLU forward and backward) hand the casts their outputs' amax:
+  the same bits as two-pass casts, never for a changed or partial output;
 * replace_linears on a tiny LLaMA, with and without peft's LoRA;
 * on a GPU: the same bits as PyTorch's cast, cuBLASLt vs the Triton GEMM, bf16
   layers of realistic size.
@@ -198,6 +200,53 @@ def test_cuda_graph_captures_quantize_and_the_layer():
         assert rel_err(y, F.linear(x.double(), w.double())) < 0.1
 
 
+def test_gpu_weight_amax_inside_the_captured_step():
+    """The optimizer's weight amax in a captured step (forward, backward, update replayed):
+    each replayed forward casts the weights with the slots the previous replay's update
+    filled. Every loss and the final weights equal those of the run that measures."""
+    need_fp8()
+    from adamw_kernel import TritonAdamW
+    from rmsnorm_kernel import TritonRMSNorm
+
+    def run(measure_in_optimizer, replays=6):
+        torch.manual_seed(7)
+        norm = TritonRMSNorm(1024).to("cuda", torch.bfloat16)
+        layer = FP8Linear(torch.nn.Linear(1024, 2048, bias=False), "tensorwise").to("cuda", torch.bfloat16)
+        params = [norm.weight, layer.weight]
+        optimizer = TritonAdamW(params, lr=1e-2, fp8_weight_amax=measure_in_optimizer)
+        x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+
+        def step():
+            loss = layer(norm(x)).float().square().mean()
+            loss.backward()
+            optimizer.step()
+            return loss
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # eager steps first: the optimizer's state, the weights' slots
+                step()
+                optimizer.zero_grad(set_to_none=True)
+        torch.cuda.current_stream().wait_stream(side)
+        optimizer.prepare_capture()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            loss = step()
+        losses = []
+        for _ in range(replays):
+            optimizer.stage_graph_step()
+            graph.replay()
+            losses.append(loss.clone())
+        return torch.stack(losses), [p.detach().clone() for p in params]
+
+    losses, weights = run(True)
+    want_losses, want_weights = run(False)
+    assert torch.equal(losses, want_losses)
+    assert all(torch.equal(a, b) for a, b in zip(weights, want_weights))
+    assert not torch.equal(losses[0], losses[-1])  # the replays trained
+
+
 # --------------------------------------------------------------------------------
 # The scaled GEMMs
 # --------------------------------------------------------------------------------
@@ -356,15 +405,177 @@ def test_forward_without_gradients_quantizes_no_transposed_copy(monkeypatch):
     seen = []
     real = fp8_kernel.quantize
 
-    def spy(t, recipe, transpose=False, align=1):
+    def spy(t, recipe, transpose=False, align=1, fmt="e4m3", amax=None):
         seen.append(transpose)
-        return real(t, recipe, transpose, align)
+        return real(t, recipe, transpose, align, fmt, amax)
 
     monkeypatch.setattr(fp8_kernel, "quantize", spy)
     x, w = sample((8, 32), torch.float32, 13), sample((16, 32), torch.float32, 14).requires_grad_()
     with torch.no_grad():
         fp8_linear(x, w, emulate=True)
     assert seen == [False, False]
+
+
+# --------------------------------------------------------------------------------
+# Producers that hand their output's amax to the cast (kernel_common, "FP8 producers")
+# --------------------------------------------------------------------------------
+def producer_block(x, dy, fused, grads, producers, seen):
+    """RMSNorm -> gate/up (or one gate_up) -> SwiGLU -> down, per-tensor FP8 layers, forward
+    and backward; ``producers`` False: no layer registered, so every cast measures its own
+    amax. ``seen`` gets, per cast, whether it was handed the amax. Returns the outputs and
+    every gradient."""
+    import kernel_common
+    from rmsnorm_kernel import TritonRMSNorm
+    from swiglu_kernel import gated_activation
+
+    torch.manual_seed(5)
+    hidden, inter = x.shape[-1], 48
+    norm = TritonRMSNorm(hidden).to(DEVICE, x.dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 2.0)
+    shapes = [(2 * inter, hidden)] if fused else [(inter, hidden), (inter, hidden)]
+    linears = [torch.nn.Linear(k, n, bias=False).to(DEVICE, x.dtype) for n, k in shapes + [(hidden, inter)]]
+    layers = [FP8Linear(m, "tensorwise", emulate=True, grads=grads) for m in linears]
+    if not producers:
+        kernel_common.FP8_CONSUMERS.clear()
+    xx = x.clone().requires_grad_()
+    h = norm(xx)
+    gate, up = (layers[0](h), None) if fused else (layers[0](h), layers[1](h))
+    y = layers[-1](gated_activation(gate, up, "silu"))
+    y.backward(dy)
+    return [y, xx.grad, norm.weight.grad] + [m.weight.grad for m in layers]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["gate,up", "gate_up"])
+@pytest.mark.parametrize("grads", list(GRAD_FORMATS))
+def test_producers_hand_the_amax_and_change_no_bit(monkeypatch, fused, grads):
+    """The norm's and the SwiGLU's outputs (forward) and SwiGLU's gradients (backward) reach
+    their per-tensor casts with the amax measured by the kernel that made them: the layer
+    reads x once. Outputs and gradients are the two-pass casts' bit for bit."""
+    import kernel_common
+
+    taken = []
+    real = fp8_kernel.take_amax
+    monkeypatch.setattr(fp8_kernel, "take_amax", lambda t: taken.append(r := real(t)) or r)
+    x = sample((3, 11, 32), torch.bfloat16, 40) * 4
+    dy = torch.randn(3, 11, 32).to(DEVICE, torch.bfloat16)
+    with_producers = producer_block(x, dy, fused, grads, True, taken)
+    handed = [t is not None for t in taken]
+    # Forward: the first projection's x (shared by the second), down's x; backward: down's dy
+    # comes from outside (measured), then up's and gate's (or gate_up's one) from SwiGLU.
+    assert handed == ([True, True, False, True] if fused else [True, True, False, True, True]), handed
+    assert not kernel_common._PRODUCED  # each noted amax was taken
+    taken.clear()
+    without = producer_block(x, dy, fused, grads, False, taken)
+    assert not any(t is not None for t in taken)
+    for a, b in zip(with_producers, without):
+        assert torch.equal(a, b)
+
+
+def test_a_changed_or_partial_output_measures_its_own_amax():
+    """Only the exact, unwritten output a producer noted gets its amax: after an in-place
+    write, for a slice of it, and for a copy, the cast measures (and matches the reference)."""
+    import kernel_common
+    from rmsnorm_kernel import TritonRMSNorm
+
+    layer = FP8Linear(torch.nn.Linear(32, 16, bias=False), "tensorwise", emulate=True).to(DEVICE)
+    assert layer in kernel_common.FP8_CONSUMERS  # a per-tensor layer: the producers note amaxes
+    norm = TritonRMSNorm(32).to(DEVICE)
+    x = sample((6, 32), torch.float32, 41).requires_grad_()
+    y = norm(x)
+    assert kernel_common.take_amax(y.reshape(-1, 32)) is not None  # the 2-D view of y: its elements
+    for changed in (lambda y: y.detach().mul_(1e3), lambda y: y[:3], lambda y: y.clone(), lambda y: y[:, :16]):
+        y = norm(x)
+        t = changed(y)
+        assert kernel_common.take_amax(t) is None
+        assert_same(quantize(t, "tensorwise", True, 16), quantize_reference(t, "tensorwise", True, 16))
+    with pytest.raises(ValueError, match="one maximum per tensor"):
+        quantize(y, "rowwise", amax=torch.zeros(4, device=DEVICE))
+    kernel_common._PRODUCED.clear()
+
+
+def test_no_fp8_layer_no_producer_work():
+    """Without a per-tensor FP8 layer alive, the kernels note nothing (no slots, no atomics)."""
+    import gc
+    import kernel_common
+    from rmsnorm_kernel import TritonRMSNorm
+
+    gc.collect()
+    kernel_common._PRODUCED.clear()
+    rowwise = FP8Linear(torch.nn.Linear(32, 16, bias=False), "rowwise", emulate=True)
+    assert rowwise not in kernel_common.FP8_CONSUMERS  # per row: a produced tensor maximum is no use
+    kernel_common.FP8_CONSUMERS.clear()
+    TritonRMSNorm(32).to(DEVICE)(sample((6, 32), torch.float32, 42).requires_grad_())
+    assert not kernel_common._PRODUCED
+
+
+def test_optimizer_hands_each_weight_its_amax_once(monkeypatch):
+    """TritonAdamW(fp8_weight_amax=True) folds max |new W| into the weight's slots as it
+    updates it; the next forward's cast takes them (one read of W), a second forward or a
+    weight changed in place after the step measures again, and the run is the bits of the
+    same run that measures every time."""
+    import kernel_common
+    from adamw_kernel import TritonAdamW
+
+    taken = []
+    real = fp8_kernel.take_weight_amax
+    monkeypatch.setattr(fp8_kernel, "take_weight_amax", lambda w: taken.append(r := real(w)) or r)
+    x = sample((4, 5, 32), torch.float32, 43)
+
+    def train(measure_in_optimizer, steps=3):
+        torch.manual_seed(6)
+        layer = FP8Linear(torch.nn.Linear(32, 16, bias=False), "tensorwise", emulate=True).to(DEVICE)
+        optimizer = TritonAdamW(layer.parameters(), lr=0.05, fp8_weight_amax=measure_in_optimizer)
+        losses = []
+        for _ in range(steps):
+            loss = layer(x).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        return layer, losses
+
+    layer, losses = train(True)
+    assert [t is not None for t in taken] == [False, True, True]  # the first step's cast: no update yet
+    other, losses_measured = train(False)
+    assert torch.equal(torch.stack(losses), torch.stack(losses_measured)) and torch.equal(layer.weight, other.weight)
+    taken.clear()
+    with torch.no_grad():
+        y = layer(x)  # the cast after the last update: handed over
+        assert torch.equal(layer(x), y)  # a second one measures, the same bits
+        layer.weight.mul_(2)  # a write after the update: its own amax, and the right result
+        assert torch.equal(layer(x), other(x) * 2)
+    assert [t is not None for t in taken] == [True, False, False, False]  # (the last: the other layer's)
+    assert kernel_common.weight_amax_slots(torch.nn.Parameter(torch.ones(3))) is None  # not an FP8 weight
+
+
+def test_gpu_producers_inside_a_cuda_graph():
+    """The default training step is one CUDA graph: producer and cast captured together
+    hand the amax over in every replay (new input values, same memory)."""
+    need_fp8()
+    from rmsnorm_kernel import TritonRMSNorm
+
+    norm = TritonRMSNorm(1024).to("cuda", torch.bfloat16)
+    layer = FP8Linear(torch.nn.Linear(1024, 2048, bias=False), "tensorwise").to("cuda", torch.bfloat16)
+    x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        return layer(norm(x))
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        y = step()
+    for scale in (1.0, 50.0, 1e-3):
+        x.copy_(torch.randn_like(x) * scale)
+        norm.weight.data.uniform_(0.1 * scale, 10.0 * scale)
+        graph.replay()
+        with torch.no_grad():
+            h = norm(x).detach().clone()  # a copy: measured by the two-pass cast
+            want = fp8_kernel._linear_forward(h, layer.weight, None, "tensorwise", False,
+                                              quantize(h, "tensorwise", align=16))[0]
+        assert torch.equal(y, want), scale
 
 
 def test_inside_torch_compile():
@@ -635,7 +846,8 @@ def test_gpu_cast_benchmark_goes_on_after_a_failed_capture(monkeypatch):
     monkeypatch.setattr(benchmark_fp8, "CAST_SHAPES", [(256, 512), (256, 1024)])
     monkeypatch.setattr(benchmark_fp8, "quantize_reference", syncing_reference)
     rows = benchmark_fp8.cast_rows((1, 5), copy_bw=1e12)
-    assert len(rows) == 2 * len(RECIPES) * 2 * 3  # shapes x recipes x (with, without x^T) x providers
+    # shapes x (with, without x^T) x providers: three per row, four per tensor ("amax produced")
+    assert len(rows) == 2 * 2 * (3 + 4)
     assert {tuple(r["shape"]) for r in rows} == {(256, 512), (256, 1024)}
     for r in rows:
         if r["provider"] == "ours (Triton)":

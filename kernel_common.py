@@ -19,6 +19,8 @@ adamw) imports its common ground from here and nothing private from the others:
 * ``swap_modules``: replacing the HF modules of a model with ours.
 * ``kernel_op``: registering a launcher as a PyTorch custom operator, so that
   ``torch.compile`` can put our kernels inside its graphs.
+* ``amax_slots``, ``note_amax``, ``take_amax``: a kernel that produces an FP8
+  layer's input hands its max |x| to the cast (Step 22).
 
 Nothing runs on import except the interpreter switch and the version check.
 """
@@ -475,3 +477,121 @@ def traced(t):
 def nothing(like):
     """The placeholder for an output that was not asked for (an operator cannot return None)."""
     return like.new_empty(0)
+
+
+# --------------------------------------------------------------------------------
+# FP8 producers: the amax of an output, handed to the cast that reads it (Step 22)
+# --------------------------------------------------------------------------------
+# A per-tensor FP8 cast needs the largest |x| before it can cast the first element:
+# on its own it reads x twice (fp8_kernel.py). The kernel that *makes* x (RMSNorm,
+# SwiGLU, SwiGLU's backward) has every element in registers anyway, so it folds
+# max |x| into a few float32 slots as it stores x (tl.atomic_max, one per program),
+# and the cast reads x once. The hand-over happens on the host: the producer notes
+# (x, slots) here, ``quantize`` takes the slots back for the same x. Exact, not an
+# estimate: the producer takes the maximum of the values it stores, rounded to x's
+# dtype, so the scale and every fp8 bit are those of the two-pass cast.
+#
+# Rules that keep it safe:
+# * Eager code and CUDA-graph captures only (the producer and the cast run in the
+#   same forward or backward, hence in the same replay). Never under a tracer
+#   (torch.compile): there an output buffer may be reused by generated kernels that
+#   do not bump version counters, so nothing is noted and every cast measures.
+# * The entry is keyed on x's storage (a weak reference: a later tensor can never
+#   take the same key), its place in it and its version counter: a view of other
+#   elements, an in-place change, or a new tensor at the same address misses and
+#   measures its own amax. An entry is taken once; a few are kept at most.
+# * Producers do this only while a per-tensor FP8 layer exists (``FP8_CONSUMERS``):
+#   otherwise a norm would fill slots nobody reads.
+import collections  # noqa: E402
+import weakref  # noqa: E402
+
+from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
+from torch.utils.weak import WeakIdKeyDictionary  # noqa: E402
+
+FP8_PRODUCERS = True  # False: every cast measures its own amax (A/B timings: benchmark_fp8.py)
+AMAX_SLOTS = 4 if INTERPRET else 32  # atomics spread over this many addresses (fewer collisions)
+FP8_CONSUMERS = weakref.WeakSet()  # per-tensor FP8 layers alive (fp8_kernel.FP8Linear adds itself)
+_PRODUCED = collections.OrderedDict()  # key -> slots, oldest first
+_PRODUCED_KEEP = 8  # outputs nobody cast (the last norm before an FP8-less lm_head) fall out
+
+
+def _extent_key(t):
+    """What identifies t's elements: storage, first element, rows of [rows, last dim]
+    (its leading dims collapsed: a reshape of it to 2-D gives the same key), dtype, version."""
+    if t.dim() == 0 or t.numel() == 0 or t.is_inference():  # an inference tensor has no version counter
+        return None
+    return (StorageWeakRef(t.untyped_storage()), t.data_ptr(), t.numel(), t.shape[-1], t.stride(-1),
+            t.stride(-2) if t.dim() > 1 else 0, t.dtype, t._version)
+
+
+def amax_slots(t, outputs=1):
+    """Zeroed float32 slots [outputs, AMAX_SLOTS] (one launch) for a kernel that reads ``t`` to
+    fold the max |.| of each of its outputs into, or None where no per-tensor FP8 cast
+    could take them the way this channel allows."""
+    if not (FP8_PRODUCERS and FP8_CONSUMERS) or traced(t) or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+        return None
+    return torch.zeros(outputs, AMAX_SLOTS, dtype=torch.float32, device=t.device)
+
+
+def note_amax(t, slots):
+    """Producer side: the maximum of ``slots`` is max |t| (``slots`` None: nothing to note)."""
+    if slots is None or (key := _extent_key(t)) is None:
+        return
+    _PRODUCED[key] = slots
+    while len(_PRODUCED) > _PRODUCED_KEEP:
+        _PRODUCED.popitem(last=False)
+
+
+def take_amax(t):
+    """Consumer side: the slots a producer noted for exactly ``t``'s elements, unchanged
+    since, or None (then the cast measures the amax itself)."""
+    if not _PRODUCED or traced(t):
+        return None
+    key = _extent_key(t)
+    return _PRODUCED.pop(key, None) if key is not None else None
+
+
+# Weights: the optimizer is their producer. A weight changes once per step, in the AdamW
+# kernel (adamw_kernel.adamw_step), which folds max |new weight| into slots of its own that
+# live as long as the weight (the same memory in every step, so a CUDA graph's replayed
+# update writes what its replayed forward reads) and notes the weight's key. The next cast
+# of that weight, and only that one, takes them; any other change to the weight (an
+# in-place op bumps its version; another optimizer notes nothing) leaves the cast to
+# measure. Not under FSDP: there the optimizer updates a shard, whose maximum is not the
+# gathered weight's (a sharded Parameter is another object, never registered).
+_WEIGHTS = WeakIdKeyDictionary()  # weight Parameter -> [slots or None, key noted or None]
+
+
+def register_fp8_weight(weight):
+    """Called by a per-tensor FP8 layer for its (trainable) weight."""
+    _WEIGHTS.setdefault(weight, [None, None])
+
+
+def weight_amax_slots(p):
+    """Zeroed slots for the optimizer to fold max |p| into as it updates p, or None where p
+    is no registered FP8 weight (or a tracer runs). Invalid until ``note_weight_amax``."""
+    record = _WEIGHTS.get(p) if FP8_PRODUCERS else None
+    if record is None or traced(p) or torch.compiler.is_compiling():
+        return None
+    if record[0] is None or record[0].device != p.device:
+        record[0] = torch.zeros(AMAX_SLOTS, dtype=torch.float32, device=p.device)
+    else:
+        record[0].zero_()
+    record[1] = None
+    return record[0]
+
+
+def note_weight_amax(p):
+    """Optimizer side, after the launch that filled ``weight_amax_slots(p)``."""
+    record = _WEIGHTS.get(p)
+    if record is not None and record[0] is not None:
+        record[1] = _extent_key(p)
+
+
+def take_weight_amax(weight):
+    """Cast side: the slots of the update that made ``weight`` as it is now, once; else None."""
+    record = _WEIGHTS.get(weight)
+    if record is None or record[1] is None or traced(weight) or record[1] != _extent_key(weight):
+        return None
+    record[1] = None
+    return record[0]

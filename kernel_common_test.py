@@ -155,7 +155,7 @@ def _rmsnorm_fwd_launch(x, w, plain=False):
     rstd = torch.empty(x.shape[0], device=x.device)
     block_n, rows, num_warps = rmsnorm_kernel._launch_config(x.shape[1])
     kernel[(cdiv(x.shape[0], rows),)](
-        x, w, y, rstd, x.stride(0), x.shape[0], x.shape[1], 1e-6, BLOCK_N=block_n, ROWS=rows, num_warps=num_warps)
+        x, w, y, rstd, rstd, x.stride(0), x.shape[0], x.shape[1], 1e-6, BLOCK_N=block_n, ROWS=rows, num_warps=num_warps)
     return y
 
 

@@ -86,7 +86,7 @@ CATEGORIES = [
     ("attention", ("attention", "flash", "fmha", "sdpa", "scaled_dot_product", "_attn_")),  # _attn_: ours
     ("SwiGLU (silu * up)", ("swiglu", "aten::silu", "silubackward")),
     ("RoPE", ("_rope_", "ropefunction", "::rope_")),
-    ("FP8 casts", ("_amax_kernel", "_cast_kernel")),  # --fp8: fp8_kernel's scale and cast passes
+    ("FP8 casts", ("_amax_kernel", "_amax_flat_kernel", "_cast_kernel")),  # --fp8: fp8_kernel's amax and cast passes
     ("cross-entropy/softmax", ("cross_entropy", "crossentropy", "_ce_", "softmax", "nll_loss", "nllloss")),
     ("matrix multiply", ("aten::mm", "aten::bmm", "aten::addmm", "aten::matmul", "aten::linear", "mmbackward",
                          "gemm", "cutlass", "nvjet", "cublas", "scaled_mm")),

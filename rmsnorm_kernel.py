@@ -97,6 +97,7 @@ import torch.nn as nn
 from kernel_common import (
     SUPPORTED_DTYPES,
     SwapMismatch,
+    amax_slots,
     as_rows,
     cast_to,
     cdiv,
@@ -105,6 +106,7 @@ from kernel_common import (
     first_order_only,
     kernel_op,
     next_power_of_2,
+    note_amax,
     nothing,
     num_sms,
     swap_modules,
@@ -163,6 +165,7 @@ def _rmsnorm_fwd_kernel(
     W,  # [n_cols] weight
     Y,  # [n_rows, n_cols] output, contiguous (row stride n_cols)
     RSTD,  # [n_rows] float32 output: 1 / rms of each row, the only thing backward needs
+    AMAX,  # [AMAX_SLOTS] float32, zeroed: max |Y| folded in (AMAX_SLOTS > 0 only)
     stride_x,
     n_rows,
     n_cols,
@@ -171,6 +174,7 @@ def _rmsnorm_fwd_kernel(
     ROWS: tl.constexpr,  # rows per program (> 1 only for short rows)
     W_OFFSET: tl.constexpr = 0.0,  # the scale is W + W_OFFSET: 0.0 for LLaMA, 1.0 for Gemma
     CAST_FIRST: tl.constexpr = True,  # LLaMA: round x_hat to X's dtype before scaling; Gemma: no
+    AMAX_SLOTS: tl.constexpr = 0,  # > 0: also fold max |Y| into AMAX, for an FP8 cast of Y (Step 22)
 ):
     # Each program normalizes ROWS consecutive rows. For LLaMA (H = 4096) ROWS is 1:
     # one row is 8 KB of bf16, enough work for 8 warps. For short rows we give one
@@ -208,9 +212,15 @@ def _rmsnorm_fwd_kernel(
     x_hat = x * rstd[:, None]
     if CAST_FIRST:
         x_hat = cast_to(x_hat, X.dtype.element_ty).to(tl.float32)
-    y = x_hat * w[None, :]
-    tl.store(Y + rows64[:, None] * n_cols + cols[None, :], cast_to(y, Y.dtype.element_ty), mask=mask)
+    y = cast_to(x_hat * w[None, :], Y.dtype.element_ty)
+    tl.store(Y + rows64[:, None] * n_cols + cols[None, :], y, mask=mask)
     tl.store(RSTD + rows64, rstd, mask=row_mask)
+    if AMAX_SLOTS:
+        # Step 22's producer (kernel_common, "FP8 producers"): the largest |y| as stored
+        # (masked entries are 0), one atomic per program into one of a few slots, so that a
+        # per-tensor FP8 cast of Y reads it once instead of twice. Free here: y is in registers.
+        tl.atomic_max(AMAX + pid % AMAX_SLOTS, tl.max(tl.max(tl.abs(y.to(tl.float32)), axis=1), axis=0),
+                      sem="relaxed")
 
 
 # --------------------------------------------------------------------------------
@@ -406,6 +416,11 @@ def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_of
 
     ``weight_offset=1.0, cast_first=False``: Gemma's formula (see the docstring).
     """
+    return _forward(x, weight, eps, weight_offset, cast_first, None)
+
+
+def _forward(x, weight, eps, weight_offset, cast_first, amax):
+    """rmsnorm_forward's launch; ``amax``: zeroed float32 slots that get max |y| (or None)."""
     n_cols = x.shape[-1]
     x2 = as_rows(x, n_cols)
     # The kernels index the weight as a contiguous [H] vector. A view such as
@@ -421,8 +436,9 @@ def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_of
     if n_rows > 0:
         block_n, rows, num_warps = _launch_config(n_cols)
         _rmsnorm_fwd_kernel[(cdiv(n_rows, rows),)](
-            x2, weight, y, rstd, x2.stride(0), n_rows, n_cols, eps,
-            BLOCK_N=block_n, ROWS=rows, W_OFFSET=weight_offset, CAST_FIRST=cast_first, num_warps=num_warps,
+            x2, weight, y, rstd, rstd if amax is None else amax, x2.stride(0), n_rows, n_cols, eps,
+            BLOCK_N=block_n, ROWS=rows, W_OFFSET=weight_offset, CAST_FIRST=cast_first,
+            AMAX_SLOTS=0 if amax is None else amax.numel(), num_warps=num_warps,
         )
     return y, rstd
 
@@ -497,7 +513,12 @@ class TritonRMSNormFunction(torch.autograd.Function):
     # host time per call than forward + setup_context with rstd as an output.
     @staticmethod
     def forward(ctx, x, weight, eps, weight_offset, cast_first):
-        y, rstd = rmsnorm_forward(x, weight, eps, weight_offset, cast_first)
+        slots = amax_slots(x)  # a per-tensor FP8 layer may read y: its amax comes from here
+        if slots is None:
+            y, rstd = rmsnorm_forward(x, weight, eps, weight_offset, cast_first)
+        else:
+            y, rstd = _forward(x, weight, eps, weight_offset, cast_first, slots[0])
+            note_amax(y, slots[0])
         _save_for_backward(ctx, (x, weight, eps, weight_offset, cast_first), (y, rstd))
         return y
 

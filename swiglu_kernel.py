@@ -163,6 +163,7 @@ from kernel_common import (
     INTERPRET,
     SUPPORTED_DTYPES,
     SwapMismatch,
+    amax_slots,
     as_rows,
     cast_to,
     cdiv,
@@ -172,6 +173,7 @@ from kernel_common import (
     first_order_only,
     kernel_op,
     next_power_of_2,
+    note_amax,
     nothing,
     swap_modules,
 )
@@ -278,6 +280,14 @@ def _tile(n_rows, n_cols, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
     return rows, cols, mask
 
 
+@triton.jit
+def _fold_amax(AMAX, y, AMAX_SLOTS: tl.constexpr):
+    # max |y| of this tile (masked entries hold 0) into one of AMAX_SLOTS addresses: one
+    # relaxed atomic per program (Step 22's producers, kernel_common "FP8 producers").
+    tl.atomic_max(AMAX + tl.program_id(0) % AMAX_SLOTS, tl.max(tl.max(tl.abs(y.to(tl.float32)), axis=1), axis=0),
+                  sem="relaxed")
+
+
 # --------------------------------------------------------------------------------
 # Forward kernel
 # --------------------------------------------------------------------------------
@@ -287,6 +297,7 @@ def _swiglu_fwd_kernel(
     G,  # [n_rows, n_cols] gate_proj output; rows stride_g elements apart, columns contiguous
     U,  # [n_rows, n_cols] up_proj output; rows stride_u apart (may differ from G's)
     Y,  # [n_rows, n_cols] output, contiguous (row stride n_cols), promoted dtype
+    AMAX,  # [AMAX_SLOTS] float32, zeroed: max |Y| folded in (AMAX_SLOTS > 0 only)
     stride_g,
     stride_u,
     n_rows,
@@ -295,6 +306,7 @@ def _swiglu_fwd_kernel(
     ROWS: tl.constexpr,  # rows per tile (> 1 only for short rows)
     ACT: tl.constexpr,  # the gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     PRECISE: tl.constexpr,  # float32 input: accurate exp and division
+    AMAX_SLOTS: tl.constexpr = 0,  # > 0: also fold max |Y| into AMAX, for an FP8 cast of Y (Step 22)
 ):
     rows, cols, mask = _tile(n_rows, n_cols, BLOCK_N, ROWS)
     # Load in the input dtype, compute in float32 (PyTorch's "opmath" for 16-bit types).
@@ -306,8 +318,10 @@ def _swiglu_fwd_kernel(
     # F.gelu return a bf16 tensor), then multiplied by up in float32 and rounded
     # once on store.
     a = cast_to(a, G.dtype.element_ty).to(tl.float32)
-    y = a * u
-    tl.store(Y + rows[:, None] * n_cols + cols[None, :], cast_to(y, Y.dtype.element_ty), mask=mask)
+    y = cast_to(a * u, Y.dtype.element_ty)
+    tl.store(Y + rows[:, None] * n_cols + cols[None, :], y, mask=mask)
+    if AMAX_SLOTS:  # the FP8 producer of rmsnorm_kernel.py: max |y| as stored, for down_proj's cast
+        _fold_amax(AMAX, y, AMAX_SLOTS)
 
 
 # --------------------------------------------------------------------------------
@@ -353,6 +367,7 @@ def _swiglu_bwd_kernel(
     DG,  # [n_rows, n_cols] output d_gate, gate's dtype; rows stride_dg apart
     DU,  # [n_rows, n_cols] output d_up, up's dtype; rows stride_du apart
     H,  # [n_rows, n_cols] output h = act(gate) * up as forward wrote it, contiguous (STORE_H only)
+    AMAX_DG, AMAX_DU,  # [AMAX_SLOTS] float32, zeroed: max |DG|, max |DU| (the same slots when fused)
     stride_dy,
     stride_g,
     stride_u,
@@ -367,6 +382,7 @@ def _swiglu_bwd_kernel(
     STORE_H: tl.constexpr,  # also write forward's output h (for down_proj's weight gradient)
     ACT: tl.constexpr,
     PRECISE: tl.constexpr,
+    AMAX_SLOTS: tl.constexpr = 0,  # > 0: fold the gradients' max |.| into AMAX_DG / AMAX_DU
 ):
     rows, cols, mask = _tile(n_rows, n_cols, BLOCK_N, ROWS)
     dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -377,8 +393,10 @@ def _swiglu_bwd_kernel(
         u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
 
     if COMPUTE_DU:
-        tl.store(DU + rows[:, None] * stride_du + cols[None, :], cast_to(dy * a_rounded, DU.dtype.element_ty),
-                 mask=mask)
+        du = cast_to(dy * a_rounded, DU.dtype.element_ty)
+        tl.store(DU + rows[:, None] * stride_du + cols[None, :], du, mask=mask)
+        if AMAX_SLOTS:  # for up_proj's FP8 cast of its output gradient
+            _fold_amax(AMAX_DU, du, AMAX_SLOTS)
 
     if STORE_H:
         # The forward kernel's h, bit for bit (same a, same rounding), from the g and u
@@ -392,7 +410,10 @@ def _swiglu_bwd_kernel(
             dg = dy * u * s * (1.0 + g * s_c * dz)
         else:
             dg = dy * u * s * (1.0 + g * s_c)
-        tl.store(DG + rows[:, None] * stride_dg + cols[None, :], cast_to(dg, DG.dtype.element_ty), mask=mask)
+        dg = cast_to(dg, DG.dtype.element_ty)
+        tl.store(DG + rows[:, None] * stride_dg + cols[None, :], dg, mask=mask)
+        if AMAX_SLOTS:
+            _fold_amax(AMAX_DG, dg, AMAX_SLOTS)
 
 
 # --------------------------------------------------------------------------------
@@ -480,6 +501,11 @@ def _swiglu_forward_fake(gate, up, activation="silu"):
 def swiglu_forward(gate: torch.Tensor, up: Optional[torch.Tensor], activation: str = "silu") -> torch.Tensor:
     """Launch the forward kernel. Returns y = act(gate) * up, act = ``activation``
     ("silu" or "gelu_tanh"), with up's shape (up None: gate holds [gate | up])."""
+    return _forward(gate, up, activation, None)
+
+
+def _forward(gate, up, activation, amax):
+    """swiglu_forward's launch; ``amax``: zeroed float32 slots that get max |y| (or None)."""
     # Row-strided views (a slice of a wider tensor) pass through untouched. Only a
     # non-contiguous last dimension (a transposed tensor), or leading dimensions
     # that cannot be merged into one row stride, cost a copy.
@@ -489,9 +515,9 @@ def swiglu_forward(gate: torch.Tensor, up: Optional[torch.Tensor], activation: s
     if n_rows > 0:
         block_n, rows, num_warps = _launch_config(n_cols)
         _swiglu_fwd_kernel[_grid(n_rows, n_cols, block_n, rows)](
-            g2, u2, y, g2.stride(0), u2.stride(0), n_rows, n_cols,
+            g2, u2, y, y if amax is None else amax, g2.stride(0), u2.stride(0), n_rows, n_cols,
             BLOCK_N=block_n, ROWS=rows, ACT=activation, PRECISE=gate.dtype == torch.float32,
-            num_warps=num_warps,
+            AMAX_SLOTS=0 if amax is None else amax.numel(), num_warps=num_warps,
         )
     return y.view(_out_shape(gate, up))
 
@@ -512,10 +538,12 @@ def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Ten
     return swiglu_backward_and_hidden(dy, gate, up, compute_dgate, compute_dup, activation, False)[:2]
 
 
-def swiglu_backward_and_hidden(dy, gate, up, compute_dgate, compute_dup, activation="silu", store_h=True):
+def swiglu_backward_and_hidden(dy, gate, up, compute_dgate, compute_dup, activation="silu", store_h=True,
+                               amax=None):
     """swiglu_backward's (d_gate, d_up), and with ``store_h`` also forward's output h
     (swiglu_forward's bits) from the same pass, else None. A plain launcher: callers
-    inside an operator (swiglu_down_proj_backward below) use it."""
+    inside an operator (swiglu_down_proj_backward below) use it. ``amax``: zeroed float32
+    slots [2, AMAX_SLOTS] that get max |d_gate| and max |d_up| (fused layout: both in row 0)."""
     g2, u2, n_cols = _rows(gate, up)
     dy2 = as_rows(dy, n_cols)
     n_rows = g2.shape[0]
@@ -536,11 +564,12 @@ def swiglu_backward_and_hidden(dy, gate, up, compute_dgate, compute_dup, activat
         # A switched-off output is never written: any tensor stands in for its pointer.
         dg_arg = next(t for t in (dg, du, h) if t is not None)
         du_arg = du if compute_dup else dg_arg
+        amax_dg, amax_du = (dg_arg, dg_arg) if amax is None else (amax[0], amax[0] if up is None else amax[1])
         _swiglu_bwd_kernel[_grid(n_rows, n_cols, block_n, rows)](
-            dy2, g2, u2, dg_arg, du_arg, h if store_h else dg_arg,
+            dy2, g2, u2, dg_arg, du_arg, h if store_h else dg_arg, amax_dg, amax_du,
             dy2.stride(0), g2.stride(0), u2.stride(0), dg_arg.stride(0), du_arg.stride(0), n_rows, n_cols,
             BLOCK_N=block_n, ROWS=rows, COMPUTE_DG=compute_dgate, COMPUTE_DU=compute_dup, STORE_H=store_h,
-            ACT=activation, PRECISE=gate.dtype == torch.float32,
+            ACT=activation, PRECISE=gate.dtype == torch.float32, AMAX_SLOTS=0 if amax is None else amax.shape[1],
             num_warps=num_warps,
         )
     h = h.view(_out_shape(gate, up)) if store_h else None
@@ -571,7 +600,13 @@ def _swiglu_save(ctx, inputs, output):
 def _swiglu_grads(ctx, dy):
     gate, up = ctx.saved_tensors
     needs = ctx.needs_input_grad[:2]
-    return _wanted(swiglu_backward(dy, gate, up, *needs, ctx.activation), needs) + (None,)
+    slots = amax_slots(dy, 2)  # per-tensor FP8 gate/up layers take their gradients' amax from here
+    if slots is None:
+        return _wanted(swiglu_backward(dy, gate, up, *needs, ctx.activation), needs) + (None,)
+    grads = swiglu_backward_and_hidden(dy, gate, up, *needs, ctx.activation, store_h=False, amax=slots)[:2]
+    for grad, row in zip(grads, slots):
+        note_amax(grad, row)
+    return _wanted(grads, needs) + (None,)
 
 
 class TritonSwiGLUFunction(torch.autograd.Function):
@@ -583,7 +618,12 @@ class TritonSwiGLUFunction(torch.autograd.Function):
     # per call than forward + setup_context; the operator registers the same pieces.
     @staticmethod
     def forward(ctx, gate, up, activation="silu"):
-        y = swiglu_forward(gate, up, activation)
+        slots = amax_slots(gate)  # a per-tensor FP8 down_proj may read y: its amax comes from here
+        if slots is None:
+            y = swiglu_forward(gate, up, activation)
+        else:
+            y = _forward(gate, up, activation, slots[0])
+            note_amax(y, slots[0])
         _swiglu_save(ctx, (gate, up, activation), y)
         return y
 

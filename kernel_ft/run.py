@@ -20,6 +20,7 @@ modules import no kernel. Nothing runs on import.
 """
 
 import argparse
+import functools
 import os
 import signal
 import sys
@@ -76,6 +77,8 @@ def apply_kernels(model, kernels):
     if kernels.get("adamw"):  # a different optimizer class, same defaults and signature
         make_optimizer = TritonAdamW
         print("Custom optim:  fused Triton AdamW step (same hyperparameters as torch.optim.AdamW)")
+        if switches["fp8"] == "tensorwise":  # the loop writes weights only in step(): safe (adamw_kernel.py)
+            make_optimizer = functools.partial(TritonAdamW, fp8_weight_amax=True)
     # LoRA: the adapters' products in the model's dtype (not a kernel: PEFT's float32
     # compute path switched off). The baseline keeps PEFT's default.
     dtype = models.lora_compute_dtype(model)

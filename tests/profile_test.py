@@ -229,6 +229,7 @@ def test_profile_names():
         ("_swiglu_bwd_kernel", "SwiGLU (silu * up)"),
         ("_rope_fwd_kernel", "RoPE"),
         ("_amax_kernel", "FP8 casts"),
+        ("_amax_flat_kernel", "FP8 casts"),
         ("_cast_kernel", "FP8 casts"),
         ("aten::_scaled_mm", "matrix multiply"),
         ("TritonRoPEFunctionBackward", "RoPE"),

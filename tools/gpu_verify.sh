@@ -2,7 +2,8 @@
 # Re-measure what README.md and results/ report, on a CUDA machine, in one go.
 #
 #   bash tools/gpu_verify.sh [OUTDIR] [WHAT...]
-#     WHAT: tests bench e2e compile profile maxseq graphs families attention fp8 fp8e2e fp8loss inbackward fsdp gpus
+#     WHAT: tests bench e2e compile profile maxseq graphs families attention fp8 fp8e2e fp8loss fp8producers
+#           inbackward fsdp gpus
 #           trainer trainer-full trainer-small
 #           (default: tests bench e2e)
 #
@@ -158,6 +159,22 @@ for what in $WHAT; do
       done
       torchao loss500_torchao_tensorwise 4 $common --packing --compile --torchao-fp8 tensorwise \
         --use-custom-attention ;;
+    fp8producers)
+      # Step 22's producers (the amax handed to the casts): the same run with them on and off, alternating,
+      # off by kernel_common.FP8_PRODUCERS = False; 8B full fine-tuning, then a Qwen2.5-1.5B loop whose losses
+      # must be the same bits both ways (the 8B rows are unpacked: cuDNN's backward is not deterministic).
+      common="--random-init --dataset synthetic --batch-size 2 --seq-len 2048 --steps 12 --log-every 4 --fp8 tensorwise"
+      loop="--model Qwen/Qwen2.5-1.5B --random-init --batch-size 4 --seq-len 1024 --steps 30 --log-every 1 --fp8 tensorwise"
+      off="import runpy, sys, kernel_common; kernel_common.FP8_PRODUCERS = False; sys.argv = sys.argv[1:];"
+      off="$off runpy.run_path(sys.argv[0], run_name='__main__')"
+      for run in 1 2; do
+        python3 finetune_optimized.py $common 2>&1 | tee "$OUTDIR/ft8b_producers_on_$run.log" | grep Average
+        python3 -c "$off" finetune_optimized.py $common 2>&1 | tee "$OUTDIR/ft8b_producers_off_$run.log" | grep Average
+      done
+      python3 finetune_optimized.py $loop > "$OUTDIR/loop_producers_on.log" 2>&1
+      python3 -c "$off" finetune_optimized.py $loop > "$OUTDIR/loop_producers_off.log" 2>&1
+      diff <(grep "^step" "$OUTDIR/loop_producers_on.log" | awk '{print $2, $4}') \
+           <(grep "^step" "$OUTDIR/loop_producers_off.log" | awk '{print $2, $4}') && echo "losses: the same" ;;
     inbackward)
       # Step 20: 8B full fine-tuning 2 x 2,048, the plain loop without clipping against --optimizer-in-backward.
       for extra in "" "--optimizer-in-backward"; do
@@ -223,7 +240,7 @@ for what in $WHAT; do
           common="--model Qwen/Qwen2.5-1.5B --random-init --lora --lr 2e-4 --batch-size 4 --seq-len 512 --steps 40"
           row kernels; row liger --liger; row plain --no-kernels ;;
       esac ;;
-    *) echo "unknown step: $what (tests bench e2e compile profile maxseq graphs families attention fp8 fp8e2e"\
+    *) echo "unknown step: $what (tests bench e2e compile profile maxseq graphs families attention fp8 fp8e2e fp8loss fp8producers"\
          "inbackward fsdp trainer trainer-full trainer-small)"; exit 2 ;;
   esac
 done

@@ -234,7 +234,7 @@ def cpu_overhead(results):
     tgt = torch.zeros(1, dtype=torch.long, device="cuda")
     cases = {
         "raw fwd kernel launch": lambda: rk._rmsnorm_fwd_kernel[(1,)](
-            x, w, y, rstd, 4096, 1, 4096, 1e-6, BLOCK_N=4096, ROWS=1, num_warps=8),
+            x, w, y, rstd, rstd, 4096, 1, 4096, 1e-6, BLOCK_N=4096, ROWS=1, num_warps=8),
         "ours rmsnorm fwd (no grad)": lambda: rk.rmsnorm(x.detach(), w.detach()),
         "F.rms_norm fwd": lambda: F.rms_norm(x.detach(), (4096,), w.detach(), 1e-6),
         "ours rmsnorm fwd+bwd": lambda: torch.autograd.grad(rk.rmsnorm(x, w), (x, w), dy),

@@ -48,6 +48,15 @@ What a recording requires, and how this file meets it
 * Work already set up: the first steps run eagerly (Triton compiles its kernels,
   cuBLAS picks its algorithms, AdamW allocates its state), on a side stream as
   PyTorch's documentation asks, and the capture comes after them.
+* With --ddp, the all-reduces inside the graph (NCCL collectives can be captured):
+  DistributedDataParallel is built on a side stream (the gradient accumulators it
+  keeps would otherwise belong to the default stream, which cannot join a capture;
+  fsdp.replicate_model), its first ten iterations, which it times for its logs by
+  reading CUDA events on the host, and its bucket rebuild after the first run
+  eagerly (DDP_EAGER_STEPS), and every decision is taken by all processes together
+  (``agree``): a graph with collectives must be replayed by every process or none.
+  What it buys: 2 x H200, per GPU against one GPU, 8B LoRA r16 0.97x -> 0.985x, 8B
+  full 0.900x -> 0.912x (NOTES.md, Step 19).
 
 What it costs: the capture itself (a step's worth of host time, once), and
 memory: the graph keeps its own pool, so the activations' memory stays reserved
@@ -73,11 +82,33 @@ import torch
 from kernel_ft import files, flags, models
 
 EAGER_STEPS = 2  # steps run eagerly before the capture: compilation, autotuning, optimizer state
+DDP_EAGER_STEPS = 11  # with --ddp: past DDP's timed first ten iterations and its bucket rebuild (above)
 # A replay slower than the last eager step by more than this keeps the run eager (see
 # GraphedStep._keep_faster): graphs remove the host's time, and where the GPU bounds the
 # step there is none to remove.
 SLOWER = 0.05
 TIMED_REPLAY = 1  # which replay is timed: the second (the first also uploads the graph)
+
+
+@contextlib.contextmanager
+def side_stream(device):
+    """Run the block on a new CUDA stream that starts after the current one's work and
+    that the current one waits for at the end (on a CPU: the block as it is)."""
+    if device.type != "cuda":
+        yield
+        return
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.stream(side):
+            yield
+    finally:
+        torch.cuda.current_stream(device).wait_stream(side)
+
+
+def eager_steps(args):
+    """How many steps run eagerly before the capture in this run."""
+    return DDP_EAGER_STEPS if getattr(args, "ddp", False) else EAGER_STEPS
 
 
 def reason_to_stay_eager(args, model, data):
@@ -88,8 +119,6 @@ def reason_to_stay_eager(args, model, data):
         return "no GPU"
     if getattr(args, "fsdp", False):
         return "--fsdp: FSDP2's all-gathers and reduce-scatters are issued by hooks this capture does not cover"
-    if getattr(args, "ddp", False):
-        return "--ddp: DistributedDataParallel's all-reduces are issued by hooks this capture does not cover"
     if getattr(args, "skip_nonfinite_steps", False):
         return "--skip-nonfinite-steps reads each step's loss on the host before the update"
     if getattr(args, "optimizer_in_backward", False):
@@ -212,8 +241,12 @@ class GraphedStep:
     """
 
     def __init__(self, captured, eager, after_replay, clear_gradients, before_replay=None, before_capture=None,
-                 hold=contextlib.nullcontext, say=print):
+                 hold=contextlib.nullcontext, say=print, eager_steps=EAGER_STEPS, agree=None):
         self.captured, self.eager = captured, eager
+        self.eager_steps = eager_steps
+        # Several processes (--ddp): agree(flag) is True when every process's flag is, so
+        # that all capture, replay or fall back together. None: one process.
+        self.agree = agree
         self.after_replay, self.before_replay = after_replay, before_replay
         self.before_capture = before_capture
         self.clear_gradients = clear_gradients
@@ -232,11 +265,15 @@ class GraphedStep:
         if self.disabled:
             return self.eager(micro_batches)
         if self.graph is None:
-            if self.eager_calls < EAGER_STEPS:
+            if self.eager_calls < self.eager_steps:
                 return self._eager_on_side_stream(micro_batches)
             if not self._capture(micro_batches):
                 return self.eager(micro_batches)
         elif not self.inputs.fits(micro_batches):
+            if self.agree is not None:  # the others replay: this process alone cannot step eagerly
+                raise RuntimeError(
+                    "CUDA graphs with several processes: this process got a batch of another shape than the captured "
+                    "step, and every process must replay the graph together; rerun with --no-cuda-graphs")
             if not self.mismatch_noted:
                 flags.note("CUDA graphs: a batch of another shape than the captured one runs eagerly "
                            "(this note is printed once)")
@@ -271,11 +308,13 @@ class GraphedStep:
         return out, start.elapsed_time(end)
 
     def _keep_faster(self, replay_ms):
-        """After the timed replay: if it was slower than the last eager step, the rest of
-        the run is eager, with a note (the same arithmetic either way)."""
-        if self.eager_ms is None or replay_ms <= self.eager_ms * (1 + SLOWER):
+        """After the timed replay: if it was slower than the last eager step (on any
+        process), the rest of the run is eager, with a note (the same arithmetic either way)."""
+        slower = self.eager_ms is not None and replay_ms > self.eager_ms * (1 + SLOWER)
+        if (not slower) if self.agree is None else self.agree(not slower):
             return
-        self.disabled = f"a replay took {replay_ms:.0f} ms, an eager step {self.eager_ms:.0f} ms"
+        self.disabled = (f"a replay took {replay_ms:.0f} ms, an eager step {self.eager_ms:.0f} ms" if slower
+                         else "another process's replay was slower than its eager step")
         flags.note(f"CUDA graphs: {self.disabled}; training eagerly (the GPU, not Python, bounds this step)")
         self.graph = self.inputs = self.outputs = None
         self.clear_gradients()  # the graph's gradients; eager backward starts from None
@@ -284,15 +323,12 @@ class GraphedStep:
         """A warm-up step, on a side stream: what it allocates lazily (cuBLAS
         workspaces, autograd's streams) is then in place for the capture."""
         self.eager_calls += 1
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            if self.eager_calls < EAGER_STEPS:
-                outputs = self.eager(micro_batches)
-            else:  # the last one is timed: the replay must beat it (_keep_faster)
-                outputs, self.eager_ms = self._clock(lambda: self.eager(micro_batches))
-        torch.cuda.current_stream().wait_stream(side)
-        return outputs
+        with side_stream(torch.device("cuda", torch.cuda.current_device())):
+            if self.eager_calls < self.eager_steps:
+                return self.eager(micro_batches)
+            # the last one is timed: the replay must beat it (_keep_faster)
+            outputs, self.eager_ms = self._clock(lambda: self.eager(micro_batches))
+            return outputs
 
     def _capture(self, micro_batches):
         """Record the step; True if it worked. Nothing runs during a capture: the
@@ -310,12 +346,17 @@ class GraphedStep:
             # which a global capture would refuse (and the capture with it).
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self.outputs = self.captured(self.inputs.batches)
+            failed = None
         except Exception as e:  # noqa: BLE001 - any operation the capture refused: train eagerly
-            self.disabled = files.one_line(e)
-            self.graph = self.inputs = self.outputs = None
-            self.clear_gradients()  # what the failed capture allocated is not a gradient
+            failed = files.one_line(e)
             torch.cuda.synchronize()
             recover_from_failed_capture(stream)
+        if self.agree is not None and not self.agree(failed is None):
+            failed = failed or "another process could not capture its step"
+        if failed:
+            self.disabled = failed
+            self.graph = self.inputs = self.outputs = None
+            self.clear_gradients()  # what the capture allocated is not a gradient
             flags.note(f"CUDA graphs: the step could not be captured ({self.disabled}); training eagerly")
             return False
         self.graph = graph

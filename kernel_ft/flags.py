@@ -249,7 +249,7 @@ def add_finetune_args(parser, cuda_graphs_default=False):
         "--warmup-steps",
         type=non_negative_int,
         help=f"untimed steps first: kernel compilation, cuBLAS autotuning, the CUDA graph's capture (default: "
-        f"{GPU_WARMUP_STEPS}, or {CPU_WARMUP_STEPS} without a GPU)",
+        f"{GPU_WARMUP_STEPS}, {DDP_GPU_WARMUP_STEPS} with --ddp, or {CPU_WARMUP_STEPS} without a GPU)",
     )
     g.add_argument(
         "--log-every",
@@ -268,6 +268,9 @@ def add_finetune_args(parser, cuda_graphs_default=False):
 # replay. The same without it: --cuda-graphs must not change the learning-rate
 # schedule (it spans warm-up and timed steps), nor the baseline's.
 GPU_WARMUP_STEPS = 3
+# With --ddp the capture comes after DDP's own first iterations (cuda_graphs.DDP_EAGER_STEPS
+# + 1): also when torchrun leaves the choice to the run, which may take --ddp.
+DDP_GPU_WARMUP_STEPS = 12
 
 
 def add_cuda_graphs_arg(group, default):
@@ -406,7 +409,8 @@ def settle(args):
     if getattr(a, "steps", 0) is None:
         a.steps = 20 if on_gpu else CPU_STEPS
     if getattr(a, "warmup_steps", 0) is None:
-        a.warmup_steps = GPU_WARMUP_STEPS if on_gpu else CPU_WARMUP_STEPS
+        replicas = getattr(a, "ddp", False) or (processes_started() > 1 and not getattr(a, "fsdp", False))
+        a.warmup_steps = (DDP_GPU_WARMUP_STEPS if replicas else GPU_WARMUP_STEPS) if on_gpu else CPU_WARMUP_STEPS
     if getattr(a, "lr_warmup_steps", 0) is None:
         a.lr_warmup_steps = round(LR_WARMUP_FRACTION * (a.warmup_steps + a.steps))
     return Settings(vars(a), notes + idle_flags(a))

@@ -212,6 +212,16 @@ def replicate_model(model, world, bucket_mb=flags.DDP_BUCKET_MB):
     replicate(model, gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb, **device)
 
 
+def all_agree(flag):
+    """True on every process when ``flag`` is True on every process (one all-reduce of a
+    flag, read on the host): the processes of a --ddp run take their CUDA-graph decisions
+    together."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    agreed = torch.tensor([int(bool(flag))], dtype=torch.int32, device=device)
+    torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+    return bool(agreed.item())
+
+
 def shard_model(model, args, world):
     """--fsdp: fully_shard each decoder layer, then the root (embedding, final norm,
     LM head); a model built on the meta device (load_model) is then materialized,

@@ -133,6 +133,8 @@ def step_function(args, model, optimizer, loss_fn, scheduler, graphs):
         before_capture=getattr(optimizer, "prepare_capture", None),  # TritonAdamW: its scalars' memory
         before_replay=getattr(optimizer, "stage_graph_step", None),  # TritonAdamW: this step's scalars
         hold=hold_interrupts,
+        eager_steps=cuda_graphs.eager_steps(args),
+        agree=fsdp.all_agree if getattr(args, "ddp", False) else None,  # every process replays, or none
     )
 
 
@@ -165,7 +167,7 @@ def use_cuda_graphs(args, model, data):
     if reason:
         flags.note(f"CUDA graphs are off, the step runs eagerly: {reason}")
         return False
-    print(f"CUDA graphs:   on: the step is captured after {cuda_graphs.EAGER_STEPS} eager steps, then replayed "
+    print(f"CUDA graphs:   on: the step is captured after {cuda_graphs.eager_steps(args)} eager steps, then replayed "
           f"(--no-cuda-graphs: eager)")
     if data is None:  # synthetic rows: no padding, no packing; the eager step's causal attention, also in the graph
         cuda_graphs.keep_sdpa_causal(model, args.seq_len)

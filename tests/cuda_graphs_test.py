@@ -69,6 +69,13 @@ def test_flag_defaults(monkeypatch):
         args = flags.settle(finetune_optimized.parse_args(["--tiny"] + argv))
         assert args.warmup_steps == warmup, argv
     assert flags.settle(finetune_baseline.parse_args(["--tiny"])).warmup_steps == cuda_graphs.EAGER_STEPS + 1
+    # --ddp captures after DDP's own first iterations; so may a torchrun run that leaves the choice to
+    # the run, unless it asked for --fsdp.
+    assert flags.DDP_GPU_WARMUP_STEPS == cuda_graphs.DDP_EAGER_STEPS + 1
+    assert flags.settle(finetune_optimized.parse_args(["--tiny", "--ddp"])).warmup_steps == flags.DDP_GPU_WARMUP_STEPS
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert flags.settle(finetune_optimized.parse_args(["--tiny"])).warmup_steps == flags.DDP_GPU_WARMUP_STEPS
+    assert flags.settle(finetune_optimized.parse_args(["--tiny", "--fsdp"])).warmup_steps == flags.GPU_WARMUP_STEPS
 
 
 def _args(**changes):
@@ -104,6 +111,9 @@ def test_capturable_runs(monkeypatch):
     assert cuda_graphs.reason_to_stay_eager(_args(), _Model(), object()) is None  # packed data
     assert cuda_graphs.reason_to_stay_eager(_args(packing=False), _Model(), None) is None  # synthetic: one shape
     assert cuda_graphs.reason_to_stay_eager(_args(compile=True), _Model(), None) is None  # Inductor's kernels
+    assert cuda_graphs.reason_to_stay_eager(_args(ddp=True), _Model(), None) is None  # NCCL's all-reduces inside
+    assert cuda_graphs.eager_steps(_args(ddp=True)) == cuda_graphs.DDP_EAGER_STEPS
+    assert cuda_graphs.eager_steps(_args()) == cuda_graphs.EAGER_STEPS
 
 
 def test_the_choice_is_said_in_one_line(monkeypatch, capsys):
@@ -218,8 +228,9 @@ def _loss(model, batch):
     return model(batch["x"]).square().mean()
 
 
-def _graphed(monkeypatch, model, optimizer, scheduler, fail=False, notes=None, times=(100.0, 50.0)):
-    """A GraphedStep on the CPU; ``times``: the clock's (eager warm-up, timed replay) in ms."""
+def _graphed(monkeypatch, model, optimizer, scheduler, fail=False, notes=None, times=(100.0, 50.0), **options):
+    """A GraphedStep on the CPU; ``times``: the clock's (eager warm-up, timed replay) in ms;
+    ``options``: GraphedStep's eager_steps and agree."""
     monkeypatch.setattr(cuda_graphs.torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(cuda_graphs.torch.cuda, "graph", fake_capture)
     monkeypatch.setattr(cuda_graphs.torch.cuda, "synchronize", lambda: None)
@@ -229,7 +240,7 @@ def _graphed(monkeypatch, model, optimizer, scheduler, fail=False, notes=None, t
 
     def eager_here(self, micro_batches):  # no side stream on the CPU
         self.eager_calls += 1
-        if self.eager_calls == cuda_graphs.EAGER_STEPS:
+        if self.eager_calls == self.eager_steps:
             self.eager_ms = times[0]
         return self.eager(micro_batches)
     monkeypatch.setattr(cuda_graphs.GraphedStep, "_eager_on_side_stream", eager_here)
@@ -266,7 +277,7 @@ def _graphed(monkeypatch, model, optimizer, scheduler, fail=False, notes=None, t
 
     step = cuda_graphs.GraphedStep(captured, eager, after_replay=scheduler.step,
                                    clear_gradients=lambda: optimizer.zero_grad(set_to_none=True),
-                                   say=lambda text: None)
+                                   say=lambda text: None, **options)
     real_capture = step._capture
 
     def capture_then_wire(micro_batches):
@@ -350,6 +361,58 @@ def test_a_replay_slower_than_eager_keeps_the_run_eager(monkeypatch, replay_ms, 
         assert step.graph is None and step.replays == cuda_graphs.TIMED_REPLAY + 1
         assert len(notes) == 1 and "a replay took 106 ms, an eager step 100 ms; training eagerly" in notes[0]
         assert all(p.grad is None for p in model.parameters())
+
+
+class _Others:
+    """agree() of several processes, the others' flags given: every call records this
+    process's flag and returns whether all are True."""
+
+    def __init__(self, *others):
+        self.others, self.asked = list(others), []
+
+    def __call__(self, flag):
+        self.asked.append(flag)
+        return flag and self.others.pop(0)
+
+
+def test_several_processes_capture_after_their_eager_steps_and_replay_together(monkeypatch):
+    """--ddp: the capture comes after eager_steps eager steps; every process agrees that it
+    captured and that its replay is fast enough; the losses are the eager run's."""
+    batches = [b for i, b in enumerate(_batches(14)) if i != 5]
+    expected = _eager_losses(monkeypatch, batches)
+    model, optimizer, scheduler = _toy()
+    agree = _Others(True, True)
+    step = _graphed(monkeypatch, model, optimizer, scheduler, eager_steps=11, agree=agree)
+    assert _train(step, batches) == pytest.approx(expected, rel=1e-6, abs=0)
+    assert step.eager_calls == 11 and step.graph is not None and step.replays == len(batches) - 11
+    assert agree.asked == [True, True]  # captured; the timed replay was fast enough
+
+
+@pytest.mark.parametrize("others, words", [
+    ((False,), "another process could not capture its step"),
+    ((True, False), "another process's replay was slower than its eager step"),
+])
+def test_when_another_process_falls_back_all_do(monkeypatch, others, words):
+    """This process captured and replays fast, another did not: all train eagerly, the
+    same losses, one note."""
+    batches = [b for i, b in enumerate(_batches(7)) if i != 5]
+    expected = _eager_losses(monkeypatch, batches)
+    model, optimizer, scheduler = _toy()
+    notes = []
+    step = _graphed(monkeypatch, model, optimizer, scheduler, notes=notes, agree=_Others(*others))
+    assert _train(step, batches) == pytest.approx(expected, rel=1e-6, abs=0)
+    assert step.graph is None and step.disabled == words
+    assert len(notes) == 1 and words in notes[0]
+
+
+def test_several_processes_refuse_a_batch_of_another_shape(monkeypatch):
+    """The others replay the captured step: a batch that does not fit stops this process
+    in one line instead of stepping eagerly alone (its all-reduces would wait for ever)."""
+    model, optimizer, scheduler = _toy()
+    step = _graphed(monkeypatch, model, optimizer, scheduler, agree=_Others(True, True))
+    with pytest.raises(RuntimeError, match="every process must replay the graph together; rerun with "
+                                           "--no-cuda-graphs"):
+        _train(step, _batches(6))  # batch 5 has another shape
 
 
 def test_static_inputs():

@@ -20,7 +20,8 @@ adamw) imports its common ground from here and nothing private from the others:
 * ``kernel_op``: registering a launcher as a PyTorch custom operator, so that
   ``torch.compile`` can put our kernels inside its graphs.
 * ``amax_slots``, ``note_amax``, ``take_amax``: a kernel that produces an FP8
-  layer's input hands its max |x| to the cast (Step 22).
+  layer's input hands its max |x| to the cast, and the optimizer its weight's
+  (``weight_amax_slots``, ...; Step 22).
 
 Nothing runs on import except the interpreter switch and the version check.
 """
@@ -508,7 +509,7 @@ import weakref  # noqa: E402
 from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 from torch.utils.weak import WeakIdKeyDictionary  # noqa: E402
 
-FP8_PRODUCERS = True  # False: every cast measures its own amax (A/B timings: benchmark_fp8.py)
+FP8_PRODUCERS = True  # False: every cast measures its own amax (A/B: benchmark_fp8.py, gpu_verify.sh fp8producers)
 AMAX_SLOTS = 4 if INTERPRET else 32  # atomics spread over this many addresses (fewer collisions)
 FP8_CONSUMERS = weakref.WeakSet()  # per-tensor FP8 layers alive (fp8_kernel.FP8Linear adds itself)
 _PRODUCED = collections.OrderedDict()  # key -> slots, oldest first
@@ -528,7 +529,9 @@ def amax_slots(t, outputs=1):
     """Zeroed float32 slots [outputs, AMAX_SLOTS] (one launch) for a kernel that reads ``t`` to
     fold the max |.| of each of its outputs into, or None where no per-tensor FP8 cast
     could take them the way this channel allows."""
-    if not (FP8_PRODUCERS and FP8_CONSUMERS) or traced(t) or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+    if not (FP8_PRODUCERS and FP8_CONSUMERS) or traced(t) or torch.compiler.is_compiling():
+        return None
+    if torch.is_inference_mode_enabled():  # its outputs have no version counter to key on
         return None
     return torch.zeros(outputs, AMAX_SLOTS, dtype=torch.float32, device=t.device)
 

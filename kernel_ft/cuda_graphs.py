@@ -51,7 +51,7 @@ What a recording requires, and how this file meets it
 * With --ddp, the all-reduces inside the graph (NCCL collectives can be captured):
   DistributedDataParallel is built on a side stream (the gradient accumulators it
   keeps would otherwise belong to the default stream, which cannot join a capture;
-  fsdp.replicate_model), its first ten iterations, which it times for its logs by
+  run.assemble), its first ten iterations, which it times for its logs by
   reading CUDA events on the host, and its bucket rebuild after the first run
   eagerly (DDP_EAGER_STEPS), and every decision is taken by all processes together
   (``agree``): a graph with collectives must be replayed by every process or none.

@@ -118,9 +118,8 @@ def assemble(args, model, data, switch_in, world, after_kernels=None):
     Returns (kernels, loss_fn, optimizer, graphs)."""
     kernels = flags.kernels_from_args(args)
     if kernels_default_attention(args, model) and not kernels["attention"]:
-        # A family whose own attention is transformers' eager one (Gemma-2: soft-capped
-        # scores, which SDPA cannot compute): ours is faster on every row, packed or not,
-        # and lets the step run as a CUDA graph.
+        # Rows SDPA cannot run through its causal kernels (kernels_default_attention): ours
+        # is faster on every row, packed or not, and lets the step run as a CUDA graph.
         kernels["attention"] = True
     loss_fn, make_optimizer = switch_in(model, kernels)
     if after_kernels:
@@ -141,8 +140,15 @@ def assemble(args, model, data, switch_in, world, after_kernels=None):
 
 
 def kernels_default_attention(args, model):
-    """--use-custom-attention left at its default, and the model's attention is the eager one."""
-    return getattr(args, "use_custom_attention", False) is None and model.config._attn_implementation == "eager"
+    """--use-custom-attention left at its default, and SDPA would not take these rows
+    through its causal flash or cuDNN kernels: the model's attention is transformers'
+    eager one (Gemma-2's soft-capped scores), or its layers slide a window shorter than
+    the row (Mistral, Phi-3, Qwen2 and Gemma-3 past their window), which SDPA can only
+    apply as a dense [B, 1, T, T] mask. The kernel skips the tiles outside the window."""
+    if getattr(args, "use_custom_attention", False) is not None:
+        return False
+    window, sliding = models.sliding_layers(model.config)
+    return model.config._attn_implementation == "eager" or bool(window and args.seq_len > window and any(sliding))
 
 
 def check_model_flags(args):

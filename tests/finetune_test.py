@@ -32,6 +32,7 @@ if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, *sys.argv[1:]]))
 
 
+import argparse
 import ast
 import copy
 import importlib.util
@@ -51,7 +52,7 @@ import finetune_baseline
 import finetune_optimized
 import kernel_ft
 import linear_cross_entropy_kernel
-from kernel_ft import dataloader, files, flags, models, reporting, training
+from kernel_ft import dataloader, files, flags, models, reporting, run, training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 # Synthetic tokens: these tests are about the loop and the kernels (tests/data_test.py tests the data).
@@ -189,6 +190,22 @@ def test_json_fields(runs):
     assert [s["warmup"] for s in doc["steps"]] == [True, False, False, False]
     assert len(doc["losses"]) == len(doc["step_times_s"]) == 4
     assert doc["tokens_per_sec"] > 0 and doc["peak_memory_bytes"] > 0
+
+
+@pytest.mark.parametrize("flag, config, seq_len, on", [
+    (None, dict(_attn_implementation="eager"), 64, True),  # Gemma-2: soft-capped scores, no SDPA
+    (None, dict(sliding_window=16), 64, True),  # every layer slides a window shorter than the row
+    (None, dict(sliding_window=16, layer_types=["full_attention", "sliding_attention"]), 64, True),
+    (None, dict(sliding_window=16, layer_types=["full_attention", "full_attention"]), 64, False),
+    (None, dict(sliding_window=128), 64, False),  # the window holds the whole row: SDPA's causal kernels
+    (None, dict(), 64, False),
+    (False, dict(sliding_window=16), 64, False),  # asked off
+])
+def test_attention_kernel_by_default_where_sdpa_needs_a_mask(flag, config, seq_len, on):
+    model = argparse.Namespace(config=argparse.Namespace(
+        **{"_attn_implementation": "sdpa", "sliding_window": None, "num_hidden_layers": 2, **config}))
+    args = argparse.Namespace(use_custom_attention=flag, seq_len=seq_len)
+    assert run.kernels_default_attention(args, model) is on
 
 
 def test_loss_functions_agree_on_padding():

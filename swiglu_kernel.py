@@ -320,7 +320,7 @@ def _swiglu_fwd_kernel(
     a = cast_to(a, G.dtype.element_ty).to(tl.float32)
     y = cast_to(a * u, Y.dtype.element_ty)
     tl.store(Y + rows[:, None] * n_cols + cols[None, :], y, mask=mask)
-    if AMAX_SLOTS:  # the FP8 producer of rmsnorm_kernel.py: max |y| as stored, for down_proj's cast
+    if AMAX_SLOTS:  # an FP8 producer, as RMSNorm is: max |y| as stored, for down_proj's cast
         _fold_amax(AMAX, y, AMAX_SLOTS)
 
 

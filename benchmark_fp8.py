@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from kernel_ft import flags  # first: it switches on the Triton interpreter when there is no GPU
-from kernel_ft import files, reporting
+from kernel_ft import cuda_graphs, files, reporting
 from kernel_ft.benchmark_specs import bench, copy_bandwidth, free_memory, repair_capture_state
 from kernel_ft.benchmark_peers import version
 from fp8_gemm_kernel import triton_scaled_mm
@@ -232,12 +232,9 @@ def mlp_stack(state, variant):
 def graphed_step(model, xg, dy):
     """Forward + backward of ``model`` captured in one CUDA graph (warmed up on a side stream
     first, as PyTorch's whole-network capture recipe says); returns (graph, output)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    with cuda_graphs.side_stream(xg.device):
         for _ in range(3):
             model(xg).backward(dy)
-    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = model(xg)

@@ -135,8 +135,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (  # noqa: F401 - fp8_supported: part of this file's API, used by the tests
     IN_INTERPRETER, INTERPRET, SUPPORTED_DTYPES, cdiv, check_kernel_device, fast_launch, first_order_only,
-    FP8_CONSUMERS, fp8_supported, kernel_op, linears_to_cast, next_power_of_2, nothing, num_sms,
-    register_fp8_weight, swap_modules, take_amax, take_weight_amax, traced,
+    fp8_supported, kernel_op, linears_to_cast, next_power_of_2, nothing, num_sms, register_fp8_weight,
+    swap_modules, take_amax, take_weight_amax, traced,
 )
 
 import triton
@@ -785,8 +785,9 @@ class FP8Linear(nn.Module):
         self.register_parameter("bias", linear.bias)
         self.recipe, self.emulate, self.grads = recipe, emulate, grads
         if recipe == "tensorwise":
-            FP8_CONSUMERS.add(self)  # the kernels that produce its input note their amax (kernel_common)
-            register_fp8_weight(self.weight)  # and so does the optimizer for its weight
+            # The kernels that produce its input note their amax (kernel_common), and so may
+            # the optimizer for its weight.
+            register_fp8_weight(self.weight)
 
     def forward(self, x):
         return fp8_linear(x, self.weight, self.bias, self.recipe, self.emulate, self.grads)

@@ -206,6 +206,7 @@ def test_gpu_weight_amax_inside_the_captured_step():
     filled. Every loss and the final weights equal those of the run that measures."""
     need_fp8()
     from adamw_kernel import TritonAdamW
+    from kernel_ft.cuda_graphs import side_stream
     from rmsnorm_kernel import TritonRMSNorm
 
     def run(measure_in_optimizer, replays=6):
@@ -222,13 +223,10 @@ def test_gpu_weight_amax_inside_the_captured_step():
             optimizer.step()
             return loss
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        with side_stream(x.device):
             for _ in range(2):  # eager steps first: the optimizer's state, the weights' slots
                 step()
                 optimizer.zero_grad(set_to_none=True)
-        torch.cuda.current_stream().wait_stream(side)
         optimizer.prepare_capture()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -437,7 +435,7 @@ def producer_block(x, dy, fused, grads, producers, seen):
     linears = [torch.nn.Linear(k, n, bias=False).to(DEVICE, x.dtype) for n, k in shapes + [(hidden, inter)]]
     layers = [FP8Linear(m, "tensorwise", emulate=True, grads=grads) for m in linears]
     if not producers:
-        kernel_common.FP8_CONSUMERS.clear()
+        kernel_common._WEIGHTS.clear()
     xx = x.clone().requires_grad_()
     h = norm(xx)
     gate, up = (layers[0](h), None) if fused else (layers[0](h), layers[1](h))
@@ -479,7 +477,7 @@ def test_a_changed_or_partial_output_measures_its_own_amax():
     from rmsnorm_kernel import TritonRMSNorm
 
     layer = FP8Linear(torch.nn.Linear(32, 16, bias=False), "tensorwise", emulate=True).to(DEVICE)
-    assert layer in kernel_common.FP8_CONSUMERS  # a per-tensor layer: the producers note amaxes
+    assert layer.weight in kernel_common._WEIGHTS  # a per-tensor layer: the producers note amaxes
     norm = TritonRMSNorm(32).to(DEVICE)
     x = sample((6, 32), torch.float32, 41).requires_grad_()
     y = norm(x)
@@ -503,8 +501,8 @@ def test_no_fp8_layer_no_producer_work():
     gc.collect()
     kernel_common._PRODUCED.clear()
     rowwise = FP8Linear(torch.nn.Linear(32, 16, bias=False), "rowwise", emulate=True)
-    assert rowwise not in kernel_common.FP8_CONSUMERS  # per row: a produced tensor maximum is no use
-    kernel_common.FP8_CONSUMERS.clear()
+    assert rowwise.weight not in kernel_common._WEIGHTS  # per row: a produced tensor maximum is no use
+    kernel_common._WEIGHTS.clear()
     TritonRMSNorm(32).to(DEVICE)(sample((6, 32), torch.float32, 42).requires_grad_())
     assert not kernel_common._PRODUCED
 

@@ -501,17 +501,18 @@ def nothing(like):
 #   take the same key), its place in it and its version counter: a view of other
 #   elements, an in-place change, or a new tensor at the same address misses and
 #   measures its own amax. An entry is taken once; a few are kept at most.
-# * Producers do this only while a per-tensor FP8 layer exists (``FP8_CONSUMERS``):
-#   otherwise a norm would fill slots nobody reads.
+# * Producers do this only while a per-tensor FP8 layer exists (it registers its weight:
+#   ``register_fp8_weight``): otherwise a norm would fill slots nobody reads.
 import collections  # noqa: E402
-import weakref  # noqa: E402
 
 from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 from torch.utils.weak import WeakIdKeyDictionary  # noqa: E402
 
 FP8_PRODUCERS = True  # False: every cast measures its own amax (A/B: benchmark_fp8.py, gpu_verify.sh fp8producers)
 AMAX_SLOTS = 4 if INTERPRET else 32  # atomics spread over this many addresses (fewer collisions)
-FP8_CONSUMERS = weakref.WeakSet()  # per-tensor FP8 layers alive (fp8_kernel.FP8Linear adds itself)
+# The weights of the per-tensor FP8 layers alive (fp8_kernel.FP8Linear registers its own), each
+# with the optimizer's record of its amax ("Weights" below): while any is, the producers work.
+_WEIGHTS = WeakIdKeyDictionary()  # weight Parameter -> [slots or None, key noted or None]
 _PRODUCED = collections.OrderedDict()  # key -> slots, oldest first
 _PRODUCED_KEEP = 8  # outputs nobody cast (the last norm before an FP8-less lm_head) fall out
 
@@ -529,7 +530,7 @@ def amax_slots(t, outputs=1):
     """Zeroed float32 slots [outputs, AMAX_SLOTS] (one launch) for a kernel that reads ``t`` to
     fold the max |.| of each of its outputs into, or None where no per-tensor FP8 cast
     could take them the way this channel allows."""
-    if not (FP8_PRODUCERS and FP8_CONSUMERS) or traced(t) or torch.compiler.is_compiling():
+    if not (FP8_PRODUCERS and _WEIGHTS) or traced(t) or torch.compiler.is_compiling():
         return None
     if torch.is_inference_mode_enabled():  # its outputs have no version counter to key on
         return None
@@ -562,11 +563,9 @@ def take_amax(t):
 # in-place op bumps its version; another optimizer notes nothing) leaves the cast to
 # measure. Not under FSDP: there the optimizer updates a shard, whose maximum is not the
 # gathered weight's (a sharded Parameter is another object, never registered).
-_WEIGHTS = WeakIdKeyDictionary()  # weight Parameter -> [slots or None, key noted or None]
-
-
 def register_fp8_weight(weight):
-    """Called by a per-tensor FP8 layer for its (trainable) weight."""
+    """Called by a per-tensor FP8 layer for its weight: the producers work from now on, and
+    the optimizer may measure this weight."""
     _WEIGHTS.setdefault(weight, [None, None])
 
 

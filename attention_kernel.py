@@ -84,11 +84,15 @@ results/attention/tma_h100.txt):
   5.44-5.46 / 1.33 / 4.27 -> 4.87-5.01 / 1.04 / 3.91-3.92. The dQ kernel gained
   nothing and keeps plain loads; so do devices before Hopper and layouts the
   copies cannot take (a start or row stride not a multiple of 16 bytes).
-* Measured and not kept: dQ added up across key tiles in float32 by the dK/dV
-  kernel (five products per tile instead of seven, FlashAttention-2's way), with
-  TMA reduce-adds or atomics: 0.6x of the two kernels, the adds cost more than
-  the products they save; 128-query tiles with TMA; warp specialization
-  (``tl.range(warp_specialize=True)``) does not compile for this loop in Triton 3.6.
+* Measured and not kept (results/attention/hopper_limits_h100/): dQ added up
+  across key tiles in float32 by the dK/dV kernel (five products per tile instead
+  of seven, FlashAttention-2's way), with TMA reduce-adds or relaxed atomics, tiles
+  from 16 x 128 to 128 x 128: at best 0.72x of the two kernels. With 64 keys per
+  tile the adds move 8.6 GB of float32 for one 8K document, more than the atomics
+  can hide (~3 TB/s here); larger key tiles spill the dK and dV accumulators.
+  128-query tiles with TMA. Warp specialization (``tl.range(warp_specialize=True)``):
+  does not compile for this loop in Triton 3.6; in the tutorial's one-loop shape it
+  compiles with 8 warps and is no faster, with 4 warps it returns NaN.
 
 Triton concepts new in this step
 --------------------------------

@@ -637,8 +637,15 @@ def test_fine_tune_refuses_fp8_in_one_line_before_loading(monkeypatch):
 
     for argv, expected in ((["--fp8", "rowwise"], "error: --fp8: FP8 matmuls need a CUDA GPU"),
                            (["--fp8", "tensorwise", "--lora-4bit"], "error: --fp8 with --lora-4bit"),
-                           (["--fp8", "rowwise", "--fsdp", "--lora"], "error: --fp8 with --fsdp --lora: the fp8 "
-                                                                      "copies of the frozen weights are kept whole")):
+                           (["--fp8", "rowwise", "--fsdp", "--lora"], "error: --fp8 rowwise with --fsdp --lora: the "
+                                                                      "fp8 copies of the frozen weights would be kept"),
+                           (["--fp8", "tensorwise", "--fsdp", "--lora", "--no-fsdp-fp8-gather"],
+                            "error: --fp8 tensorwise with --fsdp --lora"),
+                           (["--fp8", "tensorwise", "--fsdp", "--lora", "--compile"],
+                            "error: --fp8 tensorwise with --fsdp --lora"),
+                           # Gathered in FP8, each process casts its own shard: past every FP8 check (the GPU's
+                           # passes since the --lora-4bit case), to --fsdp's own.
+                           (["--fp8", "tensorwise", "--fsdp", "--lora"], "error: --fsdp runs under torchrun")):
         monkeypatch.setattr("kernel_ft.flags.installed", lambda package: True)  # bitsandbytes' check passes
         monkeypatch.setattr("torch.cuda.is_available", lambda: False)
         monkeypatch.setattr("kernel_ft.models.load_model", lambda *a: pytest.fail("the model was built before the refusal"))

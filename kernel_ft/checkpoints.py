@@ -272,6 +272,11 @@ def load_sharded(folder, model, optimizer):
     dcp.load(state, checkpoint_id=os.path.join(folder, SHARDED_DIR))
     result = set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                             options=options)
+    # DCP writes the values into the shards' memory without moving their version counters:
+    # moved here, so that a copy cached on (memory, version) is made again (the FP8 casts of
+    # frozen weights, kernel_ft/fp8_gather.py).
+    for p in model.parameters():
+        torch.autograd.graph.increment_version(p.to_local() if hasattr(p, "to_local") else p)
     frozen = frozen_parameter_names(model)
     missing = [k for k in result.missing_keys if k not in frozen]
     if missing or result.unexpected_keys:

@@ -204,6 +204,13 @@ def kernels_from_args(args):
     return kernels
 
 
+def fp8_gathered(args):
+    """Does this --fsdp run gather its FP8 layers' weights in FP8? (--fp8 tensorwise,
+    --fsdp-fp8-gather, not --compile: kernel_ft/fp8_gather.py)"""
+    return getattr(args, "fp8", None) == "tensorwise" and getattr(args, "fsdp_fp8_gather", True) \
+        and not getattr(args, "compile", False)
+
+
 def check_fp8_flags(args, flag="--fp8"):
     """An FP8 flag (--fp8, or the baseline's --torchao-fp8) before anything is built: a
     GPU with FP8 tensor cores, bf16 linear layers to cast; the peer in one process."""
@@ -215,10 +222,12 @@ def check_fp8_flags(args, flag="--fp8"):
     parallel = "--fsdp" if getattr(args, "fsdp", False) else "--ddp" if getattr(args, "ddp", False) else None
     if parallel and flag != "--fp8":
         raise SystemExit(f"error: {flag} runs in one process (the peer of --fp8 on one GPU); leave out {parallel}")
-    if parallel == "--fsdp" and getattr(args, "lora", False):
+    if parallel == "--fsdp" and getattr(args, "lora", False) and not fp8_gathered(args):
         # fp8_kernel caches the fp8 copies of frozen weights, whole: on every GPU that would undo the sharding.
-        raise SystemExit(f"error: {flag} with --fsdp --lora: the fp8 copies of the frozen weights are kept whole on "
-                         f"every GPU, which undoes the sharding; use --ddp, or leave out {flag}")
+        # Gathered in FP8, each process keeps the FP8 copy of its own shard only (kernel_ft/fp8_gather.py).
+        raise SystemExit(f"error: {flag} {args.fp8} with --fsdp --lora: the fp8 copies of the frozen weights would be "
+                         f"kept whole on every GPU, which undoes the sharding; use --fp8 tensorwise with "
+                         f"--fsdp-fp8-gather and without --compile, or --ddp, or leave out {flag}")
     ok, reason = kernel_common.fp8_supported(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     if not ok:
         raise SystemExit(f"error: {flag}: {reason}")
@@ -323,6 +332,12 @@ def add_fsdp_arg(group):
              "them again (one all-gather per layer and step fewer; every process holds the bf16 weights of the "
              "layers between forward and backward). auto (the default): on a GPU, decided after the first "
              "steps from their measured peak memory (fsdp.decide_keep_gathered); off on a CPU. Alone: on",
+    )
+    group.add_argument(
+        "--fsdp-fp8-gather", action=argparse.BooleanOptionalAction, default=True,
+        help="--fsdp --fp8 tensorwise: each process casts its shard of a layer's weights to FP8 with the whole "
+             "weight's scale and the all-gather moves FP8, 1 byte per weight instead of 2 (kernel_ft/fp8_gather.py; "
+             "the same bits). Default: on; off with --compile (its graphs take plain weights)",
     )
     group.add_argument(
         "--fsdp-reduce-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
@@ -458,7 +473,8 @@ def idle_parallel_flags(args):
     """--fsdp's own flags without --fsdp, --ddp's without --ddp."""
     notes = []
     fsdp_changed = [f"--{k.replace('_', '-')}" for k, v in (("fsdp_prefetch", 0), ("fsdp_keep_gathered", "auto"),
-                                                            ("fsdp_reduce_dtype", "auto"), ("fsdp_comm", "default"))
+                                                            ("fsdp_reduce_dtype", "auto"), ("fsdp_comm", "default"),
+                                                            ("fsdp_fp8_gather", True))
                     if getattr(args, k, v) != v]
     if fsdp_changed and not getattr(args, "fsdp", False):
         notes.append(f"{', '.join(fsdp_changed)} without --fsdp changes nothing")

@@ -15,8 +15,9 @@ CUDA graph capture what was sharded, and the optimizer takes the parameters as
 they are after all of that (fully_shard replaces every parameter).
 
 This file composes the workload (flags, models, dataloader, fsdp, checkpoints,
-training, reporting) with the library (kernel_ft.patching): the other workload
-modules import no kernel. Nothing runs on import.
+training, reporting) with the library (kernel_ft.patching; kernel_ft.fp8_gather
+under --fsdp --fp8): the other workload modules import no kernel. Nothing runs on
+import.
 """
 
 import argparse
@@ -28,6 +29,7 @@ import sys
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
 
 from kernel_ft import files, flags, models, fsdp, dataloader, checkpoints, cuda_graphs, reporting, training
+from kernel_ft import fp8_gather
 from kernel_ft.patching import KERNELS, KernelNotApplied, apply
 from adamw_kernel import TritonAdamW
 
@@ -131,6 +133,10 @@ def assemble(args, model, data, switch_in, world, after_kernels=None):
             fsdp.replicate_model(model, world, args.ddp_bucket_mb)
     elif world:  # after the kernels: the swapped modules are what is sharded
         fsdp.shard_model(model, args, world)
+        if flags.fp8_gathered(args):  # before the first forward: the weights' first gather is in FP8
+            count = fp8_gather.attach(model)
+            print(f"FSDP FP8:      {count} weights all-gathered in FP8 (each process casts its shard with the "
+                  f"whole weight's scale)")
     models.compile_decoder(model, args)  # after the kernels (and LoRA): they are what the graphs hold
     graphs = training.use_cuda_graphs(args, model, data)
     # Taken now: fully_shard replaced every parameter with a sharded one (DTensor).

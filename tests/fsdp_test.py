@@ -49,6 +49,7 @@ import pytest
 import torch
 
 from kernel_ft import flags  # first: the Triton interpreter switch
+import kernel_common
 from kernel_ft import checkpoints, fsdp, models
 from kernel_ft import run as run_module
 import finetune_baseline
@@ -419,32 +420,87 @@ def test_meta_device_lora_starts_as_the_base_model(one_process_group):
     assert torch.equal(out, base)
 
 
-def test_fp8_layers_under_fully_shard_give_the_unsharded_model(one_process_group):
+# Emulated FP8 on CPU tensors: the kernels run in the Triton interpreter, on where there is no GPU.
+NEEDS_INTERPRETER = pytest.mark.skipif(not kernel_common.INTERPRET, reason="CPU tensors need the Triton interpreter")
+
+
+@NEEDS_INTERPRETER
+@pytest.mark.parametrize("recipe,gathered", [("tensorwise", False), ("tensorwise", True), ("rowwise", False)])
+def test_fp8_layers_under_fully_shard_give_the_unsharded_model(one_process_group, recipe, gathered):
     """--fp8 with --fsdp: FP8Linear holds the layer's own Parameters, so fully_shard shards
     them like any Linear's and hands the forward the whole weights; the loss and every
-    gradient equal those of the same FP8 model unsharded (emulated FP8 on the CPU)."""
+    gradient equal those of the same FP8 model unsharded (emulated FP8 on the CPU). Per
+    tensor, gathered in FP8 (fp8_gather.attach): the forward sees the gathered FP8 weight,
+    and the bits are the same. Per row nothing is gathered in FP8 (its scales span shards)."""
     import copy
 
     from fp8_kernel import FP8Linear, replace_linears
+    from kernel_ft import fp8_gather
 
     torch.manual_seed(0)
     model = models.build_random(models.tiny_config(), torch.device("cpu"), torch.float32)
-    assert replace_linears(model, "tensorwise", emulate=True)[0] == 14
+    assert replace_linears(model, recipe, emulate=True)[0] == 14
     unsharded = copy.deepcopy(model)
     fsdp.shard_model(model, argparse.Namespace(tiny=True), one_process_group)
     assert sum(isinstance(m, FP8Linear) for m in model.modules()) == 14
+    if gathered or recipe == "rowwise":
+        assert fp8_gather.attach(model) == (14 if recipe == "tensorwise" else 0)
+    seen = set()
+    for m in model.modules():
+        if isinstance(m, FP8Linear):
+            m.register_forward_pre_hook(lambda module, args: seen.add(type(module.weight)))
     ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
     losses = []
     for m in (model, unsharded):
         loss = m(input_ids=ids, labels=ids).loss
         loss.backward()
         losses.append(loss.item())
-    assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=0)
+    assert seen == {fp8_gather.FP8Weight if gathered else torch.nn.Parameter}
+    assert losses[0] == losses[1]
     grads = {n: p.grad for n, p in unsharded.named_parameters()}
     got = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     assert got.keys() == grads.keys()
     for name, g in grads.items():
-        assert torch.allclose(got[name], g, rtol=1e-5, atol=1e-7), name
+        assert torch.equal(got[name], g), name
+
+
+@NEEDS_INTERPRETER
+@pytest.mark.parametrize("mode", ["trained", "frozen"])
+def test_fp8_gather_over_two_processes_matches_one_and_resumes(mode, tmp_path):
+    """2 gloo processes (tests/fsdp_fp8_worker.py): with the weights gathered in FP8 the
+    losses and whole gradients of two steps equal the unsharded model's bit for bit; the
+    trained weights are cast at every gather (forward and backward: 2 x 14), frozen ones
+    once; a DCP checkpoint loads into another model, whose frozen casts made before the
+    load are not reused."""
+    env = {k: v for k, v in os.environ.items() if k not in fsdp.TORCHRUN_ENV}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           os.path.join(ROOT, "tests", "fsdp_fp8_worker.py"), mode, str(tmp_path / "ckpt")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in reports) == [0, 1]
+    for r in reports:
+        assert r["attached"] == 14 and r["seen"] == ["FP8Weight"]
+        for step in r["steps"]:
+            assert step["losses"][0] == step["losses"][1] and step["differ"] == []
+        assert [step["casts"] for step in r["steps"]] == ([28, 28] if mode == "trained" else [14, 0])
+        assert r["loaded"][0] == r["loaded"][1]
+
+
+def test_gathered_fp8_weight_reads_dequantized_and_refuses_writes():
+    """A read of the gathered weight by anything but the FP8 layer computes on its
+    dequantized values; a write into it would be lost (its shards are the weight): refused."""
+    from fp8_kernel import FP8_DTYPE
+    from kernel_ft.fp8_gather import FP8Weight
+
+    data = torch.tensor([[1.0, -2.0], [0.5, 448.0]]).to(FP8_DTYPE)
+    w = FP8Weight(data, torch.tensor(0.25), torch.float32)
+    assert w.dtype == torch.float32 and w.shape == (2, 2)
+    assert torch.equal(w + 0, torch.tensor([[0.25, -0.5], [0.125, 112.0]]))
+    assert torch.equal(w.fp8_copy()[0].view(torch.uint8), data.view(torch.uint8))
+    with pytest.raises(RuntimeError, match="read-only"):
+        w.mul_(2)
 
 
 def test_fsdp_comm_sets_every_sharded_module(one_process_group, monkeypatch, capsys):

@@ -1,0 +1,188 @@
+"""
+FP8 weights under FSDP2: each process casts its own shard, and the all-gather moves FP8.
+
+README Step 22 (FP8) meets Step 19 (FSDP). Without this, ``--fsdp --fp8`` gathers every
+layer's weights in bf16 (2 bytes per weight) and then each process casts the whole
+gathered weight to FP8 (an amax pass over it, a cast pass, a transposed copy), in the
+forward and again in the backward's gather. Here a per-tensor (``tensorwise``) FP8
+layer's weight shard casts itself before the gather, with the scale of the whole
+weight, and the gather moves 1 byte per weight:
+
+    before: shard (bf16) --all-gather, 2 B--> W (bf16) --amax, cast--> W8, W8^T
+    here:   shard (bf16) --amax, cast--> shard8 --all-gather, 1 B--> W8 --transpose--> W8^T
+
+What it buys per gathered weight: half the bytes over NVLink, and the amax and cast
+passes over 1/N of the weight instead of all of it (N processes); the transposed copy
+(for dX) is made from the 1-byte W8, as before from the bf16 W. The bits are those
+of the path before: one scale per tensor from the maximum |w| over all shards (one
+all-reduce of the maxima of every FP8 weight in the layer, per gather), and the cast
+is elementwise, so every shard's bytes are those of the whole weight's cast.
+
+How FSDP2 lets us: a sharded parameter whose local tensor has ``fsdp_pre_all_gather``
+and ``fsdp_post_all_gather`` methods gathers what the first returns and hands the
+gathered tensors to the second, which builds the unsharded parameter. So:
+
+* ``FP8Shard``: the weight's shard, a plain tensor subclass sharing its memory (the
+  optimizer, checkpoints and gradient clipping see the bf16 shard as before), made the
+  local tensor of FSDP's DTensor parameter by ``attach`` after ``fully_shard``.
+* ``FP8Weight``: the unsharded parameter the layer sees in its forward: a bf16
+  tensor to autograd and to every shape check, holding the gathered FP8 bytes and
+  their inverse scale, which fp8_kernel's layer uses as they are (``fp8_copy``).
+  Its gradient is a plain bf16 tensor, which FSDP reduce-scatters as before. Any
+  other read of it computes on the dequantized weight (correct, slow); a write into
+  it is refused.
+
+Frozen weights (``--lora``) cast their shard once, and again only when it changes
+(a checkpoint loads: its version counter moves); they need no all-reduce after that.
+
+Per-row scaling (``rowwise``) is not gathered in FP8: W^T's scales are maxima over
+columns, which span every shard; those layers gather bf16 as before.
+"""
+
+import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
+
+import torch
+from torch.utils._pytree import tree_map
+
+from fp8_kernel import FP8_DTYPE, FP8Linear, quantize
+
+aten = torch.ops.aten
+
+
+def _dequantize(w):
+    return w._data.to(w.dtype) * w._inv_scale.to(w.dtype)
+
+
+class FP8Weight(torch.Tensor):
+    """A gathered per-tensor FP8 weight: ``dtype`` (bf16) outside, FP8 bytes inside.
+
+    ``_data`` [N, K] float8_e4m3fn (a view of FSDP's all-gather buffer), ``_inv_scale``
+    the float32 scalar that multiplies it back."""
+
+    @staticmethod
+    def __new__(cls, data, inv_scale, dtype, requires_grad=False):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(), dtype=dtype,
+                                                   device=data.device, requires_grad=requires_grad)
+
+    def __init__(self, data, inv_scale, dtype, requires_grad=False):
+        self._data, self._inv_scale = data, inv_scale
+
+    def fp8_copy(self):
+        """(data, inverse scale): what fp8_kernel's layer multiplies with."""
+        return self._data, self._inv_scale
+
+    def __repr__(self):
+        return f"FP8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, inv_scale={self._inv_scale})"
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        w = args[0]
+        if func in (aten.detach.default, aten.alias.default):  # nn.Parameter, autograd: the same weight
+            return FP8Weight(w._data, w._inv_scale, w.dtype)
+        if func is aten.as_strided.default:  # FSDP: the weight's rows of its (padded) gather buffer
+            return FP8Weight(func(w._data, *args[1:], **kwargs), w._inv_scale, w.dtype)
+        if func._schema.is_mutable:
+            raise RuntimeError(f"{func}: the FP8 weight FSDP gathered is read-only (its shards are the weight)")
+        # Anything else reads the weight: on its dequantized values (exact: every FP8 value
+        # times the power-of-two-free scale, rounded once to the weight's dtype).
+        return func(*tree_map(lambda t: _dequantize(t) if isinstance(t, FP8Weight) else t, args),
+                    **tree_map(lambda t: _dequantize(t) if isinstance(t, FP8Weight) else t, kwargs))
+
+
+class FP8Shard(torch.Tensor):
+    """A per-tensor FP8 layer's weight as FSDP2 shards it; gathered in FP8 (module doc).
+
+    A plain subclass: the same memory and the same arithmetic as the bf16 tensor, plus
+    the two methods FSDP2 calls around its all-gather. Its state lives on the layer
+    (``module``, which FSDP passes in): the layer's group of FP8 weights (one FSDP unit)
+    and, for frozen weights, their cast shards."""
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        group = module._fp8_gather_group
+        if not group.amax:  # the unit's first FP8 weight in this gather: all of their maxima at once
+            group.measure(mesh)
+        amax = group.amax.pop(module)
+        shard = self.detach().as_subclass(torch.Tensor)
+        rows = -(-outer_size[0] // mesh.size())  # FSDP pads every shard to the first one's rows
+        cached = module._fp8_shard_cache
+        if cached is not None and cached[0] == (shard.data_ptr(), shard._version, amax.data_ptr()):
+            data, inv = cached[1]
+        else:
+            q = quantize(shard.reshape(-1, outer_size[1]), "tensorwise", amax=amax.view(1))
+            data, inv = q.data.view(torch.uint8), q.inv_scale
+            if data.shape[0] < rows:
+                data = torch.cat([data, data.new_zeros(rows - data.shape[0], data.shape[1])])
+            if not self.requires_grad:
+                module._fp8_shard_cache = ((shard.data_ptr(), shard._version, amax.data_ptr()), (data, inv))
+        return (data,), inv
+
+    def fsdp_post_all_gather(self, outputs, inv_scale, param_dtype, *, out=None):
+        (data,) = outputs
+        if out is not None:  # later gathers: the same buffer, this gather's scale
+            out._inv_scale = inv_scale
+            return None
+        return FP8Weight(data.view(FP8_DTYPE), inv_scale, param_dtype), (data,)
+
+
+class _Group:
+    """The FP8 weights of one FSDP unit: their maxima over every shard, measured once per
+    gather by the first of them FSDP asks (one all-reduce), then taken one by one."""
+
+    def __init__(self, modules):
+        self.modules = modules
+        self.amax = {}
+        self.frozen_amax = None
+
+    def measure(self, mesh):
+        trained = [m for m in self.modules if m.weight.requires_grad]
+        frozen = [m for m in self.modules if not m.weight.requires_grad]
+        shards = [m.weight.to_local() if hasattr(m.weight, "to_local") else m.weight for m in self.modules]
+        stale = self.frozen_amax is None or any(
+            m._fp8_shard_cache is None or m._fp8_shard_cache[0][:2] != (s.data_ptr(), s._version)
+            for m, s in zip(self.modules, shards) if not m.weight.requires_grad)
+        measured = trained + frozen if stale else trained
+        if measured:
+            local = [s for m, s in zip(self.modules, shards) if m in measured]
+            # One launch for all of them (a multi-tensor max |w|); the maximum of bf16 values is exact.
+            maxima = torch.stack(torch._foreach_norm([x.detach().as_subclass(torch.Tensor) for x in local],
+                                                     float("inf"))).float()
+            if mesh.size() > 1:
+                torch.distributed.all_reduce(maxima, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group())
+            values = dict(zip(measured, maxima.unbind()))
+            if stale:
+                self.frozen_amax = {m: values[m] for m in frozen}
+            self.amax = {m: values[m] for m in trained}
+        else:
+            self.amax = {}
+        self.amax.update(self.frozen_amax)
+
+
+def attach(model):
+    """After ``fully_shard`` (and materialize): every per-tensor FP8Linear weight FSDP2
+    shards gets an FP8Shard as its local tensor, and the FP8 weights of each FSDP unit one
+    group. Returns how many weights were switched. (FSDP2 rebuilds a parameter's local
+    tensor when it makes the sharded DTensor, so a subclass given before ``fully_shard``
+    would not survive: the switch goes where FSDP2 looks for the two methods.)"""
+    from torch.distributed.fsdp import FSDPModule
+
+    count = 0
+    for unit in model.modules():
+        group = unit._get_fsdp_state()._fsdp_param_group if isinstance(unit, FSDPModule) else None
+        if group is None:
+            continue
+        params = [p for p in group.fsdp_params if p._module_info.param_name == "weight"
+                  and isinstance(p._module_info.module, FP8Linear) and p._module_info.module.recipe == "tensorwise"]
+        shared = _Group([p._module_info.module for p in params])
+        for p in params:
+            if p.all_gather_outputs:
+                raise RuntimeError("fp8_gather.attach: FSDP has gathered these weights already; attach before "
+                                   "the first forward")
+            p.sharded_param._local_tensor = p.sharded_param._local_tensor.as_subclass(FP8Shard)
+            p._init_extensions()
+            module = p._module_info.module
+            module._fp8_gather_group, module._fp8_shard_cache = shared, None
+        count += len(params)
+    return count

@@ -1,0 +1,97 @@
+"""
+One process of tests/fsdp_test.py's FP8-gather check, started twice by torchrun (gloo).
+
+Each process builds the same tiny model with per-tensor FP8 layers (emulated FP8 on the
+CPU), keeps an unsharded copy, shards the other (FSDP2, every decoder layer and the
+root) and switches its FP8 weights to gathers in FP8 (kernel_ft/fp8_gather.py). Then two
+steps (forward, backward, SGD) on the same batch in both: the losses and every gradient
+(whole) must be equal, bit for bit; the layers' forwards must see the gathered FP8
+weights; and frozen weights are cast once, not at every gather. Then a sharded checkpoint
+(DCP) of it loads into another model. Prints one JSON line per process: what the test
+checks.
+
+Usage (the test does this): torchrun --nproc-per-node 2 tests/fsdp_fp8_worker.py {trained,frozen} FOLDER
+"""
+
+import copy
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+
+import kernel_common  # noqa: F401 - first: the Triton interpreter switch
+
+import torch
+from torch.distributed.fsdp import fully_shard
+
+from fp8_kernel import FP8Linear, replace_linears
+from kernel_ft import checkpoints, fp8_gather, models
+
+
+def build(mode, seed):
+    """The tiny model with FP8 layers, and an unsharded copy of it."""
+    torch.manual_seed(seed)
+    model = models.build_random(models.tiny_config(), torch.device("cpu"), torch.float32)
+    if mode == "frozen":  # as under --lora: the linear layers frozen, something before them trained
+        for p in model.parameters():
+            p.requires_grad_(model.model.embed_tokens.weight is p)
+    replace_linears(model, "tensorwise", emulate=True)
+    return model, copy.deepcopy(model)
+
+
+def shard(model):
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return fp8_gather.attach(model)
+
+
+def main(mode, folder):
+    torch.distributed.init_process_group("gloo")
+    model, unsharded = build(mode, 0)
+    attached = shard(model)
+
+    seen = set()
+    for m in model.modules():
+        if isinstance(m, FP8Linear):
+            m.register_forward_pre_hook(lambda module, args: seen.add(type(module.weight).__name__))
+    casts = []
+    quantize = fp8_gather.quantize
+    fp8_gather.quantize = lambda *a, **k: casts.append(1) or quantize(*a, **k)
+
+    ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
+    optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5)
+                  for m in (model, unsharded)]
+    steps = []
+    for _ in range(2):
+        casts.clear()
+        losses = []
+        for m in (model, unsharded):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.item())
+        truth = dict(unsharded.named_parameters())
+        differ = [name for name, p in model.named_parameters()
+                  if (p.grad is None) != (truth[name].grad is None)
+                  or (p.grad is not None and not torch.equal(p.grad.full_tensor(), truth[name].grad))]
+        steps.append({"losses": losses, "differ": differ, "casts": len(casts)})
+        for o in optimizers:
+            o.step()
+            o.zero_grad()
+
+    # A sharded checkpoint (DCP) of the FP8 shards loads into another model's FP8 shards.
+    checkpoints.save_sharded(folder, model, optimizers[0])
+    other = build(mode, 1)[0]
+    shard(other)
+    other(input_ids=ids, labels=ids).loss.backward()  # gathered before the load: its casts must not outlive it
+    checkpoints.load_sharded(folder, other, torch.optim.SGD([p for p in other.parameters() if p.requires_grad]))
+    with torch.no_grad():
+        loaded = [m(input_ids=ids, labels=ids).loss.item() for m in (model, other)]
+    print(json.dumps({"rank": torch.distributed.get_rank(), "attached": attached, "seen": sorted(seen),
+                      "steps": steps, "loaded": loaded}), flush=True)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -626,6 +626,11 @@ def test_gradient_format_without_fp8_is_noted_and_a_bad_one_refused():
     notes = flags.settle(finetune_optimized.parse_args(["--tiny", "--fp8-grads", "e5m2"]))._notes
     assert "--fp8-grads e5m2 without --fp8 changes nothing" in notes
     assert not any("fp8" in n for n in flags.settle(finetune_optimized.parse_args(["--tiny"]))._notes)
+    for argv, note in ((["--fsdp"], "--fsdp-fp8-gather without --fp8 tensorwise changes nothing"),
+                       (["--fsdp", "--fp8", "tensorwise", "--compile"], "--fsdp-fp8-gather with --compile changes nothing"),
+                       ([], "--fsdp-fp8-gather without --fsdp changes nothing")):
+        notes = flags.settle(finetune_optimized.parse_args(["--tiny", "--fsdp-fp8-gather", *argv]))._notes
+        assert any(n.startswith(note) for n in notes), (argv, notes)
     with pytest.raises(ValueError, match="fp8_grads must be one of .'e4m3', 'e5m2'., got 'e5m3'"):
         apply(tiny_llama(), fp8="tensorwise", fp8_grads="e5m3")
     with pytest.raises(ValueError, match="fp8 format must be one of"):
@@ -639,13 +644,13 @@ def test_fine_tune_refuses_fp8_in_one_line_before_loading(monkeypatch):
                            (["--fp8", "tensorwise", "--lora-4bit"], "error: --fp8 with --lora-4bit"),
                            (["--fp8", "rowwise", "--fsdp", "--lora"], "error: --fp8 rowwise with --fsdp --lora: the "
                                                                       "fp8 copies of the frozen weights would be kept"),
-                           (["--fp8", "tensorwise", "--fsdp", "--lora", "--no-fsdp-fp8-gather"],
-                            "error: --fp8 tensorwise with --fsdp --lora"),
-                           (["--fp8", "tensorwise", "--fsdp", "--lora", "--compile"],
+                           (["--fp8", "tensorwise", "--fsdp", "--lora"], "error: --fp8 tensorwise with --fsdp --lora"),
+                           (["--fp8", "tensorwise", "--fsdp", "--lora", "--fsdp-fp8-gather", "--compile"],
                             "error: --fp8 tensorwise with --fsdp --lora"),
                            # Gathered in FP8, each process casts its own shard: past every FP8 check (the GPU's
                            # passes since the --lora-4bit case), to --fsdp's own.
-                           (["--fp8", "tensorwise", "--fsdp", "--lora"], "error: --fsdp runs under torchrun")):
+                           (["--fp8", "tensorwise", "--fsdp", "--lora", "--fsdp-fp8-gather"],
+                            "error: --fsdp runs under torchrun")):
         monkeypatch.setattr("kernel_ft.flags.installed", lambda package: True)  # bitsandbytes' check passes
         monkeypatch.setattr("torch.cuda.is_available", lambda: False)
         monkeypatch.setattr("kernel_ft.models.load_model", lambda *a: pytest.fail("the model was built before the refusal"))

@@ -50,7 +50,8 @@ aten = torch.ops.aten
 
 
 def _dequantize(w):
-    return w._data.to(w.dtype) * w._inv_scale.to(w.dtype)
+    # Each FP8 value times the float32 inverse scale, rounded once to the weight's dtype.
+    return (w._data.to(torch.float32) * w._inv_scale).to(w.dtype)
 
 
 class FP8Weight(torch.Tensor):
@@ -86,8 +87,7 @@ class FP8Weight(torch.Tensor):
             return FP8Weight(func(w._data, *args[1:], **kwargs), w._inv_scale, w.dtype)
         if func._schema.is_mutable:
             raise RuntimeError(f"{func}: the FP8 weight FSDP gathered is read-only (its shards are the weight)")
-        # Anything else reads the weight: on its dequantized values (exact: every FP8 value
-        # times the power-of-two-free scale, rounded once to the weight's dtype).
+        # Anything else reads the weight: it computes on the dequantized values.
         return func(*tree_map(lambda t: _dequantize(t) if isinstance(t, FP8Weight) else t, args),
                     **tree_map(lambda t: _dequantize(t) if isinstance(t, FP8Weight) else t, kwargs))
 
@@ -102,9 +102,10 @@ class FP8Shard(torch.Tensor):
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         group = module._fp8_gather_group
-        if not group.amax:  # the unit's first FP8 weight in this gather: all of their maxima at once
+        amax = group.amax.pop(module, None)
+        if amax is None:  # the unit's first FP8 weight FSDP asks in this gather: all of their maxima at once
             group.measure(mesh)
-        amax = group.amax.pop(module)
+            amax = group.amax.pop(module)
         shard = self.detach().as_subclass(torch.Tensor)
         rows = -(-outer_size[0] // mesh.size())  # FSDP pads every shard to the first one's rows
         cached = module._fp8_shard_cache
@@ -121,6 +122,10 @@ class FP8Shard(torch.Tensor):
 
     def fsdp_post_all_gather(self, outputs, inv_scale, param_dtype, *, out=None):
         (data,) = outputs
+        if inv_scale.is_cuda:
+            # Made on FSDP's copy-in stream, read by this (the compute) stream's products: its
+            # memory must not go back to the copy-in stream's pool before they have run.
+            inv_scale.record_stream(torch.cuda.current_stream(inv_scale.device))
         if out is not None:  # later gathers: the same buffer, this gather's scale
             out._inv_scale = inv_scale
             return None
@@ -147,8 +152,10 @@ class _Group:
         if measured:
             local = [s for m, s in zip(self.modules, shards) if m in measured]
             # One launch for all of them (a multi-tensor max |w|); the maximum of bf16 values is exact.
-            maxima = torch.stack(torch._foreach_norm([x.detach().as_subclass(torch.Tensor) for x in local],
-                                                     float("inf"))).float()
+            # An empty shard (fewer rows than processes) counts as 0.
+            local = [x.detach().as_subclass(torch.Tensor) for x in local]
+            local = [x if x.numel() else x.new_zeros(1) for x in local]
+            maxima = torch.stack(torch._foreach_norm(local, float("inf"))).float()
             if mesh.size() > 1:
                 torch.distributed.all_reduce(maxima, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group())
             values = dict(zip(measured, maxima.unbind()))

@@ -1,8 +1,8 @@
 """
 One process of tests/fsdp_test.py's FP8-gather check, started twice by torchrun (gloo).
 
-Each process builds the same tiny model with per-tensor FP8 layers (emulated FP8 on the
-CPU), keeps an unsharded copy, shards the other (FSDP2, every decoder layer and the
+For trained and then frozen weights, each process builds the same tiny model with
+per-tensor FP8 layers (emulated FP8 on the CPU), keeps an unsharded copy, shards the other (FSDP2, every decoder layer and the
 root) and switches its FP8 weights to gathers in FP8 (kernel_ft/fp8_gather.py). Then two
 steps (forward, backward, SGD) on the same batch in both: the losses and every gradient
 (whole) must be equal, bit for bit; the layers' forwards must see the gathered FP8
@@ -10,7 +10,7 @@ weights; and frozen weights are cast once, not at every gather. Then a sharded c
 (DCP) of it loads into another model. Prints one JSON line per process: what the test
 checks.
 
-Usage (the test does this): torchrun --nproc-per-node 2 tests/fsdp_fp8_worker.py {trained,frozen} FOLDER
+Usage (the test does this): torchrun --nproc-per-node 2 tests/fsdp_fp8_worker.py FOLDER
 """
 
 import copy
@@ -47,8 +47,8 @@ def shard(model):
     return fp8_gather.attach(model)
 
 
-def main(mode, folder):
-    torch.distributed.init_process_group("gloo")
+def check(mode, folder):
+    """Two steps of ``mode`` (trained or frozen FP8 weights), a checkpoint, a load: the report."""
     model, unsharded = build(mode, 0)
     attached = shard(model)
 
@@ -79,19 +79,23 @@ def main(mode, folder):
         for o in optimizers:
             o.step()
             o.zero_grad()
+    fp8_gather.quantize = quantize
 
     # A sharded checkpoint (DCP) of the FP8 shards loads into another model's FP8 shards.
     checkpoints.save_sharded(folder, model, optimizers[0])
     other = build(mode, 1)[0]
     shard(other)
-    other(input_ids=ids, labels=ids).loss.backward()  # gathered before the load: its casts must not outlive it
+    if mode == "frozen":  # gathered before the load: its cached casts must not outlive it
+        other(input_ids=ids, labels=ids).loss.backward()
     checkpoints.load_sharded(folder, other, torch.optim.SGD([p for p in other.parameters() if p.requires_grad]))
     with torch.no_grad():
         loaded = [m(input_ids=ids, labels=ids).loss.item() for m in (model, other)]
-    print(json.dumps({"rank": torch.distributed.get_rank(), "attached": attached, "seen": sorted(seen),
+    print(json.dumps({"mode": mode, "rank": torch.distributed.get_rank(), "attached": attached, "seen": sorted(seen),
                       "steps": steps, "loaded": loaded}), flush=True)
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    torch.distributed.init_process_group("gloo")
+    for mode in ("trained", "frozen"):
+        check(mode, os.path.join(sys.argv[1], mode))
+    torch.distributed.destroy_process_group()

@@ -425,37 +425,33 @@ NEEDS_INTERPRETER = pytest.mark.skipif(not kernel_common.INTERPRET, reason="CPU 
 
 
 @NEEDS_INTERPRETER
-@pytest.mark.parametrize("recipe,gathered", [("tensorwise", False), ("tensorwise", True), ("rowwise", False)])
-def test_fp8_layers_under_fully_shard_give_the_unsharded_model(one_process_group, recipe, gathered):
+def test_fp8_layers_under_fully_shard_give_the_unsharded_model(one_process_group):
     """--fp8 with --fsdp: FP8Linear holds the layer's own Parameters, so fully_shard shards
     them like any Linear's and hands the forward the whole weights; the loss and every
     gradient equal those of the same FP8 model unsharded (emulated FP8 on the CPU). Per
-    tensor, gathered in FP8 (fp8_gather.attach): the forward sees the gathered FP8 weight,
-    and the bits are the same. Per row nothing is gathered in FP8 (its scales span shards)."""
+    row nothing can be gathered in FP8 (its scales span shards): attach takes no weight."""
     import copy
 
     from fp8_kernel import FP8Linear, replace_linears
     from kernel_ft import fp8_gather
 
     torch.manual_seed(0)
+    rowwise = models.build_random(models.tiny_config(), torch.device("cpu"), torch.float32)
+    replace_linears(rowwise, "rowwise", emulate=True)
+    fsdp.shard_model(rowwise, argparse.Namespace(tiny=True), one_process_group)
+    assert fp8_gather.attach(rowwise) == 0
+    torch.manual_seed(0)
     model = models.build_random(models.tiny_config(), torch.device("cpu"), torch.float32)
-    assert replace_linears(model, recipe, emulate=True)[0] == 14
+    assert replace_linears(model, "tensorwise", emulate=True)[0] == 14
     unsharded = copy.deepcopy(model)
     fsdp.shard_model(model, argparse.Namespace(tiny=True), one_process_group)
     assert sum(isinstance(m, FP8Linear) for m in model.modules()) == 14
-    if gathered or recipe == "rowwise":
-        assert fp8_gather.attach(model) == (14 if recipe == "tensorwise" else 0)
-    seen = set()
-    for m in model.modules():
-        if isinstance(m, FP8Linear):
-            m.register_forward_pre_hook(lambda module, args: seen.add(type(module.weight)))
     ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
     losses = []
     for m in (model, unsharded):
         loss = m(input_ids=ids, labels=ids).loss
         loss.backward()
         losses.append(loss.item())
-    assert seen == {fp8_gather.FP8Weight if gathered else torch.nn.Parameter}
     assert losses[0] == losses[1]
     grads = {n: p.grad for n, p in unsharded.named_parameters()}
     got = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
@@ -465,26 +461,27 @@ def test_fp8_layers_under_fully_shard_give_the_unsharded_model(one_process_group
 
 
 @NEEDS_INTERPRETER
-@pytest.mark.parametrize("mode", ["trained", "frozen"])
-def test_fp8_gather_over_two_processes_matches_one_and_resumes(mode, tmp_path):
-    """2 gloo processes (tests/fsdp_fp8_worker.py): with the weights gathered in FP8 the
-    losses and whole gradients of two steps equal the unsharded model's bit for bit; the
-    trained weights are cast at every gather (forward and backward: 2 x 14), frozen ones
-    once; a DCP checkpoint loads into another model, whose frozen casts made before the
-    load are not reused."""
+def test_fp8_gather_over_two_processes_matches_one_and_resumes(tmp_path):
+    """2 gloo processes (tests/fsdp_fp8_worker.py), trained then frozen FP8 weights: with
+    the weights gathered in FP8 (fp8_gather.attach) the forward sees the gathered FP8
+    weight, and the losses and whole gradients of two steps equal the unsharded model's bit
+    for bit; trained weights are cast at every gather (forward and backward: 2 x 14),
+    frozen ones once; a DCP checkpoint loads into another model, whose frozen casts made
+    before the load are not reused."""
     env = {k: v for k, v in os.environ.items() if k not in fsdp.TORCHRUN_ENV}
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           os.path.join(ROOT, "tests", "fsdp_fp8_worker.py"), mode, str(tmp_path / "ckpt")],
+                           os.path.join(ROOT, "tests", "fsdp_fp8_worker.py"), str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert sorted(r["rank"] for r in reports) == [0, 1]
+    assert sorted((r["mode"], r["rank"]) for r in reports) == [("frozen", 0), ("frozen", 1), ("trained", 0),
+                                                               ("trained", 1)]
     for r in reports:
         assert r["attached"] == 14 and r["seen"] == ["FP8Weight"]
         for step in r["steps"]:
             assert step["losses"][0] == step["losses"][1] and step["differ"] == []
-        assert [step["casts"] for step in r["steps"]] == ([28, 28] if mode == "trained" else [14, 0])
+        assert [step["casts"] for step in r["steps"]] == ([28, 28] if r["mode"] == "trained" else [14, 0])
         assert r["loaded"][0] == r["loaded"][1]
 
 

@@ -147,28 +147,24 @@ class _Group:
         self.frozen_amax = None
 
     def measure(self, mesh):
-        trained = [m for m in self.modules if m.weight.requires_grad]
+        shards = {m: m.weight.to_local().detach().as_subclass(torch.Tensor) for m in self.modules}
         frozen = [m for m in self.modules if not m.weight.requires_grad]
-        shards = [m.weight.to_local() if hasattr(m.weight, "to_local") else m.weight for m in self.modules]
         stale = self.frozen_amax is None or any(
-            m._fp8_shard_cache is None or m._fp8_shard_cache[0][:2] != (s.data_ptr(), s._version)
-            for m, s in zip(self.modules, shards) if not m.weight.requires_grad)
-        measured = trained + frozen if stale else trained
+            m._fp8_shard_cache is None or m._fp8_shard_cache[0][:2] != (shards[m].data_ptr(), shards[m]._version)
+            for m in frozen)
+        measured = [m for m in self.modules if stale or m.weight.requires_grad]
+        values = {}
         if measured:
-            local = [s for m, s in zip(self.modules, shards) if m in measured]
-            # One launch for all of them (a multi-tensor max |w|); the maximum of bf16 values is exact.
-            # An empty shard (fewer rows than processes) counts as 0.
-            local = [x.detach().as_subclass(torch.Tensor) for x in local]
-            local = [x if x.numel() else x.new_zeros(1) for x in local]
+            # One launch for all of them (a multi-tensor max |w|); the maximum of bf16 values is
+            # exact. An empty shard (fewer rows than processes) counts as 0.
+            local = [shards[m] if shards[m].numel() else shards[m].new_zeros(1) for m in measured]
             maxima = torch.stack(torch._foreach_norm(local, float("inf"))).float()
             if mesh.size() > 1:
                 torch.distributed.all_reduce(maxima, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group())
             values = dict(zip(measured, maxima.unbind()))
-            if stale:
-                self.frozen_amax = {m: values[m] for m in frozen}
-            self.amax = {m: values[m] for m in trained}
-        else:
-            self.amax = {}
+        if stale:
+            self.frozen_amax = {m: values[m] for m in frozen}
+        self.amax = {m: amax for m, amax in values.items() if m.weight.requires_grad}
         self.amax.update(self.frozen_amax)
 
 

@@ -6,8 +6,8 @@ per-tensor FP8 layers (emulated FP8 on the CPU), keeps an unsharded copy, shards
 other (FSDP2, every decoder layer and the root) and switches its FP8 weights to gathers
 in FP8 (kernel_ft/fp8_gather.py). Then two steps (forward, backward, SGD) on the same
 batch in both: the losses and every gradient (whole) must be equal, bit for bit; the
-layers' forwards must see the gathered FP8 weights; and frozen weights are cast once,
-not at every gather. Then a sharded checkpoint (DCP) of it loads into another model.
+layers' forwards must see the gathered FP8 weights; and frozen weights (those of the
+attention) are cast once, not at every gather. Then a sharded checkpoint (DCP) of it loads into another model.
 Prints one JSON line per mode and process: what the test checks.
 
 Usage (the test does this): torchrun --nproc-per-node 2 tests/fsdp_fp8_worker.py FOLDER
@@ -33,9 +33,9 @@ def build(mode, seed):
     """The tiny model with FP8 layers, and an unsharded copy of it."""
     torch.manual_seed(seed)
     model = models.build_random(models.tiny_config(), torch.device("cpu"), torch.float32)
-    if mode == "frozen":  # as under --lora: the linear layers frozen, something before them trained
-        for p in model.parameters():
-            p.requires_grad_(model.model.embed_tokens.weight is p)
+    if mode == "frozen":  # as under --lora, the attention's weights frozen, the MLPs' and the embedding trained:
+        for name, p in model.named_parameters():  # one FSDP unit holds both kinds
+            p.requires_grad_(".self_attn." not in name)
     replace_linears(model, "tensorwise", emulate=True)
     return model, copy.deepcopy(model)
 

@@ -462,11 +462,11 @@ def test_fp8_layers_under_fully_shard_give_the_unsharded_model(one_process_group
 
 @NEEDS_INTERPRETER
 def test_fp8_gather_over_two_processes_matches_one_and_resumes(tmp_path):
-    """2 gloo processes (tests/fsdp_fp8_worker.py), trained then frozen FP8 weights: with
+    """2 gloo processes (tests/fsdp_fp8_worker.py), trained then partly frozen FP8 weights: with
     the weights gathered in FP8 (fp8_gather.attach) the forward sees the gathered FP8
     weight, and the losses and whole gradients of two steps equal the unsharded model's bit
-    for bit; trained weights are cast at every gather (forward and backward: 2 x 14),
-    frozen ones once; a DCP checkpoint loads into another model, whose frozen casts made
+    for bit; trained weights are cast at every gather (forward and backward), frozen ones
+    once; a DCP checkpoint loads into another model, whose frozen casts made
     before the load are not reused."""
     env = {k: v for k, v in os.environ.items() if k not in fsdp.TORCHRUN_ENV}
     env["OMP_NUM_THREADS"] = "1"
@@ -481,7 +481,8 @@ def test_fp8_gather_over_two_processes_matches_one_and_resumes(tmp_path):
         assert r["attached"] == 14 and r["seen"] == ["FP8Weight"]
         for step in r["steps"]:
             assert step["losses"][0] == step["losses"][1] and step["differ"] == []
-        assert [step["casts"] for step in r["steps"]] == ([28, 28] if r["mode"] == "trained" else [14, 0])
+        # Frozen: the 8 attention weights cast at the first gather only, the 6 MLP ones at every gather.
+        assert [step["casts"] for step in r["steps"]] == ([28, 28] if r["mode"] == "trained" else [20, 12])
         assert r["loaded"][0] == r["loaded"][1]
 
 

@@ -205,9 +205,9 @@ def kernels_from_args(args):
 
 
 def fp8_gathered(args):
-    """Does this --fsdp run gather its FP8 layers' weights in FP8? (--fp8 tensorwise,
-    --fsdp-fp8-gather, not --compile: kernel_ft/fp8_gather.py)"""
-    return getattr(args, "fp8", None) == "tensorwise" and getattr(args, "fsdp_fp8_gather", False) \
+    """Does this --fsdp run gather its FP8 layers' weights in FP8? (--fp8 tensorwise, not
+    --compile, not --no-fsdp-fp8-gather: kernel_ft/fp8_gather.py)"""
+    return getattr(args, "fp8", None) == "tensorwise" and getattr(args, "fsdp_fp8_gather", None) is not False \
         and not getattr(args, "compile", False)
 
 
@@ -226,8 +226,8 @@ def check_fp8_flags(args, flag="--fp8"):
         # fp8_kernel caches the fp8 copies of frozen weights, whole: on every GPU that would undo the sharding.
         # Gathered in FP8, each process keeps the FP8 copy of its own shard only (kernel_ft/fp8_gather.py).
         raise SystemExit(f"error: {flag} {args.fp8} with --fsdp --lora: the fp8 copies of the frozen weights would be "
-                         f"kept whole on every GPU, which undoes the sharding; use --fp8 tensorwise --fsdp-fp8-gather "
-                         f"(without --compile), or --ddp, or leave out {flag}")
+                         f"kept whole on every GPU, which undoes the sharding; use --fp8 tensorwise (gathered in FP8: "
+                         f"without --compile or --no-fsdp-fp8-gather), or --ddp, or leave out {flag}")
     ok, reason = kernel_common.fp8_supported(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     if not ok:
         raise SystemExit(f"error: {flag}: {reason}")
@@ -334,11 +334,11 @@ def add_fsdp_arg(group):
              "steps from their measured peak memory (fsdp.decide_keep_gathered); off on a CPU. Alone: on",
     )
     group.add_argument(
-        "--fsdp-fp8-gather", action=argparse.BooleanOptionalAction, default=False,
-        help="--fsdp --fp8 tensorwise: each process casts its shard of a layer's weights to FP8 with the whole "
-             "weight's scale and the all-gather moves FP8, 1 byte per weight instead of 2 (kernel_ft/fp8_gather.py; "
-             "the same bits); needed for --fsdp --lora --fp8. Not with --compile. Opt-in: on GPUs a resumed run "
-             "is still to be checked against an uninterrupted one",
+        "--fsdp-fp8-gather", action=argparse.BooleanOptionalAction, default=None,
+        help="--fsdp --fp8 tensorwise (on by default there, not with --compile): each process casts its shard of "
+             "a layer's weights to FP8 with the whole weight's scale and the all-gather moves FP8, 1 byte per "
+             "weight instead of 2 (kernel_ft/fp8_gather.py; the same bits); needed for --fsdp --lora --fp8. "
+             "--no-fsdp-fp8-gather: gather bf16 and cast after the gather",
     )
     group.add_argument(
         "--fsdp-reduce-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
@@ -463,7 +463,7 @@ def idle_flags(args):
                      f"nothing changes")
     if getattr(args, "fp8_grads", "e4m3") != "e4m3" and not getattr(args, "fp8", None):
         notes.append(f"--fp8-grads {args.fp8_grads} without --fp8 changes nothing")
-    if getattr(args, "fsdp_fp8_gather", False) and getattr(args, "fsdp", False) and not fp8_gathered(args):
+    if getattr(args, "fsdp_fp8_gather", None) and getattr(args, "fsdp", False) and not fp8_gathered(args):
         why = "with --compile" if getattr(args, "compile", False) else "without --fp8 tensorwise"
         notes.append(f"--fsdp-fp8-gather {why} changes nothing: the weights are gathered in bf16")
     if getattr(args, "compile_mode", "default") != "default" and not getattr(args, "compile", False):
@@ -478,7 +478,7 @@ def idle_parallel_flags(args):
     notes = []
     fsdp_changed = [f"--{k.replace('_', '-')}" for k, v in (("fsdp_prefetch", 0), ("fsdp_keep_gathered", "auto"),
                                                             ("fsdp_reduce_dtype", "auto"), ("fsdp_comm", "default"),
-                                                            ("fsdp_fp8_gather", False))
+                                                            ("fsdp_fp8_gather", None))
                     if getattr(args, k, v) != v]
     if fsdp_changed and not getattr(args, "fsdp", False):
         notes.append(f"{', '.join(fsdp_changed)} without --fsdp changes nothing")

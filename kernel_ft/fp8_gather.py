@@ -39,9 +39,9 @@ Per-row scaling (``rowwise``) is not gathered in FP8: W^T's scales are maxima ov
 columns, which span every shard; those layers gather bf16 as before.
 
 Measured (2 x H200, 8B full, NOTES.md Step 22): the same losses, 57.05 instead of 60.51
-GiB per GPU, tokens/s within the noise of the eager FSDP step. Switched on by
-``--fsdp-fp8-gather`` (run.assemble calls ``attach``); opt-in until a resumed 2-GPU run
-is shown to match an uninterrupted one (the CPU's does).
+GiB per GPU, tokens/s within the noise of the eager FSDP step. On by default under
+``--fsdp --fp8 tensorwise`` (run.assemble calls ``attach``); ``--no-fsdp-fp8-gather``
+gathers bf16 and casts after the gather, as the FP8 layer does without FSDP.
 """
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
@@ -121,7 +121,9 @@ class FP8Shard(torch.Tensor):
             data, inv = q.data.view(torch.uint8), q.inv_scale
             if data.shape[0] < rows:
                 data = torch.cat([data, data.new_zeros(rows - data.shape[0], data.shape[1])])
-            if not self.requires_grad:
+            # Frozen weights only: FSDP's local shard never requires grad, its parameter does, and
+            # the optimizer's kernel writes a trained shard without moving its version counter.
+            if not module.weight.requires_grad:
                 module._fp8_shard_cache = ((shard.data_ptr(), shard._version, amax.data_ptr()), (data, inv))
         return (data,), inv
 

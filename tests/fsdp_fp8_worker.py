@@ -4,8 +4,8 @@ One process of tests/fsdp_test.py's FP8-gather check, started twice by torchrun 
 For trained and then frozen weights, each process builds the same tiny model with
 per-tensor FP8 layers (emulated FP8 on the CPU), keeps an unsharded copy, shards the
 other (FSDP2, every decoder layer and the root) and switches its FP8 weights to gathers
-in FP8 (kernel_ft/fp8_gather.py). Then two steps (forward, backward, SGD) on the same
-batch in both: the losses and every gradient (whole) must be equal, bit for bit; the
+in FP8 (kernel_ft/fp8_gather.py). Then two steps (forward, backward, AdamW) on the same
+batch in both (the script's AdamW): the losses and every gradient (whole) must be equal, bit for bit; the
 layers' forwards must see the gathered FP8 weights; and frozen weights (those of the
 attention) are cast once, not at every gather. Then a sharded checkpoint (DCP) of it loads into another model.
 Prints one JSON line per mode and process: what the test checks.
@@ -25,6 +25,7 @@ import kernel_common  # noqa: F401 - first: the Triton interpreter switch
 import torch
 from torch.distributed.fsdp import fully_shard
 
+from adamw_kernel import TritonAdamW
 from fp8_kernel import FP8Linear, replace_linears
 from kernel_ft import checkpoints, fp8_gather, models
 
@@ -61,7 +62,9 @@ def check(mode, folder):
     fp8_gather.quantize = lambda *a, **k: casts.append(1) or quantize(*a, **k)
 
     ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
-    optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5)
+    # The script's optimizer: its kernel writes the weights without moving their version
+    # counters (a cast cached by version would go stale; torch's SGD would hide that).
+    optimizers = [TritonAdamW([p for p in m.parameters() if p.requires_grad], lr=0.05)
                   for m in (model, unsharded)]
     steps = []
     for _ in range(2):
@@ -80,6 +83,10 @@ def check(mode, folder):
             o.step()
             o.zero_grad()
     fp8_gather.quantize = quantize
+    # A trained weight's cast must never be kept: its shard changes in place at every step,
+    # and on a GPU the new maxima may land at the old ones' address (the caching allocator).
+    kept = sum(m._fp8_shard_cache is not None for m in model.modules()
+               if isinstance(m, FP8Linear) and m.weight.requires_grad)
 
     # A sharded checkpoint (DCP) of the FP8 shards loads into another model's FP8 shards.
     checkpoints.save_sharded(folder, model, optimizers[0])
@@ -87,11 +94,11 @@ def check(mode, folder):
     shard(other)
     if mode == "frozen":  # gathered before the load: its cached casts must not outlive it
         other(input_ids=ids, labels=ids).loss.backward()
-    checkpoints.load_sharded(folder, other, torch.optim.SGD([p for p in other.parameters() if p.requires_grad]))
+    checkpoints.load_sharded(folder, other, TritonAdamW([p for p in other.parameters() if p.requires_grad]))
     with torch.no_grad():
         loaded = [m(input_ids=ids, labels=ids).loss.item() for m in (model, other)]
     print(json.dumps({"mode": mode, "rank": torch.distributed.get_rank(), "attached": attached, "seen": sorted(seen),
-                      "steps": steps, "loaded": loaded}), flush=True)
+                      "steps": steps, "trained_casts_kept": kept, "loaded": loaded}), flush=True)
 
 
 if __name__ == "__main__":

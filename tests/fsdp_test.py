@@ -465,8 +465,8 @@ def test_fp8_gather_over_two_processes_matches_one_and_resumes(tmp_path):
     """2 gloo processes (tests/fsdp_fp8_worker.py), trained then partly frozen FP8 weights: with
     the weights gathered in FP8 (fp8_gather.attach) the forward sees the gathered FP8
     weight, and the losses and whole gradients of two steps equal the unsharded model's bit
-    for bit; trained weights are cast at every gather (forward and backward), frozen ones
-    once; a DCP checkpoint loads into another model, whose frozen casts made
+    for bit (the script's AdamW); trained weights are cast at every gather (forward and
+    backward), their casts never kept, frozen ones once; a DCP checkpoint loads into another model, whose frozen casts made
     before the load are not reused."""
     env = {k: v for k, v in os.environ.items() if k not in fsdp.TORCHRUN_ENV}
     env["OMP_NUM_THREADS"] = "1"
@@ -478,7 +478,7 @@ def test_fp8_gather_over_two_processes_matches_one_and_resumes(tmp_path):
     assert sorted((r["mode"], r["rank"]) for r in reports) == [("frozen", 0), ("frozen", 1), ("trained", 0),
                                                                ("trained", 1)]
     for r in reports:
-        assert r["attached"] == 14 and r["seen"] == ["FP8Weight"]
+        assert r["attached"] == 14 and r["seen"] == ["FP8Weight"] and r["trained_casts_kept"] == 0
         for step in r["steps"]:
             assert step["losses"][0] == step["losses"][1] and step["differ"] == []
         # Frozen: the 8 attention weights cast at the first gather only, the 6 MLP ones at every gather.

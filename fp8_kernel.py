@@ -583,8 +583,8 @@ def _produced_amax(x, recipe):
 def _weight_fp8(weight, recipe, transpose):
     gathered = getattr(weight, "fp8_copy", None)
     if gathered is not None:  # FSDP gathered it in FP8 (kernel_ft/fp8_gather.py): its bytes, as they are
-        data, inv = gathered()
-        return Fp8Tensor(data, inv, data.t().contiguous() if transpose else None, inv if transpose else None)
+        data, inv, data_t = gathered(transpose)
+        return Fp8Tensor(data, inv, data_t, inv if transpose else None)
     if weight.requires_grad:  # trained: it changes every step, quantize it every call
         # Per tensor, the amax its last AdamW update measured (kernel_common), if any.
         amax = take_weight_amax(weight) if recipe == "tensorwise" else None

@@ -27,7 +27,8 @@ gathered tensors to the second, which builds the unsharded parameter. So:
   local tensor of FSDP's DTensor parameter by ``attach`` after ``fully_shard``.
 * ``FP8Weight``: the unsharded parameter the layer sees in its forward: a bf16
   tensor to autograd and to every shape check, holding the gathered FP8 bytes and
-  their inverse scale, which fp8_kernel's layer uses as they are (``fp8_copy``).
+  their inverse scale, which fp8_kernel's layer uses as they are (``fp8_copy``, with
+  W8^T made by a tile transpose, ``transpose_fp8``).
   Its gradient is a plain bf16 tensor, which FSDP reduce-scatters as before. Any
   other read of it computes on the dequantized weight (correct, slow); a write into
   it is refused.
@@ -47,11 +48,50 @@ gathers bf16 and casts after the gather, as the FP8 layer does without FSDP.
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
 
 import torch
+import triton
+import triton.language as tl
 from torch.utils._pytree import tree_map
 
 from fp8_kernel import FP8_DTYPE, FP8Linear, quantize
+from kernel_common import cdiv, fast_launch
 
 aten = torch.ops.aten
+
+# --------------------------------------------------------------------------------
+# W8^T from the gathered W8: a tile transpose
+# --------------------------------------------------------------------------------
+# dX = dY W needs W's columns contiguous (cuBLASLt's FP8 products read both operands
+# along the reduction dim), i.e. W8^T [K, N] as its own tensor. PyTorch's copy of a
+# transposed view (``w.t().contiguous()``) moves a byte tensor at ~350 GB/s on an
+# H200 (8B, 2 GPUs: 40 ms a step for the 224 weights). A tile kernel reads a
+# BLOCK x BLOCK tile along its rows (coalesced), and ``tl.trans`` lets the compiler
+# turn it in shared memory, so the stores are coalesced along W^T's rows too: each
+# byte is read once and written once (measured in NOTES.md Step 22).
+TRANSPOSE_TILE = (128, 128, 8)  # rows, columns, warps
+
+
+@fast_launch
+@triton.jit
+def _transpose_kernel(X, Y, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # X [N, K] bytes, row-major; Y [K, N] = X^T, row-major. One tile per program.
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    inside = (rows[:, None] < N) & (cols[None, :] < K)
+    tile = tl.load(X + rows[:, None].to(tl.int64) * K + cols[None, :], mask=inside)
+    tl.store(Y + cols[:, None].to(tl.int64) * N + rows[None, :], tl.trans(tile), mask=tl.trans(inside))
+
+
+def transpose_fp8(data):
+    """data [N, K] (1-byte elements, rows contiguous) -> data^T [K, N], contiguous."""
+    N, K = data.shape
+    if data.stride(1) != 1 or data.stride(0) != K:
+        data = data.contiguous()
+    out = torch.empty(K, N, dtype=data.dtype, device=data.device)
+    if data.numel():
+        bn, bk, warps = TRANSPOSE_TILE
+        _transpose_kernel[(cdiv(N, bn), cdiv(K, bk))](data.view(torch.uint8), out.view(torch.uint8), N, K,
+                                                       BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    return out
 
 
 def _dequantize(w):
@@ -73,9 +113,10 @@ class FP8Weight(torch.Tensor):
     def __init__(self, data, inv_scale, dtype, requires_grad=False):
         self._data, self._inv_scale = data, inv_scale
 
-    def fp8_copy(self):
-        """(data, inverse scale): what fp8_kernel's layer multiplies with."""
-        return self._data, self._inv_scale
+    def fp8_copy(self, transpose=False):
+        """(data [N, K], inverse scale, data^T [K, N] or None): what fp8_kernel's layer
+        multiplies with; the transposed copy made here when asked (for dX)."""
+        return self._data, self._inv_scale, transpose_fp8(self._data) if transpose else None
 
     def __repr__(self):
         return f"FP8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, inv_scale={self._inv_scale})"

@@ -496,9 +496,27 @@ def test_gathered_fp8_weight_reads_dequantized_and_refuses_writes():
     w = FP8Weight(data, torch.tensor(0.25), torch.float32)
     assert w.dtype == torch.float32 and w.shape == (2, 2)
     assert torch.equal(w + 0, torch.tensor([[0.25, -0.5], [0.125, 112.0]]))
-    assert torch.equal(w.fp8_copy()[0].view(torch.uint8), data.view(torch.uint8))
+    assert torch.equal(w.fp8_copy()[0].view(torch.uint8), data.view(torch.uint8)) and w.fp8_copy()[2] is None
     with pytest.raises(RuntimeError, match="read-only"):
         w.mul_(2)
+
+
+def test_fp8_transpose_kernel_equals_pytorch_transpose():
+    """fp8_gather.transpose_fp8 (the layer's W8^T from the gathered W8): PyTorch's
+    transposed copy, byte for byte, for shapes whole tiles and partial ones, a row view
+    of a larger buffer (FSDP's gather output) and an empty weight."""
+    from fp8_kernel import FP8_DTYPE
+    from kernel_ft.fp8_gather import FP8Weight, transpose_fp8
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((256, 128), (130, 200), (16, 48), (0, 32)):
+        data = torch.randint(0, 256, (n + 3, k), generator=g, dtype=torch.uint8).to(device)[1:n + 1].view(FP8_DTYPE)
+        got = transpose_fp8(data)
+        assert got.dtype == FP8_DTYPE and got.shape == (k, n) and got.is_contiguous()
+        assert torch.equal(got.view(torch.uint8), data.view(torch.uint8).t().contiguous()), (n, k)
+    w = FP8Weight(data, torch.tensor(1.0), torch.bfloat16)
+    assert torch.equal(w.fp8_copy(transpose=True)[2].view(torch.uint8), data.view(torch.uint8).t())
 
 
 def test_fsdp_comm_sets_every_sharded_module(one_process_group, monkeypatch, capsys):

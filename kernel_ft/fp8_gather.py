@@ -146,6 +146,13 @@ class FP8Shard(torch.Tensor):
     (``module``, which FSDP passes in): the layer's group of FP8 weights (one FSDP unit)
     and, for frozen weights, their cast shards."""
 
+    # No Python layer around its operations: what they return is a plain tensor (FSDP keeps
+    # this object as the local tensor; nothing needs the subclass downstream). With the
+    # default layer every read of a shard (its size, storage, a view) passed through Python:
+    # ~75 per weight and step from FSDP and the optimizer, +167 ms of host time per step at
+    # 8B on 2 GPUs (profile_baseline.py, NOTES.md Step 22).
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         group = module._fp8_gather_group
         amax = group.amax.pop(module, None)

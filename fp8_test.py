@@ -627,9 +627,11 @@ def test_gradient_format_without_fp8_is_noted_and_a_bad_one_refused():
     assert "--fp8-grads e5m2 without --fp8 changes nothing" in notes
     for argv in (["--tiny"], ["--tiny", "--fsdp"]):  # the gather's default says nothing where it does nothing
         assert not any("fp8" in n for n in flags.settle(finetune_optimized.parse_args(argv))._notes), argv
-    assert flags.fp8_gathered(finetune_optimized.parse_args(["--tiny", "--fsdp", "--fp8", "tensorwise"]))
-    assert not flags.fp8_gathered(finetune_optimized.parse_args(["--tiny", "--fsdp", "--fp8", "tensorwise",
-                                                                 "--no-fsdp-fp8-gather"]))
+    # Gathered in FP8: by default with --lora (which needs it), by choice for full fine-tuning.
+    for argv, gathered in ((["--lora"], True), ([], False), (["--fsdp-fp8-gather"], True),
+                           (["--lora", "--no-fsdp-fp8-gather"], False), (["--lora", "--compile"], False)):
+        args = finetune_optimized.parse_args(["--tiny", "--fsdp", "--fp8", "tensorwise", *argv])
+        assert flags.fp8_gathered(args) is gathered, argv
     for argv, note in ((["--fsdp"], "--fsdp-fp8-gather without --fp8 tensorwise changes nothing"),
                        (["--fsdp", "--fp8", "tensorwise", "--compile"], "--fsdp-fp8-gather with --compile changes nothing"),
                        ([], "--fsdp-fp8-gather without --fsdp changes nothing")):
@@ -652,8 +654,8 @@ def test_fine_tune_refuses_fp8_in_one_line_before_loading(monkeypatch):
                             "error: --fp8 tensorwise with --fsdp --lora"),
                            (["--fp8", "tensorwise", "--fsdp", "--lora", "--compile"],
                             "error: --fp8 tensorwise with --fsdp --lora"),
-                           # Gathered in FP8 (the default), each process casts its own shard: past every FP8
-                           # check (the GPU's passes since the --lora-4bit case), to --fsdp's own.
+                           # Gathered in FP8 (the default with --lora), each process casts its own shard: past
+                           # every FP8 check (the GPU's passes since the --lora-4bit case), to --fsdp's own.
                            (["--fp8", "tensorwise", "--fsdp", "--lora"], "error: --fsdp runs under torchrun"),
                            (["--fp8", "tensorwise", "--fsdp", "--lora", "--fsdp-fp8-gather"],
                             "error: --fsdp runs under torchrun")):

@@ -39,10 +39,11 @@ Frozen weights (``--lora``) cast their shard once, and again only when it change
 Per-row scaling (``rowwise``) is not gathered in FP8: W^T's scales are maxima over
 columns, which span every shard; those layers gather bf16 as before.
 
-Measured (2 x H200, 8B full, NOTES.md Step 22): the same losses, 57.05 instead of 60.51
-GiB per GPU, tokens/s within the noise of the eager FSDP step. On by default under
-``--fsdp --fp8 tensorwise`` (run.assemble calls ``attach``); ``--no-fsdp-fp8-gather``
-gathers bf16 and casts after the gather, as the FP8 layer does without FSDP.
+Measured (2 x H200, 8B full, NOTES.md Step 22): the same losses, 53.80 instead of 60.51
+GiB per GPU, tokens/s within the noise of the eager FSDP step (no faster: that step
+waits for the host). Switched on by ``--fsdp-fp8-gather``, and by default with
+``--lora`` (run.assemble calls ``attach``), whose frozen weights' FP8 copies are then
+each process's shard instead of the whole weight.
 """
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)

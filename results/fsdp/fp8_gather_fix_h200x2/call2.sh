@@ -1,13 +1,7 @@
 #!/bin/bash
 # 2 GPUs, after the fix (a trained weight's FP8 cast was kept across gathers): resume and bits, tiny; the GPU tests; 8B bits and memory.
-OUT=${OUT:-/tmp/c2}; W=/tmp/c2w; mkdir -p $OUT $W
-export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
-T0=$(date +%s)
-{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; python3 -c "import torch,triton,transformers;print('torch',torch.__version__,'triton',triton.__version__,'transformers',transformers.__version__)"; git rev-parse --short HEAD; date -u; } > $W/env.txt 2>&1
-left() { echo $(( ${LIMIT:-570} - $(date +%s) + T0 )); }
-losses() { python3 -c "import json;d=json.load(open('$W/$1.json'));print(' '.join('%.6f'%v for v in d['losses']), 'tok/s/gpu', round(d.get('tokens_per_sec_per_gpu') or 0), 'GiB', round(d['peak_memory_bytes']/2**30,2))" 2>/dev/null; }
-stamp() { echo "$1 $(( $(date +%s) - T0 ))s losses $(losses $1) $(grep -h 'FSDP FP8\|rror' $W/$1.txt | cut -c1-70 | tr '\n' ' ')" | tee -a $W/times.txt; tar czf $OUT/c2.tgz -C $W --exclude='ck_*' .; }
-two() { local n=$1; shift; timeout $(left) torchrun --standalone --nproc-per-node 2 finetune_optimized.py --fsdp "$@" --json $W/$n.json > $W/$n.txt 2>&1; stamp $n; }
+NAME=c2 LIMIT=570 KEEP=0
+source "$(dirname "$0")/lib.sh"
 BASE="--tiny --fp8 tensorwise --dataset synthetic --steps 7 --log-every 1"
 two g_run $BASE --output-dir $W/ck_g --save-every 2
 two g_resumed $BASE --output-dir $W/ck_g2 --resume $W/ck_g/checkpoint-2

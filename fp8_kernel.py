@@ -582,9 +582,9 @@ def _produced_amax(x, recipe):
 
 def _weight_fp8(weight, recipe, transpose):
     gathered = getattr(weight, "fp8_copy", None)
-    if gathered is not None:  # FSDP gathered it in FP8 (kernel_ft/fp8_gather.py): its bytes, as they are
-        data, inv, data_t = gathered(transpose)
-        return Fp8Tensor(data, inv, data_t, inv if transpose else None)
+    if gathered is not None:  # FSDP gathered it in FP8 (kernel_ft/fp8_gather.py): its bytes, as they are;
+        data, inv, _ = gathered()  # W8^T is made in backward, from the weight saved (_linear_save)
+        return Fp8Tensor(data, inv, None, None)
     if weight.requires_grad:  # trained: it changes every step, quantize it every call
         # Per tensor, the amax its last AdamW update measured (kernel_common), if any.
         amax = take_weight_amax(weight) if recipe == "tensorwise" else None
@@ -667,7 +667,11 @@ def fp8_linear_backward(dy: torch.Tensor, x_t: torch.Tensor, x_inv_t: torch.Tens
 # --------------------------------------------------------------------------------
 def _linear_save(ctx, inputs, output):
     x, weight, bias, recipe, grads, need_dx, need_dw = inputs
-    ctx.save_for_backward(*output[1:])  # fp8 copies only: never x or W themselves
+    # The fp8 copies only, never x or a bf16 W. A weight FSDP gathered in FP8 is saved itself
+    # (what it buys: no whole W8^T kept on every GPU from forward to backward, 6.5 GiB at 8B;
+    # FSDP has the weight whole again for backward, as for nn.Linear) and W8^T made from it there.
+    gathered = [weight] if need_dx and hasattr(weight, "fp8_copy") else []
+    ctx.save_for_backward(*output[1:], *gathered)
     ctx.recipe, ctx.grads, ctx.need_dx, ctx.need_dw = recipe, grads, need_dx, need_dw
     ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
     ctx.bias_dtype = None if bias is None else bias.dtype
@@ -680,7 +684,9 @@ def _linear_op_save(ctx, inputs, output):
 
 def _linear_grads(ctx, dy, *_):
     _LAST_INPUT.clear()  # the forward is over: its last input's fp8 copy need not outlive it
-    x_t, x_inv_t, w_t, w_inv_t = ctx.saved_tensors
+    x_t, x_inv_t, w_t, w_inv_t, *gathered = ctx.saved_tensors
+    if gathered:  # FSDP gathered W in FP8 (kernel_ft/fp8_gather.py): W8^T from its bytes, now
+        _, w_inv_t, w_t = gathered[0].fp8_copy(transpose=True)
     dx, dw = fp8_linear_backward(dy, x_t, x_inv_t, w_t, w_inv_t, ctx.recipe, ctx.grads, ctx.x_dtype,
                                  ctx.w_dtype, ctx.need_dx, ctx.need_dw)
     db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None

@@ -201,6 +201,8 @@ def kernels_from_args(args):
     if getattr(args, "fp8", None):
         kernels["fp8"] = args.fp8  # the recipe
         kernels["fp8_grads"] = getattr(args, "fp8_grads", "e4m3")  # the gradients' format
+        if getattr(args, "fsdp", False):  # --fsdp-fp8-gather's default depends on --lora: what it came to
+            kernels["fp8_gathered"] = fp8_gathered(args)
     return kernels
 
 
@@ -209,8 +211,8 @@ def fp8_gathered(args):
     --fp8 tensorwise without --compile, and --fsdp-fp8-gather, or by default --lora: the
     frozen weights' FP8 copies are then each process's shard, not the whole weight."""
     chosen = getattr(args, "fsdp_fp8_gather", None)
-    return getattr(args, "fp8", None) == "tensorwise" and not getattr(args, "compile", False) \
-        and bool(chosen or (chosen is None and getattr(args, "lora", False)))
+    return getattr(args, "fsdp", False) and getattr(args, "fp8", None) == "tensorwise" \
+        and not getattr(args, "compile", False) and bool(chosen or (chosen is None and getattr(args, "lora", False)))
 
 
 def check_fp8_flags(args, flag="--fp8"):
@@ -478,9 +480,9 @@ def idle_flags(args):
 def idle_parallel_flags(args):
     """--fsdp's own flags without --fsdp, --ddp's without --ddp."""
     notes = []
-    fsdp_changed = [f"--{k.replace('_', '-')}" for k, v in (("fsdp_prefetch", 0), ("fsdp_keep_gathered", "auto"),
-                                                            ("fsdp_reduce_dtype", "auto"), ("fsdp_comm", "default"),
-                                                            ("fsdp_fp8_gather", None))
+    fsdp_changed = [f"--{'no-' if getattr(args, k, v) is False else ''}{k.replace('_', '-')}"
+                    for k, v in (("fsdp_prefetch", 0), ("fsdp_keep_gathered", "auto"), ("fsdp_reduce_dtype", "auto"),
+                                 ("fsdp_comm", "default"), ("fsdp_fp8_gather", None))
                     if getattr(args, k, v) != v]
     if fsdp_changed and not getattr(args, "fsdp", False):
         notes.append(f"{', '.join(fsdp_changed)} without --fsdp changes nothing")

@@ -148,10 +148,11 @@ class FP8Shard(torch.Tensor):
     and, for frozen weights, their cast shards."""
 
     # No Python layer around its operations: what they return is a plain tensor (FSDP keeps
-    # this object as the local tensor; nothing needs the subclass downstream). With the
-    # default layer every read of a shard (its size, storage, a view) passed through Python:
-    # ~75 per weight and step from FSDP and the optimizer, +167 ms of host time per step at
-    # 8B on 2 GPUs (profile_baseline.py, NOTES.md Step 22).
+    # this object as the local tensor and asks it for the two methods; nothing in our runs
+    # needs an operation's result to be one: FSDP's CPU offload would, refused in attach).
+    # With the default layer every read of a shard (its size, storage, a view) passed through
+    # Python, ~75 per weight and step from FSDP and the optimizer: 491 -> 426 ms of host time
+    # per step without it at 8B on 2 GPUs (profile_baseline.py, NOTES.md Step 22).
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
@@ -163,7 +164,8 @@ class FP8Shard(torch.Tensor):
         shard = self.detach().as_subclass(torch.Tensor)
         rows = -(-outer_size[0] // mesh.size())  # FSDP pads every shard to the first one's rows
         cached = module._fp8_shard_cache
-        if cached is not None and cached[0] == (shard.data_ptr(), shard._version, amax.data_ptr()):
+        frozen = not module.weight.requires_grad
+        if frozen and cached is not None and cached[0] == (shard.data_ptr(), shard._version, amax.data_ptr()):
             data, inv = cached[1]
         else:
             q = quantize(shard.reshape(-1, outer_size[1]), "tensorwise", amax=amax.view(1))
@@ -172,7 +174,7 @@ class FP8Shard(torch.Tensor):
                 data = torch.cat([data, data.new_zeros(rows - data.shape[0], data.shape[1])])
             # Frozen weights only: FSDP's local shard never requires grad, its parameter does, and
             # the optimizer's kernel writes a trained shard without moving its version counter.
-            if not module.weight.requires_grad:
+            if frozen:
                 module._fp8_shard_cache = ((shard.data_ptr(), shard._version, amax.data_ptr()), (data, inv))
         return (data,), inv
 
@@ -200,7 +202,7 @@ class _Group:
     def measure(self, mesh):
         shards = {m: m.weight.to_local().detach().as_subclass(torch.Tensor) for m in self.modules}
         frozen = [m for m in self.modules if not m.weight.requires_grad]
-        stale = self.frozen_amax is None or any(
+        stale = self.frozen_amax is None or set(self.frozen_amax) != set(frozen) or any(
             m._fp8_shard_cache is None or m._fp8_shard_cache[0][:2] != (shards[m].data_ptr(), shards[m]._version)
             for m in frozen)
         measured = [m for m in self.modules if stale or m.weight.requires_grad]
@@ -216,7 +218,7 @@ class _Group:
         if stale:
             self.frozen_amax = {m: values[m] for m in frozen}
         self.amax = {m: amax for m, amax in values.items() if m.weight.requires_grad}
-        self.amax.update(self.frozen_amax)
+        self.amax.update(self.frozen_amax)  # the frozen set is this gather's (stale above otherwise)
 
 
 def attach(model):
@@ -239,6 +241,9 @@ def attach(model):
             if p.all_gather_outputs:
                 raise RuntimeError("fp8_gather.attach: FSDP has gathered these weights already; attach before "
                                    "the first forward")
+            if getattr(p, "offload_to_cpu", False):  # FSDP would move the shard first: a plain tensor then
+                raise RuntimeError("fp8_gather.attach: FSDP's CPU offload is not supported with FP8 gathers; "
+                                   "gather bf16 (leave out --fsdp-fp8-gather) or turn the offload off")
             p.sharded_param._local_tensor = p.sharded_param._local_tensor.as_subclass(FP8Shard)
             p._init_extensions()
             module = p._module_info.module

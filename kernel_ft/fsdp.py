@@ -318,8 +318,11 @@ def decide_keep_gathered(args, model):
     if not keep_gathered_is_decided(args):
         return None
     layers = model.get_decoder().layers
-    gathered = 4 if args.tiny else 2  # bytes per weight: shard_model gathers in bf16 (tiny: float32)
-    weights = gathered * sum(p.numel() for layer in layers for p in layer.parameters())  # DTensors: whole sizes
+    # Bytes per weight as gathered: shard_model's bf16 (tiny: float32), or 1 where the shard
+    # gathers itself in FP8 (kernel_ft/fp8_gather.py gives its local tensor the method).
+    plain = 4 if args.tiny else 2
+    weights = sum(p.numel() * (1 if hasattr(getattr(p, "_local_tensor", None), "fsdp_pre_all_gather") else plain)
+                  for layer in layers for p in layer.parameters())  # DTensors: whole sizes
     capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     peak, minus_capacity = reduce_over_ranks([torch.cuda.max_memory_allocated(), -capacity], op="max")
     capacity = -minus_capacity  # the smallest GPU's

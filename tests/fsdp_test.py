@@ -510,11 +510,13 @@ def test_fp8_transpose_kernel_equals_pytorch_transpose():
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
-    for n, k in ((256, 128), (130, 200), (16, 48), (0, 32)):
-        data = torch.randint(0, 256, (n + 3, k), generator=g, dtype=torch.uint8).to(device)[1:n + 1].view(FP8_DTYPE)
-        got = transpose_fp8(data)
-        assert got.dtype == FP8_DTYPE and got.shape == (k, n) and got.is_contiguous()
-        assert torch.equal(got.view(torch.uint8), data.view(torch.uint8).t().contiguous()), (n, k)
+    for n, k in ((0, 32), (256, 128), (130, 200), (16, 48)):
+        rows = torch.randint(0, 256, (n + 3, k), generator=g, dtype=torch.uint8).to(device)[1:n + 1]
+        for data in (rows.view(FP8_DTYPE), rows.t().view(FP8_DTYPE)):  # a transposed view: copied first
+            got = transpose_fp8(data)
+            assert got.dtype == FP8_DTYPE and got.shape == data.shape[::-1] and got.is_contiguous()
+            assert torch.equal(got.view(torch.uint8), data.view(torch.uint8).t().contiguous()), (n, k)
+    data = rows.view(FP8_DTYPE)  # the last shape's, [16, 48]
     w = FP8Weight(data, torch.tensor(1.0), torch.bfloat16)
     assert torch.equal(w.fp8_copy(transpose=True)[2].view(torch.uint8), data.view(torch.uint8).t())
 
@@ -621,7 +623,7 @@ def test_keep_gathered_flag_values():
 
 def test_keep_gathered_auto_decides_from_the_measured_peak(monkeypatch):
     """--fsdp-keep-gathered auto keeps the layers' weights when the peak so far plus all of
-    them whole (bf16) fits in 90% of the GPU; at the limit and one byte past it. The GPU's
+    them whole (bf16; FP8 where gathered so) fits in 90% of the GPU; at the limit and one byte past it. The GPU's
     numbers are stood in for (one process: the reduction over processes returns them)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -654,6 +656,10 @@ def test_keep_gathered_auto_decides_from_the_measured_peak(monkeypatch):
                  argparse.Namespace(fsdp=False, fsdp_keep_gathered="auto", tiny=False)):
         assert fsdp.decide_keep_gathered(args, model) is None  # nothing to decide
     assert len(switched) == len(layers)
+    # A weight gathered in FP8 (its local tensor gathers itself, as fp8_gather.FP8Shard) is 1 byte, not 2.
+    w = layers[0].mlp.down_proj.weight
+    w._local_tensor = argparse.Namespace(fsdp_pre_all_gather=None)
+    assert fsdp.decide_keep_gathered(auto, model)["weights_bytes"] == kept - w.numel()
 
 
 def test_the_loop_reports_the_keep_decision(monkeypatch, tmp_path, capsys):

@@ -341,7 +341,7 @@ def add_fsdp_arg(group):
         "--fsdp-fp8-gather", action=argparse.BooleanOptionalAction, default=None,
         help="--fsdp --fp8 tensorwise, not with --compile: each process casts its shard of a layer's weights to "
              "FP8 with the whole weight's scale and the all-gather moves FP8, 1 byte per weight instead of 2 "
-             "(kernel_ft/fp8_gather.py; the same bits; 8B full: 6.7 GiB less per GPU, tokens/s within the eager "
+             "(kernel_ft/fp8_gather.py; the same bits; 8B full: 13 GiB less per GPU, tokens/s within the eager "
              "step's noise). Default: on with --lora (which needs it), off for full fine-tuning",
     )
     group.add_argument(

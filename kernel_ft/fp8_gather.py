@@ -13,7 +13,8 @@ weight, and the gather moves 1 byte per weight:
 
 What it buys per gathered weight: half the bytes over NVLink, and the amax and cast
 passes over 1/N of the weight instead of all of it (N processes); the transposed copy
-(for dX) is made from the 1-byte W8, as before from the bf16 W. The bits are those
+(for dX) is made from the 1-byte W8 in backward, where the layer saves the gathered
+weight instead of a whole W8^T (fp8_kernel._linear_save). The bits are those
 of the path before: one scale per tensor from the maximum |w| over all shards (one
 all-reduce of the maxima of every FP8 weight in the layer, per gather), and the cast
 is elementwise, so every shard's bytes are those of the whole weight's cast.
@@ -39,9 +40,9 @@ Frozen weights (``--lora``) cast their shard once, and again only when it change
 Per-row scaling (``rowwise``) is not gathered in FP8: W^T's scales are maxima over
 columns, which span every shard; those layers gather bf16 as before.
 
-Measured (2 x H200, 8B full, NOTES.md Step 22): the same losses, 53.80 instead of 60.51
+Measured (2 x H200, 8B full, NOTES.md Step 22): the same losses, 47.30 instead of 60.51
 GiB per GPU, tokens/s within the noise of the eager FSDP step (no faster: that step
-waits for the host). Switched on by ``--fsdp-fp8-gather``, and by default with
+waits for the host); 8B LoRA 1.17x bf16's tokens/s. Switched on by ``--fsdp-fp8-gather``, and by default with
 ``--lora`` (run.assemble calls ``attach``), whose frozen weights' FP8 copies are then
 each process's shard instead of the whole weight.
 """

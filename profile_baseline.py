@@ -132,7 +132,8 @@ def profile_name(args):
     """traces/<name>: 'baseline', or 'custom-' plus the kernels in use; '-compiled' with
     --compile, '-pageable' with --no-pin-memory, '-fsdp' with --fsdp."""
     switches = flags.kernels_from_args(args)
-    kernels = [k for k, on in switches.items() if on and k != "fp8_grads"]  # the gradients' format: below
+    # The gradients' format: below; whether FSDP gathers FP8 weights in FP8: the settings the folder keeps.
+    kernels = [k for k, on in switches.items() if on and k not in ("fp8_grads", "fp8_gathered")]
     name = "custom-" + "-".join(kernels) if kernels else BASELINE
     if switches.get("fp8_grads", "e4m3") != "e4m3":
         name += "-" + switches["fp8_grads"]

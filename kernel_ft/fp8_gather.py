@@ -42,9 +42,9 @@ columns, which span every shard; those layers gather bf16 as before.
 
 Measured (2 x H200, 8B full, NOTES.md Step 22): the same losses, 47.30 instead of 60.51
 GiB per GPU, tokens/s within the noise of the eager FSDP step (no faster: that step
-waits for the host); 8B LoRA 1.17x bf16's tokens/s. Switched on by ``--fsdp-fp8-gather``, and by default with
-``--lora`` (run.assemble calls ``attach``), whose frozen weights' FP8 copies are then
-each process's shard instead of the whole weight.
+waits for the host); 8B LoRA 1.17x bf16's tokens/s. Switched on by
+``--fsdp-fp8-gather``, and by default with ``--lora`` (run.assemble calls ``attach``),
+whose frozen weights' FP8 copies are then each process's shard, not the whole weight.
 """
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)

@@ -4,10 +4,11 @@ One process of tests/fsdp_test.py's FP8-gather check, started twice by torchrun 
 For trained and then frozen weights, each process builds the same tiny model with
 per-tensor FP8 layers (emulated FP8 on the CPU), keeps an unsharded copy, shards the
 other (FSDP2, every decoder layer and the root) and switches its FP8 weights to gathers
-in FP8 (kernel_ft/fp8_gather.py). Then two steps (forward, backward, AdamW) on the same
-batch in both (the script's AdamW): the losses and every gradient (whole) must be equal, bit for bit; the
-layers' forwards must see the gathered FP8 weights; and frozen weights (those of the
-attention) are cast once, not at every gather. Then a sharded checkpoint (DCP) of it loads into another model.
+in FP8 (kernel_ft/fp8_gather.py). Then two steps (forward, backward, the script's AdamW)
+on the same batch in both: the losses and every gradient (whole) must be equal, bit for
+bit; the layers' forwards must see the gathered FP8 weights; frozen weights (those of
+the attention) are cast once, not at every gather, and a trained weight's cast is never
+kept. Then a sharded checkpoint (DCP) of it loads into another model.
 Prints one JSON line per mode and process: what the test checks.
 
 Usage (the test does this): torchrun --nproc-per-node 2 tests/fsdp_fp8_worker.py FOLDER

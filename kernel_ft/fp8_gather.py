@@ -166,7 +166,8 @@ class FP8Shard(torch.Tensor):
         rows = -(-outer_size[0] // mesh.size())  # FSDP pads every shard to the first one's rows
         cached = module._fp8_shard_cache
         frozen = not module.weight.requires_grad
-        if frozen and cached is not None and cached[0] == (shard.data_ptr(), shard._version, amax.data_ptr()):
+        key = (shard.data_ptr(), shard._version, amax.data_ptr())
+        if frozen and cached is not None and cached[0] == key:
             data, inv = cached[1]
         else:
             q = quantize(shard.reshape(-1, outer_size[1]), "tensorwise", amax=amax.view(1))
@@ -176,7 +177,7 @@ class FP8Shard(torch.Tensor):
             # Frozen weights only: FSDP's local shard never requires grad, its parameter does, and
             # the optimizer's kernel writes a trained shard without moving its version counter.
             if frozen:
-                module._fp8_shard_cache = ((shard.data_ptr(), shard._version, amax.data_ptr()), (data, inv))
+                module._fp8_shard_cache = (key, (data, inv))
         return (data,), inv
 
     def fsdp_post_all_gather(self, outputs, inv_scale, param_dtype, *, out=None):

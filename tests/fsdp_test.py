@@ -466,8 +466,8 @@ def test_fp8_gather_over_two_processes_matches_one_and_resumes(tmp_path):
     the weights gathered in FP8 (fp8_gather.attach) the forward sees the gathered FP8
     weight, and the losses and whole gradients of two steps equal the unsharded model's bit
     for bit (the script's AdamW); trained weights are cast at every gather (forward and
-    backward), their casts never kept, frozen ones once; a DCP checkpoint loads into another model, whose frozen casts made
-    before the load are not reused."""
+    backward), their casts never kept, frozen ones once; a DCP checkpoint loads into
+    another model, whose frozen casts made before the load are not reused."""
     env = {k: v for k, v in os.environ.items() if k not in fsdp.TORCHRUN_ENV}
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -623,8 +623,9 @@ def test_keep_gathered_flag_values():
 
 def test_keep_gathered_auto_decides_from_the_measured_peak(monkeypatch):
     """--fsdp-keep-gathered auto keeps the layers' weights when the peak so far plus all of
-    them whole (bf16; FP8 where gathered so) fits in 90% of the GPU; at the limit and one byte past it. The GPU's
-    numbers are stood in for (one process: the reduction over processes returns them)."""
+    them whole (bf16; FP8 where gathered so) fits in 90% of the GPU; at the limit and one
+    byte past it. The GPU's numbers are stood in for (one process: the reduction over
+    processes returns them)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -2,10 +2,8 @@
 # 2 GPUs, FP8Shard without its Python layer: resume + bits (tiny), 8B FP8 vs bf16 gathers alternating, a profile, the FP8 GPU tests.
 NAME=c5 LIMIT=570 KEEP=4
 source "$(dirname "$0")/lib.sh"
-BASE="--tiny --fp8 tensorwise --dataset synthetic --steps 7 --log-every 1"
-two tiny_fp8gather $BASE --output-dir $W/ck_g --save-every 2
-two tiny_fp8gather_resumed $BASE --output-dir $W/ck_g2 --resume $W/ck_g/checkpoint-2
-two tiny_bf16gather $BASE --no-fsdp-fp8-gather
+resumed tiny_fp8gather tiny_fp8gather_resumed
+two tiny_bf16gather $TINY --no-fsdp-fp8-gather
 rm -rf $W/ck_*
 alternate_8b
 K="--use-custom-rmsnorm --use-custom-swiglu --use-custom-rope --use-custom-flce --use-custom-adamw"

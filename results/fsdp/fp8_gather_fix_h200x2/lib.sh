@@ -20,3 +20,11 @@ alternate_8b() {
   two fp8gather_2 $E8
   two bf16gather_2 $E8 --no-fsdp-fp8-gather
 }
+# The tiny model under FSDP with FP8 layers, 7 steps; a run saved at step 2 and the run resumed from there
+# (its losses must be the first run's steps 3-7): resumed RUN RESUMED FLAGS...
+TINY="--tiny --fp8 tensorwise --dataset synthetic --steps 7 --log-every 1"
+resumed() {
+  local run=$1 again=$2; shift 2
+  two $run $TINY "$@" --output-dir $W/ck_$run --save-every 2
+  two $again $TINY "$@" --output-dir $W/ck_$again --resume $W/ck_$run/checkpoint-2
+}

@@ -9,7 +9,8 @@ on the same batch in both: the losses and every gradient (whole) must be equal, 
 bit; the layers' forwards must see the gathered FP8 weights; frozen weights (those of
 the attention) are cast once, not at every gather, and a trained weight's cast is never
 kept. Then a sharded checkpoint (DCP) of it loads into another model.
-Prints one JSON line per mode and process: what the test checks.
+Writes one JSON report per mode and process, FOLDER/MODE-rankN.json: what the test checks
+(files, not stdout: two processes' lines can interleave on one pipe).
 
 Usage (the test does this): torchrun --nproc-per-node 2 tests/fsdp_fp8_worker.py FOLDER
 """
@@ -110,8 +111,10 @@ def check(mode, folder):
     checkpoints.load_sharded(folder, other, TritonAdamW([p for p in other.parameters() if p.requires_grad]))
     with torch.no_grad():
         loaded = [m(input_ids=ids, labels=ids).loss.item() for m in (model, other)]
-    print(json.dumps({"mode": mode, "rank": torch.distributed.get_rank(), "attached": attached, "seen": sorted(seen),
-                      "steps": steps, "trained_casts_kept": kept, "loaded": loaded}), flush=True)
+    rank = torch.distributed.get_rank()
+    with open(f"{folder}-rank{rank}.json", "w") as f:
+        json.dump({"mode": mode, "rank": rank, "attached": attached, "seen": sorted(seen), "steps": steps,
+                   "trained_casts_kept": kept, "loaded": loaded}, f)
 
 
 if __name__ == "__main__":

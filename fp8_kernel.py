@@ -682,11 +682,18 @@ def _linear_op_save(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[1:])
 
 
-def _linear_grads(ctx, dy, *_):
+def _weight_t(w_t, w_inv_t, gathered):
+    """W8^T and its inverse scale for dx, as backward begins: kept from forward, or made now
+    from the weight FSDP gathered in FP8 (kernel_ft/fp8_gather.py), if ``gathered`` is it."""
     _LAST_INPUT.clear()  # the forward is over: its last input's fp8 copy need not outlive it
+    if gathered is not None:
+        _, w_inv_t, w_t = gathered.fp8_copy(transpose=True)
+    return w_t, w_inv_t
+
+
+def _linear_grads(ctx, dy, *_):
     x_t, x_inv_t, w_t, w_inv_t, *gathered = ctx.saved_tensors
-    if gathered:  # FSDP gathered W in FP8 (kernel_ft/fp8_gather.py): W8^T from its bytes, now
-        _, w_inv_t, w_t = gathered[0].fp8_copy(transpose=True)
+    w_t, w_inv_t = _weight_t(w_t, w_inv_t, gathered[0] if gathered else None)
     dx, dw = fp8_linear_backward(dy, x_t, x_inv_t, w_t, w_inv_t, ctx.recipe, ctx.grads, ctx.x_dtype,
                                  ctx.w_dtype, ctx.need_dx, ctx.need_dw)
     db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
@@ -718,6 +725,35 @@ class FP8LinearFunction(torch.autograd.Function):
 
 fp8_linear_forward.op.register_autograd(first_order_only("fp8_linear")(_linear_grads),
                                         setup_context=_linear_op_save)
+
+
+# --------------------------------------------------------------------------------
+# A frozen FP8 layer's two products, for an autograd node of someone else's
+# --------------------------------------------------------------------------------
+# lora_kernel.LoRALinearFunction puts a LoRA adapter inside its base layer's products
+# (the scale and the sums in cuBLAS epilogues). Over an FP8Linear base layer, whose weight
+# LoRA freezes, it runs the layer's forward product and its input gradient's product
+# through these two: the casts and products FP8Linear's own forward and backward run, on
+# the same cached fp8 copies of the weight.
+def frozen_linear_forward(layer, x2, need_dx):
+    """(y [M, N] in x2's dtype, saved) of an FP8Linear ``layer`` with a frozen weight on
+    x2 [M, K]; ``saved`` (a tuple of tensors and None) is what frozen_linear_input_grad needs.
+    Eager only (a tracer sees FP8Linear's operators instead)."""
+    weight, bias = layer.weight, layer.bias
+    _check_linear(x2, weight, bias, layer.recipe, layer.grads, layer.emulate)
+    y, _, _, w_t, w_inv_t = _linear_forward(x2, weight, bias, layer.recipe, need_dx,
+                                            _input_fp8(x2, layer.recipe, False))
+    if need_dx and hasattr(weight, "fp8_copy"):  # gathered by FSDP in FP8: W8^T in backward (_linear_save)
+        return y, (None, None, weight)
+    return y, (w_t if need_dx else None, w_inv_t if need_dx else None, None)
+
+
+def frozen_linear_input_grad(layer, dy, saved, out_dtype):
+    """dx [M, K] = dy W in ``out_dtype`` for dy [M, N], from frozen_linear_forward's ``saved``:
+    dy cast to the layer's gradient format, the product on the weight's fp8 copy."""
+    w_t, w_inv_t = _weight_t(*saved)
+    return fp8_linear_backward(dy, nothing(dy), nothing(dy), w_t, w_inv_t, layer.recipe, layer.grads, out_dtype,
+                               out_dtype, True, False)[0]
 
 
 # --------------------------------------------------------------------------------

@@ -51,9 +51,21 @@ When it applies
 Each adapted layer is checked on every call; anything else runs PEFT's own forward:
 one active adapter of plain LoRA (no DoRA or other variant, no adapter bias), not
 merged or disabled, no per-example
-adapter names, a plain ``nn.Linear`` base layer with a frozen weight, and x in the
+adapter names, a plain ``nn.Linear`` (or FP8Linear: below) base layer with a frozen
+weight, and x in the
 base weight's dtype or under autocast (then the products run in autocast's dtype, as
-F.linear's would). QLoRA's 4-bit layers and FP8 base layers (Step 22) keep PEFT's path.
+F.linear's would). QLoRA's 4-bit layers keep PEFT's path.
+
+FP8 base layers (Step 22: fp8_kernel.FP8Linear, its weight frozen by LoRA) run their
+two products in FP8 here, through fp8_kernel's ``frozen_linear_forward`` and
+``frozen_linear_input_grad``: the casts and products of the layer's own forward and
+backward. cuBLASLt's FP8 product has no ``beta``, so it cannot add into an output:
+the adapter's term goes in by the bf16 ``addmm_`` after it, as above, and the FP8
+gradients of x of a group are summed by adds (what autograd would do). Over PEFT's path
+that still saves the scale, the sum and the backward scale over every output (12 of its
+14 bytes per output value) and the adapters' own dx sums: for one LLaMA-8B block at
+8,192 tokens about 5 GB of memory traffic. Under torch.compile an FP8 base layer is an
+operator: PEFT's path.
 
 LoRA dropout (p > 0) drops elements of the adapter's input only: x_a = dropout(x), and
 ``(x_a A^T) B^T``, while the base product reads x. PEFT's own dropout module makes x_a
@@ -71,7 +83,8 @@ import types
 import torch
 import torch.nn as nn
 
-from kernel_common import first_order_only
+from fp8_kernel import FP8Linear, frozen_linear_forward, frozen_linear_input_grad
+from kernel_common import first_order_only, traced
 
 
 class LoRALinearFunction(torch.autograd.Function):
@@ -80,14 +93,15 @@ class LoRALinearFunction(torch.autograd.Function):
     A_i [r_i, K], B_i [N_i, r_i]. The adapter reads x itself (x_i = x), or with LoRA
     dropout its own input x_i = dropout(x), computed by PEFT's dropout module before
     the call. One projection is a LoRA layer; several are projections_kernel.py's groups
-    (q/k/v, gate/up), whose gradients of x are summed in the same epilogues."""
+    (q/k/v, gate/up), whose gradients of x are summed in the same epilogues. ``fp8s``:
+    per projection, None (W_i in the products' dtype) or the FP8Linear that holds W_i."""
 
     @staticmethod
-    def forward(ctx, x, dtype, scalings, *params):
+    def forward(ctx, x, dtype, scalings, fp8s, *params):
         # Every cast below is explicit (to ``dtype``, autocast's when it is on: compute_dtype);
         # autocast would cast again, and its casts cannot write into the outputs (out=).
         with torch.autocast(x.device.type, enabled=False):
-            return _lora_forward(ctx, x, dtype, scalings, *params)
+            return _lora_forward(ctx, x, dtype, scalings, fp8s, *params)
 
     @staticmethod
     @first_order_only("lora_linear")
@@ -97,9 +111,10 @@ class LoRALinearFunction(torch.autograd.Function):
 
 
 PER_PROJECTION = 5  # LoRALinearFunction's inputs per projection: W, b, A, B, x_i (b, A, B, x_i may be None)
+SAVED = 7  # saved per projection: W (an FP8 layer's: only if FSDP gathered it in FP8), W8^T, its inverse scale, B, A, x_i, x_i A^T
 
 
-def _lora_forward(ctx, x, dtype, scalings, *params):
+def _lora_forward(ctx, x, dtype, scalings, fp8s, *params):
     """LoRALinearFunction's forward, autocast off (module-level: torch.compile traces it)."""
     n = PER_PROJECTION
     x2 = x.to(dtype).reshape(-1, x.shape[-1])  # no copy when x is in dtype already
@@ -113,20 +128,26 @@ def _lora_forward(ctx, x, dtype, scalings, *params):
     a_all = (adapters[0] if len(adapters) == 1 else torch.cat(adapters)) if adapters else None
     xa_all = None if a_all is None else torch.mm(x2, a_all.t())  # [M, sum r]
     # Kept for backward only what a gradient needs: x for dW and dA, x A^T for dB.
-    needs = ctx.needs_input_grad[3:]
+    needs = ctx.needs_input_grad[4:]
     keep_x = any(needs[n * i] or (needs[n * i + 2] and m[4] is None) for i, m in enumerate(members))
     keep_xa = any(needs[n * i + 3] for i in range(len(members)))
     outs, saved, start = [], [x2 if keep_x else None, a_all, xa_all if keep_xa else None], 0
-    for (weight, bias, lora_a, lora_b, own), s in zip(members, scalings):
-        w = weight.to(dtype)
-        # Written in place into the output's own storage: each output is a tensor of its
-        # own, not a view of another, so the caller may change it in place as F.linear's.
-        y = x2.new_empty(*x.shape[:-1], weight.shape[0])
-        y2 = y.view(-1, weight.shape[0])
-        if bias is None:
-            torch.mm(x2, w.t(), out=y2)
-        else:
-            torch.addmm(bias.to(dtype), x2, w.t(), out=y2)
+    for (weight, bias, lora_a, lora_b, own), s, fp8 in zip(members, scalings, fp8s):
+        if fp8 is None:
+            # Written in place into the output's own storage: each output is a tensor of its
+            # own, not a view of another, so the caller may change it in place as F.linear's.
+            y = x2.new_empty(*x.shape[:-1], weight.shape[0])
+            y2 = y.view(-1, weight.shape[0])
+            w = weight.to(dtype)
+            if bias is None:
+                torch.mm(x2, w.t(), out=y2)
+            else:
+                torch.addmm(bias.to(dtype), x2, w.t(), out=y2)
+            # The weight as it is: cast again in backward (no float32 -> bf16 copy kept alive).
+            w_saved = (weight, None, None)
+        else:  # its FP8 product (a new tensor too); backward keeps W8^T, cached for a frozen weight
+            y2, (w_t, w_inv_t, gathered) = frozen_linear_forward(fp8, x2, ctx.needs_input_grad[0])
+            y, w_saved = y2.view(*x.shape[:-1], weight.shape[0]), (gathered, w_t, w_inv_t)
         b, a, own2, xa = None, None, None, None
         if lora_a is not None:
             b, r = lora_b.to(dtype), lora_a.shape[0]  # r rows: cheap; no copy when already dtype
@@ -137,11 +158,10 @@ def _lora_forward(ctx, x, dtype, scalings, *params):
                 a, own2 = lora_a.to(dtype), own.to(dtype).reshape(-1, own.shape[-1])
                 xa = torch.mm(own2, a.t())
             y2.addmm_(xa, b.t(), alpha=s)  # the scale and the sum in the epilogue
-        # The weight as it is: cast again in backward (no float32 -> bf16 copy kept alive).
-        saved += [weight, b, a, own2, xa if own is not None and keep_xa else None]
+        saved += [*w_saved, b, a, own2, xa if own is not None and keep_xa else None]
         outs.append(y)
     ctx.save_for_backward(*saved)
-    ctx.scalings, ctx.dtype, ctx.x_shape, ctx.x_dtype = scalings, dtype, x.shape, x.dtype
+    ctx.scalings, ctx.fp8s, ctx.dtype, ctx.x_shape, ctx.x_dtype = scalings, fp8s, dtype, x.shape, x.dtype
     ctx.param_dtypes = [None if p is None else p.dtype for p in params]
     ctx.ranks = [None if m[2] is None else m[2].shape[0] for m in members]
     ctx.set_materialize_grads(False)  # an output nobody used gets None, not zeros to multiply
@@ -152,10 +172,10 @@ def _lora_backward(ctx, *grads):
     """LoRALinearFunction's backward, autocast off."""
     n = PER_PROJECTION
     x2, a_all, xa_all, *saved = ctx.saved_tensors
-    need_x, need = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
+    need_x, need = ctx.needs_input_grad[0], ctx.needs_input_grad[4:]
     dx, params, gs, start = None, [], [], 0
-    for i, (dy, s, r) in enumerate(zip(grads, ctx.scalings, ctx.ranks)):
-        weight, b, a, own2, own_xa = saved[n * i:n * i + n]
+    for i, (dy, s, r, fp8) in enumerate(zip(grads, ctx.scalings, ctx.ranks, ctx.fp8s)):
+        weight, w_t, w_inv_t, b, a, own2, own_xa = saved[SAVED * i:SAVED * i + SAVED]
         need_w, need_bias, need_a, need_b, need_own = need[n * i:n * i + n]
         w_dtype, bias_dtype, a_dtype, b_dtype, own_dtype = ctx.param_dtypes[n * i:n * i + n]
         stacked = r is not None and own2 is None
@@ -167,7 +187,10 @@ def _lora_backward(ctx, *grads):
             params += [None] * n
             continue
         dy = dy.reshape(-1, dy.shape[-1]).to(ctx.dtype)
-        if need_x:
+        if need_x and fp8 is not None:  # FP8: no epilogue to sum in, an add (as autograd's)
+            d = frozen_linear_input_grad(fp8, dy, (w_t, w_inv_t, weight), ctx.dtype)
+            dx = d if dx is None else dx.add_(d)
+        elif need_x:
             w = weight.to(ctx.dtype)
             if dx is None:
                 dx = torch.mm(dy, w)
@@ -190,7 +213,7 @@ def _lora_backward(ctx, *grads):
         g = gs[0] if len(gs) == 1 else torch.cat(gs, dim=1)
         if need_x and dx is not None:
             dx.addmm_(g, a_all)  # and the adapters' gradients of x, in the epilogue too
-        stacked_a = [i for i, r in enumerate(ctx.ranks) if r is not None and saved[n * i + 3] is None]
+        stacked_a = [i for i, r in enumerate(ctx.ranks) if r is not None and saved[SAVED * i + 5] is None]
         if any(need[n * i + 2] for i in stacked_a):
             da_all, start = torch.mm(g.t(), x2), 0  # [sum r, K]: x read once
             for i in stacked_a:
@@ -200,17 +223,19 @@ def _lora_backward(ctx, *grads):
                 start += r
     if dx is not None:
         dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
-    return (dx, None, None, *params)
+    return (dx, None, None, None, *params)
 
 
-def lora_linear(x, weight, bias, lora_a, lora_b, scaling, adapter_input=None):
+def lora_linear(x, weight, bias, lora_a, lora_b, scaling, adapter_input=None, fp8=None):
     """PEFT's ``base(x) + lora_B(lora_A(x_a)) * scaling`` for one plain LoRA adapter, fused;
-    x_a is ``adapter_input`` (PEFT's dropout of x) when given, else x."""
+    x_a is ``adapter_input`` (PEFT's dropout of x) when given, else x. ``fp8``: the
+    fp8_kernel.FP8Linear whose (frozen) weight and bias these are: its products in FP8."""
     dtype = compute_dtype(x, (weight, bias))
     if dtype is None:
         raise ValueError(f"lora_linear: x is {x.dtype}, the base weight {weight.dtype}: they must agree "
                          f"(or run under autocast)")
-    return LoRALinearFunction.apply(x, dtype, (float(scaling),), weight, bias, lora_a, lora_b, adapter_input)[0]
+    return LoRALinearFunction.apply(x, dtype, (float(scaling),), (fp8,), weight, bias, lora_a, lora_b,
+                                    adapter_input)[0]
 
 
 def compute_dtype(x, weights):
@@ -227,9 +252,9 @@ def compute_dtype(x, weights):
 
 
 def _fusable(layer, x, args, kwargs):
-    """The one active plain adapter of ``layer`` as (A, B, scaling, dropout), or None:
+    """The one active plain adapter of ``layer`` as (A, B, scaling, dropout, fp8), or None:
     PEFT's path. ``dropout`` is the adapter's dropout module when it drops anything (p > 0,
-    training), else None."""
+    training), else None; ``fp8`` the base layer if it is an FP8Linear, else None."""
     if args or kwargs or layer.disable_adapters or layer.merged:
         return None
     active = layer.active_adapters
@@ -240,7 +265,9 @@ def _fusable(layer, x, args, kwargs):
         return None
     base = layer.base_layer
     lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
-    if (type(base) is not nn.Linear or base.weight.requires_grad or compute_dtype(x, (base.weight, base.bias)) is None
+    # An FP8 base layer eagerly only: under a tracer its own operators run.
+    fp8 = type(base) is FP8Linear and not (traced(x) or torch.compiler.is_compiling())
+    if ((type(base) is not nn.Linear and not fp8) or base.weight.requires_grad or compute_dtype(x, (base.weight, base.bias)) is None
             or getattr(layer, "fan_in_fan_out", False)
             or type(lora_a) is not nn.Linear or type(lora_b) is not nn.Linear
             or lora_a.bias is not None or lora_b.bias is not None):
@@ -249,7 +276,7 @@ def _fusable(layer, x, args, kwargs):
         return None
     dropout = layer.lora_dropout[name]
     drops = not isinstance(dropout, nn.Identity) and dropout.training and getattr(dropout, "p", 1.0) > 0
-    return lora_a.weight, lora_b.weight, layer.scaling[name], dropout if drops else None
+    return lora_a.weight, lora_b.weight, layer.scaling[name], dropout if drops else None, base if fp8 else None
 
 
 def adapter_input(x, dropout):
@@ -262,9 +289,9 @@ def _fused_forward(layer, x, *args, **kwargs):
     adapter = _fusable(layer, x, args, kwargs)
     if adapter is None:
         return layer._peft_forward(x, *args, **kwargs)
-    lora_a, lora_b, scaling, dropout = adapter
+    lora_a, lora_b, scaling, dropout, fp8 = adapter
     return lora_linear(x, layer.base_layer.weight, layer.base_layer.bias, lora_a, lora_b, scaling,
-                       adapter_input(x, dropout))
+                       adapter_input(x, dropout), fp8)
 
 
 def fuse_lora(model):

@@ -74,9 +74,9 @@ def calls(monkeypatch):
     count = []
     real = LoRALinearFunction.forward
 
-    def spy(ctx, x, dtype, scalings, *params):
+    def spy(ctx, x, dtype, scalings, fp8s, *params):
         count.append(len(scalings))
-        return real(ctx, x, dtype, scalings, *params)
+        return real(ctx, x, dtype, scalings, fp8s, *params)
 
     monkeypatch.setattr(LoRALinearFunction, "forward", staticmethod(spy))
     return count

@@ -33,13 +33,16 @@ lora_kernel.fuse_lora routes (so it runs first).
 
 Where grouping does not apply, each projection runs on its own as before: under
 torch.compile (Inductor sees the whole layer and plans the sums itself), without
-gradients of x (evaluation, generation, a frozen first layer), for FP8 and
-quantized layers and LoRA layers outside lora_kernel's cases (dropout, DoRA, ...;
+gradients of x (evaluation, generation, a frozen first layer), for plain FP8
+layers (cuBLASLt's FP8 product cannot add into an output: nothing to save) and
+quantized ones, for LoRA layers outside lora_kernel's cases (DoRA, QLoRA, ...;
 checked at every call), and for a model whose forward does not call its
 projections one after another on one input: when a group's outputs go unused
 in two forwards in a row (once is an exception cutting a forward short), that
 group falls back to separate products for good, with a one-line note. Between
 the first projection's call and the others', nothing may change the weights.
+LoRA layers over FP8 base layers do group: their adapters' x A^T and dA read x once,
+and their gradients of x through A are summed in one epilogue.
 
 Nothing runs on import. See projections_test.py for the checks.
 """
@@ -63,21 +66,23 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # LoRA adapter: its forward is the products autograd would run, its backward sums
 # the gradients of x with addmm_ (beta = 1). Below: what it is given.
 def grouped_products(x, specs):
-    """The projections (W, b, A, B, s, dropout) of x as one autograd node, or None where
-    they cannot be (then each runs on its own). Each adapter's dropout (None: none) runs
-    here, in the group's order, which is the order the model calls the projections in."""
+    """The projections (W, b, A, B, s, dropout, fp8) of x as one autograd node, or None
+    where they cannot be (then each runs on its own). Each adapter's dropout (None: none)
+    runs here, in the group's order, which is the order the model calls the projections
+    in; ``fp8``: the FP8Linear holding W (its products in FP8), or None."""
     dtype = compute_dtype(x, [p for spec in specs for p in spec[:2]])
     if dtype is None:
         return None
     scalings = tuple(float(spec[4]) for spec in specs)
-    params = [p for w, b, a, bb, _, dropout in specs for p in (w, b, a, bb, adapter_input(x, dropout))]
-    return LoRALinearFunction.apply(x, dtype, scalings, *params)
+    fp8s = tuple(spec[6] for spec in specs)
+    params = [p for w, b, a, bb, _, dropout, _ in specs for p in (w, b, a, bb, adapter_input(x, dropout))]
+    return LoRALinearFunction.apply(x, dtype, scalings, fp8s, *params)
 
 
 def shared_input_linear(x, linears):
     """``tuple(m(x) for m in linears)`` for plain nn.Linear modules as one autograd
     node, whose backward sums the input gradients in cuBLAS's epilogues."""
-    out = grouped_products(x, [(m.weight, m.bias, None, None, 1.0, None) for m in linears])
+    out = grouped_products(x, [(m.weight, m.bias, None, None, 1.0, None, None) for m in linears])
     return tuple(F.linear(x, m.weight, m.bias) for m in linears) if out is None else out
 
 
@@ -91,11 +96,11 @@ def _is_routed_lora(module):
 
 
 def _spec(module, x, args, kwargs):
-    """(W, b, A, B, s, dropout) of one member for the grouped product, or None: its own forward."""
+    """(W, b, A, B, s, dropout, fp8) of one member for the grouped product, or None: its own forward."""
     if _is_routed_lora(module):
         adapter = _fusable(module, x, args, kwargs)
         return None if adapter is None else (module.base_layer.weight, module.base_layer.bias, *adapter)
-    return None if args or kwargs else (module.weight, module.bias, None, None, 1.0, None)
+    return None if args or kwargs else (module.weight, module.bias, None, None, 1.0, None, None)
 
 
 def _own_forward(module, x, args, kwargs):

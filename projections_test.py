@@ -10,7 +10,8 @@ node (CPU, float32 and bf16 autocast; no Triton involved).
 * the fallbacks: no gradients, an input modified in place, a forward that does
   not call the projections on one input (a one-line note, then separate products);
 * LoRA layers routed by lora_kernel.fuse_lora join the groups: PEFT's loss and
-  gradients, no add kernel left in the backward of a group of adapted layers.
+  gradients, no add kernel left in the backward of a group of adapted layers; over
+  FP8 base layers (emulated) PEFT's loss and gradients over the same FP8 layers.
 
 Usage:
     python -m pytest projections_test.py -v
@@ -273,6 +274,68 @@ def test_lora_layers_in_groups_give_pefts_loss_and_gradients(targets, dropout):
     assert grads.keys() == ref_grads.keys()
     for name in ref_grads:
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("recipe, dropout", [("tensorwise", 0.0), ("rowwise", 0.2)],
+                         ids=["tensorwise", "rowwise-dropout"])
+def test_lora_over_fp8_base_layers_in_groups_gives_pefts_loss_and_gradients(recipe, dropout, monkeypatch):
+    """LoRA over FP8 base layers (fp8_kernel.FP8Linear, emulated on the CPU): fused and
+    grouped, the base products are FP8Linear's own casts and products (fp8_kernel's
+    frozen_linear_forward / _input_grad, counted), so the loss and the adapters'
+    gradients are PEFT's over the same FP8 layers up to float32 rounding (below)."""
+    import fp8_kernel
+    import lora_kernel
+
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=dropout,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    with torch.no_grad():  # B random: PEFT starts it at zero, where its gradient path would go untested
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    assert fp8_kernel.replace_linears(model, recipe, emulate=True)[0] == 7 * model.config.num_hidden_layers
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    batch = dataloader.lm_batch(ids.to(DEVICE))
+    torch.manual_seed(5)
+    ref_loss, ref_grads = loss_and_grads_of_trainable(model, batch)  # PEFT's path over FP8Linear
+    fuse_lora(model)
+    assert group_projections(model) == 2 * model.config.num_hidden_layers
+    products = []
+    for name in ("frozen_linear_forward", "frozen_linear_input_grad"):
+        real = getattr(fp8_kernel, name)
+        monkeypatch.setattr(lora_kernel, name, lambda *a, real=real, name=name: products.append(name) or real(*a))
+    torch.manual_seed(5)
+    loss, grads = loss_and_grads_of_trainable(model, batch)
+    # Every base layer's forward product, and its input gradient's but for layer 0's q, k
+    # and v (they read the frozen embedding's output: no gradient of x there).
+    n_layers = model.config.num_hidden_layers
+    assert products.count("frozen_linear_forward") == 7 * n_layers
+    assert products.count("frozen_linear_input_grad") == 7 * n_layers - 3
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    assert grads.keys() == ref_grads.keys() and len(grads) == 2 * 7 * n_layers
+    # The fused layers add and sum in float32 in another order (1e-7); where that moves a
+    # value across an e4m3 rounding boundary in a later cast, the two paths part by up to
+    # ~1e-4 (most gradients 1e-6). Float32 products instead of FP8 would part by 3e-2 to 0.2.
+    for name in ref_grads:
+        err = ((grads[name] - ref_grads[name]).norm() / ref_grads[name].norm()).item()
+        assert err < 1e-3, f"{name}: relative error {err:.1e}"
+
+
+def test_lora_over_an_fp8_layer_without_fp8_tensor_cores_is_refused():
+    """Fused or not, an FP8 layer that may not emulate refuses a device without FP8 tensor
+    cores in fp8_linear's words."""
+    import fp8_kernel
+
+    peft = pytest.importorskip("peft")
+    if fp8_kernel.fp8_supported(torch.device(DEVICE))[0]:
+        pytest.skip("this device has FP8 tensor cores")
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"]))
+    fp8_kernel.replace_linears(model, "tensorwise")
+    fuse_lora(model)
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), device=DEVICE)
+    with pytest.raises(RuntimeError, match="fp8_linear: "):
+        training.hf_loss(model, dataloader.lm_batch(ids)).backward()
 
 
 def loss_and_grads_of_trainable(model, batch):

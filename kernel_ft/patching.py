@@ -212,9 +212,9 @@ def _apply_fp8(report, model, fp8, grads, name):
 
 def _apply_lora_and_groups(report, model, lora, projections, name):
     """LoRA in the base layers' products, then the projection groups (LoRA's fused layers
-    join them; FP8 and quantized layers keep their own). Only PEFT models have adapters;
-    each layer is checked at every call (DoRA, QLoRA, FP8 base layers keep PEFT's forward;
-    dropout runs fused)."""
+    join them; plain FP8 and quantized layers keep their own). Only PEFT models have
+    adapters; each layer is checked at every call (DoRA, QLoRA keep PEFT's forward;
+    dropout and FP8 base layers run fused)."""
     if not lora:
         report.add("lora", NOT_USED, 0, "switched off")
     elif not hasattr(model, "peft_config"):

@@ -461,6 +461,54 @@ def test_fp8_layers_under_fully_shard_give_the_unsharded_model(one_process_group
 
 
 @NEEDS_INTERPRETER
+def test_fused_lora_over_weights_gathered_in_fp8_gives_the_unsharded_model(one_process_group, monkeypatch):
+    """--fsdp --lora --fp8 tensorwise: LoRA's fused products (lora_kernel, grouped by
+    projections_kernel) over FP8 base layers whose weights FSDP gathers in FP8
+    (fp8_gather): the forward reads the gathered FP8 weight as it is, backward makes its
+    W8^T then; the loss and the adapters' gradients equal the same fused model unsharded
+    bit for bit (one process: its shard is the whole weight, cast with the same scale)."""
+    import copy
+
+    import fp8_kernel
+    import lora_kernel
+    from kernel_ft import fp8_gather
+    from lora_kernel import fuse_lora
+    from projections_kernel import group_projections
+
+    args = argparse.Namespace(tiny=True, lora_r=4, lora_alpha=8.0, lora_dropout=0.0, lora_4bit=False,
+                              lora_targets=list(flags.LORA_TARGETS))
+    torch.manual_seed(0)
+    model = models.apply_lora(models.build_random(models.tiny_config(), torch.device("cpu"), torch.float32), args)
+    with torch.no_grad():  # B random: PEFT starts it at zero, where its gradient path would go untested
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    assert fp8_kernel.replace_linears(model, "tensorwise", emulate=True)[0] == 14
+    unsharded = copy.deepcopy(model)
+    fsdp.shard_model(model, args, one_process_group)
+    assert fp8_gather.attach(model) == 14
+    gathered = []
+    real = fp8_kernel.frozen_linear_forward
+    monkeypatch.setattr(lora_kernel, "frozen_linear_forward",
+                        lambda layer, x2, need_dx: gathered.append(hasattr(layer.weight, "fp8_copy"))
+                        or real(layer, x2, need_dx))
+    ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for m in (model, unsharded):
+        assert fuse_lora(m) == 14 and group_projections(m) == 4
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert gathered == [True] * 14 + [False] * 14  # sharded: every base weight read as gathered in FP8
+    assert losses[0] == losses[1]
+    grads = {n: p.grad for n, p in unsharded.named_parameters() if p.grad is not None}
+    got = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == grads.keys() and len(grads) == 28
+    for name, g in grads.items():
+        assert torch.equal(got[name], g), name
+
+
+@NEEDS_INTERPRETER
 def test_fp8_gather_over_two_processes_matches_one_and_resumes(tmp_path):
     """2 gloo processes (tests/fsdp_fp8_worker.py), trained then partly frozen FP8 weights: with
     the weights gathered in FP8 (fp8_gather.attach) the forward sees the gathered FP8

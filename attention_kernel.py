@@ -857,6 +857,11 @@ def hf_packed_attention(module, query, key, value, attention_mask, scaling=None,
 # probe (eager is the reference implementation of every family). A family whose
 # own attention is the eager one (Gemma-2: soft-capped scores) is measured against
 # that same eager attention computed in float64: its own 16-bit rounding.
+# The packed probe hands the model a causal block mask, so it cannot tell whether the
+# model's own attention is causal: a second probe, one example with no mask and no
+# position ids (what a plain call looks like), must agree too. A bidirectional
+# encoder (BERT and its kin, which transformers also offers as causal LMs) sees every
+# token there and is refused.
 PROBE_LENGTHS = (5, 3)
 
 
@@ -917,11 +922,21 @@ def check_same_attention(model, theirs_name):
         model.set_attn_implementation(implementation)
         return model(input_ids=ids, position_ids=positions, attention_mask=attention_mask).logits.float()
 
+    def plain_logits(implementation):  # one example, nothing but the tokens
+        model.set_attn_implementation(implementation)
+        return model(input_ids=ids[:, :PROBE_LENGTHS[0]]).logits.float()
+
     was_training = model.training
     model.eval()
     drift = 0.0
     try:
-        expected = logits(theirs_name, additive if theirs_name == "eager" else mask)
+        try:
+            expected = logits(theirs_name, additive if theirs_name == "eager" else mask)
+            plain_expected = plain_logits(theirs_name)
+        except (ValueError, TypeError, RuntimeError, IndexError) as e:
+            raise SwapMismatch(f"{type(model).__name__}'s own attention does not run a packed row (position ids and "
+                               f"a 4-D block mask), so ours cannot be checked against it ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''})") from None
         if weight.dtype != torch.float32 and theirs_name != "eager":
             drift = (logits("eager", additive) - expected).abs().max().item()
         elif weight.dtype != torch.float32:
@@ -931,6 +946,7 @@ def check_same_attention(model, theirs_name):
         model.set_attn_implementation(NAME)
         try:
             got = model(input_ids=ids, position_ids=positions).logits.float()
+            plain_got = plain_logits(NAME)
         except (ValueError, TypeError, RuntimeError) as e:
             raise SwapMismatch(f"{type(model).__name__}'s attention cannot run as {NAME} "
                                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
@@ -940,7 +956,16 @@ def check_same_attention(model, theirs_name):
     finally:
         model.train(was_training)
     rounding = 1e-4 if weight.dtype == torch.float32 else 2**-6
-    if not torch.allclose(got, expected, rtol=rounding, atol=max(rounding * expected.abs().max().item(), 4 * drift)):
+
+    def close(ours, theirs):
+        return torch.allclose(ours, theirs, rtol=rounding, atol=max(rounding * theirs.abs().max().item(), 4 * drift))
+
+    if not close(plain_got, plain_expected):
+        model.set_attn_implementation(theirs_name)
+        raise SwapMismatch(f"{type(model).__name__}'s attention is not causal where a row carries no mask (max logit "
+                           f"difference {(plain_got - plain_expected).abs().max().item():.2g} from causal attention); "
+                           f"the kernel computes causal attention only")
+    if not close(got, expected):
         model.set_attn_implementation(theirs_name)
         raise SwapMismatch(f"{type(model).__name__}'s attention computes something else than softmax(scale q k^T) v "
                            f"within each example (max logit difference {(got - expected).abs().max().item():.2g}, "

@@ -79,6 +79,7 @@ import torch.nn.functional as F
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
     SUPPORTED_DTYPES,
+    SwapMismatch,
     cast_to,
     check_kernel_device,
     exp,
@@ -691,8 +692,44 @@ def use_fused_loss(model):
     """Make ``model`` (a Hugging Face causal LM) compute its loss with ``causal_lm_loss``:
     HF's models call ``self.loss_function`` on their logits when given labels, and
     transformers lets a model set it. Returns 1 (the one loss), 0 if ``model`` has no
-    ``loss_function`` to set (not a transformers model)."""
+    ``loss_function`` to set (not a transformers model). Raises SwapMismatch where a probe
+    shows its forward computing the loss some other way (check_loss_function)."""
     if not hasattr(type(model), "loss_function"):
         return 0
+    check_loss_function(model)
     model.loss_function = causal_lm_loss
     return 1
+
+
+@torch.no_grad()
+def check_loss_function(model):
+    """Raise SwapMismatch unless ``model``'s forward, given labels, computes its loss by
+    calling ``self.loss_function``, and that is HF's causal LM loss: a family that builds
+    its own criterion (CPM-Ant's ``CrossEntropyLoss`` without the shift), or whose
+    loss_type is another, would never call ours or would change its rules."""
+    weight = next(model.parameters(), None)
+    if weight is None or weight.is_meta:
+        return
+    original, calls = model.loss_function, []
+
+    def recorded(logits, labels, *args, **kwargs):
+        theirs = original(logits, labels, *args, **kwargs)
+        calls.append((theirs.float(), causal_lm_loss(logits.float(), labels, *args, **kwargs).float()))
+        return theirs
+
+    was_training = model.training
+    model.eval()
+    model.loss_function = recorded
+    try:
+        ids = torch.tensor([[1, 2, 3]], device=weight.device) % model.config.vocab_size
+        model(input_ids=ids, labels=ids)
+    finally:
+        model.loss_function = original
+        model.train(was_training)
+    name = type(model).__name__
+    if not calls:
+        raise SwapMismatch(f"{name}'s forward computes its loss without calling loss_function: it keeps its own")
+    theirs, ours = calls[-1]
+    if not torch.allclose(theirs, ours, rtol=1e-4, atol=0):
+        raise SwapMismatch(f"{name}'s loss_function is not HF's causal LM loss ({theirs.item():.6g} against "
+                           f"{ours.item():.6g} on a probe): it keeps its own")

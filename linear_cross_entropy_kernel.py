@@ -402,7 +402,10 @@ class TritonFusedLinearCrossEntropyLoss(nn.Module):
 # (``logit_multiplier``; B x T x H values instead of B x T x V), the soft-cap is
 # the kernel's ``softcap``. Anything else must not pass unseen, so before the swap
 # ``check_flce_head`` compares the model's own logits with what the fused loss
-# computes, on a 3-token input, and refuses a head that differs.
+# computes, on a 3-token input, and refuses a head that differs. The loss rule is
+# checked there too: the model's own loss must be HF's causal one on its logits (the
+# next token's cross-entropy, averaged); a family that scores each position against
+# its own label (CPM-Ant), smooths labels or adds a term keeps its own loss.
 def logit_multiplier(config):
     """The constant some families multiply the logits by after the LM head: Granite
     divides them by ``logits_scaling``, Cohere multiplies them by ``logit_scale``."""
@@ -425,7 +428,10 @@ def check_flce_head(model):
     model.eval()  # no dropout: the two forwards differ only by what follows the LM head
     with torch.no_grad():
         ids = torch.tensor([[1, 2, 3]], device=head.weight.device) % model.config.vocab_size
-        theirs = model(input_ids=ids).logits.float()
+        out = model(input_ids=ids, labels=ids)
+        theirs = out.logits.float()
+        their_loss = float("nan") if out.loss is None else out.loss.float().item()
+        hf_rule = nn.functional.cross_entropy(theirs[0, :-1], ids[0, 1:]).item()
         hidden = model.get_decoder()(input_ids=ids).last_hidden_state * logit_multiplier(model.config)
         ours = (hidden @ head.weight.T).float()
         cap = getattr(model.config, "final_logit_softcapping", None)
@@ -436,6 +442,9 @@ def check_flce_head(model):
     if not torch.allclose(ours, theirs, rtol=rounding, atol=rounding * theirs.abs().max().item()):
         raise SwapMismatch(f"{type(model).__name__} transforms its logits after the LM head in a way the fused "
                            f"loss does not implement")
+    if not abs(their_loss - hf_rule) <= rounding * abs(hf_rule):  # NaN: no loss at all
+        raise SwapMismatch(f"{type(model).__name__}'s own loss is not HF's causal LM loss (the next token's "
+                           f"cross-entropy, averaged): {their_loss:.6g} against {hf_rule:.6g} on a probe")
 
 
 # The arguments of a causal LM's forward that belong to the head and the loss, not

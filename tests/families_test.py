@@ -6,7 +6,9 @@ tiny random models built from transformers' config classes, float32):
   baseline's loss and gradients (HF's loss, PyTorch's AdamW step) to 1e-5;
 * each family gets at least the kernels listed in EXPECTED: a kernel that stops
   going in is a regression, and one that is refused is refused in one line;
-* the README's support matrix is this matrix (tools/family_matrix.py writes it).
+* the README's support matrix is this matrix (tools/family_matrix.py writes it);
+* causal LMs that are not such decoders (an encoder, another loss rule, ALiBi) get a
+  one-line refusal for the kernel that would change their numbers, and their own loss.
 
 Usage:
     python -m pytest tests/families_test.py -v
@@ -110,6 +112,44 @@ def test_family_kernels_compute_the_baseline(label, model_type, extra):
             assert_close(f"{label} {list(kernels)} after a step: {name}", ours_params[name].detach(), p.detach())
     assert EXPECTED[label] <= set(went_in), f"{label}: {sorted(EXPECTED[label] - set(went_in))} no longer go in"
 
+
+
+# Causal LMs in transformers' list that are not the decoders the kernels are for: what each
+# must refuse (a kernel that went in would give other numbers), and the one line it says.
+OUTSIDE = [
+    ("bert", "attention", "attention is not causal"),  # an encoder as a causal LM: bidirectional
+    ("cpmant", "flce", "own loss is not HF's causal LM loss"),  # scores each position against its own label
+    ("cpmant", "ce", "computes its loss without calling loss_function"),
+    ("bloom", "attention", "own attention does not run a packed row"),  # ALiBi, no position ids
+]
+
+
+@pytest.mark.parametrize("model_type, kernel, refusal", OUTSIDE, ids=[f"{t}-{k}" for t, k, _ in OUTSIDE])
+def test_models_outside_the_families_get_a_refusal_not_other_numbers(model_type, kernel, refusal):
+    """kernel_ft.apply on a model the kernels do not fit: the kernel is left to PyTorch
+    with one line saying why, and the model computes the loss and gradients it did."""
+    import transformers
+
+    import kernel_ft
+
+    config = family_config(model_type, {})
+    for key, value in config.to_dict().items():  # no dropout: both runs must draw nothing
+        if "dropout" in key and isinstance(value, float):
+            setattr(config, key, 0.0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE, torch.float32)  # as a user builds it
+    ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    batch = dataloader.lm_batch(ids.to(DEVICE))
+    ref_loss, ref_grads = loss_and_grads(model, training.hf_loss, batch)
+    switches = {"flce": False} if kernel == "ce" else {}  # ce is tried only where flce is not used
+    report = kernel_ft.apply(model, **switches)
+    assert report[kernel]["status"] == "left to PyTorch" and refusal in report[kernel]["detail"], report[kernel]
+    assert "\n" not in report[kernel]["detail"]
+    loss, grads = loss_and_grads(model, training.hf_loss, batch)
+    assert_close(f"{model_type} loss", loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        assert_close(f"{model_type} grad {name}", grads[name], ref_grads[name])
 
 
 def test_readme_holds_the_generated_matrix():

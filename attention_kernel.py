@@ -861,7 +861,8 @@ def hf_packed_attention(module, query, key, value, attention_mask, scaling=None,
 # model's own attention is causal: a second probe, one example with no mask and no
 # position ids (what a plain call looks like), must agree too. A bidirectional
 # encoder (BERT and its kin, which transformers also offers as causal LMs) sees every
-# token there and is refused.
+# token there, and Doge adds a learned mask of its own where it is given none: both
+# are refused.
 PROBE_LENGTHS = (5, 3)
 
 
@@ -962,9 +963,9 @@ def check_same_attention(model, theirs_name):
 
     if not close(plain_got, plain_expected):
         model.set_attn_implementation(theirs_name)
-        raise SwapMismatch(f"{type(model).__name__}'s attention is not causal where a row carries no mask (max logit "
-                           f"difference {(plain_got - plain_expected).abs().max().item():.2g} from causal attention); "
-                           f"the kernel computes causal attention only")
+        raise SwapMismatch(f"{type(model).__name__}'s own attention on a row without a mask is not causal "
+                           f"softmax(scale q k^T) v (bidirectional, or a mask of its own; max logit difference "
+                           f"{(plain_got - plain_expected).abs().max().item():.2g}), which is all the kernel computes")
     if not close(got, expected):
         model.set_attn_implementation(theirs_name)
         raise SwapMismatch(f"{type(model).__name__}'s attention computes something else than softmax(scale q k^T) v "

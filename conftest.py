@@ -8,6 +8,7 @@
 * ``check_outputs`` applies that rule to several outputs at once; every test
   file's comparison with the truth goes through it.
 * ``peak_extra_mb`` measures the extra GPU memory of one call (GPU-only tests).
+* ``narrow_tiny_config`` is the tiny LLaMA for the emulated FP8 model tests.
 """
 
 import pytest
@@ -23,6 +24,18 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # the PyTorch path happens to be nearly exact, "2x its error" alone would demand
 # more than the dtype can represent.
 ERROR_FLOOR = {torch.float32: 1.2e-8, torch.float16: 9.8e-5, torch.bfloat16: 7.8e-4}
+
+
+def narrow_tiny_config():
+    """The tiny LLaMA (kernel_ft.models.tiny_config), narrower: hidden 64, MLP 128, heads of 16.
+    The interpreter casts FP8 weights element by element at every forward (most of an
+    emulated FP8 test's time), and what those tests check does not depend on the width;
+    still 2 layers of 7 linear layers."""
+    from kernel_ft import models
+
+    config = models.tiny_config()
+    config.hidden_size, config.intermediate_size, config.head_dim = 64, 128, 16
+    return config
 
 
 def need_gpu():

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import DEVICE  # first: the Triton interpreter switch
+from conftest import DEVICE, narrow_tiny_config  # first: the Triton interpreter switch
 
 from kernel_ft import dataloader, models, training
 import projections_kernel as projections
@@ -287,7 +287,9 @@ def test_lora_over_fp8_base_layers_in_groups_gives_pefts_loss_and_gradients(reci
     import lora_kernel
 
     peft = pytest.importorskip("peft")
-    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(
+    torch.manual_seed(0)
+    model = models.build_random(narrow_tiny_config(), torch.device(DEVICE), torch.float32)
+    model = peft.get_peft_model(model, peft.LoraConfig(
         r=4, lora_alpha=8, lora_dropout=dropout,
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     with torch.no_grad():  # B random: PEFT starts it at zero, where its gradient path would go untested

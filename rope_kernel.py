@@ -759,7 +759,8 @@ def check_same_rope(original, model, where):
     gen = torch.Generator(device="cpu").manual_seed(0)
     cos = sin = None
     if tables and not any(b.is_meta for b in tables[0].buffers()):
-        with contextlib.suppress(TypeError):  # a table that wants more (Gemma-3: the layer type)
+        # A table that wants more (Gemma-3, DeepSeek-V4: the layer type) or fails: random angles below.
+        with contextlib.suppress(TypeError, AttributeError, KeyError, ValueError, RuntimeError):
             cos, sin = tables[0](torch.zeros(1, seq_len, head_dim, device=device), positions)
             cos, sin = cos.float(), sin.float()
     if cos is None:  # no table to ask: random angles over the whole head

@@ -1,7 +1,7 @@
 """
 One process of tests/fsdp_test.py's FP8-gather check, started twice by torchrun (gloo).
 
-For trained and then frozen weights, each process builds the same tiny model (narrowed) with
+For trained and then frozen weights, each process builds the same tiny model (conftest's narrow one) with
 per-tensor FP8 layers (emulated FP8 on the CPU), keeps an unsharded copy, shards the
 other (FSDP2, every decoder layer and the root) and switches its FP8 weights to gathers
 in FP8 (kernel_ft/fp8_gather.py). Then two steps (forward, backward, the script's AdamW)
@@ -28,24 +28,15 @@ import torch
 from torch.distributed.fsdp import fully_shard
 
 from adamw_kernel import TritonAdamW
+from conftest import narrow_tiny_config
 from fp8_kernel import FP8Linear, replace_linears
 from kernel_ft import checkpoints, fp8_gather, models
-
-
-def narrow_config():
-    """The tiny LLaMA, narrower (hidden 64, MLP 128): the interpreter casts the weights
-    element by element at every gather (most of the run's time), and what is checked
-    (the gathers, the casts counted per layer, the bits) does not depend on the width;
-    still 2 layers of 7 FP8 layers each."""
-    config = models.tiny_config()
-    config.hidden_size, config.intermediate_size, config.head_dim = 64, 128, 16
-    return config
 
 
 def build(mode, seed):
     """The tiny model with FP8 layers, and an unsharded copy of it."""
     torch.manual_seed(seed)
-    model = models.build_random(narrow_config(), torch.device("cpu"), torch.float32)
+    model = models.build_random(narrow_tiny_config(), torch.device("cpu"), torch.float32)
     if mode == "frozen":  # as under --lora, the attention's weights frozen, the MLPs' and the embedding trained:
         for name, p in model.named_parameters():  # one FSDP unit holds both kinds
             p.requires_grad_(".self_attn." not in name)

@@ -49,6 +49,7 @@ import pytest
 import torch
 
 from kernel_ft import flags  # first: the Triton interpreter switch
+from conftest import narrow_tiny_config
 import kernel_common
 from kernel_ft import checkpoints, fsdp, models
 from kernel_ft import run as run_module
@@ -424,11 +425,6 @@ def test_meta_device_lora_starts_as_the_base_model(one_process_group):
 NEEDS_INTERPRETER = pytest.mark.skipif(not kernel_common.INTERPRET, reason="CPU tensors need the Triton interpreter")
 
 
-# The FP8 checks' model (tests/fsdp_fp8_worker.py's): sharded and unsharded must agree bit for
-# bit at any width, and the interpreter's casts cost time per weight element.
-from tests.fsdp_fp8_worker import narrow_config  # noqa: E402
-
-
 @NEEDS_INTERPRETER
 def test_fp8_layers_under_fully_shard_give_the_unsharded_model(one_process_group):
     """--fp8 with --fsdp: FP8Linear holds the layer's own Parameters, so fully_shard shards
@@ -441,12 +437,12 @@ def test_fp8_layers_under_fully_shard_give_the_unsharded_model(one_process_group
     from kernel_ft import fp8_gather
 
     torch.manual_seed(0)
-    rowwise = models.build_random(narrow_config(), torch.device("cpu"), torch.float32)
+    rowwise = models.build_random(narrow_tiny_config(), torch.device("cpu"), torch.float32)
     replace_linears(rowwise, "rowwise", emulate=True)
     fsdp.shard_model(rowwise, argparse.Namespace(tiny=True), one_process_group)
     assert fp8_gather.attach(rowwise) == 0
     torch.manual_seed(0)
-    model = models.build_random(narrow_config(), torch.device("cpu"), torch.float32)
+    model = models.build_random(narrow_tiny_config(), torch.device("cpu"), torch.float32)
     assert replace_linears(model, "tensorwise", emulate=True)[0] == 14
     unsharded = copy.deepcopy(model)
     fsdp.shard_model(model, argparse.Namespace(tiny=True), one_process_group)
@@ -483,7 +479,7 @@ def test_fused_lora_over_weights_gathered_in_fp8_gives_the_unsharded_model(one_p
     args = argparse.Namespace(tiny=True, lora_r=4, lora_alpha=8.0, lora_dropout=0.0, lora_4bit=False,
                               lora_targets=list(flags.LORA_TARGETS))
     torch.manual_seed(0)
-    model = models.apply_lora(models.build_random(narrow_config(), torch.device("cpu"), torch.float32), args)
+    model = models.apply_lora(models.build_random(narrow_tiny_config(), torch.device("cpu"), torch.float32), args)
     with torch.no_grad():  # B random: PEFT starts it at zero, where its gradient path would go untested
         for name, p in model.named_parameters():
             if "lora_B" in name:

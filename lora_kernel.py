@@ -50,11 +50,10 @@ When it applies
 ---------------
 Each adapted layer is checked on every call; anything else runs PEFT's own forward:
 one active adapter of plain LoRA (no DoRA or other variant, no adapter bias), not
-merged or disabled, no per-example
-adapter names, a plain ``nn.Linear`` (or FP8Linear: below) base layer with a frozen
-weight, and x in the
-base weight's dtype or under autocast (then the products run in autocast's dtype, as
-F.linear's would). QLoRA's 4-bit layers keep PEFT's path.
+merged or disabled, no per-example adapter names, a plain ``nn.Linear`` (or FP8Linear:
+below) base layer with a frozen weight, and x in the base weight's dtype or under
+autocast (then the products run in autocast's dtype, as F.linear's would). QLoRA's
+4-bit layers keep PEFT's path.
 
 FP8 base layers (Step 22: fp8_kernel.FP8Linear, its weight frozen by LoRA) run their
 two products in FP8 here, through fp8_kernel's ``frozen_linear_forward`` and
@@ -111,7 +110,9 @@ class LoRALinearFunction(torch.autograd.Function):
 
 
 PER_PROJECTION = 5  # LoRALinearFunction's inputs per projection: W, b, A, B, x_i (b, A, B, x_i may be None)
-SAVED = 7  # saved per projection: W (an FP8 layer's: only if FSDP gathered it in FP8), W8^T, its inverse scale, B, A, x_i, x_i A^T
+# Saved per projection: W (of an FP8 layer only if FSDP gathered it in FP8), W8^T and its
+# inverse scale (FP8 layers), B, A, x_i, x_i A^T.
+SAVED = 7
 
 
 def _lora_forward(ctx, x, dtype, scalings, fp8s, *params):
@@ -267,8 +268,8 @@ def _fusable(layer, x, args, kwargs):
     lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
     # An FP8 base layer eagerly only: under a tracer its own operators run.
     fp8 = type(base) is FP8Linear and not (traced(x) or torch.compiler.is_compiling())
-    if ((type(base) is not nn.Linear and not fp8) or base.weight.requires_grad or compute_dtype(x, (base.weight, base.bias)) is None
-            or getattr(layer, "fan_in_fan_out", False)
+    if ((type(base) is not nn.Linear and not fp8) or base.weight.requires_grad
+            or compute_dtype(x, (base.weight, base.bias)) is None or getattr(layer, "fan_in_fan_out", False)
             or type(lora_a) is not nn.Linear or type(lora_b) is not nn.Linear
             or lora_a.bias is not None or lora_b.bias is not None):
         return None

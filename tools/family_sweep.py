@@ -1,0 +1,146 @@
+"""
+Every causal LM transformers knows, through kernel_ft.apply: the same numbers, or a refusal.
+
+tools/family_matrix.py measures the families the kernels are written for. This sweep
+asks the wider question a user's model raises: for each model type in transformers'
+causal-LM mapping, a tiny random model (family_matrix's TINY shapes, float32, dropout
+off) computes its loss and gradients with the model's own code, then again after
+``kernel_ft.apply(model)`` with every kernel on, once without a mask and once with a
+left-padding mask. A kernel either went in and the numbers are the model's (to float32
+rounding), or it was left to PyTorch with a one-line reason. Anything else is a bug:
+``DIFFERS`` (other numbers) or ``APPLY-ERROR`` (apply raised instead of refusing).
+Model types that cannot build or run at these shapes by themselves are listed as such.
+
+Gradients are compared per tensor by relative norm, skipping tensors whose gradient is
+below 1e-6 of the largest (analytically zero ones, such as the key bias under softmax,
+come out as rounding noise either way).
+
+Usage:
+    python tools/family_sweep.py                       # every model type (CPU: about an hour)
+    python tools/family_sweep.py --only llama bert     # some
+    python tools/family_sweep.py --json sweep.json
+"""
+
+import argparse
+import contextlib
+import copy
+import io
+import json
+import os
+import signal
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: tools.family_matrix
+
+from kernel_ft import flags  # noqa: F401 - first: the Triton interpreter switch, then transformers
+import kernel_ft
+import torch
+import transformers
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from tools.family_matrix import TINY
+
+LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # float32: the kernels round differently, never by more
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _alarm(*_):
+    raise _Timeout()
+
+
+def loss_and_grads(model, ids, mask):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def compare(ours, theirs):
+    """(relative loss difference, worst relative gradient difference, same parameters got gradients)."""
+    (loss, grads), (ref_loss, ref_grads) = ours, theirs
+    top = max((g.norm().item() for g in ref_grads.values()), default=0.0)
+    worst = max((((grads[n] - g).norm() / g.norm()).item() for n, g in ref_grads.items()
+                 if n in grads and g.norm().item() > 1e-6 * top), default=0.0)
+    return abs(loss.item() - ref_loss.item()) / max(abs(ref_loss.item()), 1e-12), worst, grads.keys() == ref_grads.keys()
+
+
+def sweep_one(model_type):
+    """One model type's row: {"type", "status", "applied", "refused", "detail"}."""
+    row = {"type": model_type, "applied": [], "refused": {}, "detail": ""}
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **TINY)
+        for key, value in config.to_dict().items():
+            if "dropout" in key and isinstance(value, float):
+                setattr(config, key, 0.0)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).float()
+    except Exception as e:  # noqa: BLE001 - the type itself does not build at these shapes
+        return {**row, "status": "does not build", "detail": f"{type(e).__name__}: {str(e)[:100]}"}
+    vocab = min(getattr(model.config, "vocab_size", None) or TINY["vocab_size"], TINY["vocab_size"])
+    ids = torch.randint(3, vocab, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    theirs = copy.deepcopy(model)
+    try:
+        refs = [loss_and_grads(theirs, ids, m) for m in (None, mask)]
+    except Exception as e:  # noqa: BLE001
+        return {**row, "status": "does not run", "detail": f"{type(e).__name__}: {str(e)[:100]}"}
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            report = kernel_ft.apply(model)
+    except Exception as e:  # noqa: BLE001 - a bug: apply must refuse in its report, not raise
+        return {**row, "status": "APPLY-ERROR", "detail": f"{type(e).__name__}: {str(e)[:160]}"}
+    row["applied"], row["refused"] = report.applied, report.left_out
+    checks = []
+    for name, m, ref in (("no mask", None, refs[0]), ("padding", mask, refs[1])):
+        try:
+            dl, dg, same = compare(loss_and_grads(model, ids, m), ref)
+        except Exception as e:  # noqa: BLE001 - a bug too: the model ran before the kernels
+            return {**row, "status": "APPLY-ERROR", "detail": f"{name}: {type(e).__name__}: {str(e)[:140]}"}
+        checks.append(f"{name}: loss {dl:.0e}, grads {dg:.0e}" + ("" if same else ", other parameters"))
+        if dl > LOSS_TOL or dg > GRAD_TOL or not same:
+            return {**row, "status": "DIFFERS", "detail": "; ".join(checks)}
+    return {**row, "status": "same", "detail": "; ".join(checks)}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", metavar="TYPE", help="these model types (default: every one)")
+    parser.add_argument("--timeout", type=int, default=180, help="seconds per model type (default 180)")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    types = args.only or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}, {len(types)} model types")
+    print(f"{'model type':<28} {'result':<15} kernels in / detail")
+    rows = []
+    signal.signal(signal.SIGALRM, _alarm)
+    for model_type in types:
+        signal.alarm(args.timeout)
+        try:
+            row = sweep_one(model_type)
+        except _Timeout:
+            row = {"type": model_type, "status": "timed out", "applied": [], "refused": {}, "detail": ""}
+        finally:
+            signal.alarm(0)
+        rows.append(row)
+        what = ",".join(row["applied"]) if row["status"] == "same" else row["detail"]
+        print(f"{model_type:<28} {row['status']:<15} {what}", flush=True)
+    counts = {}
+    for row in rows:
+        counts[row["status"]] = counts.get(row["status"], 0) + 1
+    print("\n" + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"transformers": transformers.__version__, "rows": rows}, f, indent=1)
+    return 1 if counts.get("DIFFERS") or counts.get("APPLY-ERROR") else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -119,8 +119,8 @@ import torch
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
-    IN_INTERPRETER, INTERPRET, SUPPORTED_DTYPES, SwapMismatch, cast_to, cdiv, check_kernel_device, exp, fast_launch,
-    first_order_only, kernel_op, log, next_power_of_2, tanh, wrap_forward,
+    IN_INTERPRETER, INTERPRET, SUPPORTED_DTYPES, SwapMismatch, cast_to, cdiv, check_kernel_device, decoder_of, exp,
+    fast_launch, first_order_only, kernel_op, log, next_power_of_2, tanh, wrap_forward,
 )
 
 import triton
@@ -992,7 +992,7 @@ def decoder_forward_routed(decoder, *args, **kwargs):
 def route_masked_calls(model, theirs):
     """Send the calls of ``model``'s decoder that carry an attention mask or earlier
     cached tokens to its attention before the switch, ``theirs``; the others to ours."""
-    decoder = model.get_decoder()
+    decoder = decoder_of(model)
     decoder._kernel_ft_theirs = theirs
     decoder._kernel_ft_signature = inspect.signature(decoder.forward)
     wrap_forward(decoder, "_kernel_ft_attention_forward", decoder_forward_routed)

@@ -279,6 +279,20 @@ def swap_modules(model, matches, replacement, check=None):
     return len(targets)
 
 
+def decoder_of(model):
+    """A causal LM's decoder, the model under its LM head: ``model.get_decoder()``, or where
+    that answers with the causal LM itself (Llama-4's text model in transformers 5.17) the
+    submodule its ``base_model_prefix`` names, else its ``model``."""
+    decoder = model.get_decoder()
+    if decoder is model:
+        names = (getattr(model, "base_model_prefix", None), "model")
+        decoder = next((getattr(model, n) for n in names if n and isinstance(getattr(model, n, None), torch.nn.Module)),
+                       None)
+        if decoder is None:
+            raise SwapMismatch(f"{type(model).__name__}.get_decoder() returns the model itself and no decoder "
+                               f"under it was found")
+    return decoder
+
 
 def wrap_forward(module, slot, wrapper):
     """Make ``wrapper(module, *args, **kwargs)`` this instance's forward, the forward it

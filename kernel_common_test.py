@@ -114,6 +114,29 @@ def test_swap_modules_nested_matches_replace_the_outer_one():
     assert isinstance(model[0], nn.Tanh) and isinstance(model[1], nn.Tanh)
 
 
+def test_decoder_of_finds_the_decoder_where_get_decoder_returns_the_model():
+    """transformers' get_decoder(); where a causal LM answers with itself (Llama-4's text
+    model in transformers 5.17), the submodule its base_model_prefix names, else its
+    ``model``; a refusal if there is neither."""
+    class CausalLM(nn.Module):
+        base_model_prefix = "model"
+
+        def __init__(self, own):
+            super().__init__()
+            self.model, self.own = nn.Linear(2, 2), own
+
+        def get_decoder(self):
+            return self.model if self.own else self
+
+    assert kernel_common.decoder_of(good := CausalLM(True)) is good.model
+    assert kernel_common.decoder_of(quirk := CausalLM(False)) is quirk.model
+    quirk.base_model_prefix = "language_model"  # Llama-4's: absent, ``model`` is the decoder
+    assert kernel_common.decoder_of(quirk) is quirk.model
+    del quirk.model
+    with pytest.raises(kernel_common.SwapMismatch, match="returns the model itself"):
+        kernel_common.decoder_of(quirk)
+
+
 def test_check_kernel_device_errors(monkeypatch):
     on_cpu = torch.empty(3)
     with pytest.raises(ValueError, match="same device"):

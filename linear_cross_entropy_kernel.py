@@ -74,7 +74,8 @@ import torch.nn as nn
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
-    SUPPORTED_DTYPES, SwapMismatch, cdiv, check_kernel_device, first_order_only, kernel_op, nothing, wrap_forward,
+    SUPPORTED_DTYPES, SwapMismatch, cdiv, check_kernel_device, decoder_of, first_order_only, kernel_op, nothing,
+    wrap_forward,
 )
 
 # Step 8's building blocks: the loss kernel's launcher (it writes the loss per row
@@ -432,7 +433,7 @@ def check_flce_head(model):
         theirs = out.logits.float()
         their_loss = float("nan") if out.loss is None else out.loss.float().item()
         hf_rule = nn.functional.cross_entropy(theirs[0, :-1], ids[0, 1:]).item()
-        hidden = model.get_decoder()(input_ids=ids).last_hidden_state * logit_multiplier(model.config)
+        hidden = decoder_of(model)(input_ids=ids).last_hidden_state * logit_multiplier(model.config)
         ours = (hidden @ head.weight.T).float()
         cap = getattr(model.config, "final_logit_softcapping", None)
         if cap:
@@ -464,7 +465,7 @@ def causal_lm_forward_with_fused_loss(model, *args, **kwargs):
     shift_labels = extra.pop("shift_labels", None)
     ignore_index = extra.pop("ignore_index", -100)
     decoder_args = {k: v for k, v in {**arguments, **extra}.items() if k not in HEAD_ARGUMENTS}
-    outputs = model.get_decoder()(**decoder_args)
+    outputs = decoder_of(model)(**decoder_args)
     hidden = outputs.last_hidden_state  # [B, T, H]
     scale = logit_multiplier(model.config)
     if scale != 1.0:

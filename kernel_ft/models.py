@@ -490,7 +490,7 @@ def compile_decoder(model, args):
     options = {"mode": args.compile_mode} if on_gpu and args.compile_mode != "default" else {}
     if not on_gpu and args.compile_mode != "default":
         flags.note(f"--compile-mode {args.compile_mode} needs a GPU; compiling with the aot_eager backend")
-    layers = model.get_decoder().layers
+    layers = kernel_common.decoder_of(model).layers
     checkpointing = getattr(args, "gradient_checkpointing", False)
     sharded = getattr(args, "fsdp", False)
     for layer in layers:

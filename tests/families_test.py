@@ -123,6 +123,8 @@ OUTSIDE = [
     ("cpmant", "ce", "computes its loss without calling loss_function"),
     ("bloom", "attention", "own attention does not run a packed row"),  # ALiBi, no position ids
     ("deepseek_v4", "rope", "does not take (q, k, cos, sin)"),  # its rotary table wants the layer type
+    # Chunked attention; its get_decoder() returns the causal LM itself (kernel_common.decoder_of).
+    ("llama4_text", "attention", "computes something else than softmax(scale q k^T) v"),
 ]
 
 

@@ -934,7 +934,7 @@ def check_same_attention(model, theirs_name):
         try:
             expected = logits(theirs_name, additive if theirs_name == "eager" else mask)
             plain_expected = plain_logits(theirs_name)
-        except (ValueError, TypeError, RuntimeError, IndexError) as e:
+        except Exception as e:  # noqa: BLE001 - any failure of the model's own code: nothing to check against
             raise SwapMismatch(f"{type(model).__name__}'s own attention does not run a packed row (position ids and "
                                f"a 4-D block mask), so ours cannot be checked against it ({type(e).__name__}: "
                                f"{str(e).splitlines()[0] if str(e) else ''})") from None

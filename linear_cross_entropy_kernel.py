@@ -484,8 +484,10 @@ def causal_lm_forward_with_fused_loss(model, *args, **kwargs):
     loss = divide_by_items(loss, num_items)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    result = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                                    hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    # A decoder without a KV cache (GPT-1, Mamba, RWKV: their outputs have no past_key_values) returns None there.
+    result = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(outputs, "past_key_values", None),
+                                    hidden_states=getattr(outputs, "hidden_states", None),
+                                    attentions=getattr(outputs, "attentions", None))
     return result.to_tuple() if arguments.get("return_dict") is False else result
 
 

@@ -3,17 +3,17 @@ Every causal LM transformers knows, through kernel_ft.apply: the same numbers, o
 
 tools/family_matrix.py measures the families the kernels are written for. This sweep
 asks the wider question a user's model raises: for each model type in transformers'
-causal-LM mapping, a tiny random model (family_matrix's TINY shapes, float32, dropout
-off) computes its loss and gradients with the model's own code, then again after
+causal-LM mapping, a tiny random model (family_matrix's TINY shapes, float32, in eval
+mode: nothing random) computes its loss and gradients with the model's own code, then again after
 ``kernel_ft.apply(model)`` with every kernel on, once without a mask and once with a
 left-padding mask. A kernel either went in and the numbers are the model's (to float32
 rounding), or it was left to PyTorch with a one-line reason. Anything else is a bug:
 ``DIFFERS`` (other numbers) or ``APPLY-ERROR`` (apply raised instead of refusing).
 Model types that cannot build or run at these shapes by themselves are listed as such.
 
-Gradients are compared per tensor by relative norm, skipping tensors whose gradient is
-below 1e-6 of the largest (analytically zero ones, such as the key bias under softmax,
-come out as rounding noise either way).
+Gradients are compared per tensor by relative norm, against at least 1% of the largest
+gradient's norm (analytically zero ones, such as the key bias under softmax, come out
+as rounding noise either way).
 
 Usage:
     python tools/family_sweep.py                       # every model type (CPU: about an hour)
@@ -53,6 +53,10 @@ def _alarm(*_):
     raise _Timeout()
 
 
+def _one_line(e, width=140):
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:width]}"
+
+
 def loss_and_grads(model, ids, mask):
     model.zero_grad(set_to_none=True)
     loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
@@ -64,8 +68,10 @@ def compare(ours, theirs):
     """(relative loss difference, worst relative gradient difference, same parameters got gradients)."""
     (loss, grads), (ref_loss, ref_grads) = ours, theirs
     top = max((g.norm().item() for g in ref_grads.values()), default=0.0)
-    worst = max((((grads[n] - g).norm() / g.norm()).item() for n, g in ref_grads.items()
-                 if n in grads and g.norm().item() > 1e-6 * top), default=0.0)
+    # Relative to each tensor's own norm, floored at 1% of the largest: a gradient near zero
+    # (a key bias under softmax, DiffLlama's lambdas) is float32 noise either way.
+    worst = max(((grads[n] - g).norm().item() / max(g.norm().item(), 1e-2 * top) for n, g in ref_grads.items()
+                 if n in grads), default=0.0)
     return abs(loss.item() - ref_loss.item()) / max(abs(ref_loss.item()), 1e-12), worst, grads.keys() == ref_grads.keys()
 
 
@@ -82,9 +88,10 @@ def sweep_one(model_type):
         if size > MAX_PARAMETERS:
             return {**row, "status": "too large", "detail": f"{size / 1e6:.0f} M parameters at the tiny shapes"}
         torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(config).float()
+        # Eval mode: no dropout by any name, no router jitter (PhiMoE); gradients flow as in training.
+        model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     except Exception as e:  # noqa: BLE001 - the type itself does not build at these shapes
-        return {**row, "status": "does not build", "detail": f"{type(e).__name__}: {str(e)[:100]}"}
+        return {**row, "status": "does not build", "detail": _one_line(e)}
     vocab = min(getattr(model.config, "vocab_size", None) or TINY["vocab_size"], TINY["vocab_size"])
     ids = torch.randint(3, vocab, (2, 12), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
@@ -93,19 +100,19 @@ def sweep_one(model_type):
     try:
         refs = [loss_and_grads(theirs, ids, m) for m in (None, mask)]
     except Exception as e:  # noqa: BLE001
-        return {**row, "status": "does not run", "detail": f"{type(e).__name__}: {str(e)[:100]}"}
+        return {**row, "status": "does not run", "detail": _one_line(e)}
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             report = kernel_ft.apply(model)
     except Exception as e:  # noqa: BLE001 - a bug: apply must refuse in its report, not raise
-        return {**row, "status": "APPLY-ERROR", "detail": f"{type(e).__name__}: {str(e)[:160]}"}
+        return {**row, "status": "APPLY-ERROR", "detail": _one_line(e)}
     row["applied"], row["refused"] = report.applied, report.left_out
     checks = []
     for name, m, ref in (("no mask", None, refs[0]), ("padding", mask, refs[1])):
         try:
             dl, dg, same = compare(loss_and_grads(model, ids, m), ref)
         except Exception as e:  # noqa: BLE001 - a bug too: the model ran before the kernels
-            return {**row, "status": "APPLY-ERROR", "detail": f"{name}: {type(e).__name__}: {str(e)[:140]}"}
+            return {**row, "status": "APPLY-ERROR", "detail": f"{name}: {_one_line(e)}"}
         checks.append(f"{name}: loss {dl:.0e}, grads {dg:.0e}" + ("" if same else ", other parameters"))
         if dl > LOSS_TOL or dg > GRAD_TOL or not same:
             return {**row, "status": "DIFFERS", "detail": "; ".join(checks)}

@@ -26,8 +26,10 @@ import contextlib
 import copy
 import io
 import json
+import multiprocessing
 import os
-import signal
+import queue as queue_module
+import resource
 import sys
 import warnings
 
@@ -43,14 +45,7 @@ from tools.family_matrix import TINY
 
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # float32: the kernels round differently, never by more
 MAX_PARAMETERS = 20_000_000  # a tiny model has ~0.2 M; more means tables TINY does not shrink
-
-
-class _Timeout(Exception):
-    pass
-
-
-def _alarm(*_):
-    raise _Timeout()
+MEMORY_LIMIT = 8 * 2**30  # bytes of address space per model type
 
 
 def _one_line(e, width=140):
@@ -119,6 +114,29 @@ def sweep_one(model_type):
     return {**row, "status": "same", "detail": "; ".join(checks)}
 
 
+def _child(model_type, queue):
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))  # a MemoryError here, not the OOM killer
+    queue.put(sweep_one(model_type))
+
+
+def in_a_child(model_type, timeout):
+    """sweep_one in a process of its own: a model type that hangs or takes the machine's
+    memory (Falcon-H1's tiny config does) costs its own row, not the sweep."""
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_child, args=(model_type, queue))
+    child.start()
+    try:
+        return queue.get(timeout=timeout)
+    except queue_module.Empty:
+        status = "timed out" if child.is_alive() else f"crashed (exit {child.exitcode})"
+        return {"type": model_type, "status": status, "applied": [], "refused": {}, "detail": ""}
+    finally:
+        child.join(5)
+        if child.is_alive():
+            child.kill()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -132,15 +150,8 @@ def main(argv=None):
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, {len(types)} model types")
     print(f"{'model type':<28} {'result':<15} kernels in / detail")
     rows = []
-    signal.signal(signal.SIGALRM, _alarm)
     for model_type in types:
-        signal.alarm(args.timeout)
-        try:
-            row = sweep_one(model_type)
-        except _Timeout:
-            row = {"type": model_type, "status": "timed out", "applied": [], "refused": {}, "detail": ""}
-        finally:
-            signal.alarm(0)
+        row = in_a_child(model_type, args.timeout)
         rows.append(row)
         what = ",".join(row["applied"]) if row["status"] == "same" else row["detail"]
         print(f"{model_type:<28} {row['status']:<15} {what}", flush=True)

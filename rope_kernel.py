@@ -750,7 +750,11 @@ class RopeMismatch(SwapMismatch):
 def check_same_rope(original, model, where):
     """Raise RopeMismatch unless ``original`` computes what ``rope`` does for ``model``."""
     config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    try:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    except Exception as e:  # noqa: BLE001 - Gemma-4's config refuses a global head_dim: it varies per layer
+        raise RopeMismatch(f"{type(model).__name__}'s config has no single head_dim ({type(e).__name__}); the RoPE "
+                           f"check needs one") from None
     device = next(model.parameters()).device
     device = torch.device("cpu") if device.type == "meta" else device  # --fsdp builds large models there
     seq_len = 8

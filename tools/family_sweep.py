@@ -44,7 +44,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from tools.family_matrix import TINY
 
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # float32: the kernels round differently, never by more
-MAX_PARAMETERS = 20_000_000  # a tiny model has ~0.2 M; more means tables TINY does not shrink
+MAX_PARAMETERS = 150_000_000  # a tiny model has ~0.2 M; more means tables or experts TINY does not shrink
 MEMORY_LIMIT = 8 * 2**30  # bytes of address space per model type
 
 

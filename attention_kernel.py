@@ -1010,7 +1010,45 @@ def use_packed_attention(model):
     if theirs == NAME:
         return count
     AttentionInterface.register(NAME, hf_packed_attention)
+    padded = _padded_logits(model)  # the model's own, before the switch
     check_same_attention(model, theirs)
     model.set_attn_implementation(NAME)
     route_masked_calls(model, theirs)
+    check_padding_is_routed(model, theirs, padded)
     return count
+
+
+# A padding mask must reach the model's own attention. The routing wraps the decoder's
+# forward, so a family whose causal LM does not call that module (ModernBERT's decoder)
+# would run ours on a padded row, its mask unseen: the last check runs a left-padded
+# probe through the switched model and compares it with the model's own logits.
+@torch.no_grad()
+def _padded_logits(model):
+    weight = next(model.parameters())
+    if weight.is_meta:
+        return None
+    ids = (torch.arange(2 * PROBE_LENGTHS[0], device=weight.device).view(2, -1) * 7 + 1) % model.config.vocab_size
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding
+    was_training = model.training
+    model.eval()
+    try:
+        return model(input_ids=ids, attention_mask=mask).logits.float()[mask.bool()]
+    finally:
+        model.train(was_training)
+
+
+def check_padding_is_routed(model, theirs, expected):
+    """Undo the switch and raise SwapMismatch unless a padded row gives ``expected``."""
+    if expected is None:
+        return
+    got = _padded_logits(model)
+    rounding = 1e-4 if next(model.parameters()).dtype == torch.float32 else 2**-6
+    if not torch.allclose(got, expected, rtol=rounding, atol=rounding * expected.abs().max().item()):
+        decoder = decoder_of(model)
+        for name in ("forward", "_kernel_ft_attention_forward"):
+            decoder.__dict__.pop(name, None)
+        model.set_attn_implementation(theirs)
+        raise SwapMismatch(f"{type(model).__name__}: a row with a padding mask does not reach the model's own "
+                           f"attention through its decoder's forward (max logit difference "
+                           f"{(got - expected).abs().max().item():.2g}); the kernel would ignore the mask")

@@ -1010,7 +1010,11 @@ def use_packed_attention(model):
     if theirs == NAME:
         return count
     AttentionInterface.register(NAME, hf_packed_attention)
-    padded = _padded_logits(model)  # the model's own, before the switch
+    try:
+        padded = _padded_logits(model)  # the model's own, before the switch
+    except Exception as e:  # noqa: BLE001 - its own attention cannot take a padded row: nothing to check against
+        raise SwapMismatch(f"{type(model).__name__}'s own attention does not run a left-padded row "
+                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     check_same_attention(model, theirs)
     model.set_attn_implementation(NAME)
     route_masked_calls(model, theirs)
@@ -1038,17 +1042,26 @@ def _padded_logits(model):
         model.train(was_training)
 
 
+def _undo_switch(model, theirs):
+    decoder = decoder_of(model)
+    for name in ("forward", "_kernel_ft_attention_forward"):
+        decoder.__dict__.pop(name, None)
+    model.set_attn_implementation(theirs)
+
+
 def check_padding_is_routed(model, theirs, expected):
     """Undo the switch and raise SwapMismatch unless a padded row gives ``expected``."""
     if expected is None:
         return
-    got = _padded_logits(model)
+    try:
+        got = _padded_logits(model)
+    except Exception as e:  # noqa: BLE001 - the model's own attention ran this row before the switch
+        _undo_switch(model, theirs)
+        raise SwapMismatch(f"{type(model).__name__}: a row with a padding mask fails once switched "
+                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     rounding = 1e-4 if next(model.parameters()).dtype == torch.float32 else 2**-6
     if not torch.allclose(got, expected, rtol=rounding, atol=rounding * expected.abs().max().item()):
-        decoder = decoder_of(model)
-        for name in ("forward", "_kernel_ft_attention_forward"):
-            decoder.__dict__.pop(name, None)
-        model.set_attn_implementation(theirs)
+        _undo_switch(model, theirs)
         raise SwapMismatch(f"{type(model).__name__}: a row with a padding mask does not reach the model's own "
                            f"attention through its decoder's forward (max logit difference "
                            f"{(got - expected).abs().max().item():.2g}); the kernel would ignore the mask")

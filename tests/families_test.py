@@ -163,6 +163,29 @@ def test_models_outside_the_families_get_a_refusal_not_other_numbers(model_type,
         assert_close(f"{model_type} grad {name}", grads[name], ref_grads[name])
 
 
+def test_a_model_whose_own_attention_cannot_take_padding_keeps_it(monkeypatch):
+    """The attention switch is checked on a left-padded row run by the model's own
+    attention first: where that fails, one line says so and nothing is switched."""
+    import kernel_ft
+
+    torch.manual_seed(0)
+    model = models.build_random(family_config("llama", {}), torch.device(DEVICE), torch.float32)
+    decoder = type(model.model)
+    real = decoder.forward
+
+    def no_padding(self, input_ids=None, attention_mask=None, **kwargs):
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise ValueError("this model takes no padding")
+        return real(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+    monkeypatch.setattr(decoder, "forward", no_padding)
+    report = kernel_ft.apply(model, flce=False)
+    assert report["attention"]["status"] == "left to PyTorch", report["attention"]
+    assert "own attention does not run a left-padded row (ValueError: this model takes no padding)" in \
+        report["attention"]["detail"]
+    assert model.config._attn_implementation != "triton_packed"
+
+
 def test_readme_holds_the_generated_matrix():
     from tools.family_matrix import matrix, readme_matrix, summary
 

@@ -866,6 +866,16 @@ def hf_packed_attention(module, query, key, value, attention_mask, scaling=None,
 PROBE_LENGTHS = (5, 3)
 
 
+def _error_line(e):
+    """An exception in one line, for a refusal: its type and its message's first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def _probe_rounding(dtype):
+    """How far the probes' logits may part: one rounding of the model's dtype, and margin."""
+    return 1e-4 if dtype == torch.float32 else 2**-6
+
+
 @contextlib.contextmanager
 def _eager_in_float64(model):
     """Within: the model's eager attention computes in float64 and rounds its output
@@ -936,8 +946,7 @@ def check_same_attention(model, theirs_name):
             plain_expected = plain_logits(theirs_name)
         except Exception as e:  # noqa: BLE001 - any failure of the model's own code: nothing to check against
             raise SwapMismatch(f"{type(model).__name__}'s own attention does not run a packed row (position ids and "
-                               f"a 4-D block mask), so ours cannot be checked against it ({type(e).__name__}: "
-                               f"{str(e).splitlines()[0] if str(e) else ''})") from None
+                               f"a 4-D block mask), so ours cannot be checked against it ({_error_line(e)})") from None
         if weight.dtype != torch.float32 and theirs_name != "eager":
             drift = (logits("eager", additive) - expected).abs().max().item()
         elif weight.dtype != torch.float32:
@@ -950,13 +959,13 @@ def check_same_attention(model, theirs_name):
             plain_got = plain_logits(NAME)
         except (ValueError, TypeError, RuntimeError) as e:
             raise SwapMismatch(f"{type(model).__name__}'s attention cannot run as {NAME} "
-                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+                               f"({_error_line(e)})") from None
     except SwapMismatch:
         model.set_attn_implementation(theirs_name)
         raise
     finally:
         model.train(was_training)
-    rounding = 1e-4 if weight.dtype == torch.float32 else 2**-6
+    rounding = _probe_rounding(weight.dtype)
 
     def close(ours, theirs):
         return torch.allclose(ours, theirs, rtol=rounding, atol=max(rounding * theirs.abs().max().item(), 4 * drift))
@@ -1014,7 +1023,7 @@ def use_packed_attention(model):
         padded = _padded_logits(model)  # the model's own, before the switch
     except Exception as e:  # noqa: BLE001 - its own attention cannot take a padded row: nothing to check against
         raise SwapMismatch(f"{type(model).__name__}'s own attention does not run a left-padded row "
-                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+                           f"({_error_line(e)})") from None
     check_same_attention(model, theirs)
     model.set_attn_implementation(NAME)
     route_masked_calls(model, theirs)
@@ -1058,8 +1067,8 @@ def check_padding_is_routed(model, theirs, expected):
     except Exception as e:  # noqa: BLE001 - the model's own attention ran this row before the switch
         _undo_switch(model, theirs)
         raise SwapMismatch(f"{type(model).__name__}: a row with a padding mask fails once switched "
-                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-    rounding = 1e-4 if next(model.parameters()).dtype == torch.float32 else 2**-6
+                           f"({_error_line(e)})") from None
+    rounding = _probe_rounding(next(model.parameters()).dtype)
     if not torch.allclose(got, expected, rtol=rounding, atol=rounding * expected.abs().max().item()):
         _undo_switch(model, theirs)
         raise SwapMismatch(f"{type(model).__name__}: a row with a padding mask does not reach the model's own "

@@ -264,7 +264,8 @@ def gradient_norm(optimizer, max_grad_norm):
 # (marked partial), and the process exits 128 + the signal's number (130, 143), as
 # a shell reports a process that the signal killed. A second signal while a step
 # runs abandons that step (it is not recorded; the weights stay those of the last
-# recorded step). Signals during an optimizer update wait until the step is
+# recorded step), unless it lands in a clean-up that cannot be interrupted: then
+# the step completes. Signals during an optimizer update wait until the step is
 # recorded, and during the wrap-up (checkpoint, JSON) they are ignored: nothing is
 # ever cut in half.
 # --------------------------------------------------------------------------------
@@ -302,12 +303,30 @@ def stop_on_signals():
         yield _STOP
         return
     previous = {s: signal.signal(s, _on_stop_signal) for s in STOP_SIGNALS}
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = _second_signal_in_a_cleanup(previous_hook)
     try:
         yield _STOP
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        sys.unraisablehook = previous_hook
         _STOP = StopRequest()  # a later run outside this block starts with none
+
+
+def _second_signal_in_a_cleanup(hook):
+    """The KeyboardInterrupt of a second signal can land inside code whose exceptions
+    Python cannot pass on (a finalizer, e.g. a profiler range closing): Python then
+    prints it as a traceback and goes on. The step in progress then completes (it is
+    recorded, and the run stops after it as the first signal asked); say that in one
+    line instead. Every other such exception goes to the previous hook."""
+    def unraisable(info):
+        if issubclass(info.exc_type, KeyboardInterrupt) and _STOP.signum is not None:
+            print("A second signal came while a clean-up ran: the step in progress completes, then the run stops.",
+                  file=sys.stderr, flush=True)
+        else:
+            hook(info)
+    return unraisable
 
 
 @contextlib.contextmanager

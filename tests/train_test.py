@@ -486,6 +486,23 @@ def test_sigterm_during_an_update_outside_a_run_ends_the_process_after_it():
     assert proc.returncode == -signal.SIGTERM and proc.stdout == "update complete\n", (proc.returncode, proc.stdout)
 
 
+def test_a_second_signal_inside_a_finalizer_is_one_line_not_a_traceback():
+    # On a GPU the step closes profiler ranges in generator finalizers; a second signal's
+    # KeyboardInterrupt landing there cannot propagate, and Python would print a traceback.
+    code = ("import gc, os, signal\nfrom kernel_ft import training\n"
+            "class Closes:\n"
+            "    def __del__(self):\n"
+            "        os.kill(os.getpid(), signal.SIGTERM)  # the second signal, inside a finalizer\n"
+            "with training.stop_on_signals() as stop:\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)  # the first: stop after this step\n"
+            "    Closes()\n"
+            "    gc.collect()\n"
+            "    print('step completes', stop.signum == signal.SIGTERM, flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout == "step completes True\n", (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr and "second signal came while a clean-up ran" in proc.stderr, proc.stderr
+
+
 def test_progress_bar_only_on_a_terminal(monkeypatch):
     args = finetune_baseline.parse_args([])
     monkeypatch.setattr("sys.stdout.isatty", lambda: True, raising=False)

@@ -3,7 +3,8 @@ Tests of the fused kernels on every decoder family of tools/family_matrix.py (CP
 tiny random models built from transformers' config classes, float32):
 
 * each kernel that goes into a family, alone and all of them together, gives the
-  baseline's loss and gradients (HF's loss, PyTorch's AdamW step) to 1e-5;
+  baseline's loss and gradients (HF's loss, PyTorch's AdamW step) to 1e-5, or is no
+  further from their float64 values than twice the baseline's own float32 error;
 * each family gets at least the kernels listed in EXPECTED: a kernel that stops
   going in is a regression, and one that is refused is refused in one line;
 * the README's support matrix is this matrix (tools/family_matrix.py writes it);
@@ -27,6 +28,7 @@ if __name__ == "__main__":
 
 import contextlib
 import copy
+import functools
 import io
 import os
 import sys
@@ -70,9 +72,32 @@ def quiet_apply(model, kernels):
         return None
 
 
-def assert_close(what, ours, theirs):
+def float64_truth(model, loss_fn, batch):
+    """The model's own loss and gradients in float64, what both float32 runs are measured
+    against where they differ by more than TOL: a function that computes them once, from a
+    copy taken now (some models, e.g. MoE's grouped matmuls, have no float64 path)."""
+    model = copy.deepcopy(model)
+
+    @functools.cache
+    def truth():
+        loss, grads = loss_and_grads(model.double(), loss_fn, batch)
+        return {"loss": loss.float(), **{name: g.float() for name, g in grads.items()}}
+    return lambda name: truth()[name]
+
+
+def assert_close(what, ours, theirs, truth=None):
+    """ours within TOL (relative to the largest value, at least 1) of the model's own float32
+    numbers, or, where a float64 truth is given, no further from it than twice the model's
+    own float32 error (the GPU's float32 math rounds otherwise than the CPU's)."""
     scale = max(theirs.abs().max().item(), 1.0)
-    assert (ours - theirs).abs().max().item() <= TOL * scale, f"{what}: {(ours - theirs).abs().max().item():.3g}"
+    error = (ours - theirs).abs().max().item()
+    if error <= TOL * scale or truth is None:
+        assert error <= TOL * scale, f"{what}: {error:.3g}"
+        return
+    truth = truth()
+    ours_off, theirs_off = (ours - truth).abs().max().item(), (theirs - truth).abs().max().item()
+    assert ours_off <= 2 * theirs_off, \
+        f"{what}: {error:.3g} from the model's float32 numbers; from float64 {ours_off:.3g} against its {theirs_off:.3g}"
 
 
 @pytest.mark.parametrize("label, model_type, extra", FAMILIES, ids=[f[0] for f in FAMILIES])
@@ -82,6 +107,7 @@ def test_family_kernels_compute_the_baseline(label, model_type, extra):
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     batch = dataloader.lm_batch(ids.to(DEVICE))
     ref_loss, ref_grads = loss_and_grads(model, training.hf_loss, batch)
+    truth = float64_truth(model, training.hf_loss, batch)
 
     went_in = []
     for kernels in [{k: True} for k in flags.KERNELS] + ["together"]:
@@ -95,10 +121,10 @@ def test_family_kernels_compute_the_baseline(label, model_type, extra):
             went_in.append(next(iter(kernels)))
         loss_fn, make_optimizer = switched
         loss, grads = loss_and_grads(ours, loss_fn, batch)
-        assert_close(f"{label} {list(kernels)} loss", loss, ref_loss)
+        assert_close(f"{label} {list(kernels)} loss", loss, ref_loss, lambda: truth("loss"))
         assert grads.keys() == ref_grads.keys(), f"{label} {list(kernels)}: other parameters got gradients"
         for name in grads:
-            assert_close(f"{label} {list(kernels)} grad {name}", grads[name], ref_grads[name])
+            assert_close(f"{label} {list(kernels)} grad {name}", grads[name], ref_grads[name], lambda: truth(name))
         # One optimizer step from the same gradients (Adam's first step is about the
         # sign of each gradient, so it would amplify their rounding differences).
         base = copy.deepcopy(model)
@@ -153,6 +179,7 @@ def test_models_outside_the_families_get_a_refusal_not_other_numbers(model_type,
     ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     batch = dataloader.lm_batch(ids.to(DEVICE))
     ref_loss, ref_grads = loss_and_grads(model, training.hf_loss, batch)
+    truth = float64_truth(model, training.hf_loss, batch)
     switches = {"flce": False} if kernel == "ce" else {}  # ce is tried only where flce is not used
     report = kernel_ft.apply(model, **switches)
     if refusal is None:
@@ -161,10 +188,10 @@ def test_models_outside_the_families_get_a_refusal_not_other_numbers(model_type,
         assert report[kernel]["status"] == "left to PyTorch" and refusal in report[kernel]["detail"], report[kernel]
     assert "\n" not in report[kernel]["detail"]
     loss, grads = loss_and_grads(model, training.hf_loss, batch)
-    assert_close(f"{model_type} loss", loss, ref_loss)
+    assert_close(f"{model_type} loss", loss, ref_loss, lambda: truth("loss"))
     assert grads.keys() == ref_grads.keys()
     for name in grads:
-        assert_close(f"{model_type} grad {name}", grads[name], ref_grads[name])
+        assert_close(f"{model_type} grad {name}", grads[name], ref_grads[name], lambda: truth(name))
 
 
 def test_a_model_whose_own_attention_cannot_take_padding_keeps_it(monkeypatch):

@@ -982,6 +982,44 @@ def check_same_attention(model, theirs_name):
                            f"its own two implementations differ by {drift:.2g})")
 
 
+# Same logits are not enough: a parameter that shapes the scores through a mask of the
+# layer's own (Doge's learned mask, whose parameter starts at zero, so that the mask is
+# flat and the logits agree) is dropped by the kernel, which takes no mask, and would
+# never train. The first attention layer's trainable parameters must get a gradient
+# from ours wherever they get one from theirs.
+def _trained_by(model, implementation):
+    """Names of the first attention layer's trainable parameters that get a non-zero
+    gradient on the plain probe row with ``implementation``."""
+    layer = next((m for m in model.modules() if type(m).__name__.endswith("Attention")), None)
+    params = [] if layer is None else [(n, p) for n, p in layer.named_parameters() if p.requires_grad]
+    if not params or params[0][1].is_meta:
+        return set()
+    ids = ((torch.arange(PROBE_LENGTHS[0], device=params[0][1].device) * 7 + 1) % model.config.vocab_size)[None]
+    model.set_attn_implementation(implementation)
+    with torch.enable_grad():
+        loss = model(input_ids=ids).logits.float().square().mean()
+        grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
+    return {n for (n, _), g in zip(params, grads) if g is not None and bool(g.abs().max() > 0)}
+
+
+def check_gradients_reach(model, theirs_name):
+    """Raise SwapMismatch unless ours gives a gradient to every attention parameter that
+    theirs gives one to; the model is left on ``theirs_name``."""
+    was_training = model.training
+    model.eval()
+    try:
+        lost = _trained_by(model, theirs_name) - _trained_by(model, NAME)
+    except (ValueError, TypeError, RuntimeError) as e:
+        lost = {f"(the gradient probe failed: {_error_line(e)})"}
+    finally:
+        model.set_attn_implementation(theirs_name)
+        model.train(was_training)
+    if lost:
+        raise SwapMismatch(f"{type(model).__name__}'s attention parameters {', '.join(sorted(lost))} get a gradient "
+                           f"from its own attention and none through the kernel (a mask of its own, which the kernel "
+                           f"does not take)")
+
+
 def decoder_forward_routed(decoder, *args, **kwargs):
     """The decoder's forward: ours for unmasked calls without earlier cached tokens,
     the model's own attention (kept in ``_kernel_ft_theirs``) for the others."""
@@ -1025,6 +1063,7 @@ def use_packed_attention(model):
         raise SwapMismatch(f"{type(model).__name__}'s own attention does not run a left-padded row "
                            f"({_error_line(e)})") from None
     check_same_attention(model, theirs)
+    check_gradients_reach(model, theirs)
     model.set_attn_implementation(NAME)
     route_masked_calls(model, theirs)
     check_padding_is_routed(model, theirs, padded)

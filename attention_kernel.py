@@ -985,38 +985,47 @@ def check_same_attention(model, theirs_name):
 # Same logits are not enough: a parameter that shapes the scores through a mask of the
 # layer's own (Doge's learned mask, whose parameter starts at zero, so that the mask is
 # flat and the logits agree) is dropped by the kernel, which takes no mask, and would
-# never train. The first attention layer's trainable parameters must get a gradient
-# from ours wherever they get one from theirs.
-def _trained_by(model, implementation):
-    """Names of the first attention layer's trainable parameters that get a non-zero
-    gradient on the plain probe row with ``implementation``."""
+# never train. The first attention layer's trainable parameters must reach the loss
+# through ours wherever they reach it through theirs. Reaching is read off the autograd
+# graph of one forward (the AccumulateGrad nodes it leads to): no backward to run.
+def _reaching(model, implementation):
+    """Names of the first attention layer's trainable parameters that the plain probe
+    row's logits depend on with ``implementation``."""
     layer = next((m for m in model.modules() if type(m).__name__.endswith("Attention")), None)
-    params = [] if layer is None else [(n, p) for n, p in layer.named_parameters() if p.requires_grad]
-    if not params or params[0][1].is_meta:
+    params = {} if layer is None else {id(p): n for n, p in layer.named_parameters() if p.requires_grad}
+    if not params or next(layer.parameters()).is_meta:
         return set()
-    ids = ((torch.arange(PROBE_LENGTHS[0], device=params[0][1].device) * 7 + 1) % model.config.vocab_size)[None]
+    ids = ((torch.arange(PROBE_LENGTHS[0], device=next(layer.parameters()).device) * 7 + 1) % model.config.vocab_size)
     model.set_attn_implementation(implementation)
     with torch.enable_grad():
-        loss = model(input_ids=ids).logits.float().square().mean()
-        grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
-    return {n for (n, _), g in zip(params, grads) if g is not None and bool(g.abs().max() > 0)}
+        nodes, seen, found = [model(input_ids=ids[None]).logits.grad_fn], set(), set()
+        while nodes:
+            node = nodes.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf tensor
+            if variable is not None and id(variable) in params:
+                found.add(params[id(variable)])
+            nodes.extend(next_node for next_node, _ in node.next_functions)
+    return found
 
 
 def check_gradients_reach(model, theirs_name):
-    """Raise SwapMismatch unless ours gives a gradient to every attention parameter that
-    theirs gives one to; the model is left on ``theirs_name``."""
+    """Raise SwapMismatch unless every attention parameter that the model's own attention
+    trains is trained through ours too; the model is left on ``theirs_name``."""
     was_training = model.training
     model.eval()
     try:
-        lost = _trained_by(model, theirs_name) - _trained_by(model, NAME)
+        lost = _reaching(model, theirs_name) - _reaching(model, NAME)
     except (ValueError, TypeError, RuntimeError) as e:
         lost = {f"(the gradient probe failed: {_error_line(e)})"}
     finally:
         model.set_attn_implementation(theirs_name)
         model.train(was_training)
     if lost:
-        raise SwapMismatch(f"{type(model).__name__}'s attention parameters {', '.join(sorted(lost))} get a gradient "
-                           f"from its own attention and none through the kernel (a mask of its own, which the kernel "
+        raise SwapMismatch(f"{type(model).__name__}'s attention parameters {', '.join(sorted(lost))} reach the loss "
+                           f"through its own attention and not through the kernel (a mask of its own, which the kernel "
                            f"does not take)")
 
 

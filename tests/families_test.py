@@ -147,7 +147,7 @@ OUTSIDE = [
     # Its own learned mask: not causal on a plain row, or (transformers >= 5.24, the mask
     # flat at its zero start) its parameters would get no gradient through the kernel.
     ("doge", "attention", ("own attention on a row without a mask is not causal",
-                           "get a gradient from its own attention and none through the kernel")),
+                           "reach the loss through its own attention and not through the kernel")),
     ("cpmant", "flce", "own loss is not HF's causal LM loss"),  # scores each position against its own label
     ("cpmant", "ce", "computes its loss without calling loss_function"),
     ("bloom", "attention", "own attention does not run a packed row"),  # ALiBi, no position ids
@@ -248,7 +248,7 @@ def test_an_attention_with_a_learned_mask_of_its_own_keeps_it():
     model.set_attn_implementation("learned_mask_test")
     report = kernel_ft.apply(model, flce=False)
     assert report["attention"]["status"] == "left to PyTorch", report["attention"]
-    assert "attention parameters mask_slope get a gradient from its own attention and none through the kernel" in \
+    assert "attention parameters mask_slope reach the loss through its own attention and not through the kernel" in \
         report["attention"]["detail"] and "\n" not in report["attention"]["detail"], report["attention"]
     assert model.config._attn_implementation == "learned_mask_test"
 

@@ -11,6 +11,8 @@
 * ``narrow_tiny_config`` is the tiny LLaMA for the emulated FP8 model tests.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -18,6 +20,13 @@ import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GP
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+
+# Under `pytest -n N` (pytest-xdist: PYTEST_XDIST_WORKER set) N workers share the cores.
+# PyTorch's CPU operators would each start as many threads as there are cores, and
+# with every core busy those threads wait on one another: a tiny linear layer then took
+# ~15 ms instead of ~4 us. One thread per worker; the workers are the parallelism.
+if not ON_GPU and os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # An absolute floor on relative error, a tenth of the dtype's unit roundoff: when

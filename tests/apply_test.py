@@ -183,20 +183,20 @@ def lm_dataset(rows=12):
     return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
 
 
-def trainer_run(label, kernels, optimizer=None, **arguments):
-    """(losses, gradient norms) per step of STEPS Trainer steps, from the same seed."""
+def trainer_run(label, kernels, optimizer=None, steps=STEPS, **arguments):
+    """(losses, gradient norms) per step of ``steps`` Trainer steps, from the same seed."""
     model = tiny_model(label)
     if kernels:
         applied(model)
     optimizers = (None, None) if optimizer is None else (optimizer(model.parameters(), lr=LR), None)
     with tempfile.TemporaryDirectory() as out:
         args = transformers.TrainingArguments(
-            output_dir=out, max_steps=STEPS, per_device_train_batch_size=1, learning_rate=LR, logging_steps=1,
+            output_dir=out, max_steps=steps, per_device_train_batch_size=1, learning_rate=LR, logging_steps=1,
             report_to="none", use_cpu=ON_CPU, save_strategy="no", seed=0, disable_tqdm=True, **arguments)
         trainer = transformers.Trainer(model=model, args=args, train_dataset=lm_dataset(), optimizers=optimizers)
         trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
-    assert [entry["step"] for entry in logs] == list(range(1, STEPS + 1))
+    assert [entry["step"] for entry in logs] == list(range(1, steps + 1))
     return torch.tensor([e["loss"] for e in logs]), torch.tensor([e["grad_norm"] for e in logs])
 
 
@@ -215,23 +215,29 @@ def test_trainer_fused_adamw_against_torch_adamw():
     assert_same_run(ours, trainer_run("Llama", kernels=False, optimizer=torch.optim.AdamW))
 
 
+# The tests below train SHORT_STEPS, not STEPS: a step's logged gradient norm already checks
+# its gradients (their scaling by num_items_in_batch, the recomputation of checkpointing),
+# and the second step's loss checks the first update. The interpreter's time is in the steps.
+SHORT_STEPS = 2
+
+
 def test_trainer_gradient_accumulation_passes_num_items_in_batch():
-    ours = trainer_run("Llama", kernels=True, gradient_accumulation_steps=2)
-    assert_same_run(ours, trainer_run("Llama", kernels=False, gradient_accumulation_steps=2))
+    ours = trainer_run("Llama", kernels=True, steps=SHORT_STEPS, gradient_accumulation_steps=2)
+    assert_same_run(ours, trainer_run("Llama", kernels=False, steps=SHORT_STEPS, gradient_accumulation_steps=2))
 
 
 def test_trainer_gradient_checkpointing():
-    ours = trainer_run("Llama", kernels=True, gradient_checkpointing=True)
-    assert_same_run(ours, trainer_run("Llama", kernels=False, gradient_checkpointing=True))
+    ours = trainer_run("Llama", kernels=True, steps=SHORT_STEPS, gradient_checkpointing=True)
+    assert_same_run(ours, trainer_run("Llama", kernels=False, steps=SHORT_STEPS, gradient_checkpointing=True))
 
 
 def test_trainer_bf16_autocast_is_within_bf16_rounding():
     """Trainer's bf16=True on the CPU: autocast over float32 weights. bf16 rounding moves
     the model's own run away from its float32 run; ours may move as far, twice at most
-    (conftest.no_worse over the losses and gradient norms of the three steps)."""
-    fp32 = torch.cat(trainer_run("Llama", kernels=False))
-    theirs = torch.cat(trainer_run("Llama", kernels=False, bf16=True))
-    ours = torch.cat(trainer_run("Llama", kernels=True, bf16=True))
+    (conftest.no_worse over the losses and gradient norms of the SHORT_STEPS steps)."""
+    fp32 = torch.cat(trainer_run("Llama", kernels=False, steps=SHORT_STEPS))
+    theirs = torch.cat(trainer_run("Llama", kernels=False, steps=SHORT_STEPS, bf16=True))
+    ours = torch.cat(trainer_run("Llama", kernels=True, steps=SHORT_STEPS, bf16=True))
     err_theirs, err_ours = rel_err(theirs, fp32), rel_err(ours, fp32)
     assert err_theirs > 0, "bf16=True changed nothing: the run was not under autocast"
     assert no_worse(err_ours, err_theirs, torch.bfloat16), \

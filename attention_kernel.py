@@ -119,8 +119,9 @@ import torch
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
-    IN_INTERPRETER, INTERPRET, SUPPORTED_DTYPES, SwapMismatch, cast_to, cdiv, check_kernel_device, decoder_of, exp,
-    fast_launch, first_order_only, kernel_op, log, next_power_of_2, tanh, wrap_forward,
+    IN_INTERPRETER, INTERPRET, SUPPORTED_DTYPES, SwapMismatch, cast_to, cdiv, check_kernel_device, decoder_of,
+    evaluating, exp, fast_launch, first_order_only, kernel_op, log, next_power_of_2, probe_rounding, tanh,
+    wrap_forward,
 )
 
 import triton
@@ -871,9 +872,14 @@ def _error_line(e):
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
-def _probe_rounding(dtype):
-    """How far the probes' logits may part: one rounding of the model's dtype, and margin."""
-    return 1e-4 if dtype == torch.float32 else 2**-6
+def _probe_ids(n, model, device):
+    """n probe tokens: spread over the vocabulary, the same on every call."""
+    return (torch.arange(n, device=device) * 7 + 1) % model.config.vocab_size
+
+
+def _attention_layers(model):
+    """The model's attention modules (HF's classes are named *Attention)."""
+    return (m for m in model.modules() if type(m).__name__.endswith("Attention"))
 
 
 @contextlib.contextmanager
@@ -881,18 +887,18 @@ def _eager_in_float64(model):
     """Within: the model's eager attention computes in float64 and rounds its output
     to the model's dtype. The layers look ``eager_attention_forward`` up by name in
     their forward's globals (their python module's, or the copy fuse_rope gave them;
-    behind a decorator, those of the function it wraps), so it is swapped there. Yields False, changing nothing, where there is none."""
+    behind a decorator, those of the function it wraps), so it is swapped there.
+    Yields False, changing nothing, where there is none."""
     spaces = {}
-    for layer in model.modules():
-        if type(layer).__name__.endswith("Attention"):
-            forward = getattr(layer.forward, "__func__", layer.forward)
-            for _ in range(5):  # through decorators (functools.wraps: __wrapped__) to the function that looks it up
-                names = getattr(forward, "__globals__", {})
-                if callable(names.get("eager_attention_forward")):
-                    spaces[id(names)] = names
-                forward = getattr(forward, "__wrapped__", None)
-                if forward is None:
-                    break
+    for layer in _attention_layers(model):
+        forward = getattr(layer.forward, "__func__", layer.forward)
+        for _ in range(5):  # through decorators (functools.wraps: __wrapped__) to the function that looks it up
+            names = getattr(forward, "__globals__", {})
+            if callable(names.get("eager_attention_forward")):
+                spaces[id(names)] = names
+            forward = getattr(forward, "__wrapped__", None)
+            if forward is None:
+                break
     if not spaces:
         yield False
         return
@@ -924,7 +930,7 @@ def check_same_attention(model, theirs_name):
     if weight.is_meta:
         return
     positions = torch.cat([torch.arange(n) for n in PROBE_LENGTHS])[None].to(weight.device)
-    ids = (torch.arange(positions.shape[1], device=weight.device)[None] * 7 + 1) % model.config.vocab_size
+    ids = _probe_ids(positions.shape[1], model, weight.device)[None]
     mask = visible_keys(document_starts(positions))[:, None]
     additive = torch.zeros(mask.shape, dtype=weight.dtype, device=mask.device)  # eager adds its mask to the scores
     additive.masked_fill_(~mask, torch.finfo(weight.dtype).min)
@@ -937,35 +943,33 @@ def check_same_attention(model, theirs_name):
         model.set_attn_implementation(implementation)
         return model(input_ids=ids[:, :PROBE_LENGTHS[0]]).logits.float()
 
-    was_training = model.training
-    model.eval()
     drift = 0.0
-    try:
+    with evaluating(model):
         try:
-            expected = logits(theirs_name, additive if theirs_name == "eager" else mask)
-            plain_expected = plain_logits(theirs_name)
-        except Exception as e:  # noqa: BLE001 - any failure of the model's own code: nothing to check against
-            raise SwapMismatch(f"{type(model).__name__}'s own attention does not run a packed row (position ids and "
-                               f"a 4-D block mask), so ours cannot be checked against it ({_error_line(e)})") from None
-        if weight.dtype != torch.float32 and theirs_name != "eager":
-            drift = (logits("eager", additive) - expected).abs().max().item()
-        elif weight.dtype != torch.float32:
-            with _eager_in_float64(model) as wide:
-                if wide:
-                    drift = (logits("eager", additive) - expected).abs().max().item()
-        model.set_attn_implementation(NAME)
-        try:
-            got = model(input_ids=ids, position_ids=positions).logits.float()
-            plain_got = plain_logits(NAME)
-        except (ValueError, TypeError, RuntimeError) as e:
-            raise SwapMismatch(f"{type(model).__name__}'s attention cannot run as {NAME} "
-                               f"({_error_line(e)})") from None
-    except SwapMismatch:
-        model.set_attn_implementation(theirs_name)
-        raise
-    finally:
-        model.train(was_training)
-    rounding = _probe_rounding(weight.dtype)
+            try:
+                expected = logits(theirs_name, additive if theirs_name == "eager" else mask)
+                plain_expected = plain_logits(theirs_name)
+            except Exception as e:  # noqa: BLE001 - any failure of the model's own code: nothing to check against
+                raise SwapMismatch(f"{type(model).__name__}'s own attention does not run a packed row (position ids "
+                                   f"and a 4-D block mask), so ours cannot be checked against it "
+                                   f"({_error_line(e)})") from None
+            if weight.dtype != torch.float32 and theirs_name != "eager":
+                drift = (logits("eager", additive) - expected).abs().max().item()
+            elif weight.dtype != torch.float32:
+                with _eager_in_float64(model) as wide:
+                    if wide:
+                        drift = (logits("eager", additive) - expected).abs().max().item()
+            model.set_attn_implementation(NAME)
+            try:
+                got = model(input_ids=ids, position_ids=positions).logits.float()
+                plain_got = plain_logits(NAME)
+            except (ValueError, TypeError, RuntimeError) as e:
+                raise SwapMismatch(f"{type(model).__name__}'s attention cannot run as {NAME} "
+                                   f"({_error_line(e)})") from None
+        except SwapMismatch:
+            model.set_attn_implementation(theirs_name)
+            raise
+    rounding = probe_rounding(weight.dtype)
 
     def close(ours, theirs):
         return torch.allclose(ours, theirs, rtol=rounding, atol=max(rounding * theirs.abs().max().item(), 4 * drift))
@@ -991,14 +995,15 @@ def check_same_attention(model, theirs_name):
 def _reaching(model, implementation):
     """Names of the first attention layer's trainable parameters that the plain probe
     row's logits depend on with ``implementation``."""
-    layer = next((m for m in model.modules() if type(m).__name__.endswith("Attention")), None)
+    layer = next(_attention_layers(model), None)
     params = {} if layer is None else {id(p): n for n, p in layer.named_parameters() if p.requires_grad}
-    if not params or next(layer.parameters()).is_meta:
+    weight = None if layer is None else next(layer.parameters())
+    if not params or weight.is_meta:
         return set()
-    ids = ((torch.arange(PROBE_LENGTHS[0], device=next(layer.parameters()).device) * 7 + 1) % model.config.vocab_size)
+    ids = _probe_ids(PROBE_LENGTHS[0], model, weight.device)[None]
     model.set_attn_implementation(implementation)
     with torch.enable_grad():
-        nodes, seen, found = [model(input_ids=ids[None]).logits.grad_fn], set(), set()
+        nodes, seen, found = [model(input_ids=ids).logits.grad_fn], set(), set()
         while nodes:
             node = nodes.pop()
             if node is None or node in seen:
@@ -1014,15 +1019,13 @@ def _reaching(model, implementation):
 def check_gradients_reach(model, theirs_name):
     """Raise SwapMismatch unless every attention parameter that the model's own attention
     trains is trained through ours too; the model is left on ``theirs_name``."""
-    was_training = model.training
-    model.eval()
-    try:
-        lost = _reaching(model, theirs_name) - _reaching(model, NAME)
-    except (ValueError, TypeError, RuntimeError) as e:
-        lost = {f"(the gradient probe failed: {_error_line(e)})"}
-    finally:
-        model.set_attn_implementation(theirs_name)
-        model.train(was_training)
+    with evaluating(model):
+        try:
+            lost = _reaching(model, theirs_name) - _reaching(model, NAME)
+        except (ValueError, TypeError, RuntimeError) as e:
+            lost = {f"(the gradient probe failed: {_error_line(e)})"}
+        finally:
+            model.set_attn_implementation(theirs_name)
     if lost:
         raise SwapMismatch(f"{type(model).__name__}'s attention parameters {', '.join(sorted(lost))} reach the loss "
                            f"through its own attention and not through the kernel (a mask of its own, which the kernel "
@@ -1061,7 +1064,7 @@ def use_packed_attention(model):
     the number of attention layers. Calling it again changes nothing."""
     from transformers import AttentionInterface
 
-    count = sum(1 for m in model.modules() if type(m).__name__.endswith("Attention"))
+    count = sum(1 for _ in _attention_layers(model))
     theirs = model.config._attn_implementation
     if theirs == NAME:
         return count
@@ -1088,15 +1091,11 @@ def _padded_logits(model):
     weight = next(model.parameters())
     if weight.is_meta:
         return None
-    ids = (torch.arange(2 * PROBE_LENGTHS[0], device=weight.device).view(2, -1) * 7 + 1) % model.config.vocab_size
+    ids = _probe_ids(2 * PROBE_LENGTHS[0], model, weight.device).view(2, -1)
     mask = torch.ones_like(ids)
     mask[1, :2] = 0  # left padding
-    was_training = model.training
-    model.eval()
-    try:
+    with evaluating(model):
         return model(input_ids=ids, attention_mask=mask).logits.float()[mask.bool()]
-    finally:
-        model.train(was_training)
 
 
 def _undo_switch(model, theirs):
@@ -1116,7 +1115,7 @@ def check_padding_is_routed(model, theirs, expected):
         _undo_switch(model, theirs)
         raise SwapMismatch(f"{type(model).__name__}: a row with a padding mask fails once switched "
                            f"({_error_line(e)})") from None
-    rounding = _probe_rounding(next(model.parameters()).dtype)
+    rounding = probe_rounding(next(model.parameters()).dtype)
     if not torch.allclose(got, expected, rtol=rounding, atol=rounding * expected.abs().max().item()):
         _undo_switch(model, theirs)
         raise SwapMismatch(f"{type(model).__name__}: a row with a padding mask does not reach the model's own "

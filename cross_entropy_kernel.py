@@ -82,6 +82,7 @@ from kernel_common import (
     SwapMismatch,
     cast_to,
     check_kernel_device,
+    evaluating,
     exp,
     fast_launch,
     first_order_only,
@@ -717,15 +718,13 @@ def check_loss_function(model):
         calls.append((theirs.float(), causal_lm_loss(logits.float(), labels, *args, **kwargs).float()))
         return theirs
 
-    was_training = model.training
-    model.eval()
     model.loss_function = recorded
     try:
-        ids = torch.tensor([[1, 2, 3]], device=weight.device) % model.config.vocab_size
-        model(input_ids=ids, labels=ids)
+        with evaluating(model):
+            ids = torch.tensor([[1, 2, 3]], device=weight.device) % model.config.vocab_size
+            model(input_ids=ids, labels=ids)
     finally:
         model.loss_function = original
-        model.train(was_training)
     name = type(model).__name__
     if not calls:
         raise SwapMismatch(f"{name}'s forward computes its loss without calling loss_function: it keeps its own")

@@ -26,6 +26,7 @@ adamw) imports its common ground from here and nothing private from the others:
 Nothing runs on import except the interpreter switch and the version check.
 """
 
+import contextlib
 import functools
 import inspect
 import os
@@ -246,6 +247,23 @@ class SwapMismatch(ValueError):
     ``apply_rotary_pos_emb``) for math that differs (an offset weight, another
     cast order, other rotated pairs), and a tiny random model trains almost alike
     either way, so a name alone proves nothing."""
+
+
+@contextlib.contextmanager
+def evaluating(model):
+    """Within: ``model`` in eval mode (no dropout), its own mode restored after, also
+    when the block raises. The swaps' probes and the evaluation run in it."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+def probe_rounding(dtype):
+    """How far two computations of a probe's logits may part: one rounding of ``dtype``, and margin."""
+    return 1e-4 if dtype == torch.float32 else 2**-6
 
 
 def swap_modules(model, matches, replacement, check=None):

@@ -114,6 +114,17 @@ def test_swap_modules_nested_matches_replace_the_outer_one():
     assert isinstance(model[0], nn.Tanh) and isinstance(model[1], nn.Tanh)
 
 
+def test_evaluating_restores_the_mode_also_when_the_block_raises():
+    from kernel_common import evaluating
+
+    for training in (True, False):
+        model = torch.nn.Sequential(torch.nn.Dropout(0.5)).train(training)
+        with pytest.raises(RuntimeError), evaluating(model):
+            assert not model.training and not model[0].training
+            raise RuntimeError("a probe failed")
+        assert model.training == training and model[0].training == training
+
+
 def test_decoder_of_finds_the_decoder_where_get_decoder_returns_the_model():
     """transformers' get_decoder(); where a causal LM answers with itself (Llama-4's text
     model in transformers 5.17), the submodule its base_model_prefix names, else its

@@ -74,8 +74,8 @@ import torch.nn as nn
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
-    SUPPORTED_DTYPES, SwapMismatch, cdiv, check_kernel_device, decoder_of, first_order_only, kernel_op, nothing,
-    wrap_forward,
+    SUPPORTED_DTYPES, SwapMismatch, cdiv, check_kernel_device, decoder_of, evaluating, first_order_only, kernel_op,
+    nothing, probe_rounding, wrap_forward,
 )
 
 # Step 8's building blocks: the loss kernel's launcher (it writes the loss per row
@@ -425,9 +425,8 @@ def check_flce_head(model):
                            f"(output_router_logits), which the fused loss does not compute")
     if any(p.is_meta for p in model.parameters()):
         return
-    was_training = model.training
-    model.eval()  # no dropout: the two forwards differ only by what follows the LM head
-    with torch.no_grad():
+    # eval: no dropout, the two forwards differ only by what follows the LM head
+    with evaluating(model), torch.no_grad():
         ids = torch.tensor([[1, 2, 3]], device=head.weight.device) % model.config.vocab_size
         out = model(input_ids=ids, labels=ids)
         theirs = out.logits.float()
@@ -438,8 +437,7 @@ def check_flce_head(model):
         cap = getattr(model.config, "final_logit_softcapping", None)
         if cap:
             ours = cap * torch.tanh(ours / cap)
-    model.train(was_training)
-    rounding = 1e-4 if head.weight.dtype == torch.float32 else 2**-6  # one rounding of the logits, and margin
+    rounding = probe_rounding(head.weight.dtype)
     if not torch.allclose(ours, theirs, rtol=rounding, atol=rounding * theirs.abs().max().item()):
         raise SwapMismatch(f"{type(model).__name__} transforms its logits after the LM head in a way the fused "
                            f"loss does not implement")

@@ -30,6 +30,7 @@ import os
 import warnings
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
+from kernel_common import evaluating
 
 import torch
 import torch.nn as nn
@@ -360,22 +361,19 @@ def check_causal(model, model_id):
     3 tokens; skipped for a model on the meta device (--fsdp builds it there)."""
     if any(p.is_meta for p in model.parameters()):
         return
-    was_training = model.training
-    model.eval()  # no dropout: the two forwards differ only where the inputs do
     try:
-        device = next(model.parameters()).device
-        ids = torch.tensor([[1, 2, 3]], device=device) % model.config.vocab_size
-        later = ids.clone()
-        later[0, 2] = (ids[0, 2] + 1) % model.config.vocab_size
-        before = model(input_ids=ids).logits[0, :2].float()
-        after = model(input_ids=later).logits[0, :2].float()
+        with evaluating(model):  # no dropout: the two forwards differ only where the inputs do
+            device = next(model.parameters()).device
+            ids = torch.tensor([[1, 2, 3]], device=device) % model.config.vocab_size
+            later = ids.clone()
+            later[0, 2] = (ids[0, 2] + 1) % model.config.vocab_size
+            before = model(input_ids=ids).logits[0, :2].float()
+            after = model(input_ids=later).logits[0, :2].float()
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
         if is_out_of_memory(e):
             raise
         raise SystemExit(f"error: --model {model_id}: the model does not run a forward pass of 3 tokens "
                          f"({files.one_line(e)}); is its config consistent?") from None
-    finally:
-        model.train(was_training)
     if not torch.allclose(before, after, rtol=1e-3, atol=1e-3 * before.abs().max().item()):
         raise SystemExit(f"error: --model {model_id}: not a causal decoder (the output at a position depends on "
                          f"the tokens after it); only decoder language models are fine-tuned here")

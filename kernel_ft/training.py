@@ -39,6 +39,7 @@ import threading
 import time
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
+from kernel_common import evaluating
 
 import torch
 
@@ -362,16 +363,12 @@ def evaluate(model, loss_fn, batches):
     """Mean loss over ``batches`` (batch dicts; held_out_batches), every target token
     weighted alike, with the model in eval mode (no dropout) and no gradients.
     Returns a float."""
-    was_training = model.training
-    model.eval()
-    try:
-        loss_sum, count_sum = 0.0, 0
+    loss_sum, count_sum = 0.0, 0
+    with evaluating(model):
         for batch in batches:
             count = target_count(batch)
             loss_sum = loss_sum + loss_fn(model, batch).float() * count
             count_sum = count_sum + count
-    finally:
-        model.train(was_training)
     return float(loss_sum / max(int(count_sum), 1))
 
 

@@ -48,13 +48,10 @@ What a recording requires, and how this file meets it
 * Work already set up: the first steps run eagerly (Triton compiles its kernels,
   cuBLAS picks its algorithms, AdamW allocates its state), on a side stream as
   PyTorch's documentation asks, and the capture comes after them.
-* With --ddp, the all-reduces inside the graph (NCCL collectives can be captured):
-  DistributedDataParallel is built on a side stream (the gradient accumulators it
-  keeps would otherwise belong to the default stream, which cannot join a capture;
-  run.assemble), its first ten iterations, which it times for its logs by
-  reading CUDA events on the host, and its bucket rebuild after the first run
-  eagerly (DDP_EAGER_STEPS), and every decision is taken by all processes together
-  (``agree``): a graph with collectives must be replayed by every process or none.
+* With --ddp, the averages of the gradients inside the graph (NCCL collectives can
+  be captured; fsdp.GradientAverage launches them from backward's hooks), and every
+  decision is taken by all processes together (``agree``): a graph with collectives
+  must be replayed by every process or none.
   What it buys: 2 x H200, per GPU against one GPU, 8B LoRA r16 0.97x -> 0.985x, 8B
   full 0.900x -> 0.912x (NOTES.md, Step 19).
 
@@ -82,7 +79,6 @@ import torch
 from kernel_ft import files, flags, models
 
 EAGER_STEPS = 2  # steps run eagerly before the capture: compilation, autotuning, optimizer state
-DDP_EAGER_STEPS = 11  # with --ddp: past DDP's timed first ten iterations and its bucket rebuild (above)
 # A replay slower than the last eager step by more than this keeps the run eager (see
 # GraphedStep._keep_faster): graphs remove the host's time, and where the GPU bounds the
 # step there is none to remove.
@@ -104,11 +100,6 @@ def side_stream(device):
             yield
     finally:
         torch.cuda.current_stream(device).wait_stream(side)
-
-
-def eager_steps(args):
-    """How many steps run eagerly before the capture in this run."""
-    return DDP_EAGER_STEPS if getattr(args, "ddp", False) else EAGER_STEPS
 
 
 def reason_to_stay_eager(args, model, data):

@@ -262,7 +262,7 @@ def add_finetune_args(parser, cuda_graphs_default=False):
         "--warmup-steps",
         type=non_negative_int,
         help=f"untimed steps first: kernel compilation, cuBLAS autotuning, the CUDA graph's capture (default: "
-        f"{GPU_WARMUP_STEPS}, {DDP_GPU_WARMUP_STEPS} with --ddp, or {CPU_WARMUP_STEPS} without a GPU)",
+        f"{GPU_WARMUP_STEPS}, or {CPU_WARMUP_STEPS} without a GPU)",
     )
     g.add_argument(
         "--log-every",
@@ -281,9 +281,6 @@ def add_finetune_args(parser, cuda_graphs_default=False):
 # replay. The same without it: --cuda-graphs must not change the learning-rate
 # schedule (it spans warm-up and timed steps), nor the baseline's.
 GPU_WARMUP_STEPS = 3
-# With --ddp the capture comes after DDP's own first iterations (cuda_graphs.DDP_EAGER_STEPS
-# + 1): also when torchrun leaves the choice to the run, which may take --ddp.
-DDP_GPU_WARMUP_STEPS = 12
 
 
 def add_cuda_graphs_arg(group, default):
@@ -299,7 +296,7 @@ def add_cuda_graphs_arg(group, default):
     )
 
 
-DDP_BUCKET_MB = 25  # --ddp-bucket-mb's default: DistributedDataParallel's own
+DDP_BUCKET_MB = 25  # --ddp-bucket-mb's default (DistributedDataParallel's bucket size)
 FSDP_COMMS = ("default", "symm-mem", "pg-memory")  # --fsdp-comm (fsdp.COMM_SETTERS)
 
 
@@ -315,15 +312,15 @@ def add_fsdp_arg(group):
     group.add_argument(
         "--ddp",
         action="store_true",
-        help="for a model that fits one GPU: a full copy on every process of torchrun, gradients averaged by "
-             "DistributedDataParallel in buckets while backward runs (no weight gathers); --batch-size is per "
+        help="for a model that fits one GPU: a full copy on every process of torchrun, each gradient averaged "
+             "in place while backward runs (no weight gathers); --batch-size is per "
              "process; rank 0 writes the checkpoints (--output-dir) as one process does. Under torchrun "
              "without --fsdp or --ddp the run picks one: --ddp where the model's state fits in 60%% of a GPU",
     )
     group.add_argument(
         "--ddp-bucket-mb", type=positive_int, default=DDP_BUCKET_MB,
-        help="--ddp: the size of the buckets whose gradients are averaged together, in MB (default: %(default)s, "
-             "PyTorch's; larger buckets: fewer, larger all-reduces)",
+        help="--ddp: gradients smaller than this are packed together into groups of up to this size, in MB, "
+             "each averaged by one all-reduce; larger ones are averaged alone, in place (default: %(default)s)",
     )
     group.add_argument(
         "--fsdp-prefetch", type=non_negative_int, default=0,
@@ -429,8 +426,7 @@ def settle(args):
     if getattr(a, "steps", 0) is None:
         a.steps = 20 if on_gpu else CPU_STEPS
     if getattr(a, "warmup_steps", 0) is None:
-        replicas = getattr(a, "ddp", False) or (processes_started() > 1 and not getattr(a, "fsdp", False))
-        a.warmup_steps = (DDP_GPU_WARMUP_STEPS if replicas else GPU_WARMUP_STEPS) if on_gpu else CPU_WARMUP_STEPS
+        a.warmup_steps = GPU_WARMUP_STEPS if on_gpu else CPU_WARMUP_STEPS
     if getattr(a, "lr_warmup_steps", 0) is None:
         a.lr_warmup_steps = round(LR_WARMUP_FRACTION * (a.warmup_steps + a.steps))
     return Settings(vars(a), notes + idle_flags(a))
@@ -651,7 +647,7 @@ def check_optimizer_in_backward(args):
     if getattr(args, "fsdp", False):
         raise SystemExit(f"{flag}; with --fsdp that is not implemented (the gradients are sharded DTensors)")
     if getattr(args, "ddp", False):
-        raise SystemExit(f"{flag}; with --ddp that is not implemented (the gradients are averaged in buckets)")
+        raise SystemExit(f"{flag}; with --ddp that is not implemented (the gradients are averaged as backward makes them)")
     if not kernels_from_args(args)["adamw"]:
         raise SystemExit(f"{flag} through the Triton AdamW's per-parameter update: add --use-custom-adamw")
 

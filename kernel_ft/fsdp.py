@@ -21,6 +21,7 @@ is spread over N processes, and what that costs.
 Every rank trains; rank 0 alone prints and writes. Nothing runs on import.
 """
 
+import contextlib
 import os
 import sys
 
@@ -94,13 +95,12 @@ def check_fsdp_flags(args):
 
 # A whole copy per process (--ddp) when its weights, gradients and AdamW state take at
 # most this share of the device's memory; the rest is for activations. 8B full
-# fine-tuning, 2 x 2,048 per GPU, measured on 2 x H200: 74.73 GiB at the peak with --ddp,
-# where REPLICA_STATE_COPIES x 16 GB of bf16 weights is 74.8 GiB.
+# fine-tuning, 2 x 2,048 per GPU, measured on 2 x H200: 60.65 GiB at the peak with --ddp
+# (one GPU alone: 60.15), where REPLICA_STATE_COPIES x 16 GB of bf16 weights is 59.8 GiB.
 REPLICA_SHARE = 0.6
-# Weights, their gradients, AdamW's two moments (the weights' dtype each), and a copy of
-# the gradients that DistributedDataParallel's buckets hold at the peak (measured: --ddp's
-# peak is one GPU's plus about one gradient copy).
-REPLICA_STATE_COPIES = 5
+# Weights, their gradients and AdamW's two moments, each in the weights' dtype (the
+# gradients are averaged where they lie: GradientAverage keeps no second copy).
+REPLICA_STATE_COPIES = 4
 
 
 def replica_memory(args):
@@ -197,19 +197,146 @@ def close_distributed():
         os._exit(0)
 
 
-def replicate_model(model, world, bucket_mb=flags.DDP_BUCKET_MB):
-    """--ddp: DistributedDataParallel on ``model`` in place (torch's composable
-    ``replicate``: the model stays the HF model it was, with its config and methods).
-    Every process starts from rank 0's weights (broadcast now); in backward, the
-    gradients of each bucket of parameters are averaged over the processes as soon as
-    the bucket is complete, while the rest of backward runs. The gradients are asked
-    to be views into the buckets (gradient_as_bucket_view), yet an 8B run still peaks
-    14.6 GiB above one GPU alone (NOTES, Step 19): not explained yet. Call it after the
-    kernels are switched in, like shard_model."""
-    from torch.distributed._composable.replicate import replicate
+# --------------------------------------------------------------------------------
+# A whole copy per process (--ddp): each gradient averaged where autograd put it
+# --------------------------------------------------------------------------------
+# DistributedDataParallel copies every gradient into flat buckets (scaled by 1/N on the
+# way), all-reduces the buckets and hands the gradients back as views into them. The
+# copy reads and writes every gradient once more, 32 GB a step at 8B (8.1 ms of
+# ``aten::mul`` on an H200, NOTES.md Step 19), and the buckets stay allocated through
+# the forward, where one process alone has no gradients at all (they are freed after
+# each step): 15 GiB more at the peak. Here each gradient is averaged in place, by
+# NCCL's average, as soon as autograd has written it (a post-accumulate-grad hook): no
+# copy, no second home for the gradients. Only gradients smaller than --ddp-bucket-mb
+# (norms, LoRA's adapters) are packed together, up to that size, so that they take one
+# collective instead of hundreds.
+#
+# Every process must join the same collectives in the same order. The order is the one
+# in which rank 0's first averaged backward made the gradients (that backward averages
+# them all at its end); from then on each group is averaged as soon as it and every
+# group before it are complete, the same sequence on every process whatever order its
+# backward happens to take. A gradient a process did not make (a weight its data never
+# used, such as an MoE expert no token chose) is zero there, averaged after its
+# backward. With --grad-accum only the last micro-batch's backward averages; the others
+# add into the gradients on each process.
+class GradientAverage:
+    """The trainable parameters of ``model`` averaged over the ``size`` processes of the
+    default group (see above); gradients smaller than ``group_bytes`` are packed into
+    groups of up to that size. ``averaged_backward`` says which backward passes average."""
 
-    device = {"device_id": world.device} if world.device.type == "cuda" else {}
-    replicate(model, gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb, **device)
+    def __init__(self, model, size, group_bytes):
+        self.size, self.group_bytes = size, group_bytes
+        self.params = [p for p in model.parameters() if p.requires_grad]  # tied weights once
+        self.names = {p: name for name, p in model.named_parameters()}
+        self.groups = None  # made at the end of the first averaged backward (learn_order)
+        self.active = False
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._made)
+        self._reset()
+
+    def _reset(self):
+        self.made = {}  # the gradients this backward made, in the order it made them
+        self.missing = [len(group) for group in self.groups] if self.groups else None
+        self.next = 0  # the first group not averaged yet
+        self.pending = []  # (work, packed tensor or None, the group's gradients)
+
+    def _made(self, p):
+        if not self.active:
+            return
+        if p in self.made:
+            raise RuntimeError(f"--ddp: {self.names[p]} received a second gradient in one backward, after it was "
+                               f"averaged; a weight used by two autograd graphs in one step is not supported")
+        self.made[p] = None
+        if self.groups is None:  # the first averaged backward: its order is learned, all averaged at its end
+            return
+        self.missing[self.group_of[p]] -= 1
+        while self.next < len(self.groups) and self.missing[self.next] == 0:
+            self._average(self.groups[self.next])
+            self.next += 1
+
+    def learn_order(self):
+        """The groups, in the order rank 0's backward made the gradients (then those it did
+        not make), told to every process (one broadcast, once)."""
+        index = {p: i for i, p in enumerate(self.params)}
+        order = [index[p] for p in self.made]
+        order += [i for i in reversed(range(len(self.params))) if i not in set(order)]
+        told = [order]
+        torch.distributed.broadcast_object_list(told, src=0)
+        self.groups, small, small_bytes = [], [], 0
+        for p in (self.params[i] for i in told[0]):
+            size = p.numel() * p.element_size()
+            if size >= self.group_bytes:  # alone, in place; the small ones before it go first
+                self.groups += [small, [p]] if small else [[p]]
+                small, small_bytes = [], 0
+                continue
+            small.append(p)
+            small_bytes += size
+            if small_bytes >= self.group_bytes:
+                self.groups.append(small)
+                small, small_bytes = [], 0
+        if small:
+            self.groups.append(small)
+        self.group_of = {p: i for i, group in enumerate(self.groups) for p in group}
+
+    def _average(self, group):
+        grads = [p.grad for p in group]
+        packed = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else None
+        flat = grads[0] if packed is None else packed
+        dist = torch.distributed
+        if flat.is_cuda:  # NCCL averages inside its own kernel
+            work = dist.all_reduce(flat, op=dist.ReduceOp.AVG, async_op=True)
+        else:  # gloo has no average: each process's share, then their sum (DistributedDataParallel's way)
+            flat.div_(self.size)
+            work = dist.all_reduce(flat, async_op=True)
+        self.pending.append((work, packed, grads))
+
+    def finish(self):
+        """After the backward that averages: the groups not averaged yet (a gradient this
+        process never made is zero), then this stream waits for every average."""
+        if self.groups is None:
+            self.learn_order()
+        for group in self.groups[self.next:]:
+            for p in group:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self._average(group)
+        for work, packed, grads in self.pending:
+            work.wait()  # on NCCL: this stream waits for NCCL's; the host does not wait
+            if packed is not None:  # back into each gradient
+                offset = 0
+                for g in grads:
+                    g.copy_(packed[offset:offset + g.numel()].view_as(g))
+                    offset += g.numel()
+        self._reset()
+
+
+def replicate_model(model, world, bucket_mb=flags.DDP_BUCKET_MB):
+    """--ddp: a whole copy of ``model`` per process, its gradients averaged over the
+    processes in every training step (GradientAverage). Every process starts from rank
+    0's weights and buffers (broadcast now). Call it after the kernels are switched in,
+    like shard_model; the model stays the HF model it was."""
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            torch.distributed.broadcast(t, src=0)
+    model._gradient_average = GradientAverage(model, world.size, int(bucket_mb * 2**20))
+
+
+@contextlib.contextmanager
+def averaged_backward(model, last=True):
+    """Around a backward of the training step: under --ddp, with ``last`` (the step's last
+    micro-batch) the gradients are averaged over the processes as backward makes them,
+    and all of them are when this ends. Anything else: nothing."""
+    average = getattr(model, "_gradient_average", None)
+    if average is None or not last:
+        yield
+        return
+    average.active = True
+    try:
+        yield
+        average.finish()
+    finally:
+        average.active = False
+        average._reset()
 
 
 def all_agree(flag):

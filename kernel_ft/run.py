@@ -28,7 +28,7 @@ import sys
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
 
-from kernel_ft import files, flags, models, fsdp, dataloader, checkpoints, cuda_graphs, reporting, training
+from kernel_ft import files, flags, models, fsdp, dataloader, checkpoints, reporting, training
 from kernel_ft import fp8_gather
 from kernel_ft.patching import KERNELS, KernelNotApplied, apply
 from adamw_kernel import TritonAdamW
@@ -127,10 +127,7 @@ def assemble(args, model, data, switch_in, world, after_kernels=None):
     if after_kernels:
         after_kernels(model)
     if world and args.ddp:  # after the kernels: the swapped modules are what is replicated
-        # On a side stream: the gradient accumulators DDP keeps belong to the stream they were
-        # made on, and the default stream cannot join a CUDA graph's capture (cuda_graphs.py).
-        with cuda_graphs.side_stream(world.device):
-            fsdp.replicate_model(model, world, args.ddp_bucket_mb)
+        fsdp.replicate_model(model, world, args.ddp_bucket_mb)
     elif world:  # after the kernels: the swapped modules are what is sharded
         fsdp.shard_model(model, args, world)
         if flags.fp8_gathered(args):  # before the first forward: the weights' first gather is in FP8

@@ -134,7 +134,6 @@ def step_function(args, model, optimizer, loss_fn, scheduler, graphs):
         before_capture=getattr(optimizer, "prepare_capture", None),  # TritonAdamW: its scalars' memory
         before_replay=getattr(optimizer, "stage_graph_step", None),  # TritonAdamW: this step's scalars
         hold=hold_interrupts,
-        eager_steps=cuda_graphs.eager_steps(args),
         agree=fsdp.all_agree if getattr(args, "ddp", False) else None,  # every process replays, or none
     )
 
@@ -168,7 +167,7 @@ def use_cuda_graphs(args, model, data):
     if reason:
         flags.note(f"CUDA graphs are off, the step runs eagerly: {reason}")
         return False
-    print(f"CUDA graphs:   on: the step is captured after {cuda_graphs.eager_steps(args)} eager steps, then replayed "
+    print(f"CUDA graphs:   on: the step is captured after {cuda_graphs.EAGER_STEPS} eager steps, then replayed "
           f"(--no-cuda-graphs: eager)")
     if data is None:  # synthetic rows: no padding, no packing; the eager step's causal attention, also in the graph
         cuda_graphs.keep_sdpa_causal(model, args.seq_len)
@@ -209,10 +208,11 @@ def accumulate_gradients(model, loss_fn, micro_batches):
         torch.distributed.all_reduce(total)
     total = total.clamp(min=1)  # an all-padding step: loss 0, not 0/0
     step_loss = 0.0
-    for batch, count in zip(micro_batches, counts):
+    for i, (batch, count) in enumerate(zip(micro_batches, counts)):
         with phase("forward"):
             loss = loss_fn(model, batch) * (count * ranks / total)  # exactly x1.0 on one process without accumulation
-        with phase("backward"):
+        # --ddp: the last micro-batch's backward averages the gradients over the processes
+        with phase("backward"), fsdp.averaged_backward(model, last=i == len(micro_batches) - 1):
             loss.backward()
         step_loss = step_loss + loss.detach()
     if ranks > 1:  # the global mean: the sum of the ranks' shares, over N

@@ -69,13 +69,10 @@ def test_flag_defaults(monkeypatch):
         args = flags.settle(finetune_optimized.parse_args(["--tiny"] + argv))
         assert args.warmup_steps == warmup, argv
     assert flags.settle(finetune_baseline.parse_args(["--tiny"])).warmup_steps == cuda_graphs.EAGER_STEPS + 1
-    # --ddp captures after DDP's own first iterations; so may a torchrun run that leaves the choice to
-    # the run, unless it asked for --fsdp.
-    assert flags.DDP_GPU_WARMUP_STEPS == cuda_graphs.DDP_EAGER_STEPS + 1
-    assert flags.settle(finetune_optimized.parse_args(["--tiny", "--ddp"])).warmup_steps == flags.DDP_GPU_WARMUP_STEPS
+    # --ddp, --fsdp and a torchrun run that leaves the choice to the run: the same warm-up.
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert flags.settle(finetune_optimized.parse_args(["--tiny"])).warmup_steps == flags.DDP_GPU_WARMUP_STEPS
-    assert flags.settle(finetune_optimized.parse_args(["--tiny", "--fsdp"])).warmup_steps == flags.GPU_WARMUP_STEPS
+    for argv in (["--ddp"], ["--fsdp"], []):
+        assert flags.settle(finetune_optimized.parse_args(["--tiny", *argv])).warmup_steps == flags.GPU_WARMUP_STEPS
 
 
 def _args(**changes):
@@ -112,8 +109,6 @@ def test_capturable_runs(monkeypatch):
     assert cuda_graphs.reason_to_stay_eager(_args(packing=False), _Model(), None) is None  # synthetic: one shape
     assert cuda_graphs.reason_to_stay_eager(_args(compile=True), _Model(), None) is None  # Inductor's kernels
     assert cuda_graphs.reason_to_stay_eager(_args(ddp=True), _Model(), None) is None  # NCCL's all-reduces inside
-    assert cuda_graphs.eager_steps(_args(ddp=True)) == cuda_graphs.DDP_EAGER_STEPS
-    assert cuda_graphs.eager_steps(_args()) == cuda_graphs.EAGER_STEPS
 
 
 def test_the_choice_is_said_in_one_line(monkeypatch, capsys):

@@ -19,8 +19,11 @@
 * profile_baseline.py --fsdp profiles rank 0 (communication has its category).
 * --fsdp-reduce-dtype auto picks bfloat16 over 2 processes of bf16 weights only; on
   2 GPUs (NCCL) the bfloat16 and float32 reductions give the same gradient bits.
-* --ddp (DistributedDataParallel): the same losses, with LoRA and --compile; its
-  checkpoints resume exactly. torchrun without --fsdp or --ddp picks one from memory.
+* --ddp (a copy per process, each gradient averaged in place as backward makes it):
+  every gradient the mean of the processes' own, bit for bit, one collective per
+  group per step, --grad-accum communicating once; the same losses as one process,
+  with LoRA and --compile; its checkpoints resume exactly. torchrun without --fsdp or
+  --ddp picks one from memory.
 * Bad input: --fsdp without torchrun, WORLD_SIZE without torchrun, --fsdp with
   --lora-4bit, resuming with another number of processes or mode: one line each,
   before any work.
@@ -156,8 +159,8 @@ def test_two_nodes_through_a_rendezvous_match_one_process(full, tmp_path):
 
 
 def test_ddp_two_ranks_match_one_process(full, lora, tmp_path):
-    """--ddp: a whole copy of the model per process, the gradients averaged by
-    DistributedDataParallel; 2 x batch 1 gives the losses of one process at batch 2,
+    """--ddp: a whole copy of the model per process, the gradients averaged over the
+    processes (fsdp.GradientAverage); 2 x batch 1 gives the losses of one process at batch 2,
     every kernel, and with LoRA adapters. Rank 0 saves the model as one process does
     (with every process's random generators); the run resumes from it to the same
     losses, and only as --ddp with 2 processes."""
@@ -186,6 +189,34 @@ def test_ddp_two_ranks_match_one_process(full, lora, tmp_path):
                                                             "so --ddp: a whole copy per process (its frozen weights")
 
 
+def test_ddp_averages_each_gradient_in_place_in_one_order(tmp_path):
+    """--ddp's averages (fsdp.GradientAverage, 2 gloo processes, tests/ddp_average_worker.py):
+    every gradient is the mean of the two processes' own, bit for bit, with two
+    micro-batches of which only the last backward communicates; a weight one process
+    never used is averaged with its zero; the large weight is a group alone, the small
+    ones packed in the order rank 0's first backward made them, the same on both; a
+    second gradient after the average is refused in one line."""
+    env = {k: v for k, v in os.environ.items() if k not in fsdp.TORCHRUN_ENV}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           os.path.join(ROOT, "tests", "ddp_average_worker.py"), str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert reports[0]["groups"] == reports[1]["groups"]
+    groups = reports[0]["groups"]
+    assert ["big.weight"] in groups and sorted(sum(groups, [])) == sorted(
+        ["big.weight", "big.bias", "small.0.weight", "small.0.bias", "small.2.weight", "small.2.bias", "extra"])
+    assert any(len(g) > 1 for g in groups)  # small ones packed
+    for r in reports:
+        for step in r["steps"]:
+            assert step["differ"] == [] and step["after_first_micro_batch"] == 0
+            assert len(step["collectives"]) == len(groups)
+        assert not r["frozen_grad"]
+        assert r["refused"].startswith("--ddp: ") and "received a second gradient in one backward" in r["refused"]
+        assert "\n" not in r["refused"]
+
+
 def test_ddp_refusals_are_one_line(monkeypatch):
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
         monkeypatch.setenv(name, value)
@@ -211,7 +242,7 @@ def test_torchrun_without_fsdp_or_ddp_chooses_from_memory(monkeypatch):
     assert chosen.parallel_choice.startswith("torchrun started 2 processes without --fsdp or --ddp, so --ddp: a "
                                              "whole copy per process (its weights, gradients and AdamW state, ~")
     assert "--fsdp-prefetch without --fsdp changes nothing" in chosen._notes
-    need, _, _ = fsdp.replica_memory(chosen)  # float32 tiny model: weights, gradients, moments, buckets
+    need, _, _ = fsdp.replica_memory(chosen)  # float32 tiny model: weights, gradients, moments
     tiny = models.build_random(models.tiny_config(), torch.device("cpu"), torch.float32)
     assert need == fsdp.REPLICA_STATE_COPIES * 4 * sum(p.numel() for p in tiny.parameters())
     monkeypatch.setattr(fsdp, "replica_memory", lambda args: (10 * 2**30, 12 * 2**30, "here"))
@@ -228,7 +259,7 @@ def test_torchrun_without_fsdp_or_ddp_chooses_from_memory(monkeypatch):
 
 def test_ddp_compiled_matches_one_process(full, tmp_path):
     """--ddp --compile: each decoder layer compiled (aot_eager on the CPU) inside the
-    replicated model; DistributedDataParallel's hooks see the compiled layers' gradients."""
+    replicated model; the averages' hooks see the compiled layers' gradients."""
     _, one, _ = full
     doc = run("finetune_optimized.py", [*TINY, "--steps", "3", "--batch-size", "1", "--compile"], 2, tmp_path,
               mode="--ddp")

@@ -85,6 +85,16 @@ def run(script, args, ranks=None, tmp_path=None, name="run", mode="--fsdp"):
         return json.load(f)
 
 
+def run_worker(worker, folder):
+    """tests/WORKER FOLDER under torchrun, 2 processes (gloo on the CPU); it writes its reports there."""
+    env = {k: v for k, v in os.environ.items() if k not in fsdp.TORCHRUN_ENV}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           os.path.join(ROOT, "tests", worker), str(folder)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
 def close(a, b, tol=1e-4):
     assert len(a) == len(b), (a, b)
     assert all(abs(x - y) <= tol for x, y in zip(a, b)), (a, b)
@@ -196,12 +206,7 @@ def test_ddp_averages_each_gradient_in_place_in_one_order(tmp_path):
     never used is averaged with its zero; the large weight is a group alone, the small
     ones packed in the order rank 0's first backward made them, the same on both; a
     second gradient after the average is refused in one line."""
-    env = {k: v for k, v in os.environ.items() if k not in fsdp.TORCHRUN_ENV}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           os.path.join(ROOT, "tests", "ddp_average_worker.py"), str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_worker("ddp_average_worker.py", tmp_path)
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert reports[0]["groups"] == reports[1]["groups"]
     groups = reports[0]["groups"]
@@ -548,12 +553,7 @@ def test_fp8_gather_over_two_processes_matches_one_and_resumes(tmp_path):
     for bit (the script's AdamW); trained weights are cast at every gather (forward and
     backward), their casts never kept, frozen ones once; a DCP checkpoint loads into
     another model, whose frozen casts made before the load are not reused."""
-    env = {k: v for k, v in os.environ.items() if k not in fsdp.TORCHRUN_ENV}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           os.path.join(ROOT, "tests", "fsdp_fp8_worker.py"), str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_worker("fsdp_fp8_worker.py", tmp_path)
     reports = [json.loads((tmp_path / f"{mode}-rank{rank}.json").read_text())
                for mode in ("trained", "frozen") for rank in (0, 1)]
     assert sorted((r["mode"], r["rank"]) for r in reports) == [("frozen", 0), ("frozen", 1), ("trained", 0),

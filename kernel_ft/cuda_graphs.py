@@ -52,8 +52,8 @@ What a recording requires, and how this file meets it
   be captured; fsdp.GradientAverage launches them from backward's hooks), and every
   decision is taken by all processes together (``agree``): a graph with collectives
   must be replayed by every process or none.
-  What it buys: 2 x H200, per GPU against one GPU, 8B LoRA r16 0.97x -> 0.985x, 8B
-  full 0.900x -> 0.912x (NOTES.md, Step 19).
+  What it bought (with DistributedDataParallel then): 2 x H200, per GPU against one
+  GPU, 8B LoRA r16 0.97x -> 0.985x, 8B full 0.900x -> 0.912x (NOTES.md, Step 19).
 
 What it costs: the capture itself (a step's worth of host time, once), and
 memory: the graph keeps its own pool, so the activations' memory stays reserved

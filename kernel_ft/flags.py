@@ -319,8 +319,9 @@ def add_fsdp_arg(group):
     )
     group.add_argument(
         "--ddp-bucket-mb", type=positive_int, default=DDP_BUCKET_MB,
-        help="--ddp: gradients smaller than this are packed together into groups of up to this size, in MB, "
-             "each averaged by one all-reduce; larger ones are averaged alone, in place (default: %(default)s)",
+        help="--ddp: the small gradients (under 1 MB: norms, LoRA adapters) are packed into groups of at most "
+             "this many MB, each averaged by one all-reduce; the others are averaged alone, in place "
+             "(default: %(default)s)",
     )
     group.add_argument(
         "--fsdp-prefetch", type=non_negative_int, default=0,

@@ -207,9 +207,9 @@ def close_distributed():
 # the forward, where one process alone has no gradients at all (they are freed after
 # each step): 15 GiB more at the peak. Here each gradient is averaged in place, by
 # NCCL's average, as soon as autograd has written it (a post-accumulate-grad hook): no
-# copy, no second home for the gradients. Only gradients smaller than --ddp-bucket-mb
-# (norms, LoRA's adapters) are packed together, up to that size, so that they take one
-# collective instead of hundreds.
+# copy, no second home for the gradients. Only the small ones, under PACKED_BYTES (norms,
+# LoRA's adapters), are packed together into groups of at most --ddp-bucket-mb, so that
+# they take one collective instead of hundreds (a copy of a few MB).
 #
 # Every process must join the same collectives in the same order. The order is the one
 # in which rank 0's first averaged backward made the gradients (that backward averages
@@ -217,12 +217,17 @@ def close_distributed():
 # group before it are complete, the same sequence on every process whatever order its
 # backward happens to take. A gradient a process did not make (a weight its data never
 # used, such as an MoE expert no token chose) is zero there, averaged after its
-# backward. With --grad-accum only the last micro-batch's backward averages; the others
-# add into the gradients on each process.
+# backward; where no process made it, it is then zero, where one process alone would
+# have none (AdamW decays a weight with a zero gradient and skips one without). With
+# --grad-accum only the last micro-batch's backward averages; the others add into the
+# gradients on each process.
+PACKED_BYTES = 2**20  # smaller gradients are packed into groups; larger ones are averaged alone, in place
+
+
 class GradientAverage:
     """The trainable parameters of ``model`` averaged over the ``size`` processes of the
-    default group (see above); gradients smaller than ``group_bytes`` are packed into
-    groups of up to that size. ``averaged_backward`` says which backward passes average."""
+    default group (see above); gradients under PACKED_BYTES are packed into groups of at
+    most ``group_bytes``. ``averaged_backward`` says which backward passes average."""
 
     def __init__(self, model, size, group_bytes):
         self.size, self.group_bytes = size, group_bytes
@@ -244,8 +249,8 @@ class GradientAverage:
         if not self.active:
             return
         if p in self.made:
-            raise RuntimeError(f"--ddp: {self.names[p]} received a second gradient in one backward, after it was "
-                               f"averaged; a weight used by two autograd graphs in one step is not supported")
+            raise RuntimeError(f"--ddp: {self.names[p]} received a second gradient in one averaged backward; a "
+                               f"weight used by two backward passes of one micro-batch is not supported")
         self.made[p] = None
         if self.groups is None:  # the first averaged backward: its order is learned, all averaged at its end
             return
@@ -256,26 +261,30 @@ class GradientAverage:
 
     def learn_order(self):
         """The groups, in the order rank 0's backward made the gradients (then those it did
-        not make), told to every process (one broadcast, once)."""
+        not make), told to every process (one broadcast, once: the host waits for it, so
+        never inside a CUDA graph's capture; the eager steps before it come first)."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("--ddp: the first averaged backward learns the gradients' order with a host "
+                               "broadcast, which a CUDA graph cannot capture: run at least one eager step first")
         index = {p: i for i, p in enumerate(self.params)}
         order = [index[p] for p in self.made]
         order += [i for i in reversed(range(len(self.params))) if i not in set(order)]
         told = [order]
         torch.distributed.broadcast_object_list(told, src=0)
-        self.groups, small, small_bytes = [], [], 0
+        self.groups, packed, packed_bytes = [], [], 0
         for p in (self.params[i] for i in told[0]):
             size = p.numel() * p.element_size()
-            if size >= self.group_bytes:  # alone, in place; the small ones before it go first
-                self.groups += [small, [p]] if small else [[p]]
-                small, small_bytes = [], 0
+            if size >= PACKED_BYTES:  # alone, in place; the packed ones before it go first
+                self.groups += [packed, [p]] if packed else [[p]]
+                packed, packed_bytes = [], 0
                 continue
-            small.append(p)
-            small_bytes += size
-            if small_bytes >= self.group_bytes:
-                self.groups.append(small)
-                small, small_bytes = [], 0
-        if small:
-            self.groups.append(small)
+            if packed and packed_bytes + size > self.group_bytes:
+                self.groups.append(packed)
+                packed, packed_bytes = [], 0
+            packed.append(p)
+            packed_bytes += size
+        if packed:
+            self.groups.append(packed)
         self.group_of = {p: i for i, group in enumerate(self.groups) for p in group}
 
     def _average(self, group):
@@ -317,7 +326,10 @@ def replicate_model(model, world, bucket_mb=flags.DDP_BUCKET_MB):
     like shard_model; the model stays the HF model it was."""
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
-            torch.distributed.broadcast(t, src=0)
+            whole = t if t.is_contiguous() else t.contiguous()  # a collective sends contiguous memory
+            torch.distributed.broadcast(whole, src=0)
+            if whole is not t:
+                t.copy_(whole)
     model._gradient_average = GradientAverage(model, world.size, int(bucket_mb * 2**20))
 
 

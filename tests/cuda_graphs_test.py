@@ -371,8 +371,9 @@ class _Others:
 
 
 def test_several_processes_capture_after_their_eager_steps_and_replay_together(monkeypatch):
-    """--ddp: the capture comes after eager_steps eager steps; every process agrees that it
-    captured and that its replay is fast enough; the losses are the eager run's."""
+    """Several processes (--ddp): the capture comes after the eager steps asked for; every
+    process agrees that it captured and that its replay is fast enough; the losses are the
+    eager run's."""
     batches = [b for i, b in enumerate(_batches(14)) if i != 5]
     expected = _eager_losses(monkeypatch, batches)
     model, optimizer, scheduler = _toy()

@@ -1,15 +1,15 @@
 """
 One process of tests/fsdp_test.py's check of --ddp's gradient averages, started twice by torchrun (gloo).
 
-Each process builds the same small model (one weight larger than the group size, averaged
-alone and in place; small ones packed into groups; one weight that process 1 never uses;
-one frozen) and runs, on its own data, what the training step runs under --ddp
-(fsdp.averaged_backward): two micro-batches, the first without averaging. It also computes
-both processes' gradients itself, without communication, and checks that every averaged
+Each process builds the same small model (one weight over the packing size, averaged alone
+and in place; small ones packed into groups; one weight process 1 never uses, one process 0
+never uses, one only the first micro-batch uses; one frozen) and runs, on its own data,
+what the training step runs under --ddp (fsdp.averaged_backward): two micro-batches, the
+first without averaging, in two steps (the first learns the order). It also computes both
+processes' gradients itself, without communication, and checks that every averaged
 gradient is their mean, bit for bit (float32; a half of each plus the other is the
-rounding of the mean of two), that the weight process 1 never used has the mean of
-process 0's gradient and a zero, and how many collectives a step took. Then a weight
-that gets a gradient twice in one averaged backward must be refused in one line.
+rounding of the mean of two), and how many collectives a step took. Then a weight that
+gets a gradient twice in one averaged backward must be refused in one line.
 Writes FOLDER/rankN.json: what the test checks.
 
 Usage (the test does this): torchrun --nproc-per-node 2 tests/ddp_average_worker.py FOLDER
@@ -29,7 +29,8 @@ import torch.nn as nn
 
 from kernel_ft import fsdp
 
-GROUP_BYTES = 1024  # smaller than `big`'s weight (64 x 64 x 4 bytes): it is a group alone
+PACKED_BYTES = 8192  # under `big`'s weight (64 x 64 x 4 bytes): that one is a group alone
+GROUP_BYTES = 1024  # `small.0.weight` (2 KB) fills a group of its own; the others share
 
 
 class Net(nn.Module):
@@ -38,12 +39,18 @@ class Net(nn.Module):
         self.big = nn.Linear(64, 64)
         self.small = nn.Sequential(nn.Linear(64, 8), nn.Tanh(), nn.Linear(8, 1))
         self.extra = nn.Parameter(torch.randn(64))  # process 1 never uses it
+        self.late = nn.Parameter(torch.randn(64))  # process 0 never uses it: the end of the learned order
+        self.early = nn.Parameter(torch.randn(64))  # the first micro-batch only: made, but not in the last backward
         self.frozen = nn.Parameter(torch.randn(64), requires_grad=False)
 
-    def forward(self, x, rank):
+    def forward(self, x, rank, first):
         h = torch.tanh(self.big(x)) + self.frozen
         if rank == 0:
             h = h * self.extra
+        else:
+            h = h + self.late
+        if first:
+            h = h - self.early
         return self.small(h).square().mean()
 
 
@@ -61,13 +68,14 @@ def main(folder):
     want = {}
     for r in range(size):
         reference.zero_grad(set_to_none=True)
-        for x in micro_batches(r):
-            reference(x, r).backward()
+        for i, x in enumerate(micro_batches(r)):
+            reference(x, r, i == 0).backward()
         for name, p in reference.named_parameters():
             if p.requires_grad:
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
                 want[name] = want.get(name, 0) + g / size
 
+    fsdp.PACKED_BYTES = PACKED_BYTES
     fsdp.replicate_model(model, fsdp.World(rank, size, rank, torch.device("cpu")), bucket_mb=GROUP_BYTES / 2**20)
     all_reduce = torch.distributed.all_reduce
     steps = []
@@ -83,7 +91,7 @@ def main(folder):
         batches = micro_batches(rank)
         for i, x in enumerate(batches):
             with fsdp.averaged_backward(model, last=i == len(batches) - 1):
-                model(x, rank).backward()
+                model(x, rank, i == 0).backward()
             if i == 0:
                 after_first = len(calls)
         torch.distributed.all_reduce = all_reduce
@@ -96,8 +104,8 @@ def main(folder):
     model.zero_grad(set_to_none=True)
     try:
         with fsdp.averaged_backward(model):
-            model(batches[0], 0).backward()  # every weight on both: every group averaged on both
-            model(batches[0], 0).backward()  # the same weights again, after they were averaged
+            model(batches[0], 0, False).backward()  # the same weights on both: the same groups averaged
+            model(batches[0], 0, False).backward()  # the same weights again, after they were averaged
     except RuntimeError as e:
         refused = str(e)
     report = {"rank": rank, "steps": steps, "groups": [[model._gradient_average.names[p] for p in g] for g in groups],

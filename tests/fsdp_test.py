@@ -203,22 +203,25 @@ def test_ddp_averages_each_gradient_in_place_in_one_order(tmp_path):
     """--ddp's averages (fsdp.GradientAverage, 2 gloo processes, tests/ddp_average_worker.py):
     every gradient is the mean of the two processes' own, bit for bit, with two
     micro-batches of which only the last backward communicates; a weight one process
-    never used is averaged with its zero; the large weight is a group alone, the small
-    ones packed in the order rank 0's first backward made them, the same on both; a
-    second gradient after the average is refused in one line."""
+    never used is averaged with its zero (also one rank 0 never made, last in the order),
+    one only the first micro-batch made is averaged too; the large weight is a group
+    alone, the small ones packed in the order rank 0's first backward made them, the same
+    on both; a second gradient in one averaged backward is refused in one line."""
     run_worker("ddp_average_worker.py", tmp_path)
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert reports[0]["groups"] == reports[1]["groups"]
     groups = reports[0]["groups"]
-    assert ["big.weight"] in groups and sorted(sum(groups, [])) == sorted(
-        ["big.weight", "big.bias", "small.0.weight", "small.0.bias", "small.2.weight", "small.2.bias", "extra"])
+    assert ["big.weight"] in groups and ["small.0.weight"] in groups and sorted(sum(groups, [])) == sorted(
+        ["big.weight", "big.bias", "small.0.weight", "small.0.bias", "small.2.weight", "small.2.bias", "extra",
+         "late", "early"])
     assert any(len(g) > 1 for g in groups)  # small ones packed
+    assert "late" in groups[-1]  # rank 0 never made it: the end of the order
     for r in reports:
         for step in r["steps"]:
             assert step["differ"] == [] and step["after_first_micro_batch"] == 0
             assert len(step["collectives"]) == len(groups)
         assert not r["frozen_grad"]
-        assert r["refused"].startswith("--ddp: ") and "received a second gradient in one backward" in r["refused"]
+        assert r["refused"].startswith("--ddp: ") and "received a second gradient in one averaged backward" in r["refused"]
         assert "\n" not in r["refused"]
 
 

@@ -121,7 +121,7 @@ import torch
 from kernel_common import (
     IN_INTERPRETER, INTERPRET, SUPPORTED_DTYPES, SwapMismatch, cast_to, cdiv, check_kernel_device, decoder_of,
     evaluating, exp, fast_launch, first_order_only, kernel_op, log, next_power_of_2, probe_rounding, tanh,
-    wrap_forward,
+    vocabulary_size, wrap_forward,
 )
 
 import triton
@@ -874,7 +874,7 @@ def _error_line(e):
 
 def _probe_ids(n, model, device):
     """n probe tokens: spread over the vocabulary, the same on every call."""
-    return (torch.arange(n, device=device) * 7 + 1) % model.config.vocab_size
+    return (torch.arange(n, device=device) * 7 + 1) % vocabulary_size(model)
 
 
 def _attention_layers(model):

@@ -90,6 +90,7 @@ from kernel_common import (
     log,
     next_power_of_2,
     nothing,
+    vocabulary_size,
 )
 
 import triton
@@ -721,7 +722,7 @@ def check_loss_function(model):
     model.loss_function = recorded
     try:
         with evaluating(model):
-            ids = torch.tensor([[1, 2, 3]], device=weight.device) % model.config.vocab_size
+            ids = torch.tensor([[1, 2, 3]], device=weight.device) % vocabulary_size(model)
             model(input_ids=ids, labels=ids)
     finally:
         model.loss_function = original

@@ -42,6 +42,7 @@ import time
 import torch
 
 from kernel_ft import dataloader, flags, fsdp, models, reporting, run
+from kernel_common import vocabulary_size
 import kernel_ft
 
 TITLE = "Fine-tuning in TRL's SFTTrainer"
@@ -229,7 +230,7 @@ def main(argv=None):
     flags.print_notes(args)
     records = dataloader.load_records(args.dataset)
     model, model_info = models.load_model(args)
-    data = dataloader.prepare_data(args, records, model.config.vocab_size)
+    data = dataloader.prepare_data(args, records, vocabulary_size(model))
     if args.lora:
         model = models.apply_lora(model, args)
     report = switch_in(args, model)

@@ -249,6 +249,14 @@ class SwapMismatch(ValueError):
     either way, so a name alone proves nothing."""
 
 
+def vocabulary_size(model_or_config):
+    """How many token ids a model takes: its config's ``vocab_size``, or its text config's
+    (a multimodal config such as Fuyu's keeps it there and has none of its own)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    size = getattr(config, "vocab_size", None)
+    return size if size is not None else config.get_text_config().vocab_size
+
+
 @contextlib.contextmanager
 def evaluating(model):
     """Within: ``model`` in eval mode (no dropout), its own mode restored after, also

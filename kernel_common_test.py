@@ -125,6 +125,26 @@ def test_evaluating_restores_the_mode_also_when_the_block_raises():
         assert model.training == training and model[0].training == training
 
 
+def test_vocabulary_size_reads_a_text_config_where_the_config_has_none():
+    """A multimodal config (Fuyu's from transformers 5.24) keeps vocab_size in its text
+    config only; the probes and the data read it there."""
+    import transformers
+
+    class Composite(transformers.PretrainedConfig):
+        model_type = "kernel_ft_composite_probe"
+        sub_configs = {"text_config": transformers.LlamaConfig}
+
+        def __init__(self, text_config=None, **kwargs):
+            self.text_config = text_config if text_config is not None else transformers.LlamaConfig(vocab_size=77)
+            super().__init__(**kwargs)
+
+    assert not hasattr(Composite(), "vocab_size") and kernel_common.vocabulary_size(Composite()) == 77
+    assert kernel_common.vocabulary_size(transformers.LlamaConfig(vocab_size=5)) == 5
+    model = nn.Module()
+    model.config = transformers.LlamaConfig(vocab_size=9)
+    assert kernel_common.vocabulary_size(model) == 9
+
+
 def test_decoder_of_finds_the_decoder_where_get_decoder_returns_the_model():
     """transformers' get_decoder(); where a causal LM answers with itself (Llama-4's text
     model in transformers 5.17), the submodule its base_model_prefix names, else its

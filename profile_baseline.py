@@ -68,6 +68,7 @@ from collections import defaultdict
 
 from kernel_ft import flags  # first: flags switches on the Triton interpreter before triton loads
 from kernel_ft import dataloader, files, fsdp, reporting, run, training
+from kernel_common import vocabulary_size
 import profile_timeline
 
 import torch
@@ -579,7 +580,7 @@ def main(argv=None):
     step = training.step_function(args, model, optimizer, loss_fn, None, graphs)
     device = world.device if world else next(model.parameters()).device
     # The fine-tune scripts' data path: DataLoader workers, pinned memory, non-blocking copies.
-    batches = dataloader.training_batches(args, data, device, model.config.vocab_size)
+    batches = dataloader.training_batches(args, data, device, vocabulary_size(model))
 
     if world and world.rank != 0:
         profile_steps(args, model, step, batches, None, name)  # the same steps, not profiled

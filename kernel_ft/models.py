@@ -30,7 +30,7 @@ import os
 import warnings
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
-from kernel_common import evaluating
+from kernel_common import evaluating, vocabulary_size
 
 import torch
 import torch.nn as nn
@@ -364,9 +364,9 @@ def check_causal(model, model_id):
     try:
         with evaluating(model):  # no dropout: the two forwards differ only where the inputs do
             device = next(model.parameters()).device
-            ids = torch.tensor([[1, 2, 3]], device=device) % model.config.vocab_size
+            ids = torch.tensor([[1, 2, 3]], device=device) % vocabulary_size(model)
             later = ids.clone()
-            later[0, 2] = (ids[0, 2] + 1) % model.config.vocab_size
+            later[0, 2] = (ids[0, 2] + 1) % vocabulary_size(model)
             before = model(input_ids=ids).logits[0, :2].float()
             after = model(input_ids=later).logits[0, :2].float()
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
@@ -446,7 +446,7 @@ def check_fits_in_ram(config, dtype, args):
         return
     weights = parameter_count(config) * dtype.itemsize
     state = 0 if getattr(args, "lora", False) else 3 * weights  # gradients, exp_avg, exp_avg_sq
-    logits = 2 * 4 * args.batch_size * args.seq_len * config.vocab_size
+    logits = 2 * 4 * args.batch_size * args.seq_len * vocabulary_size(config)
     need = weights + state + logits
     if need > available:
         gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731 - a local format
@@ -610,7 +610,7 @@ def describe(model, name, source, dtype, device):
         "parameters": n_params,
         "dtype": str(dtype).replace("torch.", ""),
         "device": str(device),
-        "vocab_size": model.config.vocab_size,
+        "vocab_size": vocabulary_size(model),
         "max_position_embeddings": getattr(model.config, "max_position_embeddings", None),
     }
     print(f"Model:         {name} [{type(model).__name__}], {source}")

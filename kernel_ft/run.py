@@ -27,6 +27,7 @@ import signal
 import sys
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
+from kernel_common import vocabulary_size
 
 from kernel_ft import files, flags, models, fsdp, dataloader, checkpoints, reporting, training
 from kernel_ft import fp8_gather
@@ -101,7 +102,7 @@ def load(args, world=None):
     before the model is built."""
     records = dataloader.load_records(args.dataset)
     model, model_info = models.load_model(args, world)
-    data = dataloader.prepare_data(args, records, model.config.vocab_size)
+    data = dataloader.prepare_data(args, records, vocabulary_size(model))
     models.avoid_per_shape_attention_plans(args, data)
     if data is not None:  # the sliding window a dense mask must apply (the batches build it)
         data.mask_window = models.dense_mask_window(args, data, model.config)

@@ -1,5 +1,5 @@
 """
-Several GPUs: FSDP2 under torchrun (``--fsdp``).
+Several GPUs under torchrun: FSDP2 (``--fsdp``) and a whole copy per GPU (``--ddp``).
 
 README Step 19. What it teaches: how a model too big for one GPU's memory (weights,
 gradients and AdamW's two moments: 16 bytes per parameter for full fine-tuning)
@@ -15,6 +15,8 @@ is spread over N processes, and what that costs.
   The fused linear cross-entropy runs inside the model's own forward
   (linear_cross_entropy_kernel.fuse_linear_cross_entropy), so the root's hooks
   gather the LM head's weight for it and reduce its gradient after it.
+* ``replicate_model`` (``--ddp``, for a model that fits one GPU): a whole copy per
+  process, each gradient averaged in place as backward makes it (GradientAverage).
 * ``reduce_over_ranks``: token counts and losses summed over the processes, so a
   step's loss is the mean over all of its tokens, as on one GPU.
 
@@ -268,7 +270,8 @@ class GradientAverage:
                                "broadcast, which a CUDA graph cannot capture: run at least one eager step first")
         index = {p: i for i, p in enumerate(self.params)}
         order = [index[p] for p in self.made]
-        order += [i for i in reversed(range(len(self.params))) if i not in set(order)]
+        seen = set(order)
+        order += [i for i in reversed(range(len(self.params))) if i not in seen]
         told = [order]
         torch.distributed.broadcast_object_list(told, src=0)
         self.groups, packed, packed_bytes = [], [], 0

@@ -648,7 +648,8 @@ def check_optimizer_in_backward(args):
     if getattr(args, "fsdp", False):
         raise SystemExit(f"{flag}; with --fsdp that is not implemented (the gradients are sharded DTensors)")
     if getattr(args, "ddp", False):
-        raise SystemExit(f"{flag}; with --ddp that is not implemented (the gradients are averaged as backward makes them)")
+        raise SystemExit(f"{flag}; with --ddp that is not implemented (the gradients are averaged as backward "
+                         f"makes them)")
     if not kernels_from_args(args)["adamw"]:
         raise SystemExit(f"{flag} through the Triton AdamW's per-parameter update: add --use-custom-adamw")
 

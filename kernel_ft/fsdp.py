@@ -319,7 +319,6 @@ class GradientAverage:
                 for g in grads:
                     g.copy_(packed[offset:offset + g.numel()].view_as(g))
                     offset += g.numel()
-        self._reset()
 
 
 def replicate_model(model, world, bucket_mb=flags.DDP_BUCKET_MB):
@@ -349,7 +348,7 @@ def averaged_backward(model, last=True):
     try:
         yield
         average.finish()
-    finally:
+    finally:  # ready for the next backward, also after one that raised
         average.active = False
         average._reset()
 

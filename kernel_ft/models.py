@@ -363,10 +363,10 @@ def check_causal(model, model_id):
         return
     try:
         with evaluating(model):  # no dropout: the two forwards differ only where the inputs do
-            device = next(model.parameters()).device
-            ids = torch.tensor([[1, 2, 3]], device=device) % vocabulary_size(model)
+            device, vocab = next(model.parameters()).device, vocabulary_size(model)
+            ids = torch.tensor([[1, 2, 3]], device=device) % vocab
             later = ids.clone()
-            later[0, 2] = (ids[0, 2] + 1) % vocabulary_size(model)
+            later[0, 2] = (ids[0, 2] + 1) % vocab
             before = model(input_ids=ids).logits[0, :2].float()
             after = model(input_ids=later).logits[0, :2].float()
     except (RuntimeError, ValueError, TypeError, IndexError) as e:

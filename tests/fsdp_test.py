@@ -221,7 +221,8 @@ def test_ddp_averages_each_gradient_in_place_in_one_order(tmp_path):
             assert step["differ"] == [] and step["after_first_micro_batch"] == 0
             assert len(step["collectives"]) == len(groups)
         assert not r["frozen_grad"]
-        assert r["refused"].startswith("--ddp: ") and "received a second gradient in one averaged backward" in r["refused"]
+        assert r["refused"].startswith("--ddp: ")
+        assert "received a second gradient in one averaged backward" in r["refused"]
         assert "\n" not in r["refused"]
 
 

@@ -43,6 +43,7 @@ from kernel_ft import cuda_graphs, files, reporting
 from kernel_ft.benchmark_specs import bench, copy_bandwidth, free_memory, repair_capture_state
 from kernel_ft.benchmark_peers import version
 from fp8_gemm_kernel import triton_scaled_mm
+import fp8_kernel
 import kernel_common
 from fp8_kernel import RECIPES, cast_traffic, fp8_supported, quantize, quantize_reference, replace_linears, scaled_mm
 from rmsnorm_kernel import _forward as rmsnorm_launch
@@ -263,12 +264,15 @@ def mlp_rows(bench_ms):
         variants += [f"torchao {r}" for r in RECIPES]
     # Our training step's way: eager kernels replayed in a CUDA graph; per tensor with and
     # without the amax handed over by SwiGLU forward and backward (kernel_common.FP8_PRODUCERS).
-    variants += ["bf16, graph"] + [f"ours {r}, graph" for r in RECIPES] + ["ours tensorwise, graph, no producers"]
+    # And with gate_proj and up_proj as two products each way, not one (fp8_kernel.STACK_PROJECTIONS).
+    variants += (["bf16, graph"] + [f"ours {r}, graph" for r in RECIPES] + ["ours tensorwise, graph, no producers"]
+                 + [f"ours {r}, graph, unstacked" for r in RECIPES])
     rows, flop = [], 3 * 2 * M * 3 * HIDDEN * INTERMEDIATE * LAYERS
     for variant in variants:
         model = mlp_stack(state, variant)
         xg = x.detach().requires_grad_()
         kernel_common.FP8_PRODUCERS = "no producers" not in variant
+        fp8_kernel.STACK_PROJECTIONS = "unstacked" not in variant
         if ", graph" in variant:
             graph, out = graphed_step(model, xg, dy)
             ms = timed(graph.replay, bench_ms)
@@ -286,7 +290,7 @@ def mlp_rows(bench_ms):
             xg.grad = None
             out = compiled(xg)
             out.backward(dy)
-        kernel_common.FP8_PRODUCERS = True
+        kernel_common.FP8_PRODUCERS = fp8_kernel.STACK_PROJECTIONS = True
         grads = {n: p.grad for n, p in model.named_parameters()}
         errors = {"out": relative_error(out.detach(), truth["out"]), "dx": relative_error(xg.grad, truth["dx"]),
                   "dW (worst layer)": max(relative_error(grads[n], truth[n]) for n in grads)}
@@ -306,7 +310,8 @@ def print_mlp(rows):
         print(f"{r['variant']:<32} {r['ms']:10.2f} {r['TFLOPs']:8.0f} {base / r['ms']:6.2f}x   "
               f"{'':>26} {e['out']:7.4f} {e['dx']:7.4f} {e['dW (worst layer)']:10.4f}")
     print("Compiled with torch.compile (default mode), or ', graph': our SwiGLU kernel between the projections and "
-          "the whole step replayed in one CUDA graph; the casts are inside the timing. Relative error: "
+          "the whole step replayed in one CUDA graph (gate and up as one stacked product; ', unstacked': two); the "
+          "casts are inside the timing. Relative error: "
           "||got - truth|| / ||truth|| against float32 with the same (bf16) weights.")
 
 

@@ -325,11 +325,11 @@ def _cast_tile(x, scale, E5M2: tl.constexpr):
 def _cast_kernel(
     X,  # [M, K] bf16/fp16/fp32, any strides
     OUT,  # [M, K] uint8 (a view of the fp8 data), row-major
-    OUT_T,  # [K, M_PAD] uint8 (a view of the fp8 data_t), row-major, or [K, M_PAD / 4] int32 with PACK;
-            # unused without TRANSPOSE
+    OUT_T,  # [K, M_PAD] uint8 (a view of the fp8 data_t), rows ST_T apart, or [K, M_PAD / 4] int32 with
+            # PACK (ST_T in words); unused without TRANSPOSE. A column slice of a wider x^T: quantize_stacked
     AMAX, AMAX_T,  # float32 [M] / [K] (rowwise), or tensorwise [n_amax] maxima whose maximum is x's
     INV, INV_T,  # float32 [M] / [K] or [1]: the inverse scales this kernel writes
-    M, K, M_PAD, sx_m, sx_k, n_amax,
+    M, K, M_PAD, ST_T, sx_m, sx_k, n_amax,
     ROWWISE: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     PACK: tl.constexpr,  # OUT_T written as 32-bit words (M_PAD a multiple of 4)
     AMAX_BLOCK: tl.constexpr,  # a power of two >= n_amax
@@ -380,10 +380,10 @@ def _cast_kernel(
             shift = (tl.arange(0, 4) * 8).to(tl.uint32)
             words = tl.sum(quads << shift[None, :, None], axis=1)  # disjoint bytes: the sum is their OR
             offs_w = pid_m * (BLOCK_M // 4) + tl.arange(0, BLOCK_M // 4)
-            tl.store(OUT_T + offs_k[:, None].to(tl.int64) * (M_PAD // 4) + offs_w[None, :],
+            tl.store(OUT_T + offs_k[:, None].to(tl.int64) * ST_T + offs_w[None, :],
                      tl.trans(words).to(tl.int32, bitcast=True), mask=in_k[:, None] & (offs_w < M_PAD // 4)[None, :])
         else:
-            tl.store(OUT_T + offs_k[:, None].to(tl.int64) * M_PAD + offs_m[None, :], tl.trans(bits_t),
+            tl.store(OUT_T + offs_k[:, None].to(tl.int64) * ST_T + offs_m[None, :], tl.trans(bits_t),
                      mask=in_k[:, None] & (offs_m < M_PAD)[None, :])
 
 
@@ -445,69 +445,132 @@ def quantize(x, recipe, transpose=False, align=1, fmt="e4m3", amax=None):
     """x [M, K] (bf16/fp16/fp32, any strides) -> Fp8Tensor, bit for bit quantize_reference's.
     ``amax`` (per tensor only): float32 maxima whose maximum is max |x|, from the kernel that
     produced x (kernel_common.take_amax); then x is read once, by the cast."""
-    _check_recipe(recipe, "quantize")
-    _check_format(fmt, "quantize")
-    if amax is not None and recipe != "tensorwise":
-        raise ValueError(f"quantize: a produced amax is one maximum per tensor, not per row (recipe {recipe!r})")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"quantize: unsupported dtype {x.dtype}; use float32, float16 or bfloat16")
-    if x.dim() != 2:
-        raise ValueError(f"quantize: x must be 2-D [M, K], got {tuple(x.shape)}")
-    check_kernel_device(x)
-    M, K = x.shape
+    _check_quantize([x], recipe, fmt, [amax], "quantize")
+    if _one_pass(recipe, transpose, x.shape[1]):
+        data = torch.empty(x.shape, dtype=GRAD_FORMATS[fmt][0], device=x.device)
+        inv = x.new_empty(x.shape[0], dtype=torch.float32)
+        _cast_rows(x, data, inv, fmt == "e5m2")
+        return Fp8Tensor(data, inv.view(-1, 1), None, None)
+    return _quantize_parts([x], recipe, transpose, align, fmt, [amax])
+
+
+def quantize_stacked(parts, recipe, transpose=False, amaxes=None):
+    """``quantize(torch.cat(parts))`` bit for bit, without the concatenation: parts [N_i, K]
+    (weights of layers that read one x), one Fp8Tensor of [sum N_i, K] whose scale (per
+    tensor), or x^T's per-row scales, cover every part. ``amaxes``: per part, the maxima its
+    producer noted (per tensor), or None."""
+    amaxes = list(amaxes) if amaxes is not None else [None] * len(parts)
+    _check_quantize(parts, recipe, "e4m3", amaxes, "quantize_stacked")
+    return _quantize_parts(parts, recipe, transpose, 1, "e4m3", amaxes)
+
+
+def _check_quantize(parts, recipe, fmt, amaxes, name):
+    _check_recipe(recipe, name)
+    _check_format(fmt, name)
+    if not parts or len(amaxes) != len(parts):
+        raise ValueError(f"{name}: one amax (or None) per tensor, got {len(parts)} tensors and {len(amaxes)}")
+    if any(a is not None for a in amaxes) and recipe != "tensorwise":
+        raise ValueError(f"{name}: a produced amax is one maximum per tensor, not per row (recipe {recipe!r})")
+    first = parts[0]
+    for x in parts:
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}: unsupported dtype {x.dtype}; use float32, float16 or bfloat16")
+        if x.dim() != 2:
+            raise ValueError(f"{name}: x must be 2-D [M, K], got {tuple(x.shape)}")
+        if x.shape[1] != first.shape[1] or x.dtype != first.dtype or x.device != first.device:
+            raise ValueError(f"{name}: stacked tensors need one width, dtype and device, got "
+                             f"{[(tuple(p.shape), p.dtype, str(p.device)) for p in parts]}")
+    check_kernel_device(*parts)
+
+
+def _quantize_parts(parts, recipe, transpose, align, fmt, amaxes):
+    """The amax and cast kernels over parts [N_i, K] stacked along the rows (one part: quantize's x)."""
+    K, device = parts[0].shape[1], parts[0].device
+    sizes = [x.shape[0] for x in parts]
+    M = sum(sizes)
     m_pad = cdiv(M, align) * align
     rowwise = recipe == "rowwise"
-    device = x.device
     dtype, e5m2 = GRAD_FORMATS[fmt][0], fmt == "e5m2"
-    if _one_pass(recipe, transpose, K):
-        data, inv = torch.empty(M, K, dtype=dtype, device=device), x.new_empty(M, dtype=torch.float32)
-        _cast_rows(x, data, inv, e5m2)
-        return Fp8Tensor(data, inv.view(-1, 1), None, None)
     data = torch.empty(M, K, dtype=dtype, device=device)
     data_t = torch.empty(K, m_pad, dtype=dtype, device=device) if transpose else data
-    flat_block, flat_warps, flat_per_sm = AMAX_FLAT
-    most = flat_per_sm * (1 if INTERPRET else num_sms(device))
-    n_amax = 1
-    if amax is not None:  # the producer measured it: no amax pass
-        n_amax, amax_t = amax.numel(), amax
-        inv = inv_t = torch.empty(1, dtype=torch.float32, device=device)
-    elif not rowwise and (x.is_contiguous() or x.t().is_contiguous()):  # kernel 1b
-        blocks = cdiv(x.numel(), flat_block)
-        n_amax = max(1, min(blocks, most))  # an empty x: one program, its maximum 0
-        amax = amax_t = torch.empty(n_amax, dtype=torch.float32, device=device)
-        inv = inv_t = torch.empty(1, dtype=torch.float32, device=device)
-        _amax_flat_kernel[(n_amax,)](x, amax, x.numel(), cdiv(blocks, n_amax), BLOCK=flat_block,
-                                     num_warps=flat_warps)
+    most = AMAX_FLAT[2] * (1 if INTERPRET else num_sms(device))
+    if rowwise:
+        amax, amax_t, inv, inv_t = _row_maxima(parts, transpose)
     else:
-        # Row and column amaxes in one zeroed buffer, the inverse scales in another: two
-        # allocations, not four (host time). Columns start 256 B in: cuBLASLt aligns scales.
-        rows = M if rowwise else 1
-        cols = K if rowwise and transpose else 0
-        start = cdiv(rows, 64) * 64 if cols else rows
-        amax_all = torch.zeros(start + cols, dtype=torch.float32, device=device)
-        inv_all = torch.empty_like(amax_all)
-        amax, inv = amax_all[:rows], inv_all[:rows]
-        amax_t, inv_t = (amax_all[start:], inv_all[start:]) if cols else (amax, inv)
-        # At least one program each way: an empty x still gets its (column) scales written.
-        am, ak, aw, _ = AMAX_TILES
-        m_tiles, k_tiles = max(1, cdiv(M, am)), max(1, cdiv(K, ak))
-        steps = _amax_steps(m_tiles, k_tiles, device)
-        _amax_kernel[(cdiv(m_tiles, steps), k_tiles)](
-            x, amax, amax_t, M, K, x.stride(0), x.stride(1),
-            ROWWISE=rowwise, TRANSPOSE=transpose, BLOCK_M=am, BLOCK_K=ak, STEPS=steps, num_warps=aw)
+        amax = amax_t = _tensor_maxima(parts, amaxes, most)
+        inv = inv_t = torch.empty(1, dtype=torch.float32, device=device)
+    n_amax = 1 if rowwise else amax.numel()  # per tensor: the cast reduces the maxima itself
     cm, ck, cw = CAST_TILES
+    # x^T's padding columns (zeros) are written by the last part's programs.
+    widths = [n + (m_pad - M) * (i == len(parts) - 1) for i, n in enumerate(sizes)]
     # x^T as 32-bit words (PACK) per tensor: +5 to +7 points of copy bandwidth (H200). Per
     # row the tile is cast twice, and packing on top measured 2-5 points slower (NOTES.md).
-    pack = transpose and not rowwise and m_pad % 4 == 0
+    pack = transpose and not rowwise and all(w % 4 == 0 for w in widths)
+    word = 4 if pack else 1
     out_t = data_t.view(torch.int32) if pack else data_t.view(torch.uint8)
-    _cast_kernel[(max(1, cdiv(m_pad, cm)), max(1, cdiv(K, ck)))](
-        x, data.view(torch.uint8), out_t, amax, amax_t, inv, inv_t,
-        M, K, m_pad, x.stride(0), x.stride(1), n_amax, ROWWISE=rowwise, TRANSPOSE=transpose, BLOCK_M=cm,
-        BLOCK_K=ck, PACK=pack, AMAX_BLOCK=next_power_of_2(max(most, n_amax)), E5M2=e5m2, num_warps=cw)
+    first = 0
+    for x, n, width in zip(parts, sizes, widths):
+        rows = slice(first, first + n)
+        _cast_kernel[(max(1, cdiv(width, cm)), max(1, cdiv(K, ck)))](
+            x, data[rows].view(torch.uint8), out_t[:, first // word:] if transpose else out_t,
+            amax[rows] if rowwise else amax, amax_t, inv[rows] if rowwise else inv, inv_t,
+            n, K, width, m_pad // word, x.stride(0), x.stride(1), n_amax, ROWWISE=rowwise,
+            TRANSPOSE=transpose, BLOCK_M=cm, BLOCK_K=ck, PACK=pack,
+            AMAX_BLOCK=next_power_of_2(max(most, n_amax)), E5M2=e5m2, num_warps=cw)
+        first += n
     shape = (-1, 1) if rowwise else ()
     if not transpose:
         return Fp8Tensor(data, inv.view(shape), None, None)
     return Fp8Tensor(data, inv.view(shape), data_t, inv_t.view(shape))
+
+
+def _launch_amax(x, amax, amax_t, rowwise, transpose):
+    """Kernel 1 over x, folding into amax (and amax_t): zeroed buffers."""
+    M, K = x.shape
+    # At least one program each way: an empty x still gets its (column) scales written.
+    am, ak, aw, _ = AMAX_TILES
+    m_tiles, k_tiles = max(1, cdiv(M, am)), max(1, cdiv(K, ak))
+    steps = _amax_steps(m_tiles, k_tiles, x.device)
+    _amax_kernel[(cdiv(m_tiles, steps), k_tiles)](
+        x, amax, amax_t, M, K, x.stride(0), x.stride(1),
+        ROWWISE=rowwise, TRANSPOSE=transpose, BLOCK_M=am, BLOCK_K=ak, STEPS=steps, num_warps=aw)
+
+
+def _row_maxima(parts, transpose):
+    """Per row: (row maxima [M], column maxima [K] over every part (or the row maxima again
+    without x^T), their inverse scales' buffers). Two allocations, not four (host time); the
+    columns start 256 B in: cuBLASLt aligns scales."""
+    M, K = sum(x.shape[0] for x in parts), parts[0].shape[1]
+    cols = K if transpose else 0
+    start = cdiv(M, 64) * 64 if cols else M
+    amax_all = torch.zeros(start + cols, dtype=torch.float32, device=parts[0].device)
+    inv_all = torch.empty_like(amax_all)
+    amax, inv = amax_all[:M], inv_all[:M]
+    amax_t, inv_t = (amax_all[start:], inv_all[start:]) if cols else (amax, inv)
+    first = 0
+    for x in parts:
+        _launch_amax(x, amax[first:first + x.shape[0]], amax_t, True, transpose)
+        first += x.shape[0]
+    return amax, amax_t, inv, inv_t
+
+
+def _tensor_maxima(parts, amaxes, most):
+    """Per tensor: float32 maxima whose maximum is max |x| over every part: those handed
+    over (a producer's), else kernel 1b's partials (x in one block of memory: contiguous, or
+    a transposed view of contiguous), else kernel 1's one maximum."""
+    maxima = []
+    for x, given in zip(parts, amaxes):
+        if given is None and (x.is_contiguous() or x.t().is_contiguous()):
+            flat_block, flat_warps, _ = AMAX_FLAT
+            blocks = cdiv(x.numel(), flat_block)
+            given = torch.empty(max(1, min(blocks, most)), dtype=torch.float32, device=x.device)  # empty x: one 0
+            _amax_flat_kernel[(given.numel(),)](x, given, x.numel(), cdiv(blocks, given.numel()), BLOCK=flat_block,
+                                                num_warps=flat_warps)
+        elif given is None:
+            given = torch.zeros(1, dtype=torch.float32, device=x.device)
+            _launch_amax(x, given, given, False, False)
+        maxima.append(given.reshape(-1))
+    return maxima[0] if len(maxima) == 1 else torch.cat(maxima)
 
 
 def _one_pass(recipe, transpose, K):
@@ -728,6 +791,64 @@ fp8_linear_forward.op.register_autograd(first_order_only("fp8_linear")(_linear_g
 
 
 # --------------------------------------------------------------------------------
+# Layers that read one x, stacked: gate_proj and up_proj as one product
+# --------------------------------------------------------------------------------
+# A gated MLP's gate_proj and up_proj read the same x. As two FP8 layers they run two
+# forward products and, in backward, two products for dx whose sum autograd adds in a
+# separate pass: cuBLASLt's FP8 product cannot add into its output (projections_kernel sums
+# bf16 layers in the epilogue instead), so the add reads two [M, K] tensors and writes one,
+# and the next cast measures the sum's amax. Stacked, [Wg; Wu] is one [2I, K] weight: one
+# product writes [gate | up] side by side (the fused layout swiglu_kernel reads in place,
+# as Phi-3's gate_up_proj), and dx = [dg | du] @ [Wg; Wu] is one product whose reduction
+# runs over both, the sum inside the tensor cores' float32 accumulator. SwiGLU's backward
+# already writes [dg | du] as one tensor for that layout, with its amax (a producer).
+# The price: the stacked weight is cast as one tensor, so per tensor both weights share one
+# scale (the larger amax), and per row W^T's scales run over both: exactly what one
+# gate_up_proj layer of those weights computes (fp8_test.py checks it against that layer).
+# What it buys (H100, NOTES.md Step 22): per MLP one add of [M, K] and one amax pass less,
+# two products fewer. Trained, bias-free layers of one recipe only; frozen weights (cached
+# casts), FSDP's FP8 gathers and a tracer keep one product per layer.
+STACK_PROJECTIONS = True  # False: each layer its own products (A/B: benchmark_fp8.py)
+
+
+class FP8StackedFunction(torch.autograd.Function):
+    """y = x [W_1; W_2; ...]^T, the layers' outputs side by side in one [..., sum N_i] tensor,
+    all GEMMs in FP8 with the stacked weight's scales: FP8Linear.stacked_with."""
+
+    @staticmethod
+    def forward(ctx, x, recipe, grads, *weights):
+        x2d = x.reshape(-1, x.shape[-1])
+        need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[3:])
+        xq = _input_fp8(x2d, recipe, need_dw)  # shared with any other layer reading x
+        amaxes = [take_weight_amax(w) for w in weights] if recipe == "tensorwise" else None
+        wq = quantize_stacked([w.detach() for w in weights], recipe, need_dx, amaxes)
+        y = scaled_mm(xq.data, xq.inv_scale, wq.data, wq.inv_scale, x.dtype, fast_accum=True)
+        ctx.save_for_backward(*(t if t is not None else nothing(x)
+                                for t in (xq.data_t, xq.inv_scale_t, wq.data_t, wq.inv_scale_t)))
+        ctx.recipe, ctx.grads, ctx.x_shape, ctx.x_dtype = recipe, grads, x.shape, x.dtype
+        ctx.rows = [(w.shape[0], w.dtype) for w in weights]
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    @first_order_only("fp8_linear")
+    def backward(ctx, dy):
+        x_t, x_inv_t, w_t, w_inv_t = ctx.saved_tensors
+        _LAST_INPUT.clear()  # the forward is over (as in _weight_t)
+        need_dx, need_dws = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dyq = quantize(dy2, ctx.recipe, transpose=any(need_dws), align=16, fmt=ctx.grads,
+                       amax=_produced_amax(dy2, ctx.recipe))
+        dx = scaled_mm(dyq.data, dyq.inv_scale, w_t, w_inv_t, ctx.x_dtype).view(ctx.x_shape) if need_dx else None
+        dws, first = [], 0
+        for (n, dtype), need in zip(ctx.rows, need_dws):  # each weight's gradient from its rows of dy^T
+            rows = slice(first, first + n)
+            inv = dyq.inv_scale_t[rows] if ctx.recipe == "rowwise" else dyq.inv_scale_t
+            dws.append(scaled_mm(dyq.data_t[rows], inv, x_t, x_inv_t, dtype) if need else None)
+            first += n
+        return (dx, None, None, *dws)
+
+
+# --------------------------------------------------------------------------------
 # A frozen FP8 layer's two products, for an autograd node of someone else's
 # --------------------------------------------------------------------------------
 # lora_kernel.LoRALinearFunction puts a LoRA adapter inside its base layer's products
@@ -837,6 +958,22 @@ class FP8Linear(nn.Module):
 
     def forward(self, x):
         return fp8_linear(x, self.weight, self.bias, self.recipe, self.emulate, self.grads)
+
+    def stacked_with(self, x, *others):
+        """``torch.cat([self(x), *(m(x) for m in others)], -1)`` as one FP8 product whose weight
+        is the layers' stacked (FP8StackedFunction: one scale over all of them), or None where
+        they do not stack (then the caller calls each): another recipe, a bias, a frozen
+        weight, a weight FSDP gathered in FP8, torch.compile, STACK_PROJECTIONS off."""
+        layers = (self, *others)
+        if not STACK_PROJECTIONS or torch.compiler.is_compiling() or traced(x):
+            return None
+        if any(type(m) is not FP8Linear or (m.recipe, m.grads, m.emulate) != (self.recipe, self.grads, self.emulate)
+               or m.bias is not None or not m.weight.requires_grad or hasattr(m.weight, "fp8_copy")
+               or m.weight.dtype != self.weight.dtype for m in layers):
+            return None
+        for m in layers:
+            _check_linear(x, m.weight, None, m.recipe, m.grads, m.emulate)
+        return FP8StackedFunction.apply(x, self.recipe, self.grads, *(m.weight for m in layers))
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

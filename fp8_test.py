@@ -35,7 +35,7 @@ from conftest import DEVICE, need_gpu, rel_err
 import fp8_kernel
 from fp8_kernel import (
     FP8_MAX, GRAD_FORMATS, RECIPES, FP8Linear, FP8LinearFunction, fp8_linear, fp8_supported, linears_to_cast, quantize,
-    quantize_reference, replace_linears, scaled_mm, scaled_mm_reference,
+    quantize_reference, quantize_stacked, replace_linears, scaled_mm, scaled_mm_reference,
 )
 from fp8_gemm_kernel import triton_scaled_mm
 
@@ -794,6 +794,132 @@ def test_replace_linears_under_lora():
     ids = torch.randint(0, 128, (2, 16), device=DEVICE)
     model(input_ids=ids).logits.float().logsumexp(-1).sum().backward()
     assert q_proj.lora_A["default"].weight.grad is not None and q_proj.base_layer.weight.grad is None
+
+
+# --------------------------------------------------------------------------------
+# Layers that read one x, stacked into one product (gate_proj and up_proj)
+# --------------------------------------------------------------------------------
+@pytest.mark.parametrize("transpose", [False, True], ids=["w", "w,w^T"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_stacked_quantize_is_the_concatenations_bit_for_bit(recipe, transpose):
+    """quantize_stacked(parts) is quantize_reference(cat(parts)) without the cat: one scale over
+    every part (per tensor), per-row scales of the transposed copy over every part (per row);
+    parts whose rows are multiples of 4 (the transposed copy stored as words) or not; per
+    tensor, a part's maxima handed over as a producer would."""
+    parts = [sample((n, 48), torch.bfloat16, seed) for n, seed in ((32, 1), (20, 2), (13, 3))]
+    for chosen in (parts[:2], parts):
+        assert_same(quantize_stacked(chosen, recipe, transpose),
+                    quantize_reference(torch.cat(chosen), recipe, transpose))
+    if recipe == "tensorwise":
+        handed = [None, parts[1].abs().amax().float().reshape(1), None]
+        assert_same(quantize_stacked(parts, recipe, transpose, handed),
+                    quantize_reference(torch.cat(parts), recipe, transpose))
+
+
+def test_stacked_quantize_refuses_parts_that_do_not_stack():
+    with pytest.raises(ValueError, match="one width, dtype and device"):
+        quantize_stacked([torch.ones(16, 32, device=DEVICE), torch.ones(16, 48, device=DEVICE)], "tensorwise")
+    with pytest.raises(ValueError, match="one amax"):
+        quantize_stacked([torch.ones(16, 32, device=DEVICE)], "tensorwise", amaxes=[None, None])
+
+
+def fp8_layers(weights, recipe, grads="e4m3"):
+    """FP8Linear layers (emulated) holding copies of ``weights``, without bias."""
+    layers = []
+    for w in weights:
+        linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False).to(DEVICE, w.dtype)
+        with torch.no_grad():
+            linear.weight.copy_(w)
+        layers.append(FP8Linear(linear, recipe, emulate=True, grads=grads))
+    return layers
+
+
+@pytest.mark.parametrize("grads", GRAD_FORMATS)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_stacked_layers_are_the_product_of_the_stacked_operands(recipe, grads):
+    """FP8Linear.stacked_with: [x W1^T | x W2^T] from one product, dx = [dy1 | dy2] [W1; W2]
+    from one, each dW from its rows of dy^T: every GEMM the float32 product of the stacked
+    weight's fp8 operands (quantize_reference of the concatenation)."""
+    x, ws = sample((2, 21, 64), torch.float32, 8), [sample((48, 64), torch.float32, 9),
+                                                   sample((32, 64), torch.float32, 10)]
+    dy = (torch.randn(2, 21, 80) * torch.exp(2 * torch.randn(2, 21, 1))).to(DEVICE)
+    layers = fp8_layers(ws, recipe, grads)
+    xx = x.clone().requires_grad_()
+    y = layers[0].stacked_with(xx, layers[1])
+    y.backward(dy)
+    x2, dy2, f32 = x.reshape(42, 64), dy.reshape(42, 80), torch.float32
+    xq, wq = quantize_reference(x2, recipe, True, 16), quantize_reference(torch.cat(ws), recipe, True)
+    dyq = quantize_reference(dy2, recipe, True, 16, grads)
+    assert y.shape == (2, 21, 80)
+    assert rel_err(y.reshape(42, 80), scaled_mm_reference(xq.data, xq.inv_scale, wq.data, wq.inv_scale, f32)) \
+        < SAME_PRODUCT
+    assert rel_err(xx.grad.reshape(42, 64),
+                   scaled_mm_reference(dyq.data, dyq.inv_scale, wq.data_t, wq.inv_scale_t, f32)) < SAME_PRODUCT
+    want_dw = scaled_mm_reference(dyq.data_t, dyq.inv_scale_t, xq.data_t, xq.inv_scale_t, f32)
+    assert rel_err(torch.cat([m.weight.grad for m in layers]), want_dw) < SAME_PRODUCT
+
+
+def test_layers_that_cannot_stack_say_so():
+    """None (each layer runs alone) for: a bias, another recipe, a frozen weight, stacking off."""
+    ws = [sample((32, 64), torch.float32, 1), sample((16, 64), torch.float32, 2)]
+    x = sample((5, 64), torch.float32, 3)
+    a, b = fp8_layers(ws, "tensorwise")
+    assert a.stacked_with(x, b) is not None
+    assert a.stacked_with(x, fp8_layers(ws[1:], "rowwise")[0]) is None
+    b.weight.requires_grad_(False)
+    assert a.stacked_with(x, b) is None
+    b.weight.requires_grad_(True)
+    b.bias = torch.nn.Parameter(torch.zeros(16, device=DEVICE))
+    assert a.stacked_with(x, b) is None
+    b.bias = None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fp8_kernel, "STACK_PROJECTIONS", False)
+        assert a.stacked_with(x, b) is None
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_mlp_runs_fp8_gate_and_up_as_one_gate_up_layer(monkeypatch, recipe):
+    """TritonLlamaMLP with FP8 gate_proj and up_proj: one product for both (forward and dx),
+    and what the fused layout's one gate_up_proj layer of the two weights stacked computes
+    (Phi-3's): outputs and every gradient. Stacking off: each layer its own products."""
+    from transformers import LlamaConfig
+    from swiglu_kernel import TritonGateUpMLP, TritonLlamaMLP, replace_swiglu
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=48, hidden_act="silu")
+    torch.manual_seed(3)
+    mlp, fused = TritonLlamaMLP(config).to(DEVICE), TritonGateUpMLP(config).to(DEVICE)
+    with torch.no_grad():
+        fused.gate_up_proj.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        fused.down_proj.weight.copy_(mlp.down_proj.weight)
+    for m in (mlp, fused):
+        assert replace_linears(m, recipe, emulate=True)[0] == 3 - (m is fused)
+    products = []
+    real = fp8_kernel.scaled_mm
+    monkeypatch.setattr(fp8_kernel, "scaled_mm", lambda *a, **k: products.append(a[0].shape) or real(*a, **k))
+    x, dy = torch.randn(3, 7, 32).to(DEVICE), torch.randn(3, 7, 32).to(DEVICE)
+
+    def run(module):
+        products.clear()
+        xx = x.clone().requires_grad_()
+        y = module(xx)
+        y.backward(dy)
+        grads = [p.grad for p in module.parameters()]
+        module.zero_grad(set_to_none=True)
+        return len(products), [y, xx.grad, torch.cat(grads[:-1]), grads[-1]]
+
+    (stacked, got), (one_layer, want) = run(mlp), run(fused)
+    assert (stacked, one_layer) == (2 + 2 + 3, 2 + 2 + 2)  # the dW of gate and up: two products
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < SAME_PRODUCT
+    monkeypatch.setattr(fp8_kernel, "STACK_PROJECTIONS", False)
+    assert run(mlp)[0] == 3 + 6
+    monkeypatch.setattr(fp8_kernel, "STACK_PROJECTIONS", True)
+    # kernel_ft.apply's order: the FP8 layers first, then the MLP swap, whose probe compares
+    # the fused activation with the model's own MLP (stacking would move the scales there).
+    model = tiny_llama()
+    replace_linears(model, recipe, emulate=True)
+    assert replace_swiglu(model) == 2
+    assert isinstance(model.model.layers[0].mlp, TritonLlamaMLP)
 
 
 # --------------------------------------------------------------------------------

@@ -883,8 +883,19 @@ class TritonLlamaMLP(nn.Module):
         down = self.down_proj
         return self.recompute_hidden and type(down) is nn.Linear and down.bias is None
 
+    # FP8 gate_proj and up_proj (fp8_kernel.FP8Linear, Step 22) may run as one product whose
+    # output [gate | up] is the fused layout below (TritonGateUpMLP), read in place.
+    stack_projections = True
+
+    def _gate_and_up(self, x):
+        """(gate, up), or ([gate | up], None) where the two layers stack into one product."""
+        # The class's method, never one a wrapper (PEFT's LoRA layer) forwards to its base layer.
+        stacked = getattr(type(self.gate_proj), "stacked_with", None) if self.stack_projections else None
+        gate_up = stacked(self.gate_proj, x, self.up_proj) if stacked is not None else None
+        return (gate_up, None) if gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+
     def forward(self, x):
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = self._gate_and_up(x)
         if self.recomputes_hidden():
             return swiglu_down_proj(gate, up, self.down_proj.weight, self.activation)
         return self.down_proj(gated_activation(gate, up, self.activation))
@@ -1020,7 +1031,12 @@ def check_same_mlp(original, new):
                                f"[{CHECK_ROWS}, {new.hidden_size}] input ({type(e).__name__}: {first_line})") from None
         with torch.random.fork_rng(devices=rng_devices):
             kernels_run_here = device.type == "cuda" or (device.type == "cpu" and INTERPRET)
-            ours = new(x) if kernels_run_here else _reference_output(new, x)
+            # The kernels against the model's own layers: FP8 gate and up one by one, as it calls them.
+            new.stack_projections = False
+            try:
+                ours = new(x) if kernels_run_here else _reference_output(new, x)
+            finally:
+                del new.stack_projections
     if not isinstance(theirs, torch.Tensor) or theirs.shape != ours.shape or theirs.dtype != ours.dtype:
         what = (f"{tuple(theirs.shape)} {theirs.dtype}" if isinstance(theirs, torch.Tensor)
                 else type(theirs).__name__)

@@ -90,7 +90,7 @@ from kernel_common import (
     log,
     next_power_of_2,
     nothing,
-    vocabulary_size,
+    probe_ids,
 )
 
 import triton
@@ -722,7 +722,7 @@ def check_loss_function(model):
     model.loss_function = recorded
     try:
         with evaluating(model):
-            ids = torch.tensor([[1, 2, 3]], device=weight.device) % vocabulary_size(model)
+            ids = probe_ids(model, weight.device)
             model(input_ids=ids, labels=ids)
     finally:
         model.loss_function = original

@@ -257,6 +257,11 @@ def vocabulary_size(model_or_config):
     return size if size is not None else config.get_text_config().vocab_size
 
 
+def probe_ids(model, device):
+    """The three tokens the swaps' probes run a model on: [[1, 2, 3]] (modulo its vocabulary)."""
+    return torch.tensor([[1, 2, 3]], device=device) % vocabulary_size(model)
+
+
 @contextlib.contextmanager
 def evaluating(model):
     """Within: ``model`` in eval mode (no dropout), its own mode restored after, also

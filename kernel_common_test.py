@@ -143,6 +143,8 @@ def test_vocabulary_size_reads_a_text_config_where_the_config_has_none():
     model = nn.Module()
     model.config = transformers.LlamaConfig(vocab_size=9)
     assert kernel_common.vocabulary_size(model) == 9
+    model.config = Composite(text_config=transformers.LlamaConfig(vocab_size=3))  # the probes' tokens wrap
+    assert kernel_common.probe_ids(model, "cpu").tolist() == [[1, 2, 0]]
 
 
 def test_decoder_of_finds_the_decoder_where_get_decoder_returns_the_model():

@@ -75,7 +75,7 @@ import torch.nn as nn
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
     SUPPORTED_DTYPES, SwapMismatch, cdiv, check_kernel_device, decoder_of, evaluating, first_order_only, kernel_op,
-    nothing, probe_rounding, vocabulary_size, wrap_forward,
+    nothing, probe_ids, probe_rounding, wrap_forward,
 )
 
 # Step 8's building blocks: the loss kernel's launcher (it writes the loss per row
@@ -427,7 +427,7 @@ def check_flce_head(model):
         return
     # eval: no dropout, the two forwards differ only by what follows the LM head
     with evaluating(model), torch.no_grad():
-        ids = torch.tensor([[1, 2, 3]], device=head.weight.device) % vocabulary_size(model)
+        ids = probe_ids(model, head.weight.device)
         out = model(input_ids=ids, labels=ids)
         theirs = out.logits.float()
         their_loss = float("nan") if out.loss is None else out.loss.float().item()

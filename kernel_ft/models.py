@@ -30,7 +30,7 @@ import os
 import warnings
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
-from kernel_common import evaluating, vocabulary_size
+from kernel_common import evaluating, probe_ids, vocabulary_size
 
 import torch
 import torch.nn as nn
@@ -363,10 +363,9 @@ def check_causal(model, model_id):
         return
     try:
         with evaluating(model):  # no dropout: the two forwards differ only where the inputs do
-            device, vocab = next(model.parameters()).device, vocabulary_size(model)
-            ids = torch.tensor([[1, 2, 3]], device=device) % vocab
+            ids = probe_ids(model, next(model.parameters()).device)
             later = ids.clone()
-            later[0, 2] = (ids[0, 2] + 1) % vocab
+            later[0, 2] = (ids[0, 2] + 1) % vocabulary_size(model)
             before = model(input_ids=ids).logits[0, :2].float()
             after = model(input_ids=later).logits[0, :2].float()
     except (RuntimeError, ValueError, TypeError, IndexError) as e:

@@ -861,8 +861,27 @@ def test_max_seq_len_needs_a_gpu(capsys):
 def test_max_seq_len_checks_its_output_first(tmp_path, monkeypatch):
     tool = load_tool("max_seq_len")
     monkeypatch.setattr(tool.torch.cuda, "is_available", lambda: True)  # get past the GPU check
-    monkeypatch.setattr(tool.models, "load_model", lambda *a: pytest.fail("built a model before the check"))
+    monkeypatch.setattr(tool.run.models, "load_model", lambda *a: pytest.fail("built a model before the check"))
     with pytest.raises(SystemExit) as e:
         tool.main(["--json", str(tmp_path / "missing" / "maxseq.json")])
     assert str(e.value.code).startswith("error: --json ") and "does not exist" in str(e.value.code)
+
+
+@pytest.mark.parametrize("extra", [[], ["--lora", "--lora-r", "8"]], ids=["full", "lora"])
+def test_max_seq_len_settles_its_flags_and_loads_the_model(monkeypatch, extra):
+    """Its flags pass the fine-tune scripts' checks (LoRA's included) up to the model's load."""
+    tool = load_tool("max_seq_len")
+    env = tool.reporting.environment_info()  # this machine's, before it claims a GPU below
+    monkeypatch.setattr(tool.reporting, "environment_info", lambda: env)
+    monkeypatch.setattr(tool.torch.cuda, "is_available", lambda: True)  # get past the GPU check
+    loaded = []
+
+    def load_model(args, world=None):
+        loaded.append(args)
+        raise SystemExit("loaded")
+
+    monkeypatch.setattr(tool.run.models, "load_model", load_model)
+    with pytest.raises(SystemExit, match="loaded"):
+        tool.main(["--random-init", "--all-kernels", *extra])
+    assert loaded[0].batch_size == 1 and loaded[0].lora == bool(extra) and loaded[0].use_custom_attention
 

@@ -15,6 +15,7 @@ Usage:
     python tools/max_seq_len.py --random-init                  # the HF baseline
     python tools/max_seq_len.py --random-init --all-kernels    # every --use-custom-* kernel
     python tools/max_seq_len.py --random-init --use-custom-flce --json maxseq.json
+    python tools/max_seq_len.py --random-init --all-kernels --lora          # LoRA adapters only trained
 """
 
 import argparse
@@ -23,13 +24,15 @@ import sys
 import time
 
 from kernel_ft import flags  # first: the Triton interpreter switch, then transformers
-from kernel_ft import dataloader, files, models, reporting, run, training
+from kernel_ft import dataloader, files, reporting, run, training
+from kernel_common import vocabulary_size
 import torch
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Longest trainable sequence at batch 1 (GPU only).")
     flags.add_model_args(parser)
+    flags.add_lora_args(parser)  # --lora: the frozen model's longest sequence
     g = parser.add_argument_group("search")
     g.add_argument("--all-kernels", action="store_true", help="switch every --use-custom-* kernel on")
     g.add_argument("--step", type=flags.positive_int, default=4096,
@@ -68,17 +71,18 @@ def main(argv=None):
         sys.exit(2)
     args, _ = run.settle(args)  # --json and the rest checked before minutes of searching
     every = {f"use_custom_{name}": True for name in flags.KERNELS} if args.all_kernels else {}
-    args = args.but(batch_size=1, seq_len=args.step, **every)  # load_model checks the length against the model's maximum
+    # Random token ids (synthetic data); load_model checks the length against the model's maximum.
+    args = args.but(batch_size=1, seq_len=args.step, dataset=flags.SYNTHETIC, **every)
 
     env = reporting.environment_info()
     reporting.print_banner("Longest trainable sequence at batch 1", env)
     flags.print_notes(args)
     t0 = time.perf_counter()
-    model, info = models.load_model(args)
+    model, info, _ = run.load(args)  # with --lora, the adapters too
     print(f"Model ready in {time.perf_counter() - t0:.0f} s", flush=True)
     # The fine-tune scripts' setup (run.assemble): the kernels, compile, the optimizer.
     kernels, loss_fn, optimizer, _ = run.assemble(args, model, None, run.apply_kernels, None)
-    vocab = model.config.vocab_size
+    vocab = vocabulary_size(model)
     max_pos = model.config.max_position_embeddings
 
     tried = []

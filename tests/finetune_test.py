@@ -867,9 +867,11 @@ def test_max_seq_len_checks_its_output_first(tmp_path, monkeypatch):
     assert str(e.value.code).startswith("error: --json ") and "does not exist" in str(e.value.code)
 
 
-@pytest.mark.parametrize("extra", [[], ["--lora", "--lora-r", "8"]], ids=["full", "lora"])
+@pytest.mark.parametrize("extra", [[], ["--lora", "--lora-r", "8"], ["--no-use-custom-attention"]],
+                         ids=["full", "lora", "sdpa"])
 def test_max_seq_len_settles_its_flags_and_loads_the_model(monkeypatch, extra):
-    """Its flags pass the fine-tune scripts' checks (LoRA's included) up to the model's load."""
+    """Its flags pass the fine-tune scripts' checks (LoRA's included) up to the model's load;
+    --all-kernels switches on every kernel not switched off by name."""
     tool = load_tool("max_seq_len")
     env = tool.reporting.environment_info()  # this machine's, before it claims a GPU below
     monkeypatch.setattr(tool.reporting, "environment_info", lambda: env)
@@ -883,5 +885,7 @@ def test_max_seq_len_settles_its_flags_and_loads_the_model(monkeypatch, extra):
     monkeypatch.setattr(tool.run.models, "load_model", load_model)
     with pytest.raises(SystemExit, match="loaded"):
         tool.main(["--random-init", "--all-kernels", *extra])
-    assert loaded[0].batch_size == 1 and loaded[0].lora == bool(extra) and loaded[0].use_custom_attention
+    args = loaded[0]
+    assert args.batch_size == 1 and args.lora == ("--lora" in extra) and args.use_custom_rmsnorm
+    assert args.use_custom_attention == ("--no-use-custom-attention" not in extra)
 

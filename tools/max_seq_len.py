@@ -33,14 +33,23 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Longest trainable sequence at batch 1 (GPU only).")
     flags.add_model_args(parser)
     flags.add_lora_args(parser)  # --lora: the frozen model's longest sequence
+    # None: not named on the command line, so --all-kernels may switch it on.
+    parser.set_defaults(**{f"use_custom_{name}": None for name in flags.KERNELS})
     g = parser.add_argument_group("search")
-    g.add_argument("--all-kernels", action="store_true", help="switch every --use-custom-* kernel on")
+    g.add_argument("--all-kernels", action="store_true",
+                   help="switch on every --use-custom-* kernel not switched off by name (--no-use-custom-attention: "
+                        "SDPA's attention with every other kernel)")
     g.add_argument("--step", type=flags.positive_int, default=4096,
                    help="grow the length by this many tokens until the first OOM (default: %(default)s)")
     g.add_argument("--resolution", type=flags.positive_int, default=512,
                    help="stop the binary search when the bracket is this narrow (default: %(default)s)")
     g.add_argument("--json", metavar="PATH", help="write the lengths tried and the result here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for name in flags.KERNELS:
+        flag = f"use_custom_{name}"
+        if getattr(args, flag) is None:
+            setattr(args, flag, args.all_kernels)
+    return args
 
 
 def try_len(model, optimizer, loss_fn, seq, vocab):
@@ -70,9 +79,8 @@ def main(argv=None):
               file=sys.stderr)
         sys.exit(2)
     args, _ = run.settle(args)  # --json and the rest checked before minutes of searching
-    every = {f"use_custom_{name}": True for name in flags.KERNELS} if args.all_kernels else {}
     # Random token ids (synthetic data); load_model checks the length against the model's maximum.
-    args = args.but(batch_size=1, seq_len=args.step, dataset=flags.SYNTHETIC, **every)
+    args = args.but(batch_size=1, seq_len=args.step, dataset=flags.SYNTHETIC)
 
     env = reporting.environment_info()
     reporting.print_banner("Longest trainable sequence at batch 1", env)

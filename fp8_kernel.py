@@ -559,6 +559,7 @@ def _tensor_maxima(parts, amaxes, most):
     over (a producer's), else kernel 1b's partials (x in one block of memory: contiguous, or
     a transposed view of contiguous), else kernel 1's one maximum."""
     maxima = []
+    most = max(1, most // len(parts))  # the parts' partials together: no more than one tensor's
     for x, given in zip(parts, amaxes):
         if given is None and (x.is_contiguous() or x.t().is_contiguous()):
             flat_block, flat_warps, _ = AMAX_FLAT
@@ -963,13 +964,17 @@ class FP8Linear(nn.Module):
         """``torch.cat([self(x), *(m(x) for m in others)], -1)`` as one FP8 product whose weight
         is the layers' stacked (FP8StackedFunction: one scale over all of them), or None where
         they do not stack (then the caller calls each): another recipe, a bias, a frozen
-        weight, a weight FSDP gathered in FP8, torch.compile, STACK_PROJECTIONS off."""
+        weight, a weight FSDP gathered in FP8, a layer with forward hooks or its own forward
+        (offloading, parameter gathers: they run only when the layer is called), no gradients
+        (evaluation: each layer's product then skips the transposed copies), torch.compile,
+        STACK_PROJECTIONS off."""
         layers = (self, *others)
-        if not STACK_PROJECTIONS or torch.compiler.is_compiling() or traced(x):
+        if not STACK_PROJECTIONS or not torch.is_grad_enabled() or torch.compiler.is_compiling() or traced(x):
             return None
         if any(type(m) is not FP8Linear or (m.recipe, m.grads, m.emulate) != (self.recipe, self.grads, self.emulate)
                or m.bias is not None or not m.weight.requires_grad or hasattr(m.weight, "fp8_copy")
-               or m.weight.dtype != self.weight.dtype for m in layers):
+               or m.weight.dtype != self.weight.dtype or m._forward_hooks or m._forward_pre_hooks
+               or "forward" in m.__dict__ for m in layers):
             return None
         for m in layers:
             _check_linear(x, m.weight, None, m.recipe, m.grads, m.emulate)

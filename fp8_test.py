@@ -875,6 +875,12 @@ def test_layers_that_cannot_stack_say_so():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fp8_kernel, "STACK_PROJECTIONS", False)
         assert a.stacked_with(x, b) is None
+    with torch.no_grad():  # evaluation: each layer alone skips the transposed copies
+        assert a.stacked_with(x, b) is None
+    hook = b.register_forward_pre_hook(lambda *_: None)  # it would not run
+    assert a.stacked_with(x, b) is None
+    hook.remove()
+    assert a.stacked_with(x, b) is not None
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -920,6 +926,7 @@ def test_mlp_runs_fp8_gate_and_up_as_one_gate_up_layer(monkeypatch, recipe):
     replace_linears(model, recipe, emulate=True)
     assert replace_swiglu(model) == 2
     assert isinstance(model.model.layers[0].mlp, TritonLlamaMLP)
+    assert all("stack_projections" not in m.__dict__ for m in model.modules())  # the probe's switch is gone
 
 
 # --------------------------------------------------------------------------------

@@ -315,7 +315,7 @@ def add_fsdp_arg(group):
         help="for a model that fits one GPU: a full copy on every process of torchrun, each gradient averaged "
              "in place while backward runs (no weight gathers); --batch-size is per "
              "process; rank 0 writes the checkpoints (--output-dir) as one process does. Under torchrun "
-             "without --fsdp or --ddp the run picks one: --ddp where the model's state fits in 60%% of a GPU",
+             "without --fsdp or --ddp the run picks one: --ddp where the model's state fits in 80%% of a GPU",
     )
     group.add_argument(
         "--ddp-bucket-mb", type=positive_int, default=DDP_BUCKET_MB,

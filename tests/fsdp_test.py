@@ -257,10 +257,13 @@ def test_torchrun_without_fsdp_or_ddp_chooses_from_memory(monkeypatch):
     monkeypatch.setattr(fsdp, "replica_memory", lambda args: (10 * 2**30, 12 * 2**30, "here"))
     chosen = choose("--ddp-bucket-mb", "50")
     assert chosen.fsdp and not chosen.ddp and "--ddp-bucket-mb without --ddp changes nothing" in chosen._notes
-    assert ("so --fsdp: the model sharded over them (its weights, gradients and AdamW state, ~10.00 GiB, exceed 60% "
+    assert ("so --fsdp: the model sharded over them (its weights, gradients and AdamW state, ~10.00 GiB, exceed 80% "
             "of the 12.0 GiB here); pass --ddp") in chosen.parallel_choice
     with pytest.raises(SystemExit, match="^error: --optimizer-in-backward.*with --fsdp that is not implemented"):
         choose("--optimizer-in-backward", "--max-grad-norm", "0")
+    # LLaMA-3.1-8B on an 80 GB H100 (81,559 MiB): 4 x 8.03e9 bf16 values, 59.8 GiB, run whole as on one GPU.
+    monkeypatch.setattr(fsdp, "replica_memory", lambda args: (4 * 2 * 8_030_261_248, 81_559 * 2**20, "here"))
+    assert choose().ddp
     monkeypatch.delenv("WORLD_SIZE")  # one process: nothing to choose
     alone = choose()
     assert not alone.fsdp and not alone.ddp and alone.parallel_choice is None

@@ -887,5 +887,5 @@ def test_max_seq_len_settles_its_flags_and_loads_the_model(monkeypatch, extra):
         tool.main(["--random-init", "--all-kernels", *extra])
     args = loaded[0]
     assert args.batch_size == 1 and args.lora == ("--lora" in extra) and args.use_custom_rmsnorm
-    assert args.use_custom_attention == ("--no-use-custom-attention" not in extra)
+    assert args.use_custom_attention == ("--no-use-custom-attention" not in extra) and args.use_custom_lora
 

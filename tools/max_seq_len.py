@@ -29,12 +29,15 @@ from kernel_common import vocabulary_size
 import torch
 
 
+ALL_KERNELS = (*flags.KERNELS, "lora")  # what --all-kernels switches on
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Longest trainable sequence at batch 1 (GPU only).")
     flags.add_model_args(parser)
     flags.add_lora_args(parser)  # --lora: the frozen model's longest sequence
-    # None: not named on the command line, so --all-kernels may switch it on.
-    parser.set_defaults(**{f"use_custom_{name}": None for name in flags.KERNELS})
+    # None: not named on the command line, so --all-kernels may switch it on (with --lora, the fused LoRA too).
+    parser.set_defaults(**{f"use_custom_{name}": None for name in ALL_KERNELS})
     g = parser.add_argument_group("search")
     g.add_argument("--all-kernels", action="store_true",
                    help="switch on every --use-custom-* kernel not switched off by name (--no-use-custom-attention: "
@@ -45,7 +48,7 @@ def parse_args(argv=None):
                    help="stop the binary search when the bracket is this narrow (default: %(default)s)")
     g.add_argument("--json", metavar="PATH", help="write the lengths tried and the result here")
     args = parser.parse_args(argv)
-    for name in flags.KERNELS:
+    for name in ALL_KERNELS:
         flag = f"use_custom_{name}"
         if getattr(args, flag) is None:
             setattr(args, flag, args.all_kernels)

@@ -318,6 +318,16 @@ def test_out_of_memory(monkeypatch, error, where):
     assert "\n" not in msg
 
 
+def test_out_of_memory_under_ddp_suggests_fsdp():
+    """A whole copy per process that runs out of memory: the line names --fsdp as well."""
+    args = argparse.Namespace(tiny=True, model=None, batch_size=2, seq_len=32, use_custom_flce=True, ddp=True)
+    with pytest.raises(SystemExit) as e, training.exit_on_oom(args, "training", torch.nn.Linear(4, 4)):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    msg = str(e.value.code)
+    assert msg.endswith("reduce --batch-size or --seq-len, or shard the model with --fsdp instead of --ddp (a whole "
+                        "copy on every GPU)") and "\n" not in msg
+
+
 def test_out_of_memory_under_lora_counts_the_frozen_weights_apart(monkeypatch):
     """LoRA's frozen base has no gradient and no AdamW state: the message says what the run holds."""
     monkeypatch.setattr(training, "train_step", lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("OOM")))

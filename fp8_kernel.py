@@ -808,7 +808,8 @@ fp8_linear_forward.op.register_autograd(first_order_only("fp8_linear")(_linear_g
 # gate_up_proj layer of those weights computes (fp8_test.py checks it against that layer).
 # What it buys (H100, NOTES.md Step 22): per MLP one add of [M, K] and one amax pass less,
 # two products fewer. Trained, bias-free layers of one recipe only; frozen weights (cached
-# casts), FSDP's FP8 gathers and a tracer keep one product per layer.
+# casts), FSDP's FP8 gathers, a tracer, no gradients and hooked layers keep one product per
+# layer (FP8Linear.stacked_with lists them).
 STACK_PROJECTIONS = True  # False: each layer its own products (A/B: benchmark_fp8.py)
 
 

@@ -860,7 +860,8 @@ def test_stacked_layers_are_the_product_of_the_stacked_operands(recipe, grads):
 
 
 def test_layers_that_cannot_stack_say_so():
-    """None (each layer runs alone) for: a bias, another recipe, a frozen weight, stacking off."""
+    """None (each layer runs alone) for: another recipe, a frozen weight, a bias, stacking off,
+    no gradients, a forward hook."""
     ws = [sample((32, 64), torch.float32, 1), sample((16, 64), torch.float32, 2)]
     x = sample((5, 64), torch.float32, 3)
     a, b = fp8_layers(ws, "tensorwise")

@@ -889,7 +889,8 @@ class TritonLlamaMLP(nn.Module):
 
     def _gate_and_up(self, x):
         """(gate, up), or ([gate | up], None) where the two layers stack into one product."""
-        # The class's method, never one a wrapper (PEFT's LoRA layer) forwards to its base layer.
+        # Looked up on the class: PEFT's LoRA layer forwards unknown attributes to its base layer, whose
+        # method would multiply without the adapter.
         stacked = getattr(type(self.gate_proj), "stacked_with", None) if self.stack_projections else None
         gate_up = stacked(self.gate_proj, x, self.up_proj) if stacked is not None else None
         return (gate_up, None) if gate_up is not None else (self.gate_proj(x), self.up_proj(x))

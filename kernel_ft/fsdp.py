@@ -99,8 +99,8 @@ def check_fsdp_flags(args):
 # most this share of the device's memory; the rest is for activations. 8B full
 # fine-tuning, 2 x 2,048 per GPU, measured on 2 x H200: 60.15-60.65 GiB at the peak with
 # --ddp (one GPU alone: 60.15; the averages add no copy), where REPLICA_STATE_COPIES x 16 GB
-# of bf16 weights is 59.8 GiB: 75% of an 80 GB H100, which so takes --ddp too (faster than
-# --fsdp where both fit: NOTES.md, Step 19).
+# of bf16 weights is 59.8 GiB: 75% of an 80 GB H100, so an H100 takes --ddp for it too
+# (faster than --fsdp where both fit: NOTES.md, Step 19).
 REPLICA_SHARE = 0.8
 # Weights, their gradients and AdamW's two moments, each in the weights' dtype (the
 # gradients are averaged where they lie: GradientAverage keeps no second copy).

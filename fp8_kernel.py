@@ -701,11 +701,23 @@ def fp8_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
 
 
 def _linear_forward(x, weight, bias, recipe, need_dx, xq):
-    wq = _weight_fp8(weight, recipe, transpose=need_dx)  # W^T for dX only when x gets one
+    # W^T for dX only when x gets one.
+    return _forward_product(x, xq, _weight_fp8(weight, recipe, transpose=need_dx), bias)
+
+
+def _forward_product(x, xq, wq, bias=None):
+    """(y, x_t, x_t's inverse scale, w_t, w_t's inverse scale): y = x W^T from the fp8 copies
+    xq and wq, and the transposed copies backward keeps (empty placeholders where none)."""
     # torchao's default: fast accumulation in the forward GEMM only.
     y = scaled_mm(xq.data, xq.inv_scale, wq.data, wq.inv_scale, x.dtype, bias, fast_accum=True)
     keep = [t if t is not None else nothing(x) for t in (xq.data_t, xq.inv_scale_t, wq.data_t, wq.inv_scale_t)]
     return (y, *keep)
+
+
+def _output_grad_fp8(dy, recipe, grads, transpose):
+    """dy [M, N] cast to the ``grads`` format (and its transposed copy for dW); per tensor
+    with the amax its producer noted, if any."""
+    return quantize(dy, recipe, transpose=transpose, align=16, fmt=grads, amax=_produced_amax(dy, recipe))
 
 
 def _linear_backward_fake(dy, x_t, x_inv_t, w_t, w_inv_t, recipe, grads, x_dtype, w_dtype, need_dx, need_dw):
@@ -720,7 +732,7 @@ def fp8_linear_backward(dy: torch.Tensor, x_t: torch.Tensor, x_inv_t: torch.Tens
                         w_dtype: torch.dtype, need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [M, K] in x_dtype, dw [N, K] in w_dtype) from dy [M, N] and the saved fp8 copies;
     dy cast to the ``grads`` format."""
-    dyq = quantize(dy, recipe, transpose=need_dw, align=16, fmt=grads, amax=_produced_amax(dy, recipe))
+    dyq = _output_grad_fp8(dy, recipe, grads, need_dw)
     dx = scaled_mm(dyq.data, dyq.inv_scale, w_t, w_inv_t, x_dtype) if need_dx else nothing(dy)
     dw = scaled_mm(dyq.data_t, dyq.inv_scale_t, x_t, x_inv_t, w_dtype) if need_dw else nothing(dy)
     return dx, dw
@@ -824,9 +836,8 @@ class FP8StackedFunction(torch.autograd.Function):
         xq = _input_fp8(x2d, recipe, need_dw)  # shared with any other layer reading x
         amaxes = [take_weight_amax(w) for w in weights] if recipe == "tensorwise" else None
         wq = quantize_stacked([w.detach() for w in weights], recipe, need_dx, amaxes)
-        y = scaled_mm(xq.data, xq.inv_scale, wq.data, wq.inv_scale, x.dtype, fast_accum=True)
-        ctx.save_for_backward(*(t if t is not None else nothing(x)
-                                for t in (xq.data_t, xq.inv_scale_t, wq.data_t, wq.inv_scale_t)))
+        y, *keep = _forward_product(x2d, xq, wq)
+        ctx.save_for_backward(*keep)
         ctx.recipe, ctx.grads, ctx.x_shape, ctx.x_dtype = recipe, grads, x.shape, x.dtype
         ctx.rows = [(w.shape[0], w.dtype) for w in weights]
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -838,8 +849,7 @@ class FP8StackedFunction(torch.autograd.Function):
         _LAST_INPUT.clear()  # the forward is over (as in _weight_t)
         need_dx, need_dws = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dyq = quantize(dy2, ctx.recipe, transpose=any(need_dws), align=16, fmt=ctx.grads,
-                       amax=_produced_amax(dy2, ctx.recipe))
+        dyq = _output_grad_fp8(dy2, ctx.recipe, ctx.grads, any(need_dws))
         dx = scaled_mm(dyq.data, dyq.inv_scale, w_t, w_inv_t, ctx.x_dtype).view(ctx.x_shape) if need_dx else None
         dws, first = [], 0
         for (n, dtype), need in zip(ctx.rows, need_dws):  # each weight's gradient from its rows of dy^T

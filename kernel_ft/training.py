@@ -460,9 +460,10 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
     history = resumed["history"] if resumed else {"train": [], "eval": []}  # every step, for the curve
     # The batches are a pure function of (seed, step): a resumed run gets those
     # the uninterrupted run had from its step on.
-    batches = dataloader.training_batches(args, data, device, vocabulary_size(model), start)
+    vocab = vocabulary_size(model)
+    batches = dataloader.training_batches(args, data, device, vocab, start)
     total = args.warmup_steps + args.steps
-    heldout = dataloader.held_out_batches(args, data, device, vocabulary_size(model)) if args.eval_every else None
+    heldout = dataloader.held_out_batches(args, data, device, vocab) if args.eval_every else None
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()  # the peak of training, weights included
 

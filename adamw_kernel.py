@@ -111,6 +111,7 @@ What it does not do: no AMSGrad, no ``maximize``, no sparse gradients.
 Nothing runs on import. See adamw_test.py for the checks.
 """
 
+import functools
 import math
 
 import torch
@@ -395,13 +396,8 @@ def _sum_squares_kernel(
 NORM_BLOCK, NORM_WARPS, NORM_PROGRAMS_PER_SM = (1024, 1, 1) if INTERPRET else (4096, 8, 8)
 
 
-def gradient_norm(grads):
-    """The L2 norm of all ``grads`` (tensors on one device), as
-    ``torch.nn.utils.get_total_norm(grads)`` computes it: the norm of each tensor in
-    float32, rounded to the tensor's dtype, then the norm of those norms. A tensor.
-    The sums of squares are this file's kernel; the few ops after it are PyTorch's."""
-    if not grads:
-        return torch.tensor(0.0)
+def sums_of_squares(grads):
+    """Each tensor's sum of squares in float32 (this file's kernel): a tensor [len(grads)]."""
     check_kernel_device(*grads)
     grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
     device = grads[0].device
@@ -411,7 +407,22 @@ def gradient_norm(grads):
     partials = torch.zeros(len(grads), max(grid), dtype=torch.float32, device=device)
     for row, (g, programs) in enumerate(zip(grads, grid)):
         _sum_squares_kernel[(programs,)](g, partials[row], g.numel(), BLOCK=NORM_BLOCK, num_warps=NORM_WARPS)
-    norms = partials.sum(dim=1).sqrt()
+    return partials.sum(dim=1)
+
+
+def gradient_norm(grads, add_up=None):
+    """The L2 norm of all ``grads`` (tensors on one device), as
+    ``torch.nn.utils.get_total_norm(grads)`` computes it: the norm of each tensor in
+    float32, rounded to the tensor's dtype, then the norm of those norms. A tensor.
+    The sums of squares are this file's kernel; the few ops after it are PyTorch's.
+    ``add_up(sums)``: where some of ``grads`` are pieces of a tensor split over
+    processes (--ddp-shard-optimizer), their sums added up over the processes."""
+    if not grads:
+        return torch.tensor(0.0)
+    sums = sums_of_squares(grads)
+    if add_up is not None:
+        sums = add_up(sums)
+    norms = sums.sqrt()
     # get_total_norm stacks the per-tensor norms in each gradient's dtype (promoted
     # where dtypes mix) before the outer norm: round them the same way.
     dtypes = [g.dtype for g in grads]
@@ -521,23 +532,33 @@ class TritonAdamW(torch.optim.Optimizer):
         super().__setstate__(state)
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm):
-        """``torch.nn.utils.clip_grad_norm_`` over this optimizer's gradients, its
-        multiplication deferred into the next ``step()`` (the kernel scales each
-        gradient as it reads it). Returns the total L2 norm before clipping, a
-        tensor, computed as PyTorch computes it. Until that step the ``.grad``
-        tensors keep their unclipped values; the step consumes the coefficient.
-        """
-        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+    def total_norm(self):
+        """The L2 norm of this optimizer's gradients, as ``torch.nn.utils.get_total_norm``
+        computes it, a tensor; the norm over every process's pieces where the parameters
+        are pieces of whole weights (``add_up_pieces``, set by --ddp-shard-optimizer)."""
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        grads = [p.grad for p in params]
         if not grads:
-            self._grad_scale = None
             return torch.tensor(0.0)
         if any(hasattr(g, "full_tensor") for g in grads):
             # FSDP: DTensors; PyTorch's norm gives a DTensor of per-shard partial norms,
             # full_tensor() adds them up across processes: the global norm.
-            norm = torch.nn.utils.get_total_norm(grads, 2.0).full_tensor()
-        else:
-            norm = gradient_norm(grads)
+            return torch.nn.utils.get_total_norm(grads, 2.0).full_tensor()
+        add_up = getattr(self, "add_up_pieces", None)
+        return gradient_norm(grads, None if add_up is None else functools.partial(add_up, params))
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm):
+        """``torch.nn.utils.clip_grad_norm_`` over this optimizer's gradients, its
+        multiplication deferred into the next ``step()`` (the kernel scales each
+        gradient as it reads it). Returns the total L2 norm before clipping, a
+        tensor, computed as PyTorch computes it (total_norm). Until that step the
+        ``.grad`` tensors keep their unclipped values; the step consumes the coefficient.
+        """
+        if not any(p.grad is not None for group in self.param_groups for p in group["params"]):
+            self._grad_scale = None
+            return torch.tensor(0.0)
+        norm = self.total_norm()
         # clip_grad_norm_'s coefficient, in the norm's dtype as PyTorch computes it.
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         self._grad_scale = coefficient.to(torch.float32).reshape(1)

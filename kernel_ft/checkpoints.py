@@ -188,11 +188,15 @@ def save_checkpoint(args, model, optimizer, scheduler, step, history, rng):
     if rank == 0:
         fresh_tmp(tmp)
     fsdp.barrier()  # --fsdp, --ddp: every process writes into the folder rank 0 made
+    pieces = fsdp.optimizer_in_pieces(model)  # --ddp-shard-optimizer: each process's AdamW state is its own
     if mode == "fsdp":
         save_sharded(tmp, model, optimizer)
-    elif rank == 0:  # one process, or --ddp's rank 0: every rank holds the same model and AdamW state
-        model.save_pretrained(tmp)  # safetensors; a PeftModel writes its adapters only
-        torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+    else:
+        fsdp.gather_now(model)  # --ddp-shard-optimizer: the weights whole again (every process takes part)
+        if rank == 0:  # one process, or --ddp's rank 0: every rank holds the same model (and AdamW state)
+            model.save_pretrained(tmp)  # safetensors; a PeftModel writes its adapters only
+        if rank == 0 or pieces:
+            torch.save(optimizer.state_dict(), os.path.join(tmp, optimizer_file(pieces, rank)))
     torch.save(rng, os.path.join(tmp, rng_file(mode, rank)))  # each process's own generators
     fsdp.barrier()
     if rank != 0:
@@ -223,6 +227,12 @@ def parallel_mode(args):
     """"fsdp", "ddp" or "one": how the run spreads over processes, which decides what
     a checkpoint holds and which runs can resume it."""
     return "fsdp" if getattr(args, "fsdp", False) else "ddp" if getattr(args, "ddp", False) else "one"
+
+
+def optimizer_file(pieces, rank):
+    """The optimizer's state: one file, or under --ddp-shard-optimizer one per process
+    (the moments of its pieces of the weights)."""
+    return f"optimizer_rank{rank}.pt" if pieces else "optimizer.pt"
 
 
 def rng_file(mode, rank):
@@ -502,6 +512,12 @@ def load_checkpoint(path, model, optimizer, scheduler):
         if missing or unexpected:
             raise SystemExit(f"error: --resume {path}: the weights do not fit this model "
                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), map_location=device))
+    pieces = fsdp.optimizer_in_pieces(model)
+    state = os.path.join(path, optimizer_file(pieces, rank))
+    if not os.path.isfile(state):
+        other = "without" if pieces else "with"
+        raise SystemExit(f"error: --resume {path}: its optimizer state was written {other} --ddp-shard-optimizer; "
+                         f"resume with the flags of the run that saved it")
+    optimizer.load_state_dict(torch.load(state, map_location=device))
     scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt")))
     set_rng_states(torch.load(rng))

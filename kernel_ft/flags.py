@@ -324,6 +324,13 @@ def add_fsdp_arg(group):
              "(default: %(default)s)",
     )
     group.add_argument(
+        "--ddp-shard-optimizer", action=argparse.BooleanOptionalAction, default=False,
+        help="--ddp: each large gradient reduce-scattered instead of all-reduced, each process updating its "
+             "1/N piece of those weights (AdamW and its moments over 1/N of them), the pieces all-gathered "
+             "back while the next forward runs; one optimizer file per process in the checkpoints "
+             "(default: %(default)s)",
+    )
+    group.add_argument(
         "--fsdp-prefetch", type=non_negative_int, default=0,
         help="--fsdp: gather the weights of this many next layers while one computes, forward and backward "
              "(default: %(default)s, FSDP's own order; 1 measured no faster on 2 x H200 at 8B)",
@@ -483,8 +490,11 @@ def idle_parallel_flags(args):
                     if getattr(args, k, v) != v]
     if fsdp_changed and not getattr(args, "fsdp", False):
         notes.append(f"{', '.join(fsdp_changed)} without --fsdp changes nothing")
-    if getattr(args, "ddp_bucket_mb", DDP_BUCKET_MB) != DDP_BUCKET_MB and not getattr(args, "ddp", False):
-        notes.append("--ddp-bucket-mb without --ddp changes nothing")
+    ddp_changed = [flag for flag, changed in (
+        ("--ddp-bucket-mb", getattr(args, "ddp_bucket_mb", DDP_BUCKET_MB) != DDP_BUCKET_MB),
+        ("--ddp-shard-optimizer", getattr(args, "ddp_shard_optimizer", False))) if changed]
+    if ddp_changed and not getattr(args, "ddp", False):
+        notes.append(f"{', '.join(ddp_changed)} without --ddp changes nothing")
     return notes
 
 

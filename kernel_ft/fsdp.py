@@ -27,7 +27,7 @@ import contextlib
 import os
 import sys
 
-import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
+import kernel_common  # first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
 
 import torch
 
@@ -85,6 +85,14 @@ def check_fsdp_flags(args):
         raise SystemExit(f"error: {flag} runs under torchrun, which sets {', '.join(missing)}: "
                          f"torchrun --nproc-per-node N {os.path.basename(sys.argv[0])} {flag} ...")
     check_fsdp_comm(args)
+    if replicated and getattr(args, "ddp_shard_optimizer", False):
+        if not flags.kernels_from_args(args)["adamw"]:
+            raise SystemExit("error: --ddp-shard-optimizer updates pieces of the weights through the Triton AdamW, "
+                             "whose gradient norm adds up every process's pieces: add --use-custom-adamw")
+        if getattr(args, "compile", False):
+            raise SystemExit("error: --ddp-shard-optimizer with --compile is not supported: the layers wait for "
+                             "their gathered weights in forward hooks, which a compiled layer would trace; leave "
+                             "one of them out")
     if getattr(args, "lora_4bit", False):  # --lora (bf16 or float32 adapters and weights) is sharded like any model
         raise SystemExit("error: --fsdp with --lora-4bit is not supported: FSDP2 would have to shard "
                          "bitsandbytes' packed 4-bit weights; use --lora, or --lora-4bit on one GPU")
@@ -233,8 +241,9 @@ class GradientAverage:
     default group (see above); gradients under PACKED_BYTES are packed into groups of at
     most ``group_bytes``. ``averaged_backward`` says which backward passes average."""
 
-    def __init__(self, model, size, group_bytes):
-        self.size, self.group_bytes = size, group_bytes
+    def __init__(self, model, size, group_bytes, rank=0):
+        self.rank, self.size, self.group_bytes = rank, size, group_bytes
+        self.pieces = {}  # --ddp-shard-optimizer: weight -> this process's piece (ShardedUpdate)
         self.params = [p for p in model.parameters() if p.requires_grad]  # tied weights once
         self.names = {p: name for name, p in model.named_parameters()}
         self.groups = None  # made at the end of the first averaged backward (learn_order)
@@ -293,6 +302,8 @@ class GradientAverage:
         self.group_of = {p: i for i, group in enumerate(self.groups) for p in group}
 
     def _average(self, group):
+        if group[0] in self.pieces:  # alone in its group (over PACKED_BYTES)
+            return self._average_piece(group[0])
         grads = [p.grad for p in group]
         packed = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else None
         flat = grads[0] if packed is None else packed
@@ -303,6 +314,25 @@ class GradientAverage:
             flat.div_(self.size)
             work = dist.all_reduce(flat, async_op=True)
         self.pending.append((work, packed, grads))
+
+    def _average_piece(self, p):
+        """--ddp-shard-optimizer: a reduce-scatter in place instead of the all-reduce; this
+        process's piece of the gradient becomes the average of every process's piece
+        there, the optimizer's ``piece.grad`` (the rest of p.grad is this process's own)."""
+        if not p.grad.is_contiguous():
+            raise RuntimeError(f"--ddp-shard-optimizer: the gradient of {self.names[p]} is not contiguous; "
+                               f"its pieces would not be pieces of its memory (leave the flag out)")
+        piece = self.pieces[p]
+        flat = p.grad.view(-1)
+        mine = flat.narrow(0, self.rank * piece.numel(), piece.numel())
+        dist = torch.distributed
+        if flat.is_cuda:  # NCCL in place: the output is the input's piece at offset rank
+            work = dist.reduce_scatter_tensor(mine, flat, op=dist.ReduceOp.AVG, async_op=True)
+        else:  # gloo: each process's share, then their sum
+            flat.div_(self.size)
+            work = dist.reduce_scatter_tensor(mine, flat, async_op=True)
+        piece.grad = mine
+        self.pending.append((work, None, [p.grad]))
 
     def finish(self):
         """After the backward that averages: the groups not averaged yet (a gradient this
@@ -323,7 +353,167 @@ class GradientAverage:
                     offset += g.numel()
 
 
-def replicate_model(model, world, bucket_mb=flags.DDP_BUCKET_MB):
+# --------------------------------------------------------------------------------
+# --ddp-shard-optimizer: each process updates its own piece of every large weight
+# --------------------------------------------------------------------------------
+# Under --ddp every process runs the same AdamW update of the whole model (28 ms of an
+# H200's 344 ms step at 8B, 38 of an H100's) and keeps the same two moments (4 bytes per
+# bf16 parameter). An all-reduce is a reduce-scatter followed by an all-gather; here the
+# two halves are pulled apart. Backward reduce-scatters each large gradient, so process r
+# holds the average of its own piece r (1/N of the elements); it updates that piece of
+# the weight, with AdamW's moments of that piece only; and the next forward all-gathers
+# the updated pieces back into whole weights. The same bytes cross between the GPUs as
+# the all-reduce moved. What it buys: AdamW and the gradient norm over 1/N of those
+# weights, 1/N of their moments in memory. What it costs: the all-gathers run beside the
+# forward, where the all-reduces ran beside the backward, and a weight is whole only
+# after the next forward's gather (or gather_now).
+#
+# No copies: piece r of a weight is elements [r n/N, (r+1) n/N) of its own memory, where
+# NCCL's reduce-scatter writes and its all-gather reads in place, and the optimizer is
+# given that piece as a Parameter of its own, a view, so AdamW's update writes the weight.
+# The gathers are issued when the forward reaches the input embedding, in the order the
+# forward needs them (embedding, decoder layers one by one, output embedding), on NCCL's
+# stream; a forward pre-hook makes each decoder layer wait for its own weights only, and
+# the LM head's are waited for after the last layer (the fused loss reads its weight
+# without calling it). Which weights: those of the embeddings and the decoder layers that
+# train, hold at least PACKED_BYTES and split into N equal pieces; the others are
+# averaged whole and updated on every process as before.
+class ShardedUpdate:
+    """--ddp-shard-optimizer for ``model`` under ``average`` (its GradientAverage)."""
+
+    def __init__(self, model, average):
+        self.average, self.size = average, average.size
+        layers = list(kernel_common.decoder_of(model).layers)
+        embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+        owners = [embedding, *layers] + ([head] if head is not None and head is not embedding else [])
+        trains = set(average.params)
+        self.order, taken = [], set()  # (owner module, its weights split into pieces), forward order
+        for owner in owners:
+            weights = [p for p in owner.parameters() if p in trains and p not in taken and self._splits(p)]
+            taken.update(weights)
+            if weights:
+                self.order.append((owner, weights))
+        for _, weights in self.order:
+            for p in weights:
+                n = p.numel() // self.size
+                # A view: the optimizer's update of the piece writes the weight's own memory.
+                average.pieces[p] = torch.nn.Parameter(p.detach().view(-1).narrow(0, average.rank * n, n))
+        self.gathers = {}  # owner -> the all-gathers it waits for
+        self.stale = False  # True from an update until the pieces are gathered again
+        embedding.register_forward_pre_hook(self._start)  # first: the embedding waits for its own after it
+        for owner, _ in self.order:
+            if owner is head and head is not embedding:  # after the last layer: the loss may read it directly
+                layers[-1].register_forward_hook(lambda module, args, out, owner=owner: self._wait(owner))
+            else:
+                owner.register_forward_pre_hook(lambda module, args, owner=owner: self._wait(owner))
+
+    def _splits(self, p):
+        return p.numel() * p.element_size() >= PACKED_BYTES and p.numel() % self.size == 0 and p.is_contiguous()
+
+    def optimizer_parameters(self, params):
+        """``params`` with each split weight replaced by this process's piece of it."""
+        return [self.average.pieces.get(p, p) for p in params]
+
+    def attach(self, optimizer):
+        """The optimizer's gradient norm adds up the pieces' sums over the processes; its
+        zero_grad frees the whole gradients too; its step makes the weights stale."""
+        optimizer.add_up_pieces = self._add_up
+        zero_grad = optimizer.zero_grad
+
+        def zero_grad_and_whole(set_to_none=True):
+            zero_grad(set_to_none=set_to_none)
+            for p in self.average.pieces:  # backward must start from nothing, not from last step's sums
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+
+        optimizer.zero_grad = zero_grad_and_whole
+        optimizer.register_step_post_hook(lambda *args: self.updated())
+
+    def updated(self):
+        """After an update (an eager step, a replayed graph): the pieces are new."""
+        self.stale = True
+
+    def _add_up(self, params, sums):
+        """``sums[i]``: this process's sum of squares of params[i]'s gradient; those of the
+        pieces added up over the processes (one all-reduce of their sums)."""
+        key = tuple(map(id, params))
+        if getattr(self, "_rows", (None,))[0] != key:  # made once, outside any CUDA graph capture
+            pieces = set(self.average.pieces.values())
+            rows = [i for i, p in enumerate(params) if p in pieces]
+            self._rows = (key, torch.tensor(rows, dtype=torch.long, device=sums.device))
+        rows = self._rows[1]
+        if rows.numel() == 0:
+            return sums
+        shared = sums.index_select(0, rows)
+        torch.distributed.all_reduce(shared)
+        return sums.index_copy(0, rows, shared)
+
+    def _gather(self):
+        """Every piece back into its whole weight: all-gathers in place, in forward order."""
+        rank, dist = self.average.rank, torch.distributed
+        for owner, weights in self.order:
+            works = []
+            for p in weights:
+                whole = p.detach().view(-1)
+                mine = whole.narrow(0, rank * (whole.numel() // self.size), whole.numel() // self.size)
+                works.append(dist.all_gather_into_tensor(whole, mine, async_op=True))
+            self.gathers[owner] = works
+        # A capture records the gathers without running them: the weights stay stale until
+        # a replay, and after a replay they are stale again (updated()).
+        if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            self.stale = False
+
+    def _start(self, module, args):
+        if self.stale:
+            self._gather()
+
+    def _wait(self, owner):
+        for work in self.gathers.pop(owner, ()):
+            work.wait()  # on NCCL: this stream waits for NCCL's; the host does not wait
+
+    def gather_now(self):
+        """Whole weights now (before a checkpoint is written): every process calls it."""
+        if self.stale:
+            self._gather()
+        for owner, _ in self.order:
+            self._wait(owner)
+
+
+def gather_now(model):
+    """--ddp-shard-optimizer: every weight whole and current (a collective); else nothing."""
+    sharded = getattr(model, "_sharded_update", None)
+    if sharded is not None:
+        sharded.gather_now()
+
+
+def optimizer_in_pieces(model):
+    """Whether the optimizer holds pieces of the weights (--ddp-shard-optimizer)."""
+    return getattr(model, "_sharded_update", None) is not None
+
+
+def after_update(model):
+    """After a replayed step (an eager one tells the optimizer's hook itself)."""
+    sharded = getattr(model, "_sharded_update", None)
+    if sharded is not None:
+        sharded.updated()
+
+
+def optimizer_parameters(model, params):
+    """The parameters the optimizer gets: ``params``, or under --ddp-shard-optimizer the
+    pieces of the split weights in their place."""
+    sharded = getattr(model, "_sharded_update", None)
+    return params if sharded is None else sharded.optimizer_parameters(params)
+
+
+def attach_optimizer(model, optimizer):
+    sharded = getattr(model, "_sharded_update", None)
+    if sharded is not None:
+        sharded.attach(optimizer)
+
+
+def replicate_model(model, world, bucket_mb=flags.DDP_BUCKET_MB, shard_optimizer=False):
     """--ddp: a whole copy of ``model`` per process, its gradients averaged over the
     processes in every training step (GradientAverage). Every process starts from rank
     0's weights and buffers (broadcast now). Call it after the kernels are switched in,
@@ -334,7 +524,17 @@ def replicate_model(model, world, bucket_mb=flags.DDP_BUCKET_MB):
             torch.distributed.broadcast(whole, src=0)
             if whole is not t:
                 t.copy_(whole)
-    model._gradient_average = GradientAverage(model, world.size, int(bucket_mb * 2**20))
+    model._gradient_average = GradientAverage(model, world.size, int(bucket_mb * 2**20), world.rank)
+    if shard_optimizer:
+        sharded = ShardedUpdate(model, model._gradient_average)
+        split = sum(p.numel() for p in model._gradient_average.pieces)
+        whole = sum(p.numel() for p in model._gradient_average.params)
+        if split:
+            model._sharded_update = sharded
+        print(f"DDP:           {world.size} processes; --ddp-shard-optimizer: {len(model._gradient_average.pieces)} "
+              f"weights ({split / max(whole, 1):.0%} of the trained parameters) reduce-scattered, updated in "
+              f"pieces of 1/{world.size} and gathered again in the next forward"
+              + ("" if split else ": none is large enough, so every weight is averaged whole"))
 
 
 @contextlib.contextmanager

@@ -128,7 +128,7 @@ def assemble(args, model, data, switch_in, world, after_kernels=None):
     if after_kernels:
         after_kernels(model)
     if world and args.ddp:  # after the kernels: the swapped modules are what is replicated
-        fsdp.replicate_model(model, world, args.ddp_bucket_mb)
+        fsdp.replicate_model(model, world, args.ddp_bucket_mb, getattr(args, "ddp_shard_optimizer", False))
     elif world:  # after the kernels: the swapped modules are what is sharded
         fsdp.shard_model(model, args, world)
         if flags.fp8_gathered(args):  # before the first forward: the weights' first gather is in FP8
@@ -138,8 +138,10 @@ def assemble(args, model, data, switch_in, world, after_kernels=None):
     models.compile_decoder(model, args)  # after the kernels (and LoRA): they are what the graphs hold
     graphs = training.use_cuda_graphs(args, model, data)
     # Taken now: fully_shard replaced every parameter with a sharded one (DTensor).
-    optimizer = make_optimizer(models.trainable_parameters(model), lr=args.lr,
+    # --ddp-shard-optimizer: the pieces of the split weights instead of the weights.
+    optimizer = make_optimizer(fsdp.optimizer_parameters(model, models.trainable_parameters(model)), lr=args.lr,
                                **({"capturable": True} if graphs else {}))
+    fsdp.attach_optimizer(model, optimizer)
     return kernels, loss_fn, optimizer, graphs
 
 

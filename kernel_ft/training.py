@@ -129,13 +129,21 @@ def step_function(args, model, optimizer, loss_fn, scheduler, graphs):
 
     return cuda_graphs.GraphedStep(
         captured, eager,
-        after_replay=scheduler.step if scheduler is not None else (lambda: None),
+        after_replay=functools.partial(after_replay, model, scheduler),
         clear_gradients=functools.partial(optimizer.zero_grad, set_to_none=True),
         before_capture=getattr(optimizer, "prepare_capture", None),  # TritonAdamW: its scalars' memory
         before_replay=getattr(optimizer, "stage_graph_step", None),  # TritonAdamW: this step's scalars
         hold=hold_interrupts,
         agree=fsdp.all_agree if getattr(args, "ddp", False) else None,  # every process replays, or none
     )
+
+
+def after_replay(model, scheduler):
+    """The host's share of a replayed step: the learning-rate schedule, and under
+    --ddp-shard-optimizer the note that the weights' pieces are new (fsdp.ShardedUpdate)."""
+    if scheduler is not None:
+        scheduler.step()
+    fsdp.after_update(model)
 
 
 def keep_capturable(optimizer):
@@ -244,10 +252,11 @@ def optimizer_update(optimizer, scheduler, max_grad_norm, grad_norm=None):
 def gradient_norm(optimizer, max_grad_norm):
     """The global norm of the gradients the optimizer updates (LoRA: the adapters
     only), a tensor; with ``max_grad_norm`` > 0 the gradients are clipped to it."""
-    if max_grad_norm > 0 and hasattr(optimizer, "clip_grad_norm_"):
+    if hasattr(optimizer, "clip_grad_norm_"):
         # An optimizer that clips inside its own step (the Triton AdamW: the scaling
-        # happens as the step reads each gradient, one pass over them fewer).
-        return optimizer.clip_grad_norm_(max_grad_norm)
+        # happens as the step reads each gradient, one pass over them fewer) and knows
+        # its parameters' norm (under --ddp-shard-optimizer, pieces of every process's).
+        return optimizer.clip_grad_norm_(max_grad_norm) if max_grad_norm > 0 else optimizer.total_norm()
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if max_grad_norm > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)

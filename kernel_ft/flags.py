@@ -331,6 +331,11 @@ def add_fsdp_arg(group):
              "(default: %(default)s)",
     )
     group.add_argument(
+        "--ddp-gather-ahead", type=non_negative_int, default=0,
+        help="--ddp-shard-optimizer: how many layers ahead of the running one the forward gathers the updated "
+             "pieces (default: %(default)s: all of them when the forward starts)",
+    )
+    group.add_argument(
         "--fsdp-prefetch", type=non_negative_int, default=0,
         help="--fsdp: gather the weights of this many next layers while one computes, forward and backward "
              "(default: %(default)s, FSDP's own order; 1 measured no faster on 2 x H200 at 8B)",

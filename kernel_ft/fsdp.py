@@ -381,7 +381,7 @@ class GradientAverage:
 class ShardedUpdate:
     """--ddp-shard-optimizer for ``model`` under ``average`` (its GradientAverage)."""
 
-    def __init__(self, model, average):
+    def __init__(self, model, average, ahead=0):
         self.average, self.size = average, average.size
         layers = list(kernel_common.decoder_of(model).layers)
         embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -399,7 +399,11 @@ class ShardedUpdate:
                 # A view: the optimizer's update of the piece writes the weight's own memory.
                 average.pieces[p] = torch.nn.Parameter(p.detach().view(-1).narrow(0, average.rank * n, n))
         self.gathers = {}  # owner -> the all-gathers it waits for
-        self.stale = False  # True from an update until the pieces are gathered again
+        self.stale = False  # True from an update until every piece's gather is issued
+        self.issued = len(self.order)  # owners of this round whose gathers are issued
+        self.index = {owner: i for i, (owner, _) in enumerate(self.order)}
+        # How many owners ahead of the running one are gathered (0: all at the embedding).
+        self.ahead = ahead if ahead > 0 else len(self.order)
         embedding.register_forward_pre_hook(self._start)  # first: the embedding waits for its own after it
         for owner, _ in self.order:
             if owner is head and head is not embedding:  # after the last layer: the loss may read it directly
@@ -450,33 +454,44 @@ class ShardedUpdate:
         torch.distributed.all_reduce(shared)
         return sums.index_copy(0, rows, shared)
 
-    def _gather(self):
-        """Every piece back into its whole weight: all-gathers in place, in forward order."""
+    def _issue(self, upto):
+        """The all-gathers of the owners before index ``upto`` of the forward order that are
+        not issued yet (in place: each piece into its whole weight)."""
         rank, dist = self.average.rank, torch.distributed
-        for owner, weights in self.order:
+        while self.issued < min(upto, len(self.order)):
+            owner, weights = self.order[self.issued]
             works = []
             for p in weights:
                 whole = p.detach().view(-1)
                 mine = whole.narrow(0, rank * (whole.numel() // self.size), whole.numel() // self.size)
                 works.append(dist.all_gather_into_tensor(whole, mine, async_op=True))
             self.gathers[owner] = works
+            self.issued += 1
         # A capture records the gathers without running them: the weights stay stale until
         # a replay, and after a replay they are stale again (updated()).
-        if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if self.issued == len(self.order) and not capturing:
             self.stale = False
 
     def _start(self, module, args):
+        """The input embedding's forward begins: a new round of gathers if the pieces are new."""
         if self.stale:
-            self._gather()
+            self.issued = 0
+            self._issue(1 + self.ahead)
 
     def _wait(self, owner):
+        """Before ``owner`` runs: its own gathers done (on NCCL: this stream waits for NCCL's,
+        the host does not wait), and the next ``ahead`` owners' gathers issued."""
         for work in self.gathers.pop(owner, ()):
-            work.wait()  # on NCCL: this stream waits for NCCL's; the host does not wait
+            work.wait()
+        if self.stale and self.issued < len(self.order):
+            self._issue(self.index[owner] + 1 + self.ahead)
 
     def gather_now(self):
         """Whole weights now (before a checkpoint is written): every process calls it."""
         if self.stale:
-            self._gather()
+            self.issued = 0
+            self._issue(len(self.order))
         for owner, _ in self.order:
             self._wait(owner)
 
@@ -513,7 +528,7 @@ def attach_optimizer(model, optimizer):
         sharded.attach(optimizer)
 
 
-def replicate_model(model, world, bucket_mb=flags.DDP_BUCKET_MB, shard_optimizer=False):
+def replicate_model(model, world, bucket_mb=flags.DDP_BUCKET_MB, shard_optimizer=False, gather_ahead=0):
     """--ddp: a whole copy of ``model`` per process, its gradients averaged over the
     processes in every training step (GradientAverage). Every process starts from rank
     0's weights and buffers (broadcast now). Call it after the kernels are switched in,
@@ -526,7 +541,7 @@ def replicate_model(model, world, bucket_mb=flags.DDP_BUCKET_MB, shard_optimizer
                 t.copy_(whole)
     model._gradient_average = GradientAverage(model, world.size, int(bucket_mb * 2**20), world.rank)
     if shard_optimizer:
-        sharded = ShardedUpdate(model, model._gradient_average)
+        sharded = ShardedUpdate(model, model._gradient_average, gather_ahead)
         split = sum(p.numel() for p in model._gradient_average.pieces)
         whole = sum(p.numel() for p in model._gradient_average.params)
         if split:

@@ -297,6 +297,7 @@ def add_cuda_graphs_arg(group, default):
 
 
 DDP_BUCKET_MB = 25  # --ddp-bucket-mb's default (DistributedDataParallel's bucket size)
+DDP_GATHER_AHEAD = 1  # --ddp-gather-ahead's default
 FSDP_COMMS = ("default", "symm-mem", "pg-memory")  # --fsdp-comm (fsdp.COMM_SETTERS)
 
 
@@ -331,9 +332,10 @@ def add_fsdp_arg(group):
              "(default: %(default)s)",
     )
     group.add_argument(
-        "--ddp-gather-ahead", type=non_negative_int, default=0,
+        "--ddp-gather-ahead", type=non_negative_int, default=DDP_GATHER_AHEAD,
         help="--ddp-shard-optimizer: how many layers ahead of the running one the forward gathers the updated "
-             "pieces (default: %(default)s: all of them when the forward starts)",
+             "pieces; 0: all of them when the forward starts (default: %(default)s; at 8B on 2 x H200 1 measured "
+             "faster than 2, 4 and 0)",
     )
     group.add_argument(
         "--fsdp-prefetch", type=non_negative_int, default=0,
@@ -497,7 +499,9 @@ def idle_parallel_flags(args):
         notes.append(f"{', '.join(fsdp_changed)} without --fsdp changes nothing")
     ddp_changed = [flag for flag, changed in (
         ("--ddp-bucket-mb", getattr(args, "ddp_bucket_mb", DDP_BUCKET_MB) != DDP_BUCKET_MB),
-        ("--ddp-shard-optimizer", getattr(args, "ddp_shard_optimizer", False))) if changed]
+        ("--ddp-shard-optimizer", getattr(args, "ddp_shard_optimizer", False)),
+        ("--ddp-gather-ahead", getattr(args, "ddp_gather_ahead", DDP_GATHER_AHEAD) != DDP_GATHER_AHEAD))
+        if changed]
     if ddp_changed and not getattr(args, "ddp", False):
         notes.append(f"{', '.join(ddp_changed)} without --ddp changes nothing")
     return notes

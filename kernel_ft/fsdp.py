@@ -327,10 +327,10 @@ class GradientAverage:
         mine = flat.narrow(0, self.rank * piece.numel(), piece.numel())
         dist = torch.distributed
         if flat.is_cuda:  # NCCL in place: the output is the input's piece at offset rank
-            work = dist.reduce_scatter_tensor(mine, flat, op=dist.ReduceOp.AVG, async_op=True)
+            work = reduce_scatter(mine, flat, op=dist.ReduceOp.AVG, async_op=True)
         else:  # gloo: each process's share, then their sum
             flat.div_(self.size)
-            work = dist.reduce_scatter_tensor(mine, flat, async_op=True)
+            work = reduce_scatter(mine, flat, async_op=True)
         piece.grad = mine
         self.pending.append((work, None, [p.grad]))
 
@@ -378,10 +378,23 @@ class GradientAverage:
 # without calling it). Which weights: those of the embeddings and the decoder layers that
 # train, hold at least PACKED_BYTES and split into N equal pieces; the others are
 # averaged whole and updated on every process as before.
+def reduce_scatter(output, input, **kwargs):
+    """torch.distributed's reduce-scatter of one tensor (reduce_scatter_single from torch
+    2.13 on, where the older name warns; the same arguments)."""
+    dist = torch.distributed
+    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(output, input, **kwargs)
+
+
+def all_gather(output, input, **kwargs):
+    """torch.distributed's all-gather of one tensor (all_gather_single from torch 2.13 on)."""
+    dist = torch.distributed
+    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(output, input, **kwargs)
+
+
 class ShardedUpdate:
     """--ddp-shard-optimizer for ``model`` under ``average`` (its GradientAverage)."""
 
-    def __init__(self, model, average, ahead=0):
+    def __init__(self, model, average, ahead=flags.DDP_GATHER_AHEAD):
         self.average, self.size = average, average.size
         layers = list(kernel_common.decoder_of(model).layers)
         embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -457,14 +470,14 @@ class ShardedUpdate:
     def _issue(self, upto):
         """The all-gathers of the owners before index ``upto`` of the forward order that are
         not issued yet (in place: each piece into its whole weight)."""
-        rank, dist = self.average.rank, torch.distributed
+        rank = self.average.rank
         while self.issued < min(upto, len(self.order)):
             owner, weights = self.order[self.issued]
             works = []
             for p in weights:
                 whole = p.detach().view(-1)
                 mine = whole.narrow(0, rank * (whole.numel() // self.size), whole.numel() // self.size)
-                works.append(dist.all_gather_into_tensor(whole, mine, async_op=True))
+                works.append(all_gather(whole, mine, async_op=True))
             self.gathers[owner] = works
             self.issued += 1
         # A capture records the gathers without running them: the weights stay stale until
@@ -528,7 +541,8 @@ def attach_optimizer(model, optimizer):
         sharded.attach(optimizer)
 
 
-def replicate_model(model, world, bucket_mb=flags.DDP_BUCKET_MB, shard_optimizer=False, gather_ahead=0):
+def replicate_model(model, world, bucket_mb=flags.DDP_BUCKET_MB, shard_optimizer=False,
+                   gather_ahead=flags.DDP_GATHER_AHEAD):
     """--ddp: a whole copy of ``model`` per process, its gradients averaged over the
     processes in every training step (GradientAverage). Every process starts from rank
     0's weights and buffers (broadcast now). Call it after the kernels are switched in,

@@ -226,6 +226,76 @@ def test_ddp_averages_each_gradient_in_place_in_one_order(tmp_path):
         assert "\n" not in r["refused"]
 
 
+def test_ddp_pieces_equal_one_process_alone(tmp_path):
+    """--ddp-shard-optimizer (fsdp.ShardedUpdate, 2 gloo processes, tests/ddp_pieces_worker.py):
+    a tiny LLaMA whose matrices are all split into pieces (its norms whole) trains three steps
+    as one process does at batch 2, gathers all at once or one layer ahead: the same losses
+    and gradient norms (each norm adds up both processes' pieces), the same weights, the same
+    on both processes; AdamW's moments hold a piece each; an evaluation after the last step
+    gathers the new pieces by itself. Adam moves every element by about its learning rate
+    (1e-3) per step whatever its gradient, so a piece not gathered after an update is off by
+    ~1e-3; the float32 rounding of two averages against one backward moves the weights by
+    under 5e-5 here."""
+    run_worker("ddp_pieces_worker.py", tmp_path)
+    for ahead in (0, 1):
+        for rank in (0, 1):
+            r = json.loads((tmp_path / f"rank{rank}_ahead{ahead}.json").read_text())
+            assert r["split"] == 16 and r["whole"] == 5  # 2 x 7 projections + 2 embeddings; 5 norms
+            close(r["losses"], r["want_losses"], tol=1e-5)
+            assert all(abs(a - b) <= 1e-5 * b for a, b in zip(r["norms"], r["want_norms"]))
+            assert min(r["want_norms"]) > 1.0  # clipping was on: the norm decided the updates
+            assert abs(r["evaluated"] - r["want_evaluated"]) <= 1e-5
+            assert r["worst_vs_alone"] < 2e-4
+            assert r["worst_between_processes"] == 0.0
+            assert r["moments_are_pieces"] and not r["stale_after_gather"]
+
+
+def test_ddp_shard_optimizer_matches_one_process_and_resumes(full, tmp_path):
+    """The script with --ddp --ddp-shard-optimizer (the tiny model: its two embeddings are
+    split): the losses of one process at batch 2; each process writes its own optimizer
+    state, rank 0 the whole model, the weights of one process's run; the run resumes to
+    the same losses, and a resume without the flag is refused in one line."""
+    args = [*TINY, "--steps", "3", "--batch-size", "1", "--ddp-shard-optimizer"]
+    out = tmp_path / "pieces"
+    pieces = run("finetune_optimized.py", [*args, "--output-dir", str(out), "--save-every", "2"], 2, tmp_path,
+                 "pieces", mode="--ddp")
+    _, one, tmp = full
+    close(pieces["losses"], one["losses"])
+    ckpt = out / "checkpoint-2"
+    assert sorted(os.listdir(ckpt)) == sorted([checkpoints.MANIFEST, "config.json", "generation_config.json",
+                                               "model.safetensors", "optimizer_rank0.pt", "optimizer_rank1.pt",
+                                               "rng_state_rank0.pt", "rng_state_rank1.pt", "scheduler.pt",
+                                               checkpoints.TRAINER_STATE])
+    from safetensors.torch import load_file
+
+    ours, theirs = load_file(out / "checkpoint-3" / "model.safetensors"), load_file(tmp / "one" / "checkpoint-3" /
+                                                                                      "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) < 2e-4  # see the test above
+    resumed = run("finetune_optimized.py", [*args, "--resume", str(ckpt), "--output-dir", str(tmp_path / "again")],
+                  2, tmp_path, "pieces_resumed", mode="--ddp")
+    close(resumed["losses"], pieces["losses"][2:], tol=1e-6)
+    without = [a for a in args if a != "--ddp-shard-optimizer"]
+    with pytest.raises(AssertionError, match="its optimizer state was written with --ddp-shard-optimizer"):
+        run("finetune_optimized.py", [*without, "--resume", str(ckpt), "--output-dir", str(tmp_path / "x")],
+            2, tmp_path, "refused", mode="--ddp")
+
+
+def test_ddp_shard_optimizer_flags(monkeypatch):
+    """Its limits in one line each; without --ddp it is a note."""
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    parse = finetune_optimized.parse_args
+    with pytest.raises(SystemExit, match="^error: --ddp-shard-optimizer with --compile is not supported"):
+        fsdp.check_fsdp_flags(parse(["--tiny", "--ddp", "--ddp-shard-optimizer", "--compile"]))
+    with pytest.raises(SystemExit, match="add --use-custom-adamw$"):
+        fsdp.check_fsdp_flags(parse(["--tiny", "--ddp", "--ddp-shard-optimizer", "--no-use-custom-adamw"]))
+    fsdp.check_fsdp_flags(parse(["--tiny", "--ddp", "--ddp-shard-optimizer"]))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    notes = flags.settle(parse(["--tiny", "--ddp-shard-optimizer", "--ddp-gather-ahead", "2"]))._notes
+    assert "--ddp-shard-optimizer, --ddp-gather-ahead without --ddp changes nothing" in notes
+
+
 def test_ddp_refusals_are_one_line(monkeypatch):
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
         monkeypatch.setenv(name, value)

@@ -1,0 +1,105 @@
+"""
+One process of tests/fsdp_test.py's check of --ddp-shard-optimizer (fsdp.ShardedUpdate), started twice by torchrun (gloo).
+
+Each process builds the same tiny LLaMA with fsdp.PACKED_BYTES lowered, so that every matrix of
+the decoder layers and of both embeddings is split into pieces (the script's tiny model splits
+only its embeddings) while the norms stay whole, and trains it three steps on its own row through
+training.train_step: the Triton AdamW over the pieces, clipping on (the gradient norm adds the
+pieces' sums up over the processes), the gathers 0 (all at once) and 1 layer ahead of the running
+one, each in a run of its own. The same
+process trains a copy alone on both processes' rows (one process at batch 2: what --ddp must
+equal), with plain backward, clip_grad_norm_ and step. After the last step, a forward under
+no_grad (an evaluation) must start the gathers itself; then gather_now. Writes
+FOLDER/rankN_aheadA.json: the losses, norms and evaluation loss of both; the largest difference
+between the weights and the copy's, and between the two processes' weights; the moments' sizes.
+
+Usage (the test does this): torchrun --nproc-per-node 2 tests/ddp_pieces_worker.py FOLDER
+"""
+
+import copy
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+
+import kernel_common  # noqa: F401 - first: the Triton interpreter switch
+
+import torch
+from transformers import LlamaForCausalLM
+
+from adamw_kernel import TritonAdamW
+from kernel_ft import fsdp, models, training
+
+PACKED_BYTES = 4096  # under every matrix of the tiny model (>= 32 KB), over its norms (512 B)
+SEQ = 16
+
+
+def batch_of(ids):
+    rows, seq = ids.shape
+    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids),
+            "position_ids": torch.arange(seq).expand(rows, seq)}
+
+
+def train(folder, rank, size, ahead):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(models.tiny_config())
+    alone = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(7)
+    steps = [torch.randint(0, 8192, (size, SEQ), generator=g) for _ in range(3)]  # row r: process r's
+    held_out = batch_of(torch.randint(0, 8192, (2, SEQ), generator=g))
+
+    fsdp.PACKED_BYTES = PACKED_BYTES
+    fsdp.replicate_model(model, fsdp.World(rank, size, rank, torch.device("cpu")), shard_optimizer=True,
+                         gather_ahead=ahead)
+    params = fsdp.optimizer_parameters(model, list(model.parameters()))
+    optimizer = TritonAdamW(params, lr=1e-3)
+    fsdp.attach_optimizer(model, optimizer)
+    reference = TritonAdamW(alone.parameters(), lr=1e-3)
+
+    losses, norms, want_losses, want_norms = [], [], [], []
+    for ids in steps:
+        loss, norm = training.train_step(model, optimizer, training.hf_loss, [batch_of(ids[rank:rank + 1])],
+                                         max_grad_norm=1.0)
+        losses.append(loss.item())
+        norms.append(norm.item())
+        want = training.hf_loss(alone, batch_of(ids))
+        want.backward()
+        want_norms.append(reference.clip_grad_norm_(1.0).item())
+        reference.step()
+        reference.zero_grad(set_to_none=True)
+        want_losses.append(want.item())
+
+    with torch.no_grad():  # the weights are stale here: the embedding's hook must gather them
+        evaluated = training.hf_loss(model, held_out).item()
+        want_evaluated = training.hf_loss(alone, held_out).item()
+    fsdp.gather_now(model)
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    theirs = [torch.empty_like(weights) for _ in range(size)]
+    torch.distributed.all_gather(theirs, weights)
+    pieces = model._gradient_average.pieces
+    report = {
+        "rank": rank, "ahead": ahead, "losses": losses, "want_losses": want_losses, "norms": norms,
+        "want_norms": want_norms, "evaluated": evaluated, "want_evaluated": want_evaluated,
+        "split": len(pieces), "whole": sum(1 for p in model.parameters() if p not in pieces),
+        "worst_vs_alone": max((p - q).abs().max().item() for p, q in zip(model.parameters(), alone.parameters())),
+        "worst_between_processes": (theirs[0] - theirs[1]).abs().max().item(),
+        "moments_are_pieces": all(optimizer.state[piece]["exp_avg"].numel() * size == p.numel()
+                                  for p, piece in pieces.items()),
+        "stale_after_gather": model._sharded_update.stale,
+    }
+    with open(os.path.join(folder, f"rank{rank}_ahead{ahead}.json"), "w") as f:
+        json.dump(report, f)
+
+
+def main(folder):
+    torch.distributed.init_process_group("gloo")
+    rank, size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    for ahead in (0, 1):
+        train(folder, rank, size, ahead)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

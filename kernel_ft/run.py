@@ -128,7 +128,7 @@ def assemble(args, model, data, switch_in, world, after_kernels=None):
     if after_kernels:
         after_kernels(model)
     if world and args.ddp:  # after the kernels: the swapped modules are what is replicated
-        fsdp.replicate_model(model, world, args.ddp_bucket_mb, getattr(args, "ddp_shard_optimizer", False),
+        fsdp.replicate_model(model, world, args.ddp_bucket_mb, fsdp.shards_optimizer(args),
                              getattr(args, "ddp_gather_ahead", flags.DDP_GATHER_AHEAD))
     elif world:  # after the kernels: the swapped modules are what is sharded
         fsdp.shard_model(model, args, world)

@@ -173,8 +173,9 @@ def test_ddp_two_ranks_match_one_process(full, lora, tmp_path):
     processes (fsdp.GradientAverage); 2 x batch 1 gives the losses of one process at batch 2,
     every kernel, and with LoRA adapters. Rank 0 saves the model as one process does
     (with every process's random generators); the run resumes from it to the same
-    losses, and only as --ddp with 2 processes."""
-    args = [*TINY, "--steps", "3", "--batch-size", "1"]
+    losses, and only as --ddp with 2 processes. (Every gradient all-reduced: the pieces,
+    --ddp-shard-optimizer, on by default, are tested below.)"""
+    args = [*TINY, "--steps", "3", "--batch-size", "1", "--no-ddp-shard-optimizer"]
     saves = ["--output-dir", str(tmp_path / "ddp_ckpt"), "--save-every", "2"]
     replicated = run("finetune_optimized.py", [*args, *saves], 2, tmp_path, "ddp", mode="--ddp")
     _, one, _ = full
@@ -191,7 +192,8 @@ def test_ddp_two_ranks_match_one_process(full, lora, tmp_path):
     with pytest.raises(SystemExit, match="written by --ddp with 2 processes, this run is one process"):
         finetune_optimized.main([*args, "--resume", str(ckpt), "--output-dir", str(tmp_path / "x")])
     # Without --ddp or --fsdp the run chooses: the tiny model fits many times, so --ddp.
-    adapters = run("finetune_optimized.py", [*args, "--lora", "--lora-r", "4"], 2, tmp_path, "ddp_lora", mode=None)
+    adapters = run("finetune_optimized.py", [*args[:-1], "--lora", "--lora-r", "4"], 2, tmp_path, "ddp_lora",
+                   mode=None)
     _, one_lora, _ = lora
     close(adapters["losses"], one_lora["losses"])
     assert adapters["config"]["ddp"] and not adapters["config"]["fsdp"]
@@ -251,11 +253,12 @@ def test_ddp_pieces_equal_one_process_alone(tmp_path):
 
 
 def test_ddp_shard_optimizer_matches_one_process_and_resumes(full, tmp_path):
-    """The script with --ddp --ddp-shard-optimizer (the tiny model: its two embeddings are
-    split): the losses of one process at batch 2; each process writes its own optimizer
-    state, rank 0 the whole model, the weights of one process's run; the run resumes to
-    the same losses, and a resume without the flag is refused in one line."""
-    args = [*TINY, "--steps", "3", "--batch-size", "1", "--ddp-shard-optimizer"]
+    """The script with --ddp, whose default splits the tiny model's two embeddings into
+    pieces (--ddp-shard-optimizer): the losses of one process at batch 2; each process
+    writes its own optimizer state, rank 0 the whole model, the weights of one process's
+    run; the run resumes to the same losses, and a resume with --no-ddp-shard-optimizer
+    is refused in one line."""
+    args = [*TINY, "--steps", "3", "--batch-size", "1"]
     out = tmp_path / "pieces"
     pieces = run("finetune_optimized.py", [*args, "--output-dir", str(out), "--save-every", "2"], 2, tmp_path,
                  "pieces", mode="--ddp")
@@ -275,14 +278,13 @@ def test_ddp_shard_optimizer_matches_one_process_and_resumes(full, tmp_path):
     resumed = run("finetune_optimized.py", [*args, "--resume", str(ckpt), "--output-dir", str(tmp_path / "again")],
                   2, tmp_path, "pieces_resumed", mode="--ddp")
     close(resumed["losses"], pieces["losses"][2:], tol=1e-6)
-    without = [a for a in args if a != "--ddp-shard-optimizer"]
     with pytest.raises(AssertionError, match="its optimizer state was written with --ddp-shard-optimizer"):
-        run("finetune_optimized.py", [*without, "--resume", str(ckpt), "--output-dir", str(tmp_path / "x")],
+        run("finetune_optimized.py", [*args, "--no-ddp-shard-optimizer", "--resume", str(ckpt), "--output-dir", str(tmp_path / "x")],
             2, tmp_path, "refused", mode="--ddp")
 
 
 def test_ddp_shard_optimizer_flags(monkeypatch):
-    """Its limits in one line each; without --ddp it is a note."""
+    """On by default where it applies; its limits in one line each; without --ddp a note."""
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
         monkeypatch.setenv(name, value)
     parse = finetune_optimized.parse_args
@@ -291,6 +293,10 @@ def test_ddp_shard_optimizer_flags(monkeypatch):
     with pytest.raises(SystemExit, match="add --use-custom-adamw$"):
         fsdp.check_fsdp_flags(parse(["--tiny", "--ddp", "--ddp-shard-optimizer", "--no-use-custom-adamw"]))
     fsdp.check_fsdp_flags(parse(["--tiny", "--ddp", "--ddp-shard-optimizer"]))
+    assert fsdp.shards_optimizer(parse(["--tiny", "--ddp"]))
+    for off in (["--compile"], ["--fp8", "tensorwise"], ["--no-use-custom-adamw"], ["--no-ddp-shard-optimizer"]):
+        assert not fsdp.shards_optimizer(parse(["--tiny", "--ddp", *off]))
+    assert fsdp.shards_optimizer(parse(["--tiny", "--ddp", "--fp8", "tensorwise", "--ddp-shard-optimizer"]))
     monkeypatch.setenv("WORLD_SIZE", "1")
     notes = flags.settle(parse(["--tiny", "--ddp-shard-optimizer", "--ddp-gather-ahead", "2"]))._notes
     assert "--ddp-shard-optimizer, --ddp-gather-ahead without --ddp changes nothing" in notes

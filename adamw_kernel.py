@@ -580,7 +580,16 @@ class TritonAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None:
                     self._update(group, p, grad_scale)
+                    self._updated(p)
         return loss
+
+    def _updated(self, p):
+        """After the launch that updates p: ``after_update(p)``, where something must follow
+        a parameter's update at once (--ddp-shard-optimizer gathers the first layers'
+        pieces while the rest of the step runs)."""
+        after = getattr(self, "after_update", None)
+        if after is not None:
+            after(p)
 
     def _update(self, group, p, grad_scale=None):
         """One parameter's AdamW update from its .grad (one kernel launch)."""
@@ -674,6 +683,7 @@ class TritonAdamW(torch.optim.Optimizer):
             )
             if amax is not None:
                 note_weight_amax(p)
+            self._updated(p)
 
     def stage_graph_step(self):
         """Before each replay of a captured step: this step's scalars (the current

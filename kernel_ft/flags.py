@@ -334,8 +334,8 @@ def add_fsdp_arg(group):
     group.add_argument(
         "--ddp-gather-ahead", type=non_negative_int, default=DDP_GATHER_AHEAD,
         help="--ddp-shard-optimizer: how many layers ahead of the running one the forward gathers the updated "
-             "pieces; 0: all of them when the forward starts (default: %(default)s; at 8B on 2 x H200 1 measured "
-             "faster than 2, 4 and 0)",
+             "pieces (the embedding's and the first layers' during the optimizer step); 0: all of them during "
+             "the optimizer step (default: %(default)s)",
     )
     group.add_argument(
         "--fsdp-prefetch", type=non_negative_int, default=0,

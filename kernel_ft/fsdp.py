@@ -364,20 +364,22 @@ class GradientAverage:
 # the weight, with AdamW's moments of that piece only; and the next forward all-gathers
 # the updated pieces back into whole weights. The same bytes cross between the GPUs as
 # the all-reduce moved. What it buys: AdamW and the gradient norm over 1/N of those
-# weights, 1/N of their moments in memory. What it costs: the all-gathers run beside the
+# weights, 1/N of their moments in memory. What it costs: most all-gathers run beside the
 # forward, where the all-reduces ran beside the backward, and a weight is whole only
 # after the next forward's gather (or gather_now).
 #
 # No copies: piece r of a weight is elements [r n/N, (r+1) n/N) of its own memory, where
 # NCCL's reduce-scatter writes and its all-gather reads in place, and the optimizer is
 # given that piece as a Parameter of its own, a view, so AdamW's update writes the weight.
-# The gathers are issued when the forward reaches the input embedding, in the order the
-# forward needs them (embedding, decoder layers one by one, output embedding), on NCCL's
-# stream; a forward pre-hook makes each decoder layer wait for its own weights only, and
-# the LM head's are waited for after the last layer (the fused loss reads its weight
-# without calling it). Which weights: those of the embeddings and the decoder layers that
-# train, hold at least PACKED_BYTES and split into N equal pieces; the others are
-# averaged whole and updated on every process as before.
+# The gathers go out in the order the forward needs the weights (embedding, decoder layers
+# one by one, output embedding), on NCCL's stream: the first ones (the embedding's and the
+# first --ddp-gather-ahead layers') during the optimizer step, as soon as their pieces are
+# updated, beside the rest of the update; each of the others when the forward reaches the
+# layer that many before it. A forward pre-hook makes each decoder layer wait for its own
+# weights only, and the LM head's are waited for after the last layer (the fused loss
+# reads its weight without calling it). Which weights: those of the embeddings and the
+# decoder layers that train, hold at least PACKED_BYTES and split into N equal pieces;
+# the others are averaged whole and updated on every process as before.
 def reduce_scatter(output, input, **kwargs):
     """torch.distributed's reduce-scatter of one tensor (reduce_scatter_single from torch
     2.13 on, where the older name warns; the same arguments)."""
@@ -389,6 +391,11 @@ def all_gather(output, input, **kwargs):
     """torch.distributed's all-gather of one tensor (all_gather_single from torch 2.13 on)."""
     dist = torch.distributed
     return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(output, input, **kwargs)
+
+
+def capturing():
+    """Whether a CUDA graph is being captured on this thread's stream."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class ShardedUpdate:
@@ -412,11 +419,17 @@ class ShardedUpdate:
                 # A view: the optimizer's update of the piece writes the weight's own memory.
                 average.pieces[p] = torch.nn.Parameter(p.detach().view(-1).narrow(0, average.rank * n, n))
         self.gathers = {}  # owner -> the all-gathers it waits for
-        self.stale = False  # True from an update until every piece's gather is issued
+        self.stale = False  # True from an update until every piece's gather of its round is issued
         self.issued = len(self.order)  # owners of this round whose gathers are issued
         self.index = {owner: i for i, (owner, _) in enumerate(self.order)}
+        self.owner_of = {average.pieces[p]: i for i, (_, weights) in enumerate(self.order) for p in weights}
         # How many owners ahead of the running one are gathered (0: all at the embedding).
         self.ahead = ahead if ahead > 0 else len(self.order)
+        # The first owners the next forward needs at once (the embedding, the first layers)
+        # are gathered during the optimizer step instead, right after their pieces' updates,
+        # beside the rest of the update: what it buys, the forward does not start by waiting.
+        self.early = min(1 + self.ahead, len(self.order))
+        self.updating = False  # between the step's first piece update and its end
         embedding.register_forward_pre_hook(self._start)  # first: the embedding waits for its own after it
         for owner, _ in self.order:
             if owner is head and head is not embedding:  # after the last layer: the loss may read it directly
@@ -446,11 +459,31 @@ class ShardedUpdate:
                     p.grad.zero_()
 
         optimizer.zero_grad = zero_grad_and_whole
+        optimizer.after_update = self._piece_updated
         optimizer.register_step_post_hook(lambda *args: self.updated())
 
+    def _piece_updated(self, piece):
+        """The optimizer has just queued ``piece``'s update: the step's first piece starts
+        a new round of gathers; an early owner whose pieces are all updated is gathered now
+        (in the forward order: every process issues the same collectives in the same order)."""
+        if piece not in self.owner_of:
+            return
+        if not self.updating:
+            self.updating, self.issued = True, 0
+            self.left = [len(weights) for _, weights in self.order]
+        self.left[self.owner_of[piece]] -= 1
+        while self.issued < self.early and self.left[self.issued] == 0:
+            self._issue(self.issued + 1)
+
     def updated(self):
-        """After an update (an eager step, a replayed graph): the pieces are new."""
-        self.stale = True
+        """After an update (an eager step, a replayed graph): the pieces are new. The early
+        gathers are waited for here, at the step's end (a CUDA graph's capture must join
+        every stream it forked before it ends)."""
+        self.stale, self.updating = True, False
+        for owner, _ in self.order[:self.issued]:
+            self._join(owner)
+        if self.issued == len(self.order) and not capturing():
+            self.stale = False
 
     def _add_up(self, params, sums):
         """``sums[i]``: this process's sum of squares of params[i]'s gradient; those of the
@@ -482,28 +515,28 @@ class ShardedUpdate:
             self.issued += 1
         # A capture records the gathers without running them: the weights stay stale until
         # a replay, and after a replay they are stale again (updated()).
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        if self.issued == len(self.order) and not capturing:
+        if self.issued == len(self.order) and not capturing():
             self.stale = False
 
     def _start(self, module, args):
-        """The input embedding's forward begins: a new round of gathers if the pieces are new."""
+        """The input embedding's forward begins: the round's next gathers if the pieces are new."""
         if self.stale:
-            self.issued = 0
             self._issue(1 + self.ahead)
 
     def _wait(self, owner):
         """Before ``owner`` runs: its own gathers done (on NCCL: this stream waits for NCCL's,
         the host does not wait), and the next ``ahead`` owners' gathers issued."""
-        for work in self.gathers.pop(owner, ()):
-            work.wait()
+        self._join(owner)
         if self.stale and self.issued < len(self.order):
             self._issue(self.index[owner] + 1 + self.ahead)
+
+    def _join(self, owner):
+        for work in self.gathers.pop(owner, ()):
+            work.wait()
 
     def gather_now(self):
         """Whole weights now (before a checkpoint is written): every process calls it."""
         if self.stale:
-            self.issued = 0
             self._issue(len(self.order))
         for owner, _ in self.order:
             self._wait(owner)
@@ -576,7 +609,7 @@ def replicate_model(model, world, bucket_mb=flags.DDP_BUCKET_MB, shard_optimizer
             model._sharded_update = sharded
             print(f"DDP:           {world.size} processes; {len(model._gradient_average.pieces)} weights "
                   f"({split / max(whole, 1):.0%} of the trained parameters) reduce-scattered, updated in pieces of "
-                  f"1/{world.size} and gathered again in the next forward (--no-ddp-shard-optimizer: all-reduced)")
+                  f"1/{world.size} and gathered again for the next forward (--no-ddp-shard-optimizer: all-reduced)")
 
 
 @contextlib.contextmanager

@@ -329,7 +329,7 @@ def add_fsdp_arg(group):
         help="--ddp: each large gradient reduce-scattered instead of all-reduced, each process updating its "
              "1/N piece of those weights (AdamW and its moments over 1/N of them), the pieces all-gathered "
              "back while the next forward runs; one optimizer file per process in the checkpoints "
-             "(default: on with the Triton AdamW, without --compile or --fp8)",
+             "(default: on with the Triton AdamW, without --compile)",
     )
     group.add_argument(
         "--ddp-gather-ahead", type=non_negative_int, default=DDP_GATHER_AHEAD,

@@ -1,5 +1,6 @@
 """
-One process of tests/fsdp_test.py's check of --ddp-shard-optimizer (fsdp.ShardedUpdate), started twice by torchrun (gloo).
+One process of tests/fsdp_test.py's check of --ddp-shard-optimizer (fsdp.ShardedUpdate), started twice by torchrun
+(gloo on the CPU, NCCL on two GPUs).
 
 Each process builds the same tiny LLaMA with fsdp.PACKED_BYTES lowered, so that every matrix of
 the decoder layers and of both embeddings is split into pieces (the script's tiny model splits
@@ -35,23 +36,23 @@ PACKED_BYTES = 4096  # under every matrix of the tiny model (>= 32 KB), over its
 SEQ = 16
 
 
-def batch_of(ids):
+def batch_of(ids, device):
     rows, seq = ids.shape
+    ids = ids.to(device)
     return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids),
-            "position_ids": torch.arange(seq).expand(rows, seq)}
+            "position_ids": torch.arange(seq, device=device).expand(rows, seq)}
 
 
-def train(folder, rank, size, ahead):
+def train(folder, rank, size, ahead, device):
     torch.manual_seed(0)
-    model = LlamaForCausalLM(models.tiny_config())
+    model = LlamaForCausalLM(models.tiny_config()).to(device)
     alone = copy.deepcopy(model)
     g = torch.Generator().manual_seed(7)
     steps = [torch.randint(0, 8192, (size, SEQ), generator=g) for _ in range(3)]  # row r: process r's
-    held_out = batch_of(torch.randint(0, 8192, (2, SEQ), generator=g))
+    held_out = batch_of(torch.randint(0, 8192, (2, SEQ), generator=g), device)
 
     fsdp.PACKED_BYTES = PACKED_BYTES
-    fsdp.replicate_model(model, fsdp.World(rank, size, rank, torch.device("cpu")), shard_optimizer=True,
-                         gather_ahead=ahead)
+    fsdp.replicate_model(model, fsdp.World(rank, size, rank, device), shard_optimizer=True, gather_ahead=ahead)
     params = fsdp.optimizer_parameters(model, list(model.parameters()))
     optimizer = TritonAdamW(params, lr=1e-3)
     fsdp.attach_optimizer(model, optimizer)
@@ -59,11 +60,11 @@ def train(folder, rank, size, ahead):
 
     losses, norms, want_losses, want_norms = [], [], [], []
     for ids in steps:
-        loss, norm = training.train_step(model, optimizer, training.hf_loss, [batch_of(ids[rank:rank + 1])],
+        loss, norm = training.train_step(model, optimizer, training.hf_loss, [batch_of(ids[rank:rank + 1], device)],
                                          max_grad_norm=1.0)
         losses.append(loss.item())
         norms.append(norm.item())
-        want = training.hf_loss(alone, batch_of(ids))
+        want = training.hf_loss(alone, batch_of(ids, device))
         want.backward()
         want_norms.append(reference.clip_grad_norm_(1.0).item())
         reference.step()
@@ -93,10 +94,17 @@ def train(folder, rank, size, ahead):
 
 
 def main(folder):
-    torch.distributed.init_process_group("gloo")
-    rank, size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    # On GPUs, NCCL (in place, as the script runs it); else gloo on the CPU, the Triton AdamW
+    # in the interpreter.
+    on_gpu = torch.cuda.is_available()
+    rank = int(os.environ["RANK"])
+    device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group("nccl" if on_gpu else "gloo")
+    size = torch.distributed.get_world_size()
     for ahead in (0, 1):
-        train(folder, rank, size, ahead)
+        train(folder, rank, size, ahead, device)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

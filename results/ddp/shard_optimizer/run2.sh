@@ -20,3 +20,5 @@ save
 prof="--random-init --dataset synthetic --batch-size 2 --seq-len 2048 --use-custom-rmsnorm --use-custom-swiglu --use-custom-rope --use-custom-flce --use-custom-adamw"
 timeout 120 torchrun --standalone --nproc-per-node 2 profile_baseline.py --ddp $prof > /tmp/r/profile_ddp.txt 2>&1; stamp profile_ddp; save
 timeout 120 torchrun --standalone --nproc-per-node 2 profile_baseline.py --ddp --ddp-shard-optimizer --ddp-gather-ahead 1 $prof > /tmp/r/profile_pieces.txt 2>&1; stamp profile_pieces; save
+# The last profile stopped on its --trace-dir (the first profile's folder, other settings); it was rerun at once on
+# the same machine with --trace-dir /tmp/tr: call2/profile_pieces.txt.

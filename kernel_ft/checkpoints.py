@@ -44,7 +44,8 @@ from kernel_ft import files, flags, models, fsdp, dataloader
 # Layout of DIR/checkpoint-K:
 #   model.safetensors + config.json          the model (save_pretrained), or with LoRA
 #   adapter_model.safetensors + adapter_config.json     the adapters only
-#   optimizer.pt, scheduler.pt               their state_dict()s (torch.save)
+#   optimizer.pt, scheduler.pt               their state_dict()s (torch.save; --ddp-shard-optimizer:
+#                                            optimizer_rankR.pt, each process's pieces)
 #   rng_state.pt                             python, torch CPU and CUDA generators
 #                                            (--ddp: rng_state_rankR.pt, one per process)
 #   trainer_state.json                       step K, the flags and model config it was

@@ -227,12 +227,13 @@ class GraphedStep:
     (the learning-rate schedule); ``clear_gradients()`` sets every ``.grad`` to
     None; ``before_capture()`` allocates what the captured step will read (outside
     the capture); ``before_replay()`` refreshes per-step values the captured
-    launches read from memory. Calls with batches of another shape, and the first EAGER_STEPS
-    calls, run eagerly.
+    launches read from memory; ``after_failed_capture()`` forgets what a capture that failed
+    recorded (on every process: after ``agree``). Calls with batches of another shape, and
+    the first EAGER_STEPS calls, run eagerly.
     """
 
     def __init__(self, captured, eager, after_replay, clear_gradients, before_replay=None, before_capture=None,
-                 hold=contextlib.nullcontext, say=print, eager_steps=EAGER_STEPS, agree=None):
+                 hold=contextlib.nullcontext, say=print, eager_steps=EAGER_STEPS, agree=None, after_failed_capture=None):
         self.captured, self.eager = captured, eager
         self.eager_steps = eager_steps
         # Several processes (--ddp): agree(flag) is True when every process's flag is, so
@@ -240,6 +241,7 @@ class GraphedStep:
         self.agree = agree
         self.after_replay, self.before_replay = after_replay, before_replay
         self.before_capture = before_capture
+        self.after_failed_capture = after_failed_capture
         self.clear_gradients = clear_gradients
         self.hold = hold  # a context in which a signal waits: the replay and the schedule's step are one update
         self.say = say
@@ -346,6 +348,8 @@ class GraphedStep:
             failed = failed or "another process could not capture its step"
         if failed:
             self.disabled = failed
+            if self.after_failed_capture is not None:  # what the capture recorded never ran
+                self.after_failed_capture()
             self.graph = self.inputs = self.outputs = None
             self.clear_gradients()  # what the capture allocated is not a gradient
             flags.note(f"CUDA graphs: the step could not be captured ({self.disabled}); training eagerly")

@@ -325,11 +325,11 @@ def add_fsdp_arg(group):
              "(default: %(default)s)",
     )
     group.add_argument(
-        "--ddp-shard-optimizer", action=argparse.BooleanOptionalAction, default=None,
+        "--ddp-shard-optimizer", action=argparse.BooleanOptionalAction, default=False,
         help="--ddp: each large gradient reduce-scattered instead of all-reduced, each process updating its "
              "1/N piece of those weights (AdamW and its moments over 1/N of them), the pieces all-gathered "
              "back while the next forward runs; one optimizer file per process in the checkpoints "
-             "(default: on with the Triton AdamW, without --compile)",
+             "(default: %(default)s; needs the Triton AdamW, not with --compile)",
     )
     group.add_argument(
         "--ddp-gather-ahead", type=non_negative_int, default=DDP_GATHER_AHEAD,
@@ -499,11 +499,14 @@ def idle_parallel_flags(args):
         notes.append(f"{', '.join(fsdp_changed)} without --fsdp changes nothing")
     ddp_changed = [flag for flag, changed in (
         ("--ddp-bucket-mb", getattr(args, "ddp_bucket_mb", DDP_BUCKET_MB) != DDP_BUCKET_MB),
-        ("--ddp-shard-optimizer", getattr(args, "ddp_shard_optimizer", None) is not None),
+        ("--ddp-shard-optimizer", getattr(args, "ddp_shard_optimizer", False)),
         ("--ddp-gather-ahead", getattr(args, "ddp_gather_ahead", DDP_GATHER_AHEAD) != DDP_GATHER_AHEAD))
         if changed]
     if ddp_changed and not getattr(args, "ddp", False):
         notes.append(f"{', '.join(ddp_changed)} without --ddp changes nothing")
+    elif getattr(args, "ddp", False) and "--ddp-gather-ahead" in ddp_changed and not getattr(
+            args, "ddp_shard_optimizer", False):
+        notes.append("--ddp-gather-ahead without --ddp-shard-optimizer changes nothing")
     return notes
 
 

@@ -16,7 +16,9 @@ is spread over N processes, and what that costs.
   (linear_cross_entropy_kernel.fuse_linear_cross_entropy), so the root's hooks
   gather the LM head's weight for it and reduce its gradient after it.
 * ``replicate_model`` (``--ddp``, for a model that fits one GPU): a whole copy per
-  process, each gradient averaged in place as backward makes it (GradientAverage).
+  process, each gradient averaged in place as backward makes it (GradientAverage);
+  by default (``ShardedUpdate``, --ddp-shard-optimizer) each process updates its own
+  piece of every large weight and the pieces are gathered back for the next forward.
 * ``reduce_over_ranks``: token counts and losses summed over the processes, so a
   step's loss is the mean over all of its tokens, as on one GPU.
 
@@ -318,7 +320,7 @@ class GradientAverage:
     def _average_piece(self, p):
         """--ddp-shard-optimizer: a reduce-scatter in place instead of the all-reduce; this
         process's piece of the gradient becomes the average of every process's piece
-        there, the optimizer's ``piece.grad`` (the rest of p.grad is this process's own)."""
+        there, the optimizer's ``piece.grad``."""
         if not p.grad.is_contiguous():
             raise RuntimeError(f"--ddp-shard-optimizer: the gradient of {self.names[p]} is not contiguous; "
                                f"its pieces would not be pieces of its memory (leave the flag out)")
@@ -331,7 +333,7 @@ class GradientAverage:
         else:  # gloo: each process's share, then their sum
             flat.div_(self.size)
             work = reduce_scatter(mine, flat, async_op=True)
-        piece.grad = mine
+        piece.grad = mine  # the rest of p.grad: this process's own sum (on gloo, divided by N)
         self.pending.append((work, None, [p.grad]))
 
     def finish(self):
@@ -356,6 +358,8 @@ class GradientAverage:
 # --------------------------------------------------------------------------------
 # --ddp-shard-optimizer: each process updates its own piece of every large weight
 # --------------------------------------------------------------------------------
+# (Off by default until its CUDA-graph path, with evaluations and checkpoints between
+# replays, has run on GPUs: ShardedUpdate.before_capture / replayed / capture_failed.)
 # Under --ddp every process runs the same AdamW update of the whole model (28 ms of an
 # H200's 344 ms step at 8B, 38 of an H100's) and keeps the same two moments (4 bytes per
 # bf16 parameter). An all-reduce is a reduce-scatter followed by an all-gather; here the
@@ -423,7 +427,8 @@ class ShardedUpdate:
         self.issued = len(self.order)  # owners of this round whose gathers are issued
         self.index = {owner: i for i, (owner, _) in enumerate(self.order)}
         self.owner_of = {average.pieces[p]: i for i, (_, weights) in enumerate(self.order) for p in weights}
-        # How many owners ahead of the running one are gathered (0: all at the embedding).
+        # How many owners ahead of the running one are gathered (0: all of them, during the
+        # optimizer step).
         self.ahead = ahead if ahead > 0 else len(self.order)
         # The first owners the next forward needs at once (the embedding, the first layers)
         # are gathered during the optimizer step instead, right after their pieces' updates,
@@ -476,7 +481,7 @@ class ShardedUpdate:
             self._issue(self.issued + 1)
 
     def updated(self):
-        """After an update (an eager step, a replayed graph): the pieces are new. The early
+        """After the optimizer step (eager, or being captured): the pieces are new. The early
         gathers are waited for here, at the step's end (a CUDA graph's capture must join
         every stream it forked before it ends)."""
         self.stale, self.updating = True, False
@@ -530,6 +535,29 @@ class ShardedUpdate:
         if self.stale and self.issued < len(self.order):
             self._issue(self.index[owner] + 1 + self.ahead)
 
+    # A CUDA graph replays what its capture recorded, and no Python runs then: the host's
+    # record of the round (stale, issued) is set to what every replay leaves, whatever an
+    # evaluation or a checkpoint between two replays did to it.
+    def before_capture(self):
+        """Outside the capture, before it: every pending gather joined, and the round set to
+        what the captured forward must find after each replayed step (the early owners
+        gathered by the step, the others not), so that it records their gathers."""
+        for owner, _ in self.order:
+            self._join(owner)
+        self.updating, self.issued, self.stale = False, self.early, True
+
+    def replayed(self):
+        """After each replay: the early owners whole (gathered in its step), the others stale."""
+        self.gathers.clear()  # every gather of the replay was joined inside it
+        self.updating, self.issued = False, self.early
+        self.stale = self.early < len(self.order)
+
+    def capture_failed(self):
+        """A capture that failed (on any process) recorded gathers that never ran: forget them;
+        the next forward gathers every piece again, the same on every process."""
+        self.gathers.clear()
+        self.updating, self.issued, self.stale = False, 0, True
+
     def _join(self, owner):
         for work in self.gathers.pop(owner, ()):
             work.wait()
@@ -543,14 +571,10 @@ class ShardedUpdate:
 
 
 def shards_optimizer(args):
-    """--ddp-shard-optimizer as given, or by default where it applies: the Triton AdamW
-    (its norm adds the pieces up) and no --compile (the layers wait in hooks). Measured at
-    8B on 2 x H200, against --no-ddp-shard-optimizer in one call: 1.5% more tokens/s in bf16
-    and 1.7% with --fp8 tensorwise, 15 GiB less memory per GPU (NOTES.md, Step 19)."""
-    asked = getattr(args, "ddp_shard_optimizer", None)
-    if asked is not None:
-        return asked
-    return flags.kernels_from_args(args)["adamw"] and not getattr(args, "compile", False)
+    """--ddp-shard-optimizer (off by default: measured at 8B on 2 x H200 against the
+    all-reduce in one call, 1.5-1.6% more tokens/s and 15 GiB less memory per GPU, but its
+    CUDA-graph path with evaluations or checkpoints between steps is not yet run on GPUs)."""
+    return bool(getattr(args, "ddp_shard_optimizer", False))
 
 
 def gather_now(model):
@@ -565,11 +589,13 @@ def optimizer_in_pieces(model):
     return getattr(model, "_sharded_update", None) is not None
 
 
-def after_update(model):
-    """After a replayed step (an eager one tells the optimizer's hook itself)."""
+def graph_hooks(model):
+    """--ddp-shard-optimizer under CUDA graphs: (before the capture, after each replay, after a
+    failed capture), ShardedUpdate's; else three that do nothing."""
     sharded = getattr(model, "_sharded_update", None)
-    if sharded is not None:
-        sharded.updated()
+    if sharded is None:
+        return (lambda: None,) * 3
+    return sharded.before_capture, sharded.replayed, sharded.capture_failed
 
 
 def optimizer_parameters(model, params):
@@ -599,15 +625,15 @@ def replicate_model(model, world, bucket_mb=flags.DDP_BUCKET_MB, shard_optimizer
             if whole is not t:
                 t.copy_(whole)
     model._gradient_average = GradientAverage(model, world.size, int(bucket_mb * 2**20), world.rank)
-    if shard_optimizer:
+    if shard_optimizer and world.size > 1:
         sharded = ShardedUpdate(model, model._gradient_average, gather_ahead)
         split = sum(p.numel() for p in model._gradient_average.pieces)
         whole = sum(p.numel() for p in model._gradient_average.params)
-        if split:  # else (LoRA's adapters) every weight is averaged whole, as without the flag
+        if split:  # else (small LoRA adapters) every weight is averaged whole, as without the flag
             model._sharded_update = sharded
-            print(f"DDP:           {world.size} processes; {len(model._gradient_average.pieces)} weights "
-                  f"({split / max(whole, 1):.0%} of the trained parameters) reduce-scattered, updated in pieces of "
-                  f"1/{world.size} and gathered again for the next forward (--no-ddp-shard-optimizer: all-reduced)")
+            print(f"DDP:           {world.size} processes; --ddp-shard-optimizer: {len(model._gradient_average.pieces)} "
+                  f"weights ({split / max(whole, 1):.0%} of the trained parameters) reduce-scattered, updated in "
+                  f"pieces of 1/{world.size} and gathered again for the next forward")
 
 
 @contextlib.contextmanager

@@ -127,23 +127,29 @@ def step_function(args, model, optimizer, loss_fn, scheduler, graphs):
         optimizer.step()
         return loss, grad_norm
 
+    # --ddp-shard-optimizer: what the host knows of the pieces' gathers around the graph.
+    pieces_before_capture, pieces_replayed, pieces_capture_failed = fsdp.graph_hooks(model)
+    prepare = getattr(optimizer, "prepare_capture", lambda: None)  # TritonAdamW: its scalars' memory
+
+    def before_capture():
+        pieces_before_capture()
+        prepare()
+
+    def after_replay():
+        if scheduler is not None:
+            scheduler.step()
+        pieces_replayed()
+
     return cuda_graphs.GraphedStep(
         captured, eager,
-        after_replay=functools.partial(after_replay, model, scheduler),
+        after_replay=after_replay,
         clear_gradients=functools.partial(optimizer.zero_grad, set_to_none=True),
-        before_capture=getattr(optimizer, "prepare_capture", None),  # TritonAdamW: its scalars' memory
+        before_capture=before_capture,
+        after_failed_capture=pieces_capture_failed,
         before_replay=getattr(optimizer, "stage_graph_step", None),  # TritonAdamW: this step's scalars
         hold=hold_interrupts,
         agree=fsdp.all_agree if getattr(args, "ddp", False) else None,  # every process replays, or none
     )
-
-
-def after_replay(model, scheduler):
-    """The host's share of a replayed step: the learning-rate schedule, and under
-    --ddp-shard-optimizer the note that the weights' pieces are new (fsdp.ShardedUpdate)."""
-    if scheduler is not None:
-        scheduler.step()
-    fsdp.after_update(model)
 
 
 def keep_capturable(optimizer):

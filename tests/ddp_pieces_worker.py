@@ -6,12 +6,13 @@ Each process builds the same tiny LLaMA with fsdp.PACKED_BYTES lowered, so that 
 the decoder layers and of both embeddings is split into pieces (the script's tiny model splits
 only its embeddings) while the norms stay whole, and trains it three steps on its own row through
 training.train_step: the Triton AdamW over the pieces, clipping on (the gradient norm adds the
-pieces' sums up over the processes), the gathers 0 (all at once) and 1 layer ahead of the running
-one, each in a run of its own. The same
-process trains a copy alone on both processes' rows (one process at batch 2: what --ddp must
-equal), with plain backward, clip_grad_norm_ and step. After the last step, a forward under
-no_grad (an evaluation) must start the gathers itself; then gather_now. Writes
-FOLDER/rankN_aheadA.json: the losses, norms and evaluation loss of both; the largest difference
+pieces' sums up over the processes), the gathers 0 (all during the optimizer step) and 1 layer
+ahead of the running one, each in a run of its own. The same process trains a copy alone on both
+processes' rows (one process at batch 2: what --ddp must equal), with plain backward,
+clip_grad_norm_ and step. Between the steps it calls what the CUDA-graph runner calls (before a
+capture, after a replay, after a failed capture), and after steps 2 and 3 a forward under no_grad
+(an evaluation) must gather by itself what the step left stale; then gather_now. Writes
+FOLDER/rankN_aheadA.json: the losses, norms and evaluation losses of both; the largest difference
 between the weights and the copy's, and between the two processes' weights; the moments' sizes.
 
 Usage (the test does this): torchrun --nproc-per-node 2 tests/ddp_pieces_worker.py FOLDER
@@ -58,8 +59,13 @@ def train(folder, rank, size, ahead, device):
     fsdp.attach_optimizer(model, optimizer)
     reference = TritonAdamW(alone.parameters(), lr=1e-3)
 
-    losses, norms, want_losses, want_norms = [], [], [], []
-    for ids in steps:
+    # Between the steps, what the CUDA-graph runner tells ShardedUpdate around a capture, a
+    # replay and a failed capture: each must leave a record the eager steps agree with (the
+    # graph itself needs a GPU; this checks the host's bookkeeping it relies on).
+    sharded = model._sharded_update
+    between = {0: sharded.before_capture, 1: sharded.replayed, 2: sharded.capture_failed}
+    losses, norms, want_losses, want_norms, evaluated, want_evaluated = [], [], [], [], [], []
+    for step, ids in enumerate(steps):
         loss, norm = training.train_step(model, optimizer, training.hf_loss, [batch_of(ids[rank:rank + 1], device)],
                                          max_grad_norm=1.0)
         losses.append(loss.item())
@@ -70,10 +76,13 @@ def train(folder, rank, size, ahead, device):
         reference.step()
         reference.zero_grad(set_to_none=True)
         want_losses.append(want.item())
-
-    with torch.no_grad():  # the weights are stale here: the embedding's hook must gather them
-        evaluated = training.hf_loss(model, held_out).item()
-        want_evaluated = training.hf_loss(alone, held_out).item()
+        between[step]()
+        if step > 0:
+            # Pieces updated by the step: with gathers ahead, only the first owners are
+            # whole; the forward's hooks must gather the rest by themselves.
+            with torch.no_grad():
+                evaluated.append(training.hf_loss(model, held_out).item())
+                want_evaluated.append(training.hf_loss(alone, held_out).item())
     fsdp.gather_now(model)
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     theirs = [torch.empty_like(weights) for _ in range(size)]
@@ -87,7 +96,6 @@ def train(folder, rank, size, ahead, device):
         "worst_between_processes": (theirs[0] - theirs[1]).abs().max().item(),
         "moments_are_pieces": all(optimizer.state[piece]["exp_avg"].numel() * size == p.numel()
                                   for p, piece in pieces.items()),
-        "stale_after_gather": model._sharded_update.stale,
     }
     with open(os.path.join(folder, f"rank{rank}_ahead{ahead}.json"), "w") as f:
         json.dump(report, f)

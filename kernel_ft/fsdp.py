@@ -494,7 +494,7 @@ class ShardedUpdate:
         """``sums[i]``: this process's sum of squares of params[i]'s gradient; those of the
         pieces added up over the processes (one all-reduce of their sums)."""
         key = tuple(map(id, params))
-        if getattr(self, "_rows", (None,))[0] != key:  # made once, outside any CUDA graph capture
+        if getattr(self, "_rows", (None,))[0] != key:  # made in the eager steps; a capture finds it made
             pieces = set(self.average.pieces.values())
             rows = [i for i, p in enumerate(params) if p in pieces]
             self._rows = (key, torch.tensor(rows, dtype=torch.long, device=sums.device))
@@ -529,11 +529,12 @@ class ShardedUpdate:
             self._issue(1 + self.ahead)
 
     def _wait(self, owner):
-        """Before ``owner`` runs: its own gathers done (on NCCL: this stream waits for NCCL's,
-        the host does not wait), and the next ``ahead`` owners' gathers issued."""
-        self._join(owner)
-        if self.stale and self.issued < len(self.order):
+        """Before ``owner`` runs: the next ``ahead`` owners' gathers issued (and its own, where
+        no embedding forward started the round: a model fed inputs_embeds), then its own done
+        (on NCCL: this stream waits for NCCL's, the host does not wait)."""
+        if self.stale:
             self._issue(self.index[owner] + 1 + self.ahead)
+        self._join(owner)
 
     # A CUDA graph replays what its capture recorded, and no Python runs then: the host's
     # record of the round (stale, issued) is set to what every replay leaves, whatever an

@@ -253,31 +253,39 @@ def test_ddp_pieces_equal_one_process_alone(tmp_path):
             assert r["moments_are_pieces"]
 
 
-def test_ddp_shard_optimizer_matches_one_process_and_resumes(full, tmp_path):
+def test_ddp_shard_optimizer_matches_the_all_reduce_and_resumes(tmp_path):
     """The script with --ddp --ddp-shard-optimizer (the tiny model: its two embeddings are
-    split into pieces): the losses of one process at batch 2; each process writes its own
-    optimizer state, rank 0 the whole model, the weights of one process's run; the run
-    resumes to the same losses, and a resume without the flag is refused in one line."""
-    args = [*TINY, "--steps", "3", "--batch-size", "1"]
+    split into pieces), 5 steps, a held-out evaluation after each and checkpoints at steps 2
+    and 4, against --ddp without it (which equals one process, above): the same losses,
+    evaluations and final weights. On GPUs the step is a CUDA graph from step 3 on, so the
+    evaluations and the checkpoint between replays read weights the replays left in pieces
+    (ShardedUpdate.replayed). Each process writes its own optimizer state, rank 0 the whole
+    model; the run resumes from step 4 to the same loss, and a resume without the flag is
+    refused in one line."""
+    args = [*TINY, "--steps", "5", "--batch-size", "1", "--eval-every", "1", "--save-every", "2"]
     out = tmp_path / "pieces"
-    pieces = run("finetune_optimized.py", [*args, "--ddp-shard-optimizer", "--output-dir", str(out), "--save-every",
-                                           "2"], 2, tmp_path, "pieces", mode="--ddp")
-    _, one, tmp = full
-    close(pieces["losses"], one["losses"])
-    ckpt = out / "checkpoint-2"
+    pieces = run("finetune_optimized.py", [*args, "--ddp-shard-optimizer", "--output-dir", str(out)], 2, tmp_path,
+                 "pieces", mode="--ddp")
+    whole = run("finetune_optimized.py", [*args, "--output-dir", str(tmp_path / "whole")], 2, tmp_path, "whole",
+                mode="--ddp")
+    close(pieces["losses"], whole["losses"])
+    assert [e["step"] for e in pieces["eval"]] == [1, 2, 3, 4, 5]
+    close([e["loss"] for e in pieces["eval"]], [e["loss"] for e in whole["eval"]])
+    ckpt = out / "checkpoint-4"
     assert sorted(os.listdir(ckpt)) == sorted([checkpoints.MANIFEST, "config.json", "generation_config.json",
                                                "model.safetensors", "optimizer_rank0.pt", "optimizer_rank1.pt",
                                                "rng_state_rank0.pt", "rng_state_rank1.pt", "scheduler.pt",
                                                checkpoints.TRAINER_STATE])
     from safetensors.torch import load_file
 
-    ours, theirs = load_file(out / "checkpoint-3" / "model.safetensors"), load_file(tmp / "one" / "checkpoint-3" /
-                                                                                      "model.safetensors")
-    assert ours.keys() == theirs.keys()
-    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) < 2e-4  # see the test above
+    for step in (4, 5):
+        ours = load_file(out / f"checkpoint-{step}" / "model.safetensors")
+        theirs = load_file(tmp_path / "whole" / f"checkpoint-{step}" / "model.safetensors")
+        assert ours.keys() == theirs.keys()
+        assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) < 2e-4  # see the test above
     resumed = run("finetune_optimized.py", [*args, "--ddp-shard-optimizer", "--resume", str(ckpt), "--output-dir",
                                             str(tmp_path / "again")], 2, tmp_path, "pieces_resumed", mode="--ddp")
-    close(resumed["losses"], pieces["losses"][2:], tol=1e-6)
+    close(resumed["losses"], pieces["losses"][4:], tol=1e-6)
     with pytest.raises(AssertionError, match="its optimizer state was written with --ddp-shard-optimizer"):
         run("finetune_optimized.py", [*args, "--resume", str(ckpt), "--output-dir", str(tmp_path / "x")],
             2, tmp_path, "refused", mode="--ddp")

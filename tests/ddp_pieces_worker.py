@@ -7,12 +7,12 @@ the decoder layers and of both embeddings is split into pieces (the script's tin
 only its embeddings) while the norms stay whole, and trains it three steps on its own row through
 training.train_step: the Triton AdamW over the pieces, clipping on (the gradient norm adds the
 pieces' sums up over the processes), the gathers 0 (all during the optimizer step) and 1 layer
-ahead of the running one, each in a run of its own. The same process trains a copy alone on both
+ahead of the running one, and LoRA adapters on a frozen model, each in a run of its own. The same process trains a copy alone on both
 processes' rows (one process at batch 2: what --ddp must equal), with plain backward,
 clip_grad_norm_ and step. Between the steps it calls what the CUDA-graph runner calls (before a
 capture, after a replay, after a failed capture), and after steps 2 and 3 a forward under no_grad
 (an evaluation) must gather by itself what the step left stale; then gather_now. Writes
-FOLDER/rankN_aheadA.json: the losses, norms and evaluation losses of both; the largest difference
+FOLDER/rankN_aheadA[_lora].json: the losses, norms and evaluation losses of both; the largest difference
 between the weights and the copy's, and between the two processes' weights; the moments' sizes.
 
 Usage (the test does this): torchrun --nproc-per-node 2 tests/ddp_pieces_worker.py FOLDER
@@ -44,9 +44,17 @@ def batch_of(ids, device):
             "position_ids": torch.arange(seq, device=device).expand(rows, seq)}
 
 
-def train(folder, rank, size, ahead, device):
+def train(folder, rank, size, ahead, device, lora):
     torch.manual_seed(0)
     model = LlamaForCausalLM(models.tiny_config()).to(device)
+    if lora:  # adapters on every projection, the model frozen: the adapters over 4 KB are split
+        from peft import LoraConfig, get_peft_model
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets))
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # not PEFT's zeros: the first step's gradients reach every adapter
+                torch.nn.init.normal_(p, std=0.02)
     alone = copy.deepcopy(model)
     g = torch.Generator().manual_seed(7)
     steps = [torch.randint(0, 8192, (size, SEQ), generator=g) for _ in range(3)]  # row r: process r's
@@ -54,10 +62,10 @@ def train(folder, rank, size, ahead, device):
 
     fsdp.PACKED_BYTES = PACKED_BYTES
     fsdp.replicate_model(model, fsdp.World(rank, size, rank, device), shard_optimizer=True, gather_ahead=ahead)
-    params = fsdp.optimizer_parameters(model, list(model.parameters()))
+    params = fsdp.optimizer_parameters(model, [p for p in model.parameters() if p.requires_grad])
     optimizer = TritonAdamW(params, lr=1e-3)
     fsdp.attach_optimizer(model, optimizer)
-    reference = TritonAdamW(alone.parameters(), lr=1e-3)
+    reference = TritonAdamW([p for p in alone.parameters() if p.requires_grad], lr=1e-3)
 
     # Between the steps, what the CUDA-graph runner tells ShardedUpdate around a capture, a
     # replay and a failed capture: each must leave a record the eager steps agree with (the
@@ -91,13 +99,13 @@ def train(folder, rank, size, ahead, device):
     report = {
         "rank": rank, "ahead": ahead, "losses": losses, "want_losses": want_losses, "norms": norms,
         "want_norms": want_norms, "evaluated": evaluated, "want_evaluated": want_evaluated,
-        "split": len(pieces), "whole": sum(1 for p in model.parameters() if p not in pieces),
+        "split": len(pieces), "whole": sum(1 for p in model.parameters() if p.requires_grad and p not in pieces),
         "worst_vs_alone": max((p - q).abs().max().item() for p, q in zip(model.parameters(), alone.parameters())),
         "worst_between_processes": (theirs[0] - theirs[1]).abs().max().item(),
         "moments_are_pieces": all(optimizer.state[piece]["exp_avg"].numel() * size == p.numel()
                                   for p, piece in pieces.items()),
     }
-    with open(os.path.join(folder, f"rank{rank}_ahead{ahead}.json"), "w") as f:
+    with open(os.path.join(folder, f"rank{rank}_ahead{ahead}{'_lora' if lora else ''}.json"), "w") as f:
         json.dump(report, f)
 
 
@@ -111,8 +119,8 @@ def main(folder):
         torch.cuda.set_device(device)
     torch.distributed.init_process_group("nccl" if on_gpu else "gloo")
     size = torch.distributed.get_world_size()
-    for ahead in (0, 1):
-        train(folder, rank, size, ahead, device)
+    for ahead, lora in ((0, False), (1, False), (1, True)):
+        train(folder, rank, size, ahead, device, lora)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

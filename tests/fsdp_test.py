@@ -230,19 +230,20 @@ def test_ddp_pieces_equal_one_process_alone(tmp_path):
     """--ddp-shard-optimizer (fsdp.ShardedUpdate, 2 gloo processes, tests/ddp_pieces_worker.py):
     a tiny LLaMA whose matrices are all split into pieces (its norms whole) trains three steps
     as one process does at batch 2, gathering all during the optimizer step or one layer
-    ahead: the same losses and gradient norms (each norm adds up both processes' pieces), the
-    same weights, the same on both processes; AdamW's moments hold a piece each; evaluations
-    between the steps, after the CUDA-graph runner's calls, gather the stale pieces by
-    themselves. Adam moves every element by about its learning rate (1e-3) per step whatever
+    ahead, and LoRA adapters split the same way (the model frozen): the same losses and
+    gradient norms (each norm adds up both processes' pieces), the same weights, the same on
+    both processes; AdamW's moments hold a piece each; evaluations between the steps, after
+    the CUDA-graph runner's calls, gather the stale pieces by themselves. Adam moves every element by about its learning rate (1e-3) per step whatever
     its gradient, so a piece not gathered after an update is off by ~1e-3; the float32
     rounding of two averages against one backward moved the weights by 4.9e-5 here."""
     if torch.cuda.is_available() and torch.cuda.device_count() < 2:
         pytest.skip("on GPUs the worker runs one process per GPU (NCCL): 2 needed")
     run_worker("ddp_pieces_worker.py", tmp_path)
-    for ahead in (0, 1):
+    for run_name, split, whole in (("ahead0", 16, 5), ("ahead1", 16, 5), ("ahead1_lora", 24, 4)):
         for rank in (0, 1):
-            r = json.loads((tmp_path / f"rank{rank}_ahead{ahead}.json").read_text())
-            assert r["split"] == 16 and r["whole"] == 5  # 2 x 7 projections + 2 embeddings; 5 norms
+            r = json.loads((tmp_path / f"rank{rank}_{run_name}.json").read_text())
+            # 2 x 7 projections + 2 embeddings, 5 norms whole; LoRA: every adapter but k's and v's 2 KB B
+            assert r["split"] == split and r["whole"] == whole
             close(r["losses"], r["want_losses"], tol=1e-5)
             assert all(abs(a - b) <= 1e-5 * b for a, b in zip(r["norms"], r["want_norms"]))
             assert min(r["want_norms"]) > 1.0  # clipping was on: the norm decided the updates

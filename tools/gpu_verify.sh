@@ -200,14 +200,16 @@ for what in $WHAT; do
         | tee "$OUTDIR/profile_fsdp.log" | tail -24 ;;
     gpus)
       # Step 19 on every visible GPU (2 or 4): one GPU alone, then all of them with the run's own choice between
-      # --ddp and --fsdp, each named, FSDP with bf16 reduction, --ddp --compile, FSDP's communication buffers in
-      # symmetric memory (copy-engine all-gathers) and in NCCL's allocator, FSDP with FP8; tests/fsdp_test.py over NCCL (DDP's
-      # checkpoints and the choice included); on 4 GPUs, 70B LoRA r16 too.
+      # --ddp and --fsdp, each named, FSDP with bf16 reduction, --ddp --compile, --ddp --ddp-shard-optimizer (with a
+      # held-out evaluation every 4 steps: between the graph's replays), FSDP's communication buffers in symmetric
+      # memory (copy-engine all-gathers) and in NCCL's allocator, FSDP with FP8; tests/fsdp_test.py over NCCL (DDP's
+      # checkpoints, the pieces' graph path and the choice included); on 4 GPUs, 70B LoRA r16 too.
       n=$(nvidia-smi -L | wc -l)
       common="--random-init --dataset synthetic --batch-size 2 --seq-len 2048 --steps 12 --log-every 4"
       CUDA_VISIBLE_DEVICES=0 python3 finetune_optimized.py $common --json "$OUTDIR/gpus_one.json" 2>&1 \
         | tee "$OUTDIR/gpus_one.log" | tail -8
       for extra in "" "--fsdp" "--ddp" "--fsdp --fsdp-reduce-dtype bfloat16" "--ddp --compile" \
+                   "--ddp --ddp-shard-optimizer --eval-every 4" "--ddp --eval-every 4" \
                    "--fsdp --fsdp-comm symm-mem" "--fsdp --fsdp-comm pg-memory" "--fsdp --fp8 tensorwise"; do
         tag=${extra:-chosen}; tag=${tag//--/}; tag=${tag// /_}
         torchrun --standalone --nproc-per-node "$n" finetune_optimized.py $common $extra \

@@ -536,7 +536,12 @@ class TritonAdamW(torch.optim.Optimizer):
         """The L2 norm of this optimizer's gradients, as ``torch.nn.utils.get_total_norm``
         computes it, a tensor; the norm over every process's pieces where the parameters
         are pieces of whole weights (``add_up_pieces``, set by --ddp-shard-optimizer)."""
-        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        return self._norm_of(self._with_grads())
+
+    def _with_grads(self):
+        return [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+
+    def _norm_of(self, params):
         grads = [p.grad for p in params]
         if not grads:
             return torch.tensor(0.0)
@@ -555,10 +560,11 @@ class TritonAdamW(torch.optim.Optimizer):
         tensor, computed as PyTorch computes it (total_norm). Until that step the
         ``.grad`` tensors keep their unclipped values; the step consumes the coefficient.
         """
-        if not any(p.grad is not None for group in self.param_groups for p in group["params"]):
+        params = self._with_grads()
+        if not params:
             self._grad_scale = None
             return torch.tensor(0.0)
-        norm = self.total_norm()
+        norm = self._norm_of(params)
         # clip_grad_norm_'s coefficient, in the norm's dtype as PyTorch computes it.
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         self._grad_scale = coefficient.to(torch.float32).reshape(1)

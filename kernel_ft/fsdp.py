@@ -278,7 +278,7 @@ class GradientAverage:
         """The groups, in the order rank 0's backward made the gradients (then those it did
         not make), told to every process (one broadcast, once: the host waits for it, so
         never inside a CUDA graph's capture; the eager steps before it come first)."""
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if capturing():
             raise RuntimeError("--ddp: the first averaged backward learns the gradients' order with a host "
                                "broadcast, which a CUDA graph cannot capture: run at least one eager step first")
         index = {p: i for i, p in enumerate(self.params)}
@@ -309,13 +309,17 @@ class GradientAverage:
         grads = [p.grad for p in group]
         packed = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else None
         flat = grads[0] if packed is None else packed
+        self.pending.append((self._launch_average(torch.distributed.all_reduce, flat), packed, grads))
+
+    def _launch_average(self, collective, flat, *output):
+        """``collective(*output, flat)``, asynchronous, averaging ``flat`` over the processes:
+        NCCL averages inside its own kernel; gloo has no average: each process's share, then
+        their sum (DistributedDataParallel's way)."""
         dist = torch.distributed
-        if flat.is_cuda:  # NCCL averages inside its own kernel
-            work = dist.all_reduce(flat, op=dist.ReduceOp.AVG, async_op=True)
-        else:  # gloo has no average: each process's share, then their sum (DistributedDataParallel's way)
-            flat.div_(self.size)
-            work = dist.all_reduce(flat, async_op=True)
-        self.pending.append((work, packed, grads))
+        if flat.is_cuda:
+            return collective(*output, flat, op=dist.ReduceOp.AVG, async_op=True)
+        flat.div_(self.size)
+        return collective(*output, flat, async_op=True)
 
     def _average_piece(self, p):
         """--ddp-shard-optimizer: a reduce-scatter in place instead of the all-reduce; this
@@ -326,13 +330,8 @@ class GradientAverage:
                                f"its pieces would not be pieces of its memory (leave the flag out)")
         piece = self.pieces[p]
         flat = p.grad.view(-1)
-        mine = flat.narrow(0, self.rank * piece.numel(), piece.numel())
-        dist = torch.distributed
-        if flat.is_cuda:  # NCCL in place: the output is the input's piece at offset rank
-            work = reduce_scatter(mine, flat, op=dist.ReduceOp.AVG, async_op=True)
-        else:  # gloo: each process's share, then their sum
-            flat.div_(self.size)
-            work = reduce_scatter(mine, flat, async_op=True)
+        mine = flat.narrow(0, self.rank * piece.numel(), piece.numel())  # NCCL in place: the input's piece at rank
+        work = self._launch_average(reduce_scatter, flat, mine)
         piece.grad = mine  # the rest of p.grad: this process's own sum (on gloo, divided by N)
         self.pending.append((work, None, [p.grad]))
 
@@ -508,15 +507,10 @@ class ShardedUpdate:
     def _issue(self, upto):
         """The all-gathers of the owners before index ``upto`` of the forward order that are
         not issued yet (in place: each piece into its whole weight)."""
-        rank = self.average.rank
         while self.issued < min(upto, len(self.order)):
             owner, weights = self.order[self.issued]
-            works = []
-            for p in weights:
-                whole = p.detach().view(-1)
-                mine = whole.narrow(0, rank * (whole.numel() // self.size), whole.numel() // self.size)
-                works.append(all_gather(whole, mine, async_op=True))
-            self.gathers[owner] = works
+            pieces = self.average.pieces  # each a view of its weight at offset rank: NCCL gathers in place
+            self.gathers[owner] = [all_gather(p.detach().view(-1), pieces[p].detach(), async_op=True) for p in weights]
             self.issued += 1
         # A capture records the gathers without running them: the weights stay stale until
         # a replay, and after a replay they are stale again (updated()).
@@ -571,6 +565,11 @@ class ShardedUpdate:
             self._wait(owner)
 
 
+def _sharded(model):
+    """The model's ShardedUpdate (--ddp-shard-optimizer with weights to split), or None."""
+    return getattr(model, "_sharded_update", None)
+
+
 def shards_optimizer(args):
     """--ddp-shard-optimizer (off by default: measured at 8B on 2 x H200 against the
     all-reduce in one call, 1.5-1.6% more tokens/s and 15 GiB less memory per GPU, but its
@@ -580,20 +579,20 @@ def shards_optimizer(args):
 
 def gather_now(model):
     """--ddp-shard-optimizer: every weight whole and current (a collective); else nothing."""
-    sharded = getattr(model, "_sharded_update", None)
+    sharded = _sharded(model)
     if sharded is not None:
         sharded.gather_now()
 
 
 def optimizer_in_pieces(model):
     """Whether the optimizer holds pieces of the weights (--ddp-shard-optimizer)."""
-    return getattr(model, "_sharded_update", None) is not None
+    return _sharded(model) is not None
 
 
 def graph_hooks(model):
     """--ddp-shard-optimizer under CUDA graphs: (before the capture, after each replay, after a
     failed capture), ShardedUpdate's; else three that do nothing."""
-    sharded = getattr(model, "_sharded_update", None)
+    sharded = _sharded(model)
     if sharded is None:
         return (lambda: None,) * 3
     return sharded.before_capture, sharded.replayed, sharded.capture_failed
@@ -602,12 +601,12 @@ def graph_hooks(model):
 def optimizer_parameters(model, params):
     """The parameters the optimizer gets: ``params``, or under --ddp-shard-optimizer the
     pieces of the split weights in their place."""
-    sharded = getattr(model, "_sharded_update", None)
+    sharded = _sharded(model)
     return params if sharded is None else sharded.optimizer_parameters(params)
 
 
 def attach_optimizer(model, optimizer):
-    sharded = getattr(model, "_sharded_update", None)
+    sharded = _sharded(model)
     if sharded is not None:
         sharded.attach(optimizer)
 
@@ -628,11 +627,12 @@ def replicate_model(model, world, bucket_mb=flags.DDP_BUCKET_MB, shard_optimizer
     model._gradient_average = GradientAverage(model, world.size, int(bucket_mb * 2**20), world.rank)
     if shard_optimizer and world.size > 1:
         sharded = ShardedUpdate(model, model._gradient_average, gather_ahead)
-        split = sum(p.numel() for p in model._gradient_average.pieces)
+        pieces = model._gradient_average.pieces
+        split = sum(p.numel() for p in pieces)
         whole = sum(p.numel() for p in model._gradient_average.params)
         if split:  # else (small LoRA adapters) every weight is averaged whole, as without the flag
             model._sharded_update = sharded
-            print(f"DDP:           {world.size} processes; --ddp-shard-optimizer: {len(model._gradient_average.pieces)} "
+            print(f"DDP:           {world.size} processes; --ddp-shard-optimizer: {len(pieces)} "
                   f"weights ({split / max(whole, 1):.0%} of the trained parameters) reduce-scattered, updated in "
                   f"pieces of 1/{world.size} and gathered again for the next forward")
 

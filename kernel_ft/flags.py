@@ -325,11 +325,18 @@ def add_fsdp_arg(group):
              "(default: %(default)s)",
     )
     group.add_argument(
-        "--ddp-shard-optimizer", action=argparse.BooleanOptionalAction, default=False,
+        "--ddp-shard-optimizer", action=argparse.BooleanOptionalAction, default=None,
         help="--ddp: each large gradient reduce-scattered instead of all-reduced, each process updating its "
              "1/N piece of those weights (AdamW and its moments over 1/N of them), the pieces all-gathered "
              "back while the next forward runs; one optimizer file per process in the checkpoints "
-             "(default: %(default)s; needs the Triton AdamW, not with --compile)",
+             "(default: on with the Triton AdamW, without --compile)",
+    )
+    group.add_argument(
+        "--ddp-copy-engines", action=argparse.BooleanOptionalAction, default=True,
+        help="--ddp-shard-optimizer on GPUs: the split weights live in NCCL's symmetric memory windows, where "
+             "NCCL (2.28 or later, zero-CTA policy) moves their all-gathers with the GPUs' copy engines instead "
+             "of SMs the matmuls beside them need (default: %(default)s where this torch and NCCL can; the "
+             "DDP line says which)",
     )
     group.add_argument(
         "--ddp-gather-ahead", type=non_negative_int, default=DDP_GATHER_AHEAD,
@@ -497,16 +504,18 @@ def idle_parallel_flags(args):
                     if getattr(args, k, v) != v]
     if fsdp_changed and not getattr(args, "fsdp", False):
         notes.append(f"{', '.join(fsdp_changed)} without --fsdp changes nothing")
+    shard = getattr(args, "ddp_shard_optimizer", None)
     ddp_changed = [flag for flag, changed in (
         ("--ddp-bucket-mb", getattr(args, "ddp_bucket_mb", DDP_BUCKET_MB) != DDP_BUCKET_MB),
-        ("--ddp-shard-optimizer", getattr(args, "ddp_shard_optimizer", False)),
-        ("--ddp-gather-ahead", getattr(args, "ddp_gather_ahead", DDP_GATHER_AHEAD) != DDP_GATHER_AHEAD))
+        (f"--{'no-' if shard is False else ''}ddp-shard-optimizer", shard is not None),
+        ("--ddp-gather-ahead", getattr(args, "ddp_gather_ahead", DDP_GATHER_AHEAD) != DDP_GATHER_AHEAD),
+        ("--no-ddp-copy-engines", getattr(args, "ddp_copy_engines", True) is False))
         if changed]
     if ddp_changed and not getattr(args, "ddp", False):
         notes.append(f"{', '.join(ddp_changed)} without --ddp changes nothing")
-    elif getattr(args, "ddp", False) and "--ddp-gather-ahead" in ddp_changed and not getattr(
-            args, "ddp_shard_optimizer", False):
-        notes.append("--ddp-gather-ahead without --ddp-shard-optimizer changes nothing")
+    elif shard is False and (pieces_only := [f for f in ddp_changed if f in ("--ddp-gather-ahead",
+                                                                           "--no-ddp-copy-engines")]):
+        notes.append(f"{', '.join(pieces_only)} with --no-ddp-shard-optimizer changes nothing")
     return notes
 
 

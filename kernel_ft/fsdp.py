@@ -174,10 +174,12 @@ def init_distributed(args):
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    if getattr(args, "fsdp_comm", "default") == "symm-mem":
+    if getattr(args, "fsdp_comm", "default") == "symm-mem" or (
+            backend == "nccl" and getattr(args, "ddp", False) and shards_optimizer(args)
+            and getattr(args, "ddp_copy_engines", True)):
         # NCCL reads it when the communicator is made: its all-gathers from symmetric
         # memory then go through the copy engines (zero CTAs). A value set by hand stays.
-        os.environ.setdefault("NCCL_CTA_POLICY", "2")
+        os.environ.setdefault("NCCL_CTA_POLICY", NCCL_ZERO_CTA)
     if not torch.distributed.is_initialized():
         kwargs = {"device_id": device} if backend == "nccl" else {}
         torch.distributed.init_process_group(backend=backend, **kwargs)
@@ -204,6 +206,9 @@ def close_distributed():
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
     torch.distributed.barrier()
+    while WINDOWS:  # NCCL's windows go before their communicator does
+        backend, pool = WINDOWS.pop()
+        backend.deregister_mem_pool(pool)
     torch.distributed.destroy_process_group()
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker, not a test holding a group
         sys.stdout.flush()
@@ -396,6 +401,53 @@ def all_gather(output, input, **kwargs):
     return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(output, input, **kwargs)
 
 
+# The gathers by the copy engines (--ddp-copy-engines, on by default where it can). A GPU
+# also has DMA engines that copy memory, to another GPU over NVLink too, without an SM.
+# NCCL's all-gather kernel needs SMs, and while the forward's matmuls hold them it waits
+# for some: measured on 2 x H200 (tools/comm_overlap.py, results/four_gpus/h200x4_pieces/),
+# an 8B layer's weights x 4 (1.6 GB) gather in 4.5 ms alone and in 24 ms beside matmuls.
+# NCCL 2.28 moves an all-gather with the copy engines when both its buffers lie in
+# symmetric windows (memory from NCCL's own allocator, registered by every process with the
+# same sizes in the same order) and the communicator's CTA policy is zero: the same
+# gathers then take 2.8 ms beside the matmuls. So the split weights are moved into such
+# memory once, before their pieces are made; the reduce-scatters of the gradients keep
+# NCCL's kernels (a sum needs an SM).
+NCCL_ZERO_CTA = "2"  # NCCL_CTA_POLICY_ZERO, read from the environment when a communicator is made
+WINDOWS = []  # (NCCL backend, memory pool) registered by this process, deregistered by close_distributed
+
+
+def copy_engines_unavailable(device):
+    """Why the all-gathers on ``device`` cannot go by the copy engines (None: they can)."""
+    if device.type != "cuda":
+        return "NCCL on GPUs only"
+    version = torch.cuda.nccl.version()
+    if version < (2, 28):
+        return f"NCCL {'.'.join(map(str, version))} (2.28 or later moves all-gathers by the copy engines)"
+    backend = torch.distributed.group.WORLD._get_backend(device)
+    if not (hasattr(backend, "mem_allocator") and hasattr(backend, "register_mem_pool")):
+        return f"torch {torch.__version__} cannot register NCCL windows (ProcessGroupNCCL.register_mem_pool)"
+    if os.environ.get("NCCL_CTA_POLICY") != NCCL_ZERO_CTA:
+        return f"NCCL_CTA_POLICY={os.environ.get('NCCL_CTA_POLICY')} set by hand ({NCCL_ZERO_CTA}, zero CTAs, needed)"
+    return None
+
+
+def into_windows(weights):
+    """Each of ``weights`` moved into memory from NCCL's allocator, then registered as
+    symmetric windows by every process (a collective: every process moves the same weights
+    in the same order). The Parameters stay the same objects."""
+    device = weights[0].device
+    backend = torch.distributed.group.WORLD._get_backend(device)
+    pool = torch.cuda.MemPool(backend.mem_allocator)
+    with torch.no_grad(), torch.cuda.use_mem_pool(pool):
+        for p in weights:
+            moved = torch.empty_like(p)
+            moved.copy_(p)
+            p.data = moved
+    torch.cuda.empty_cache()  # their old memory back to the device
+    backend.register_mem_pool(pool, symm=True)
+    WINDOWS.append((backend, pool))
+
+
 def capturing():
     """Whether a CUDA graph is being captured on this thread's stream."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
@@ -404,7 +456,7 @@ def capturing():
 class ShardedUpdate:
     """--ddp-shard-optimizer for ``model`` under ``average`` (its GradientAverage)."""
 
-    def __init__(self, model, average, ahead=flags.DDP_GATHER_AHEAD):
+    def __init__(self, model, average, ahead=flags.DDP_GATHER_AHEAD, windows=False):
         self.average, self.size = average, average.size
         layers = list(kernel_common.decoder_of(model).layers)
         embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -416,6 +468,8 @@ class ShardedUpdate:
             taken.update(weights)
             if weights:
                 self.order.append((owner, weights))
+        if windows and self.order:  # before the pieces: they are views of the weights' memory
+            into_windows([p for _, weights in self.order for p in weights])
         for _, weights in self.order:
             for p in weights:
                 n = p.numel() // self.size
@@ -571,10 +625,14 @@ def _sharded(model):
 
 
 def shards_optimizer(args):
-    """--ddp-shard-optimizer (off by default: measured at 8B on 2 x H200 against the
-    all-reduce in one call, 1.5-1.6% more tokens/s and 15 GiB less memory per GPU, but its
-    CUDA-graph path with evaluations or checkpoints between steps is not yet run on GPUs)."""
-    return bool(getattr(args, "ddp_shard_optimizer", False))
+    """--ddp-shard-optimizer as given, or by default where it applies: the Triton AdamW (its
+    norm adds the pieces up) and no --compile (the layers wait in hooks). What it buys at
+    8B (NOTES.md, Step 19): 0.92x per GPU against 0.88x all-reduced on 4 x H200, 0.92x
+    against 0.91x on 2, and a third to a half less memory per GPU."""
+    asked = getattr(args, "ddp_shard_optimizer", None)
+    if asked is not None:
+        return asked
+    return flags.kernels_from_args(args)["adamw"] and not getattr(args, "compile", False)
 
 
 def gather_now(model):
@@ -612,12 +670,13 @@ def attach_optimizer(model, optimizer):
 
 
 def replicate_model(model, world, bucket_mb=flags.DDP_BUCKET_MB, shard_optimizer=False,
-                   gather_ahead=flags.DDP_GATHER_AHEAD):
+                   gather_ahead=flags.DDP_GATHER_AHEAD, copy_engines=False):
     """--ddp: a whole copy of ``model`` per process, its gradients averaged over the
     processes in every training step (GradientAverage). Every process starts from rank
     0's weights and buffers (broadcast now). Call it after the kernels are switched in,
     like shard_model; the model stays the HF model it was. ``shard_optimizer``: the large
-    weights updated in pieces (ShardedUpdate), gathered ``gather_ahead`` layers ahead."""
+    weights updated in pieces (ShardedUpdate), gathered ``gather_ahead`` layers ahead, by
+    the copy engines where ``copy_engines`` and the GPUs' NCCL can."""
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             whole = t if t.is_contiguous() else t.contiguous()  # a collective sends contiguous memory
@@ -626,15 +685,17 @@ def replicate_model(model, world, bucket_mb=flags.DDP_BUCKET_MB, shard_optimizer
                 t.copy_(whole)
     model._gradient_average = GradientAverage(model, world.size, int(bucket_mb * 2**20), world.rank)
     if shard_optimizer and world.size > 1:
-        sharded = ShardedUpdate(model, model._gradient_average, gather_ahead)
+        why_not = copy_engines_unavailable(world.device) if copy_engines else "--no-ddp-copy-engines"
+        sharded = ShardedUpdate(model, model._gradient_average, gather_ahead, windows=why_not is None)
         pieces = model._gradient_average.pieces
         split = sum(p.numel() for p in pieces)
         whole = sum(p.numel() for p in model._gradient_average.params)
         if split:  # else (small LoRA adapters) every weight is averaged whole, as without the flag
             model._sharded_update = sharded
+            by = "the copy engines (NCCL windows)" if why_not is None else f"NCCL's kernels ({why_not})"
             print(f"DDP:           {world.size} processes; --ddp-shard-optimizer: {len(pieces)} "
                   f"weights ({split / max(whole, 1):.0%} of the trained parameters) reduce-scattered, updated in "
-                  f"pieces of 1/{world.size} and gathered again for the next forward")
+                  f"pieces of 1/{world.size} and gathered again for the next forward by {by}")
 
 
 @contextlib.contextmanager

@@ -129,7 +129,8 @@ def assemble(args, model, data, switch_in, world, after_kernels=None):
         after_kernels(model)
     if world and args.ddp:  # after the kernels: the swapped modules are what is replicated
         fsdp.replicate_model(model, world, args.ddp_bucket_mb, fsdp.shards_optimizer(args),
-                             getattr(args, "ddp_gather_ahead", flags.DDP_GATHER_AHEAD))
+                             getattr(args, "ddp_gather_ahead", flags.DDP_GATHER_AHEAD),
+                             getattr(args, "ddp_copy_engines", True))
     elif world:  # after the kernels: the swapped modules are what is sharded
         fsdp.shard_model(model, args, world)
         if flags.fp8_gathered(args):  # before the first forward: the weights' first gather is in FP8

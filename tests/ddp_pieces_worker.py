@@ -1,6 +1,6 @@
 """
 One process of tests/fsdp_test.py's check of --ddp-shard-optimizer (fsdp.ShardedUpdate), started twice by torchrun
-(gloo on the CPU, NCCL on two GPUs).
+(gloo on the CPU, NCCL on two GPUs, the weights' gathers by the copy engines where NCCL can).
 
 Each process builds the same tiny LLaMA with fsdp.PACKED_BYTES lowered, so that every matrix of
 the decoder layers and of both embeddings is split into pieces (the script's tiny model splits
@@ -61,7 +61,8 @@ def train(folder, rank, size, ahead, device, lora):
     held_out = batch_of(torch.randint(0, 8192, (2, SEQ), generator=g), device)
 
     fsdp.PACKED_BYTES = PACKED_BYTES
-    fsdp.replicate_model(model, fsdp.World(rank, size, rank, device), shard_optimizer=True, gather_ahead=ahead)
+    fsdp.replicate_model(model, fsdp.World(rank, size, rank, device), shard_optimizer=True, gather_ahead=ahead,
+                         copy_engines=True)
     params = fsdp.optimizer_parameters(model, [p for p in model.parameters() if p.requires_grad])
     optimizer = TritonAdamW(params, lr=1e-3)
     fsdp.attach_optimizer(model, optimizer)
@@ -102,6 +103,7 @@ def train(folder, rank, size, ahead, device, lora):
         "split": len(pieces), "whole": sum(1 for p in model.parameters() if p.requires_grad and p not in pieces),
         "worst_vs_alone": max((p - q).abs().max().item() for p, q in zip(model.parameters(), alone.parameters())),
         "worst_between_processes": (theirs[0] - theirs[1]).abs().max().item(),
+        "windows": len(fsdp.WINDOWS),  # NCCL windows registered so far (the copy engines' gathers)
         "moments_are_pieces": all(optimizer.state[piece]["exp_avg"].numel() * size == p.numel()
                                   for p, piece in pieces.items()),
     }
@@ -115,14 +117,14 @@ def main(folder):
     on_gpu = torch.cuda.is_available()
     rank = int(os.environ["RANK"])
     device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
-    if on_gpu:
+    if on_gpu:  # the weights' gathers by the copy engines, as the script sets it up (fsdp.init_distributed)
         torch.cuda.set_device(device)
+        os.environ.setdefault("NCCL_CTA_POLICY", fsdp.NCCL_ZERO_CTA)
     torch.distributed.init_process_group("nccl" if on_gpu else "gloo")
     size = torch.distributed.get_world_size()
     for ahead, lora in ((0, False), (1, False), (1, True)):
         train(folder, rank, size, ahead, device, lora)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    fsdp.close_distributed()  # NCCL's windows deregistered before the group goes
 
 
 if __name__ == "__main__":

@@ -173,8 +173,9 @@ def test_ddp_two_ranks_match_one_process(full, lora, tmp_path):
     processes (fsdp.GradientAverage); 2 x batch 1 gives the losses of one process at batch 2,
     every kernel, and with LoRA adapters. Rank 0 saves the model as one process does
     (with every process's random generators); the run resumes from it to the same
-    losses, and only as --ddp with 2 processes."""
-    args = [*TINY, "--steps", "3", "--batch-size", "1"]
+    losses, and only as --ddp with 2 processes. (Every gradient all-reduced: the pieces,
+    --ddp-shard-optimizer, on by default, are tested below.)"""
+    args = [*TINY, "--steps", "3", "--batch-size", "1", "--no-ddp-shard-optimizer"]
     saves = ["--output-dir", str(tmp_path / "ddp_ckpt"), "--save-every", "2"]
     replicated = run("finetune_optimized.py", [*args, *saves], 2, tmp_path, "ddp", mode="--ddp")
     _, one, _ = full
@@ -191,7 +192,8 @@ def test_ddp_two_ranks_match_one_process(full, lora, tmp_path):
     with pytest.raises(SystemExit, match="written by --ddp with 2 processes, this run is one process"):
         finetune_optimized.main([*args, "--resume", str(ckpt), "--output-dir", str(tmp_path / "x")])
     # Without --ddp or --fsdp the run chooses: the tiny model fits many times, so --ddp.
-    adapters = run("finetune_optimized.py", [*args, "--lora", "--lora-r", "4"], 2, tmp_path, "ddp_lora", mode=None)
+    adapters = run("finetune_optimized.py", [*args[:-1], "--lora", "--lora-r", "4"], 2, tmp_path, "ddp_lora",
+                   mode=None)
     _, one_lora, _ = lora
     close(adapters["losses"], one_lora["losses"])
     assert adapters["config"]["ddp"] and not adapters["config"]["fsdp"]
@@ -233,8 +235,9 @@ def test_ddp_pieces_equal_one_process_alone(tmp_path):
     ahead, and LoRA adapters split the same way (the model frozen): the same losses and
     gradient norms (each norm adds up both processes' pieces), the same weights, the same on
     both processes; AdamW's moments hold a piece each; evaluations between the steps, after
-    the CUDA-graph runner's calls, gather the stale pieces by themselves. Adam moves every element by about its learning rate (1e-3) per step whatever
-    its gradient, so a piece not gathered after an update is off by ~1e-3; the float32
+    the CUDA-graph runner's calls, gather the stale pieces by themselves; on GPUs the weights
+    live in NCCL's windows and are gathered by the copy engines. Adam moves every element by
+    about its learning rate (1e-3) per step whatever its gradient, so a piece not gathered after an update is off by ~1e-3; the float32
     rounding of two averages against one backward moved the weights by 4.9e-5 here."""
     if torch.cuda.is_available() and torch.cuda.device_count() < 2:
         pytest.skip("on GPUs the worker runs one process per GPU (NCCL): 2 needed")
@@ -252,12 +255,16 @@ def test_ddp_pieces_equal_one_process_alone(tmp_path):
             assert r["worst_vs_alone"] < 2e-4
             assert r["worst_between_processes"] == 0.0
             assert r["moments_are_pieces"]
+            if not torch.cuda.is_available():
+                assert r["windows"] == 0
+            elif torch.cuda.nccl.version() >= (2, 28):  # the weights lived in NCCL's windows: copy engines
+                assert r["windows"] >= 1
 
 
 def test_ddp_shard_optimizer_matches_the_all_reduce_and_resumes(tmp_path):
     """The script with --ddp --ddp-shard-optimizer (the tiny model: its two embeddings are
     split into pieces), 5 steps, a held-out evaluation after each and checkpoints at steps 2
-    and 4, against --ddp without it (which equals one process, above): the same losses,
+    and 4, against --ddp --no-ddp-shard-optimizer (which equals one process, above): the same losses,
     evaluations and final weights. On GPUs the step is a CUDA graph from step 3 on, so the
     evaluations and the checkpoint between replays read weights the replays left in pieces
     (ShardedUpdate.replayed). Each process writes its own optimizer state, rank 0 the whole
@@ -267,8 +274,8 @@ def test_ddp_shard_optimizer_matches_the_all_reduce_and_resumes(tmp_path):
     out = tmp_path / "pieces"
     pieces = run("finetune_optimized.py", [*args, "--ddp-shard-optimizer", "--output-dir", str(out)], 2, tmp_path,
                  "pieces", mode="--ddp")
-    whole = run("finetune_optimized.py", [*args, "--output-dir", str(tmp_path / "whole")], 2, tmp_path, "whole",
-                mode="--ddp")
+    whole = run("finetune_optimized.py", [*args, "--no-ddp-shard-optimizer", "--output-dir", str(tmp_path / "whole")],
+                2, tmp_path, "whole", mode="--ddp")
     close(pieces["losses"], whole["losses"])
     assert [e["step"] for e in pieces["eval"]] == [1, 2, 3, 4, 5]
     close([e["loss"] for e in pieces["eval"]], [e["loss"] for e in whole["eval"]])
@@ -288,13 +295,14 @@ def test_ddp_shard_optimizer_matches_the_all_reduce_and_resumes(tmp_path):
                                             str(tmp_path / "again")], 2, tmp_path, "pieces_resumed", mode="--ddp")
     close(resumed["losses"], pieces["losses"][4:], tol=1e-6)
     with pytest.raises(AssertionError, match="its optimizer state was written with --ddp-shard-optimizer"):
-        run("finetune_optimized.py", [*args, "--resume", str(ckpt), "--output-dir", str(tmp_path / "x")],
-            2, tmp_path, "refused", mode="--ddp")
+        run("finetune_optimized.py", [*args, "--no-ddp-shard-optimizer", "--resume", str(ckpt), "--output-dir",
+                                      str(tmp_path / "x")], 2, tmp_path, "refused", mode="--ddp")
 
 
 def test_ddp_shard_optimizer_flags(monkeypatch):
-    """Off by default; its limits in one line each; without --ddp (or --ddp-gather-ahead
-    without it) a note."""
+    """On by default where it applies (the Triton AdamW, no --compile), its limits in one
+    line each when asked for; the gathers by the copy engines ask NCCL for its zero-CTA
+    policy before the communicator is made (on GPUs); flags that change nothing get a note."""
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
         monkeypatch.setenv(name, value)
     parse = finetune_optimized.parse_args
@@ -302,14 +310,32 @@ def test_ddp_shard_optimizer_flags(monkeypatch):
         fsdp.check_fsdp_flags(parse(["--tiny", "--ddp", "--ddp-shard-optimizer", "--compile"]))
     with pytest.raises(SystemExit, match="add --use-custom-adamw$"):
         fsdp.check_fsdp_flags(parse(["--tiny", "--ddp", "--ddp-shard-optimizer", "--no-use-custom-adamw"]))
-    fsdp.check_fsdp_flags(parse(["--tiny", "--ddp", "--ddp-shard-optimizer"]))
-    assert not fsdp.shards_optimizer(parse(["--tiny", "--ddp"]))
-    assert fsdp.shards_optimizer(parse(["--tiny", "--ddp", "--ddp-shard-optimizer"]))
-    assert "--ddp-gather-ahead without --ddp-shard-optimizer changes nothing" in flags.settle(
-        parse(["--tiny", "--ddp", "--ddp-gather-ahead", "2"]))._notes
+    fsdp.check_fsdp_flags(parse(["--tiny", "--ddp", "--compile"]))  # the default steps aside
+    assert fsdp.shards_optimizer(parse(["--tiny", "--ddp"]))
+    assert not fsdp.shards_optimizer(parse(["--tiny", "--ddp", "--compile"]))
+    assert not fsdp.shards_optimizer(parse(["--tiny", "--ddp", "--no-use-custom-adamw"]))
+    assert not fsdp.shards_optimizer(parse(["--tiny", "--ddp", "--no-ddp-shard-optimizer"]))
+    notes = flags.settle(parse(["--tiny", "--ddp", "--no-ddp-shard-optimizer", "--ddp-gather-ahead", "2",
+                                "--no-ddp-copy-engines"]))._notes
+    assert "--ddp-gather-ahead, --no-ddp-copy-engines with --no-ddp-shard-optimizer changes nothing" in notes
+    assert not flags.settle(parse(["--tiny", "--ddp", "--ddp-gather-ahead", "2", "--no-ddp-copy-engines"]))._notes
     monkeypatch.setenv("WORLD_SIZE", "1")
     notes = flags.settle(parse(["--tiny", "--ddp-shard-optimizer", "--ddp-gather-ahead", "2"]))._notes
     assert "--ddp-shard-optimizer, --ddp-gather-ahead without --ddp changes nothing" in notes
+    # init_distributed: NCCL's zero-CTA policy where the gathers may go by the copy engines, a
+    # value set by hand kept; nothing without a GPU (gloo).
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    for cuda, argv, policy in ((True, ["--ddp"], fsdp.NCCL_ZERO_CTA), (True, ["--ddp", "--no-ddp-copy-engines"], None),
+                               (True, ["--ddp", "--no-ddp-shard-optimizer"], None), (False, ["--ddp"], None)):
+        monkeypatch.delenv("NCCL_CTA_POLICY", raising=False)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+        fsdp.init_distributed(parse(["--tiny", *argv]))
+        assert os.environ.get("NCCL_CTA_POLICY") == policy, argv
+    monkeypatch.setenv("NCCL_CTA_POLICY", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    fsdp.init_distributed(parse(["--tiny", "--ddp"]))
+    assert os.environ["NCCL_CTA_POLICY"] == "1"
 
 
 def test_ddp_refusals_are_one_line(monkeypatch):

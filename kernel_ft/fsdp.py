@@ -404,7 +404,7 @@ def all_gather(output, input, **kwargs):
 # The gathers by the copy engines (--ddp-copy-engines, on by default where it can). A GPU
 # also has DMA engines that copy memory, to another GPU over NVLink too, without an SM.
 # NCCL's all-gather kernel needs SMs, and while the forward's matmuls hold them it waits
-# for some: measured on 2 x H200 (tools/comm_overlap.py, results/four_gpus/h200x4_pieces/),
+# for some: measured on 2 x H200 (tools/comm_overlap.py, results/ddp/copy_engines/),
 # an 8B layer's weights x 4 (1.6 GB) gather in 4.5 ms alone and in 24 ms beside matmuls.
 # NCCL 2.28 moves an all-gather with the copy engines when both its buffers lie in
 # symmetric windows (memory from NCCL's own allocator, registered by every process with the

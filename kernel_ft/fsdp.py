@@ -362,8 +362,6 @@ class GradientAverage:
 # --------------------------------------------------------------------------------
 # --ddp-shard-optimizer: each process updates its own piece of every large weight
 # --------------------------------------------------------------------------------
-# (Off by default until its CUDA-graph path, with evaluations and checkpoints between
-# replays, has run on GPUs: ShardedUpdate.before_capture / replayed / capture_failed.)
 # Under --ddp every process runs the same AdamW update of the whole model (28 ms of an
 # H200's 344 ms step at 8B, 38 of an H100's) and keeps the same two moments (4 bytes per
 # bf16 parameter). An all-reduce is a reduce-scatter followed by an all-gather; here the
@@ -411,7 +409,9 @@ def all_gather(output, input, **kwargs):
 # same sizes in the same order) and the communicator's CTA policy is zero: the same
 # gathers then take 2.8 ms beside the matmuls. So the split weights are moved into such
 # memory once, before their pieces are made; the reduce-scatters of the gradients keep
-# NCCL's kernels (a sum needs an SM).
+# NCCL's kernels (a sum needs an SM). What it buys at 8B, 2 x 2,048 tokens per GPU: per
+# GPU 0.965x one GPU's tokens/s on 2 x H200 (0.933x by NCCL's kernels), 0.971x on 4
+# (0.929x); NOTES.md, Step 19.
 NCCL_ZERO_CTA = "2"  # NCCL_CTA_POLICY_ZERO, read from the environment when a communicator is made
 WINDOWS = []  # (NCCL backend, memory pool) registered by this process, deregistered by close_distributed
 

@@ -267,7 +267,9 @@ def test_resume_after_ctrl_c_is_exact(tmp_path, monkeypatch, capsys):
 def run_and_signal(argv, signals, after="step    3/"):
     """Start finetune_baseline.py; once it prints ``after``, send ``signals`` (10 ms
     apart). Returns (exit code, everything it printed)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    # As many CPU threads as this process uses (one under pytest-xdist, conftest.py): the
+    # resume in this process must add in the same order as the run it continues.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(torch.get_num_threads())}
     proc = subprocess.Popen([sys.executable, "finetune_baseline.py", *argv], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     printed = []

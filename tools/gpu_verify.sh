@@ -199,17 +199,23 @@ for what in $WHAT; do
         --batch-size 2 --seq-len 2048 --trace-dir "$OUTDIR/traces" $KERNELS 2>&1 \
         | tee "$OUTDIR/profile_fsdp.log" | tail -24 ;;
     gpus)
-      # Step 19 on every visible GPU (2 or 4): one GPU alone, then all of them with the run's own choice between
-      # --ddp and --fsdp, each named, FSDP with bf16 reduction, --ddp --compile, --ddp --ddp-shard-optimizer (with a
-      # held-out evaluation every 4 steps: between the graph's replays), FSDP's communication buffers in symmetric
+      # Step 19 on every visible GPU (2 or 4): a collective beside matmuls per kind of memory (tools/comm_overlap.py),
+      # one GPU alone, then all of them with the run's own choice between --ddp and --fsdp, each named, FSDP with bf16
+      # reduction, --ddp --compile, --ddp with a held-out evaluation every 4 steps (between the graph's replays), its
+      # pieces gathered by NCCL's kernels, every gradient all-reduced, FSDP's communication buffers in symmetric
       # memory (copy-engine all-gathers) and in NCCL's allocator, FSDP with FP8; tests/fsdp_test.py over NCCL (DDP's
       # checkpoints, the pieces' graph path and the choice included); on 4 GPUs, 70B LoRA r16 too.
       n=$(nvidia-smi -L | wc -l)
       common="--random-init --dataset synthetic --batch-size 2 --seq-len 2048 --steps 12 --log-every 4"
+      for memory in plain window; do
+        policy=""; [ $memory = window ] && policy=NCCL_CTA_POLICY=2  # zero CTAs: the copy engines' all-gathers
+        env $policy torchrun --standalone --nproc-per-node "$n" tools/comm_overlap.py --memory $memory \
+          --json "$OUTDIR/overlap_${n}_$memory.json" 2>&1 | tee "$OUTDIR/overlap_${n}_$memory.log" | tail -3
+      done
       CUDA_VISIBLE_DEVICES=0 python3 finetune_optimized.py $common --json "$OUTDIR/gpus_one.json" 2>&1 \
         | tee "$OUTDIR/gpus_one.log" | tail -8
       for extra in "" "--fsdp" "--ddp" "--fsdp --fsdp-reduce-dtype bfloat16" "--ddp --compile" \
-                   "--ddp --ddp-shard-optimizer --eval-every 4" "--ddp --eval-every 4" \
+                   "--ddp --eval-every 4" "--ddp --no-ddp-copy-engines" "--ddp --no-ddp-shard-optimizer" \
                    "--fsdp --fsdp-comm symm-mem" "--fsdp --fsdp-comm pg-memory" "--fsdp --fp8 tensorwise"; do
         tag=${extra:-chosen}; tag=${tag//--/}; tag=${tag// /_}
         torchrun --standalone --nproc-per-node "$n" finetune_optimized.py $common $extra \

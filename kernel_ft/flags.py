@@ -339,6 +339,12 @@ def add_fsdp_arg(group):
              "DDP line says which)",
     )
     group.add_argument(
+        "--ddp-embedding-rows", action=argparse.BooleanOptionalAction, default=True,
+        help="--ddp: the input embedding's gradient (backward's last, with nothing left beside its average) "
+             "averaged over the rows of the step's tokens only, every process's ids all-gathered, in the step's "
+             "CUDA graph (default: %(default)s; an embedding tied to the output layer averages its whole gradient)",
+    )
+    group.add_argument(
         "--ddp-gather-ahead", type=non_negative_int, default=DDP_GATHER_AHEAD,
         help="--ddp-shard-optimizer: how many layers ahead of the running one the forward gathers the updated "
              "pieces (the embedding's and the first layers' during the optimizer step); 0: all of them during "
@@ -509,7 +515,8 @@ def idle_parallel_flags(args):
         ("--ddp-bucket-mb", getattr(args, "ddp_bucket_mb", DDP_BUCKET_MB) != DDP_BUCKET_MB),
         (f"--{'no-' if shard is False else ''}ddp-shard-optimizer", shard is not None),
         ("--ddp-gather-ahead", getattr(args, "ddp_gather_ahead", DDP_GATHER_AHEAD) != DDP_GATHER_AHEAD),
-        ("--no-ddp-copy-engines", getattr(args, "ddp_copy_engines", True) is False))
+        ("--no-ddp-copy-engines", getattr(args, "ddp_copy_engines", True) is False),
+        ("--no-ddp-embedding-rows", getattr(args, "ddp_embedding_rows", True) is False))
         if changed]
     if ddp_changed and not getattr(args, "ddp", False):
         notes.append(f"{', '.join(ddp_changed)} without --ddp changes nothing")

@@ -26,6 +26,7 @@ Every rank trains; rank 0 alone prints and writes. Nothing runs on import.
 """
 
 import contextlib
+import functools
 import os
 import sys
 
@@ -240,7 +241,31 @@ def close_distributed():
 # have none (AdamW decays a weight with a zero gradient and skips one without). With
 # --grad-accum only the last micro-batch's backward averages; the others add into the
 # gradients on each process.
+#
+# The input embedding's gradient is the last one backward makes, so its average has
+# nothing left beside it: at 8B its 1 GB crosses NVLink while every GPU waits. Yet only
+# the rows of the tokens this step saw are not zero (4,096 of 128,256 per process at
+# 2 x 2,048). So (--ddp-embedding-rows) the forward keeps the token ids its input
+# embedding looked up, and instead of the whole gradient the processes average only the
+# rows at every process's ids (all-gathered first): 64 MB instead of 1 GB over 2 GPUs.
+# Each process's ids must have one shape on every process, which the step's CUDA graph
+# guarantees (a batch of another shape stops the run), so it is done there, in the
+# captured step; the eager steps average the whole gradient. The first averaged backward
+# checks on every process that the gradient is zero outside its own ids (an embedding
+# whose weight something else also reads would not be); if not, the whole gradient is
+# averaged, as before.
 PACKED_BYTES = 2**20  # smaller gradients are packed into groups; larger ones are averaged alone, in place
+
+
+def averages_rows(model, embedding, params):
+    """Whether --ddp-embedding-rows applies to ``embedding`` (the model's input
+    embedding): an nn.Embedding whose large weight trains, tied to no output layer."""
+    if not isinstance(embedding, torch.nn.Embedding) or embedding.sparse or embedding.max_norm is not None:
+        return False
+    weight = embedding.weight
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return (any(p is weight for p in params) and weight.numel() * weight.element_size() >= PACKED_BYTES
+            and (head is None or getattr(head, "weight", None) is not weight))
 
 
 class GradientAverage:
@@ -248,7 +273,7 @@ class GradientAverage:
     default group (see above); gradients under PACKED_BYTES are packed into groups of at
     most ``group_bytes``. ``averaged_backward`` says which backward passes average."""
 
-    def __init__(self, model, size, group_bytes, rank=0):
+    def __init__(self, model, size, group_bytes, rank=0, embedding_rows=False):
         self.rank, self.size, self.group_bytes = rank, size, group_bytes
         self.pieces = {}  # --ddp-shard-optimizer: weight -> this process's piece (ShardedUpdate)
         self.params = [p for p in model.parameters() if p.requires_grad]  # tied weights once
@@ -257,13 +282,27 @@ class GradientAverage:
         self.active = False
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._made)
+        # --ddp-embedding-rows: the input embedding's weight, whose gradient is averaged over
+        # the rows the step's ids used; decided (rows_checked) at the first averaged backward.
+        embedding = model.get_input_embeddings() if embedding_rows and hasattr(model, "get_input_embeddings") else None
+        self.rows = embedding.weight if embedding is not None and averages_rows(model, embedding, self.params) else None
+        self.rows_checked = False
+        self.rows_in_eager = False  # tests: every process's batch has one shape outside a capture too
+        self.rows_averaged = 0  # how many backward passes averaged the rows only
+        if self.rows is not None:
+            embedding.register_forward_pre_hook(self._saw_ids)
         self._reset()
 
     def _reset(self):
         self.made = {}  # the gradients this backward made, in the order it made them
         self.missing = [len(group) for group in self.groups] if self.groups else None
         self.next = 0  # the first group not averaged yet
-        self.pending = []  # (work, packed tensor or None, the group's gradients)
+        self.pending = []  # (work, what to do once it is done, or None)
+        self.ids = []  # the token ids the input embedding looked up since the last averaged backward
+
+    def _saw_ids(self, module, args):
+        if torch.is_grad_enabled() and args and torch.is_tensor(args[0]):
+            self.ids.append(args[0])
 
     def _made(self, p):
         if not self.active:
@@ -309,12 +348,15 @@ class GradientAverage:
         self.group_of = {p: i for i, group in enumerate(self.groups) for p in group}
 
     def _average(self, group):
+        if group[0] is self.rows and self.rows_checked and self.ids and (capturing() or self.rows_in_eager):
+            return self._average_rows(group[0])
         if group[0] in self.pieces:  # alone in its group (over PACKED_BYTES)
             return self._average_piece(group[0])
         grads = [p.grad for p in group]
         packed = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else None
         flat = grads[0] if packed is None else packed
-        self.pending.append((self._launch_average(torch.distributed.all_reduce, flat), packed, grads))
+        work = self._launch_average(torch.distributed.all_reduce, flat)
+        self.pending.append((work, None if packed is None else functools.partial(_unpack, packed, grads)))
 
     def _launch_average(self, collective, flat, *output):
         """``collective(*output, flat)``, asynchronous, averaging ``flat`` over the processes:
@@ -326,37 +368,73 @@ class GradientAverage:
         flat.div_(self.size)
         return collective(*output, flat, async_op=True)
 
-    def _average_piece(self, p):
-        """--ddp-shard-optimizer: a reduce-scatter in place instead of the all-reduce; this
-        process's piece of the gradient becomes the average of every process's piece
-        there, the optimizer's ``piece.grad``."""
+    def _piece_grad(self, p):
+        """--ddp-shard-optimizer: this process's piece of ``p.grad`` (a view), given to the
+        optimizer as ``piece.grad``."""
         if not p.grad.is_contiguous():
             raise RuntimeError(f"--ddp-shard-optimizer: the gradient of {self.names[p]} is not contiguous; "
                                f"its pieces would not be pieces of its memory (leave the flag out)")
         piece = self.pieces[p]
-        flat = p.grad.view(-1)
-        mine = flat.narrow(0, self.rank * piece.numel(), piece.numel())  # NCCL in place: the input's piece at rank
-        work = self._launch_average(reduce_scatter, flat, mine)
-        piece.grad = mine  # the rest of p.grad: this process's own sum (on gloo, divided by N)
-        self.pending.append((work, None, [p.grad]))
+        piece.grad = p.grad.view(-1).narrow(0, self.rank * piece.numel(), piece.numel())
+        return piece.grad
+
+    def _average_piece(self, p):
+        """--ddp-shard-optimizer: a reduce-scatter in place instead of the all-reduce; this
+        process's piece of the gradient becomes the average of every process's piece
+        there (NCCL in place: the output is the input's piece at offset rank). The rest of
+        p.grad stays this process's own sum (on gloo, divided by N)."""
+        mine = self._piece_grad(p)
+        self.pending.append((self._launch_average(reduce_scatter, p.grad.view(-1), mine), None))
+
+    def _average_rows(self, p):
+        """--ddp-embedding-rows: the rows of ``p.grad`` at every process's ids averaged (an
+        id twice is the same row twice: both copies carry the same sum), then written back;
+        every other row is zero on every process, so ``p.grad`` is then the whole average."""
+        ids = torch.cat([i.reshape(-1) for i in self.ids])
+        everyone = ids.new_empty(self.size * ids.numel())
+        all_gather(everyone, ids)
+        rows = p.grad.index_select(0, everyone)
+        work = self._launch_average(torch.distributed.all_reduce, rows)
+        if p in self.pieces:
+            self._piece_grad(p)
+        self.pending.append((work, functools.partial(p.grad.index_copy_, 0, everyone, rows)))
+        self.rows_averaged += 1
+
+    def _only_rows_seen(self):
+        """Whether the input embedding's gradient is zero outside the rows of this
+        process's ids (read on the host: the first averaged backward only)."""
+        grad = self.rows.grad
+        if grad is None or not self.ids:
+            return False
+        seen = torch.zeros(grad.shape[0], dtype=torch.bool, device=grad.device)
+        seen[torch.cat([i.reshape(-1) for i in self.ids])] = True
+        largest = torch.linalg.vector_norm(grad, ord=float("inf"), dim=1)
+        return largest.masked_fill_(seen, 0).max().item() == 0
 
     def finish(self):
         """After the backward that averages: the groups not averaged yet (a gradient this
         process never made is zero), then this stream waits for every average."""
         if self.groups is None:
             self.learn_order()
+            if self.rows is not None:  # every process agrees, or every one averages the whole gradient
+                self.rows_checked = all_agree(self._only_rows_seen())
         for group in self.groups[self.next:]:
             for p in group:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             self._average(group)
-        for work, packed, grads in self.pending:
+        for work, then in self.pending:
             work.wait()  # on NCCL: this stream waits for NCCL's; the host does not wait
-            if packed is not None:  # back into each gradient
-                offset = 0
-                for g in grads:
-                    g.copy_(packed[offset:offset + g.numel()].view_as(g))
-                    offset += g.numel()
+            if then is not None:
+                then()
+
+
+def _unpack(packed, grads):
+    """A packed group's average back into each of its gradients."""
+    offset = 0
+    for g in grads:
+        g.copy_(packed[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 # --------------------------------------------------------------------------------
@@ -670,20 +748,25 @@ def attach_optimizer(model, optimizer):
 
 
 def replicate_model(model, world, bucket_mb=flags.DDP_BUCKET_MB, shard_optimizer=False,
-                   gather_ahead=flags.DDP_GATHER_AHEAD, copy_engines=False):
+                   gather_ahead=flags.DDP_GATHER_AHEAD, copy_engines=False, embedding_rows=False):
     """--ddp: a whole copy of ``model`` per process, its gradients averaged over the
     processes in every training step (GradientAverage). Every process starts from rank
     0's weights and buffers (broadcast now). Call it after the kernels are switched in,
     like shard_model; the model stays the HF model it was. ``shard_optimizer``: the large
     weights updated in pieces (ShardedUpdate), gathered ``gather_ahead`` layers ahead, by
-    the copy engines where ``copy_engines`` and the GPUs' NCCL can."""
+    the copy engines where ``copy_engines`` and the GPUs' NCCL can. ``embedding_rows``:
+    the input embedding's gradient averaged over the rows the step used."""
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             whole = t if t.is_contiguous() else t.contiguous()  # a collective sends contiguous memory
             torch.distributed.broadcast(whole, src=0)
             if whole is not t:
                 t.copy_(whole)
-    model._gradient_average = GradientAverage(model, world.size, int(bucket_mb * 2**20), world.rank)
+    model._gradient_average = GradientAverage(model, world.size, int(bucket_mb * 2**20), world.rank,
+                                              embedding_rows and world.size > 1)
+    if model._gradient_average.rows is not None:
+        print("DDP:           the input embedding's gradient averaged over the rows of the step's tokens only "
+              "(all-gathered ids; in the step's CUDA graph, once the first backward shows no other row is used)")
     if shard_optimizer and world.size > 1:
         why_not = copy_engines_unavailable(world.device) if copy_engines else "--no-ddp-copy-engines"
         sharded = ShardedUpdate(model, model._gradient_average, gather_ahead, windows=why_not is None)

@@ -130,7 +130,7 @@ def assemble(args, model, data, switch_in, world, after_kernels=None):
     if world and args.ddp:  # after the kernels: the swapped modules are what is replicated
         fsdp.replicate_model(model, world, args.ddp_bucket_mb, fsdp.shards_optimizer(args),
                              getattr(args, "ddp_gather_ahead", flags.DDP_GATHER_AHEAD),
-                             getattr(args, "ddp_copy_engines", True))
+                             getattr(args, "ddp_copy_engines", True), getattr(args, "ddp_embedding_rows", True))
     elif world:  # after the kernels: the swapped modules are what is sharded
         fsdp.shard_model(model, args, world)
         if flags.fp8_gathered(args):  # before the first forward: the weights' first gather is in FP8

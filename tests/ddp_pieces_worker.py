@@ -7,7 +7,7 @@ the decoder layers and of both embeddings is split into pieces (the script's tin
 only its embeddings) while the norms stay whole, and trains it three steps on its own row through
 training.train_step: the Triton AdamW over the pieces, clipping on (the gradient norm adds the
 pieces' sums up over the processes), the gathers 0 (all during the optimizer step) and 1 layer
-ahead of the running one, and LoRA adapters on a frozen model, each in a run of its own. The same process trains a copy alone on both
+ahead of the running one (and with it the input embedding's gradient averaged over its used rows only), and LoRA adapters on a frozen model, each in a run of its own. The same process trains a copy alone on both
 processes' rows (one process at batch 2: what --ddp must equal), with plain backward,
 clip_grad_norm_ and step. Between the steps it calls what the CUDA-graph runner calls (before a
 capture, after a replay, after a failed capture), and after steps 2 and 3 a forward under no_grad
@@ -62,7 +62,10 @@ def train(folder, rank, size, ahead, device, lora):
 
     fsdp.PACKED_BYTES = PACKED_BYTES
     fsdp.replicate_model(model, fsdp.World(rank, size, rank, device), shard_optimizer=True, gather_ahead=ahead,
-                         copy_engines=True)
+                         copy_engines=True, embedding_rows=True)
+    # One layer ahead: the input embedding's gradient averaged over the rows of the step's
+    # ids only, outside a CUDA graph too (every process's rows have one shape here).
+    model._gradient_average.rows_in_eager = ahead == 1
     params = fsdp.optimizer_parameters(model, [p for p in model.parameters() if p.requires_grad])
     optimizer = TritonAdamW(params, lr=1e-3)
     fsdp.attach_optimizer(model, optimizer)
@@ -103,6 +106,7 @@ def train(folder, rank, size, ahead, device, lora):
         "split": len(pieces), "whole": sum(1 for p in model.parameters() if p.requires_grad and p not in pieces),
         "worst_vs_alone": max((p - q).abs().max().item() for p, q in zip(model.parameters(), alone.parameters())),
         "worst_between_processes": (theirs[0] - theirs[1]).abs().max().item(),
+        "rows_averaged": model._gradient_average.rows_averaged,
         "windows": len(fsdp.WINDOWS),  # NCCL windows registered so far (the copy engines' gathers)
         "moments_are_pieces": all(optimizer.state[piece]["exp_avg"].numel() * size == p.numel()
                                   for p, piece in pieces.items()),

@@ -232,7 +232,8 @@ def test_ddp_pieces_equal_one_process_alone(tmp_path):
     """--ddp-shard-optimizer (fsdp.ShardedUpdate, 2 gloo processes, tests/ddp_pieces_worker.py):
     a tiny LLaMA whose matrices are all split into pieces (its norms whole) trains three steps
     as one process does at batch 2, gathering all during the optimizer step or one layer
-    ahead, and LoRA adapters split the same way (the model frozen): the same losses and
+    ahead (with the input embedding's gradient averaged over the rows of the step's ids
+    only, --ddp-embedding-rows), and LoRA adapters split the same way (the model frozen): the same losses and
     gradient norms (each norm adds up both processes' pieces), the same weights, the same on
     both processes; AdamW's moments hold a piece each; evaluations between the steps, after
     the CUDA-graph runner's calls, gather the stale pieces by themselves; on GPUs the weights
@@ -255,6 +256,9 @@ def test_ddp_pieces_equal_one_process_alone(tmp_path):
             assert r["worst_vs_alone"] < 2e-4
             assert r["worst_between_processes"] == 0.0
             assert r["moments_are_pieces"]
+            # The embedding's rows in all three steps (the first backward checks, before its
+            # averages, that no other row is used); LoRA: the embedding does not train.
+            assert r["rows_averaged"] == (3 if run_name == "ahead1" else 0)
             if not torch.cuda.is_available():
                 assert r["windows"] == 0
             elif torch.cuda.nccl.version() >= (2, 28):  # the weights lived in NCCL's windows: copy engines
@@ -299,6 +303,23 @@ def test_ddp_shard_optimizer_matches_the_all_reduce_and_resumes(tmp_path):
                                       str(tmp_path / "x")], 2, tmp_path, "refused", mode="--ddp")
 
 
+def test_embedding_rows_apply_to_an_untied_trained_embedding_only():
+    """--ddp-embedding-rows (fsdp.averages_rows): the tiny LLaMA's input embedding (untied,
+    trained, over PACKED_BYTES) qualifies; tied to the LM head, frozen, or as small as the
+    packed gradients, it does not."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(models.tiny_config())
+    embedding = model.get_input_embeddings()
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert fsdp.averages_rows(model, embedding, params)
+    assert not fsdp.averages_rows(model, embedding, [p for p in params if p is not embedding.weight])
+    model.get_output_embeddings().weight = embedding.weight
+    assert not fsdp.averages_rows(model, embedding, params)
+    small = torch.nn.Embedding(16, 8)
+    assert not fsdp.averages_rows(torch.nn.Module(), small, [small.weight])
+
+
 def test_ddp_shard_optimizer_flags(monkeypatch):
     """On by default where it applies (the Triton AdamW, no --compile), its limits in one
     line each when asked for; the gathers by the copy engines ask NCCL for its zero-CTA
@@ -322,6 +343,8 @@ def test_ddp_shard_optimizer_flags(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     notes = flags.settle(parse(["--tiny", "--ddp-shard-optimizer", "--ddp-gather-ahead", "2"]))._notes
     assert "--ddp-shard-optimizer, --ddp-gather-ahead without --ddp changes nothing" in notes
+    assert "--no-ddp-embedding-rows without --ddp changes nothing" in flags.settle(
+        parse(["--tiny", "--no-ddp-embedding-rows"]))._notes
     # init_distributed: NCCL's zero-CTA policy where the gathers may go by the copy engines, a
     # value set by hand kept; nothing without a GPU (gloo).
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)

@@ -516,9 +516,9 @@ def load_checkpoint(path, model, optimizer, scheduler):
     pieces = fsdp.optimizer_in_pieces(model)
     state = os.path.join(path, optimizer_file(pieces, rank))
     if not os.path.isfile(state):
-        other = "without" if pieces else "with"
-        raise SystemExit(f"error: --resume {path}: its optimizer state was written {other} --ddp-shard-optimizer; "
-                         f"resume with the flags of the run that saved it")
+        other, flag = ("without", "--no-ddp-shard-optimizer") if pieces else ("with", "--ddp-shard-optimizer")
+        raise SystemExit(f"error: --resume {path}: its optimizer state was written {other} --ddp-shard-optimizer "
+                         f"(on by default with --ddp); resume with {flag}, as the run that saved it")
     optimizer.load_state_dict(torch.load(state, map_location=device))
     scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt")))
     set_rng_states(torch.load(rng))

@@ -520,9 +520,12 @@ def idle_parallel_flags(args):
         if changed]
     if ddp_changed and not getattr(args, "ddp", False):
         notes.append(f"{', '.join(ddp_changed)} without --ddp changes nothing")
-    elif shard is False and (pieces_only := [f for f in ddp_changed if f in ("--ddp-gather-ahead",
-                                                                           "--no-ddp-copy-engines")]):
-        notes.append(f"{', '.join(pieces_only)} with --no-ddp-shard-optimizer changes nothing")
+    elif ddp_changed and not (shard if shard is not None else  # as fsdp.shards_optimizer decides it
+                              kernels_from_args(args)["adamw"] and not getattr(args, "compile", False)):
+        if pieces_only := [f for f in ddp_changed if f in ("--ddp-gather-ahead", "--no-ddp-copy-engines")]:
+            notes.append(f"{', '.join(pieces_only)} without --ddp-shard-optimizer (off: "
+                         f"{'asked' if shard is False else 'it needs the Triton AdamW, not with --compile'}) "
+                         f"changes nothing")
     return notes
 
 

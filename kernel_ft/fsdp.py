@@ -249,11 +249,12 @@ def close_distributed():
 # embedding looked up, and instead of the whole gradient the processes average only the
 # rows at every process's ids (all-gathered first): 64 MB instead of 1 GB over 2 GPUs.
 # Each process's ids must have one shape on every process, which the step's CUDA graph
-# guarantees (a batch of another shape stops the run), so it is done there, in the
-# captured step; the eager steps average the whole gradient. The first averaged backward
-# checks on every process that the gradient is zero outside its own ids (an embedding
-# whose weight something else also reads would not be); if not, the whole gradient is
-# averaged, as before.
+# keeps for each process (a batch of another shape stops the run), so it is done there,
+# in the captured step; the eager steps average the whole gradient. The first averaged
+# backward checks on every process that the gradient is zero outside its own ids (an
+# embedding whose weight something else also reads would not be) and that every process
+# saw as many ids; if not, the whole gradient is averaged, as before; so it is where the
+# rows would be more than half the vocabulary (many GPUs, long accumulation).
 PACKED_BYTES = 2**20  # smaller gradients are packed into groups; larger ones are averaged alone, in place
 
 
@@ -288,7 +289,7 @@ class GradientAverage:
         self.rows = embedding.weight if embedding is not None and averages_rows(model, embedding, self.params) else None
         self.rows_checked = False
         self.rows_in_eager = False  # tests: every process's batch has one shape outside a capture too
-        self.rows_averaged = 0  # how many backward passes averaged the rows only
+        self.rows_averaged = 0  # how many averaged backward passes took the rows path (a capture counts once)
         if self.rows is not None:
             embedding.register_forward_pre_hook(self._saw_ids)
         self._reset()
@@ -348,7 +349,8 @@ class GradientAverage:
         self.group_of = {p: i for i, group in enumerate(self.groups) for p in group}
 
     def _average(self, group):
-        if group[0] is self.rows and self.rows_checked and self.ids and (capturing() or self.rows_in_eager):
+        if group[0] is self.rows and self.rows_checked and self.ids and (capturing() or self.rows_in_eager) and (
+                self.size * sum(i.numel() for i in self.ids) <= group[0].shape[0] // 2):  # else not worth it
             return self._average_rows(group[0])
         if group[0] in self.pieces:  # alone in its group (over PACKED_BYTES)
             return self._average_piece(group[0])
@@ -417,7 +419,12 @@ class GradientAverage:
         if self.groups is None:
             self.learn_order()
             if self.rows is not None:  # every process agrees, or every one averages the whole gradient
-                self.rows_checked = all_agree(self._only_rows_seen())
+                # The ids' all-gather needs one count on every process: the largest and the smallest.
+                n = sum(i.numel() for i in self.ids)
+                counts = torch.tensor([n, -n], device=self.rows.device)
+                torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
+                one_count = counts[0].item() == -counts[1].item()
+                self.rows_checked = all_agree(one_count and self._only_rows_seen())
         for group in self.groups[self.next:]:
             for p in group:
                 if p.grad is None:
@@ -504,8 +511,10 @@ def copy_engines_unavailable(device):
     backend = torch.distributed.group.WORLD._get_backend(device)
     if not (hasattr(backend, "mem_allocator") and hasattr(backend, "register_mem_pool")):
         return f"torch {torch.__version__} cannot register NCCL windows (ProcessGroupNCCL.register_mem_pool)"
-    if os.environ.get("NCCL_CTA_POLICY") != NCCL_ZERO_CTA:
-        return f"NCCL_CTA_POLICY={os.environ.get('NCCL_CTA_POLICY')} set by hand ({NCCL_ZERO_CTA}, zero CTAs, needed)"
+    policy = os.environ.get("NCCL_CTA_POLICY")
+    if policy != NCCL_ZERO_CTA:
+        return (f"NCCL_CTA_POLICY={policy} set by hand" if policy is not None else "NCCL_CTA_POLICY unset when "
+                "NCCL started") + f" ({NCCL_ZERO_CTA}, zero CTAs, needed)"
     return None
 
 
@@ -726,12 +735,21 @@ def optimizer_in_pieces(model):
 
 
 def graph_hooks(model):
-    """--ddp-shard-optimizer under CUDA graphs: (before the capture, after each replay, after a
-    failed capture), ShardedUpdate's; else three that do nothing."""
-    sharded = _sharded(model)
+    """--ddp under CUDA graphs: (before the capture, after each replay, after a failed
+    capture). Around the capture the token ids kept for --ddp-embedding-rows are dropped:
+    the captured step records its own; with --ddp-shard-optimizer, ShardedUpdate's."""
+    average, sharded = getattr(model, "_gradient_average", None), _sharded(model)
+
+    def drop_ids():
+        if average is not None:
+            average.ids = []
+
+    def both(first, then):
+        return lambda: (first(), then())
+
     if sharded is None:
-        return (lambda: None,) * 3
-    return sharded.before_capture, sharded.replayed, sharded.capture_failed
+        return drop_ids, (lambda: None), drop_ids
+    return both(drop_ids, sharded.before_capture), sharded.replayed, both(drop_ids, sharded.capture_failed)
 
 
 def optimizer_parameters(model, params):
@@ -766,9 +784,12 @@ def replicate_model(model, world, bucket_mb=flags.DDP_BUCKET_MB, shard_optimizer
                                               embedding_rows and world.size > 1)
     if model._gradient_average.rows is not None:
         print("DDP:           the input embedding's gradient averaged over the rows of the step's tokens only "
-              "(all-gathered ids; in the step's CUDA graph, once the first backward shows no other row is used)")
+              "(all-gathered ids) in the step's CUDA graph, once the first backward shows no other row is used; "
+              "eager steps average it whole")
     if shard_optimizer and world.size > 1:
         why_not = copy_engines_unavailable(world.device) if copy_engines else "--no-ddp-copy-engines"
+        if copy_engines and world.device.type == "cuda" and not all_agree(why_not is None):
+            why_not = why_not or "another process cannot"  # registering windows is a collective: all or none
         sharded = ShardedUpdate(model, model._gradient_average, gather_ahead, windows=why_not is None)
         pieces = model._gradient_average.pieces
         split = sum(p.numel() for p in pieces)

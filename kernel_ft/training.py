@@ -127,25 +127,25 @@ def step_function(args, model, optimizer, loss_fn, scheduler, graphs):
         optimizer.step()
         return loss, grad_norm
 
-    # --ddp-shard-optimizer: what the host knows of the pieces' gathers around the graph.
-    pieces_before_capture, pieces_replayed, pieces_capture_failed = fsdp.graph_hooks(model)
+    # --ddp: what the host keeps around the graph (the pieces' gathers, the embedding's token ids).
+    ddp_before_capture, ddp_replayed, ddp_capture_failed = fsdp.graph_hooks(model)
     prepare = getattr(optimizer, "prepare_capture", lambda: None)  # TritonAdamW: its scalars' memory
 
     def before_capture():
-        pieces_before_capture()
+        ddp_before_capture()
         prepare()
 
     def after_replay():
         if scheduler is not None:
             scheduler.step()
-        pieces_replayed()
+        ddp_replayed()
 
     return cuda_graphs.GraphedStep(
         captured, eager,
         after_replay=after_replay,
         clear_gradients=functools.partial(optimizer.zero_grad, set_to_none=True),
         before_capture=before_capture,
-        after_failed_capture=pieces_capture_failed,
+        after_failed_capture=ddp_capture_failed,
         before_replay=getattr(optimizer, "stage_graph_step", None),  # TritonAdamW: this step's scalars
         hold=hold_interrupts,
         agree=fsdp.all_agree if getattr(args, "ddp", False) else None,  # every process replays, or none

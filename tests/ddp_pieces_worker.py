@@ -61,6 +61,7 @@ def train(folder, rank, size, ahead, device, lora):
     held_out = batch_of(torch.randint(0, 8192, (2, SEQ), generator=g), device)
 
     fsdp.PACKED_BYTES = PACKED_BYTES
+    windows = len(fsdp.WINDOWS)
     fsdp.replicate_model(model, fsdp.World(rank, size, rank, device), shard_optimizer=True, gather_ahead=ahead,
                          copy_engines=True, embedding_rows=True)
     # One layer ahead: the input embedding's gradient averaged over the rows of the step's
@@ -107,7 +108,7 @@ def train(folder, rank, size, ahead, device, lora):
         "worst_vs_alone": max((p - q).abs().max().item() for p, q in zip(model.parameters(), alone.parameters())),
         "worst_between_processes": (theirs[0] - theirs[1]).abs().max().item(),
         "rows_averaged": model._gradient_average.rows_averaged,
-        "windows": len(fsdp.WINDOWS),  # NCCL windows registered so far (the copy engines' gathers)
+        "windows": len(fsdp.WINDOWS) - windows,  # NCCL windows this run registered (the copy engines' gathers)
         "moments_are_pieces": all(optimizer.state[piece]["exp_avg"].numel() * size == p.numel()
                                   for p, piece in pieces.items()),
     }

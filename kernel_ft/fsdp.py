@@ -254,7 +254,8 @@ def close_distributed():
 # backward checks on every process that the gradient is zero outside its own ids (an
 # embedding whose weight something else also reads would not be) and that every process
 # saw as many ids; if not, the whole gradient is averaged, as before; so it is where the
-# rows would be more than half the vocabulary (many GPUs, long accumulation).
+# rows would be more than half the vocabulary (many GPUs, long accumulation). What it
+# buys at 8B on 2 x H200, one call: 0.966x one GPU's tokens/s per GPU against 0.962x.
 PACKED_BYTES = 2**20  # smaller gradients are packed into groups; larger ones are averaged alone, in place
 
 

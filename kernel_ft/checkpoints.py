@@ -36,7 +36,7 @@ import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GP
 
 import torch
 
-from kernel_ft import files, flags, models, fsdp, dataloader
+from kernel_ft import files, flags, models, ddp, fsdp, dataloader
 
 # --------------------------------------------------------------------------------
 # Checkpoints: DIR/checkpoint-K holds everything step K+1 needs
@@ -189,11 +189,11 @@ def save_checkpoint(args, model, optimizer, scheduler, step, history, rng):
     if rank == 0:
         fresh_tmp(tmp)
     fsdp.barrier()  # --fsdp, --ddp: every process writes into the folder rank 0 made
-    pieces = fsdp.optimizer_in_pieces(model)  # --ddp-shard-optimizer: each process's AdamW state is its own
+    pieces = ddp.optimizer_in_pieces(model)  # --ddp-shard-optimizer: each process's AdamW state is its own
     if mode == "fsdp":
         save_sharded(tmp, model, optimizer)
     else:
-        fsdp.gather_now(model)  # --ddp-shard-optimizer: the weights whole again (every process takes part)
+        ddp.gather_now(model)  # --ddp-shard-optimizer: the weights whole again (every process takes part)
         if rank == 0:  # one process, or --ddp's rank 0: every rank holds the same model (and AdamW state)
             model.save_pretrained(tmp)  # safetensors; a PeftModel writes its adapters only
         if rank == 0 or pieces:
@@ -513,7 +513,7 @@ def load_checkpoint(path, model, optimizer, scheduler):
         if missing or unexpected:
             raise SystemExit(f"error: --resume {path}: the weights do not fit this model "
                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    pieces = fsdp.optimizer_in_pieces(model)
+    pieces = ddp.optimizer_in_pieces(model)
     state = os.path.join(path, optimizer_file(pieces, rank))
     if not os.path.isfile(state):
         other, flag = ("without", "--no-ddp-shard-optimizer") if pieces else ("with", "--ddp-shard-optimizer")

@@ -49,7 +49,7 @@ What a recording requires, and how this file meets it
   cuBLAS picks its algorithms, AdamW allocates its state), on a side stream as
   PyTorch's documentation asks, and the capture comes after them.
 * With --ddp, the averages of the gradients inside the graph (NCCL collectives can
-  be captured; fsdp.GradientAverage launches them from backward's hooks), and every
+  be captured; ddp.GradientAverage launches them from backward's hooks), and every
   decision is taken by all processes together (``agree``): a graph with collectives
   must be replayed by every process or none.
   What it bought (with DistributedDataParallel then): 2 x H200, per GPU against one

@@ -22,7 +22,7 @@ The interpreter is switched on by an environment variable that must be set befor
 so it is imported first, here and in every module below that loads torch.
 
 The workload's files, each importing only those before it:
-files -> flags -> models -> fsdp -> dataloader -> checkpoints -> cuda_graphs -> reporting -> training,
+files -> flags -> models -> ddp -> fsdp -> dataloader -> checkpoints -> cuda_graphs -> reporting -> training,
 and run.py, which composes them with the kernels (kernel_ft.apply).
 Nothing runs on import.
 """
@@ -520,7 +520,7 @@ def idle_parallel_flags(args):
         if changed]
     if ddp_changed and not getattr(args, "ddp", False):
         notes.append(f"{', '.join(ddp_changed)} without --ddp changes nothing")
-    elif ddp_changed and not (shard if shard is not None else  # as fsdp.shards_optimizer decides it
+    elif ddp_changed and not (shard if shard is not None else  # as ddp.shards_optimizer decides it
                               kernels_from_args(args)["adamw"] and not getattr(args, "compile", False)):
         if pieces_only := [f for f in ddp_changed if f in ("--ddp-gather-ahead", "--no-ddp-copy-engines")]:
             notes.append(f"{', '.join(pieces_only)} without --ddp-shard-optimizer (off: "

@@ -29,7 +29,7 @@ import sys
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
 from kernel_common import vocabulary_size
 
-from kernel_ft import files, flags, models, fsdp, dataloader, checkpoints, reporting, training
+from kernel_ft import files, flags, models, ddp, fsdp, dataloader, checkpoints, reporting, training
 from kernel_ft import fp8_gather
 from kernel_ft.patching import KERNELS, KernelNotApplied, apply
 from adamw_kernel import TritonAdamW
@@ -128,7 +128,7 @@ def assemble(args, model, data, switch_in, world, after_kernels=None):
     if after_kernels:
         after_kernels(model)
     if world and args.ddp:  # after the kernels: the swapped modules are what is replicated
-        fsdp.replicate_model(model, world, args.ddp_bucket_mb, fsdp.shards_optimizer(args),
+        ddp.replicate_model(model, world, args.ddp_bucket_mb, ddp.shards_optimizer(args),
                              getattr(args, "ddp_gather_ahead", flags.DDP_GATHER_AHEAD),
                              getattr(args, "ddp_copy_engines", True), getattr(args, "ddp_embedding_rows", True))
     elif world:  # after the kernels: the swapped modules are what is sharded
@@ -141,9 +141,9 @@ def assemble(args, model, data, switch_in, world, after_kernels=None):
     graphs = training.use_cuda_graphs(args, model, data)
     # Taken now: fully_shard replaced every parameter with a sharded one (DTensor).
     # --ddp-shard-optimizer: the pieces of the split weights instead of the weights.
-    optimizer = make_optimizer(fsdp.optimizer_parameters(model, models.trainable_parameters(model)), lr=args.lr,
+    optimizer = make_optimizer(ddp.optimizer_parameters(model, models.trainable_parameters(model)), lr=args.lr,
                                **({"capturable": True} if graphs else {}))
-    fsdp.attach_optimizer(model, optimizer)
+    ddp.attach_optimizer(model, optimizer)
     return kernels, loss_fn, optimizer, graphs
 
 

@@ -43,7 +43,7 @@ from kernel_common import evaluating, vocabulary_size
 
 import torch
 
-from kernel_ft import flags, models, fsdp, dataloader, checkpoints, cuda_graphs, reporting
+from kernel_ft import flags, models, ddp, fsdp, dataloader, checkpoints, cuda_graphs, reporting
 
 
 # --------------------------------------------------------------------------------
@@ -128,7 +128,7 @@ def step_function(args, model, optimizer, loss_fn, scheduler, graphs):
         return loss, grad_norm
 
     # --ddp: what the host keeps around the graph (the pieces' gathers, the embedding's token ids).
-    ddp_before_capture, ddp_replayed, ddp_capture_failed = fsdp.graph_hooks(model)
+    ddp_before_capture, ddp_replayed, ddp_capture_failed = ddp.graph_hooks(model)
     prepare = getattr(optimizer, "prepare_capture", lambda: None)  # TritonAdamW: its scalars' memory
 
     def before_capture():
@@ -148,7 +148,7 @@ def step_function(args, model, optimizer, loss_fn, scheduler, graphs):
         after_failed_capture=ddp_capture_failed,
         before_replay=getattr(optimizer, "stage_graph_step", None),  # TritonAdamW: this step's scalars
         hold=hold_interrupts,
-        agree=fsdp.all_agree if getattr(args, "ddp", False) else None,  # every process replays, or none
+        agree=ddp.all_agree if getattr(args, "ddp", False) else None,  # every process replays, or none
     )
 
 
@@ -226,7 +226,7 @@ def accumulate_gradients(model, loss_fn, micro_batches):
         with phase("forward"):
             loss = loss_fn(model, batch) * (count * ranks / total)  # exactly x1.0 on one process without accumulation
         # --ddp: the last micro-batch's backward averages the gradients over the processes
-        with phase("backward"), fsdp.averaged_backward(model, last=i == len(micro_batches) - 1):
+        with phase("backward"), ddp.averaged_backward(model, last=i == len(micro_batches) - 1):
             loss.backward()
         step_loss = step_loss + loss.detach()
     if ranks > 1:  # the global mean: the sum of the ranks' shares, over N

@@ -4,7 +4,7 @@ One process of tests/fsdp_test.py's check of --ddp's gradient averages, started 
 Each process builds the same small model (one weight over the packing size, averaged alone
 and in place; small ones packed into groups; one weight process 1 never uses, one process 0
 never uses, one only the first micro-batch uses; one frozen) and runs, on its own data,
-what the training step runs under --ddp (fsdp.averaged_backward): two micro-batches, the
+what the training step runs under --ddp (ddp.averaged_backward): two micro-batches, the
 first without averaging, in two steps (the first learns the order). It also computes both
 processes' gradients itself, without communication, and checks that every averaged
 gradient is their mean, bit for bit (float32; a half of each plus the other is the
@@ -27,7 +27,7 @@ import kernel_common  # noqa: F401 - first: the Triton interpreter switch
 import torch
 import torch.nn as nn
 
-from kernel_ft import fsdp
+from kernel_ft import ddp, fsdp
 
 PACKED_BYTES = 8192  # under `big`'s weight (64 x 64 x 4 bytes): that one is a group alone
 GROUP_BYTES = 1024  # `small.0.weight` (2 KB) fills a group of its own; the others share
@@ -75,8 +75,8 @@ def main(folder):
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
                 want[name] = want.get(name, 0) + g / size
 
-    fsdp.PACKED_BYTES = PACKED_BYTES
-    fsdp.replicate_model(model, fsdp.World(rank, size, rank, torch.device("cpu")), bucket_mb=GROUP_BYTES / 2**20)
+    ddp.PACKED_BYTES = PACKED_BYTES
+    ddp.replicate_model(model, fsdp.World(rank, size, rank, torch.device("cpu")), bucket_mb=GROUP_BYTES / 2**20)
     all_reduce = torch.distributed.all_reduce
     steps = []
     for _ in range(2):  # the first averaged backward learns the order, the second uses it
@@ -90,7 +90,7 @@ def main(folder):
         model.zero_grad(set_to_none=True)
         batches = micro_batches(rank)
         for i, x in enumerate(batches):
-            with fsdp.averaged_backward(model, last=i == len(batches) - 1):
+            with ddp.averaged_backward(model, last=i == len(batches) - 1):
                 model(x, rank, i == 0).backward()
             if i == 0:
                 after_first = len(calls)
@@ -103,7 +103,7 @@ def main(folder):
     refused = None
     model.zero_grad(set_to_none=True)
     try:
-        with fsdp.averaged_backward(model):
+        with ddp.averaged_backward(model):
             model(batches[0], 0, False).backward()  # the same weights on both: the same groups averaged
             model(batches[0], 0, False).backward()  # the same weights again, after they were averaged
     except RuntimeError as e:

@@ -1,8 +1,8 @@
 """
-One process of tests/fsdp_test.py's check of --ddp-shard-optimizer (fsdp.ShardedUpdate), started twice by torchrun
+One process of tests/fsdp_test.py's check of --ddp-shard-optimizer (ddp.ShardedUpdate), started twice by torchrun
 (gloo on the CPU, NCCL on two GPUs, the weights' gathers by the copy engines where NCCL can).
 
-Each process builds the same tiny LLaMA with fsdp.PACKED_BYTES lowered, so that every matrix of
+Each process builds the same tiny LLaMA with ddp.PACKED_BYTES lowered, so that every matrix of
 the decoder layers and of both embeddings is split into pieces (the script's tiny model splits
 only its embeddings) while the norms stay whole, and trains it three steps on its own row through
 training.train_step: the Triton AdamW over the pieces, clipping on (the gradient norm adds the
@@ -31,7 +31,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from adamw_kernel import TritonAdamW
-from kernel_ft import fsdp, models, training
+from kernel_ft import ddp, fsdp, models, training
 
 PACKED_BYTES = 4096  # under every matrix of the tiny model (>= 32 KB), over its norms (512 B)
 SEQ = 16
@@ -60,16 +60,16 @@ def train(folder, rank, size, ahead, device, lora):
     steps = [torch.randint(0, 8192, (size, SEQ), generator=g) for _ in range(3)]  # row r: process r's
     held_out = batch_of(torch.randint(0, 8192, (2, SEQ), generator=g), device)
 
-    fsdp.PACKED_BYTES = PACKED_BYTES
-    windows = len(fsdp.WINDOWS)
-    fsdp.replicate_model(model, fsdp.World(rank, size, rank, device), shard_optimizer=True, gather_ahead=ahead,
+    ddp.PACKED_BYTES = PACKED_BYTES
+    windows = len(ddp.WINDOWS)
+    ddp.replicate_model(model, fsdp.World(rank, size, rank, device), shard_optimizer=True, gather_ahead=ahead,
                          copy_engines=True, embedding_rows=True)
     # One layer ahead: the input embedding's gradient averaged over the rows of the step's
     # ids only, outside a CUDA graph too (every process's rows have one shape here).
     model._gradient_average.rows_in_eager = ahead == 1
-    params = fsdp.optimizer_parameters(model, [p for p in model.parameters() if p.requires_grad])
+    params = ddp.optimizer_parameters(model, [p for p in model.parameters() if p.requires_grad])
     optimizer = TritonAdamW(params, lr=1e-3)
-    fsdp.attach_optimizer(model, optimizer)
+    ddp.attach_optimizer(model, optimizer)
     reference = TritonAdamW([p for p in alone.parameters() if p.requires_grad], lr=1e-3)
 
     # Between the steps, what the CUDA-graph runner tells ShardedUpdate around a capture, a
@@ -96,7 +96,7 @@ def train(folder, rank, size, ahead, device, lora):
             with torch.no_grad():
                 evaluated.append(training.hf_loss(model, held_out).item())
                 want_evaluated.append(training.hf_loss(alone, held_out).item())
-    fsdp.gather_now(model)
+    ddp.gather_now(model)
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     theirs = [torch.empty_like(weights) for _ in range(size)]
     torch.distributed.all_gather(theirs, weights)
@@ -108,7 +108,7 @@ def train(folder, rank, size, ahead, device, lora):
         "worst_vs_alone": max((p - q).abs().max().item() for p, q in zip(model.parameters(), alone.parameters())),
         "worst_between_processes": (theirs[0] - theirs[1]).abs().max().item(),
         "rows_averaged": model._gradient_average.rows_averaged,
-        "windows": len(fsdp.WINDOWS) - windows,  # NCCL windows this run registered (the copy engines' gathers)
+        "windows": len(ddp.WINDOWS) - windows,  # NCCL windows this run registered (the copy engines' gathers)
         "moments_are_pieces": all(optimizer.state[piece]["exp_avg"].numel() * size == p.numel()
                                   for p, piece in pieces.items()),
     }
@@ -124,7 +124,7 @@ def main(folder):
     device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
     if on_gpu:  # the weights' gathers by the copy engines, as the script sets it up (fsdp.init_distributed)
         torch.cuda.set_device(device)
-        os.environ.setdefault("NCCL_CTA_POLICY", fsdp.NCCL_ZERO_CTA)
+        os.environ.setdefault("NCCL_CTA_POLICY", ddp.NCCL_ZERO_CTA)
     torch.distributed.init_process_group("nccl" if on_gpu else "gloo")
     size = torch.distributed.get_world_size()
     for ahead, lora in ((0, False), (1, False), (1, True)):

@@ -484,7 +484,7 @@ def test_hub_check_is_quick():
 # Layers: the workload modules import no kernel
 # --------------------------------------------------------------------------------
 # The shared workload, one concern per file; the scripts compose it.
-WORKLOAD = ("files", "flags", "models", "fsdp", "dataloader", "checkpoints", "cuda_graphs", "reporting", "training")
+WORKLOAD = ("files", "flags", "models", "ddp", "fsdp", "dataloader", "checkpoints", "cuda_graphs", "reporting", "training")
 
 
 def imported_modules(path):

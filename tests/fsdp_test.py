@@ -54,7 +54,7 @@ import torch
 from kernel_ft import flags  # first: the Triton interpreter switch
 from conftest import narrow_tiny_config
 import kernel_common
-from kernel_ft import checkpoints, fsdp, models
+from kernel_ft import checkpoints, ddp, fsdp, models
 from kernel_ft import run as run_module
 import finetune_baseline
 import finetune_optimized
@@ -170,7 +170,7 @@ def test_two_nodes_through_a_rendezvous_match_one_process(full, tmp_path):
 
 def test_ddp_two_ranks_match_one_process(full, lora, tmp_path):
     """--ddp: a whole copy of the model per process, the gradients averaged over the
-    processes (fsdp.GradientAverage); 2 x batch 1 gives the losses of one process at batch 2,
+    processes (ddp.GradientAverage); 2 x batch 1 gives the losses of one process at batch 2,
     every kernel, and with LoRA adapters. Rank 0 saves the model as one process does
     (with every process's random generators); the run resumes from it to the same
     losses, and only as --ddp with 2 processes. (Every gradient all-reduced: the pieces,
@@ -202,7 +202,7 @@ def test_ddp_two_ranks_match_one_process(full, lora, tmp_path):
 
 
 def test_ddp_averages_each_gradient_in_place_in_one_order(tmp_path):
-    """--ddp's averages (fsdp.GradientAverage, 2 gloo processes, tests/ddp_average_worker.py):
+    """--ddp's averages (ddp.GradientAverage, 2 gloo processes, tests/ddp_average_worker.py):
     every gradient is the mean of the two processes' own, bit for bit, with two
     micro-batches of which only the last backward communicates; a weight one process
     never used is averaged with its zero (also one rank 0 never made, last in the order),
@@ -229,7 +229,7 @@ def test_ddp_averages_each_gradient_in_place_in_one_order(tmp_path):
 
 
 def test_ddp_pieces_equal_one_process_alone(tmp_path):
-    """--ddp-shard-optimizer (fsdp.ShardedUpdate, 2 gloo processes, tests/ddp_pieces_worker.py):
+    """--ddp-shard-optimizer (ddp.ShardedUpdate, 2 gloo processes, tests/ddp_pieces_worker.py):
     a tiny LLaMA whose matrices are all split into pieces (its norms whole) trains three steps
     as one process does at batch 2, gathering all during the optimizer step or one layer
     ahead (with the input embedding's gradient averaged over the rows of the step's ids
@@ -304,7 +304,7 @@ def test_ddp_shard_optimizer_matches_the_all_reduce_and_resumes(tmp_path):
 
 
 def test_embedding_rows_apply_to_an_untied_trained_embedding_only():
-    """--ddp-embedding-rows (fsdp.averages_rows): the tiny LLaMA's input embedding (untied,
+    """--ddp-embedding-rows (ddp.averages_rows): the tiny LLaMA's input embedding (untied,
     trained, over PACKED_BYTES) qualifies; tied to the LM head, frozen, or as small as the
     packed gradients, it does not."""
     from transformers import LlamaForCausalLM
@@ -312,12 +312,12 @@ def test_embedding_rows_apply_to_an_untied_trained_embedding_only():
     model = LlamaForCausalLM(models.tiny_config())
     embedding = model.get_input_embeddings()
     params = [p for p in model.parameters() if p.requires_grad]
-    assert fsdp.averages_rows(model, embedding, params)
-    assert not fsdp.averages_rows(model, embedding, [p for p in params if p is not embedding.weight])
+    assert ddp.averages_rows(model, embedding, params)
+    assert not ddp.averages_rows(model, embedding, [p for p in params if p is not embedding.weight])
     model.get_output_embeddings().weight = embedding.weight
-    assert not fsdp.averages_rows(model, embedding, params)
+    assert not ddp.averages_rows(model, embedding, params)
     small = torch.nn.Embedding(16, 8)
-    assert not fsdp.averages_rows(torch.nn.Module(), small, [small.weight])
+    assert not ddp.averages_rows(torch.nn.Module(), small, [small.weight])
 
 
 def test_ddp_shard_optimizer_flags(monkeypatch):
@@ -332,10 +332,10 @@ def test_ddp_shard_optimizer_flags(monkeypatch):
     with pytest.raises(SystemExit, match="add --use-custom-adamw$"):
         fsdp.check_fsdp_flags(parse(["--tiny", "--ddp", "--ddp-shard-optimizer", "--no-use-custom-adamw"]))
     fsdp.check_fsdp_flags(parse(["--tiny", "--ddp", "--compile"]))  # the default steps aside
-    assert fsdp.shards_optimizer(parse(["--tiny", "--ddp"]))
-    assert not fsdp.shards_optimizer(parse(["--tiny", "--ddp", "--compile"]))
-    assert not fsdp.shards_optimizer(parse(["--tiny", "--ddp", "--no-use-custom-adamw"]))
-    assert not fsdp.shards_optimizer(parse(["--tiny", "--ddp", "--no-ddp-shard-optimizer"]))
+    assert ddp.shards_optimizer(parse(["--tiny", "--ddp"]))
+    assert not ddp.shards_optimizer(parse(["--tiny", "--ddp", "--compile"]))
+    assert not ddp.shards_optimizer(parse(["--tiny", "--ddp", "--no-use-custom-adamw"]))
+    assert not ddp.shards_optimizer(parse(["--tiny", "--ddp", "--no-ddp-shard-optimizer"]))
     notes = flags.settle(parse(["--tiny", "--ddp", "--no-ddp-shard-optimizer", "--ddp-gather-ahead", "2",
                                 "--no-ddp-copy-engines"]))._notes
     assert "--ddp-gather-ahead, --no-ddp-copy-engines without --ddp-shard-optimizer (off: asked) changes nothing" in notes
@@ -351,7 +351,7 @@ def test_ddp_shard_optimizer_flags(monkeypatch):
     # init_distributed: NCCL's zero-CTA policy where the gathers may go by the copy engines, a
     # value set by hand kept; nothing without a GPU (gloo).
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    for cuda, argv, policy in ((True, ["--ddp"], fsdp.NCCL_ZERO_CTA), (True, ["--ddp", "--no-ddp-copy-engines"], None),
+    for cuda, argv, policy in ((True, ["--ddp"], ddp.NCCL_ZERO_CTA), (True, ["--ddp", "--no-ddp-copy-engines"], None),
                                (True, ["--ddp", "--no-ddp-shard-optimizer"], None), (False, ["--ddp"], None)):
         monkeypatch.delenv("NCCL_CTA_POLICY", raising=False)
         monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)

@@ -60,13 +60,13 @@ from kernel_ft import flags
 # 2 x 2,048). So (--ddp-embedding-rows) the forward keeps the token ids its input
 # embedding looked up, and instead of the whole gradient the processes average only the
 # rows at every process's ids (all-gathered first): 64 MB instead of 1 GB over 2 GPUs.
-# Each process's ids must have one shape on every process, which the step's CUDA graph
-# keeps for each process (a batch of another shape stops the run), so it is done there,
-# in the captured step; the eager steps average the whole gradient. The first averaged
-# backward checks on every process that the gradient is zero outside its own ids (an
-# embedding whose weight something else also reads would not be) and that every process
-# saw as many ids; if not, the whole gradient is averaged, as before; so it is where the
-# rows would be more than half the vocabulary (many GPUs, long accumulation). What it
+# The all-gather needs as many ids from every process, and the step's CUDA graph keeps
+# each process's batch shape fixed (a batch of another shape stops the run), so it is
+# done there, in the captured step; the eager steps average the whole gradient. The
+# first averaged backward checks on every process that the gradient is zero outside its
+# own ids (an embedding whose weight something else also reads would not be) and that
+# the counts agree; if not, the whole gradient is averaged, as before, and so it is where
+# the rows would be more than half the vocabulary (many GPUs, long accumulation). What it
 # buys at 8B on 2 x H200, one call: 0.966x one GPU's tokens/s per GPU against 0.962x.
 PACKED_BYTES = 2**20  # smaller gradients are packed into groups; larger ones are averaged alone, in place
 
@@ -161,9 +161,15 @@ class GradientAverage:
             self.groups.append(packed)
         self.group_of = {p: i for i, group in enumerate(self.groups) for p in group}
 
+    def _rows_only(self, p):
+        """Whether this backward averages only the used rows of ``p``'s gradient: the input
+        embedding, checked at the first backward, in a capture (or the tests' eager knob),
+        and all processes' rows at most half of its rows (else the whole one is cheaper)."""
+        return (p is self.rows and self.rows_checked and bool(self.ids) and (capturing() or self.rows_in_eager)
+                and self.size * sum(i.numel() for i in self.ids) <= p.shape[0] // 2)
+
     def _average(self, group):
-        if group[0] is self.rows and self.rows_checked and self.ids and (capturing() or self.rows_in_eager) and (
-                self.size * sum(i.numel() for i in self.ids) <= group[0].shape[0] // 2):  # else not worth it
+        if self._rows_only(group[0]):
             return self._average_rows(group[0])
         if group[0] in self.pieces:  # alone in its group (over PACKED_BYTES)
             return self._average_piece(group[0])

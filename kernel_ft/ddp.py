@@ -114,6 +114,10 @@ class GradientAverage:
         self.pending = []  # (work, what to do once it is done, or None)
         self.ids = []  # the token ids the input embedding looked up since the last averaged backward
 
+    def _flat_ids(self):
+        """The token ids kept since the last averaged backward, as one vector."""
+        return torch.cat([i.reshape(-1) for i in self.ids])
+
     def _saw_ids(self, module, args):
         if torch.is_grad_enabled() and args and torch.is_tensor(args[0]):
             self.ids.append(args[0])
@@ -211,7 +215,7 @@ class GradientAverage:
         """--ddp-embedding-rows: the rows of ``p.grad`` at every process's ids averaged (an
         id twice is the same row twice: both copies carry the same sum), then written back;
         every other row is zero on every process, so ``p.grad`` is then the whole average."""
-        ids = torch.cat([i.reshape(-1) for i in self.ids])
+        ids = self._flat_ids()
         everyone = ids.new_empty(self.size * ids.numel())
         all_gather(everyone, ids)
         rows = p.grad.index_select(0, everyone)
@@ -228,7 +232,7 @@ class GradientAverage:
         if grad is None or not self.ids:
             return False
         seen = torch.zeros(grad.shape[0], dtype=torch.bool, device=grad.device)
-        seen[torch.cat([i.reshape(-1) for i in self.ids])] = True
+        seen[self._flat_ids()] = True
         largest = torch.linalg.vector_norm(grad, ord=float("inf"), dim=1)
         return largest.masked_fill_(seen, 0).max().item() == 0
 

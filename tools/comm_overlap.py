@@ -12,6 +12,11 @@ read off. ``--memory window``: the tensors are allocated from NCCL's own allocat
 registered as symmetric windows (torch's ProcessGroupNCCL.register_mem_pool), where
 NCCL 2.27+ runs its symmetric kernels and, with NCCL_CTA_POLICY=2 (zero CTAs) set
 before the communicator is made, moves all-gathers with the copy engines instead of SMs.
+A copy engine cannot add, so a reduce-scatter stays on SMs. In ordinary memory a third
+row measures its movement as an all-to-all (process j receives every process's piece j
+into a scratch tensor) followed by one local sum of the N pieces (their mean): slower than NCCL's
+reduce-scatter on 2 x H200, alone and beside the matmuls (results/ddp/exchange/); in
+windows with the zero-CTA policy that row did not finish there, so it is left out.
 Rank 0 prints one table and writes the JSON.
 """
 import argparse
@@ -59,6 +64,8 @@ def main():
     sizes = [n for _ in range(args.layers) for n in LAYER]
     with torch.cuda.use_mem_pool(pool) if pool is not None else contextlib.nullcontext():
         tensors = [torch.randn(n, device=device, dtype=torch.bfloat16) for n in sizes]
+    # the all-to-all's output (ordinary memory only: below)
+    scratch = torch.empty(max(sizes), device=device, dtype=torch.bfloat16) if pool is None else None
     if pool is not None:
         try:
             dist.group.WORLD._get_backend(device).register_mem_pool(pool, symm=True)
@@ -83,9 +90,20 @@ def main():
             n = t.numel() // size
             dist.reduce_scatter_tensor(t.narrow(0, rank * n, n), t, op=dist.ReduceOp.AVG)
 
+    def exchanges():
+        for t in tensors:
+            n = t.numel() // size
+            received = scratch.narrow(0, 0, t.numel())
+            dist.all_to_all_single(received, t)  # received[j n:(j+1) n] = process j's piece `rank`
+            torch.mean(received.view(size, n), 0, out=t.narrow(0, rank * n, n))
+
+    collectives = [("all-gather", gathers), ("reduce-scatter", scatters)]
+    if pool is None:
+        collectives.append(("all-to-all + sum", exchanges))
+
     moved = sum(sizes) * 2  # bytes of the whole tensors
     rows = {}
-    for name, collective in (("all-gather", gathers), ("reduce-scatter", scatters)):
+    for name, collective in collectives:
         best = {}
         for _ in range(args.repeats + 1):  # the first round warms NCCL and the matmul up
             dist.barrier()
@@ -112,12 +130,12 @@ def main():
         print(f"{result['gpu']} x {size}, torch {result['torch']}, NCCL {result['nccl']}; memory {args.memory}, "
               f"NCCL_CTA_POLICY {result['nccl_cta_policy']}; {moved / 2**30:.2f} GiB of tensors, "
               f"{args.matmuls} matmuls 8192^3 bf16; best of {args.repeats}, ms")
-        print(f"{'collective':<16}{'matmuls alone':>15}{'coll. alone':>13}{'matmuls beside':>16}"
+        print(f"{'collective':<24}{'matmuls alone':>15}{'coll. alone':>13}{'matmuls beside':>16}"
               f"{'coll. beside':>14}{'slowdown':>10}{'busbw alone GB/s':>18}")
         for name, best in rows.items():
             slow = best["matmuls beside"] / best["matmuls alone"]
             busbw = moved * (size - 1) / size / best["collective alone"] / 1e6
-            print(f"{name:<16}{best['matmuls alone']:>15.2f}{best['collective alone']:>13.2f}"
+            print(f"{name:<24}{best['matmuls alone']:>15.2f}{best['collective alone']:>13.2f}"
                   f"{best['matmuls beside']:>16.2f}{best['collective beside']:>14.2f}{slow:>10.3f}{busbw:>18.0f}")
         if args.json:
             with open(args.json, "w") as f:

@@ -111,14 +111,25 @@ def check_fsdp_flags(args):
 # (faster than --fsdp where both fit: NOTES.md, Step 19).
 REPLICA_SHARE = 0.8
 # Weights, their gradients and AdamW's two moments, each in the weights' dtype (the
-# gradients are averaged where they lie: GradientAverage keeps no second copy).
+# gradients are averaged where they lie: GradientAverage keeps no second copy). Where
+# the pieces apply (ddp.shards_optimizer) each process keeps 1/N of the two moments:
+# 2 + 2/N copies (8B over 2 GPUs: 3 x 14.96 = 44.9 GiB; measured peak 45.20 on 2 x H200).
 REPLICA_STATE_COPIES = 4
+
+
+def replica_state_copies(args, processes):
+    """How many copies of the weights' bytes a whole copy per process holds under --ddp
+    (REPLICA_STATE_COPIES, or fewer where the optimizer's state is split into pieces)."""
+    if ddp.shards_optimizer(args):
+        return 2 + 2 / processes
+    return REPLICA_STATE_COPIES
 
 
 def replica_memory(args):
     """(bytes a whole copy of the model holds before any activation, bytes of this
     process's device, the device in words): what --ddp needs per process, and what it
-    has. With --lora only the adapters train: the frozen weights alone count. The
+    has. With --lora only the adapters train: the frozen weights alone count; with the
+    pieces (--ddp-shard-optimizer, on by default where it applies) 1/N of AdamW's. The
     device's whole memory, not what is free now: every process must make the same
     choice (they have no process group yet to agree on one), and the free memory of
     two GPUs of one host can differ by what else runs on them."""
@@ -126,7 +137,8 @@ def replica_memory(args):
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_gpu else torch.device("cpu")
     config = models.tiny_config() if args.tiny else models.config_for(args.model)
     weights = models.parameter_count(config) * models.weights_dtype(args, device).itemsize
-    need = weights if getattr(args, "lora", False) else REPLICA_STATE_COPIES * weights
+    lora = getattr(args, "lora", False)
+    need = weights if lora else int(replica_state_copies(args, flags.processes_started()) * weights)
     if on_gpu:
         properties = torch.cuda.get_device_properties(device)
         return need, properties.total_memory, f"of an {properties.name}"

@@ -188,7 +188,9 @@ def choose_parallel(settings):
         raise SystemExit(f"error: WORLD_SIZE is {processes} but {', '.join(missing)} not set: start the processes "
                          f"with torchrun --nproc-per-node {processes} {os.path.basename(sys.argv[0])} ...")
     need, memory, where = fsdp.replica_memory(settings)
-    held = "frozen weights" if getattr(settings, "lora", False) else "weights, gradients and AdamW state"
+    held = ("frozen weights" if getattr(settings, "lora", False) else "weights, gradients and AdamW state"
+            if fsdp.replica_state_copies(settings, processes) == fsdp.REPLICA_STATE_COPIES
+            else f"weights, gradients and 1/{processes} of AdamW state")
     replicate = need <= fsdp.REPLICA_SHARE * memory
     why = (f"torchrun started {processes} processes without --fsdp or --ddp, so "
            f"{'--ddp: a whole copy per process' if replicate else '--fsdp: the model sharded over them'} "

@@ -384,19 +384,27 @@ def test_torchrun_without_fsdp_or_ddp_chooses_from_memory(monkeypatch):
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
         monkeypatch.setenv(name, value)
     choose = lambda *argv: run_module.settle(finetune_optimized.parse_args(["--tiny", *argv]))[0]  # noqa: E731
+    tiny = models.build_random(models.tiny_config(), torch.device("cpu"), torch.float32)
+    weights = 4 * sum(p.numel() for p in tiny.parameters())  # float32
     chosen = choose("--fsdp-prefetch", "1")
     assert chosen.ddp and not chosen.fsdp
+    # The pieces by default (the Triton AdamW): each process keeps half of AdamW's two moments.
     assert chosen.parallel_choice.startswith("torchrun started 2 processes without --fsdp or --ddp, so --ddp: a "
-                                             "whole copy per process (its weights, gradients and AdamW state, ~")
+                                             "whole copy per process (its weights, gradients and 1/2 of AdamW "
+                                             "state, ~")
     assert "--fsdp-prefetch without --fsdp changes nothing" in chosen._notes
-    need, _, _ = fsdp.replica_memory(chosen)  # float32 tiny model: weights, gradients, moments
-    tiny = models.build_random(models.tiny_config(), torch.device("cpu"), torch.float32)
-    assert need == fsdp.REPLICA_STATE_COPIES * 4 * sum(p.numel() for p in tiny.parameters())
+    assert fsdp.replica_memory(chosen)[0] == 3 * weights
+    whole = choose("--no-ddp-shard-optimizer")  # weights, gradients, both moments whole
+    assert whole.ddp and "(its weights, gradients and AdamW state, ~" in whole.parallel_choice
+    assert fsdp.replica_memory(whole)[0] == fsdp.REPLICA_STATE_COPIES * weights
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert fsdp.replica_memory(choose())[0] == int(2.5 * weights)
+    monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(fsdp, "replica_memory", lambda args: (10 * 2**30, 12 * 2**30, "here"))
     chosen = choose("--ddp-bucket-mb", "50")
     assert chosen.fsdp and not chosen.ddp and "--ddp-bucket-mb without --ddp changes nothing" in chosen._notes
-    assert ("so --fsdp: the model sharded over them (its weights, gradients and AdamW state, ~10.00 GiB, exceed 80% "
-            "of the 12.0 GiB here); pass --ddp") in chosen.parallel_choice
+    assert ("so --fsdp: the model sharded over them (its weights, gradients and 1/2 of AdamW state, ~10.00 GiB, "
+            "exceed 80% of the 12.0 GiB here); pass --ddp") in chosen.parallel_choice
     with pytest.raises(SystemExit, match="^error: --optimizer-in-backward.*with --fsdp that is not implemented"):
         choose("--optimizer-in-backward", "--max-grad-norm", "0")
     # LLaMA-3.1-8B on an 80 GB H100 (81,559 MiB): 4 x 8.03e9 bf16 values, 59.8 GiB, run whole as on one GPU.

@@ -298,7 +298,7 @@ def add_cuda_graphs_arg(group, default):
 
 DDP_BUCKET_MB = 25  # --ddp-bucket-mb's default (DistributedDataParallel's bucket size)
 DDP_GATHER_AHEAD = 1  # --ddp-gather-ahead's default
-FSDP_COMMS = ("default", "symm-mem", "pg-memory")  # --fsdp-comm (fsdp.COMM_SETTERS)
+FSDP_COMMS = ("auto", "copy-engines", "pytorch", "symm-mem", "pg-memory")  # --fsdp-comm (fsdp.py)
 
 
 def add_fsdp_arg(group):
@@ -376,12 +376,13 @@ def add_fsdp_arg(group):
              "the same gradients as float32, see fsdp.reduce_dtype_for; float32 otherwise)",
     )
     group.add_argument(
-        "--fsdp-comm", choices=FSDP_COMMS, default="default",
-        help="--fsdp on GPUs: where FSDP2's communication buffers live. symm-mem: NCCL symmetric memory for the "
-             "all-gathers, with NCCL_CTA_POLICY=2 (one host: the copy engines move the weights, no SM is taken from "
-             "the matmuls; needs a torch newer than 2.11); pg-memory: buffers from NCCL's own allocator (zero-copy "
-             "where the fabric allows; slower on 2 x H200). Default: %(default)s (PyTorch's caching allocator, "
-             "NCCL's kernels). Experimental",
+        "--fsdp-comm", choices=FSDP_COMMS, default="auto",
+        help="--fsdp on GPUs: where FSDP2's all-gather buffers live. copy-engines: kept in NCCL's symmetric windows "
+             "(FSDP2's custom all-gather), with NCCL_CTA_POLICY=2: on one host the copy engines move the weights and "
+             "no SM is taken from the matmuls (NCCL 2.28+); pytorch: FSDP2's own (the caching allocator, NCCL's "
+             "kernels); symm-mem: the same as copy-engines through FSDP2's set_symm_mem_for_comm (a torch newer than "
+             "2.11); pg-memory: NCCL's own allocator (slower on 2 x H200). Default: %(default)s (copy-engines where "
+             "the GPUs, NCCL and torch allow, else pytorch; the FSDP line says which and why)",
     )
 
 
@@ -506,7 +507,7 @@ def idle_parallel_flags(args):
     notes = []
     fsdp_changed = [f"--{'no-' if getattr(args, k, v) is False else ''}{k.replace('_', '-')}"
                     for k, v in (("fsdp_prefetch", 0), ("fsdp_keep_gathered", "auto"), ("fsdp_reduce_dtype", "auto"),
-                                 ("fsdp_comm", "default"), ("fsdp_fp8_gather", None))
+                                 ("fsdp_comm", "auto"), ("fsdp_fp8_gather", None))
                     if getattr(args, k, v) != v]
     if fsdp_changed and not getattr(args, "fsdp", False):
         notes.append(f"{', '.join(fsdp_changed)} without --fsdp changes nothing")

@@ -24,6 +24,7 @@ is spread over N processes, and what that costs.
 Every rank trains; rank 0 alone prints and writes. Nothing runs on import.
 """
 
+import math
 import os
 import sys
 
@@ -147,29 +148,81 @@ def replica_memory(args):
     return need, (total or 0) // local, f"of host memory per process ({local} on this host)"
 
 
-# --fsdp-comm: the FSDPModule method each choice calls on every sharded module, and its
-# argument. What each may buy: symm-mem, all-gathers run by the copy engines instead of
-# SMs, so the matmuls beside them keep every SM (FSDP2's collectives slow the matmuls by
-# ~25 ms a step at 8B on 2 GPUs, NOTES.md; torch 2.11 lacks the method: not measured);
-# pg-memory, NCCL's own buffers, which it can send from without a copy where the fabric
-# allows (NVLS; measured slower: 0.77x against 0.81x per GPU, 8B full on 2 x H200).
+# --fsdp-comm: where FSDP2's all-gather buffers live. copy-engines (the default where it
+# can: "auto"): kept in NCCL's symmetric windows (WindowGathers, below), so that the
+# all-gathers run on the copy engines instead of SMs and the matmuls beside them keep
+# every SM; what it bought at 8B, 2 x 2,048 tokens per GPU on 2 x H200: 0.869-0.876x of
+# one GPU per GPU against 0.851x (weights kept gathered), 0.867x against 0.833x
+# (gathered again in backward), 2.4 GiB more at the peak (NOTES.md, Step 19). The others
+# call one FSDPModule method on every sharded module: symm-mem, the same idea in torch's
+# own symmetric memory (torch 2.11 lacks it); pg-memory, NCCL's own buffers, which it can
+# send from without a copy where the fabric allows (NVLS; measured slower: 0.77x against
+# 0.81x per GPU, 8B full on 2 x H200).
 COMM_SETTERS = {"symm-mem": ("set_symm_mem_for_comm", "NCCL"),
                 "pg-memory": ("set_allocate_memory_from_process_group_for_comm", True)}
+WINDOW_GATHERS = "set_custom_all_gather"  # the FSDPModule method --fsdp-comm copy-engines calls
+
+
+class WindowGathers:
+    """--fsdp-comm copy-engines: FSDP2's all-gathers from NCCL's symmetric windows, which
+    NCCL 2.28 moves with the copy engines under the zero-CTA policy (as --ddp's pieces:
+    ddp.into_windows), through FSDPModule.set_custom_all_gather on a torch that lacks
+    set_symm_mem_for_comm. FSDP2 asks ``allocate`` for each all-gather's output (its copy-in
+    writes this process's shards into it, so the input lies there too) and drops the
+    tensor after its copy out; windows are registered by every process in the same order,
+    once, so the buffers are kept: ``ring`` of each size, handed out in turn. When is one
+    free again? FSDP2's gather streams wait for a copy-out event before each new gather:
+    in a forward without explicit prefetch, that of two layers back (torch 2.11,
+    FSDPParamGroup.wait_for_unshard), with P layers prefetched one back from P + 1 ahead,
+    in backward the one just done. So the decoder layers share one WindowGathers whose
+    ring holds P + 2 buffers, and the root, gathered at the start of a step (its gather
+    streams wait for all the work before it) or again for its backward, one of its own."""
+
+    def __init__(self, device, ring):
+        self.backend = torch.distributed.group.WORLD._get_backend(device)
+        self.ring = ring
+        self.buffers = {}  # (numel, dtype) -> [the ring's tensors, the next one's index]
+
+    def allocate(self, size, *, dtype, device):
+        numel = math.prod(int(n) for n in size)
+        key = (numel, dtype)
+        if key not in self.buffers:  # the first gather of this size, on every process in turn
+            pool = torch.cuda.MemPool(self.backend.mem_allocator)
+            with torch.cuda.use_mem_pool(pool):
+                tensors = [torch.empty(numel, dtype=dtype, device=device) for _ in range(self.ring)]
+            self.backend.register_mem_pool(pool, symm=True)
+            ddp.WINDOWS.append((self.backend, pool))
+            self.buffers[key] = [tensors, 0]
+        tensors, turn = self.buffers[key]
+        self.buffers[key][1] = (turn + 1) % len(tensors)
+        return tensors[turn].view(*size)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        return ddp.all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 def check_fsdp_comm(args):
-    """--fsdp-comm other than the default: NCCL on GPUs, and a torch that has the method."""
-    comm = getattr(args, "fsdp_comm", "default")
-    if comm == "default" or not getattr(args, "fsdp", False):
+    """--fsdp-comm asked for by name: NCCL on GPUs, and a torch that has the method."""
+    comm = getattr(args, "fsdp_comm", "auto")
+    if comm in ("auto", "pytorch") or not getattr(args, "fsdp", False):
         return
     if not torch.cuda.is_available():
         raise SystemExit(f"error: --fsdp-comm {comm} places NCCL's buffers on GPUs; without a GPU (gloo) leave it out")
     from torch.distributed.fsdp import FSDPModule
 
-    method = COMM_SETTERS[comm][0]
+    method = WINDOW_GATHERS if comm == "copy-engines" else COMM_SETTERS[comm][0]
     if not hasattr(FSDPModule, method):
         raise SystemExit(f"error: --fsdp-comm {comm} needs FSDPModule.{method}, which torch {torch.__version__} "
                          f"lacks; leave it out or upgrade torch")
+
+
+def window_gathers_unavailable(device):
+    """Why FSDP2's all-gathers on ``device`` cannot go by the copy engines (None: they can)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if device.type == "cuda" and not hasattr(FSDPModule, WINDOW_GATHERS):
+        return f"torch {torch.__version__} has no FSDPModule.{WINDOW_GATHERS}"
+    return ddp.copy_engines_unavailable(device)
 
 
 def init_distributed(args):
@@ -184,7 +237,8 @@ def init_distributed(args):
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    if getattr(args, "fsdp_comm", "default") == "symm-mem" or (
+    if getattr(args, "fsdp_comm", "auto") in ("symm-mem", "copy-engines") or (
+            backend == "nccl" and getattr(args, "fsdp", False) and getattr(args, "fsdp_comm", "auto") == "auto") or (
             backend == "nccl" and getattr(args, "ddp", False) and ddp.shards_optimizer(args)
             and getattr(args, "ddp_copy_engines", True)):
         # NCCL reads it when the communicator is made: its all-gathers from symmetric
@@ -260,15 +314,25 @@ def shard_model(model, args, world):
     for layer in layers:
         fully_shard(layer, reshard_after_forward=not keep, **kwargs)
     fully_shard(model, **kwargs)
-    comm = getattr(args, "fsdp_comm", "default")
-    if comm != "default":
-        method, value = COMM_SETTERS[comm]
-        for module in [*layers, model]:
-            getattr(module, method)(value)
     # Prefetch (what it buys: the next layers' all-gathers run while this one computes,
     # instead of starting when the next layer's forward is reached, which a host that
     # is not far ahead of the GPU reaches late). Backward walks the layers in reverse.
     prefetch = getattr(args, "fsdp_prefetch", 0)
+    comm, unavailable = getattr(args, "fsdp_comm", "auto"), None
+    if comm in ("auto", "copy-engines"):
+        unavailable = window_gathers_unavailable(world.device)
+        if unavailable and comm == "copy-engines":
+            raise SystemExit(f"error: --fsdp-comm copy-engines: {unavailable}; leave it out")
+        comm = "pytorch" if unavailable else "copy-engines"
+    if comm == "copy-engines":
+        gathers = WindowGathers(world.device, ring=prefetch + 2)
+        for layer in layers:
+            getattr(layer, WINDOW_GATHERS)(gathers)
+        getattr(model, WINDOW_GATHERS)(WindowGathers(world.device, ring=1))
+    elif comm in COMM_SETTERS:
+        method, value = COMM_SETTERS[comm]
+        for module in [*layers, model]:
+            getattr(module, method)(value)
     if prefetch:
         for i, layer in enumerate(layers):
             layer.set_modules_to_forward_prefetch(list(layers[i + 1:i + 1 + prefetch]))
@@ -284,7 +348,9 @@ def shard_model(model, args, world):
         kept = "; weights kept gathered from forward to backward"
     elif keep_gathered_is_decided(args):
         kept = f"; weights kept gathered from forward to backward if they fit, decided after step {KEEP_DECIDED_AFTER}"
-    comms = "" if comm == "default" else f"; communication buffers: {comm}"
+    comms = {"copy-engines": "; all-gathers by the copy engines (NCCL windows)",
+             "pytorch": f"; all-gathers by NCCL's kernels ({unavailable})" if unavailable and world.device.type == "cuda"
+             else ""}.get(comm, f"; communication buffers: {comm}")
     print(f"FSDP:          {world.size} processes, {len(layers)} decoder layers + the root sharded "
           f"({precision}; {ahead}{kept}{comms}){materialized}")
     return model

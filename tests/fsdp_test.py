@@ -770,6 +770,36 @@ def test_fsdp_comm_sets_every_sharded_module(one_process_group, monkeypatch, cap
         assert f"communication buffers: {comm}" in capsys.readouterr().out
 
 
+def test_fsdp_comm_copy_engines_wiring(one_process_group, monkeypatch, capsys):
+    """--fsdp-comm copy-engines (and auto where NCCL, torch and the GPUs allow it): one
+    WindowGathers for all decoder layers, its ring the prefetch + 2 buffers FSDP2's order
+    needs, and one of a single buffer for the root; said in the FSDP line. auto falls back
+    to FSDP2's own buffers where the copy engines cannot move them (gloo here), and asked
+    for by name there it is refused in one line."""
+    from torch.distributed.fsdp import FSDPModule
+
+    calls = []
+    monkeypatch.setattr(FSDPModule, fsdp.WINDOW_GATHERS, lambda self, comm: calls.append((type(self).__name__, comm)))
+    model = models.build_random(models.tiny_config(), torch.device("cpu"), torch.float32)
+    fsdp.shard_model(model, argparse.Namespace(tiny=True, fsdp_comm="auto"), one_process_group)
+    assert calls == [] and "all-gathers by" not in capsys.readouterr().out
+    model = models.build_random(models.tiny_config(), torch.device("cpu"), torch.float32)
+    with pytest.raises(SystemExit, match=r"^error: --fsdp-comm copy-engines: NCCL on GPUs only; leave it out$"):
+        fsdp.shard_model(model, argparse.Namespace(tiny=True, fsdp_comm="copy-engines"), one_process_group)
+    assert calls == []
+    monkeypatch.setattr(fsdp, "window_gathers_unavailable", lambda device: None)
+    for prefetch in (0, 1):
+        calls.clear()
+        model = models.build_random(models.tiny_config(), torch.device("cpu"), torch.float32)
+        fsdp.shard_model(model, argparse.Namespace(tiny=True, fsdp_comm="auto", fsdp_prefetch=prefetch),
+                         one_process_group)
+        assert [name for name, _ in calls] == ["FSDPLlamaDecoderLayer"] * 2 + ["FSDPLlamaForCausalLM"]
+        layers, root = calls[0][1], calls[2][1]
+        assert calls[1][1] is layers and root is not layers
+        assert (layers.ring, root.ring) == (prefetch + 2, 1)
+        assert "all-gathers by the copy engines (NCCL windows)" in capsys.readouterr().out
+
+
 def test_fsdp_comm_refusals_are_one_line(monkeypatch):
     from torch.distributed.fsdp import FSDPModule
 

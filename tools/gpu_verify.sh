@@ -216,7 +216,7 @@ for what in $WHAT; do
         | tee "$OUTDIR/gpus_one.log" | tail -8
       for extra in "" "--fsdp" "--ddp" "--fsdp --fsdp-reduce-dtype bfloat16" "--ddp --compile" \
                    "--ddp --eval-every 4" "--ddp --no-ddp-copy-engines" "--ddp --no-ddp-shard-optimizer" \
-                   "--fsdp --fsdp-comm symm-mem" "--fsdp --fsdp-comm pg-memory" "--fsdp --fp8 tensorwise"; do
+                   "--fsdp --fsdp-comm pytorch" "--fsdp --fsdp-comm pg-memory" "--fsdp --fp8 tensorwise"; do
         tag=${extra:-chosen}; tag=${tag//--/}; tag=${tag// /_}
         torchrun --standalone --nproc-per-node "$n" finetune_optimized.py $common $extra \
           --json "$OUTDIR/gpus_${n}_$tag.json" 2>&1 | tee "$OUTDIR/gpus_${n}_$tag.log" | tail -8

@@ -109,8 +109,9 @@ def reason_to_stay_eager(args, model, data):
     if not torch.cuda.is_available():
         return "no GPU"
     if getattr(args, "fsdp", False):
-        # FSDP2's hooks can be captured (2 x H200, 8B full: the same losses), but the step is
-        # bound by its GPU work: 0.7% faster captured, not worth a path of its own (NOTES.md, Step 19).
+        # FSDP2's hooks can be captured (2 x H200, 8B full, FSDP2's own buffers: the same losses;
+        # its windows, fsdp.WindowGathers, would have to be registered in the eager steps before),
+        # but the step is bound by its GPU work: 0.7% faster captured, not kept (NOTES.md, Step 19).
         return "--fsdp: FSDP2's step is bound by its GPU work (its buffer copies and collectives), not by Python"
     if getattr(args, "skip_nonfinite_steps", False):
         return "--skip-nonfinite-steps reads each step's loss on the host before the update"

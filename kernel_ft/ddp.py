@@ -324,20 +324,34 @@ NCCL_ZERO_CTA = "2"  # NCCL_CTA_POLICY_ZERO, read from the environment when a co
 WINDOWS = []  # (NCCL backend, memory pool) registered by this process, deregistered by close_distributed
 
 
+def copy_engines_refused():
+    """What rules the all-gathers by the copy engines out before NCCL starts (None:
+    nothing): an NCCL before 2.28, processes on several hosts (the copy engines reach the
+    GPUs of their own host), an NCCL_CTA_POLICY set by hand to another value."""
+    version = torch.cuda.nccl.version()
+    if version < (2, 28):
+        return f"NCCL {'.'.join(map(str, version))} (2.28 or later moves all-gathers by the copy engines)"
+    local = os.environ.get("LOCAL_WORLD_SIZE")  # torchrun's: the processes on this host
+    if local is not None and local != os.environ.get("WORLD_SIZE", local):
+        return "processes on several hosts (a copy engine reaches the GPUs of its own host)"
+    policy = os.environ.get("NCCL_CTA_POLICY")
+    if policy not in (None, NCCL_ZERO_CTA):
+        return f"NCCL_CTA_POLICY={policy} set by hand ({NCCL_ZERO_CTA}, zero CTAs, needed)"
+    return None
+
+
 def copy_engines_unavailable(device):
     """Why the all-gathers on ``device`` cannot go by the copy engines (None: they can)."""
     if device.type != "cuda":
         return "NCCL on GPUs only"
-    version = torch.cuda.nccl.version()
-    if version < (2, 28):
-        return f"NCCL {'.'.join(map(str, version))} (2.28 or later moves all-gathers by the copy engines)"
+    refused = copy_engines_refused()
+    if refused:
+        return refused
     backend = torch.distributed.group.WORLD._get_backend(device)
     if not (hasattr(backend, "mem_allocator") and hasattr(backend, "register_mem_pool")):
         return f"torch {torch.__version__} cannot register NCCL windows (ProcessGroupNCCL.register_mem_pool)"
-    policy = os.environ.get("NCCL_CTA_POLICY")
-    if policy != NCCL_ZERO_CTA:
-        return (f"NCCL_CTA_POLICY={policy} set by hand" if policy is not None else "NCCL_CTA_POLICY unset when "
-                "NCCL started") + f" ({NCCL_ZERO_CTA}, zero CTAs, needed)"
+    if os.environ.get("NCCL_CTA_POLICY") != NCCL_ZERO_CTA:
+        return f"NCCL_CTA_POLICY unset when NCCL started ({NCCL_ZERO_CTA}, zero CTAs, needed)"
     return None
 
 

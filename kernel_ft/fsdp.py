@@ -161,6 +161,7 @@ def replica_memory(args):
 COMM_SETTERS = {"symm-mem": ("set_symm_mem_for_comm", "NCCL"),
                 "pg-memory": ("set_allocate_memory_from_process_group_for_comm", True)}
 WINDOW_GATHERS = "set_custom_all_gather"  # the FSDPModule method --fsdp-comm copy-engines calls
+WINDOW_GATHERS_READ = ((2, 11), (2, 13))  # torch versions whose FSDP2 gather order WindowGathers relies on
 
 
 class WindowGathers:
@@ -171,12 +172,15 @@ class WindowGathers:
     writes this process's shards into it, so the input lies there too) and drops the
     tensor after its copy out; windows are registered by every process in the same order,
     once, so the buffers are kept: ``ring`` of each size, handed out in turn. When is one
-    free again? FSDP2's gather streams wait for a copy-out event before each new gather:
-    in a forward without explicit prefetch, that of two layers back (torch 2.11,
-    FSDPParamGroup.wait_for_unshard), with P layers prefetched one back from P + 1 ahead,
-    in backward the one just done. So the decoder layers share one WindowGathers whose
-    ring holds P + 2 buffers, and the root, gathered at the start of a step (its gather
-    streams wait for all the work before it) or again for its backward, one of its own."""
+    free again? FSDP2's gather streams wait for a copy-out event before each new gather
+    (FSDPParamGroup.wait_for_unshard, read in torch 2.11 and 2.13: WINDOW_GATHERS_READ): in
+    a forward without explicit prefetch, that of two layers back; with P layers prefetched,
+    one back from P + 1 ahead; in backward, the one just done. So the decoder layers share
+    one WindowGathers of max(2, P + 1) buffers (at most one per layer), and the root,
+    gathered once at the start of a step (its gather streams wait for all the work before
+    it; FSDP2 keeps the root whole through backward), one of its own. Windows live in the
+    default group's communicator: the one FSDP2's default mesh uses (another group's
+    gathers would find no window and run on NCCL's kernels)."""
 
     def __init__(self, device, ring):
         self.backend = torch.distributed.group.WORLD._get_backend(device)
@@ -202,7 +206,8 @@ class WindowGathers:
 
 
 def check_fsdp_comm(args):
-    """--fsdp-comm asked for by name: NCCL on GPUs, and a torch that has the method."""
+    """--fsdp-comm asked for by name: NCCL on GPUs, and a torch that has the method (and
+    for copy-engines what else is known before NCCL starts: window_gathers_refused)."""
     comm = getattr(args, "fsdp_comm", "auto")
     if comm in ("auto", "pytorch") or not getattr(args, "fsdp", False):
         return
@@ -214,15 +219,32 @@ def check_fsdp_comm(args):
     if not hasattr(FSDPModule, method):
         raise SystemExit(f"error: --fsdp-comm {comm} needs FSDPModule.{method}, which torch {torch.__version__} "
                          f"lacks; leave it out or upgrade torch")
+    if comm == "copy-engines" and (refused := window_gathers_refused(asked=True)):
+        raise SystemExit(f"error: --fsdp-comm copy-engines: {refused}; leave it out")
 
 
-def window_gathers_unavailable(device):
-    """Why FSDP2's all-gathers on ``device`` cannot go by the copy engines (None: they can)."""
+def window_gathers_refused(asked):
+    """What rules the FSDP all-gathers by the copy engines out before NCCL starts (None:
+    nothing): a GPU, FSDP2's custom all-gather, NCCL 2.28, one host; and unless ``asked``
+    for by name (--fsdp-comm copy-engines), a torch whose FSDP2 was read for it."""
     from torch.distributed.fsdp import FSDPModule
 
-    if device.type == "cuda" and not hasattr(FSDPModule, WINDOW_GATHERS):
+    if not torch.cuda.is_available():
+        return "NCCL on GPUs only"
+    if not hasattr(FSDPModule, WINDOW_GATHERS):
         return f"torch {torch.__version__} has no FSDPModule.{WINDOW_GATHERS}"
-    return ddp.copy_engines_unavailable(device)
+    version = tuple(int(n) for n in torch.__version__.split("+")[0].split(".")[:2])
+    if not asked and not WINDOW_GATHERS_READ[0] <= version <= WINDOW_GATHERS_READ[1]:
+        return (f"torch {torch.__version__}: its FSDP2's order of gathers and copies was not checked "
+                f"(--fsdp-comm copy-engines asks for it anyway)")
+    return ddp.copy_engines_refused()
+
+
+def window_gathers_unavailable(device, asked=False):
+    """Why FSDP2's all-gathers on ``device`` cannot go by the copy engines (None: they can)."""
+    if device.type != "cuda":
+        return "NCCL on GPUs only"
+    return window_gathers_refused(asked) or ddp.copy_engines_unavailable(device)
 
 
 def init_distributed(args):
@@ -237,10 +259,10 @@ def init_distributed(args):
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    if getattr(args, "fsdp_comm", "auto") in ("symm-mem", "copy-engines") or (
-            backend == "nccl" and getattr(args, "fsdp", False) and getattr(args, "fsdp_comm", "auto") == "auto") or (
-            backend == "nccl" and getattr(args, "ddp", False) and ddp.shards_optimizer(args)
-            and getattr(args, "ddp_copy_engines", True)):
+    comm = getattr(args, "fsdp_comm", "auto") if getattr(args, "fsdp", False) else None
+    if backend == "nccl" and (comm in ("symm-mem", "copy-engines") or (
+            comm == "auto" and window_gathers_refused(asked=False) is None) or (
+            getattr(args, "ddp", False) and ddp.shards_optimizer(args) and getattr(args, "ddp_copy_engines", True))):
         # NCCL reads it when the communicator is made: its all-gathers from symmetric
         # memory then go through the copy engines (zero CTAs). A value set by hand stays.
         os.environ.setdefault("NCCL_CTA_POLICY", ddp.NCCL_ZERO_CTA)
@@ -320,12 +342,12 @@ def shard_model(model, args, world):
     prefetch = getattr(args, "fsdp_prefetch", 0)
     comm, unavailable = getattr(args, "fsdp_comm", "auto"), None
     if comm in ("auto", "copy-engines"):
-        unavailable = window_gathers_unavailable(world.device)
+        unavailable = window_gathers_unavailable(world.device, asked=comm == "copy-engines")
         if unavailable and comm == "copy-engines":
             raise SystemExit(f"error: --fsdp-comm copy-engines: {unavailable}; leave it out")
         comm = "pytorch" if unavailable else "copy-engines"
     if comm == "copy-engines":
-        gathers = WindowGathers(world.device, ring=prefetch + 2)
+        gathers = WindowGathers(world.device, ring=min(max(2, prefetch + 1), len(layers)))
         for layer in layers:
             getattr(layer, WINDOW_GATHERS)(gathers)
         getattr(model, WINDOW_GATHERS)(WindowGathers(world.device, ring=1))

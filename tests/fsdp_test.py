@@ -42,6 +42,7 @@ if __name__ == "__main__":
 
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -351,13 +352,38 @@ def test_ddp_shard_optimizer_flags(monkeypatch):
     # init_distributed: NCCL's zero-CTA policy where the gathers may go by the copy engines, a
     # value set by hand kept; nothing without a GPU (gloo).
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    for cuda, argv, policy in ((True, ["--ddp"], ddp.NCCL_ZERO_CTA), (True, ["--ddp", "--no-ddp-copy-engines"], None),
-                               (True, ["--ddp", "--no-ddp-shard-optimizer"], None), (False, ["--ddp"], None)):
+    # --fsdp: where its all-gathers may go by the copy engines (fsdp.window_gathers_refused):
+    # NCCL 2.28, one host, a torch whose FSDP2 was read for it (or the flag asked by name).
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 28, 9))
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    zero = ddp.NCCL_ZERO_CTA
+    for cuda, argv, policy in ((True, ["--ddp"], zero), (True, ["--ddp", "--no-ddp-copy-engines"], None),
+                               (True, ["--ddp", "--no-ddp-shard-optimizer"], None), (False, ["--ddp"], None),
+                               (True, ["--fsdp"], zero), (True, ["--fsdp", "--fsdp-comm", "pytorch"], None),
+                               (False, ["--fsdp"], None),
+                               (True, ["--ddp", "--no-ddp-copy-engines", "--fsdp-comm", "copy-engines"], None)):
         monkeypatch.delenv("NCCL_CTA_POLICY", raising=False)
         monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
         monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
         fsdp.init_distributed(parse(["--tiny", *argv]))
         assert os.environ.get("NCCL_CTA_POLICY") == policy, argv
+    for why, change in (("NCCL 2.27.7 (2.28 or later",
+                         lambda m: m.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 7))),
+                        ("processes on several hosts", lambda m: m.setenv("LOCAL_WORLD_SIZE", "1")),
+                        ("torch 2.99.0: its FSDP2's order", lambda m: m.setattr(torch, "__version__", "2.99.0"))):
+        with monkeypatch.context() as m:
+            change(m)
+            m.delenv("NCCL_CTA_POLICY", raising=False)
+            fsdp.init_distributed(parse(["--tiny", "--fsdp"]))
+            assert "NCCL_CTA_POLICY" not in os.environ, why
+            assert fsdp.window_gathers_refused(asked=False).startswith(why)
+            if "FSDP2's order" in why:  # asked for by name, a torch not read for it is the user's call
+                assert fsdp.window_gathers_refused(asked=True) is None
+            else:
+                with pytest.raises(SystemExit, match=f"^error: --fsdp-comm copy-engines: {re.escape(why)}"):
+                    fsdp.check_fsdp_comm(parse(["--tiny", "--fsdp", "--fsdp-comm", "copy-engines"]))
     monkeypatch.setenv("NCCL_CTA_POLICY", "1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     fsdp.init_distributed(parse(["--tiny", "--ddp"]))
@@ -779,7 +805,8 @@ def test_fsdp_comm_copy_engines_wiring(one_process_group, monkeypatch, capsys):
     from torch.distributed.fsdp import FSDPModule
 
     calls = []
-    monkeypatch.setattr(FSDPModule, fsdp.WINDOW_GATHERS, lambda self, comm: calls.append((type(self).__name__, comm)))
+    monkeypatch.setattr(FSDPModule, fsdp.WINDOW_GATHERS, lambda self, comm: calls.append((type(self).__name__, comm)),
+                        raising=False)
     model = models.build_random(models.tiny_config(), torch.device("cpu"), torch.float32)
     fsdp.shard_model(model, argparse.Namespace(tiny=True, fsdp_comm="auto"), one_process_group)
     assert calls == [] and "all-gathers by" not in capsys.readouterr().out
@@ -787,17 +814,55 @@ def test_fsdp_comm_copy_engines_wiring(one_process_group, monkeypatch, capsys):
     with pytest.raises(SystemExit, match=r"^error: --fsdp-comm copy-engines: NCCL on GPUs only; leave it out$"):
         fsdp.shard_model(model, argparse.Namespace(tiny=True, fsdp_comm="copy-engines"), one_process_group)
     assert calls == []
-    monkeypatch.setattr(fsdp, "window_gathers_unavailable", lambda device: None)
-    for prefetch in (0, 1):
+    monkeypatch.setattr(fsdp, "window_gathers_unavailable", lambda device, asked=False: None)
+    config = models.tiny_config()
+    config.num_hidden_layers = 5
+    for prefetch, ring in ((0, 2), (1, 2), (2, 3), (8, 5)):  # max(2, prefetch + 1), at most one per layer
         calls.clear()
-        model = models.build_random(models.tiny_config(), torch.device("cpu"), torch.float32)
+        model = models.build_random(config, torch.device("cpu"), torch.float32)
         fsdp.shard_model(model, argparse.Namespace(tiny=True, fsdp_comm="auto", fsdp_prefetch=prefetch),
                          one_process_group)
-        assert [name for name, _ in calls] == ["FSDPLlamaDecoderLayer"] * 2 + ["FSDPLlamaForCausalLM"]
-        layers, root = calls[0][1], calls[2][1]
-        assert calls[1][1] is layers and root is not layers
-        assert (layers.ring, root.ring) == (prefetch + 2, 1)
+        assert [name for name, _ in calls] == ["FSDPLlamaDecoderLayer"] * 5 + ["FSDPLlamaForCausalLM"]
+        layers, root = calls[0][1], calls[5][1]
+        assert all(comm is layers for _, comm in calls[:5]) and root is not layers
+        assert (layers.ring, root.ring) == (ring, 1), prefetch
         assert "all-gathers by the copy engines (NCCL windows)" in capsys.readouterr().out
+
+
+def test_window_gathers_hand_out_a_ring_of_registered_buffers(one_process_group, monkeypatch):
+    """WindowGathers.allocate: per size and dtype, ``ring`` buffers made in one pool of NCCL's
+    allocator, registered once as symmetric windows (deregistered by close_distributed),
+    then handed out in turn, shaped as asked; the call is an all-gather. NCCL's allocator
+    and registration are stood in for here (they need NCCL)."""
+    registered, pools = [], []
+
+    class Backend:
+        mem_allocator = "nccl's allocator"
+
+        def register_mem_pool(self, pool, symm=False):
+            registered.append((pool, symm))
+
+    class Pool:
+        def __init__(self, allocator):
+            assert allocator == "nccl's allocator"
+            pools.append(self)
+
+    monkeypatch.setattr(torch.cuda, "MemPool", Pool)
+    monkeypatch.setattr(torch.cuda, "use_mem_pool", lambda pool: contextlib.nullcontext())
+    monkeypatch.setattr(ddp, "WINDOWS", [])
+    cpu = torch.device("cpu")
+    gathers = fsdp.WindowGathers(cpu, ring=3)
+    gathers.backend = Backend()
+    handed = [gathers.allocate([2, 6], dtype=torch.float32, device=cpu) for _ in range(7)]
+    assert [len(pools), len(registered), len(ddp.WINDOWS)] == [1, 1, 1] and registered[0] == (pools[0], True)
+    assert all(t.shape == (2, 6) and t.dtype == torch.float32 for t in handed)
+    bases = [t.data_ptr() for t in handed]
+    assert len(set(bases[:3])) == 3 and bases[3:] == bases[:3] + bases[:1]  # in turn, again and again
+    fp8_sized = gathers.allocate([12], dtype=torch.uint8, device=cpu)  # another dtype: a ring of its own
+    assert len(pools) == 2 and fp8_sized.data_ptr() not in bases
+    out, mine = torch.zeros(4), torch.arange(4.0)
+    gathers(out, mine, torch.distributed.group.WORLD)  # one process: the gather is a copy
+    assert torch.equal(out, mine)
 
 
 def test_fsdp_comm_refusals_are_one_line(monkeypatch):

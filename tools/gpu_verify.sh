@@ -202,8 +202,8 @@ for what in $WHAT; do
       # Step 19 on every visible GPU (2 or 4): a collective beside matmuls per kind of memory (tools/comm_overlap.py),
       # one GPU alone, then all of them with the run's own choice between --ddp and --fsdp, each named, FSDP with bf16
       # reduction, --ddp --compile, --ddp with a held-out evaluation every 4 steps (between the graph's replays), its
-      # pieces gathered by NCCL's kernels, every gradient all-reduced, FSDP's communication buffers in symmetric
-      # memory (copy-engine all-gathers) and in NCCL's allocator, FSDP with FP8; tests/fsdp_test.py over NCCL (DDP's
+      # pieces gathered by NCCL's kernels, every gradient all-reduced, FSDP's all-gathers in FSDP2's own buffers
+      # (NCCL's kernels; the default is the copy engines) and in NCCL's allocator, FSDP with FP8; tests/fsdp_test.py over NCCL (DDP's
       # checkpoints, the pieces' graph path and the choice included); on 4 GPUs, 70B LoRA r16 too.
       n=$(nvidia-smi -L | wc -l)
       common="--random-init --dataset synthetic --batch-size 2 --seq-len 2048 --steps 12 --log-every 4"

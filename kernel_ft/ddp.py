@@ -548,17 +548,6 @@ def _sharded(model):
     return getattr(model, "_sharded_update", None)
 
 
-def shards_optimizer(args):
-    """--ddp-shard-optimizer as given, or by default where it applies: the Triton AdamW (its
-    norm adds the pieces up) and no --compile (the layers wait in hooks). What it buys at
-    8B (NOTES.md, Step 19): 0.92x per GPU against 0.88x all-reduced on 4 x H200, 0.92x
-    against 0.91x on 2, and a third to a half less memory per GPU."""
-    asked = getattr(args, "ddp_shard_optimizer", None)
-    if asked is not None:
-        return asked
-    return flags.kernels_from_args(args)["adamw"] and not getattr(args, "compile", False)
-
-
 def gather_now(model):
     """--ddp-shard-optimizer: every weight whole and current (a collective); else nothing."""
     sharded = _sharded(model)

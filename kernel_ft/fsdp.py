@@ -113,7 +113,7 @@ def check_fsdp_flags(args):
 REPLICA_SHARE = 0.8
 # Weights, their gradients and AdamW's two moments, each in the weights' dtype (the
 # gradients are averaged where they lie: GradientAverage keeps no second copy). Where
-# the pieces apply (ddp.shards_optimizer) each process keeps 1/N of the two moments:
+# the pieces apply (flags.shards_optimizer) each process keeps 1/N of the two moments:
 # 2 + 2/N copies (8B over 2 GPUs: 3 x 14.96 = 44.9 GiB; measured peak 45.20 on 2 x H200).
 REPLICA_STATE_COPIES = 4
 
@@ -121,7 +121,7 @@ REPLICA_STATE_COPIES = 4
 def replica_state_copies(args, processes):
     """How many copies of the weights' bytes a whole copy per process holds under --ddp
     (REPLICA_STATE_COPIES, or fewer where the optimizer's state is split into pieces)."""
-    if ddp.shards_optimizer(args):
+    if flags.shards_optimizer(args):
         return 2 + 2 / processes
     return REPLICA_STATE_COPIES
 
@@ -262,7 +262,7 @@ def init_distributed(args):
     comm = getattr(args, "fsdp_comm", "auto") if getattr(args, "fsdp", False) else None
     if backend == "nccl" and (comm in ("symm-mem", "copy-engines") or (
             comm == "auto" and window_gathers_refused(asked=False) is None) or (
-            getattr(args, "ddp", False) and ddp.shards_optimizer(args) and getattr(args, "ddp_copy_engines", True))):
+            getattr(args, "ddp", False) and flags.shards_optimizer(args) and getattr(args, "ddp_copy_engines", True))):
         # NCCL reads it when the communicator is made: its all-gathers from symmetric
         # memory then go through the copy engines (zero CTAs). A value set by hand stays.
         os.environ.setdefault("NCCL_CTA_POLICY", ddp.NCCL_ZERO_CTA)
@@ -370,9 +370,13 @@ def shard_model(model, args, world):
         kept = "; weights kept gathered from forward to backward"
     elif keep_gathered_is_decided(args):
         kept = f"; weights kept gathered from forward to backward if they fit, decided after step {KEEP_DECIDED_AFTER}"
-    comms = {"copy-engines": "; all-gathers by the copy engines (NCCL windows)",
-             "pytorch": f"; all-gathers by NCCL's kernels ({unavailable})" if unavailable and world.device.type == "cuda"
-             else ""}.get(comm, f"; communication buffers: {comm}")
+    if comm == "copy-engines":
+        comms = "; all-gathers by the copy engines (NCCL windows)"
+    elif comm == "pytorch":  # where auto fell back on GPUs: why
+        on_gpu = world.device.type == "cuda"
+        comms = f"; all-gathers by NCCL's kernels ({unavailable})" if unavailable and on_gpu else ""
+    else:
+        comms = f"; communication buffers: {comm}"
     print(f"FSDP:          {world.size} processes, {len(layers)} decoder layers + the root sharded "
           f"({precision}; {ahead}{kept}{comms}){materialized}")
     return model

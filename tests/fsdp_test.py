@@ -333,10 +333,10 @@ def test_ddp_shard_optimizer_flags(monkeypatch):
     with pytest.raises(SystemExit, match="add --use-custom-adamw$"):
         fsdp.check_fsdp_flags(parse(["--tiny", "--ddp", "--ddp-shard-optimizer", "--no-use-custom-adamw"]))
     fsdp.check_fsdp_flags(parse(["--tiny", "--ddp", "--compile"]))  # the default steps aside
-    assert ddp.shards_optimizer(parse(["--tiny", "--ddp"]))
-    assert not ddp.shards_optimizer(parse(["--tiny", "--ddp", "--compile"]))
-    assert not ddp.shards_optimizer(parse(["--tiny", "--ddp", "--no-use-custom-adamw"]))
-    assert not ddp.shards_optimizer(parse(["--tiny", "--ddp", "--no-ddp-shard-optimizer"]))
+    assert flags.shards_optimizer(parse(["--tiny", "--ddp"]))
+    assert not flags.shards_optimizer(parse(["--tiny", "--ddp", "--compile"]))
+    assert not flags.shards_optimizer(parse(["--tiny", "--ddp", "--no-use-custom-adamw"]))
+    assert not flags.shards_optimizer(parse(["--tiny", "--ddp", "--no-ddp-shard-optimizer"]))
     notes = flags.settle(parse(["--tiny", "--ddp", "--no-ddp-shard-optimizer", "--ddp-gather-ahead", "2",
                                 "--no-ddp-copy-engines"]))._notes
     assert "--ddp-gather-ahead, --no-ddp-copy-engines without --ddp-shard-optimizer (off: asked) changes nothing" in notes

@@ -15,9 +15,11 @@ one one
 multi 4 fsdp4 --fsdp $common; save
 multi 4 fsdp4_bf16 --fsdp --fsdp-reduce-dtype bfloat16 $common; save
 multi 4 fsdp4_pytorch --fsdp --fsdp-comm pytorch $common; save
-multi 4 ddp4 --ddp $common; save
 export CUDA_VISIBLE_DEVICES=0,1
 multi 2 fsdp2 --fsdp $common; save
-multi 2 ddp2 --ddp $common; save
 unset CUDA_VISIBLE_DEVICES
 multi 4 lora70b_fsdp4 --fsdp --model meta-llama/Llama-3.1-70B --random-init --lora --lora-r 16 --gradient-checkpointing --dataset synthetic --batch-size 1 --seq-len 2048 --warmup-steps 1 --steps 4; save
+export CUDA_VISIBLE_DEVICES=0,1
+multi 2 ddp2 --ddp $common; save
+unset CUDA_VISIBLE_DEVICES
+multi 4 ddp4 --ddp $common; save

@@ -464,6 +464,22 @@ def quantize_stacked(parts, recipe, transpose=False, amaxes=None):
     return _quantize_parts(parts, recipe, transpose, 1, "e4m3", amaxes)
 
 
+def quantize_side_by_side(parts, recipe, fmt="e4m3", amaxes=None):
+    """``quantize(torch.cat(parts, 1), recipe, transpose=True, fmt=fmt)`` bit for bit, without
+    the concatenation: parts [M, N_i] (the output gradients of layers that read one x), one
+    Fp8Tensor of [M, sum N_i] and its transposed copy [sum N_i, M]; M a multiple of 16 (the
+    dW product's reduction dim, which quantize would pad). It is quantize_stacked of the
+    parts' transposes, whose rows are the parts' columns: its copy and its transposed copy
+    swap roles (and per row, their scales)."""
+    amaxes = list(amaxes) if amaxes is not None else [None] * len(parts)
+    if parts and parts[0].dim() == 2 and parts[0].shape[0] % 16:
+        raise ValueError(f"quantize_side_by_side: the rows must be a multiple of 16, got {parts[0].shape[0]}")
+    parts_t = [p.t() for p in parts]
+    _check_quantize(parts_t, recipe, fmt, amaxes, "quantize_side_by_side")
+    q = _quantize_parts(parts_t, recipe, True, 1, fmt, amaxes)
+    return Fp8Tensor(q.data_t, q.inv_scale_t, q.data, q.inv_scale)
+
+
 def _check_quantize(parts, recipe, fmt, amaxes, name):
     _check_recipe(recipe, name)
     _check_format(fmt, name)
@@ -710,8 +726,12 @@ def _forward_product(x, xq, wq, bias=None):
     xq and wq, and the transposed copies backward keeps (empty placeholders where none)."""
     # torchao's default: fast accumulation in the forward GEMM only.
     y = scaled_mm(xq.data, xq.inv_scale, wq.data, wq.inv_scale, x.dtype, bias, fast_accum=True)
-    keep = [t if t is not None else nothing(x) for t in (xq.data_t, xq.inv_scale_t, wq.data_t, wq.inv_scale_t)]
-    return (y, *keep)
+    return (y, *_kept_copies(x, xq, wq))
+
+
+def _kept_copies(x, xq, wq):
+    """x_t, its inverse scale, w_t, its inverse scale: empty placeholders where there are none."""
+    return [t if t is not None else nothing(x) for t in (xq.data_t, xq.inv_scale_t, wq.data_t, wq.inv_scale_t)]
 
 
 def _output_grad_fp8(dy, recipe, grads, transpose):
@@ -826,38 +846,71 @@ STACK_PROJECTIONS = True  # False: each layer its own products (A/B: benchmark_f
 
 
 class FP8StackedFunction(torch.autograd.Function):
-    """y = x [W_1; W_2; ...]^T, the layers' outputs side by side in one [..., sum N_i] tensor,
-    all GEMMs in FP8 with the stacked weight's scales: FP8Linear.stacked_with."""
+    """y = x [W_1; W_2; ...]^T with all GEMMs in FP8 and the stacked weight's scales
+    (FP8Linear.stacked_with): the layers' outputs side by side in one [..., sum N_i] tensor,
+    or with ``split`` one tensor per layer (q, k and v, which the attention reads apart)."""
 
     @staticmethod
-    def forward(ctx, x, recipe, grads, *weights):
+    def forward(ctx, x, recipe, grads, split, *weights):
         x2d = x.reshape(-1, x.shape[-1])
-        need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[3:])
+        need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[4:])
         xq = _input_fp8(x2d, recipe, need_dw)  # shared with any other layer reading x
         amaxes = [take_weight_amax(w) for w in weights] if recipe == "tensorwise" else None
         wq = quantize_stacked([w.detach() for w in weights], recipe, need_dx, amaxes)
-        y, *keep = _forward_product(x2d, xq, wq)
+        ctx.rows = _row_slices(weights)
+        if split:
+            # One product per layer, on its rows of the stacked fp8 weight: each output its own
+            # contiguous tensor, in the layout the layer alone would give the attention.
+            ys = [scaled_mm(xq.data, xq.inv_scale, wq.data[rows], _rows_of(wq.inv_scale, rows, recipe), x.dtype,
+                            fast_accum=True).view(*x.shape[:-1], -1) for rows, _ in ctx.rows]
+            keep = _kept_copies(x2d, xq, wq)
+        else:
+            y, *keep = _forward_product(x2d, xq, wq)
         ctx.save_for_backward(*keep)
-        ctx.recipe, ctx.grads, ctx.x_shape, ctx.x_dtype = recipe, grads, x.shape, x.dtype
-        ctx.rows = [(w.shape[0], w.dtype) for w in weights]
-        return y.view(*x.shape[:-1], y.shape[-1])
+        ctx.recipe, ctx.grads, ctx.x_shape, ctx.x_dtype, ctx.split = recipe, grads, x.shape, x.dtype, split
+        return tuple(ys) if split else y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     @first_order_only("fp8_linear")
-    def backward(ctx, dy):
+    def backward(ctx, *dys):
         x_t, x_inv_t, w_t, w_inv_t = ctx.saved_tensors
         _LAST_INPUT.clear()  # the forward is over (as in _weight_t)
-        need_dx, need_dws = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        dyq = _output_grad_fp8(dy2, ctx.recipe, ctx.grads, any(need_dws))
+        need_dx, need_dws = ctx.needs_input_grad[0], ctx.needs_input_grad[4:]
+        dyq = (_side_by_side_grads(dys, ctx) if ctx.split else
+               _output_grad_fp8(dys[0].reshape(-1, dys[0].shape[-1]), ctx.recipe, ctx.grads, any(need_dws)))
+        # What split buys: dx = [dq | dk | dv] [Wq; Wk; Wv] is one product; as three layers, three
+        # products and two adds of [M, K] tensors autograd runs apart (96 MB each at 8B, 4,096 tokens).
         dx = scaled_mm(dyq.data, dyq.inv_scale, w_t, w_inv_t, ctx.x_dtype).view(ctx.x_shape) if need_dx else None
-        dws, first = [], 0
-        for (n, dtype), need in zip(ctx.rows, need_dws):  # each weight's gradient from its rows of dy^T
-            rows = slice(first, first + n)
-            inv = dyq.inv_scale_t[rows] if ctx.recipe == "rowwise" else dyq.inv_scale_t
-            dws.append(scaled_mm(dyq.data_t[rows], inv, x_t, x_inv_t, dtype) if need else None)
-            first += n
-        return (dx, None, None, *dws)
+        dws = [scaled_mm(dyq.data_t[rows], _rows_of(dyq.inv_scale_t, rows, ctx.recipe), x_t, x_inv_t, dtype)
+               if need else None for (rows, dtype), need in zip(ctx.rows, need_dws)]  # dW_i: its rows of dy^T
+        return (dx, None, None, None, *dws)
+
+
+def _row_slices(weights):
+    """(rows of the stacked weight, dtype) of each weight, in order."""
+    slices, first = [], 0
+    for w in weights:
+        slices.append((slice(first, first + w.shape[0]), w.dtype))
+        first += w.shape[0]
+    return slices
+
+
+def _rows_of(inv_scale, rows, recipe):
+    """The inverse scales of some rows: per row those rows', per tensor the one."""
+    return inv_scale[rows] if recipe == "rowwise" else inv_scale
+
+
+def _side_by_side_grads(dys, ctx):
+    """The split outputs' gradients as one fp8 [dy_1 | dy_2 | ...] and its transposed copy:
+    cast in place side by side (quantize_side_by_side), no concatenation; an unused output's
+    gradient is zeros; rows not a multiple of 16: concatenated, then cast as one tensor."""
+    x_rows = ctx.x_shape.numel() // ctx.x_shape[-1]
+    device = next(dy.device for dy in dys if dy is not None)
+    parts = [torch.zeros(x_rows, rows.stop - rows.start, dtype=ctx.x_dtype, device=device) if dy is None else dy.reshape(-1, dy.shape[-1]) for dy, (rows, _) in zip(dys, ctx.rows)]
+    if x_rows % 16:
+        return _output_grad_fp8(torch.cat(parts, 1), ctx.recipe, ctx.grads, True)
+    amaxes = [_produced_amax(p, ctx.recipe) for p in parts] if ctx.recipe == "tensorwise" else None
+    return quantize_side_by_side(parts, ctx.recipe, ctx.grads, amaxes)
 
 
 # --------------------------------------------------------------------------------
@@ -971,9 +1024,10 @@ class FP8Linear(nn.Module):
     def forward(self, x):
         return fp8_linear(x, self.weight, self.bias, self.recipe, self.emulate, self.grads)
 
-    def stacked_with(self, x, *others):
+    def stacked_with(self, x, *others, split=False):
         """``torch.cat([self(x), *(m(x) for m in others)], -1)`` as one FP8 product whose weight
-        is the layers' stacked (FP8StackedFunction: one scale over all of them), or None where
+        is the layers' stacked (FP8StackedFunction: one scale over all of them), with ``split``
+        the tuple ``(self(x), *(m(x) for m in others))`` whose dx is one product, or None where
         they do not stack (then the caller calls each): another recipe, a bias, a frozen
         weight, a weight FSDP gathered in FP8, a layer with forward hooks or its own forward
         (offloading, parameter gathers: they run only when the layer is called), no gradients
@@ -982,14 +1036,14 @@ class FP8Linear(nn.Module):
         layers = (self, *others)
         if not STACK_PROJECTIONS or not torch.is_grad_enabled() or torch.compiler.is_compiling() or traced(x):
             return None
-        if any(type(m) is not FP8Linear or (m.recipe, m.grads, m.emulate) != (self.recipe, self.grads, self.emulate)
+        if any(not isinstance(m, FP8Linear) or (m.recipe, m.grads, m.emulate) != (self.recipe, self.grads, self.emulate)
                or m.bias is not None or not m.weight.requires_grad or hasattr(m.weight, "fp8_copy")
                or m.weight.dtype != self.weight.dtype or m._forward_hooks or m._forward_pre_hooks
                or "forward" in m.__dict__ for m in layers):
             return None
         for m in layers:
             _check_linear(x, m.weight, None, m.recipe, m.grads, m.emulate)
-        return FP8StackedFunction.apply(x, self.recipe, self.grads, *(m.weight for m in layers))
+        return FP8StackedFunction.apply(x, self.recipe, self.grads, split, *(m.weight for m in layers))
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -35,7 +35,7 @@ from conftest import DEVICE, need_gpu, rel_err
 import fp8_kernel
 from fp8_kernel import (
     FP8_MAX, GRAD_FORMATS, RECIPES, FP8Linear, FP8LinearFunction, fp8_linear, fp8_supported, linears_to_cast, quantize,
-    quantize_reference, quantize_stacked, replace_linears, scaled_mm, scaled_mm_reference,
+    quantize_reference, quantize_side_by_side, quantize_stacked, replace_linears, scaled_mm, scaled_mm_reference,
 )
 from fp8_gemm_kernel import triton_scaled_mm
 
@@ -699,7 +699,7 @@ def test_baseline_torchao_peer_takes_our_layers():
 
 def test_fine_tune_switches_fp8_in_with_every_kernel(monkeypatch, capsys):
     """apply_kernels with --fp8 (emulated here): the projections become FP8Linear before
-    the MLP swap keeps them; the loss stays within FP8's error of the plain model's."""
+    the MLP swap keeps them, q/k/v grouped; the loss stays within FP8's error of the plain model's."""
     from kernel_ft import dataloader
     from kernel_ft import flags
     from kernel_ft import training
@@ -714,7 +714,9 @@ def test_fine_tune_switches_fp8_in_with_every_kernel(monkeypatch, capsys):
     loss_fn, _ = apply_kernels(model, kernels)
     out = capsys.readouterr().out
     assert "FP8 matmuls:   14 linear layers in float8_e4m3fn (e5m2 gradients)" in out
-    assert "Kernels:       rmsnorm, swiglu, rope, flce, adamw, fp8 (tensorwise, e5m2 gradients)" in out
+    assert "Kernels:       rmsnorm, swiglu, rope, flce, adamw, projections, fp8 (tensorwise, e5m2 gradients)" in out
+    q_proj = model.model.layers[0].self_attn.q_proj  # grouped with k and v: one stacked product for dx
+    assert isinstance(q_proj, FP8Linear) and q_proj.group.names == ("q_proj", "k_proj", "v_proj")
     mlp = model.model.layers[0].mlp
     assert type(mlp).__name__ == "TritonLlamaMLP" and isinstance(mlp.down_proj, FP8Linear)
     assert mlp.down_proj.grads == "e5m2"
@@ -836,24 +838,51 @@ def fp8_layers(weights, recipe, grads="e4m3"):
 
 @pytest.mark.parametrize("grads", GRAD_FORMATS)
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_stacked_layers_are_the_product_of_the_stacked_operands(recipe, grads):
-    """FP8Linear.stacked_with: [x W1^T | x W2^T] from one product, dx = [dy1 | dy2] [W1; W2]
-    from one, each dW from its rows of dy^T: every GEMM the float32 product of the stacked
-    weight's fp8 operands (quantize_reference of the concatenation)."""
-    x, ws = sample((2, 21, 64), torch.float32, 8), [sample((48, 64), torch.float32, 9),
-                                                   sample((32, 64), torch.float32, 10)]
-    dy = (torch.randn(2, 21, 80) * torch.exp(2 * torch.randn(2, 21, 1))).to(DEVICE)
+def test_side_by_side_quantize_is_the_concatenations_bit_for_bit(recipe, grads):
+    """quantize_side_by_side(parts) is quantize_reference(cat(parts, 1)) with its transposed copy,
+    without the cat: the parts' columns side by side, one scale (per tensor) or per-row scales
+    over every part; per tensor, maxima handed over as a producer would. Rows not a multiple of
+    16 (which quantize would pad in the transposed copy) are refused."""
+    parts = [sample((32, n), torch.bfloat16, seed) for n, seed in ((48, 1), (16, 2), (20, 3))]
+    want = quantize_reference(torch.cat(parts, 1), recipe, True, 16, grads)
+    assert_same(quantize_side_by_side(parts, recipe, grads), want)
+    if recipe == "tensorwise":
+        handed = [None, parts[1].abs().amax().float().reshape(1), None]
+        assert_same(quantize_side_by_side(parts, recipe, grads, handed), want)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        quantize_side_by_side([p[:20] for p in parts], recipe, grads)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["side-by-side", "split"])
+@pytest.mark.parametrize("rows", [21, 24], ids=["42-tokens", "48-tokens"])
+@pytest.mark.parametrize("grads", GRAD_FORMATS)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_stacked_layers_are_the_product_of_the_stacked_operands(recipe, grads, rows, split):
+    """FP8Linear.stacked_with: [x W1^T | x W2^T] from one product (``split``: x W1^T and x W2^T
+    apart, each from its rows of the stacked weight), dx = [dy1 | dy2] [W1; W2] from one, each
+    dW from its rows of dy^T: every GEMM the float32 product of the stacked weight's fp8
+    operands (quantize_reference of the concatenation). 42 tokens: split's gradients are
+    concatenated before their cast; 48: cast side by side in place."""
+    x, ws = sample((2, rows, 64), torch.float32, 8), [sample((48, 64), torch.float32, 9),
+                                                     sample((32, 64), torch.float32, 10)]
+    M = 2 * rows
+    dy = (torch.randn(2, rows, 80) * torch.exp(2 * torch.randn(2, rows, 1))).to(DEVICE)
     layers = fp8_layers(ws, recipe, grads)
     xx = x.clone().requires_grad_()
-    y = layers[0].stacked_with(xx, layers[1])
-    y.backward(dy)
-    x2, dy2, f32 = x.reshape(42, 64), dy.reshape(42, 80), torch.float32
+    y = layers[0].stacked_with(xx, layers[1], split=split)
+    if split:
+        assert [t.shape for t in y] == [(2, rows, 48), (2, rows, 32)] and all(t.is_contiguous() for t in y)
+        torch.autograd.backward(y, dy.split([48, 32], -1))
+        y = torch.cat(y, -1)
+    else:
+        y.backward(dy)
+    x2, dy2, f32 = x.reshape(M, 64), dy.reshape(M, 80), torch.float32
     xq, wq = quantize_reference(x2, recipe, True, 16), quantize_reference(torch.cat(ws), recipe, True)
     dyq = quantize_reference(dy2, recipe, True, 16, grads)
-    assert y.shape == (2, 21, 80)
-    assert rel_err(y.reshape(42, 80), scaled_mm_reference(xq.data, xq.inv_scale, wq.data, wq.inv_scale, f32)) \
+    assert y.shape == (2, rows, 80)
+    assert rel_err(y.reshape(M, 80), scaled_mm_reference(xq.data, xq.inv_scale, wq.data, wq.inv_scale, f32)) \
         < SAME_PRODUCT
-    assert rel_err(xx.grad.reshape(42, 64),
+    assert rel_err(xx.grad.reshape(M, 64),
                    scaled_mm_reference(dyq.data, dyq.inv_scale, wq.data_t, wq.inv_scale_t, f32)) < SAME_PRODUCT
     want_dw = scaled_mm_reference(dyq.data_t, dyq.inv_scale_t, xq.data_t, xq.inv_scale_t, f32)
     assert rel_err(torch.cat([m.weight.grad for m in layers]), want_dw) < SAME_PRODUCT

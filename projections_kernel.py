@@ -31,11 +31,17 @@ others, called next with that same tensor, take their output instead of
 multiplying again. Members are plain nn.Linear layers and the LoRA layers that
 lora_kernel.fuse_lora routes (so it runs first).
 
+FP8 layers (fp8_kernel.FP8Linear) group another way: cuBLASLt's FP8 product cannot
+add into its output, so their weights are stacked instead, [Wq; Wk; Wv], and
+dx = [dq | dk | dv] @ [Wq; Wk; Wv] is one product whose reduction runs over all
+three (FP8StackedFunction with split outputs: the three forward products stay
+apart, so q, k and v keep the layout the attention reads).
+
 Where grouping does not apply, each projection runs on its own as before: under
 torch.compile (Inductor sees the whole layer and plans the sums itself), without
-gradients of x (evaluation, generation, a frozen first layer), for plain FP8
-layers (cuBLASLt's FP8 product cannot add into an output: nothing to save) and
-quantized ones, for LoRA layers outside lora_kernel's cases (DoRA, QLoRA, ...;
+gradients of x (evaluation, generation, a frozen first layer), for FP8 layers
+that do not stack (FP8Linear.stacked_with says which) and quantized ones, for
+LoRA layers outside lora_kernel's cases (DoRA, QLoRA, ...;
 checked at every call), and for a model whose forward does not call its
 projections one after another on one input: when a group's outputs go unused
 in two forwards in a row (once is an exception cutting a forward short), that
@@ -53,6 +59,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fp8_kernel import FP8Linear
 from lora_kernel import LoRALinearFunction, _fusable, _fused_forward, adapter_input, compute_dtype
 
 # The projections of one module that read the same input, by the names HF gives them.
@@ -106,7 +113,13 @@ def _spec(module, x, args, kwargs):
 def _own_forward(module, x, args, kwargs):
     if _is_routed_lora(module):
         return _fused_forward(module, x, *args, **kwargs)  # one fused LoRA layer, or PEFT's forward
+    if isinstance(module, FP8Linear):
+        return FP8Linear.forward(module, x)
     return F.linear(x, module.weight, module.bias)
+
+
+def _fp8_group(members):
+    return isinstance(members[0], FP8Linear)  # a group is all FP8Linear or none (group_projections)
 
 
 class ProjectionGroup:
@@ -148,10 +161,14 @@ class ProjectionGroup:
         outs = None
         # Nothing to gain without an input gradient, or where torch.compile plans the layer.
         if self.enabled and torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling():
-            specs = [_spec(m, x, args if i == index else (), kwargs if i == index else {})
-                     for i, m in enumerate(self.members)]
-            if all(spec is not None for spec in specs):
-                outs = grouped_products(x, specs)
+            if _fp8_group(self.members):
+                # FP8: the weights stacked, one product for dx (fp8_kernel.FP8StackedFunction, split).
+                outs = None if args or kwargs else self.members[0].stacked_with(x, *self.members[1:], split=True)
+            else:
+                specs = [_spec(m, x, args if i == index else (), kwargs if i == index else {})
+                         for i, m in enumerate(self.members)]
+                if all(spec is not None for spec in specs):
+                    outs = grouped_products(x, specs)
         if outs is None:
             return _own_forward(self.members[index], x, args, kwargs)
         self._pending = {i: out for i, out in enumerate(outs) if i != index}
@@ -159,9 +176,8 @@ class ProjectionGroup:
         return outs[index]
 
 
-class GroupedLinear(nn.Linear):
-    """An nn.Linear (same Parameters, same state-dict names) that computes
-    through its ProjectionGroup."""
+class Grouped:
+    """A layer (same Parameters, same state-dict names) that computes through its ProjectionGroup."""
 
     group: ProjectionGroup
     index: int
@@ -182,6 +198,14 @@ class GroupedLinear(nn.Linear):
         return super().extra_repr() + f", grouped with {', '.join(self.group.names)}"
 
 
+class GroupedLinear(Grouped, nn.Linear):
+    """An nn.Linear in a group."""
+
+
+class GroupedFP8Linear(Grouped, FP8Linear):
+    """An FP8Linear in a group (still an FP8Linear: it stacks with the others)."""
+
+
 def _grouped_forward(layer, x, *args, **kwargs):
     """A routed PEFT LoRA layer's forward once it is in a group."""
     return layer.projection_group.output(layer.projection_index, x, args, kwargs)
@@ -194,7 +218,7 @@ def _width(module):
 def group_projections(model):
     """Group each module's projections that read one input (``GROUPS``: q/k/v,
     gate/up) where at least two of them are plain nn.Linear or LoRA layers routed
-    by lora_kernel.fuse_lora, all of one width. Returns the number of groups; a
+    by lora_kernel.fuse_lora, or else FP8Linear layers, all of one width. Returns the number of groups; a
     model whose projections are fused already (Phi-3's qkv_proj and gate_up_proj)
     has none to make."""
     count = 0
@@ -202,8 +226,10 @@ def group_projections(model):
         for names in GROUPS:
             members = [(n, getattr(module, n, None)) for n in names]
             # A forward set on the instance (accelerate's offloading hooks, say) is left to run.
-            members = [(n, m) for n, m in members if (type(m) is nn.Linear and "forward" not in m.__dict__)
-                       or (m is not None and _is_routed_lora(m) and "projection_group" not in m.__dict__)]
+            plain = [(n, m) for n, m in members if (type(m) is nn.Linear and "forward" not in m.__dict__)
+                     or (m is not None and _is_routed_lora(m) and "projection_group" not in m.__dict__)]
+            fp8 = [(n, m) for n, m in members if type(m) is FP8Linear and "forward" not in m.__dict__]
+            members = plain if len(plain) >= 2 else fp8  # a group is all FP8Linear or none
             if len(members) < 2 or len({_width(m) for _, m in members}) != 1:
                 continue
             group = ProjectionGroup(name or type(module).__name__, tuple(n for n, _ in members), [])
@@ -212,7 +238,7 @@ def group_projections(model):
                     m.projection_group, m.projection_index = group, i
                     m.forward = types.MethodType(_grouped_forward, m)
                 else:
-                    m = GroupedLinear.from_linear(m, group, i)
+                    m = (GroupedFP8Linear if members is fp8 else GroupedLinear).from_linear(m, group, i)
                     setattr(module, n, m)
                 group.members.append(m)
             count += 1

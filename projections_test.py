@@ -156,6 +156,66 @@ def test_a_grouped_llama_trains_like_the_original():
     assert all(g.enabled and not g._pending and g._source is None for g in groups)  # nothing held
 
 
+def phi3_twin(llama):
+    """A Phi-3 model computing what ``llama`` computes, its q/k/v and gate/up stacked into
+    Phi-3's fused qkv_proj and gate_up_proj (the other weights shared copies)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    c = llama.config
+    config = Phi3Config(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                        num_key_value_heads=c.num_key_value_heads, hidden_act=c.hidden_act,
+                        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+                        rope_parameters=dict(c.rope_parameters), sliding_window=None, tie_word_embeddings=False,
+                        pad_token_id=None, bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id)
+    config._attn_implementation = llama.config._attn_implementation
+    twin = Phi3ForCausalLM(config).to(DEVICE)
+    ours = dict(llama.named_parameters())
+    with torch.no_grad():
+        for name, p in twin.named_parameters():
+            parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+            fused = next((f for f in parts if f".{f}." in name), None)
+            p.copy_(torch.cat([ours[name.replace(fused, n)] for n in parts[fused]]) if fused else ours[name])
+    return twin
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_projections_compute_phi3s_fused_layers(recipe, monkeypatch):
+    """FP8Linear q/k/v and gate/up (emulated on the CPU) group as GroupedFP8Linear: each group's
+    forward is one FP8StackedFunction with split outputs, its output gradients cast side by side
+    into one [dq | dk | dv] (counted). That is what one FP8 layer of the stacked weights
+    computes: the same tiny model as Phi-3, whose qkv_proj and gate_up_proj are those layers,
+    gives the same loss and gradients bit for bit (as separate FP8 layers, with a scale each
+    for dq, dk and dv, the gradients part by ~6e-2)."""
+    import fp8_kernel
+
+    model = tiny_llama()
+    twin = phi3_twin(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    batch = dataloader.lm_batch(ids.to(DEVICE))
+    torch.testing.assert_close(loss_and_grads(twin, batch)[0], loss_and_grads(model, batch)[0])  # the same model
+    n_layers = model.config.num_hidden_layers
+    for m in (model, twin):
+        assert fp8_kernel.replace_linears(m, recipe, emulate=True)[0] == (7 if m is model else 4) * n_layers
+    ref_loss, ref_grads = loss_and_grads(twin, batch)
+
+    assert group_projections(model) == 2 * n_layers
+    assert sum(isinstance(m, projections.GroupedFP8Linear) for m in model.modules()) == 5 * n_layers
+    cast = []
+    real = fp8_kernel.quantize_side_by_side
+    monkeypatch.setattr(fp8_kernel, "quantize_side_by_side", lambda parts, *a: cast.append(len(parts)) or real(parts, *a))
+    loss, grads = loss_and_grads(model, batch)
+    assert cast == [2, 3] * n_layers  # backward: each layer's gate/up, then its q/k/v
+    assert torch.equal(loss, ref_loss)
+    grads = {name: torch.cat([grads[name.replace(fused, n)] for n in parts]) if fused else grads[name]
+             for name in ref_grads
+             for fused, parts in [next(((f, p) for f, p in (("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                                                            ("gate_up_proj", ("gate_proj", "up_proj")))
+                                         if f".{f}." in name), (None, None))]}
+    for name in ref_grads:
+        assert torch.equal(grads[name], ref_grads[name]), name
+
+
 def test_deepcopy_keeps_each_copy_to_its_own_modules():
     model = tiny_llama()
     group_projections(model)

@@ -36,7 +36,7 @@ from cross_entropy_kernel import use_fused_loss
 from fp8_kernel import GRAD_FORMATS, FP8Linear, replace_linears
 from linear_cross_entropy_kernel import fuse_linear_cross_entropy
 from lora_kernel import fuse_lora
-from projections_kernel import GroupedLinear, group_projections
+from projections_kernel import Grouped, group_projections
 from rmsnorm_kernel import TritonRMSNorm, replace_rmsnorm
 from rope_kernel import fuse_rope
 from swiglu_kernel import TritonLlamaMLP, replace_swiglu
@@ -95,7 +95,7 @@ def _unwrapped(model):
 
 # The modules an earlier apply left in a model, by kernel: a second call finds nothing
 # left to swap, and the report must say what the model runs, not "found nothing".
-OURS = {"fp8": FP8Linear, "rmsnorm": TritonRMSNorm, "swiglu": TritonLlamaMLP, "projections": GroupedLinear}
+OURS = {"fp8": FP8Linear, "rmsnorm": TritonRMSNorm, "swiglu": TritonLlamaMLP, "projections": Grouped}
 
 
 def _already_in(kernel, model):
@@ -212,7 +212,7 @@ def _apply_fp8(report, model, fp8, grads, name):
 
 def _apply_lora_and_groups(report, model, lora, projections, name):
     """LoRA in the base layers' products, then the projection groups (LoRA's fused layers
-    join them; plain FP8 and quantized layers keep their own). Only PEFT models have
+    join them, FP8 layers stack; quantized layers keep their own). Only PEFT models have
     adapters; each layer is checked at every call (DoRA, QLoRA keep PEFT's forward;
     dropout and FP8 base layers run fused)."""
     if not lora:
@@ -229,7 +229,7 @@ def _apply_lora_and_groups(report, model, lora, projections, name):
         count = group_projections(model) or _already_in("projections", model)
         if count:
             report.add("projections", APPLIED, count, f"{count} groups of projections (q/k/v, gate/up) with one "
-                       f"input gradient, summed in cuBLAS's epilogues")
+                       f"input gradient, summed in cuBLAS's epilogues (FP8: one product of the stacked weights)")
         else:
             report.add("projections", NOT_USED, 0, f"nothing to group in {name} (its q/k/v and gate/up are fused "
-                       f"already, or FP8, quantized or unrouted LoRA layers)")
+                       f"already, or quantized or unrouted LoRA layers)")

@@ -185,8 +185,8 @@ def test_fp8_projections_compute_phi3s_fused_layers(recipe, monkeypatch):
     forward is one FP8StackedFunction with split outputs, its output gradients cast side by side
     into one [dq | dk | dv] (counted). That is what one FP8 layer of the stacked weights
     computes: the same tiny model as Phi-3, whose qkv_proj and gate_up_proj are those layers,
-    gives the same loss and gradients bit for bit (as separate FP8 layers, with a scale each
-    for dq, dk and dv, the gradients part by ~6e-2)."""
+    gives the same loss and gradients, bit for bit on the CPU (as separate FP8 layers, with a
+    scale each for dq, dk and dv, the gradients part by ~6e-2)."""
     import fp8_kernel
 
     model = tiny_llama()
@@ -206,14 +206,19 @@ def test_fp8_projections_compute_phi3s_fused_layers(recipe, monkeypatch):
     monkeypatch.setattr(fp8_kernel, "quantize_side_by_side", lambda parts, *a: cast.append(len(parts)) or real(parts, *a))
     loss, grads = loss_and_grads(model, batch)
     assert cast == [2, 3] * n_layers  # backward: each layer's gate/up, then its q/k/v
-    assert torch.equal(loss, ref_loss)
+    torch.testing.assert_close(loss, ref_loss, rtol=0 if DEVICE == "cpu" else 1e-5, atol=0)
     grads = {name: torch.cat([grads[name.replace(fused, n)] for n in parts]) if fused else grads[name]
              for name in ref_grads
              for fused, parts in [next(((f, p) for f, p in (("qkv_proj", ("q_proj", "k_proj", "v_proj")),
                                                             ("gate_up_proj", ("gate_proj", "up_proj")))
                                          if f".{f}." in name), (None, None))]}
     for name in ref_grads:
-        assert torch.equal(grads[name], ref_grads[name]), name
+        if DEVICE == "cpu":  # float32 products in one algorithm whatever their shape: the same bits
+            assert torch.equal(grads[name], ref_grads[name]), name
+        else:  # cuBLASLt picks its kernel by shape: three products and one round apart in float32,
+            # which can move a value across an e4m3 boundary in a later cast (~1e-4, as for LoRA above)
+            err = ((grads[name] - ref_grads[name]).norm() / ref_grads[name].norm()).item()
+            assert err < 1e-3, f"{name}: relative error {err:.1e}"
 
 
 def test_deepcopy_keeps_each_copy_to_its_own_modules():

@@ -324,12 +324,13 @@ def _cast_tile(x, scale, E5M2: tl.constexpr):
 @triton.jit
 def _cast_kernel(
     X,  # [M, K] bf16/fp16/fp32, any strides
-    OUT,  # [M, K] uint8 (a view of the fp8 data), row-major
+    OUT,  # [M, K] uint8 (a view of the fp8 data), rows ST_O apart (K, or a column slice of a wider copy:
+          # quantize_side_by_side)
     OUT_T,  # [K, M_PAD] uint8 (a view of the fp8 data_t), rows ST_T apart, or [K, M_PAD / 4] int32 with
             # PACK (ST_T in words); unused without TRANSPOSE. A column slice of a wider x^T: quantize_stacked
     AMAX, AMAX_T,  # float32 [M] / [K] (rowwise), or tensorwise [n_amax] maxima whose maximum is x's
     INV, INV_T,  # float32 [M] / [K] or [1]: the inverse scales this kernel writes
-    M, K, M_PAD, ST_T, sx_m, sx_k, n_amax,
+    M, K, M_PAD, ST_O, ST_T, sx_m, sx_k, n_amax,
     ROWWISE: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     PACK: tl.constexpr,  # OUT_T written as 32-bit words (M_PAD a multiple of 4)
     AMAX_BLOCK: tl.constexpr,  # a power of two >= n_amax
@@ -360,7 +361,7 @@ def _cast_kernel(
         bits = _cast_tile(x, scale, E5M2)
         if (pid_m == 0) & (pid_k == 0):
             tl.store(INV, _inverse(scale))
-    tl.store(OUT + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], bits, mask=in_m[:, None] & in_k[None, :])
+    tl.store(OUT + offs_m[:, None].to(tl.int64) * ST_O + offs_k[None, :], bits, mask=in_m[:, None] & in_k[None, :])
     if TRANSPOSE:
         if ROWWISE:  # the transposed copy's rows are x's columns: their own scales
             scale_t = _scale(tl.load(AMAX_T + offs_k, mask=in_k, other=0.0), E5M2)
@@ -468,16 +469,46 @@ def quantize_side_by_side(parts, recipe, fmt="e4m3", amaxes=None):
     """``quantize(torch.cat(parts, 1), recipe, transpose=True, fmt=fmt)`` bit for bit, without
     the concatenation: parts [M, N_i] (the output gradients of layers that read one x), one
     Fp8Tensor of [M, sum N_i] and its transposed copy [sum N_i, M]; M a multiple of 16 (the
-    dW product's reduction dim, which quantize would pad). It is quantize_stacked of the
-    parts' transposes, whose rows are the parts' columns: its copy and its transposed copy
-    swap roles (and per row, their scales)."""
+    dW product's reduction dim, which quantize would pad). Each part's cast writes its
+    columns of the copy and its rows of the transposed copy; per row, the rows' scales run
+    over every part and each column keeps its own."""
     amaxes = list(amaxes) if amaxes is not None else [None] * len(parts)
-    if parts and parts[0].dim() == 2 and parts[0].shape[0] % 16:
-        raise ValueError(f"quantize_side_by_side: the rows must be a multiple of 16, got {parts[0].shape[0]}")
-    parts_t = [p.t() for p in parts]
+    parts_t = [p.t() for p in parts]  # stacked along the rows: the checks of quantize_stacked
     _check_quantize(parts_t, recipe, fmt, amaxes, "quantize_side_by_side")
-    q = _quantize_parts(parts_t, recipe, True, 1, fmt, amaxes)
-    return Fp8Tensor(q.data_t, q.inv_scale_t, q.data, q.inv_scale)
+    M, N, device = parts[0].shape[0], sum(p.shape[1] for p in parts), parts[0].device
+    if M % 16:
+        raise ValueError(f"quantize_side_by_side: the rows must be a multiple of 16, got {M}")
+    rowwise = recipe == "rowwise"
+    dtype, e5m2 = GRAD_FORMATS[fmt][0], fmt == "e5m2"
+    data = torch.empty(M, N, dtype=dtype, device=device)
+    data_t = torch.empty(N, M, dtype=dtype, device=device)
+    most = AMAX_FLAT[2] * (1 if INTERPRET else num_sms(device))
+    if rowwise:  # the rows' maxima run over every part (atomics fold them), each part has its columns'
+        amax, amax_t = (torch.zeros(n, dtype=torch.float32, device=device) for n in (M, N))
+        inv, inv_t = torch.empty_like(amax), torch.empty_like(amax_t)
+        first = 0
+        for x in parts:
+            _launch_amax(x, amax, amax_t[first:first + x.shape[1]], True, True)
+            first += x.shape[1]
+    else:
+        amax = amax_t = _tensor_maxima(parts, amaxes, most)
+        inv = inv_t = torch.empty(1, dtype=torch.float32, device=device)
+    n_amax = 1 if rowwise else amax.numel()
+    cm, ck, cw = CAST_TILES
+    pack = not rowwise and M % 4 == 0
+    word = 4 if pack else 1
+    out_t = data_t.view(torch.int32) if pack else data_t.view(torch.uint8)
+    first = 0
+    for x in parts:
+        n, cols = x.shape[1], slice(first, first + x.shape[1])
+        _cast_kernel[(max(1, cdiv(M, cm)), max(1, cdiv(n, ck)))](
+            x, data[:, cols].view(torch.uint8), out_t[cols], amax, amax_t[cols] if rowwise else amax_t,
+            inv, inv_t[cols] if rowwise else inv_t, M, n, M, N, M // word, x.stride(0), x.stride(1), n_amax,
+            ROWWISE=rowwise, TRANSPOSE=True, BLOCK_M=cm, BLOCK_K=ck, PACK=pack,
+            AMAX_BLOCK=next_power_of_2(max(most, n_amax)), E5M2=e5m2, num_warps=cw)
+        first += n
+    shape = (-1, 1) if rowwise else ()
+    return Fp8Tensor(data, inv.view(shape), data_t, inv_t.view(shape))
 
 
 def _check_quantize(parts, recipe, fmt, amaxes, name):
@@ -530,7 +561,7 @@ def _quantize_parts(parts, recipe, transpose, align, fmt, amaxes):
         _cast_kernel[(max(1, cdiv(width, cm)), max(1, cdiv(K, ck)))](
             x, data[rows].view(torch.uint8), out_t[:, first // word:] if transpose else out_t,
             amax[rows] if rowwise else amax, amax_t, inv[rows] if rowwise else inv, inv_t,
-            n, K, width, m_pad // word, x.stride(0), x.stride(1), n_amax, ROWWISE=rowwise,
+            n, K, width, K, m_pad // word, x.stride(0), x.stride(1), n_amax, ROWWISE=rowwise,
             TRANSPOSE=transpose, BLOCK_M=cm, BLOCK_K=ck, PACK=pack,
             AMAX_BLOCK=next_power_of_2(max(most, n_amax)), E5M2=e5m2, num_warps=cw)
         first += n

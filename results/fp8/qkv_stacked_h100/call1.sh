@@ -2,6 +2,7 @@
 # q/k/v as one FP8 group (projections_kernel: FP8Linear layers stacked, dx one product): the GPU tests of the
 # changed files, then 8B full fine-tuning FP8 with the groups (the default) against --no-use-custom-projections
 # (q, k and v three FP8 layers, as before), alternating; then the default step's profile.
+# Run again as CALL=call2 after the side-by-side cast read its parts in their own layout (call2/).
 export PYTHONUNBUFFERED=1
 R=/tmp/r; mkdir -p $R
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -15,7 +16,7 @@ ft() {  # ft NAME FLAGS...
      --log-every 4 "$@" --json $R/$name.json > $R/$name.txt 2>&1
   echo "$name $((SECONDS-t0))s $(python3 -c "import json,sys; d=json.load(open('$R/$name.json')); print('tok/s', round(d.get('tokens_per_sec',0)), 'GiB', round(d['peak_memory_bytes']/2**30, 2), 'losses', [round(s['loss'],4) for s in d.get('steps',[])][-4:])" 2>&1 | tail -1)" | tee -a $R/times.txt
 }
-save() { (cd $R && tar czf $OUT/call1.tgz . && cp times.txt $OUT/); }
+save() { (cd $R && tar czf $OUT/${CALL:-call1}.tgz . && cp times.txt $OUT/); }
 timeout 240 python3 -m pytest -q -p no:cacheprovider fp8_test.py projections_test.py > $R/pytest_gpu.txt 2>&1
 echo "pytest $((SECONDS-t0))s $(tail -1 $R/pytest_gpu.txt)" | tee -a $R/times.txt
 save

@@ -28,6 +28,24 @@ save
 ft new_rw_1 --fp8 rowwise
 ft old_rw_1 --fp8 rowwise --no-use-custom-projections
 save
+timeout 60 python3 - > $R/cast_times.txt 2>&1 <<'PY'
+# dq, dk, dv of one 8B layer (4,096 tokens, bf16): cast side by side into [dq | dk | dv] and its transpose, against
+# the three casts of separate layers (each with its transposed copy), per tensor; microseconds, median of 200.
+import torch, fp8_kernel
+def us(fn):
+    for _ in range(10): fn()
+    times = []
+    for _ in range(200):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); fn(); b.record(); b.synchronize(); times.append(a.elapsed_time(b) * 1000)
+    return sorted(times)[100]
+parts = [torch.randn(4096, n, device="cuda", dtype=torch.bfloat16) for n in (4096, 1024, 1024)]
+for recipe in ("tensorwise", "rowwise"):
+    side = us(lambda: fp8_kernel.quantize_side_by_side(parts, recipe))
+    apart = us(lambda: [fp8_kernel.quantize(p, recipe, transpose=True, align=16) for p in parts])
+    print(f"{recipe}: side by side {side:.1f} us, three casts {apart:.1f} us")
+PY
+echo "casts $((SECONDS-t0))s $(tr '\n' '|' < $R/cast_times.txt)" | tee -a $R/times.txt
 timeout 120 python3 profile_baseline.py --random-init --dataset synthetic --batch-size 2 --seq-len 2048 --cuda-graphs \
   --fp8 tensorwise --use-custom-{rmsnorm,swiglu,rope,flce,adamw,projections} > $R/profile_tw.txt 2>&1
 echo "profile $((SECONDS-t0))s $(grep -h 'FP8 casts\|other elementwise\|matrix multiply  \|total  ' $R/profile_tw.txt | tr -s ' ' | tr '\n' '|')" | tee -a $R/times.txt

@@ -932,12 +932,13 @@ def _rows_of(inv_scale, rows, recipe):
 
 
 def _side_by_side_grads(dys, ctx):
-    """The split outputs' gradients as one fp8 [dy_1 | dy_2 | ...] and its transposed copy:
-    cast in place side by side (quantize_side_by_side), no concatenation; an unused output's
+    """The split outputs' gradients as one fp8 [dy_1 | dy_2 | ...] and its transposed copy,
+    each cast into its columns (quantize_side_by_side), no concatenation; an unused output's
     gradient is zeros; rows not a multiple of 16: concatenated, then cast as one tensor."""
     x_rows = ctx.x_shape.numel() // ctx.x_shape[-1]
     device = next(dy.device for dy in dys if dy is not None)
-    parts = [torch.zeros(x_rows, rows.stop - rows.start, dtype=ctx.x_dtype, device=device) if dy is None else dy.reshape(-1, dy.shape[-1]) for dy, (rows, _) in zip(dys, ctx.rows)]
+    parts = [torch.zeros(x_rows, rows.stop - rows.start, dtype=ctx.x_dtype, device=device) if dy is None
+             else dy.reshape(-1, dy.shape[-1]) for dy, (rows, _) in zip(dys, ctx.rows)]
     if x_rows % 16:
         return _output_grad_fp8(torch.cat(parts, 1), ctx.recipe, ctx.grads, True)
     amaxes = [_produced_amax(p, ctx.recipe) for p in parts] if ctx.recipe == "tensorwise" else None

@@ -203,7 +203,8 @@ def test_fp8_projections_compute_phi3s_fused_layers(recipe, monkeypatch):
     assert sum(isinstance(m, projections.GroupedFP8Linear) for m in model.modules()) == 5 * n_layers
     cast = []
     real = fp8_kernel.quantize_side_by_side
-    monkeypatch.setattr(fp8_kernel, "quantize_side_by_side", lambda parts, *a: cast.append(len(parts)) or real(parts, *a))
+    monkeypatch.setattr(fp8_kernel, "quantize_side_by_side",
+                        lambda parts, *a: cast.append(len(parts)) or real(parts, *a))
     loss, grads = loss_and_grads(model, batch)
     assert cast == [2, 3] * n_layers  # backward: each layer's gate/up, then its q/k/v
     torch.testing.assert_close(loss, ref_loss, rtol=0 if DEVICE == "cpu" else 1e-5, atol=0)

@@ -90,8 +90,9 @@ tensor that grows past that history is clamped at 448 for a step, and every scal
 Current scaling, this step's own amax, is what torchao and we use; the producers move
 where it is measured, which costs the cast one read of x, never a result.
 Not covered: per row (x^T's scales are column maxima over all rows, which a row-by-row
-producer cannot finish), tensors other code writes (SDPA's attention output, the
-gradients autograd sums into q/k/v/o/down: 6 of a LLaMA layer's 18 casts), and
+producer cannot finish), tensors other code writes (SDPA's attention output, q, k and
+v's output gradients from RoPE and SDPA, those autograd sums into o and down: 6 maxima
+of a LLaMA layer), and
 torch.compile (nothing is noted under a tracer). The weights' share needs
 ``TritonAdamW(fp8_weight_amax=True)`` (the fine-tune script sets it for ``--fp8
 tensorwise``): a loop that writes a weight through ``.data`` between ``step()`` and the
@@ -855,7 +856,7 @@ fp8_linear_forward.op.register_autograd(first_order_only("fp8_linear")(_linear_g
 
 
 # --------------------------------------------------------------------------------
-# Layers that read one x, stacked: gate_proj and up_proj as one product
+# Layers that read one x, stacked: gate_proj and up_proj as one product (q, k and v: split)
 # --------------------------------------------------------------------------------
 # A gated MLP's gate_proj and up_proj read the same x. As two FP8 layers they run two
 # forward products and, in backward, two products for dx whose sum autograd adds in a
@@ -873,6 +874,11 @@ fp8_linear_forward.op.register_autograd(first_order_only("fp8_linear")(_linear_g
 # two products fewer. Trained, bias-free layers of one recipe only; frozen weights (cached
 # casts), FSDP's FP8 gathers, a tracer, no gradients and hooked layers keep one product per
 # layer (FP8Linear.stacked_with lists them).
+# q, k and v (projections_kernel's groups) stack with ``split``: the attention reads them
+# apart, so each keeps its own forward product (on its rows of the stacked fp8 weight) and
+# output tensor; their output gradients arrive apart too, and quantize_side_by_side casts
+# each into its columns of one [dq | dk | dv]: dx is one product, not three and two adds
+# (H100: +0.8-0.9% tokens/s at 8B per tensor, +1.1-1.3% per row; NOTES.md Step 22).
 STACK_PROJECTIONS = True  # False: each layer its own products (A/B: benchmark_fp8.py)
 
 

@@ -218,9 +218,9 @@ def _width(module):
 def group_projections(model):
     """Group each module's projections that read one input (``GROUPS``: q/k/v,
     gate/up) where at least two of them are plain nn.Linear or LoRA layers routed
-    by lora_kernel.fuse_lora, or else FP8Linear layers, all of one width. Returns the number of groups; a
-    model whose projections are fused already (Phi-3's qkv_proj and gate_up_proj)
-    has none to make."""
+    by lora_kernel.fuse_lora, or else FP8Linear layers, all of one width. Returns
+    the number of groups; a model whose projections are fused already (Phi-3's
+    qkv_proj and gate_up_proj) has none to make."""
     count = 0
     for name, module in list(model.named_modules()):
         for names in GROUPS:

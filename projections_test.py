@@ -1,6 +1,6 @@
 """
 Tests of projections_kernel.py: the projections that read one input as one autograd
-node (CPU, float32 and bf16 autocast; no Triton involved).
+node (CPU, float32 and bf16 autocast; Triton only in the FP8 casts).
 
 * ``shared_input_linear`` gives F.linear's outputs and gradients, with and
   without biases, frozen weights, unused outputs;
@@ -11,7 +11,9 @@ node (CPU, float32 and bf16 autocast; no Triton involved).
   not call the projections on one input (a one-line note, then separate products);
 * LoRA layers routed by lora_kernel.fuse_lora join the groups: PEFT's loss and
   gradients, no add kernel left in the backward of a group of adapted layers; over
-  FP8 base layers (emulated) PEFT's loss and gradients over the same FP8 layers.
+  FP8 base layers (emulated) PEFT's loss and gradients over the same FP8 layers;
+* FP8 layers (emulated) group by stacking: the loss and gradients of the same model
+  built as Phi-3, whose fused qkv_proj and gate_up_proj are FP8 layers.
 
 Usage:
     python -m pytest projections_test.py -v

@@ -641,15 +641,18 @@ NEEDS_INTERPRETER = pytest.mark.skipif(not kernel_common.INTERPRET, reason="CPU 
 
 
 @NEEDS_INTERPRETER
-def test_fp8_layers_under_fully_shard_give_the_unsharded_model(one_process_group):
+def test_fp8_layers_under_fully_shard_give_the_unsharded_model(one_process_group, monkeypatch):
     """--fp8 with --fsdp: FP8Linear holds the layer's own Parameters, so fully_shard shards
-    them like any Linear's and hands the forward the whole weights; the loss and every
-    gradient equal those of the same FP8 model unsharded (emulated FP8 on the CPU). Per
+    them like any Linear's and hands the forward the whole weights, which grouped q/k/v and
+    gate/up stack; the loss and every gradient equal those of the same FP8 model unsharded
+    (emulated FP8 on the CPU). Per
     row nothing can be gathered in FP8 (its scales span shards): attach takes no weight."""
     import copy
 
+    import fp8_kernel
     from fp8_kernel import FP8Linear, replace_linears
     from kernel_ft import fp8_gather
+    from projections_kernel import group_projections
 
     torch.manual_seed(0)
     rowwise = models.build_random(narrow_tiny_config(), torch.device("cpu"), torch.float32)
@@ -659,16 +662,21 @@ def test_fp8_layers_under_fully_shard_give_the_unsharded_model(one_process_group
     torch.manual_seed(0)
     model = models.build_random(narrow_tiny_config(), torch.device("cpu"), torch.float32)
     assert replace_linears(model, "tensorwise", emulate=True)[0] == 14
+    assert group_projections(model) == 4  # q/k/v and gate/up stacked (the script groups before sharding)
     unsharded = copy.deepcopy(model)
     fsdp.shard_model(model, argparse.Namespace(tiny=True), one_process_group)
     assert sum(isinstance(m, FP8Linear) for m in model.modules()) == 14
     ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
+    casts = []
+    real = fp8_kernel.quantize_side_by_side
+    monkeypatch.setattr(fp8_kernel, "quantize_side_by_side",
+                        lambda parts, *a: casts.append(len(parts)) or real(parts, *a))
     losses = []
     for m in (model, unsharded):
         loss = m(input_ids=ids, labels=ids).loss
         loss.backward()
         losses.append(loss.item())
-    assert losses[0] == losses[1]
+    assert losses[0] == losses[1] and casts == [2, 3] * 4  # each group stacked, sharded and not
     grads = {n: p.grad for n, p in unsharded.named_parameters()}
     got = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     assert got.keys() == grads.keys()

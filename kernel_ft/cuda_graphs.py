@@ -109,10 +109,12 @@ def reason_to_stay_eager(args, model, data):
     if not torch.cuda.is_available():
         return "no GPU"
     if getattr(args, "fsdp", False):
-        # FSDP2's hooks can be captured (2 x H200, 8B full, FSDP2's own buffers: the same losses;
-        # its windows, fsdp.WindowGathers, would have to be registered in the eager steps before),
-        # but the step is bound by its GPU work: 0.7% faster captured, not kept (NOTES.md, Step 19).
-        return "--fsdp: FSDP2's step is bound by its GPU work (its buffer copies and collectives), not by Python"
+        # FSDP2's hooks can be captured (2 x H200, 8B full, FSDP2's own buffers: the same losses),
+        # bf16 0.7% faster (NOTES.md, Step 19); but FSDP2 keeps on the host which weights are
+        # gathered and the events its streams wait for, and a replay updates neither: an
+        # evaluation or a checkpoint between replays would act on that stale record. Eager,
+        # FP8's host work shows (8B --fp8 tensorwise: 0.72x per GPU on 2 x H200, NOTES.md Step 22).
+        return "--fsdp: FSDP2 keeps its gather state on the host, which a replayed step would leave stale"
     if getattr(args, "skip_nonfinite_steps", False):
         return "--skip-nonfinite-steps reads each step's loss on the host before the update"
     if getattr(args, "optimizer_in_backward", False):

@@ -355,21 +355,28 @@ def copy_engines_unavailable(device):
     return None
 
 
-def into_windows(weights):
-    """Each of ``weights`` moved into memory from NCCL's allocator, then registered as
-    symmetric windows by every process (a collective: every process moves the same weights
-    in the same order). The Parameters stay the same objects."""
-    device = weights[0].device
-    backend = torch.distributed.group.WORLD._get_backend(device)
+@contextlib.contextmanager
+def new_window(backend):
+    """The tensors made inside come from the memory of NCCL's allocator (``backend``, a
+    ProcessGroupNCCL), registered at the end as symmetric windows by every process (a
+    collective: every process makes the same sizes in the same order) and kept in WINDOWS,
+    which close_distributed deregisters."""
     pool = torch.cuda.MemPool(backend.mem_allocator)
-    with torch.no_grad(), torch.cuda.use_mem_pool(pool):
+    with torch.cuda.use_mem_pool(pool):
+        yield
+    backend.register_mem_pool(pool, symm=True)
+    WINDOWS.append((backend, pool))
+
+
+def into_windows(weights):
+    """Each of ``weights`` moved into one new window (new_window). The Parameters stay the
+    same objects."""
+    with torch.no_grad(), new_window(torch.distributed.group.WORLD._get_backend(weights[0].device)):
         for p in weights:
             moved = torch.empty_like(p)
             moved.copy_(p)
             p.data = moved
     torch.cuda.empty_cache()  # their old memory back to the device
-    backend.register_mem_pool(pool, symm=True)
-    WINDOWS.append((backend, pool))
 
 
 def capturing():

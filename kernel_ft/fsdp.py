@@ -191,11 +191,8 @@ class WindowGathers:
         numel = math.prod(int(n) for n in size)
         key = (numel, dtype)
         if key not in self.buffers:  # the first gather of this size, on every process in turn
-            pool = torch.cuda.MemPool(self.backend.mem_allocator)
-            with torch.cuda.use_mem_pool(pool):
+            with ddp.new_window(self.backend):
                 tensors = [torch.empty(numel, dtype=dtype, device=device) for _ in range(self.ring)]
-            self.backend.register_mem_pool(pool, symm=True)
-            ddp.WINDOWS.append((self.backend, pool))
             self.buffers[key] = [tensors, 0]
         tensors, turn = self.buffers[key]
         self.buffers[key][1] = (turn + 1) % len(tensors)

@@ -756,9 +756,13 @@ def _linear_forward(x, weight, bias, recipe, need_dx, xq):
 def _forward_product(x, xq, wq, bias=None):
     """(y, x_t, x_t's inverse scale, w_t, w_t's inverse scale): y = x W^T from the fp8 copies
     xq and wq, and the transposed copies backward keeps (empty placeholders where none)."""
+    return (_forward_mm(xq, wq.data, wq.inv_scale, x.dtype, bias), *_kept_copies(x, xq, wq))
+
+
+def _forward_mm(xq, w8, w_inv, out_dtype, bias=None):
+    """x W^T from the fp8 copy xq and W's fp8 rows w8 (all of them, or a stacked weight's slice)."""
     # torchao's default: fast accumulation in the forward GEMM only.
-    y = scaled_mm(xq.data, xq.inv_scale, wq.data, wq.inv_scale, x.dtype, bias, fast_accum=True)
-    return (y, *_kept_copies(x, xq, wq))
+    return scaled_mm(xq.data, xq.inv_scale, w8, w_inv, out_dtype, bias, fast_accum=True)
 
 
 def _kept_copies(x, xq, wq):
@@ -898,8 +902,8 @@ class FP8StackedFunction(torch.autograd.Function):
         if split:
             # One product per layer, on its rows of the stacked fp8 weight: each output its own
             # contiguous tensor, in the layout the layer alone would give the attention.
-            ys = [scaled_mm(xq.data, xq.inv_scale, wq.data[rows], _rows_of(wq.inv_scale, rows, recipe), x.dtype,
-                            fast_accum=True).view(*x.shape[:-1], -1) for rows, _ in ctx.rows]
+            ys = [_forward_mm(xq, wq.data[rows], _rows_of(wq.inv_scale, rows, recipe), x.dtype).view(*x.shape[:-1], -1)
+                  for rows, _ in ctx.rows]
             keep = _kept_copies(x2d, xq, wq)
         else:
             y, *keep = _forward_product(x2d, xq, wq)

@@ -158,6 +158,17 @@ def test_a_grouped_llama_trains_like_the_original():
     assert all(g.enabled and not g._pending and g._source is None for g in groups)  # nothing held
 
 
+# Phi-3's fused layers, and the LLaMA projections stacked in each.
+PHI3_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def as_phi3(name, tensors):
+    """A Phi-3 parameter's value from the LLaMA ones, ``tensors`` by LLaMA name: a fused
+    layer's the concatenation of its projections'."""
+    fused = next((f for f in PHI3_FUSED if f".{f}." in name), None)
+    return torch.cat([tensors[name.replace(fused, n)] for n in PHI3_FUSED[fused]]) if fused else tensors[name]
+
+
 def phi3_twin(llama):
     """A Phi-3 model computing what ``llama`` computes, its q/k/v and gate/up stacked into
     Phi-3's fused qkv_proj and gate_up_proj (the other weights shared copies)."""
@@ -175,9 +186,7 @@ def phi3_twin(llama):
     ours = dict(llama.named_parameters())
     with torch.no_grad():
         for name, p in twin.named_parameters():
-            parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-            fused = next((f for f in parts if f".{f}." in name), None)
-            p.copy_(torch.cat([ours[name.replace(fused, n)] for n in parts[fused]]) if fused else ours[name])
+            p.copy_(as_phi3(name, ours))
     return twin
 
 
@@ -211,11 +220,7 @@ def test_fp8_projections_compute_phi3s_fused_layers(recipe, monkeypatch):
     loss, grads = loss_and_grads(model, batch)
     assert cast == [2, 3] * n_layers  # backward: each layer's gate/up, then its q/k/v
     torch.testing.assert_close(loss, ref_loss, rtol=0 if DEVICE == "cpu" else 1e-5, atol=0)
-    grads = {name: torch.cat([grads[name.replace(fused, n)] for n in parts]) if fused else grads[name]
-             for name in ref_grads
-             for fused, parts in [next(((f, p) for f, p in (("qkv_proj", ("q_proj", "k_proj", "v_proj")),
-                                                            ("gate_up_proj", ("gate_proj", "up_proj")))
-                                         if f".{f}." in name), (None, None))]}
+    grads = {name: as_phi3(name, grads) for name in ref_grads}
     for name in ref_grads:
         if DEVICE == "cpu":  # float32 products in one algorithm whatever their shape: the same bits
             assert torch.equal(grads[name], ref_grads[name]), name

@@ -242,7 +242,7 @@ def _adamw_kernel(
 # with too few warps, or 16 warps, fall behind.
 BLOCK = 2048
 NUM_WARPS = 4
-INTERPRET_MAX_BLOCK = 2**17
+INTERPRET_MAX_BLOCK = 2**20
 
 
 def _shape(t):
@@ -339,9 +339,9 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, we
     block, num_warps = BLOCK, NUM_WARPS
     if INTERPRET:
         # The interpreter runs programs one after another, each with a fixed Python
-        # cost: a handful of big blocks per tensor (at least 4096 elements, so a
-        # 4097-element tensor still tests the masked tail of a second program).
-        block = min(INTERPRET_MAX_BLOCK, max(4096, next_power_of_2(cdiv(n, 8))))
+        # cost: two big blocks per tensor (at least 4096 elements, so a 4097-element
+        # tensor still tests the masked tail of a second program).
+        block = min(INTERPRET_MAX_BLOCK, max(4096, next_power_of_2(cdiv(n, 2))))
     _adamw_kernel[(cdiv(n, block),)](
         param, grad, exp_avg, exp_avg_sq, n,
         lr_wd, 1.0 - float(beta1), float(beta2), 1.0 - float(beta2), step_size, bc2_sqrt, float(eps),
@@ -396,6 +396,16 @@ def _sum_squares_kernel(
 NORM_BLOCK, NORM_WARPS, NORM_PROGRAMS_PER_SM = (1024, 1, 1) if INTERPRET else (4096, 8, 8)
 
 
+def _norm_block(n, programs):
+    """The block of a tensor of ``n`` elements summed by ``programs`` programs. In the
+    interpreter each loop iteration costs a fixed Python overhead, so a large tensor gets
+    blocks large enough for about four iterations per program (a 1M-element embedding:
+    8 instead of 256); a small one keeps NORM_BLOCK and still walks several blocks."""
+    if not INTERPRET:
+        return NORM_BLOCK
+    return min(INTERPRET_MAX_BLOCK, max(NORM_BLOCK, next_power_of_2(cdiv(n, 4 * programs))))
+
+
 def sums_of_squares(grads):
     """Each tensor's sum of squares in float32 (this file's kernel): a tensor [len(grads)]."""
     check_kernel_device(*grads)
@@ -406,7 +416,8 @@ def sums_of_squares(grads):
     # One row of slots per tensor; the slots a smaller grid leaves are zeros.
     partials = torch.zeros(len(grads), max(grid), dtype=torch.float32, device=device)
     for row, (g, programs) in enumerate(zip(grads, grid)):
-        _sum_squares_kernel[(programs,)](g, partials[row], g.numel(), BLOCK=NORM_BLOCK, num_warps=NORM_WARPS)
+        _sum_squares_kernel[(programs,)](g, partials[row], g.numel(), BLOCK=_norm_block(g.numel(), programs),
+                                         num_warps=NORM_WARPS)
     return partials.sum(dim=1)
 
 

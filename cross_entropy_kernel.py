@@ -578,8 +578,13 @@ def upstream_per_row(grad_output, reduction, n_rows):
 def scale_by_upstream(grad, grad_output):
     """grad *= grad_output (a device scalar), skipped on the device when it is 1."""
     rows = grad.reshape(-1, grad.shape[-1])
+    if grad.device.type != "cuda" and grad.is_contiguous():
+        # One scalar scales every value, so the rows can be any split of the values. The
+        # interpreter pays a Python overhead per program: a [V, hidden] weight gradient
+        # as one row is one program instead of V.
+        rows = grad.view(1, -1)
     n_rows, width = rows.shape
-    if n_rows == 0:
+    if n_rows == 0 or width == 0:
         return
     block_v, num_warps = launch_config(width, n_rows, grad.device)
     _cross_entropy_bwd_scale_kernel[(n_rows,)](

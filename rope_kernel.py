@@ -85,6 +85,9 @@ Triton concepts new in this step (see rmsnorm_kernel.py, swiglu_kernel.py)
   token's cos/sin row once and rotates [heads, D/2] tiles of q, then of k. In
   the HF layout a token's heads are one contiguous nh x D block (8 KB of bf16
   for LLaMA's q), so each tile is a compact, fully used piece of memory.
+  The tiles are 3-D, [BLOCK_T tokens, heads, D/2]: on a GPU BLOCK_T is 1 (the
+  token dimension has one entry and costs nothing); the CPU interpreter, which
+  pays Python time for every program, gives a program up to 64 tokens.
 * Broadcasting inside the kernel: the [D/2] cos/sin vectors are used against a
   [heads, D/2] tile with ``c[None, :]``; a cos table shared by the whole batch
   ([1, T, D]) is addressed with a batch stride of 0.
@@ -162,54 +165,57 @@ def _round(x, dtype: tl.constexpr):
 def _rope_fwd_heads(
     X,  # [B, H, T, D] input, last dim contiguous
     Y,  # [B, H, T, D] output, last dim contiguous, promoted dtype
-    x_tok,  # int64 offset of (b, 0, t, 0) in X
-    y_tok,  # int64 offset of (b, 0, t, 0) in Y
+    x_tok,  # [BLOCK_T] int64 offsets of (b, 0, t, 0) in X, one per token
+    y_tok,  # [BLOCK_T] int64 offsets of (b, 0, t, 0) in Y
+    tok_mask,  # [BLOCK_T] which of them are tokens (the last program's tail is not)
     stride_xh,
     stride_yh,
     n_heads,
     half,  # D / 2
     d,  # [BLOCK_D] column indices 0 .. BLOCK_D-1
     d_mask,  # [BLOCK_D] d < half
-    c1, c2, s1, s2,  # [BLOCK_D] float32 halves of this token's cos and sin rows
+    c1, c2, s1, s2,  # [BLOCK_T, 1, BLOCK_D] float32 halves of the tokens' cos and sin rows
     BLOCK_H: tl.constexpr,
 ):
     OUT: tl.constexpr = Y.dtype.element_ty
-    # All heads of the token, BLOCK_H at a time (LLaMA-3.1-8B: 4 trips for q, 1 for k).
+    # All heads of the tokens, BLOCK_H at a time (LLaMA-3.1-8B: 4 trips for q, 1 for k).
     for h0 in range(0, n_heads, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
-        mask = (h < n_heads)[:, None] & d_mask[None, :]
+        mask = tok_mask[:, None, None] & (h < n_heads)[None, :, None] & d_mask[None, None, :]
         # 64-bit offsets: in a contiguous [B, H, T, D] q, h * stride_h = h * T * D
         # passes 2**31 at 32 heads of 512K tokens (b and t are int64 already).
         h64 = h.to(tl.int64)
-        x_ptrs = X + x_tok + h64[:, None] * stride_xh + d[None, :]
-        y_ptrs = Y + y_tok + h64[:, None] * stride_yh + d[None, :]
+        x_ptrs = X + x_tok[:, None, None] + h64[None, :, None] * stride_xh + d[None, None, :]
+        y_ptrs = Y + y_tok[:, None, None] + h64[None, :, None] * stride_yh + d[None, None, :]
         x1 = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(x_ptrs + half, mask=mask, other=0.0).to(tl.float32)
 
         # HF's order of rounding: each product to the output dtype, then the sum.
         # For float32 outputs _round is a no-op and the kernel is launched with
         # enable_fp_fusion=False, so the products are not folded into an FMA.
-        y1 = _round(x1 * c1[None, :], OUT) - _round(x2 * s1[None, :], OUT)
-        y2 = _round(x2 * c2[None, :], OUT) + _round(x1 * s2[None, :], OUT)
+        y1 = _round(x1 * c1, OUT) - _round(x2 * s1, OUT)
+        y2 = _round(x2 * c2, OUT) + _round(x1 * s2, OUT)
         tl.store(y_ptrs, cast_to(y1, OUT), mask=mask)
         tl.store(y_ptrs + half, cast_to(y2, OUT), mask=mask)
 
 
 @triton.jit
-def _load_cos_sin(COS, SIN, b, t, stride_cb, stride_ct, stride_sb, stride_st, half, d, d_mask):
-    # This token's rows of the tables, split in halves, in float32. A table
+def _load_cos_sin(COS, SIN, b, t, tok_mask, stride_cb, stride_ct, stride_sb, stride_st, half, d, d_mask):
+    # The tokens' rows of the tables ([BLOCK_T] b and t), split in halves, in
+    # float32, shaped [BLOCK_T, 1, BLOCK_D] to broadcast over the heads. A table
     # shared by the batch ([1, T, D]) comes with stride_cb == 0.
-    c_row = COS + b * stride_cb + t * stride_ct
-    s_row = SIN + b * stride_sb + t * stride_st
-    c1 = tl.load(c_row + d, mask=d_mask, other=0.0).to(tl.float32)
-    c2 = tl.load(c_row + half + d, mask=d_mask, other=0.0).to(tl.float32)
-    s1 = tl.load(s_row + d, mask=d_mask, other=0.0).to(tl.float32)
-    s2 = tl.load(s_row + half + d, mask=d_mask, other=0.0).to(tl.float32)
+    c_row = (COS + b * stride_cb + t * stride_ct)[:, None, None] + d[None, None, :]
+    s_row = (SIN + b * stride_sb + t * stride_st)[:, None, None] + d[None, None, :]
+    mask = tok_mask[:, None, None] & d_mask[None, None, :]
+    c1 = tl.load(c_row, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(c_row + half, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(s_row, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(s_row + half, mask=mask, other=0.0).to(tl.float32)
     return c1, c2, s1, s2
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["seq_len"])  # a varying count: not specialized (rmsnorm_kernel.py)
+@triton.jit(do_not_specialize=["seq_len", "n_tokens"])  # varying counts: not specialized (rmsnorm_kernel.py)
 def _rope_fwd_kernel(
     Q,  # [B, nh, T, D] query (HF: a transposed view of [B, T, nh, D]); last dim contiguous
     K,  # [B, n_kv, T, D] key, same kind of layout (its strides may differ from Q's)
@@ -218,6 +224,7 @@ def _rope_fwd_kernel(
     QO,  # [B, nh, T, D] output q_embed, laid out like Q
     KO,  # [B, n_kv, T, D] output k_embed, laid out like K
     seq_len,
+    n_tokens,  # B * T
     n_q_heads,
     n_k_heads,
     half,  # D / 2
@@ -230,23 +237,26 @@ def _rope_fwd_kernel(
     BLOCK_D: tl.constexpr,  # power of two >= D / 2
     BLOCK_HQ: tl.constexpr,  # q heads per tile
     BLOCK_HK: tl.constexpr,  # k heads per tile
+    BLOCK_T: tl.constexpr,  # tokens per program: 1 on a GPU
 ):
-    # One program per token: pid = b * T + t.
-    pid = tl.program_id(0).to(tl.int64)
-    b = pid // seq_len
-    t = pid % seq_len
+    # One program per token (BLOCK_T tokens in the interpreter): token = b * T + t.
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_mask = tok < n_tokens
+    b = tok // seq_len
+    t = tok % seq_len
     d = tl.arange(0, BLOCK_D)
     d_mask = d < half
 
     # The token's cos/sin row: loaded once, used for every q head and every k head.
-    c1, c2, s1, s2 = _load_cos_sin(COS, SIN, b, t, stride_cb, stride_ct, stride_sb, stride_st, half, d, d_mask)
+    c1, c2, s1, s2 = _load_cos_sin(COS, SIN, b, t, tok_mask, stride_cb, stride_ct, stride_sb, stride_st, half, d,
+                                   d_mask)
 
     # Both tensors in one launch: one launch instead of two, and k reuses the
     # cos/sin row already in registers.
-    _rope_fwd_heads(Q, QO, b * stride_qb + t * stride_qt, b * stride_qob + t * stride_qot,
+    _rope_fwd_heads(Q, QO, b * stride_qb + t * stride_qt, b * stride_qob + t * stride_qot, tok_mask,
                     stride_qh, stride_qoh, n_q_heads, half, d, d_mask, c1, c2, s1, s2,
                     BLOCK_HQ)
-    _rope_fwd_heads(K, KO, b * stride_kb + t * stride_kt, b * stride_kob + t * stride_kot,
+    _rope_fwd_heads(K, KO, b * stride_kb + t * stride_kt, b * stride_kob + t * stride_kot, tok_mask,
                     stride_kh, stride_koh, n_k_heads, half, d, d_mask, c1, c2, s1, s2,
                     BLOCK_HK)
 
@@ -279,8 +289,9 @@ def _rope_fwd_kernel(
 def _rope_bwd_heads(
     G,  # [B, H, T, D] upstream gradient, last dim contiguous
     DX,  # [B, H, T, D] input gradient, laid out like the forward input
-    g_tok,
+    g_tok,  # [BLOCK_T] offsets, as in _rope_fwd_heads
     dx_tok,
+    tok_mask,
     stride_gh,
     stride_dxh,
     n_heads,
@@ -293,20 +304,20 @@ def _rope_bwd_heads(
     OUT: tl.constexpr = DX.dtype.element_ty
     for h0 in range(0, n_heads, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
-        mask = (h < n_heads)[:, None] & d_mask[None, :]
+        mask = tok_mask[:, None, None] & (h < n_heads)[None, :, None] & d_mask[None, None, :]
         h64 = h.to(tl.int64)
-        g_ptrs = G + g_tok + h64[:, None] * stride_gh + d[None, :]
-        dx_ptrs = DX + dx_tok + h64[:, None] * stride_dxh + d[None, :]
+        g_ptrs = G + g_tok[:, None, None] + h64[None, :, None] * stride_gh + d[None, None, :]
+        dx_ptrs = DX + dx_tok[:, None, None] + h64[None, :, None] * stride_dxh + d[None, None, :]
         g1 = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
         g2 = tl.load(g_ptrs + half, mask=mask, other=0.0).to(tl.float32)
-        dx1 = g1 * c1[None, :] + g2 * s2[None, :]
-        dx2 = g2 * c2[None, :] - g1 * s1[None, :]
+        dx1 = g1 * c1 + g2 * s2
+        dx2 = g2 * c2 - g1 * s1
         tl.store(dx_ptrs, cast_to(dx1, OUT), mask=mask)
         tl.store(dx_ptrs + half, cast_to(dx2, OUT), mask=mask)
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["seq_len"])  # a varying count: not specialized (rmsnorm_kernel.py)
+@triton.jit(do_not_specialize=["seq_len", "n_tokens"])  # varying counts: not specialized (rmsnorm_kernel.py)
 def _rope_bwd_kernel(
     DQO,  # [B, nh, T, D] gradient of q_embed; any strides, last dim contiguous
     DKO,  # [B, n_kv, T, D] gradient of k_embed
@@ -315,6 +326,7 @@ def _rope_bwd_kernel(
     DQ,  # [B, nh, T, D] output gradient of q, laid out like q was
     DK,  # [B, n_kv, T, D] output gradient of k, laid out like k was
     seq_len,
+    n_tokens,
     n_q_heads,
     n_k_heads,
     half,
@@ -329,19 +341,22 @@ def _rope_bwd_kernel(
     BLOCK_HK: tl.constexpr,
     COMPUTE_DQ: tl.constexpr,  # False when q needs no gradient: its loop is compiled out
     COMPUTE_DK: tl.constexpr,  # False when k needs no gradient
+    BLOCK_T: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    b = pid // seq_len
-    t = pid % seq_len
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_mask = tok < n_tokens
+    b = tok // seq_len
+    t = tok % seq_len
     d = tl.arange(0, BLOCK_D)
     d_mask = d < half
-    c1, c2, s1, s2 = _load_cos_sin(COS, SIN, b, t, stride_cb, stride_ct, stride_sb, stride_st, half, d, d_mask)
+    c1, c2, s1, s2 = _load_cos_sin(COS, SIN, b, t, tok_mask, stride_cb, stride_ct, stride_sb, stride_st, half, d,
+                                   d_mask)
     if COMPUTE_DQ:
-        _rope_bwd_heads(DQO, DQ, b * stride_gqb + t * stride_gqt, b * stride_dqb + t * stride_dqt,
+        _rope_bwd_heads(DQO, DQ, b * stride_gqb + t * stride_gqt, b * stride_dqb + t * stride_dqt, tok_mask,
                         stride_gqh, stride_dqh, n_q_heads, half, d, d_mask, c1, c2, s1, s2,
                         BLOCK_HQ)
     if COMPUTE_DK:
-        _rope_bwd_heads(DKO, DK, b * stride_gkb + t * stride_gkt, b * stride_dkb + t * stride_dkt,
+        _rope_bwd_heads(DKO, DK, b * stride_gkb + t * stride_gkt, b * stride_dkb + t * stride_dkt, tok_mask,
                         stride_gkh, stride_dkh, n_k_heads, half, d, d_mask, c1, c2, s1, s2,
                         BLOCK_HK)
 
@@ -359,6 +374,15 @@ def _rope_bwd_kernel(
 # 26-29 us for most others and 34 us with 2048+ x 8 warps.
 TILE_ELEMENTS = 512
 NUM_WARPS = 4
+# The interpreter runs programs one by one, each for Python time: up to this many
+# tokens per program there (a GPU takes one, above).
+INTERPRET_TOKENS = 64
+
+
+def _tokens_per_program(n_tokens, device):
+    """BLOCK_T: 1 on a GPU; in the interpreter, enough that a row of a few hundred
+    tokens is a few programs."""
+    return 1 if device.type == "cuda" else min(INTERPRET_TOKENS, next_power_of_2(max(n_tokens, 1)))
 
 
 @functools.lru_cache(maxsize=None)  # host time counts (Step 17)
@@ -453,13 +477,15 @@ def rope_forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     if batch * seq_len * head_dim > 0 and n_q + n_k > 0:
         half = head_dim // 2
         block_d, block_hq, block_hk = _launch_config(half, n_q, n_k)
-        _rope_fwd_kernel[(batch * seq_len,)](
+        n_tokens = batch * seq_len
+        block_t = _tokens_per_program(n_tokens, q.device)
+        _rope_fwd_kernel[(triton.cdiv(n_tokens, block_t),)](
             q, k, cos, sin, q_out, k_out,
-            seq_len, n_q, n_k, half,
+            seq_len, n_tokens, n_q, n_k, half,
             *q.stride()[:3], *k.stride()[:3],  # one stride() call each: host time
             *q_out.stride()[:3], *k_out.stride()[:3],
             *_table_strides(cos, batch, seq_len), *_table_strides(sin, batch, seq_len),
-            BLOCK_D=block_d, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
+            BLOCK_D=block_d, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_T=block_t,
             num_warps=NUM_WARPS,
             enable_fp_fusion=False,  # round a*b and c*d separately, as PyTorch does
         )
@@ -506,14 +532,16 @@ def rope_backward(dq_out: Optional[torch.Tensor], dk_out: Optional[torch.Tensor]
     if batch * seq_len * head_dim > 0 and n_q + n_k > 0:
         half = head_dim // 2
         block_d, block_hq, block_hk = _launch_config(half, n_q, n_k)
-        _rope_bwd_kernel[(batch * seq_len,)](
+        n_tokens = batch * seq_len
+        block_t = _tokens_per_program(n_tokens, cos.device)
+        _rope_bwd_kernel[(triton.cdiv(n_tokens, block_t),)](
             gq, gk, cos, sin, xq, xk,
-            seq_len, n_q, n_k, half,
+            seq_len, n_tokens, n_q, n_k, half,
             *gq.stride()[:3], *gk.stride()[:3],
             *xq.stride()[:3], *xk.stride()[:3],
             *_table_strides(cos, batch, seq_len), *_table_strides(sin, batch, seq_len),
             BLOCK_D=block_d, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
-            COMPUTE_DQ=compute_dq, COMPUTE_DK=compute_dk,
+            COMPUTE_DQ=compute_dq, COMPUTE_DK=compute_dk, BLOCK_T=block_t,
             num_warps=NUM_WARPS,
             enable_fp_fusion=False,  # float32 gradients with eager PyTorch's bits (see above)
         )

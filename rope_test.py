@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, DTYPES, check_outputs, need_gpu, rel_err
+import rope_kernel
 from rope_kernel import TritonRoPEFunction, apply_rotary_pos_emb, rope, rope_reference
 from rope_kernel import RopeMismatch, check_same_rope, fuse_rope, patched_rope, rope_patch_targets
 
@@ -118,6 +119,15 @@ def test_matches_float64_truth(dtype, d, heads, bt, layout):
 
 
 # ---------------------------------------------------------------- edge cases and API
+def test_tokens_over_several_programs():
+    # 3 x 50 tokens: in the interpreter three programs of up to 64 tokens (the last one's
+    # tail masked), each token's rows of the tables picked by its own b and t; a table
+    # shared by the batch too.
+    assert rope_kernel._tokens_per_program(150, torch.device("cpu")) == rope_kernel.INTERPRET_TOKENS == 64
+    compare_to_truth(*make_inputs(3, 50, 4, 2, 64, torch.bfloat16))
+    compare_to_truth(*make_inputs(3, 50, 3, 1, 6, torch.float32, layout="bhtd", table_batch=1))
+
+
 def test_tables_broadcast_over_batch():
     # One cos/sin table [1, T, D] shared by the batch (batch stride 0 in the kernel).
     inputs = make_inputs(2, 7, 4, 2, 64, torch.bfloat16, table_batch=1)

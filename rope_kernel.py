@@ -88,9 +88,10 @@ Triton concepts new in this step (see rmsnorm_kernel.py, swiglu_kernel.py)
   The tiles are 3-D, [BLOCK_T tokens, heads, D/2]: on a GPU BLOCK_T is 1 (the
   token dimension has one entry and costs nothing); the CPU interpreter, which
   pays Python time for every program, gives a program up to 64 tokens.
-* Broadcasting inside the kernel: the [D/2] cos/sin vectors are used against a
-  [heads, D/2] tile with ``c[None, :]``; a cos table shared by the whole batch
-  ([1, T, D]) is addressed with a batch stride of 0.
+* Broadcasting inside the kernel: the cos/sin rows are loaded as [tokens, 1, D/2]
+  and used against the [tokens, heads, D/2] tile as they are (the size-1 axis
+  stretches over the heads); a cos table shared by the whole batch ([1, T, D])
+  is addressed with a batch stride of 0.
 * The backward of a rotation is its transpose, i.e. the rotation by -theta: it
   needs only the upstream gradient and cos/sin, no saved activations.
 * ``enable_fp_fusion=False``: forbid the compiler from merging ``a*b - c*d`` into

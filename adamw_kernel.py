@@ -400,7 +400,7 @@ def _norm_block(n, programs):
     """The block of a tensor of ``n`` elements summed by ``programs`` programs. In the
     interpreter each loop iteration costs a fixed Python overhead, so a large tensor gets
     blocks large enough for about four iterations per program (a 1M-element embedding:
-    8 instead of 256); a small one keeps NORM_BLOCK and still walks several blocks."""
+    4 instead of 256); a small one keeps NORM_BLOCK and still walks several blocks."""
     if not INTERPRET:
         return NORM_BLOCK
     return min(INTERPRET_MAX_BLOCK, max(NORM_BLOCK, next_power_of_2(cdiv(n, 4 * programs))))

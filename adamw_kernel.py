@@ -339,8 +339,9 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, we
     block, num_warps = BLOCK, NUM_WARPS
     if INTERPRET:
         # The interpreter runs programs one after another, each with a fixed Python
-        # cost: two big blocks per tensor (at least 4096 elements, so a 4097-element
-        # tensor still tests the masked tail of a second program).
+        # cost: two big blocks per tensor up to 2M elements, more past it (at least
+        # 4096 elements, so a 4097-element tensor still tests the masked tail of a
+        # second program).
         block = min(INTERPRET_MAX_BLOCK, max(4096, next_power_of_2(cdiv(n, 2))))
     _adamw_kernel[(cdiv(n, block),)](
         param, grad, exp_avg, exp_avg_sq, n,
@@ -399,7 +400,7 @@ NORM_BLOCK, NORM_WARPS, NORM_PROGRAMS_PER_SM = (1024, 1, 1) if INTERPRET else (4
 def _norm_block(n, programs):
     """The block of a tensor of ``n`` elements summed by ``programs`` programs. In the
     interpreter each loop iteration costs a fixed Python overhead, so a large tensor gets
-    blocks large enough for about four iterations per program (a 1M-element embedding:
+    blocks large enough for two to four iterations per program (a 1M-element embedding:
     4 instead of 256); a small one keeps NORM_BLOCK and still walks several blocks."""
     if not INTERPRET:
         return NORM_BLOCK

@@ -31,8 +31,9 @@ from conftest import DEVICE, DTYPES, check_outputs, need_gpu, rel_err
 HP = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
 
 # Irregular sizes: one element, a partial block, one element past a full block
-# (4097 = 4096 + 1: the masked tail of a second program), a 3-D tensor.
-SHAPES = [(1,), (7,), (4097,), (3, 41, 5)]
+# (4097 = 4096 + 1: the masked tail of a second program), a 3-D tensor, and one large
+# enough for the interpreter's larger blocks (100,003: two of 65,536, the second masked).
+SHAPES = [(1,), (7,), (4097,), (3, 41, 5), (100_003,)]
 
 # Per tensor, a loose bound on the error against the truth after the steps. The
 # "no worse than PyTorch" criterion is taken over all tensors of a case together
@@ -458,9 +459,10 @@ def test_gradient_norm_is_get_total_norm(dtype):
     """adamw_kernel.gradient_norm against a float64 truth, no worse than PyTorch's
     get_total_norm and in its dtype: tensors of one element, of a masked tail, of
     more blocks than programs (each program then walks several: 4097 elements, 1024
-    per block, 4 programs in the interpreter), empty, non-contiguous; and mixed dtypes."""
+    per block, 4 programs in the interpreter; 100,003 in the interpreter's larger
+    blocks of 8,192), empty, non-contiguous; and mixed dtypes."""
     dt = DTYPES[dtype]
-    shapes = [(1,), (7,), (4097,), (3, 41, 5), (0,), (123, 41)]
+    shapes = [(1,), (7,), (4097,), (3, 41, 5), (100_003,), (0,), (123, 41)]
     grads = make_grads(shapes, dt, 7)
     grads[-1] = grads[-1].t()  # a transposed view
     assert not grads[-1].is_contiguous()

@@ -51,7 +51,7 @@ gradient contributions). In bf16 (2 bytes per element of q or k)::
 The fused forward reads q and k once and writes q_embed and k_embed once
 (4 B / element); the fused backward reads the upstream gradient and writes the
 input gradient (4 B / element). cos and sin are a [T, D] table shared by all
-heads: each program reads its token's row once and reuses it for every head.
+heads: each program reads its tokens' rows once and reuses them for every head.
 
 For LLaMA-3.1-8B (nh = 32, n_kv = 8, D = 128) at 2 x 2048 tokens, one layer's q
 and k hold 4096 x (32 + 8) x 128 = 21.0 M elements. Eager: 50 B x 21 M = 1.05 GB
@@ -81,13 +81,14 @@ Triton concepts new in this step (see rmsnorm_kernel.py, swiglu_kernel.py)
   view is read in place, whatever its layout (only the last dimension must be
   contiguous). The outputs get the same layout (``torch.empty_like`` keeps the
   strides of a dense view), so attention downstream sees what it sees today.
-* One program per token (b, t), all heads of q and k: the program loads the
-  token's cos/sin row once and rotates [heads, D/2] tiles of q, then of k. In
-  the HF layout a token's heads are one contiguous nh x D block (8 KB of bf16
-  for LLaMA's q), so each tile is a compact, fully used piece of memory.
-  The tiles are 3-D, [BLOCK_T tokens, heads, D/2]: on a GPU BLOCK_T is 1 (the
-  token dimension has one entry and costs nothing); the CPU interpreter, which
-  pays Python time for every program, gives a program up to 64 tokens.
+* One program per token (b, t) on a GPU, all heads of q and k: the program
+  loads the token's cos/sin row once and rotates [1, heads, D/2] tiles of q,
+  then of k. In the HF layout a token's heads are one contiguous nh x D block
+  (8 KB of bf16 for LLaMA's q), so each tile is a compact, fully used piece of
+  memory. The tiles are 3-D, [BLOCK_T tokens, heads, D/2], because the CPU
+  interpreter, which pays Python time for every program, gives a program up to
+  64 tokens (of the B * T, across rows); on a GPU BLOCK_T is 1, and the token
+  dimension of one entry costs nothing.
 * Broadcasting inside the kernel: the cos/sin rows are loaded as [tokens, 1, D/2]
   and used against the [tokens, heads, D/2] tile as they are (the size-1 axis
   stretches over the heads); a cos table shared by the whole batch ([1, T, D])
@@ -248,12 +249,12 @@ def _rope_fwd_kernel(
     d = tl.arange(0, BLOCK_D)
     d_mask = d < half
 
-    # The token's cos/sin row: loaded once, used for every q head and every k head.
+    # The tokens' cos/sin rows: loaded once, used for every q head and every k head.
     c1, c2, s1, s2 = _load_cos_sin(COS, SIN, b, t, tok_mask, stride_cb, stride_ct, stride_sb, stride_st, half, d,
                                    d_mask)
 
     # Both tensors in one launch: one launch instead of two, and k reuses the
-    # cos/sin row already in registers.
+    # cos/sin rows already in registers.
     _rope_fwd_heads(Q, QO, b * stride_qb + t * stride_qt, b * stride_qob + t * stride_qot, tok_mask,
                     stride_qh, stride_qoh, n_q_heads, half, d, d_mask, c1, c2, s1, s2,
                     BLOCK_HQ)
@@ -365,8 +366,8 @@ def _rope_bwd_kernel(
 # --------------------------------------------------------------------------------
 # Launch helpers: checks, tile sizes, grid
 # --------------------------------------------------------------------------------
-# Elements per [heads, D/2] tile. Each program moves all of its token's q and k,
-# 2 x (32 + 8) x 128 x 2 B = 20 KB for LLaMA-3.1-8B, BLOCK_H heads at a time;
+# Elements per [heads, D/2] tile of one token. On a GPU each program moves all of its
+# token's q and k, 2 x (32 + 8) x 128 x 2 B = 20 KB for LLaMA-3.1-8B, BLOCK_H heads at a time;
 # the loop over head blocks keeps registers bounded for any head count. With
 # D/2 = 64, a 512-element tile is 8 heads: q takes 4 trips, k one.
 # Sweep on an H200 (2 x 2048 tokens, 32/8 heads, D = 128, bf16, CUDA-graph
@@ -376,13 +377,13 @@ def _rope_bwd_kernel(
 TILE_ELEMENTS = 512
 NUM_WARPS = 4
 # The interpreter runs programs one by one, each for Python time: up to this many
-# tokens per program there (a GPU takes one, above).
+# tokens per program there (a GPU program takes one token).
 INTERPRET_TOKENS = 64
 
 
 def _tokens_per_program(n_tokens, device):
-    """BLOCK_T: 1 on a GPU; in the interpreter, enough that a row of a few hundred
-    tokens is a few programs."""
+    """BLOCK_T: 1 on a GPU; in the interpreter up to INTERPRET_TOKENS, so that the
+    B * T tokens take cdiv(B * T, 64) programs."""
     return 1 if device.type == "cuda" else min(INTERPRET_TOKENS, next_power_of_2(max(n_tokens, 1)))
 
 

@@ -120,9 +120,10 @@ def test_matches_float64_truth(dtype, d, heads, bt, layout):
 
 # ---------------------------------------------------------------- edge cases and API
 def test_tokens_over_several_programs():
-    # 3 x 50 tokens: in the interpreter three programs of up to 64 tokens (the last one's
-    # tail masked), each token's rows of the tables picked by its own b and t; a table
-    # shared by the batch too.
+    # 3 x 50 tokens: in the interpreter three programs of up to 64 tokens, across rows
+    # (the last one's tail masked), each token's rows of the tables picked by its own b
+    # and t; a table shared by the batch too. On a GPU (one token per program) it is one
+    # more case against the truth.
     assert rope_kernel._tokens_per_program(150, torch.device("cpu")) == rope_kernel.INTERPRET_TOKENS == 64
     compare_to_truth(*make_inputs(3, 50, 4, 2, 64, torch.bfloat16))
     compare_to_truth(*make_inputs(3, 50, 3, 1, 6, torch.float32, layout="bhtd", table_batch=1))

@@ -118,7 +118,7 @@ import torch
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (INTERPRET, SUPPORTED_DTYPES, cast_to, cdiv, check_kernel_device, fast_launch,
-                           next_power_of_2, note_weight_amax, num_sms, weight_amax_slots)
+                           interpreter_block, next_power_of_2, note_weight_amax, num_sms, weight_amax_slots)
 
 import triton
 import triton.language as tl
@@ -398,13 +398,10 @@ NORM_BLOCK, NORM_WARPS, NORM_PROGRAMS_PER_SM = (1024, 1, 1) if INTERPRET else (4
 
 
 def _norm_block(n, programs):
-    """The block of a tensor of ``n`` elements summed by ``programs`` programs. In the
-    interpreter each loop iteration costs a fixed Python overhead, so a large tensor gets
-    blocks large enough for two to four iterations per program (a 1M-element embedding:
-    4 instead of 256); a small one keeps NORM_BLOCK and still walks several blocks."""
-    if not INTERPRET:
-        return NORM_BLOCK
-    return min(INTERPRET_MAX_BLOCK, max(NORM_BLOCK, next_power_of_2(cdiv(n, 4 * programs))))
+    """The block of a tensor of ``n`` elements summed by ``programs`` programs: in the
+    interpreter it grows with the tensor (a 1M-element embedding: 4 loop trips per program
+    instead of 256)."""
+    return interpreter_block(n, programs, NORM_BLOCK, INTERPRET_MAX_BLOCK) if INTERPRET else NORM_BLOCK
 
 
 def sums_of_squares(grads):

@@ -136,8 +136,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (  # noqa: F401 - fp8_supported: part of this file's API, used by the tests
     IN_INTERPRETER, INTERPRET, SUPPORTED_DTYPES, cdiv, check_kernel_device, fast_launch, first_order_only,
-    fp8_supported, kernel_op, linears_to_cast, next_power_of_2, nothing, num_sms, register_fp8_weight,
-    swap_modules, take_amax, take_weight_amax, traced,
+    fp8_supported, interpreter_block, kernel_op, linears_to_cast, next_power_of_2, nothing, num_sms,
+    register_fp8_weight, swap_modules, take_amax, take_weight_amax, traced,
 )
 
 import triton
@@ -611,6 +611,8 @@ def _tensor_maxima(parts, amaxes, most):
     for x, given in zip(parts, amaxes):
         if given is None and (x.is_contiguous() or x.t().is_contiguous()):
             flat_block, flat_warps, _ = AMAX_FLAT
+            if INTERPRET:  # larger blocks for larger tensors (kernel_common.interpreter_block)
+                flat_block = interpreter_block(x.numel(), most, flat_block)
             blocks = cdiv(x.numel(), flat_block)
             given = torch.empty(max(1, min(blocks, most)), dtype=torch.float32, device=x.device)  # empty x: one 0
             _amax_flat_kernel[(given.numel(),)](x, given, x.numel(), cdiv(blocks, given.numel()), BLOCK=flat_block,

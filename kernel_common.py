@@ -227,6 +227,14 @@ def next_power_of_2(n):
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
+def interpreter_block(n, programs, smallest, largest=2**20):
+    """The block of a strided loop over ``n`` elements by ``programs`` programs, in the
+    interpreter: every loop trip there costs a fixed Python overhead, so a large tensor gets
+    blocks for two to four trips per program; a small one keeps ``smallest`` (a power of
+    two) and still walks several blocks, as the tests want."""
+    return min(largest, max(smallest, next_power_of_2(cdiv(n, 4 * programs))))
+
+
 _SM_COUNT = {}
 
 

@@ -118,7 +118,7 @@ import torch
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (INTERPRET, SUPPORTED_DTYPES, cast_to, cdiv, check_kernel_device, fast_launch,
-                           interpreter_block, next_power_of_2, note_weight_amax, num_sms, weight_amax_slots)
+                           interpreter_block, note_weight_amax, num_sms, weight_amax_slots)
 
 import triton
 import triton.language as tl
@@ -242,7 +242,6 @@ def _adamw_kernel(
 # with too few warps, or 16 warps, fall behind.
 BLOCK = 2048
 NUM_WARPS = 4
-INTERPRET_MAX_BLOCK = 2**20
 
 
 def _shape(t):
@@ -342,7 +341,7 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, we
         # cost: two big blocks per tensor up to 2M elements, more past it (at least
         # 4096 elements, so a 4097-element tensor still tests the masked tail of a
         # second program).
-        block = min(INTERPRET_MAX_BLOCK, max(4096, next_power_of_2(cdiv(n, 2))))
+        block = interpreter_block(n, 2, 4096)
     _adamw_kernel[(cdiv(n, block),)](
         param, grad, exp_avg, exp_avg_sq, n,
         lr_wd, 1.0 - float(beta1), float(beta2), 1.0 - float(beta2), step_size, bc2_sqrt, float(eps),
@@ -401,7 +400,7 @@ def _norm_block(n, programs):
     """The block of a tensor of ``n`` elements summed by ``programs`` programs: in the
     interpreter it grows with the tensor (a 1M-element embedding: 4 loop trips per program
     instead of 256)."""
-    return interpreter_block(n, programs, NORM_BLOCK, INTERPRET_MAX_BLOCK) if INTERPRET else NORM_BLOCK
+    return interpreter_block(n, 4 * programs, NORM_BLOCK) if INTERPRET else NORM_BLOCK
 
 
 def sums_of_squares(grads):

@@ -612,7 +612,7 @@ def _tensor_maxima(parts, amaxes, most):
         if given is None and (x.is_contiguous() or x.t().is_contiguous()):
             flat_block, flat_warps, _ = AMAX_FLAT
             if INTERPRET:  # larger blocks for larger tensors (kernel_common.interpreter_block)
-                flat_block = interpreter_block(x.numel(), most, flat_block)
+                flat_block = interpreter_block(x.numel(), 4 * most, flat_block)
             blocks = cdiv(x.numel(), flat_block)
             given = torch.empty(max(1, min(blocks, most)), dtype=torch.float32, device=x.device)  # empty x: one 0
             _amax_flat_kernel[(given.numel(),)](x, given, x.numel(), cdiv(blocks, given.numel()), BLOCK=flat_block,

@@ -227,12 +227,13 @@ def next_power_of_2(n):
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
-def interpreter_block(n, programs, smallest, largest=2**20):
-    """The block of a strided loop over ``n`` elements by ``programs`` programs, in the
-    interpreter: every loop trip there costs a fixed Python overhead, so a large tensor gets
-    blocks for two to four trips per program; a small one keeps ``smallest`` (a power of
-    two) and still walks several blocks, as the tests want."""
-    return min(largest, max(smallest, next_power_of_2(cdiv(n, 4 * programs))))
+def interpreter_block(n, pieces, smallest, largest=2**20):
+    """A block for ``n`` elements in the interpreter, where every program and every loop
+    trip costs a fixed Python overhead: the power of two that cuts them into about ``pieces``
+    blocks (a grid of two programs: 2; a strided loop of P programs, two to four trips
+    each: 4 P), never under ``smallest`` (a power of two: a small test tensor still spans
+    several blocks) nor over ``largest``."""
+    return min(largest, max(smallest, next_power_of_2(cdiv(n, pieces))))
 
 
 _SM_COUNT = {}

@@ -505,7 +505,9 @@ def load_checkpoint(path, model, optimizer, scheduler):
         weights = {}
         for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):  # one file, or the shards
             weights.update(load_file(file, device=device))
+        ddp.gather_now(model)  # --ddp-shard-weights: whole weights to load into (every process takes part)
         missing, unexpected = model.load_state_dict(weights, strict=False)
+        ddp.pieces_from_whole(model)
         # A tied LM head is saved once, as the embedding: loading that loaded both.
         params = dict(model.named_parameters(remove_duplicate=False))
         loaded = {params[k].data_ptr() for k in weights if k in params}

@@ -90,6 +90,7 @@ class GradientAverage:
     def __init__(self, model, size, group_bytes, rank=0, embedding_rows=False):
         self.rank, self.size, self.group_bytes = rank, size, group_bytes
         self.pieces = {}  # --ddp-shard-optimizer: weight -> this process's piece (ShardedUpdate)
+        self.released = None  # --ddp-shard-weights: the LayerWeights whose weights are whole only in use
         self.params = [p for p in model.parameters() if p.requires_grad]  # tied weights once
         self.names = {p: name for name, p in model.named_parameters()}
         self.groups = None  # made at the end of the first averaged backward (learn_order)
@@ -112,6 +113,7 @@ class GradientAverage:
         self.missing = [len(group) for group in self.groups] if self.groups else None
         self.next = 0  # the first group not averaged yet
         self.pending = []  # (work, what to do once it is done, or None)
+        self.in_flight = []  # --ddp-shard-weights: (reduce-scatter, the whole gradient it reads)
         self.ids = []  # the token ids the input embedding looked up since the last averaged backward
 
     def _flat_ids(self):
@@ -151,7 +153,7 @@ class GradientAverage:
         torch.distributed.broadcast_object_list(told, src=0)
         self.groups, packed, packed_bytes = [], [], 0
         for p in (self.params[i] for i in told[0]):
-            size = p.numel() * p.element_size()
+            size = self._shape(p).numel() * p.element_size()
             if size >= PACKED_BYTES:  # alone, in place; the packed ones before it go first
                 self.groups += [packed, [p]] if packed else [[p]]
                 packed, packed_bytes = [], 0
@@ -208,6 +210,19 @@ class GradientAverage:
         process's piece of the gradient becomes the average of every process's piece
         there (NCCL in place: the output is the input's piece at offset rank). The rest of
         p.grad stays this process's own sum (on gloo, divided by N)."""
+        if self.released is not None and p in self.released.shape:  # the piece's gradient, a buffer of its own
+            grad, piece = p.grad, self.pieces[p]
+            if not grad.is_contiguous():
+                raise RuntimeError(f"--ddp-shard-weights: the gradient of {self.names[p]} is not contiguous")
+            piece.grad = torch.empty_like(piece)
+            p.grad = None
+            self.in_flight.append((self._launch_average(reduce_scatter, grad.view(-1), piece.grad), grad))
+            # The whole gradient's memory goes back once its reduce-scatter has read it; this
+            # stream waits for the one IN_FLIGHT gradients back (long done by then: no stall), so
+            # that at most IN_FLIGHT whole gradients live at a time instead of every layer's.
+            while len(self.in_flight) > self.released.in_flight:
+                self.in_flight.pop(0)[0].wait()
+            return
         mine = self._piece_grad(p)
         self.pending.append((self._launch_average(reduce_scatter, p.grad.view(-1), mine), None))
 
@@ -251,12 +266,20 @@ class GradientAverage:
         for group in self.groups[self.next:]:
             for p in group:
                 if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+                    p.grad = torch.zeros(self._shape(p), dtype=p.dtype, device=p.device)
             self._average(group)
         for work, then in self.pending:
             work.wait()  # on NCCL: this stream waits for NCCL's; the host does not wait
             if then is not None:
                 then()
+        for work, _ in self.in_flight:
+            work.wait()
+        if self.released is not None:  # the last layers' weights, kept for this backward, go back
+            self.released.release_all()
+
+    def _shape(self, p):
+        """``p``'s whole shape (--ddp-shard-weights: a released weight's memory is empty)."""
+        return self.released.shape[p] if self.released is not None and p in self.released.shape else p.shape
 
 
 def _unpack(packed, grads):
@@ -387,7 +410,7 @@ def capturing():
 class ShardedUpdate:
     """--ddp-shard-optimizer for ``model`` under ``average`` (its GradientAverage)."""
 
-    def __init__(self, model, average, ahead=flags.DDP_GATHER_AHEAD, windows=False):
+    def __init__(self, model, average, ahead=flags.DDP_GATHER_AHEAD, windows=False, release=False):
         self.average, self.size = average, average.size
         layers = list(kernel_common.decoder_of(model).layers)
         embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -399,6 +422,11 @@ class ShardedUpdate:
             taken.update(weights)
             if weights:
                 self.order.append((owner, weights))
+        # --ddp-shard-weights: the decoder layers' weights whole only while used (LayerWeights);
+        # the embeddings' as below.
+        in_layers = [(owner, weights) for owner, weights in self.order if release and owner in layers]
+        self.order = [entry for entry in self.order if entry not in in_layers]
+        self.released = LayerWeights(average, in_layers, ahead, windows) if in_layers else None
         if windows and self.order:  # before the pieces: they are views of the weights' memory
             into_windows([p for _, weights in self.order for p in weights])
         for _, weights in self.order:
@@ -471,6 +499,8 @@ class ShardedUpdate:
         self.stale, self.updating = True, False
         for owner, _ in self.order[:self.issued]:
             self._join(owner)
+        if self.released is not None:  # whole weights held now (gather_now's) are the old ones
+            self.released.release_all()
         if self.issued == len(self.order) and not capturing():
             self.stale = False
 
@@ -503,9 +533,12 @@ class ShardedUpdate:
             self.stale = False
 
     def _start(self, module, args):
-        """The input embedding's forward begins: the round's next gathers if the pieces are new."""
+        """The input embedding's forward begins: the round's next gathers if the pieces are new
+        (and --ddp-shard-weights' first layers)."""
         if self.stale:
             self._issue(1 + self.ahead)
+        if self.released is not None:
+            self.released.start()
 
     def _wait(self, owner):
         """Before ``owner`` runs: the next ``ahead`` owners' gathers issued (and its own, where
@@ -525,18 +558,24 @@ class ShardedUpdate:
         for owner, _ in self.order:
             self._join(owner)
         self.updating, self.issued, self.stale = False, self.early, True
+        if self.released is not None:  # the captured step starts from every layer given back, as it ends
+            self.released.release_all()
 
     def replayed(self):
         """After each replay: the early owners whole (gathered in its step), the others stale."""
         self.gathers.clear()  # every gather of the replay was joined inside it
         self.updating, self.issued = False, self.early
         self.stale = self.early < len(self.order)
+        if self.released is not None:  # the replay ends with every layer given back; what the host held is old
+            self.released.forget()
 
     def capture_failed(self):
         """A capture that failed (on any process) recorded gathers that never ran: forget them;
         the next forward gathers every piece again, the same on every process."""
         self.gathers.clear()
         self.updating, self.issued, self.stale = False, 0, True
+        if self.released is not None:
+            self.released.forget()
 
     def _join(self, owner):
         for work in self.gathers.pop(owner, ()):
@@ -548,6 +587,222 @@ class ShardedUpdate:
             self._issue(len(self.order))
         for owner, _ in self.order:
             self._wait(owner)
+        if self.released is not None:
+            self.released.gather_now()
+
+
+# --------------------------------------------------------------------------------
+# --ddp-shard-weights: the decoder layers' weights whole only while they are used
+# --------------------------------------------------------------------------------
+# With --ddp-shard-optimizer every process still holds every weight whole between the
+# steps (2 bytes per parameter: 15 GiB at 8B) though it updates a piece of each. Here a
+# decoder layer's split weights are whole only around their use: each process keeps its
+# piece r of each in memory of its own (1/N), and the layer's whole weights are gathered
+# into a slot, a set of buffers of that layer's shapes, before its forward (``ahead``
+# layers before it, as the pieces' gathers are), given back after it, and gathered again
+# before its backward. This is what FSDP (ZeRO-3) does; the difference from FSDP2 is
+# where the bytes lie. FSDP2 gathers a layer's weights into one flat buffer, rank-major,
+# and copies each weight out of it, and copies each gradient into another flat buffer
+# for the reduce-scatter: at 8B on 2 x H200 28 ms of copies in a 402 ms step (NOTES.md,
+# Step 19). Here each weight is gathered alone, straight into its slot (NCCL writes the
+# whole weight: piece r of it at offset r n/N), and its gradient is reduce-scattered
+# where autograd wrote it, as --ddp-shard-optimizer does: no copies. The slots are few
+# (ahead + 2 per shape, taken from NCCL's windows once, so the copy engines move the
+# gathers) and reused layer after layer.
+#
+# The one subtle part is what autograd keeps. A layer's forward saves its weights for
+# the backward (dx = dy W), and by then that slot holds another layer's weights. So
+# while a layer's forward runs, saved-tensor hooks (torch.autograd.graph.
+# saved_tensors_hooks) replace any tensor that lies in a slot with a note of which
+# layer, which weight and which view it was; the backward turns the note back into
+# the same view of the weight gathered again. A hook on the layer's output starts that
+# gather (and the next ``ahead`` layers'): its gradient exists just before the layer's
+# backward runs. The last ahead + 1 layers keep their weights from forward to backward
+# (the backward needs them at once). The gathers go on a process group of their own,
+# so that their order, set by the hooks, never mixes with the reduce-scatters' order,
+# set by GradientAverage. Between two uses a layer's weights are a zero-size view of
+# their own shape: anything that reads them outside a forward of the layer fails loudly
+# instead of reading another layer's numbers (gather_now makes every weight whole).
+# Which layers: the decoder layers, with --ddp-shard-optimizer's split weights; the
+# embeddings stay whole (--ddp-shard-optimizer's pieces of them, gathered in place).
+class _Saved:
+    """What the saved-tensor hook keeps of a view of a slot: its layer, weight and view."""
+
+    __slots__ = ("layer", "weight", "size", "stride", "offset")
+
+    def __init__(self, layer, weight, t):
+        self.layer, self.weight = layer, weight
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+
+
+class LayerWeights:
+    """--ddp-shard-weights for ``layers`` ([(decoder layer, its split weights)], forward
+    order) under ``average`` (GradientAverage): see above."""
+
+    def __init__(self, average, layers, ahead, windows):
+        self.average = average
+        self.modules = [m for m, _ in layers]
+        self.weights = [list(w) for _, w in layers]
+        self.shape = {p: p.shape for ws in self.weights for p in ws}  # their whole shapes
+        average.released = self
+        self.ahead = max(ahead, 1)  # --ddp-gather-ahead 0 (every gather in the optimizer step) would hold them all
+        self.in_flight = 2 * max(len(ws) for ws in self.weights)  # whole gradients alive at a time: two layers'
+        self.keep_from = len(self.modules) - (self.ahead + 1)  # these keep their weights from forward to backward
+        device = self.weights[0][0].device
+        self.group = torch.distributed.new_group(list(range(average.size)))
+        backend = None
+        if windows:
+            torch.distributed.all_reduce(torch.zeros(1, device=device), group=self.group)  # its communicator, now
+            backend = self.group._get_backend(device)
+        self.signature = [tuple((p.shape, p.dtype) for p in ws) for ws in self.weights]
+        self.free = {}  # signature -> slots (lists of whole-weight buffers) not held by a layer
+        with torch.no_grad(), new_window(backend) if windows else contextlib.nullcontext():
+            for ws in self.weights:  # each process's piece, in memory of its own
+                for p in ws:
+                    n = p.numel() // average.size
+                    average.pieces[p] = torch.nn.Parameter(p.detach().view(-1).narrow(0, average.rank * n, n).clone())
+        with new_window(backend) if windows else contextlib.nullcontext():
+            for signature in dict.fromkeys(self.signature):  # first-seen order: the same on every process
+                self.free[signature] = [[torch.empty(shape, dtype=dtype, device=device) for shape, dtype in signature]
+                                        for _ in range(self.ahead + 2)]
+        self.empty = [[p.detach().new_empty(0) for p in ws] for ws in self.weights]
+        self.held = [None] * len(self.modules)  # layer -> its slot while its weights are whole
+        self.extra = set()  # layers whose slot is not one of the pool's (gather_now, or the pool ran out)
+        self.where = {}  # a held buffer's storage address -> (layer, weight)
+        self.gathers = {}  # layer -> its pending all-gathers
+        self.packing = []  # (layer, its saved-tensor hooks) entered by the running layers' forwards
+        for i, ws in enumerate(self.weights):
+            for p, empty in zip(ws, self.empty[i]):
+                p.data = empty  # the whole weight's memory goes back (empty_cache below)
+        for i, module in enumerate(self.modules):
+            module.register_forward_pre_hook(functools.partial(self._before_forward, i))
+            module.register_forward_hook(functools.partial(self._after_forward, i), always_call=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _gather(self, i):
+        """Layer ``i``'s whole weights into a slot (asynchronous), unless they are whole."""
+        if i < 0 or i >= len(self.modules) or self.held[i] is not None:
+            return
+        free = self.free[self.signature[i]]
+        if free:
+            slot = free.pop()
+        else:  # outside the pool (and NCCL's windows): NCCL's kernels gather it
+            device = self.average.pieces[self.weights[i][0]].device
+            slot = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.signature[i]]
+            self.extra.add(i)
+        self.held[i] = slot
+        pieces = self.average.pieces
+        works = []
+        for j, (p, whole) in enumerate(zip(self.weights[i], slot)):
+            self.where[whole.untyped_storage().data_ptr()] = (i, j)
+            p.data = whole
+            works.append(all_gather(whole.view(-1), pieces[p].detach(), group=self.group, async_op=True))
+        self.gathers[i] = works
+
+    def _join(self, i):
+        for work in self.gathers.pop(i, ()):
+            work.wait()  # on NCCL: this stream waits for the gather's; the host does not wait
+
+    def _release(self, i):
+        """Layer ``i``'s slot back to the pool (a later gather into it is queued after
+        every kernel queued so far, which includes this layer's)."""
+        slot = self.held[i]
+        if slot is None:
+            return
+        self._join(i)
+        for whole in slot:
+            del self.where[whole.untyped_storage().data_ptr()]
+        for p, empty in zip(self.weights[i], self.empty[i]):
+            p.data = empty
+        self.held[i] = None
+        if i in self.extra:
+            self.extra.discard(i)
+        else:
+            self.free[self.signature[i]].append(slot)
+
+    def release_all(self):
+        for i in range(len(self.modules)):
+            self._release(i)
+
+    def forget(self):
+        """After a replay of the step's CUDA graph or a failed capture: the gathers the host
+        recorded were joined inside the graph or never ran; every layer given back."""
+        self.gathers.clear()
+        self.release_all()
+
+    def gather_now(self):
+        """Every layer whole (a checkpoint's writer reads them): outside the pool, one
+        buffer per weight; the next forward or optimizer step gives them back."""
+        for i, ws in enumerate(self.weights):
+            if self.held[i] is None:
+                self.free, pool = {k: [] for k in self.free}, self.free  # every slot from outside the pool
+                try:
+                    self._gather(i)
+                finally:
+                    self.free = pool
+        for i in range(len(self.modules)):
+            self._join(i)
+
+    def pieces_from_whole(self):
+        """Each piece copied out of its whole weight (every layer whole: gather_now)."""
+        with torch.no_grad():
+            for i, ws in enumerate(self.weights):
+                self._join(i)
+                for p in ws:
+                    piece = self.average.pieces[p]
+                    piece.copy_(p.view(-1).narrow(0, self.average.rank * piece.numel(), piece.numel()))
+
+    def start(self):
+        """A forward begins (the input embedding's pre-hook): the first layers' gathers."""
+        for i in range(self.ahead + 1):
+            self._gather(i)
+
+    def _before_forward(self, i, module, args):
+        if i == 0:  # a new forward: what an earlier one left held (one with no backward) goes back
+            for j in range(self.ahead + 1, len(self.modules)):
+                self._release(j)
+        for j in range(i, i + self.ahead + 1):
+            self._gather(j)
+        self._join(i)
+        if torch.is_grad_enabled():
+            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            hooks.__enter__()
+            self.packing.append((i, hooks))
+
+    def _after_forward(self, i, module, args, output):
+        if self.packing and self.packing[-1][0] == i:  # always_call: also after a forward that raised
+            self.packing.pop()[1].__exit__(None, None, None)
+        out = output[0] if isinstance(output, (tuple, list)) else output
+        backward = torch.is_grad_enabled() and torch.is_tensor(out) and out.requires_grad
+        if backward:
+            out.register_hook(functools.partial(self._before_backward, i))
+        if not backward or i < self.keep_from:
+            self._release(i)
+
+    def _before_backward(self, i, grad):
+        """The gradient of layer ``i``'s output exists: its backward is next. Layer i + 1's
+        backward has run (its slot goes back); layer i and the ``ahead`` before it are
+        gathered."""
+        self._release(i + 1) if i + 1 < len(self.modules) else None
+        for j in range(i, i - self.ahead - 1, -1):
+            self._gather(j)
+        self._join(i)
+
+    def _pack(self, t):
+        try:
+            where = self.where.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # a tensor without plain storage: kept as it is
+            where = None
+        return t.detach() if where is None else _Saved(*where, t)  # detached: no reference cycle through t
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _Saved):
+            return saved
+        if self.held[saved.layer] is None:  # a backward its hooks did not announce: gathered now
+            self._gather(saved.layer)
+        self._join(saved.layer)
+        return self.held[saved.layer][saved.weight].as_strided(saved.size, saved.stride, saved.offset)
 
 
 def _sharded(model):
@@ -560,6 +815,14 @@ def gather_now(model):
     sharded = _sharded(model)
     if sharded is not None:
         sharded.gather_now()
+
+
+def pieces_from_whole(model):
+    """--ddp-shard-weights: after whole weights were loaded into the model (a resume, after
+    gather_now), each process's pieces taken from them; else nothing."""
+    sharded = _sharded(model)
+    if sharded is not None and sharded.released is not None:
+        sharded.released.pieces_from_whole()
 
 
 def optimizer_in_pieces(model):
@@ -599,14 +862,17 @@ def attach_optimizer(model, optimizer):
 
 
 def replicate_model(model, world, bucket_mb=flags.DDP_BUCKET_MB, shard_optimizer=False,
-                   gather_ahead=flags.DDP_GATHER_AHEAD, copy_engines=False, embedding_rows=False):
+                   gather_ahead=flags.DDP_GATHER_AHEAD, copy_engines=False, embedding_rows=False,
+                   shard_weights=False):
     """--ddp: a whole copy of ``model`` per process, its gradients averaged over the
     processes in every training step (GradientAverage). Every process starts from rank
     0's weights and buffers (broadcast now). Call it after the kernels are switched in,
     like shard_model; the model stays the HF model it was. ``shard_optimizer``: the large
     weights updated in pieces (ShardedUpdate), gathered ``gather_ahead`` layers ahead, by
     the copy engines where ``copy_engines`` and the GPUs' NCCL can. ``embedding_rows``:
-    the input embedding's gradient averaged over the rows the step used."""
+    the input embedding's gradient averaged over the rows the step used. ``shard_weights``
+    (with ``shard_optimizer``): the decoder layers' weights whole only while used
+    (LayerWeights)."""
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             whole = t if t.is_contiguous() else t.contiguous()  # a collective sends contiguous memory
@@ -623,16 +889,26 @@ def replicate_model(model, world, bucket_mb=flags.DDP_BUCKET_MB, shard_optimizer
         why_not = copy_engines_unavailable(world.device) if copy_engines else "--no-ddp-copy-engines"
         if copy_engines and world.device.type == "cuda" and not all_agree(why_not is None):
             why_not = why_not or "another process cannot"  # registering windows is a collective: all or none
-        sharded = ShardedUpdate(model, model._gradient_average, gather_ahead, windows=why_not is None)
+        sharded = ShardedUpdate(model, model._gradient_average, gather_ahead, windows=why_not is None,
+                                release=shard_weights)
         pieces = model._gradient_average.pieces
-        split = sum(p.numel() for p in pieces)
-        whole = sum(p.numel() for p in model._gradient_average.params)
+        numel = lambda p: model._gradient_average._shape(p).numel()  # noqa: E731 - a released weight's is empty
+        split = sum(numel(p) for p in pieces)
+        whole = sum(numel(p) for p in model._gradient_average.params)
         if split:  # else (small LoRA adapters) every weight is averaged whole, as without the flag
             model._sharded_update = sharded
             by = "the copy engines (NCCL windows)" if why_not is None else f"NCCL's kernels ({why_not})"
             print(f"DDP:           {world.size} processes; --ddp-shard-optimizer: {len(pieces)} "
                   f"weights ({split / max(whole, 1):.0%} of the trained parameters) reduce-scattered, updated in "
                   f"pieces of 1/{world.size} and gathered again for the next forward by {by}")
+            if shard_weights and sharded.released is None:
+                print("DDP:           --ddp-shard-weights changes nothing: no decoder layer has a weight split into "
+                      f"pieces (each trained one under {PACKED_BYTES / 2**20:g} MB or not divisible by {world.size})")
+            if sharded.released is not None:
+                layers = sharded.released
+                print(f"DDP:           --ddp-shard-weights: {len(layers.shape)} weights of {len(layers.modules)} "
+                      f"decoder layers kept as pieces, whole only around their layer's forward and backward "
+                      f"({layers.ahead} layer(s) gathered ahead, {layers.ahead + 2} slots per layer shape)")
 
 
 @contextlib.contextmanager

@@ -351,6 +351,13 @@ def add_fsdp_arg(group):
              "the optimizer step (default: %(default)s)",
     )
     group.add_argument(
+        "--ddp-shard-weights", action="store_true",
+        help="--ddp-shard-optimizer: the decoder layers' weights sharded too (ZeRO-3): each process keeps its "
+             "piece of each, and a layer's weights are gathered whole into one of a few reused buffers before "
+             "its forward and again before its backward (--ddp-gather-ahead layers ahead, at least 1); "
+             "full fine-tuning without --fp8 or --gradient-checkpointing",
+    )
+    group.add_argument(
         "--fsdp-prefetch", type=non_negative_int, default=0,
         help="--fsdp: gather the weights of this many next layers while one computes, forward and backward "
              "(default: %(default)s, FSDP's own order; 1 measured no faster on 2 x H200 at 8B)",
@@ -529,7 +536,8 @@ def idle_parallel_flags(args):
         (f"--{'no-' if shard is False else ''}ddp-shard-optimizer", shard is not None),
         ("--ddp-gather-ahead", getattr(args, "ddp_gather_ahead", DDP_GATHER_AHEAD) != DDP_GATHER_AHEAD),
         ("--no-ddp-copy-engines", getattr(args, "ddp_copy_engines", True) is False),
-        ("--no-ddp-embedding-rows", getattr(args, "ddp_embedding_rows", True) is False))
+        ("--no-ddp-embedding-rows", getattr(args, "ddp_embedding_rows", True) is False),
+        ("--ddp-shard-weights", getattr(args, "ddp_shard_weights", False)))
         if changed]
     if ddp_changed and not getattr(args, "ddp", False):
         notes.append(f"{', '.join(ddp_changed)} without --ddp changes nothing")
@@ -705,6 +713,25 @@ def check_optimizer_in_backward(args):
                          f"makes them)")
     if not kernels_from_args(args)["adamw"]:
         raise SystemExit(f"{flag} through the Triton AdamW's per-parameter update: add --use-custom-adamw")
+
+
+def check_shard_weights(args):
+    """--ddp-shard-weights' limits (kernel_ft/ddp.py, LayerWeights), one line each, before
+    anything is built."""
+    if not (getattr(args, "ddp_shard_weights", False) and getattr(args, "ddp", False)):
+        return
+    flag = "error: --ddp-shard-weights"
+    if not shards_optimizer(args):
+        raise SystemExit(f"{flag} shards the pieces --ddp-shard-optimizer makes, which is off (it needs the Triton "
+                         f"AdamW and no --compile); add --ddp-shard-optimizer or leave --ddp-shard-weights out")
+    if getattr(args, "lora", False):
+        raise SystemExit(f"{flag} with --lora is not implemented: the frozen weights are not split into pieces, "
+                         f"only trained ones are; leave it out")
+    if getattr(args, "fp8", None):
+        raise SystemExit(f"{flag} with --fp8 is not implemented; leave one out")
+    if getattr(args, "gradient_checkpointing", False):
+        raise SystemExit(f"{flag} with --gradient-checkpointing is not implemented (the recomputed forward runs "
+                         f"inside the backward); leave one out, or use --fsdp")
 
 
 def check_output_flags(args):

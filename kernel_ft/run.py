@@ -130,7 +130,8 @@ def assemble(args, model, data, switch_in, world, after_kernels=None):
     if world and args.ddp:  # after the kernels: the swapped modules are what is replicated
         ddp.replicate_model(model, world, args.ddp_bucket_mb, flags.shards_optimizer(args),
                              getattr(args, "ddp_gather_ahead", flags.DDP_GATHER_AHEAD),
-                             getattr(args, "ddp_copy_engines", True), getattr(args, "ddp_embedding_rows", True))
+                             getattr(args, "ddp_copy_engines", True), getattr(args, "ddp_embedding_rows", True),
+                             getattr(args, "ddp_shard_weights", False))
     elif world:  # after the kernels: the swapped modules are what is sharded
         fsdp.shard_model(model, args, world)
         if flags.fp8_gathered(args):  # before the first forward: the weights' first gather is in FP8
@@ -166,6 +167,7 @@ def check_model_flags(args):
     for flag in ("--fp8", "--torchao-fp8"):  # flags that cannot go together, before --fsdp's check
         flags.check_fp8_flags(args, flag)
     flags.check_optimizer_in_backward(args)
+    flags.check_shard_weights(args)
     fsdp.check_fsdp_flags(args)
 
 

@@ -21,6 +21,7 @@ Usage (the test does this): torchrun --nproc-per-node 2 tests/ddp_pieces_worker.
 import copy
 import json
 import os
+import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
@@ -44,9 +45,12 @@ def batch_of(ids, device):
             "position_ids": torch.arange(seq, device=device).expand(rows, seq)}
 
 
-def train(folder, rank, size, ahead, device, lora):
+def train(folder, rank, size, ahead, device, lora, release=False):
     torch.manual_seed(0)
-    model = LlamaForCausalLM(models.tiny_config()).to(device)
+    config = models.tiny_config()
+    if release:  # --ddp-shard-weights: more layers than slots (ahead + 2), so each slot serves several
+        config.num_hidden_layers = 5
+    model = LlamaForCausalLM(config).to(device)
     if lora:  # adapters on every projection, the model frozen: the adapters over 4 KB are split
         from peft import LoraConfig, get_peft_model
 
@@ -63,7 +67,7 @@ def train(folder, rank, size, ahead, device, lora):
     ddp.PACKED_BYTES = PACKED_BYTES
     windows = len(ddp.WINDOWS)
     ddp.replicate_model(model, fsdp.World(rank, size, rank, device), shard_optimizer=True, gather_ahead=ahead,
-                         copy_engines=True, embedding_rows=True)
+                         copy_engines=True, embedding_rows=True, shard_weights=release)
     # One layer ahead: the input embedding's gradient averaged over the rows of the step's
     # ids only, outside a CUDA graph too (every process's rows have one shape here).
     model._gradient_average.rows_in_eager = ahead == 1
@@ -78,9 +82,26 @@ def train(folder, rank, size, ahead, device, lora):
     sharded = model._sharded_update
     between = {0: sharded.before_capture, 1: sharded.replayed, 2: sharded.capture_failed}
     losses, norms, want_losses, want_norms, evaluated, want_evaluated = [], [], [], [], [], []
+    released = sharded.released
+    if released is not None:
+        # The pool hands slots out last-in first-out, and then each layer's backward happens to
+        # find the slot its forward used. Shuffled before each gather (the same on both
+        # processes), a backward's slot is often another one: what the forward saved must be
+        # found through the saved-tensor notes.
+        gather, shuffle = released._gather, random.Random(0).shuffle
+
+        def shuffled(i):
+            for free in released.free.values():
+                shuffle(free)
+            gather(i)
+
+        released._gather = shuffled
+    whole_between_steps = []  # --ddp-shard-weights: the layers' weights with memory after each step (none)
     for step, ids in enumerate(steps):
         loss, norm = training.train_step(model, optimizer, training.hf_loss, [batch_of(ids[rank:rank + 1], device)],
                                          max_grad_norm=1.0)
+        if released is not None:
+            whole_between_steps.append(sum(p.numel() for p in released.shape))
         losses.append(loss.item())
         norms.append(norm.item())
         want = training.hf_loss(alone, batch_of(ids, device))
@@ -112,7 +133,12 @@ def train(folder, rank, size, ahead, device, lora):
         "moments_are_pieces": all(optimizer.state[piece]["exp_avg"].numel() * size == p.numel()
                                   for p, piece in pieces.items()),
     }
-    with open(os.path.join(folder, f"rank{rank}_ahead{ahead}{'_lora' if lora else ''}.json"), "w") as f:
+    if released is not None:
+        report["released"] = len(released.shape)
+        report["whole_between_steps"] = whole_between_steps
+        report["slots"] = {str(k): len(v) for k, v in released.free.items()}
+    name = f"rank{rank}_ahead{ahead}{'_lora' if lora else ''}{'_release' if release else ''}.json"
+    with open(os.path.join(folder, name), "w") as f:
         json.dump(report, f)
 
 
@@ -127,8 +153,8 @@ def main(folder):
         os.environ.setdefault("NCCL_CTA_POLICY", ddp.NCCL_ZERO_CTA)
     torch.distributed.init_process_group("nccl" if on_gpu else "gloo")
     size = torch.distributed.get_world_size()
-    for ahead, lora in ((0, False), (1, False), (1, True)):
-        train(folder, rank, size, ahead, device, lora)
+    for ahead, lora, release in ((0, False, False), (1, False, False), (1, True, False), (1, False, True)):
+        train(folder, rank, size, ahead, device, lora, release)
     fsdp.close_distributed()  # NCCL's windows deregistered before the group goes
 
 

@@ -235,7 +235,10 @@ def test_ddp_pieces_equal_one_process_alone(tmp_path):
     as one process does at batch 2, gathering all during the optimizer step or one layer
     ahead (with the input embedding's gradient averaged over the rows of the step's ids
     only, --ddp-embedding-rows), and LoRA adapters split the same way (the model frozen): the same losses and
-    gradient norms (each norm adds up both processes' pieces), the same weights, the same on
+    gradient norms (each norm adds up both processes' pieces), and with --ddp-shard-weights
+    (5 layers whose weights are whole only in use, through 3 slots handed out in shuffled
+    order: a backward finds its weights in another slot than its forward did; leaving the
+    saved-tensor notes out moves the norms by 14%), the same weights, the same on
     both processes; AdamW's moments hold a piece each; evaluations between the steps, after
     the CUDA-graph runner's calls, gather the stale pieces by themselves; on GPUs the weights
     live in NCCL's windows and are gathered by the copy engines. Adam moves every element by
@@ -244,10 +247,12 @@ def test_ddp_pieces_equal_one_process_alone(tmp_path):
     if torch.cuda.is_available() and torch.cuda.device_count() < 2:
         pytest.skip("on GPUs the worker runs one process per GPU (NCCL): 2 needed")
     run_worker("ddp_pieces_worker.py", tmp_path)
-    for run_name, split, whole in (("ahead0", 16, 5), ("ahead1", 16, 5), ("ahead1_lora", 24, 4)):
+    runs = (("ahead0", 16, 5), ("ahead1", 16, 5), ("ahead1_lora", 24, 4), ("ahead1_release", 37, 11))
+    for run_name, split, whole in runs:
         for rank in (0, 1):
             r = json.loads((tmp_path / f"rank{rank}_{run_name}.json").read_text())
-            # 2 x 7 projections + 2 embeddings, 5 norms whole; LoRA: every adapter but k's and v's 2 KB B
+            # 2 x 7 projections + 2 embeddings, 5 norms whole; LoRA: every adapter but k's and v's 2 KB B;
+            # --ddp-shard-weights: 5 layers (5 x 7 + 2 split, 11 norms)
             assert r["split"] == split and r["whole"] == whole
             close(r["losses"], r["want_losses"], tol=1e-5)
             assert all(abs(a - b) <= 1e-5 * b for a, b in zip(r["norms"], r["want_norms"]))
@@ -259,11 +264,50 @@ def test_ddp_pieces_equal_one_process_alone(tmp_path):
             assert r["moments_are_pieces"]
             # The embedding's rows in all three steps (the first backward checks, before its
             # averages, that no other row is used); LoRA: the embedding does not train.
-            assert r["rows_averaged"] == (3 if run_name == "ahead1" else 0)
+            assert r["rows_averaged"] == (3 if run_name in ("ahead1", "ahead1_release") else 0)
+            if run_name == "ahead1_release":  # between the steps no layer's weights have memory; every slot is back
+                assert r["released"] == 35 and r["whole_between_steps"] == [0, 0, 0]
+                assert list(r["slots"].values()) == [3]
             if not torch.cuda.is_available():
                 assert r["windows"] == 0
             elif torch.cuda.nccl.version() >= (2, 28):  # the weights lived in NCCL's windows: copy engines
-                assert r["windows"] == 1
+                # --ddp-shard-weights: the embeddings', the layers' pieces', the layers' slots
+                assert r["windows"] == (3 if run_name == "ahead1_release" else 1)
+
+
+def test_ddp_shard_weights_matches_the_pieces_and_resumes(tmp_path):
+    """The script with --ddp --ddp-shard-weights on a LLaMA wide enough (hidden 768) that its
+    decoder layers' q, o, gate, up and down weights split into pieces also in bf16 on GPUs
+    (k and v stay whole): 4 steps, a held-out evaluation after each, checkpoints at steps 2
+    and 4, against --ddp alone (the pieces kept whole): the same losses, evaluations and saved
+    weights (the checkpoint gathers every layer); resumed from step 2 (the loaded weights cut
+    into pieces again) it goes on with the same losses. With --lora it is refused in one line."""
+    from transformers import LlamaConfig
+
+    config = models.tiny_config().to_dict()
+    config.update(hidden_size=768, intermediate_size=1536, head_dim=128, num_attention_heads=6, num_key_value_heads=2)
+    LlamaConfig(**config).save_pretrained(tmp_path / "wide")
+    args = ["--model", str(tmp_path / "wide"), "--random-init", *TINY[1:], "--steps", "4", "--batch-size", "1",
+            "--eval-every", "1", "--save-every", "2"]
+    sharded = run("finetune_optimized.py", [*args, "--ddp-shard-weights", "--output-dir", str(tmp_path / "s")], 2,
+                  tmp_path, "sharded", mode="--ddp")
+    pieces = run("finetune_optimized.py", [*args, "--output-dir", str(tmp_path / "p")], 2, tmp_path, "pieces",
+                 mode="--ddp")
+    close(sharded["losses"], pieces["losses"])
+    close([e["loss"] for e in sharded["eval"]], [e["loss"] for e in pieces["eval"]])
+    from safetensors.torch import load_file
+
+    for step in (2, 4):
+        ours = load_file(tmp_path / "s" / f"checkpoint-{step}" / "model.safetensors")
+        theirs = load_file(tmp_path / "p" / f"checkpoint-{step}" / "model.safetensors")
+        assert ours.keys() == theirs.keys()
+        assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) < 2e-4
+    resumed = run("finetune_optimized.py", [*args, "--ddp-shard-weights", "--resume",
+                                            str(tmp_path / "s" / "checkpoint-2"), "--output-dir", str(tmp_path / "r")],
+                  2, tmp_path, "resumed", mode="--ddp")
+    close(resumed["losses"], sharded["losses"][2:], tol=1e-6)
+    with pytest.raises(AssertionError, match="--ddp-shard-weights with --lora is not implemented"):
+        run("finetune_optimized.py", [*args, "--ddp-shard-weights", "--lora"], 2, tmp_path, "lora", mode="--ddp")
 
 
 def test_ddp_shard_optimizer_matches_the_all_reduce_and_resumes(tmp_path):

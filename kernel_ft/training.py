@@ -543,7 +543,7 @@ def run_training(args, model, loss_fn, optimizer, data=None, scheduler=None, res
     stop_reason = ("non-finite loss or gradient" if diverged else
                    signal.Signals(stop.signum).name if stop.signum else "SIGINT" if partial else None)
     return training_results(args, steps, evals, saved, start, total, partial or diverged is not None, stop_reason,
-                            diverged, keep_gathered)
+                            diverged, keep_gathered, ddp.released_weights(model))
 
 
 def save_whole(args, model, optimizer, scheduler, step, history, rng, stop):
@@ -575,7 +575,8 @@ def evaluate_now(model, loss_fn, heldout, step, total, history, say):
     return {"step": step, "loss": eval_loss}
 
 
-def training_results(args, steps, evals, saved, start, total, partial, stop_reason, diverged, keep_gathered):
+def training_results(args, steps, evals, saved, start, total, partial, stop_reason, diverged, keep_gathered,
+                     released=0):
     """The loop's results (see run_training): every step's record, throughput over the
     timed steps, the peak memory (the largest of the processes' under --fsdp)."""
     timed = [s for s in steps if not s["warmup"]]
@@ -614,6 +615,7 @@ def training_results(args, steps, evals, saved, start, total, partial, stop_reas
         "peak_memory_bytes": peak_bytes,
         "peak_memory_kind": peak_kind,
         "fsdp_keep_gathered_auto": keep_gathered,
+        "ddp_released_weights": released,  # --ddp-shard-weights: the weights kept as pieces between uses
         "final_loss": steps[-1]["loss"] if steps else None,
     }
 

@@ -48,8 +48,8 @@ def batch_of(ids, device):
 def train(folder, rank, size, ahead, device, lora, release=False):
     torch.manual_seed(0)
     config = models.tiny_config()
-    if release:  # --ddp-shard-weights: more layers than slots (ahead + 2), so each slot serves several
-        config.num_hidden_layers = 5
+    if release:  # --ddp-shard-weights: past the first ahead + 1 layers (kept whole), more than slots (ahead + 2)
+        config.num_hidden_layers = 7
     model = LlamaForCausalLM(config).to(device)
     if lora:  # adapters on every projection, the model frozen: the adapters over 4 KB are split
         from peft import LoraConfig, get_peft_model

@@ -21,9 +21,10 @@ The interpreter is switched on by an environment variable that must be set befor
 ``triton`` is first imported (transformers imports it too): kernel_common sets it,
 so it is imported first, here and in every module below that loads torch.
 
-The workload's files, each importing only those before it:
-files -> flags -> models -> ddp -> fsdp -> dataloader -> checkpoints -> cuda_graphs -> reporting -> training,
-and run.py, which composes them with the kernels (kernel_ft.apply).
+The workload's files, each importing only those before it (ddp makes a layer_weights.LayerWeights
+when asked, importing it there):
+files -> flags -> models -> ddp -> layer_weights -> fsdp -> dataloader -> checkpoints -> cuda_graphs
+-> reporting -> training, and run.py, which composes them with the kernels (kernel_ft.apply).
 Nothing runs on import.
 """
 
@@ -716,7 +717,7 @@ def check_optimizer_in_backward(args):
 
 
 def check_shard_weights(args):
-    """--ddp-shard-weights' limits (kernel_ft/ddp.py, LayerWeights), one line each, before
+    """--ddp-shard-weights' limits (kernel_ft/layer_weights.py), one line each, before
     anything is built."""
     if not (getattr(args, "ddp_shard_weights", False) and getattr(args, "ddp", False)):
         return

@@ -1,0 +1,238 @@
+"""
+--ddp-shard-weights: the decoder layers' weights sharded too (ZeRO-3), each layer whole only
+around its forward and its backward, on --ddp-shard-optimizer's pieces (kernel_ft/ddp.py).
+
+README Step 19. What it teaches: what FSDP does with a layer's weights, without the copies
+FSDP2 makes, and how autograd's saved tensors are found again once their memory has served
+another layer (saved-tensor hooks).
+
+``ddp.ShardedUpdate`` makes a ``LayerWeights`` for the layers it releases and calls it
+around the optimizer step and the step's CUDA graph; ``ddp.GradientAverage`` reduce-scatters
+their gradients. Nothing runs on import.
+"""
+
+import contextlib
+import functools
+
+import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
+
+import torch
+
+from kernel_ft import ddp
+
+
+# --------------------------------------------------------------------------------
+# --ddp-shard-weights: the decoder layers' weights whole only while they are used
+# --------------------------------------------------------------------------------
+# With --ddp-shard-optimizer every process still holds every weight whole between the
+# steps (2 bytes per parameter: 15 GiB at 8B) though it updates a piece of each. Here a
+# decoder layer's split weights are whole only around their use: each process keeps its
+# piece r of each in memory of its own (1/N), and the layer's whole weights are gathered
+# into a slot, a set of buffers of that layer's shapes, before its forward (``ahead``
+# layers before it, as the pieces' gathers are), given back after it, and gathered again
+# before its backward. This is what FSDP (ZeRO-3) does; the difference from FSDP2 is
+# where the bytes lie. FSDP2 gathers a layer's weights into one flat buffer, rank-major,
+# and copies each weight out of it, and copies each gradient into another flat buffer
+# for the reduce-scatter: at 8B on 2 x H200 28 ms of copies in a 402 ms step (NOTES.md,
+# Step 19). Here each weight is gathered alone, straight into its slot (NCCL writes the
+# whole weight: piece r of it at offset r n/N), and its gradient is reduce-scattered
+# where autograd wrote it, as --ddp-shard-optimizer does: no copies. The slots are few
+# (ahead + 2 per shape, taken from NCCL's windows once, so the copy engines move the
+# gathers) and reused layer after layer.
+#
+# The one subtle part is what autograd keeps. A layer's forward saves its weights for
+# the backward (dx = dy W), and by then that slot holds another layer's weights. So
+# while a layer's forward runs, saved-tensor hooks (torch.autograd.graph.
+# saved_tensors_hooks) replace any tensor that lies in a slot with a note of which
+# layer, which weight and which view it was; the backward turns the note back into
+# the same view of the weight gathered again. A hook on the layer's output starts that
+# gather (and the next ``ahead`` layers'): its gradient exists just before the layer's
+# backward runs. The last ahead + 1 layers keep their weights from forward to backward
+# (the backward needs them at once). The gathers go on a process group of their own,
+# so that their order, set by the hooks, never mixes with the reduce-scatters' order,
+# set by GradientAverage. Between two uses a layer's weights are empty tensors (no
+# elements): anything that reads them outside a forward of the layer fails loudly instead
+# of reading another layer's numbers (gather_now makes every weight whole).
+# Which layers: the decoder layers past the first ahead + 1, with --ddp-shard-optimizer's
+# split weights; the embeddings and those first layers stay whole between the steps
+# (--ddp-shard-optimizer's pieces of them, gathered in place during the optimizer step).
+class _Saved:
+    """What the saved-tensor hook keeps of a view of a slot: its layer, weight and view."""
+
+    __slots__ = ("layer", "weight", "size", "stride", "offset")
+
+    def __init__(self, layer, weight, t):
+        self.layer, self.weight = layer, weight
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+
+
+class LayerWeights:
+    """--ddp-shard-weights for ``layers`` ([(decoder layer, its split weights)], forward
+    order) under ``average`` (GradientAverage): see above."""
+
+    def __init__(self, average, layers, ahead, windows):
+        self.average = average
+        self.modules = [m for m, _ in layers]
+        self.weights = [list(w) for _, w in layers]
+        self.shape = {p: p.shape for ws in self.weights for p in ws}  # their whole shapes
+        average.released = self
+        self.ahead = max(ahead, 1)  # --ddp-gather-ahead 0 (every gather in the optimizer step) would hold them all
+        # Whole gradients alive at a time: two layers' (four measured no faster).
+        self.in_flight = 2 * max(len(ws) for ws in self.weights)
+        self.keep_from = len(self.modules) - (self.ahead + 1)  # these keep their weights from forward to backward
+        device = self.weights[0][0].device
+        self.group = torch.distributed.new_group(list(range(average.size)))
+        backend = None
+        if windows:
+            torch.distributed.all_reduce(torch.zeros(1, device=device), group=self.group)  # its communicator, now
+            backend = self.group._get_backend(device)
+        self.signature = [tuple((p.shape, p.dtype) for p in ws) for ws in self.weights]
+        self.free = {}  # signature -> slots (lists of whole-weight buffers) not held by a layer
+        with torch.no_grad(), ddp.new_window(backend) if windows else contextlib.nullcontext():
+            for ws in self.weights:  # each process's piece, in memory of its own
+                for p in ws:
+                    n = p.numel() // average.size
+                    average.pieces[p] = torch.nn.Parameter(p.detach().view(-1).narrow(0, average.rank * n, n).clone())
+        with ddp.new_window(backend) if windows else contextlib.nullcontext():
+            for signature in dict.fromkeys(self.signature):  # first-seen order: the same on every process
+                self.free[signature] = [[torch.empty(shape, dtype=dtype, device=device) for shape, dtype in signature]
+                                        for _ in range(self.ahead + 2)]
+        self.empty = [[p.detach().new_empty(0) for p in ws] for ws in self.weights]
+        self.held = [None] * len(self.modules)  # layer -> its slot while its weights are whole
+        self.extra = set()  # layers whose slot is not one of the pool's (gather_now, or the pool ran out)
+        self.where = {}  # a held buffer's storage address -> (layer, weight)
+        self.gathers = {}  # layer -> its pending all-gathers
+        self.packing = []  # (layer, its saved-tensor hooks) entered by the running layers' forwards
+        for i, ws in enumerate(self.weights):
+            for p, empty in zip(ws, self.empty[i]):
+                p.data = empty  # the whole weight's memory goes back (empty_cache below)
+        for i, module in enumerate(self.modules):
+            module.register_forward_pre_hook(functools.partial(self._before_forward, i))
+            module.register_forward_hook(functools.partial(self._after_forward, i), always_call=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _gather(self, i):
+        """Layer ``i``'s whole weights into a slot (asynchronous), unless they are whole."""
+        if i < 0 or i >= len(self.modules) or self.held[i] is not None:
+            return
+        free = self.free[self.signature[i]]
+        if free:
+            slot = free.pop()
+        else:  # outside the pool (and NCCL's windows): NCCL's kernels gather it
+            device = self.average.pieces[self.weights[i][0]].device
+            slot = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.signature[i]]
+            self.extra.add(i)
+        self.held[i] = slot
+        pieces = self.average.pieces
+        works = []
+        for j, (p, whole) in enumerate(zip(self.weights[i], slot)):
+            self.where[whole.untyped_storage().data_ptr()] = (i, j)
+            p.data = whole
+            works.append(ddp.all_gather(whole.view(-1), pieces[p].detach(), group=self.group, async_op=True))
+        self.gathers[i] = works
+
+    def _join(self, i):
+        for work in self.gathers.pop(i, ()):
+            work.wait()  # on NCCL: this stream waits for the gather's; the host does not wait
+
+    def _release(self, i):
+        """Layer ``i``'s slot back to the pool (a later gather into it is queued after
+        every kernel queued so far, which includes this layer's)."""
+        slot = self.held[i]
+        if slot is None:
+            return
+        self._join(i)
+        for whole in slot:
+            del self.where[whole.untyped_storage().data_ptr()]
+        for p, empty in zip(self.weights[i], self.empty[i]):
+            p.data = empty
+        self.held[i] = None
+        if i in self.extra:
+            self.extra.discard(i)
+        else:
+            self.free[self.signature[i]].append(slot)
+
+    def release_all(self):
+        for i in range(len(self.modules)):
+            self._release(i)
+
+    def forget(self):
+        """After a replay of the step's CUDA graph or a failed capture: the gathers the host
+        recorded were joined inside the graph or never ran; every layer given back."""
+        self.gathers.clear()
+        self.release_all()
+
+    def gather_now(self):
+        """Every layer whole (a checkpoint's writer reads them): outside the pool, one
+        buffer per weight; the next forward or optimizer step gives them back."""
+        for i in range(len(self.modules)):
+            if self.held[i] is None:
+                self.free, pool = {k: [] for k in self.free}, self.free  # every slot from outside the pool
+                try:
+                    self._gather(i)
+                finally:
+                    self.free = pool
+        for i in range(len(self.modules)):
+            self._join(i)
+
+    def pieces_from_whole(self):
+        """Each piece copied out of its whole weight (every layer whole: gather_now)."""
+        with torch.no_grad():
+            for i, ws in enumerate(self.weights):
+                self._join(i)
+                for p in ws:
+                    piece = self.average.pieces[p]
+                    piece.copy_(p.view(-1).narrow(0, self.average.rank * piece.numel(), piece.numel()))
+
+    def start(self):
+        """A forward begins (the input embedding's pre-hook): the first layers' gathers."""
+        for i in range(self.ahead + 1):
+            self._gather(i)
+
+    def _before_forward(self, i, module, args):
+        if i == 0:  # a new forward: what an earlier one left held (one with no backward) goes back
+            for j in range(self.ahead + 1, len(self.modules)):
+                self._release(j)
+        for j in range(i, i + self.ahead + 1):
+            self._gather(j)
+        self._join(i)
+        if torch.is_grad_enabled():
+            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            hooks.__enter__()
+            self.packing.append((i, hooks))
+
+    def _after_forward(self, i, module, args, output):
+        if self.packing and self.packing[-1][0] == i:  # always_call: also after a forward that raised
+            self.packing.pop()[1].__exit__(None, None, None)
+        out = output[0] if isinstance(output, (tuple, list)) else output
+        backward = torch.is_grad_enabled() and torch.is_tensor(out) and out.requires_grad
+        if backward:
+            out.register_hook(functools.partial(self._before_backward, i))
+        if not backward or i < self.keep_from:
+            self._release(i)
+
+    def _before_backward(self, i, grad):
+        """The gradient of layer ``i``'s output exists: its backward is next. Layer i + 1's
+        backward has run (its slot goes back); layer i and the ``ahead`` before it are
+        gathered."""
+        if i + 1 < len(self.modules):
+            self._release(i + 1)
+        for j in range(i, i - self.ahead - 1, -1):
+            self._gather(j)
+        self._join(i)
+
+    def _pack(self, t):
+        try:
+            where = self.where.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # a tensor without plain storage: kept as it is
+            where = None
+        return t.detach() if where is None else _Saved(*where, t)  # detached: no reference cycle through t
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _Saved):
+            return saved
+        if self.held[saved.layer] is None:  # a backward its hooks did not announce: gathered now
+            self._gather(saved.layer)
+        self._join(saved.layer)
+        return self.held[saved.layer][saved.weight].as_strided(saved.size, saved.stride, saved.offset)

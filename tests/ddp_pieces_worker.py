@@ -32,7 +32,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from adamw_kernel import TritonAdamW
-from kernel_ft import ddp, fsdp, models, training
+from kernel_ft import ddp, fsdp, layer_weights, models, training
 
 PACKED_BYTES = 4096  # under every matrix of the tiny model (>= 32 KB), over its norms (512 B)
 SEQ = 16
@@ -65,6 +65,7 @@ def train(folder, rank, size, ahead, device, lora, release=False):
     held_out = batch_of(torch.randint(0, 8192, (2, SEQ), generator=g), device)
 
     ddp.PACKED_BYTES = PACKED_BYTES
+    layer_weights.IN_FLIGHT_LAYERS = 2  # under the 5 released layers: the stream waits for the oldest gradients
     windows = len(ddp.WINDOWS)
     ddp.replicate_model(model, fsdp.World(rank, size, rank, device), shard_optimizer=True, gather_ahead=ahead,
                          copy_engines=True, embedding_rows=True, shard_weights=release)

@@ -299,6 +299,10 @@ def add_cuda_graphs_arg(group, default):
 
 DDP_BUCKET_MB = 25  # --ddp-bucket-mb's default (DistributedDataParallel's bucket size)
 DDP_GATHER_AHEAD = 1  # --ddp-gather-ahead's default
+# ... and with --ddp-shard-weights, where each layer is gathered twice a step: at 8B on 4 x H200
+# 0.930x / 0.943x one GPU's tokens/s per GPU against 0.918x / 0.932x with 1, on two hosts (0.7 GiB
+# more); on 2 x H200 0.953x against 0.952x (NOTES.md, Step 19).
+SHARD_WEIGHTS_GATHER_AHEAD = 2
 FSDP_COMMS = ("auto", "copy-engines", "pytorch", "symm-mem", "pg-memory")  # --fsdp-comm (fsdp.py)
 
 
@@ -346,10 +350,11 @@ def add_fsdp_arg(group):
              "CUDA graph (default: %(default)s; an embedding tied to the output layer averages its whole gradient)",
     )
     group.add_argument(
-        "--ddp-gather-ahead", type=non_negative_int, default=DDP_GATHER_AHEAD,
+        "--ddp-gather-ahead", type=non_negative_int, default=None,
         help="--ddp-shard-optimizer: how many layers ahead of the running one the forward gathers the updated "
              "pieces (the embedding's and the first layers' during the optimizer step); 0: all of them during "
-             "the optimizer step (default: %(default)s)",
+             f"the optimizer step (default: {DDP_GATHER_AHEAD}; {SHARD_WEIGHTS_GATHER_AHEAD} with "
+             f"--ddp-shard-weights, which also gathers that many ahead in backward)",
     )
     group.add_argument(
         "--ddp-shard-weights", action="store_true",
@@ -522,6 +527,14 @@ def shards_optimizer(args):
     return kernels_from_args(args)["adamw"] and not getattr(args, "compile", False)
 
 
+def gather_ahead(args):
+    """--ddp-gather-ahead as given, else its default for the run's mode."""
+    asked = getattr(args, "ddp_gather_ahead", None)
+    if asked is not None:
+        return asked
+    return SHARD_WEIGHTS_GATHER_AHEAD if getattr(args, "ddp_shard_weights", False) else DDP_GATHER_AHEAD
+
+
 def idle_parallel_flags(args):
     """--fsdp's own flags without --fsdp, --ddp's without --ddp."""
     notes = []
@@ -535,7 +548,7 @@ def idle_parallel_flags(args):
     ddp_changed = [flag for flag, changed in (
         ("--ddp-bucket-mb", getattr(args, "ddp_bucket_mb", DDP_BUCKET_MB) != DDP_BUCKET_MB),
         (f"--{'no-' if shard is False else ''}ddp-shard-optimizer", shard is not None),
-        ("--ddp-gather-ahead", getattr(args, "ddp_gather_ahead", DDP_GATHER_AHEAD) != DDP_GATHER_AHEAD),
+        ("--ddp-gather-ahead", getattr(args, "ddp_gather_ahead", None) is not None),
         ("--no-ddp-copy-engines", getattr(args, "ddp_copy_engines", True) is False),
         ("--no-ddp-embedding-rows", getattr(args, "ddp_embedding_rows", True) is False),
         ("--ddp-shard-weights", getattr(args, "ddp_shard_weights", False)))

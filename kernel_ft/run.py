@@ -129,7 +129,7 @@ def assemble(args, model, data, switch_in, world, after_kernels=None):
         after_kernels(model)
     if world and args.ddp:  # after the kernels: the swapped modules are what is replicated
         ddp.replicate_model(model, world, args.ddp_bucket_mb, flags.shards_optimizer(args),
-                             getattr(args, "ddp_gather_ahead", flags.DDP_GATHER_AHEAD),
+                             flags.gather_ahead(args),
                              getattr(args, "ddp_copy_engines", True), getattr(args, "ddp_embedding_rows", True),
                              getattr(args, "ddp_shard_weights", False))
     elif world:  # after the kernels: the swapped modules are what is sharded

@@ -24,6 +24,8 @@
   group per step, --grad-accum communicating once; the same losses as one process,
   with LoRA and --compile; its checkpoints resume exactly. torchrun without --fsdp or
   --ddp picks one from memory.
+* --ddp --ddp-shard-weights (the layers' weights whole only around their use): the same
+  losses, evaluations and checkpoints as --ddp; it resumes exactly; its limits are one line.
 * Bad input: --fsdp without torchrun, WORLD_SIZE without torchrun, --fsdp with
   --lora-4bit, resuming with another number of processes or mode: one line each,
   before any work.
@@ -288,8 +290,9 @@ def test_ddp_shard_weights_matches_the_pieces_and_resumes(tmp_path):
     config.update(hidden_size=512, intermediate_size=1024, head_dim=128, num_attention_heads=4, num_key_value_heads=2,
                   num_hidden_layers=5)
     LlamaConfig(**config).save_pretrained(tmp_path / "wide")
+    # 1 layer ahead (2 by default with the flag): layers 2-4 released, layer 2 between its forward and backward too
     args = ["--model", str(tmp_path / "wide"), "--random-init", *TINY[1:], "--steps", "4", "--batch-size", "1",
-            "--eval-every", "1", "--save-every", "2"]
+            "--eval-every", "1", "--save-every", "2", "--ddp-gather-ahead", "1"]
     sharded = run("finetune_optimized.py", [*args, "--ddp-shard-weights", "--output-dir", str(tmp_path / "s")], 2,
                   tmp_path, "sharded", mode="--ddp")
     pieces = run("finetune_optimized.py", [*args, "--output-dir", str(tmp_path / "p")], 2, tmp_path, "pieces",
@@ -392,6 +395,15 @@ def test_ddp_shard_optimizer_flags(monkeypatch):
     assert ("--ddp-gather-ahead without --ddp-shard-optimizer (off: it needs the Triton AdamW, not with --compile) "
             "changes nothing") in notes
     assert not flags.settle(parse(["--tiny", "--ddp", "--ddp-gather-ahead", "2", "--no-ddp-copy-engines"]))._notes
+    # --ddp-shard-weights: 2 layers ahead unless told; its limits, one line each
+    assert flags.gather_ahead(parse(["--tiny", "--ddp"])) == 1
+    assert flags.gather_ahead(parse(["--tiny", "--ddp", "--ddp-shard-weights"])) == 2
+    assert flags.gather_ahead(parse(["--tiny", "--ddp", "--ddp-shard-weights", "--ddp-gather-ahead", "1"])) == 1
+    flags.check_shard_weights(parse(["--tiny", "--ddp", "--ddp-shard-weights"]))
+    for extra, why in ((["--no-ddp-shard-optimizer"], "which is off"), (["--fp8", "tensorwise"], "with --fp8"),
+                       (["--gradient-checkpointing"], "with --gradient-checkpointing"), (["--lora"], "with --lora")):
+        with pytest.raises(SystemExit, match=f"^error: --ddp-shard-weights.*{why}[^\n]*$"):
+            flags.check_shard_weights(parse(["--tiny", "--ddp", "--ddp-shard-weights", *extra]))
     monkeypatch.setenv("WORLD_SIZE", "1")
     notes = flags.settle(parse(["--tiny", "--ddp-shard-optimizer", "--ddp-gather-ahead", "2"]))._notes
     assert "--ddp-shard-optimizer, --ddp-gather-ahead without --ddp changes nothing" in notes

@@ -360,7 +360,7 @@ def add_fsdp_arg(group):
         "--ddp-shard-weights", action="store_true",
         help="--ddp-shard-optimizer: the decoder layers' weights sharded too (ZeRO-3): each process keeps its "
              "piece of each, and a layer's weights are gathered whole into one of a few reused buffers before "
-             "its forward and again before its backward (--ddp-gather-ahead layers ahead, at least 1); "
+             "its forward and again before its backward (--ddp-gather-ahead layers ahead: 2 by default here); "
              "full fine-tuning without --fp8 or --gradient-checkpointing",
     )
     group.add_argument(

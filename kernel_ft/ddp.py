@@ -214,7 +214,8 @@ class GradientAverage:
         there (NCCL in place: the output is the input's piece at offset rank). The rest of
         p.grad stays this process's own sum (on gloo, divided by N)."""
         if self.released is not None and p in self.released.shape:  # the piece's gradient, a buffer of its own
-            grad, piece = p.grad, self.pieces[p]
+            piece = self.pieces[p]
+            grad = p.grad if p.grad is not None else piece.new_zeros(self._shape(p))  # one this backward never made
             if not grad.is_contiguous():
                 raise RuntimeError(f"--ddp-shard-weights: the gradient of {self.names[p]} is not contiguous")
             piece.grad = torch.empty_like(piece)
@@ -268,9 +269,9 @@ class GradientAverage:
                 one_count = counts[0].item() == -counts[1].item()
                 self.rows_checked = all_agree(one_count and self._only_rows_seen())
         for group in self.groups[self.next:]:
-            for p in group:
-                if p.grad is None:
-                    p.grad = torch.zeros(self._shape(p), dtype=p.dtype, device=p.device)
+            for p in group:  # a released weight's zeros go straight to its reduce-scatter (its memory is empty)
+                if p.grad is None and not (self.released is not None and p in self.released.shape):
+                    p.grad = torch.zeros_like(p)
             self._average(group)
         for work, then in self.pending:
             work.wait()  # on NCCL: this stream waits for NCCL's; the host does not wait

@@ -51,6 +51,8 @@ def train(folder, rank, size, ahead, device, lora, release=False):
     if release:  # --ddp-shard-weights: past the first ahead + 1 layers (kept whole), more than slots (ahead + 2)
         config.num_hidden_layers = 7
     model = LlamaForCausalLM(config).to(device)
+    if release:  # layer 4's MLP takes part in no forward (an MoE expert no token chose): its weights get no
+        model.model.layers[4].mlp.forward = lambda x: x * 0  # gradient, and their pieces' are zeros, averaged
     if lora:  # adapters on every projection, the model frozen: the adapters over 4 KB are split
         from peft import LoraConfig, get_peft_model
 

@@ -240,7 +240,8 @@ def test_ddp_pieces_equal_one_process_alone(tmp_path):
     gradient norms (each norm adds up both processes' pieces), and with --ddp-shard-weights
     (5 of 7 layers whose weights are whole only in use, through 3 slots handed out in shuffled
     order: a backward finds its weights in another slot than its forward did; leaving the
-    saved-tensor notes out changes the clipped norms by up to 32%), the same weights, the same on
+    saved-tensor notes out changes the clipped norms by up to 32%; one layer's MLP unused, so
+    its weights get no gradient), the same weights, the same on
     both processes; AdamW's moments hold a piece each; evaluations between the steps, after
     the CUDA-graph runner's calls, gather the stale pieces by themselves; on GPUs the weights
     live in NCCL's windows and are gathered by the copy engines. Adam moves every element by

@@ -221,12 +221,18 @@ class GradientAverage:
             piece.grad = torch.empty_like(piece)
             p.grad = None
             self.in_flight.append((self._launch_average(reduce_scatter, grad.view(-1), piece.grad), grad))
-            # The whole gradient's memory goes back once its reduce-scatter has read it; this
-            # stream waits for the reduce-scatter released.in_flight gradients back (long done
-            # by then: no stall), so that only that many whole gradients live at a time instead
-            # of every layer's.
-            while len(self.in_flight) > self.released.in_flight:
-                self.in_flight.pop(0)[0].wait()
+            # The whole gradient's memory goes back once its reduce-scatter has read it, not at
+            # the end of backward. Eager: each one whose reduce-scatter is done (asked, never
+            # waited for: a process whose backward did not make some gradient, an MoE expert no
+            # token chose, holds its later averages back to the end of backward, and a wait here
+            # on the others would then wait for it while it waits for their gathers). In a CUDA
+            # graph's capture (a step of fixed shapes, the same collectives on every process) the
+            # stream waits for the one released.in_flight gradients back, long done by then.
+            if capturing():
+                while len(self.in_flight) > self.released.in_flight:
+                    self.in_flight.pop(0)[0].wait()
+            else:
+                self.in_flight = [(work, g) for work, g in self.in_flight if not work.is_completed()]
             return
         mine = self._piece_grad(p)
         self.pending.append((self._launch_average(reduce_scatter, p.grad.view(-1), mine), None))

@@ -361,7 +361,8 @@ def add_fsdp_arg(group):
         help="--ddp-shard-optimizer: the decoder layers' weights sharded too (ZeRO-3): each process keeps its "
              "piece of each, and a layer's weights are gathered whole into one of a few reused buffers before "
              "its forward and again before its backward (--ddp-gather-ahead layers ahead: 2 by default here); "
-             "full fine-tuning without --fp8 or --gradient-checkpointing",
+             "full fine-tuning without --fp8 or --gradient-checkpointing; a checkpoint gathers every weight whole "
+             "on every process while it is written",
     )
     group.add_argument(
         "--fsdp-prefetch", type=non_negative_int, default=0,

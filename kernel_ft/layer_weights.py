@@ -60,9 +60,13 @@ from kernel_ft import ddp
 # (--ddp-shard-optimizer's pieces of them, gathered in place during the optimizer step).
 
 
-# How many layers' whole gradients may wait for their reduce-scatters before the stream
-# waits for the oldest: at 8B on 4 x H200, 8 measured 0.942x one GPU's tokens/s per GPU
-# against 0.932x with 2 (0.5 GiB more at the peak); on 2 x H200, 4 against 2 the same.
+# In a captured step (the default), how many layers' whole gradients may wait for their
+# reduce-scatters before the stream waits for the oldest: at 8B on 4 x H200, 8 measured
+# 0.942x one GPU's tokens/s per GPU against 0.932x with 2 (0.5 GiB more at the peak); on
+# 2 x H200, 4 against 2 the same. Eager steps free each one once its reduce-scatter is done
+# (ddp.GradientAverage). With --grad-accum the whole gradients add up across micro-batches
+# and live until the last one's backward, and the first averaged backward (which learns the
+# order) averages them all at its end.
 IN_FLIGHT_LAYERS = 8
 
 

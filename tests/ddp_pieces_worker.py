@@ -7,13 +7,14 @@ the decoder layers and of both embeddings is split into pieces (the script's tin
 only its embeddings) while the norms stay whole, and trains it three steps on its own row through
 training.train_step: the Triton AdamW over the pieces, clipping on (the gradient norm adds the
 pieces' sums up over the processes), the gathers 0 (all during the optimizer step) and 1 layer
-ahead of the running one (and with it the input embedding's gradient averaged over its used rows only), and LoRA adapters on a frozen model, each in a run of its own. The same process trains a copy alone on both
+ahead of the running one (and with it the input embedding's gradient averaged over its used rows only), LoRA adapters on a frozen model, and --ddp-shard-weights on 7 layers (LayerWeights), each in a run of its own. The same process trains a copy alone on both
 processes' rows (one process at batch 2: what --ddp must equal), with plain backward,
 clip_grad_norm_ and step. Between the steps it calls what the CUDA-graph runner calls (before a
 capture, after a replay, after a failed capture), and after steps 2 and 3 a forward under no_grad
 (an evaluation) must gather by itself what the step left stale; then gather_now. Writes
-FOLDER/rankN_aheadA[_lora].json: the losses, norms and evaluation losses of both; the largest difference
-between the weights and the copy's, and between the two processes' weights; the moments' sizes.
+FOLDER/rankN_aheadA[_lora|_release].json: the losses, norms and evaluation losses of both; the largest difference
+between the weights and the copy's, and between the two processes' weights; the moments' sizes. Then
+train_uneven (one process leaves an MLP unused) writes FOLDER/rankN_uneven.json.
 
 Usage (the test does this): torchrun --nproc-per-node 2 tests/ddp_pieces_worker.py FOLDER
 """
@@ -145,6 +146,35 @@ def train(folder, rank, size, ahead, device, lora, release=False):
         json.dump(report, f)
 
 
+def train_uneven(folder, rank, size, device):
+    """--ddp-shard-weights where one process's backward does not make some gradients (layer 5's
+    MLP unused on rank 1 only, as an MoE expert no token of its batch chose): rank 1 holds its
+    later averages back to the end of backward, so a process that waited on its own
+    reduce-scatters during backward would wait for rank 1 while rank 1 waits for its gathers.
+    Three steps must finish (the test's timeout says if they hang); writes their losses."""
+    torch.manual_seed(0)
+    config = models.tiny_config()
+    config.num_hidden_layers = 7
+    model = LlamaForCausalLM(config).to(device)
+    if rank == 1:
+        model.model.layers[5].mlp.forward = lambda x: x * 0
+    layer_weights.IN_FLIGHT_LAYERS = 1
+    ddp.replicate_model(model, fsdp.World(rank, size, rank, device), shard_optimizer=True, gather_ahead=1,
+                         copy_engines=True, embedding_rows=False, shard_weights=True)
+    optimizer = TritonAdamW(ddp.optimizer_parameters(model, [p for p in model.parameters() if p.requires_grad]),
+                            lr=1e-3)
+    ddp.attach_optimizer(model, optimizer)
+    g = torch.Generator().manual_seed(7)
+    losses = []
+    for _ in range(3):
+        ids = torch.randint(0, 8192, (size, SEQ), generator=g)
+        loss, _ = training.train_step(model, optimizer, training.hf_loss, [batch_of(ids[rank:rank + 1], device)],
+                                      max_grad_norm=1.0)
+        losses.append(loss.item())
+    with open(os.path.join(folder, f"rank{rank}_uneven.json"), "w") as f:
+        json.dump({"losses": losses}, f)
+
+
 def main(folder):
     # On GPUs, NCCL (in place, as the script runs it); else gloo on the CPU, the Triton AdamW
     # in the interpreter.
@@ -158,6 +188,7 @@ def main(folder):
     size = torch.distributed.get_world_size()
     for ahead, lora, release in ((0, False, False), (1, False, False), (1, True, False), (1, False, True)):
         train(folder, rank, size, ahead, device, lora, release)
+    train_uneven(folder, rank, size, device)
     fsdp.close_distributed()  # NCCL's windows deregistered before the group goes
 
 

@@ -241,7 +241,8 @@ def test_ddp_pieces_equal_one_process_alone(tmp_path):
     (5 of 7 layers whose weights are whole only in use, through 3 slots handed out in shuffled
     order: a backward finds its weights in another slot than its forward did; leaving the
     saved-tensor notes out changes the clipped norms by up to 32%; one layer's MLP unused, so
-    its weights get no gradient), the same weights, the same on
+    its weights get no gradient; and a run where one process alone leaves an MLP unused, which
+    must not hang), the same weights, the same on
     both processes; AdamW's moments hold a piece each; evaluations between the steps, after
     the CUDA-graph runner's calls, gather the stale pieces by themselves; on GPUs the weights
     live in NCCL's windows and are gathered by the copy engines. Adam moves every element by
@@ -250,6 +251,8 @@ def test_ddp_pieces_equal_one_process_alone(tmp_path):
     if torch.cuda.is_available() and torch.cuda.device_count() < 2:
         pytest.skip("on GPUs the worker runs one process per GPU (NCCL): 2 needed")
     run_worker("ddp_pieces_worker.py", tmp_path)
+    for rank in (0, 1):  # the uneven run finished its three steps (a hang fails run_worker's timeout)
+        assert len(json.loads((tmp_path / f"rank{rank}_uneven.json").read_text())["losses"]) == 3
     runs = (("ahead0", 16, 5), ("ahead1", 16, 5), ("ahead1_lora", 24, 4), ("ahead1_release", 51, 15))
     for run_name, split, whole in runs:
         for rank in (0, 1):

@@ -205,7 +205,7 @@ class GradientAverage:
             raise RuntimeError(f"--ddp-shard-optimizer: the gradient of {self.names[p]} is not contiguous; "
                                f"its pieces would not be pieces of its memory (leave the flag out)")
         piece = self.pieces[p]
-        piece.grad = p.grad.view(-1).narrow(0, self.rank * piece.numel(), piece.numel())
+        piece.grad = piece_of(p.grad, self.rank, self.size)
         return piece.grad
 
     def _average_piece(self, p):
@@ -291,6 +291,13 @@ class GradientAverage:
     def _shape(self, p):
         """``p``'s whole shape (--ddp-shard-weights: a released weight's memory is empty)."""
         return self.released.shape[p] if self.released is not None and p in self.released.shape else p.shape
+
+
+def piece_of(t, rank, size):
+    """Process ``rank``'s piece of ``t`` among ``size``: elements [rank n/size, (rank + 1)
+    n/size) of its memory, a view (where NCCL's reduce-scatter writes and its all-gather reads)."""
+    n = t.numel() // size
+    return t.view(-1).narrow(0, rank * n, n)
 
 
 def _unpack(packed, grads):
@@ -451,9 +458,8 @@ class ShardedUpdate:
             into_windows([p for _, weights in self.order for p in weights])
         for _, weights in self.order:
             for p in weights:
-                n = p.numel() // self.size
                 # A view: the optimizer's update of the piece writes the weight's own memory.
-                average.pieces[p] = torch.nn.Parameter(p.detach().view(-1).narrow(0, average.rank * n, n))
+                average.pieces[p] = torch.nn.Parameter(piece_of(p.detach(), average.rank, self.size))
         self.gathers = {}  # owner -> the all-gathers it waits for
         self.stale = False  # True from an update until every piece's gather of its round is issued
         self.issued = len(self.order)  # owners of this round whose gathers are issued

@@ -105,8 +105,7 @@ class LayerWeights:
         with torch.no_grad(), ddp.new_window(backend) if windows else contextlib.nullcontext():
             for ws in self.weights:  # each process's piece, in memory of its own
                 for p in ws:
-                    n = p.numel() // average.size
-                    average.pieces[p] = torch.nn.Parameter(p.detach().view(-1).narrow(0, average.rank * n, n).clone())
+                    average.pieces[p] = torch.nn.Parameter(ddp.piece_of(p.detach(), average.rank, average.size).clone())
         with ddp.new_window(backend) if windows else contextlib.nullcontext():
             for signature in dict.fromkeys(self.signature):  # first-seen order: the same on every process
                 self.free[signature] = [[torch.empty(shape, dtype=dtype, device=device) for shape, dtype in signature]
@@ -126,11 +125,12 @@ class LayerWeights:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _gather(self, i):
-        """Layer ``i``'s whole weights into a slot (asynchronous), unless they are whole."""
+    def _gather(self, i, pooled=True):
+        """Layer ``i``'s whole weights into a slot (asynchronous), unless they are whole;
+        ``pooled``: a slot of the pool if one is free, else buffers outside it."""
         if i < 0 or i >= len(self.modules) or self.held[i] is not None:
             return
-        free = self.free[self.signature[i]]
+        free = self.free[self.signature[i]] if pooled else []
         if free:
             slot = free.pop()
         else:  # outside the pool (and NCCL's windows): NCCL's kernels gather it
@@ -181,12 +181,7 @@ class LayerWeights:
         """Every layer whole (a checkpoint's writer reads them): outside the pool, one
         buffer per weight; the next forward or optimizer step gives them back."""
         for i in range(len(self.modules)):
-            if self.held[i] is None:
-                self.free, pool = {k: [] for k in self.free}, self.free  # every slot from outside the pool
-                try:
-                    self._gather(i)
-                finally:
-                    self.free = pool
+            self._gather(i, pooled=False)
         for i in range(len(self.modules)):
             self._join(i)
 
@@ -197,7 +192,7 @@ class LayerWeights:
                 self._join(i)
                 for p in ws:
                     piece = self.average.pieces[p]
-                    piece.copy_(p.view(-1).narrow(0, self.average.rank * piece.numel(), piece.numel()))
+                    piece.copy_(ddp.piece_of(p, self.average.rank, self.average.size))
 
     def start(self):
         """A forward begins (the input embedding's pre-hook): the first layers' gathers."""

@@ -94,10 +94,10 @@ def train(folder, rank, size, ahead, device, lora, release=False):
         # found through the saved-tensor notes.
         gather, shuffle = released._gather, random.Random(0).shuffle
 
-        def shuffled(i):
+        def shuffled(i, pooled=True):
             for free in released.free.values():
                 shuffle(free)
-            gather(i)
+            gather(i, pooled)
 
         released._gather = shuffled
     whole_between_steps = []  # --ddp-shard-weights: the layers' weights with memory after each step (none)

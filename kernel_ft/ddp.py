@@ -141,6 +141,23 @@ class GradientAverage:
             self._average(self.groups[self.next])
             self.next += 1
 
+    def made_by_now(self, params):
+        """--ddp-shard-weights: the backward of the decoder layer that holds ``params`` is
+        over (LayerWeights says so two layers later). A gradient of one of them that this
+        backward did not make (an MoE expert no token of this process's batch chose) is
+        made now as zeros, or as what earlier micro-batches summed (--grad-accum), so that
+        this process averages in the same order as the others instead of holding its later
+        averages back to the end of backward, where the others' waits (in_flight) would
+        wait for it while it waits for their gathers."""
+        if not self.active:
+            return
+        for p in params:
+            if p in self.made:
+                continue
+            if p.grad is None and not (self.released is not None and p in self.released.shape):
+                p.grad = torch.zeros_like(p)  # a released weight's zeros go straight to its reduce-scatter
+            self._made(p)
+
     def learn_order(self):
         """The groups, in the order rank 0's backward made the gradients (then those it did
         not make), told to every process (one broadcast, once: the host waits for it, so
@@ -222,17 +239,14 @@ class GradientAverage:
             p.grad = None
             self.in_flight.append((self._launch_average(reduce_scatter, grad.view(-1), piece.grad), grad))
             # The whole gradient's memory goes back once its reduce-scatter has read it, not at
-            # the end of backward. Eager: each one whose reduce-scatter is done (asked, never
-            # waited for: a process whose backward did not make some gradient, an MoE expert no
-            # token chose, holds its later averages back to the end of backward, and a wait here
-            # on the others would then wait for it while it waits for their gathers). In a CUDA
-            # graph's capture (a step of fixed shapes, the same collectives on every process) the
-            # stream waits for the one released.in_flight gradients back, long done by then.
-            if capturing():
-                while len(self.in_flight) > self.released.in_flight:
-                    self.in_flight.pop(0)[0].wait()
-            else:
-                self.in_flight = [(work, g) for work, g in self.in_flight if not work.is_completed()]
+            # the end of backward: this stream waits for the reduce-scatter released.in_flight
+            # gradients back (long done by then: no stall), so that only that many whole
+            # gradients live at a time instead of every layer's. The wait is on the other
+            # processes too; it cannot wait for one that holds its averages back (a gradient
+            # its backward did not make, an MoE expert no token chose), because such a gradient
+            # is made as zeros two layers later (made_by_now), well within released.in_flight.
+            while len(self.in_flight) > self.released.in_flight:
+                self.in_flight.pop(0)[0].wait()
             return
         mine = self._piece_grad(p)
         self.pending.append((self._launch_average(reduce_scatter, p.grad.view(-1), mine), None))

@@ -361,8 +361,8 @@ def add_fsdp_arg(group):
         help="--ddp-shard-optimizer: the decoder layers' weights sharded too (ZeRO-3): each process keeps its "
              "piece of each, and a layer's weights are gathered whole into one of a few reused buffers before "
              "its forward and again before its backward (--ddp-gather-ahead layers ahead: 2 by default here); "
-             "full fine-tuning without --fp8 or --gradient-checkpointing; a checkpoint gathers every weight whole "
-             "on every process while it is written",
+             "full fine-tuning without --fp8, with or without --gradient-checkpointing; a checkpoint gathers "
+             "every weight whole on every process while it is written",
     )
     group.add_argument(
         "--fsdp-prefetch", type=non_negative_int, default=0,
@@ -744,9 +744,6 @@ def check_shard_weights(args):
                          f"only trained ones are; leave it out")
     if getattr(args, "fp8", None):
         raise SystemExit(f"{flag} with --fp8 is not implemented; leave one out")
-    if getattr(args, "gradient_checkpointing", False):
-        raise SystemExit(f"{flag} with --gradient-checkpointing is not implemented (the recomputed forward runs "
-                         f"inside the backward); leave one out, or use --fsdp")
 
 
 def check_output_flags(args):

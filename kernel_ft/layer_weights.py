@@ -60,14 +60,19 @@ from kernel_ft import ddp
 # (--ddp-shard-optimizer's pieces of them, gathered in place during the optimizer step).
 
 
-# In a captured step (the default), how many layers' whole gradients may wait for their
-# reduce-scatters before the stream waits for the oldest: at 8B on 4 x H200, 8 measured
-# 0.942x one GPU's tokens/s per GPU against 0.932x with 2 (0.5 GiB more at the peak); on
-# 2 x H200, 4 against 2 the same. Eager steps free each one once its reduce-scatter is done
-# (ddp.GradientAverage). With --grad-accum the whole gradients add up across micro-batches
-# and live until the last one's backward, and the first averaged backward (which learns the
-# order) averages them all at its end.
+# How many layers' whole gradients may wait for their reduce-scatters before the stream
+# waits for the oldest: at 8B on 4 x H200, 8 measured 0.942x one GPU's tokens/s per GPU
+# against 0.932x with 2 (0.5 GiB more at the peak); on 2 x H200, 4 against 2 the same. With
+# --grad-accum the whole gradients add up across micro-batches and live until the last
+# one's backward, and the first averaged backward (which learns the order) averages them
+# all at its end.
 IN_FLIGHT_LAYERS = 8
+
+
+def _in_backward():
+    """Whether autograd's engine is running a backward on this thread (a forward now is
+    checkpointing's recomputation; torch.utils.checkpoint asks the same)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class _Saved:
@@ -87,6 +92,8 @@ class LayerWeights:
     def __init__(self, average, layers, ahead, windows):
         self.average = average
         self.modules = [m for m, _ in layers]
+        trained = set(average.params)
+        self.trained = [[p for p in m.parameters() if p in trained] for m in self.modules]  # split or not
         self.weights = [list(w) for _, w in layers]
         self.shape = {p: p.shape for ws in self.weights for p in ws}  # their whole shapes
         average.released = self
@@ -199,25 +206,43 @@ class LayerWeights:
         for i in range(self.ahead + 1):
             self._gather(i)
 
+    # With --gradient-checkpointing a layer's forward saves nothing but its input, and its
+    # backward begins by running the forward again (HF's checkpointed __call__ runs these
+    # hooks both times). The weights gathered again for the backward are then in their slot
+    # while the recomputed forward saves its views and while the backward reads them, so
+    # no note is needed: the saved-tensor hooks stay out of both forwards (checkpointing's
+    # own are the ones that must see them), and the recomputed forward only waits for its
+    # gather.
+    def _checkpointed(self, module):
+        return getattr(module, "gradient_checkpointing", False) and module.training
+
     def _before_forward(self, i, module, args):
         """Layer ``i``'s forward begins: it and the ``ahead`` after it gathered, its own
-        waited for; with gradients, its saved tensors pass through _pack."""
+        waited for; with gradients, its saved tensors pass through _pack. In a backward
+        (checkpointing's recomputed forward): its own gather waited for, nothing else."""
+        if _in_backward():
+            self._gather(i)
+            self._join(i)
+            return
         if i == 0:  # a new forward: what an earlier one left held (one with no backward) goes back
             for j in range(self.ahead + 1, len(self.modules)):
                 self._release(j)
         for j in range(i, i + self.ahead + 1):
             self._gather(j)
         self._join(i)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not self._checkpointed(module):
             hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             hooks.__enter__()
             self.packing.append((i, hooks))
 
     def _after_forward(self, i, module, args, output):
         """Layer ``i``'s forward is done: its backward announced by a hook on its output,
-        its slot given back (unless it is one of the last, which keep theirs to backward)."""
+        its slot given back (unless it is one of the last, which keep theirs to backward).
+        A forward recomputed in backward keeps its slot for the backward that follows."""
         if self.packing and self.packing[-1][0] == i:  # always_call: also after a forward that raised
             self.packing.pop()[1].__exit__(None, None, None)
+        if _in_backward():
+            return
         out = output[0] if isinstance(output, (tuple, list)) else output
         backward = torch.is_grad_enabled() and torch.is_tensor(out) and out.requires_grad
         if backward:
@@ -227,10 +252,13 @@ class LayerWeights:
 
     def _before_backward(self, i, grad):
         """The gradient of layer ``i``'s output exists: its backward is next. Layer i + 1's
-        backward has run (its slot goes back); layer i and the ``ahead`` before it are
-        gathered."""
+        backward has run (its slot goes back); whatever gradient layer i + 2's backward did
+        not make is made now (GradientAverage.made_by_now); layer i and the ``ahead`` before
+        it are gathered."""
         if i + 1 < len(self.modules):
             self._release(i + 1)
+        if i + 2 < len(self.modules):  # its backward is surely over (one layer of margin)
+            self.average.made_by_now(self.trained[i + 2])
         for j in range(i, i - self.ahead - 1, -1):
             self._gather(j)
         self._join(i)

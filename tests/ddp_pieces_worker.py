@@ -46,7 +46,7 @@ def batch_of(ids, device):
             "position_ids": torch.arange(seq, device=device).expand(rows, seq)}
 
 
-def train(folder, rank, size, ahead, device, lora, release=False):
+def train(folder, rank, size, ahead, device, lora, release=False, checkpointing=False):
     torch.manual_seed(0)
     config = models.tiny_config()
     if release:  # --ddp-shard-weights: past the first ahead + 1 layers (kept whole), more than slots (ahead + 2)
@@ -63,6 +63,12 @@ def train(folder, rank, size, ahead, device, lora, release=False):
             if "lora_B" in name:  # not PEFT's zeros: the first step's gradients reach every adapter
                 torch.nn.init.normal_(p, std=0.02)
     alone = copy.deepcopy(model)
+    recomputed = []  # --gradient-checkpointing: the decoder layers whose forward ran again inside a backward
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for i, layer in enumerate(model.model.layers):
+            layer.register_forward_pre_hook(lambda m, a, i=i: recomputed.append(i) if layer_weights._in_backward()
+                                            else None)
     g = torch.Generator().manual_seed(7)
     steps = [torch.randint(0, 8192, (size, SEQ), generator=g) for _ in range(3)]  # row r: process r's
     held_out = batch_of(torch.randint(0, 8192, (2, SEQ), generator=g), device)
@@ -141,17 +147,21 @@ def train(folder, rank, size, ahead, device, lora, release=False):
         report["released"] = len(released.shape)
         report["whole_between_steps"] = whole_between_steps
         report["slots"] = {str(k): len(v) for k, v in released.free.items()}
-    name = f"rank{rank}_ahead{ahead}{'_lora' if lora else ''}{'_release' if release else ''}.json"
+        report["recomputed"] = recomputed
+    name = f"rank{rank}_ahead{ahead}{'_lora' if lora else ''}{'_release' if release else ''}" \
+           f"{'_checkpointing' if checkpointing else ''}.json"
     with open(os.path.join(folder, name), "w") as f:
         json.dump(report, f)
 
 
 def train_uneven(folder, rank, size, device):
     """--ddp-shard-weights where one process's backward does not make some gradients (layer 5's
-    MLP unused on rank 1 only, as an MoE expert no token of its batch chose): rank 1 holds its
-    later averages back to the end of backward, so a process that waited on its own
-    reduce-scatters during backward would wait for rank 1 while rank 1 waits for its gathers.
-    Three steps must finish (the test's timeout says if they hang); writes their losses."""
+    MLP unused on rank 1 only, as an MoE expert no token of its batch chose). Rank 1 would hold
+    its later averages back to the end of backward, and rank 0's stream, which waits for its
+    reduce-scatters one layer back (IN_FLIGHT_LAYERS = 1), would wait for rank 1 while rank 1
+    waits for rank 0's gathers; rank 1 makes those gradients as zeros two layers later instead
+    (GradientAverage.made_by_now). Three steps must finish (the test's timeout says if they
+    hang); writes their losses."""
     torch.manual_seed(0)
     config = models.tiny_config()
     config.num_hidden_layers = 7
@@ -186,8 +196,10 @@ def main(folder):
         os.environ.setdefault("NCCL_CTA_POLICY", ddp.NCCL_ZERO_CTA)
     torch.distributed.init_process_group("nccl" if on_gpu else "gloo")
     size = torch.distributed.get_world_size()
-    for ahead, lora, release in ((0, False, False), (1, False, False), (1, True, False), (1, False, True)):
-        train(folder, rank, size, ahead, device, lora, release)
+    for ahead, lora, release, checkpointing in ((0, False, False, False), (1, False, False, False),
+                                                (1, True, False, False), (1, False, True, False),
+                                                (1, False, True, True)):
+        train(folder, rank, size, ahead, device, lora, release, checkpointing)
     train_uneven(folder, rank, size, device)
     fsdp.close_distributed()  # NCCL's windows deregistered before the group goes
 

@@ -241,8 +241,9 @@ def test_ddp_pieces_equal_one_process_alone(tmp_path):
     (5 of 7 layers whose weights are whole only in use, through 3 slots handed out in shuffled
     order: a backward finds its weights in another slot than its forward did; leaving the
     saved-tensor notes out changes the clipped norms by up to 32%; one layer's MLP unused, so
-    its weights get no gradient; and a run where one process alone leaves an MLP unused, which
-    must not hang), the same weights, the same on
+    its weights get no gradient; again with checkpointing, each layer's forward run again in
+    its backward from the weights gathered again; and a run where one process alone leaves an
+    MLP unused, which must not hang), the same weights, the same on
     both processes; AdamW's moments hold a piece each; evaluations between the steps, after
     the CUDA-graph runner's calls, gather the stale pieces by themselves; on GPUs the weights
     live in NCCL's windows and are gathered by the copy engines. Adam moves every element by
@@ -253,7 +254,8 @@ def test_ddp_pieces_equal_one_process_alone(tmp_path):
     run_worker("ddp_pieces_worker.py", tmp_path)
     for rank in (0, 1):  # the uneven run finished its three steps (a hang fails run_worker's timeout)
         assert len(json.loads((tmp_path / f"rank{rank}_uneven.json").read_text())["losses"]) == 3
-    runs = (("ahead0", 16, 5), ("ahead1", 16, 5), ("ahead1_lora", 24, 4), ("ahead1_release", 51, 15))
+    runs = (("ahead0", 16, 5), ("ahead1", 16, 5), ("ahead1_lora", 24, 4), ("ahead1_release", 51, 15),
+            ("ahead1_release_checkpointing", 51, 15))
     for run_name, split, whole in runs:
         for rank in (0, 1):
             r = json.loads((tmp_path / f"rank{rank}_{run_name}.json").read_text())
@@ -270,15 +272,18 @@ def test_ddp_pieces_equal_one_process_alone(tmp_path):
             assert r["moments_are_pieces"]
             # The embedding's rows in all three steps (the first backward checks, before its
             # averages, that no other row is used); LoRA: the embedding does not train.
-            assert r["rows_averaged"] == (3 if run_name in ("ahead1", "ahead1_release") else 0)
-            if run_name == "ahead1_release":  # between the steps no layer's weights have memory; every slot is back
+            assert r["rows_averaged"] == (3 if run_name.startswith("ahead1") and "lora" not in run_name else 0)
+            if "release" in run_name:  # between the steps no layer's weights have memory; every slot is back
                 assert r["released"] == 35 and r["whole_between_steps"] == [0, 0, 0]
                 assert list(r["slots"].values()) == [3]
+                # Checkpointing: every layer's forward ran again in each of the 3 backward passes (the
+                # saved-tensor notes stayed out of its way), from the weights gathered again.
+                assert r["recomputed"] == ([6, 5, 4, 3, 2, 1, 0] * 3 if "checkpointing" in run_name else [])
             if not torch.cuda.is_available():
                 assert r["windows"] == 0
             elif torch.cuda.nccl.version() >= (2, 28):  # the weights lived in NCCL's windows: copy engines
                 # --ddp-shard-weights: the embeddings', the layers' pieces', the layers' slots
-                assert r["windows"] == (3 if run_name == "ahead1_release" else 1)
+                assert r["windows"] == (3 if "release" in run_name else 1)
 
 
 def test_ddp_shard_weights_matches_the_pieces_and_resumes(tmp_path):
@@ -287,7 +292,9 @@ def test_ddp_shard_weights_matches_the_pieces_and_resumes(tmp_path):
     on GPUs, also q and o in float32 on the CPU; the first 2 layers stay whole): 4 steps, a held-out evaluation after each, checkpoints at steps 2
     and 4, against --ddp alone (the pieces kept whole): the same losses, evaluations and saved
     weights (the checkpoint gathers every layer); resumed from step 2 (the loaded weights cut
-    into pieces again) it goes on with the same losses. With --lora it is refused in one line."""
+    into pieces again) it goes on with the same losses; with --gradient-checkpointing (each
+    backward recomputes its layer's forward from the weights gathered again) the same losses
+    and evaluations. With --lora it is refused in one line."""
     from transformers import LlamaConfig
 
     config = models.tiny_config().to_dict()
@@ -317,6 +324,15 @@ def test_ddp_shard_weights_matches_the_pieces_and_resumes(tmp_path):
                                             str(tmp_path / "s" / "checkpoint-2"), "--output-dir", str(tmp_path / "r")],
                   2, tmp_path, "resumed", mode="--ddp")
     close(resumed["losses"], sharded["losses"][2:], tol=1e-6)
+    # With --gradient-checkpointing each released layer's backward recomputes its forward from
+    # the weights gathered again: the same losses and evaluations as the pieces without it.
+    recomputed = run("finetune_optimized.py", [*args, "--ddp-shard-weights", "--gradient-checkpointing", "--output-dir",
+                                               str(tmp_path / "c")], 2,
+                     tmp_path, "recomputed", mode="--ddp")
+    assert recomputed["config"]["gradient_checkpointing"] and recomputed["ddp_released_weights"] == \
+        sharded["ddp_released_weights"]
+    close(recomputed["losses"], pieces["losses"])
+    close([e["loss"] for e in recomputed["eval"]], [e["loss"] for e in pieces["eval"]])
     with pytest.raises(AssertionError, match="--ddp-shard-weights with --lora is not implemented"):
         run("finetune_optimized.py", [*args, "--ddp-shard-weights", "--lora"], 2, tmp_path, "lora", mode="--ddp")
 
@@ -404,8 +420,9 @@ def test_ddp_shard_optimizer_flags(monkeypatch):
     assert flags.gather_ahead(parse(["--tiny", "--ddp", "--ddp-shard-weights"])) == 2
     assert flags.gather_ahead(parse(["--tiny", "--ddp", "--ddp-shard-weights", "--ddp-gather-ahead", "1"])) == 1
     flags.check_shard_weights(parse(["--tiny", "--ddp", "--ddp-shard-weights"]))
+    flags.check_shard_weights(parse(["--tiny", "--ddp", "--ddp-shard-weights", "--gradient-checkpointing"]))
     for extra, why in ((["--no-ddp-shard-optimizer"], "which is off"), (["--fp8", "tensorwise"], "with --fp8"),
-                       (["--gradient-checkpointing"], "with --gradient-checkpointing"), (["--lora"], "with --lora")):
+                       (["--lora"], "with --lora")):
         with pytest.raises(SystemExit, match=f"^error: --ddp-shard-weights.*{why}[^\n]*$"):
             flags.check_shard_weights(parse(["--tiny", "--ddp", "--ddp-shard-weights", *extra]))
     monkeypatch.setenv("WORLD_SIZE", "1")

@@ -39,8 +39,9 @@ from kernel_ft import ddp
 # where autograd wrote it, as --ddp-shard-optimizer does: no copies. The slots are few
 # (ahead + 2 per shape, taken from NCCL's windows once, so the copy engines move the
 # gathers) and reused layer after layer. What it buys at 8B, 2 x 2,048 tokens per GPU on
-# H200s: 0.944-0.952x one GPU's tokens/s per GPU on 2 GPUs in 40.6 GiB, where FSDP2 keeps
-# 0.87-0.89x in 52.7-55.2 GiB, and 0.930x on 4 in 31.1 GiB against FSDP2's 0.829x.
+# H200s: 0.950x one GPU's tokens/s per GPU on 2 GPUs in 42.3 GiB, where FSDP2 keeps
+# 0.87-0.89x in 52.7-55.2 GiB; 0.956x against FSDP2's 0.881x with checkpointing; 0.930-0.938x
+# on 4 in 31.1 GiB against FSDP2's 0.829x.
 #
 # The one subtle part is what autograd keeps. A layer's forward saves its weights for
 # the backward (dx = dy W), and by then that slot holds another layer's weights. So

@@ -113,6 +113,7 @@ class GradientAverage:
 
     def _reset(self):
         self.made = {}  # the gradients this backward made, in the order it made them
+        self.filled = set()  # those made_by_now made (a gradient of one arriving later is an error)
         self.missing = [len(group) for group in self.groups] if self.groups else None
         self.next = 0  # the first group not averaged yet
         self.pending = []  # (work, what to do once it is done, or None)
@@ -131,6 +132,10 @@ class GradientAverage:
         if not self.active:
             return
         if p in self.made:
+            if p in self.filled:
+                raise RuntimeError(f"--ddp-shard-weights: the gradient of {self.names[p]} arrived after its decoder "
+                                   f"layer's backward was taken as over (a weight its layer shares with an earlier "
+                                   f"one?); leave --ddp-shard-weights out")
             raise RuntimeError(f"--ddp: {self.names[p]} received a second gradient in one averaged backward; a "
                                f"weight used by two backward passes of one micro-batch is not supported")
         self.made[p] = None
@@ -156,6 +161,7 @@ class GradientAverage:
                 continue
             if p.grad is None and not (self.released is not None and p in self.released.shape):
                 p.grad = torch.zeros_like(p)  # a released weight's zeros go straight to its reduce-scatter
+            self.filled.add(p)
             self._made(p)
 
     def learn_order(self):
@@ -242,9 +248,11 @@ class GradientAverage:
             # the end of backward: this stream waits for the reduce-scatter released.in_flight
             # gradients back (long done by then: no stall), so that only that many whole
             # gradients live at a time instead of every layer's. The wait is on the other
-            # processes too; it cannot wait for one that holds its averages back (a gradient
-            # its backward did not make, an MoE expert no token chose), because such a gradient
-            # is made as zeros two layers later (made_by_now), well within released.in_flight.
+            # processes too. A process whose backward did not make a gradient (an MoE expert no
+            # token chose) makes it as zeros two layers later (made_by_now) and averages on from
+            # there, in the same order: the others' waits are then on reduce-scatters it issues
+            # before it needs any gather they issue after those waits. (Past the last released
+            # layers nothing waits for a gather, and the rest may be held back to finish().)
             while len(self.in_flight) > self.released.in_flight:
                 self.in_flight.pop(0)[0].wait()
             return

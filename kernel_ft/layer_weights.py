@@ -220,9 +220,12 @@ class LayerWeights:
     def _before_forward(self, i, module, args):
         """Layer ``i``'s forward begins: it and the ``ahead`` after it gathered, its own
         waited for; with gradients, its saved tensors pass through _pack. In a backward
-        (checkpointing's recomputed forward): its own gather waited for, nothing else."""
+        (checkpointing's recomputed forward, after _before_backward gathered it): its own
+        gather waited for, nothing else."""
         if _in_backward():
-            self._gather(i)
+            if not self._checkpointed(module) or self.held[i] is None:
+                raise RuntimeError("--ddp-shard-weights: a decoder layer's forward ran inside a backward that did "
+                                   "not announce it (only non-reentrant --gradient-checkpointing is supported)")
             self._join(i)
             return
         if i == 0:  # a new forward: what an earlier one left held (one with no backward) goes back

@@ -169,8 +169,17 @@ def train_uneven(folder, rank, size, device):
     if rank == 1:
         model.model.layers[5].mlp.forward = lambda x: x * 0
     layer_weights.IN_FLIGHT_LAYERS = 1
+    ddp.PACKED_BYTES = PACKED_BYTES
     ddp.replicate_model(model, fsdp.World(rank, size, rank, device), shard_optimizer=True, gather_ahead=1,
                          copy_engines=True, embedding_rows=False, shard_weights=True)
+    average = model._gradient_average
+    most, average_piece = [0], average._average_piece
+
+    def counted(p):  # how many whole gradients wait for their reduce-scatters at once, eager steps included
+        average_piece(p)
+        most[0] = max(most[0], len(average.in_flight))
+
+    average._average_piece = counted
     optimizer = TritonAdamW(ddp.optimizer_parameters(model, [p for p in model.parameters() if p.requires_grad]),
                             lr=1e-3)
     ddp.attach_optimizer(model, optimizer)
@@ -182,7 +191,8 @@ def train_uneven(folder, rank, size, device):
                                       max_grad_norm=1.0)
         losses.append(loss.item())
     with open(os.path.join(folder, f"rank{rank}_uneven.json"), "w") as f:
-        json.dump({"losses": losses}, f)
+        json.dump({"losses": losses, "released": len(average.released.shape), "most_in_flight": most[0],
+                   "in_flight_cap": average.released.in_flight}, f)
 
 
 def main(folder):

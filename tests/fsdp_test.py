@@ -253,7 +253,10 @@ def test_ddp_pieces_equal_one_process_alone(tmp_path):
         pytest.skip("on GPUs the worker runs one process per GPU (NCCL): 2 needed")
     run_worker("ddp_pieces_worker.py", tmp_path)
     for rank in (0, 1):  # the uneven run finished its three steps (a hang fails run_worker's timeout)
-        assert len(json.loads((tmp_path / f"rank{rank}_uneven.json").read_text())["losses"]) == 3
+        uneven = json.loads((tmp_path / f"rank{rank}_uneven.json").read_text())
+        assert len(uneven["losses"]) == 3 and uneven["released"] == 35
+        # Eager steps too: at most one layer's whole gradients (7) wait for their reduce-scatters
+        assert uneven["in_flight_cap"] == 7 and 0 < uneven["most_in_flight"] <= 7
     runs = (("ahead0", 16, 5), ("ahead1", 16, 5), ("ahead1_lora", 24, 4), ("ahead1_release", 51, 15),
             ("ahead1_release_checkpointing", 51, 15))
     for run_name, split, whole in runs:

@@ -208,12 +208,14 @@ class LayerWeights:
             self._gather(i)
 
     # With --gradient-checkpointing a layer's forward saves nothing but its input, and its
-    # backward begins by running the forward again (HF's checkpointed __call__ runs these
-    # hooks both times). The weights gathered again for the backward are then in their slot
-    # while the recomputed forward saves its views and while the backward reads them, so
-    # no note is needed: the saved-tensor hooks stay out of both forwards (checkpointing's
-    # own are the ones that must see them), and the recomputed forward only waits for its
-    # gather.
+    # backward begins by running the forward again. The weights gathered again for the
+    # backward are then in their slot while the recomputed forward saves its views and
+    # while the backward reads them, so no note is needed: the saved-tensor hooks stay out
+    # of both forwards (checkpointing's own are the ones that must see them). Where HF
+    # checkpoints the layer's whole __call__ (transformers 5.17) these hooks run again in
+    # the recomputation, which then only waits for its gather; where it checkpoints the
+    # forward inside __call__ (5.24) they do not run again, and the weights are whole since
+    # _before_backward gathered them.
     def _checkpointed(self, module):
         return getattr(module, "gradient_checkpointing", False) and module.training
 

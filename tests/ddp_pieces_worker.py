@@ -14,7 +14,8 @@ capture, after a replay, after a failed capture), and after steps 2 and 3 a forw
 (an evaluation) must gather by itself what the step left stale; then gather_now. Writes
 FOLDER/rankN_aheadA[_lora|_release].json: the losses, norms and evaluation losses of both; the largest difference
 between the weights and the copy's, and between the two processes' weights; the moments' sizes. Then
-train_uneven (one process leaves an MLP unused) writes FOLDER/rankN_uneven.json.
+train_uneven (one process leaves an MLP unused, against the same with its output times 0) writes
+FOLDER/rankN_uneven.json.
 
 Usage (the test does this): torchrun --nproc-per-node 2 tests/ddp_pieces_worker.py FOLDER
 """
@@ -67,8 +68,10 @@ def train(folder, rank, size, ahead, device, lora, release=False, checkpointing=
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         for i, layer in enumerate(model.model.layers):
-            layer.register_forward_pre_hook(lambda m, a, i=i: recomputed.append(i) if layer_weights._in_backward()
-                                            else None)
+            # On its attention, not the layer: transformers >= 5.2x checkpoints the layer's forward
+            # inside its __call__, so the layer's own hooks do not run again; its modules' do.
+            layer.self_attn.register_forward_pre_hook(
+                lambda m, a, i=i: recomputed.append(i) if layer_weights._in_backward() else None)
     g = torch.Generator().manual_seed(7)
     steps = [torch.randint(0, 8192, (size, SEQ), generator=g) for _ in range(3)]  # row r: process r's
     held_out = batch_of(torch.randint(0, 8192, (2, SEQ), generator=g), device)
@@ -154,20 +157,32 @@ def train(folder, rank, size, ahead, device, lora, release=False, checkpointing=
         json.dump(report, f)
 
 
-def train_uneven(folder, rank, size, device):
-    """--ddp-shard-weights where one process's backward does not make some gradients (layer 5's
-    MLP unused on rank 1 only, as an MoE expert no token of its batch chose). Rank 1 would hold
-    its later averages back to the end of backward, and rank 0's stream, which waits for its
-    reduce-scatters one layer back (IN_FLIGHT_LAYERS = 1), would wait for rank 1 while rank 1
-    waits for rank 0's gathers; rank 1 makes those gradients as zeros two layers later instead
-    (GradientAverage.made_by_now). Three steps must finish (the test's timeout says if they
-    hang); writes their losses."""
+def train_uneven(rank, size, device, unused):
+    """--ddp-shard-weights where one process's backward does not make some gradients: layer 5's
+    MLP on rank 1, as an MoE expert no token of its batch chose, in both micro-batches of the
+    first step (no gradient at all) and in the second micro-batch of the next two (--grad-accum:
+    the gradient the first one made is the sum). Rank 1 would hold its later averages back to
+    the end of backward, and rank 0's stream, which waits for its reduce-scatters one layer back
+    (IN_FLIGHT_LAYERS = 1), would wait for rank 1 while rank 1 waits for rank 0's gathers; rank 1
+    makes those gradients two layers later instead (GradientAverage.made_by_now). ``unused``
+    False: the MLP runs and its output is multiplied by 0, so its gradients exist and are zeros,
+    the numbers made_by_now must give. Returns the losses, the weights after three steps and
+    what the run held."""
     torch.manual_seed(0)
     config = models.tiny_config()
     config.num_hidden_layers = 7
     model = LlamaForCausalLM(config).to(device)
+    skipped = iter([True, True, False, True, False, True])  # per micro-batch: does rank 1 skip the MLP?
     if rank == 1:
-        model.model.layers[5].mlp.forward = lambda x: x * 0
+        mlp = model.model.layers[5].mlp
+        forward = mlp.forward
+
+        def sometimes(x):
+            if next(skipped):
+                return x * 0 if unused else forward(x) * 0
+            return forward(x)
+
+        mlp.forward = sometimes
     layer_weights.IN_FLIGHT_LAYERS = 1
     ddp.PACKED_BYTES = PACKED_BYTES
     ddp.replicate_model(model, fsdp.World(rank, size, rank, device), shard_optimizer=True, gather_ahead=1,
@@ -186,13 +201,14 @@ def train_uneven(folder, rank, size, device):
     g = torch.Generator().manual_seed(7)
     losses = []
     for _ in range(3):
-        ids = torch.randint(0, 8192, (size, SEQ), generator=g)
-        loss, _ = training.train_step(model, optimizer, training.hf_loss, [batch_of(ids[rank:rank + 1], device)],
-                                      max_grad_norm=1.0)
+        ids = torch.randint(0, 8192, (2 * size, SEQ), generator=g)  # rows 2r and 2r + 1: process r's micro-batches
+        micro_batches = [batch_of(ids[2 * rank + k:2 * rank + k + 1], device) for k in (0, 1)]
+        loss, _ = training.train_step(model, optimizer, training.hf_loss, micro_batches, max_grad_norm=1.0)
         losses.append(loss.item())
-    with open(os.path.join(folder, f"rank{rank}_uneven.json"), "w") as f:
-        json.dump({"losses": losses, "released": len(average.released.shape), "most_in_flight": most[0],
-                   "in_flight_cap": average.released.in_flight}, f)
+    ddp.gather_now(model)
+    weights = torch.cat([p.detach().reshape(-1).float().cpu() for p in model.parameters()])
+    return losses, weights, {"released": len(average.released.shape), "most_in_flight": most[0],
+                             "in_flight_cap": average.released.in_flight}
 
 
 def main(folder):
@@ -210,7 +226,11 @@ def main(folder):
                                                 (1, True, False, False), (1, False, True, False),
                                                 (1, False, True, True)):
         train(folder, rank, size, ahead, device, lora, release, checkpointing)
-    train_uneven(folder, rank, size, device)
+    losses, weights, held = train_uneven(rank, size, device, unused=True)
+    zero_losses, zero_weights, _ = train_uneven(rank, size, device, unused=False)
+    with open(os.path.join(folder, f"rank{rank}_uneven.json"), "w") as f:
+        json.dump({"losses": losses, "zero_losses": zero_losses,
+                   "worst_vs_zeros": (weights - zero_weights).abs().max().item(), **held}, f)
     fsdp.close_distributed()  # NCCL's windows deregistered before the group goes
 
 

@@ -255,6 +255,9 @@ def test_ddp_pieces_equal_one_process_alone(tmp_path):
     for rank in (0, 1):  # the uneven run finished its three steps (a hang fails run_worker's timeout)
         uneven = json.loads((tmp_path / f"rank{rank}_uneven.json").read_text())
         assert len(uneven["losses"]) == 3 and uneven["released"] == 35
+        # The gradients it did not make (none in a step, or only an earlier micro-batch's) are
+        # the numbers the same MLP gives with its output times 0: the same losses and weights.
+        assert uneven["losses"] == uneven["zero_losses"] and uneven["worst_vs_zeros"] == 0.0
         # Eager steps too: at most one layer's whole gradients (7) wait for their reduce-scatters
         assert uneven["in_flight_cap"] == 7 and 0 < uneven["most_in_flight"] <= 7
     runs = (("ahead0", 16, 5), ("ahead1", 16, 5), ("ahead1_lora", 24, 4), ("ahead1_release", 51, 15),

@@ -242,8 +242,9 @@ def test_ddp_pieces_equal_one_process_alone(tmp_path):
     order: a backward finds its weights in another slot than its forward did; leaving the
     saved-tensor notes out changes the clipped norms by up to 32%; one layer's MLP unused, so
     its weights get no gradient; again with checkpointing, each layer's forward run again in
-    its backward from the weights gathered again; and a run where one process alone leaves an
-    MLP unused, which must not hang), the same weights, the same on
+    its backward from the weights gathered again; and runs where one process alone leaves an
+    MLP unused, also in one micro-batch of two, which must not hang and must give the numbers
+    of that MLP's output times 0), the same weights, the same on
     both processes; AdamW's moments hold a piece each; evaluations between the steps, after
     the CUDA-graph runner's calls, gather the stale pieces by themselves; on GPUs the weights
     live in NCCL's windows and are gathered by the copy engines. Adam moves every element by

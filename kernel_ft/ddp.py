@@ -159,10 +159,15 @@ class GradientAverage:
         for p in params:
             if p in self.made:
                 continue
-            if p.grad is None and not (self.released is not None and p in self.released.shape):
-                p.grad = torch.zeros_like(p)  # a released weight's zeros go straight to its reduce-scatter
+            self._zeros_if_missing(p)
             self.filled.add(p)
             self._made(p)
+
+    def _zeros_if_missing(self, p):
+        """A gradient this backward did not make is zeros; a released weight's zeros go
+        straight to its reduce-scatter (its memory is empty: _average_piece makes them)."""
+        if p.grad is None and not self._released(p):
+            p.grad = torch.zeros_like(p)
 
     def learn_order(self):
         """The groups, in the order rank 0's backward made the gradients (then those it did
@@ -236,7 +241,7 @@ class GradientAverage:
         process's piece of the gradient becomes the average of every process's piece
         there (NCCL in place: the output is the input's piece at offset rank). The rest of
         p.grad stays this process's own sum (on gloo, divided by N)."""
-        if self.released is not None and p in self.released.shape:  # the piece's gradient, a buffer of its own
+        if self._released(p):  # the piece's gradient, a buffer of its own
             piece = self.pieces[p]
             grad = p.grad if p.grad is not None else piece.new_zeros(self._shape(p))  # one this backward never made
             if not grad.is_contiguous():
@@ -297,9 +302,8 @@ class GradientAverage:
                 one_count = counts[0].item() == -counts[1].item()
                 self.rows_checked = all_agree(one_count and self._only_rows_seen())
         for group in self.groups[self.next:]:
-            for p in group:  # a released weight's zeros go straight to its reduce-scatter (its memory is empty)
-                if p.grad is None and not (self.released is not None and p in self.released.shape):
-                    p.grad = torch.zeros_like(p)
+            for p in group:
+                self._zeros_if_missing(p)
             self._average(group)
         for work, then in self.pending:
             work.wait()  # on NCCL: this stream waits for NCCL's; the host does not wait
@@ -310,9 +314,13 @@ class GradientAverage:
         if self.released is not None:  # the last layers' weights, kept for this backward, go back
             self.released.release_all()
 
+    def _released(self, p):
+        """Whether --ddp-shard-weights keeps ``p`` as a piece between uses (its memory empty)."""
+        return self.released is not None and p in self.released.shape
+
     def _shape(self, p):
         """``p``'s whole shape (--ddp-shard-weights: a released weight's memory is empty)."""
-        return self.released.shape[p] if self.released is not None and p in self.released.shape else p.shape
+        return self.released.shape[p] if self._released(p) else p.shape
 
 
 def piece_of(t, rank, size):

@@ -403,31 +403,46 @@ def _norm_block(n, programs):
     return interpreter_block(n, 4 * programs, NORM_BLOCK) if INTERPRET else NORM_BLOCK
 
 
+def norm_programs(device):
+    """The most programs one tensor's sum of squares takes on ``device``: the width of a
+    row of partial sums (sum_of_squares_into)."""
+    return num_sms(device) * NORM_PROGRAMS_PER_SM
+
+
+def sum_of_squares_into(g, row):
+    """``g``'s sum of squares in float32 as partial sums, one per program, in the first
+    slots of ``row`` (float32, norm_programs wide, zeros beyond what g's grid writes):
+    ``row.sum()`` is the sum. Asynchronous like any launch, on the current stream."""
+    programs = max(1, min(row.numel(), cdiv(g.numel(), NORM_BLOCK)))
+    _sum_squares_kernel[(programs,)](g, row, g.numel(), BLOCK=_norm_block(g.numel(), programs), num_warps=NORM_WARPS)
+
+
 def sums_of_squares(grads):
     """Each tensor's sum of squares in float32 (this file's kernel): a tensor [len(grads)]."""
     check_kernel_device(*grads)
     grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
     device = grads[0].device
-    most = num_sms(device) * NORM_PROGRAMS_PER_SM
-    grid = [max(1, min(most, cdiv(g.numel(), NORM_BLOCK))) for g in grads]
+    widest = max(min(norm_programs(device), cdiv(g.numel(), NORM_BLOCK)) for g in grads)
     # One row of slots per tensor; the slots a smaller grid leaves are zeros.
-    partials = torch.zeros(len(grads), max(grid), dtype=torch.float32, device=device)
-    for row, (g, programs) in enumerate(zip(grads, grid)):
-        _sum_squares_kernel[(programs,)](g, partials[row], g.numel(), BLOCK=_norm_block(g.numel(), programs),
-                                         num_warps=NORM_WARPS)
+    partials = torch.zeros(len(grads), max(1, widest), dtype=torch.float32, device=device)
+    for row, g in enumerate(grads):
+        sum_of_squares_into(g, partials[row])
     return partials.sum(dim=1)
 
 
-def gradient_norm(grads, add_up=None):
+def gradient_norm(grads, add_up=None, sums=None):
     """The L2 norm of all ``grads`` (tensors on one device), as
     ``torch.nn.utils.get_total_norm(grads)`` computes it: the norm of each tensor in
     float32, rounded to the tensor's dtype, then the norm of those norms. A tensor.
     The sums of squares are this file's kernel; the few ops after it are PyTorch's.
     ``add_up(sums)``: where some of ``grads`` are pieces of a tensor split over
-    processes (--ddp-shard-optimizer), their sums added up over the processes."""
+    processes (--ddp-shard-optimizer), their sums added up over the processes.
+    ``sums``: each tensor's sum of squares where the caller has them already (a tensor
+    [len(grads)]; --ddp-shard-optimizer sums the pieces beside backward)."""
     if not grads:
         return torch.tensor(0.0)
-    sums = sums_of_squares(grads)
+    if sums is None:
+        sums = sums_of_squares(grads)
     if add_up is not None:
         sums = add_up(sums)
     norms = sums.sqrt()
@@ -558,7 +573,9 @@ class TritonAdamW(torch.optim.Optimizer):
             # full_tensor() adds them up across processes: the global norm.
             return torch.nn.utils.get_total_norm(grads, 2.0).full_tensor()
         add_up = getattr(self, "add_up_pieces", None)
-        return gradient_norm(grads, None if add_up is None else functools.partial(add_up, params))
+        made = getattr(self, "sums_of_squares", None)  # --ddp-shard-optimizer: the pieces' sums, made in backward
+        return gradient_norm(grads, None if add_up is None else functools.partial(add_up, params),
+                             None if made is None else made(params))
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm):

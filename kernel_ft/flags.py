@@ -321,7 +321,8 @@ def add_fsdp_arg(group):
         help="for a model that fits one GPU: a full copy on every process of torchrun, each gradient averaged "
              "in place while backward runs (no weight gathers); --batch-size is per "
              "process; rank 0 writes the checkpoints (--output-dir) as one process does. Under torchrun "
-             "without --fsdp or --ddp the run picks one: --ddp where the model's state fits in 80%% of a GPU",
+             "without --fsdp or --ddp the run picks one: --ddp where the model's state fits in 80%% of a GPU, "
+             "else --ddp --ddp-shard-weights where its state does, else --fsdp",
     )
     group.add_argument(
         "--ddp-bucket-mb", type=positive_int, default=DDP_BUCKET_MB,
@@ -735,15 +736,23 @@ def check_shard_weights(args):
     anything is built."""
     if not (getattr(args, "ddp_shard_weights", False) and getattr(args, "ddp", False)):
         return
-    flag = "error: --ddp-shard-weights"
+    why = shard_weights_refusal(args)
+    if why:
+        raise SystemExit(f"error: --ddp-shard-weights {why}")
+
+
+def shard_weights_refusal(args):
+    """Why --ddp-shard-weights cannot run with these flags (completing "--ddp-shard-weights
+    ..."), or None: also what keeps the choice of a mode under torchrun from taking it."""
     if not shards_optimizer(args):
-        raise SystemExit(f"{flag} shards the pieces --ddp-shard-optimizer makes, which is off (it needs the Triton "
-                         f"AdamW and no --compile); add --ddp-shard-optimizer or leave --ddp-shard-weights out")
+        return ("shards the pieces --ddp-shard-optimizer makes, which is off (it needs the Triton AdamW and no "
+                "--compile); add --ddp-shard-optimizer or leave --ddp-shard-weights out")
     if getattr(args, "lora", False):
-        raise SystemExit(f"{flag} with --lora is not implemented: the frozen weights are not split into pieces, "
-                         f"only trained ones are; leave it out")
+        return ("with --lora is not implemented: the frozen weights are not split into pieces, only trained ones "
+                "are; leave it out")
     if getattr(args, "fp8", None):
-        raise SystemExit(f"{flag} with --fp8 is not implemented; leave one out")
+        return "with --fp8 is not implemented; leave one out"
+    return None
 
 
 def check_output_flags(args):

@@ -24,6 +24,7 @@ is spread over N processes, and what that costs.
 Every rank trains; rank 0 alone prints and writes. Nothing runs on import.
 """
 
+import argparse
 import math
 import os
 import sys
@@ -130,22 +131,43 @@ def replica_memory(args):
     """(bytes a whole copy of the model holds before any activation, bytes of this
     process's device, the device in words): what --ddp needs per process, and what it
     has. With --lora only the adapters train: the frozen weights alone count; with the
-    pieces (--ddp-shard-optimizer, on by default where it applies) 1/N of AdamW's. The
-    device's whole memory, not what is free now: every process must make the same
-    choice (they have no process group yet to agree on one), and the free memory of
-    two GPUs of one host can differ by what else runs on them."""
-    on_gpu = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_gpu else torch.device("cpu")
+    pieces (--ddp-shard-optimizer, on by default where it applies) 1/N of AdamW's."""
     config = models.tiny_config() if args.tiny else models.config_for(args.model)
-    weights = models.parameter_count(config) * models.weights_dtype(args, device).itemsize
+    weights = models.parameter_count(config) * models.weights_dtype(args, _this_device()).itemsize
     lora = getattr(args, "lora", False)
     need = weights if lora else int(replica_state_copies(args, flags.processes_started()) * weights)
-    if on_gpu:
+    return (need, *device_memory())
+
+
+def shard_weights_memory(args):
+    """What each process would hold under --ddp --ddp-shard-weights before any activation,
+    in bytes (layer_weights.state_bytes), for the same comparison as replica_memory's."""
+    from kernel_ft import layer_weights  # it builds on ddp's collectives, which import this file's neighbours
+
+    config = models.tiny_config() if args.tiny else models.config_for(args.model)
+    itemsize = models.weights_dtype(args, _this_device()).itemsize
+    ahead = flags.gather_ahead(argparse.Namespace(**{**vars(args), "ddp_shard_weights": True}))
+    return layer_weights.state_bytes(models.meta_model(config), flags.processes_started(), itemsize, ahead,
+                                     accumulate=getattr(args, "grad_accum", 1) > 1)
+
+
+def _this_device():
+    on_gpu = torch.cuda.is_available()
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_gpu else torch.device("cpu")
+
+
+def device_memory():
+    """(bytes, in words) of this process's device: the whole memory, not what is free
+    now, as every process must make the same choice (they have no process group yet to
+    agree on one), and the free memory of two GPUs of one host can differ by what else
+    runs on them."""
+    device = _this_device()
+    if device.type == "cuda":
         properties = torch.cuda.get_device_properties(device)
-        return need, properties.total_memory, f"of an {properties.name}"
+        return properties.total_memory, f"of an {properties.name}"
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)  # processes of this host share its RAM
     total = models.available_ram("MemTotal")
-    return need, (total or 0) // local, f"of host memory per process ({local} on this host)"
+    return (total or 0) // local, f"of host memory per process ({local} on this host)"
 
 
 # --fsdp-comm: where FSDP2's all-gather buffers live. copy-engines (the default where it

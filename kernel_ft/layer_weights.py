@@ -14,7 +14,7 @@ their gradients. Nothing runs on import.
 import contextlib
 import functools
 
-import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
+import kernel_common  # first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
 
 import torch
 
@@ -68,6 +68,37 @@ from kernel_ft import ddp
 # one's backward, and the first averaged backward (which learns the order) averages them
 # all at its end.
 IN_FLIGHT_LAYERS = 8
+
+
+def state_bytes(model, processes, itemsize, ahead, accumulate=False):
+    """What each of ``processes`` holds under --ddp-shard-weights before any activation,
+    in bytes, for full fine-tuning of ``model`` (built on the meta device is enough) in
+    weights of ``itemsize`` bytes: the choice of a mode under torchrun (run.choose_parallel)
+    reads it. The same selection as ShardedUpdate and LayerWeights make:
+    - a released weight (a split weight of a decoder layer past the first ahead + 1): its
+      piece, its gradient's piece and its two moments' pieces, 4/N of its bytes;
+    - another split weight (the embeddings, the first layers): whole, with its whole
+      gradient, and 1/N of each moment, 2 + 2/N;
+    - the rest (norms, small weights): 4 copies, as on one GPU;
+    - the slots, ahead + 2 of the largest released layer, and the whole gradients waiting
+      for their reduce-scatters: IN_FLIGHT_LAYERS layers', or with ``accumulate``
+      (--grad-accum) every released layer's, which add up until the last micro-batch.
+    Measured against it (NOTES.md, Step 19): a Qwen2 of 32B's shape over 4 GPUs, ~80 GiB by
+    this count, peaked at 86.2 GiB with checkpointing's activations."""
+    layers = list(kernel_common.decoder_of(model).layers)
+    ahead = max(ahead, 1)
+    released = {layer: [p for p in layer.parameters() if ddp.splits(p, processes, itemsize)]
+                for layer in layers[ahead + 1:]}
+    in_layers = {p for weights in released.values() for p in weights}
+    total = 0.0
+    for p in model.parameters():  # each once, tied weights too
+        size = p.numel() * itemsize
+        total += size * (4 / processes if p in in_layers else
+                         2 + 2 / processes if ddp.splits(p, processes, itemsize) else 4)
+    layer_bytes = [sum(p.numel() for p in weights) * itemsize for weights in released.values()]
+    largest = max(layer_bytes, default=0)
+    whole_gradients = sum(layer_bytes) if accumulate else IN_FLIGHT_LAYERS * largest
+    return int(total + (ahead + 2) * largest + whole_gradients)
 
 
 def _in_backward():

@@ -422,10 +422,15 @@ def available_ram(field="MemAvailable"):
     return None
 
 
-def parameter_count(config):
-    """The number of parameters of ``config``'s model, built on the meta device (no memory)."""
+def meta_model(config):
+    """``config``'s model built on the meta device: its shapes, no memory."""
     with torch.device("meta"):
-        return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        return AutoModelForCausalLM.from_config(config)
+
+
+def parameter_count(config):
+    """The number of parameters of ``config``'s model (built on the meta device)."""
+    return sum(p.numel() for p in meta_model(config).parameters())
 
 
 def weights_dtype(args, device):

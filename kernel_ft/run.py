@@ -177,11 +177,13 @@ def print_parallel_choice(settings):
 
 
 def choose_parallel(settings):
-    """torchrun started several processes and neither --fsdp nor --ddp was given: a
-    whole copy per process (--ddp, no weight gathers) where the model's state fits this
-    device with room for activations (fsdp.REPLICA_SHARE of its memory), else --fsdp.
-    Returns the settings with the choice, and with the line that says why in
-    ``parallel_choice`` (printed at the start, kept in the JSON)."""
+    """torchrun started several processes and neither --fsdp nor --ddp was given. The
+    fastest mode whose state fits this device with room for activations (fsdp.REPLICA_SHARE
+    of its memory), measured in this order (NOTES.md, Step 19): a whole copy per process
+    (--ddp, no weight gathers); the decoder layers' weights sharded too (--ddp
+    --ddp-shard-weights, where it applies); else --fsdp. --ddp-shard-weights given alone
+    skips the whole copy. Returns the settings with the choice, and with the line that
+    says why in ``parallel_choice`` (printed at the start, kept in the JSON)."""
     processes = flags.processes_started()
     if settings.fsdp or settings.ddp or processes == 1:
         return settings
@@ -190,16 +192,32 @@ def choose_parallel(settings):
         raise SystemExit(f"error: WORLD_SIZE is {processes} but {', '.join(missing)} not set: start the processes "
                          f"with torchrun --nproc-per-node {processes} {os.path.basename(sys.argv[0])} ...")
     need, memory, where = fsdp.replica_memory(settings)
+    room = fsdp.REPLICA_SHARE * memory
+    gib = lambda n: f"~{n / 2**30:.2f} GiB"  # noqa: E731 - a local format
     held = ("frozen weights" if getattr(settings, "lora", False) else "weights, gradients and AdamW state"
             if fsdp.replica_state_copies(settings, processes) == fsdp.REPLICA_STATE_COPIES
             else f"weights, gradients and 1/{processes} of AdamW state")
-    replicate = need <= fsdp.REPLICA_SHARE * memory
-    why = (f"torchrun started {processes} processes without --fsdp or --ddp, so "
-           f"{'--ddp: a whole copy per process' if replicate else '--fsdp: the model sharded over them'} "
-           f"(its {held}, ~{need / 2**30:.2f} GiB, {'fit in' if replicate else 'exceed'} "
-           f"{fsdp.REPLICA_SHARE:.0%} of the {memory / 2**30:.1f} GiB {where}); pass "
-           f"{'--fsdp to shard it' if replicate else '--ddp to copy it whole anyway'}")
-    chosen = settings.but(fsdp=not replicate, ddp=replicate, parallel_choice=why)
+    asked_pieces = getattr(settings, "ddp_shard_weights", False)
+    applies = flags.shard_weights_refusal(settings.but(ddp=True, ddp_shard_weights=True)) is None
+    replicate = need <= room and not (asked_pieces and applies)
+    sharded = fsdp.shard_weights_memory(settings) if applies and not replicate else None
+    pieces = sharded is not None and sharded <= room
+    start = f"torchrun started {processes} processes without --fsdp or --ddp, so "
+    share = f"{fsdp.REPLICA_SHARE:.0%} of the {memory / 2**30:.1f} GiB {where}"
+    if replicate:
+        why = (f"{start}--ddp: a whole copy per process (its {held}, {gib(need)}, fit in {share}); pass --fsdp to "
+               f"shard it")
+    elif pieces:
+        whole = "--ddp-shard-weights was given" if asked_pieces else f"a whole copy's {held}, {gib(need)}, exceed"
+        why = (f"{start}--ddp --ddp-shard-weights: each process keeps 1/{processes} of the decoder layers' "
+               f"weights, whole only around their use ({gib(sharded)} of state per process, which fits in {share}; "
+               f"{whole}); pass --fsdp for FSDP2")
+    else:
+        also = f", and --ddp-shard-weights' {gib(sharded)}," if sharded is not None else ""
+        why = (f"{start}--fsdp: the model sharded over them (its {held}, {gib(need)}{also} exceed {share}); pass "
+               f"--ddp to copy it whole anyway")
+    chosen = settings.but(fsdp=not (replicate or pieces), ddp=replicate or pieces,
+                          ddp_shard_weights=asked_pieces or pieces, parallel_choice=why)
     check_model_flags(chosen)  # what the chosen mode refuses (FP8, the optimizer in backward)
     return chosen.noted(*flags.idle_parallel_flags(chosen))
 

@@ -237,7 +237,8 @@ def test_ddp_pieces_equal_one_process_alone(tmp_path):
     as one process does at batch 2, gathering all during the optimizer step or one layer
     ahead (with the input embedding's gradient averaged over the rows of the step's ids
     only, --ddp-embedding-rows), and LoRA adapters split the same way (the model frozen): the same losses and
-    gradient norms (each norm adds up both processes' pieces), and with --ddp-shard-weights
+    gradient norms (each norm adds up both processes' pieces, each piece's sum of squares made
+    beside backward), and with --ddp-shard-weights
     (5 of 7 layers whose weights are whole only in use, through 3 slots handed out in shuffled
     order: a backward finds its weights in another slot than its forward did; leaving the
     saved-tensor notes out changes the clipped norms by up to 32%; one layer's MLP unused, so
@@ -280,6 +281,10 @@ def test_ddp_pieces_equal_one_process_alone(tmp_path):
             # The embedding's rows in all three steps (the first backward checks, before its
             # averages, that no other row is used); LoRA: the embedding does not train.
             assert r["rows_averaged"] == (3 if run_name.startswith("ahead1") and "lora" not in run_name else 0)
+            # Each step's norm took every piece's sum of squares from backward (GradientAverage._sum_beside),
+            # but the embedding's where its rows were averaged (written back at backward's end); the norms
+            # above match one process's, so those sums were of the averaged pieces.
+            assert r["sums_from_backward"] == 3 * r["split"] - r["rows_averaged"]
             if "release" in run_name:  # between the steps no layer's weights have memory; every slot is back
                 assert r["released"] == 35 and r["whole_between_steps"] == [0, 0, 0]
                 assert list(r["slots"].values()) == [3]
@@ -508,6 +513,11 @@ def test_torchrun_without_fsdp_or_ddp_chooses_from_memory(monkeypatch):
                                              "state, ~")
     assert "--fsdp-prefetch without --fsdp changes nothing" in chosen._notes
     assert fsdp.replica_memory(chosen)[0] == 3 * weights
+    from kernel_ft import layer_weights  # float32 on the CPU, 2 layers ahead by default, no --grad-accum
+
+    tiny_meta = models.meta_model(models.tiny_config())
+    assert fsdp.shard_weights_memory(chosen) == layer_weights.state_bytes(tiny_meta, 2, 4, 2)
+    assert fsdp.shard_weights_memory(choose("--grad-accum", "2")) == layer_weights.state_bytes(tiny_meta, 2, 4, 2, True)
     whole = choose("--no-ddp-shard-optimizer")  # weights, gradients, both moments whole
     assert whole.ddp and "(its weights, gradients and AdamW state, ~" in whole.parallel_choice
     assert fsdp.replica_memory(whole)[0] == fsdp.REPLICA_STATE_COPIES * weights
@@ -515,10 +525,31 @@ def test_torchrun_without_fsdp_or_ddp_chooses_from_memory(monkeypatch):
     assert fsdp.replica_memory(choose())[0] == int(2.5 * weights)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(fsdp, "replica_memory", lambda args: (10 * 2**30, 12 * 2**30, "here"))
+    # A whole copy does not fit: --ddp-shard-weights where its state does (and it applies) ...
+    monkeypatch.setattr(fsdp, "shard_weights_memory", lambda args: 9 * 2**30)
+    chosen = choose()
+    assert chosen.ddp and chosen.ddp_shard_weights and not chosen.fsdp
+    assert ("so --ddp --ddp-shard-weights: each process keeps 1/2 of the decoder layers' weights, whole only around "
+            "their use (~9.00 GiB of state per process, which fits in 80% of the 12.0 GiB here; a whole copy's "
+            "weights, gradients and 1/2 of AdamW state, ~10.00 GiB, exceed); pass --fsdp") in chosen.parallel_choice
+    for where_it_does_not_apply in (["--lora"], ["--no-ddp-shard-optimizer"]):  # (--fp8: no CPU runs it)
+        assert choose(*where_it_does_not_apply).fsdp
+    # ... else --fsdp, the line giving both.
+    monkeypatch.setattr(fsdp, "shard_weights_memory", lambda args: 10 * 2**30)
     chosen = choose("--ddp-bucket-mb", "50")
     assert chosen.fsdp and not chosen.ddp and "--ddp-bucket-mb without --ddp changes nothing" in chosen._notes
-    assert ("so --fsdp: the model sharded over them (its weights, gradients and 1/2 of AdamW state, ~10.00 GiB, "
-            "exceed 80% of the 12.0 GiB here); pass --ddp") in chosen.parallel_choice
+    assert ("so --fsdp: the model sharded over them (its weights, gradients and 1/2 of AdamW state, ~10.00 GiB, and "
+            "--ddp-shard-weights' ~10.00 GiB, exceed 80% of the 12.0 GiB here); pass --ddp") in chosen.parallel_choice
+    # --ddp-shard-weights given without a mode: taken over a whole copy that would fit.
+    monkeypatch.setattr(fsdp, "replica_memory", lambda args: (1 * 2**30, 12 * 2**30, "here"))
+    monkeypatch.setattr(fsdp, "shard_weights_memory", lambda args: 2**29)
+    asked = choose("--ddp-shard-weights")
+    assert asked.ddp and asked.ddp_shard_weights and "--ddp-shard-weights was given" in asked.parallel_choice
+    assert choose().ddp and not choose().ddp_shard_weights
+    with pytest.raises(SystemExit, match="^error: --ddp-shard-weights with --lora is not implemented"):
+        choose("--ddp-shard-weights", "--lora")  # asked for where it cannot run: its own refusal
+    monkeypatch.setattr(fsdp, "replica_memory", lambda args: (10 * 2**30, 12 * 2**30, "here"))
+    monkeypatch.setattr(fsdp, "shard_weights_memory", lambda args: 10 * 2**30)
     with pytest.raises(SystemExit, match="^error: --optimizer-in-backward.*with --fsdp that is not implemented"):
         choose("--optimizer-in-backward", "--max-grad-norm", "0")
     # LLaMA-3.1-8B on an 80 GB H100 (81,559 MiB): 4 x 8.03e9 bf16 values, 59.8 GiB, run whole as on one GPU.
@@ -527,6 +558,33 @@ def test_torchrun_without_fsdp_or_ddp_chooses_from_memory(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE")  # one process: nothing to choose
     alone = choose()
     assert not alone.fsdp and not alone.ddp and alone.parallel_choice is None
+
+
+def test_shard_weights_memory_counts_what_each_process_holds():
+    """layer_weights.state_bytes, which the choice above reads, against the arithmetic of
+    LLaMA-3.1-8B's shapes (its bundled config, built on the meta device): 2 layers ahead,
+    so layers 0-2 and the embeddings stay whole with 1/N of their moments, layers 3-31
+    keep 4/N of their matrices, the norms 4 copies, and 2 + 2 slots plus 8 layers'
+    gradients in flight, or every released layer's with --grad-accum."""
+    from kernel_ft import layer_weights
+
+    config = models.config_for("meta-llama/Llama-3.1-8B")
+    hidden, mlp, kv = config.hidden_size, config.intermediate_size, config.num_key_value_heads * config.head_dim
+    layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * mlp  # q, o; k, v; gate, up, down
+    embeddings = 2 * config.vocab_size * hidden  # input and output, not tied
+    norms = (2 * config.num_hidden_layers + 1) * hidden
+    model = models.meta_model(config)
+    for n in (2, 4):
+        kept, released = embeddings + 3 * layer, (config.num_hidden_layers - 3) * layer
+        expected = 2 * (kept * (2 + 2 / n) + released * 4 / n + norms * 4 + (4 + 8) * layer)
+        assert layer_weights.state_bytes(model, n, 2, 2) == int(expected)
+        accumulated = expected - 2 * 8 * layer + 2 * released
+        assert layer_weights.state_bytes(model, n, 2, 2, accumulate=True) == int(accumulated)
+    # 1 layer ahead keeps 2 whole; 3 processes split no embedding (128,256 x 4,096 is not divisible by 3).
+    assert layer_weights.state_bytes(model, 2, 2, 1) == int(
+        2 * ((embeddings + 2 * layer) * 3 + (config.num_hidden_layers - 2) * layer * 2 + norms * 4 + (3 + 8) * layer))
+    three = layer_weights.state_bytes(model, 3, 2, 2)
+    assert three > int(2 * embeddings * 4)
 
 
 def test_ddp_compiled_matches_one_process(full, tmp_path):

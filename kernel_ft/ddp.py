@@ -29,7 +29,7 @@ import kernel_common  # first: the Triton interpreter switch (no GPU: TRITON_INT
 
 import torch
 
-from adamw_kernel import norm_programs, sum_of_squares_into, sums_of_squares
+from adamw_kernel import BackwardSums
 from kernel_ft import flags
 
 
@@ -99,10 +99,7 @@ class GradientAverage:
         self.names = {p: name for name, p in model.named_parameters()}
         self.groups = None  # made at the end of the first averaged backward (learn_order)
         self.active = False
-        # --ddp-shard-optimizer: each piece's sum of squares for the gradient norm, made beside
-        # backward (_sum_beside): one row of partial sums per piece, the pieces summed in the
-        # last averaged backward, and the stream the sums run on.
-        self.sums, self.sum_row, self.summed, self.sum_stream = None, {}, set(), None
+        self.backward_sums = None  # --ddp-shard-optimizer: the pieces' sums of squares (ShardedUpdate.attach)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._made)
         # --ddp-embedding-rows: the input embedding's weight, whose gradient is averaged over
@@ -271,27 +268,20 @@ class GradientAverage:
         self.pending.append((self._launch_average(reduce_scatter, p.grad.view(-1), mine), None))
         self._sum_beside(self.pending[-1][0], self.pieces[p])
 
-    # The gradient norm's first pass beside backward. Clipping needs the norm of every
-    # gradient, so after backward the optimizer reads each piece once more for its sum of
-    # squares (adamw_kernel.gradient_norm): at 8B on 2 GPUs 2.4 ms, with nothing beside it,
-    # between the last reduce-scatter and AdamW. A piece's average is final once its
-    # reduce-scatter is done, long before backward ends: so its sum is made then, on a
-    # stream of its own that waits for that reduce-scatter only, while backward goes on; the
-    # optimizer finds it made (ShardedUpdate._sums_of_squares). The input embedding's rows
-    # (written back at the end, finish) are summed by the optimizer as before.
+    # The gradient norm's first pass beside backward (adamw_kernel.BackwardSums): a piece's
+    # average is final once its reduce-scatter is done, long before backward ends, so its
+    # sum of squares is made then, on the sums' stream, which waits for that reduce-scatter
+    # only. What it buys at 8B on 2 GPUs: 2.4 ms of norm after backward, on the critical
+    # path (NOTES.md, Step 19). The input embedding's rows, written back at the end
+    # (finish), are summed by the optimizer as before.
     def _sum_beside(self, work, piece):
-        """``piece.grad``'s sum of squares once ``work`` (its reduce-scatter) is done, into
-        the piece's row of partial sums: on GPUs on sum_stream, here on the host's gloo
-        after waiting for it."""
-        if self.sums is None:  # the first averaged backward, eager: one row per piece
-            device = piece.device
-            self.sum_row = {q: i for i, q in enumerate(self.pieces.values())}
-            self.sums = torch.zeros(len(self.sum_row), norm_programs(device), dtype=torch.float32, device=device)
-            self.sum_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        with torch.cuda.stream(self.sum_stream) if self.sum_stream is not None else contextlib.nullcontext():
-            work.wait()  # on NCCL: this stream waits for the reduce-scatter's; on gloo the host waits
-            sum_of_squares_into(piece.grad, self.sums[self.sum_row[piece]])
-        self.summed.add(piece)
+        """``piece.grad``'s sum of squares once ``work`` (its reduce-scatter) is done: on
+        GPUs the sums' stream waits for it; on gloo the host does."""
+        if self.backward_sums is None:
+            return
+        with self.backward_sums.beside():
+            work.wait()
+            self.backward_sums.add(piece, piece.grad)
 
     def _average_rows(self, p):
         """--ddp-embedding-rows: the rows of ``p.grad`` at every process's ids averaged (an
@@ -340,8 +330,8 @@ class GradientAverage:
                 then()
         for work, _ in self.in_flight:
             work.wait()
-        if self.sum_stream is not None:  # the sums beside backward are done before anything reads them
-            torch.cuda.current_stream().wait_stream(self.sum_stream)
+        if self.backward_sums is not None:  # a capture ends with every stream it forked joined
+            self.backward_sums.join()
         if self.released is not None:  # the last layers' weights, kept for this backward, go back
             self.released.release_all()
 
@@ -556,13 +546,13 @@ class ShardedUpdate:
         """The optimizer's gradient norm adds up the pieces' sums over the processes; its
         zero_grad frees the whole gradients too; its step makes the weights stale."""
         optimizer.add_up_pieces = self._add_up
-        optimizer.sums_of_squares = self._sums_of_squares
-        self.sums_from_backward = 0  # the pieces' sums the norms took from backward (tests)
+        pieces = list(self.average.pieces.values())
+        if pieces:  # their sums of squares made beside backward (GradientAverage._sum_beside)
+            self.average.backward_sums = optimizer.backward_sums = BackwardSums(pieces, pieces[0].device)
         zero_grad = optimizer.zero_grad
 
         def zero_grad_and_whole(set_to_none=True):
             zero_grad(set_to_none=set_to_none)
-            self.average.summed.clear()  # those gradients are gone
             for p in self.average.pieces:  # backward must start from nothing, not from last step's sums
                 if set_to_none:
                     p.grad = None
@@ -612,29 +602,6 @@ class ShardedUpdate:
         shared = sums.index_select(0, rows)
         torch.distributed.all_reduce(shared)
         return sums.index_copy(0, rows, shared)
-
-    def _sums_of_squares(self, params):
-        """Each of ``params``' gradient's sum of squares, a tensor, for the optimizer's norm:
-        the pieces summed beside backward (GradientAverage._sum_beside) from their rows, the
-        others now; None where no piece was (the optimizer sums them all)."""
-        average = self.average
-        known = [i for i, p in enumerate(params) if p in average.summed]
-        if not known:
-            return None
-        key = (tuple(map(id, params)), tuple(known))
-        if getattr(self, "_sum_index", (None,))[0] != key:  # made in the eager steps; a capture finds it made
-            device = average.sums.device
-            rest = [i for i in range(len(params)) if i not in set(known)]
-            index = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-            self._sum_index = (key, index(known), index([average.sum_row[params[i]] for i in known]), index(rest),
-                               rest)
-        _, known_at, rows, rest_at, rest = self._sum_index
-        self.sums_from_backward += len(known)
-        sums = average.sums.new_empty(len(params))
-        sums.index_copy_(0, known_at, average.sums.sum(dim=1).index_select(0, rows))
-        if rest:
-            sums.index_copy_(0, rest_at, sums_of_squares([params[i].grad for i in rest]))
-        return sums
 
     def _issue(self, upto):
         """The all-gathers of the owners before index ``upto`` of the forward order that are
@@ -830,7 +797,8 @@ def averaged_backward(model, last=True):
         yield
         return
     average.active = True
-    average.summed.clear()  # the sums of the last averaged backward are this one's from here on
+    if average.backward_sums is not None:  # the sums of the last averaged backward are this one's from here on
+        average.backward_sums.clear()
     try:
         yield
         average.finish()

@@ -111,7 +111,6 @@ What it does not do: no AMSGrad, no ``maximize``, no sparse gradients.
 Nothing runs on import. See adamw_test.py for the checks.
 """
 
-import contextlib
 import functools
 import math
 
@@ -404,124 +403,31 @@ def _norm_block(n, programs):
     return interpreter_block(n, 4 * programs, NORM_BLOCK) if INTERPRET else NORM_BLOCK
 
 
-def norm_programs(device):
-    """The most programs one tensor's sum of squares takes on ``device``: the width of a
-    row of partial sums (sum_of_squares_into)."""
-    return num_sms(device) * NORM_PROGRAMS_PER_SM
-
-
-def sum_of_squares_into(g, row):
-    """``g``'s sum of squares in float32 as partial sums, one per program, in the first
-    slots of ``row`` (float32, norm_programs wide, zeros beyond what g's grid writes):
-    ``row.sum()`` is the sum. Asynchronous like any launch, on the current stream."""
-    programs = max(1, min(row.numel(), cdiv(g.numel(), NORM_BLOCK)))
-    _sum_squares_kernel[(programs,)](g, row, g.numel(), BLOCK=_norm_block(g.numel(), programs), num_warps=NORM_WARPS)
-
-
 def sums_of_squares(grads):
     """Each tensor's sum of squares in float32 (this file's kernel): a tensor [len(grads)]."""
     check_kernel_device(*grads)
     grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
     device = grads[0].device
-    widest = max(min(norm_programs(device), cdiv(g.numel(), NORM_BLOCK)) for g in grads)
+    most = num_sms(device) * NORM_PROGRAMS_PER_SM
+    grid = [max(1, min(most, cdiv(g.numel(), NORM_BLOCK))) for g in grads]
     # One row of slots per tensor; the slots a smaller grid leaves are zeros.
-    partials = torch.zeros(len(grads), max(1, widest), dtype=torch.float32, device=device)
-    for row, g in enumerate(grads):
-        sum_of_squares_into(g, partials[row])
+    partials = torch.zeros(len(grads), max(grid), dtype=torch.float32, device=device)
+    for row, (g, programs) in enumerate(zip(grads, grid)):
+        _sum_squares_kernel[(programs,)](g, partials[row], g.numel(), BLOCK=_norm_block(g.numel(), programs),
+                                         num_warps=NORM_WARPS)
     return partials.sum(dim=1)
 
 
-# --------------------------------------------------------------------------------
-# The norm's first pass beside backward
-# --------------------------------------------------------------------------------
-# Clipping needs the norm of every gradient before the first update, so after backward
-# the norm reads every gradient once more (sums_of_squares): at 8B on an H200 4.3 ms of
-# a ~340 ms step, with nothing beside it, between backward and AdamW. Yet a gradient is
-# final as soon as backward has accumulated it, long before backward ends. So its sum of
-# squares can be made then, on a stream of its own, while backward goes on with the
-# matmuls of earlier layers; the norm later finds it made. What it buys is that pass off
-# the step's critical path (NOTES.md, Step 16); what it costs is the memory traffic of the
-# same pass beside backward's matmuls, which are bound by compute. A gradient summed and
-# then accumulated into again (an earlier micro-batch of --grad-accum) is summed again,
-# on the same stream after the first: the last sum is of the final gradient.
-SMS_PER_BESIDE_PROGRAM = 8
-
-
-class BackwardSums:
-    """Sums of squares of gradients (or of --ddp-shard-optimizer's pieces) made while
-    backward runs: one row of partial sums per key (sum_of_squares_into), on ``stream``
-    (GPUs; on the CPU the launches run in order on the host), and which keys were summed
-    since ``clear``. ``sums(params)`` gives the norm its sums."""
-
-    def __init__(self, keys, device):
-        self.row = {k: i for i, k in enumerate(keys)}
-        # Few programs per sum: beside backward they share the SMs with its kernels.
-        width = norm_programs(device) if INTERPRET else max(1, num_sms(device) // SMS_PER_BESIDE_PROGRAM)
-        self.partials = torch.zeros(len(self.row), width, dtype=torch.float32, device=device)
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.summed = set()
-        self.used = 0  # sums the norms took from here (tests)
-
-    def beside(self):
-        """The context to launch a sum in: the sums' stream, made to wait first for
-        what the caller's stream has queued (the gradient it just made); where the
-        gradient comes from another stream's work (a reduce-scatter), the caller makes
-        this stream wait for that inside the context too."""
-        if self.stream is None:
-            return contextlib.nullcontext()
-        self.stream.wait_stream(torch.cuda.current_stream())
-        return torch.cuda.stream(self.stream)
-
-    def add(self, key, grad):
-        """``grad``'s sum of squares into ``key``'s row (inside beside())."""
-        sum_of_squares_into(grad, self.partials[self.row[key]])
-        self.summed.add(key)
-
-    def join(self):
-        """The caller's stream waits for every sum launched (before it reads them, or
-        frees or rewrites a gradient they read; a CUDA graph's capture must join the
-        sums' stream before it ends)."""
-        if self.stream is not None:
-            torch.cuda.current_stream().wait_stream(self.stream)
-
-    def clear(self):
-        self.summed.clear()
-
-    def sums(self, params):
-        """Each of ``params``' sum of squares, a tensor [len(params)], the summed ones from
-        their rows and the others summed now (their ``.grad``); None where none is summed.
-        Joins first."""
-        known = [i for i, p in enumerate(params) if p in self.summed]
-        if not known:
-            return None
-        self.join()
-        key = (tuple(map(id, params)), tuple(known))
-        if getattr(self, "_index", (None,))[0] != key:  # made in eager steps; a capture finds it made
-            rest = sorted(set(range(len(params))) - set(known))
-            index = lambda values: torch.tensor(values, dtype=torch.long, device=self.partials.device)  # noqa: E731
-            self._index = (key, index(known), index([self.row[params[i]] for i in known]), index(rest), rest)
-        _, known_at, rows, rest_at, rest = self._index
-        self.used += len(known)
-        sums = self.partials.new_empty(len(params))
-        sums.index_copy_(0, known_at, self.partials.sum(dim=1).index_select(0, rows))
-        if rest:
-            sums.index_copy_(0, rest_at, sums_of_squares([params[i].grad for i in rest]))
-        return sums
-
-
-def gradient_norm(grads, add_up=None, sums=None):
+def gradient_norm(grads, add_up=None):
     """The L2 norm of all ``grads`` (tensors on one device), as
     ``torch.nn.utils.get_total_norm(grads)`` computes it: the norm of each tensor in
     float32, rounded to the tensor's dtype, then the norm of those norms. A tensor.
     The sums of squares are this file's kernel; the few ops after it are PyTorch's.
     ``add_up(sums)``: where some of ``grads`` are pieces of a tensor split over
-    processes (--ddp-shard-optimizer), their sums added up over the processes.
-    ``sums``: each tensor's sum of squares where the caller has them already (a tensor
-    [len(grads)]; --ddp-shard-optimizer sums the pieces beside backward)."""
+    processes (--ddp-shard-optimizer), their sums added up over the processes."""
     if not grads:
         return torch.tensor(0.0)
-    if sums is None:
-        sums = sums_of_squares(grads)
+    sums = sums_of_squares(grads)
     if add_up is not None:
         sums = add_up(sums)
     norms = sums.sqrt()
@@ -652,9 +558,7 @@ class TritonAdamW(torch.optim.Optimizer):
             # full_tensor() adds them up across processes: the global norm.
             return torch.nn.utils.get_total_norm(grads, 2.0).full_tensor()
         add_up = getattr(self, "add_up_pieces", None)
-        made = getattr(self, "backward_sums", None)  # sum_in_backward's, or the pieces' (--ddp-shard-optimizer)
-        return gradient_norm(grads, None if add_up is None else functools.partial(add_up, params),
-                             None if made is None else made.sums(params))
+        return gradient_norm(grads, None if add_up is None else functools.partial(add_up, params))
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm):
@@ -682,8 +586,6 @@ class TritonAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         grad_scale, self._grad_scale = getattr(self, "_grad_scale", None), None  # consumed by this step
-        if getattr(self, "backward_sums", None) is not None:  # a step without a norm before it: still joined
-            self.backward_sums.join()
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             self._capture_step(grad_scale)
             return loss
@@ -758,35 +660,6 @@ class TritonAdamW(torch.optim.Optimizer):
             p.grad = None
 
         return [p.register_post_accumulate_grad_hook(hook) for group in self.param_groups for p in group["params"]]
-
-    # ---- The norm's first pass beside backward (BackwardSums, above) -------------------
-    def sum_in_backward(self, min_bytes=2**20):
-        """From now on, each gradient of at least ``min_bytes`` (the small ones cost more
-        in launches than they save) gets its sum of squares made as soon as backward has
-        accumulated it (post-accumulate-grad hooks), beside the rest of backward; the next
-        norm (clip_grad_norm_, total_norm) takes it from there. Plain tensors only (not
-        FSDP's DTensors), and for a loop that computes the norm every step: the sums'
-        stream is joined there (and in step() and zero_grad())."""
-        params = [p for group in self.param_groups for p in group["params"]
-                  if not hasattr(p, "to_local") and p.numel() * p.element_size() >= min_bytes]
-        if not params:
-            return
-        self.backward_sums = sums = BackwardSums(params, params[0].device)
-
-        @torch.no_grad()
-        def hook(p):
-            with sums.beside():
-                sums.add(p, p.grad)
-
-        for p in params:
-            p.register_post_accumulate_grad_hook(hook)
-
-    def zero_grad(self, set_to_none=True):
-        sums = getattr(self, "backward_sums", None)
-        if sums is not None:  # the sums' stream may still read the gradients freed or zeroed here
-            sums.join()
-            sums.clear()
-        super().zero_grad(set_to_none=set_to_none)
 
     # ---- Inside a CUDA graph (see "In a CUDA graph" at the top) ----------------------
     def prepare_capture(self):

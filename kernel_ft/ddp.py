@@ -29,7 +29,6 @@ import kernel_common  # first: the Triton interpreter switch (no GPU: TRITON_INT
 
 import torch
 
-from adamw_kernel import BackwardSums
 from kernel_ft import flags
 
 
@@ -99,7 +98,6 @@ class GradientAverage:
         self.names = {p: name for name, p in model.named_parameters()}
         self.groups = None  # made at the end of the first averaged backward (learn_order)
         self.active = False
-        self.backward_sums = None  # --ddp-shard-optimizer: the pieces' sums of squares (ShardedUpdate.attach)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._made)
         # --ddp-embedding-rows: the input embedding's weight, whose gradient is averaged over
@@ -251,7 +249,6 @@ class GradientAverage:
             piece.grad = torch.empty_like(piece)
             p.grad = None
             self.in_flight.append((self._launch_average(reduce_scatter, grad.view(-1), piece.grad), grad))
-            self._sum_beside(self.in_flight[-1][0], piece)
             # The whole gradient's memory goes back once its reduce-scatter has read it, not at
             # the end of backward: this stream waits for the reduce-scatter released.in_flight
             # gradients back (long done by then: no stall), so that only that many whole
@@ -266,22 +263,6 @@ class GradientAverage:
             return
         mine = self._piece_grad(p)
         self.pending.append((self._launch_average(reduce_scatter, p.grad.view(-1), mine), None))
-        self._sum_beside(self.pending[-1][0], self.pieces[p])
-
-    # The gradient norm's first pass beside backward (adamw_kernel.BackwardSums): a piece's
-    # average is final once its reduce-scatter is done, long before backward ends, so its
-    # sum of squares is made then, on the sums' stream, which waits for that reduce-scatter
-    # only. What it buys at 8B on 2 GPUs: 2.4 ms of norm after backward, on the critical
-    # path (NOTES.md, Step 19). The input embedding's rows, written back at the end
-    # (finish), are summed by the optimizer as before.
-    def _sum_beside(self, work, piece):
-        """``piece.grad``'s sum of squares once ``work`` (its reduce-scatter) is done: on
-        GPUs the sums' stream waits for it; on gloo the host does."""
-        if self.backward_sums is None:
-            return
-        with self.backward_sums.beside():
-            work.wait()
-            self.backward_sums.add(piece, piece.grad)
 
     def _average_rows(self, p):
         """--ddp-embedding-rows: the rows of ``p.grad`` at every process's ids averaged (an
@@ -330,8 +311,6 @@ class GradientAverage:
                 then()
         for work, _ in self.in_flight:
             work.wait()
-        if self.backward_sums is not None:  # a capture ends with every stream it forked joined
-            self.backward_sums.join()
         if self.released is not None:  # the last layers' weights, kept for this backward, go back
             self.released.release_all()
 
@@ -546,9 +525,6 @@ class ShardedUpdate:
         """The optimizer's gradient norm adds up the pieces' sums over the processes; its
         zero_grad frees the whole gradients too; its step makes the weights stale."""
         optimizer.add_up_pieces = self._add_up
-        pieces = list(self.average.pieces.values())
-        if pieces:  # their sums of squares made beside backward (GradientAverage._sum_beside)
-            self.average.backward_sums = optimizer.backward_sums = BackwardSums(pieces, pieces[0].device)
         zero_grad = optimizer.zero_grad
 
         def zero_grad_and_whole(set_to_none=True):
@@ -797,8 +773,6 @@ def averaged_backward(model, last=True):
         yield
         return
     average.active = True
-    if average.backward_sums is not None:  # the sums of the last averaged backward are this one's from here on
-        average.backward_sums.clear()
     try:
         yield
         average.finish()

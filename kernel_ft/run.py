@@ -145,12 +145,6 @@ def assemble(args, model, data, switch_in, world, after_kernels=None):
     optimizer = make_optimizer(ddp.optimizer_parameters(model, models.trainable_parameters(model)), lr=args.lr,
                                **({"capturable": True} if graphs else {}))
     ddp.attach_optimizer(model, optimizer)
-    norm_every_step = getattr(args, "max_grad_norm", 0.0) > 0 or getattr(args, "skip_nonfinite_steps", False)
-    if not world and norm_every_step and hasattr(optimizer, "sum_in_backward"):
-        # The Triton AdamW, one process: the norm's sums of squares beside backward (under
-        # --ddp the averages rewrite the gradients after backward makes them: the pieces'
-        # own sums, GradientAverage._sum_beside, serve there).
-        optimizer.sum_in_backward()
     return kernels, loss_fn, optimizer, graphs
 
 

@@ -142,7 +142,6 @@ def train(folder, rank, size, ahead, device, lora, release=False, checkpointing=
         "worst_vs_alone": max((p - q).abs().max().item() for p, q in zip(model.parameters(), alone.parameters())),
         "worst_between_processes": (theirs[0] - theirs[1]).abs().max().item(),
         "rows_averaged": model._gradient_average.rows_averaged,
-        "sums_from_backward": optimizer.backward_sums.used,
         "windows": len(ddp.WINDOWS) - windows,  # NCCL windows this run registered (the copy engines' gathers)
         "moments_are_pieces": all(optimizer.state[piece]["exp_avg"].numel() * size == p.numel()
                                   for p, piece in pieces.items()),

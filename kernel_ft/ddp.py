@@ -462,6 +462,12 @@ def splits(p, size, itemsize=None):
     return p.numel() * (itemsize or p.element_size()) >= PACKED_BYTES and p.numel() % size == 0 and p.is_contiguous()
 
 
+def first_released(ahead):
+    """The first decoder layer --ddp-shard-weights releases, gathering ``ahead`` layers
+    ahead: the ones before it stay whole between the steps (ShardedUpdate, below)."""
+    return max(ahead, 1) + 1
+
+
 class ShardedUpdate:
     """--ddp-shard-optimizer for ``model`` under ``average`` (its GradientAverage)."""
 
@@ -482,7 +488,7 @@ class ShardedUpdate:
         # (gathered during the optimizer step): the forward starts without waiting for a gather
         # and the backward ends without one. What it buys at 8B on 2 x H200: 0.952x one GPU's
         # tokens/s per GPU against 0.946x with every layer released, for 0.4 GiB (NOTES.md).
-        first = layers[:max(ahead, 1) + 1]
+        first = layers[:first_released(ahead)]
         in_layers = [(owner, weights) for owner, weights in self.order
                      if release and owner in layers and owner not in first]
         self.order = [entry for entry in self.order if entry not in in_layers]

@@ -24,7 +24,6 @@ is spread over N processes, and what that costs.
 Every rank trains; rank 0 alone prints and writes. Nothing runs on import.
 """
 
-import argparse
 import math
 import os
 import sys
@@ -114,41 +113,47 @@ def check_fsdp_flags(args):
 REPLICA_SHARE = 0.8
 # Weights, their gradients and AdamW's two moments, each in the weights' dtype (the
 # gradients are averaged where they lie: GradientAverage keeps no second copy). Where
-# the pieces apply (flags.shards_optimizer) each process keeps 1/N of the two moments:
-# 2 + 2/N copies (8B over 2 GPUs: 3 x 14.96 = 44.9 GiB; measured peak 45.20 on 2 x H200).
+# the pieces apply (flags.shards_optimizer) each process keeps 1/N of the two moments of
+# every weight split into pieces: 2 + 2/N copies of those (8B over 2 GPUs: 3 x 14.96 =
+# 44.9 GiB; measured peak 45.20 on 2 x H200), counted weight by weight
+# (layer_weights.state_bytes).
 REPLICA_STATE_COPIES = 4
-
-
-def replica_state_copies(args, processes):
-    """How many copies of the weights' bytes a whole copy per process holds under --ddp
-    (REPLICA_STATE_COPIES, or fewer where the optimizer's state is split into pieces)."""
-    if flags.shards_optimizer(args):
-        return 2 + 2 / processes
-    return REPLICA_STATE_COPIES
 
 
 def replica_memory(args):
     """(bytes a whole copy of the model holds before any activation, bytes of this
     process's device, the device in words): what --ddp needs per process, and what it
     has. With --lora only the adapters train: the frozen weights alone count; with the
-    pieces (--ddp-shard-optimizer, on by default where it applies) 1/N of AdamW's."""
+    pieces (--ddp-shard-optimizer, on by default where it applies) 1/N of AdamW's state of
+    each weight split into pieces (layer_weights.state_bytes)."""
     config = models.tiny_config() if args.tiny else models.config_for(args.model)
     weights = models.parameter_count(config) * models.weights_dtype(args, _this_device()).itemsize
-    lora = getattr(args, "lora", False)
-    need = weights if lora else int(replica_state_copies(args, flags.processes_started()) * weights)
+    if getattr(args, "lora", False):
+        need = weights
+    elif flags.shards_optimizer(args):
+        need = _pieces_state(args, config, release=False)
+    else:
+        need = REPLICA_STATE_COPIES * weights
     return (need, *device_memory())
 
 
 def shard_weights_memory(args):
     """What each process would hold under --ddp --ddp-shard-weights before any activation,
-    in bytes (layer_weights.state_bytes), for the same comparison as replica_memory's."""
-    from kernel_ft import layer_weights  # it builds on ddp's collectives, which import this file's neighbours
-
+    in bytes, with what holds more for a while (layer_weights.state_bytes), for the same
+    comparison as replica_memory's; None where it would release no weight."""
     config = models.tiny_config() if args.tiny else models.config_for(args.model)
+    return _pieces_state(args, config, release=True)
+
+
+def _pieces_state(args, config, release):
+    from kernel_ft import layer_weights  # the lesson that counts them; it imports ddp, which this file does too
+
     itemsize = models.weights_dtype(args, _this_device()).itemsize
-    ahead = flags.gather_ahead(argparse.Namespace(**{**vars(args), "ddp_shard_weights": True}))
-    return layer_weights.state_bytes(models.meta_model(config), flags.processes_started(), itemsize, ahead,
-                                     accumulate=getattr(args, "grad_accum", 1) > 1)
+    resumed = bool(getattr(args, "resume", None))
+    return layer_weights.state_bytes(models.meta_model(config), flags.processes_started(), itemsize,
+                                     flags.gather_ahead(args.but(ddp_shard_weights=release)),
+                                     accumulate=getattr(args, "grad_accum", 1) > 1 or resumed, release=release,
+                                     checkpoints=bool(getattr(args, "output_dir", None)) or resumed)
 
 
 def _this_device():

@@ -70,35 +70,46 @@ from kernel_ft import ddp
 IN_FLIGHT_LAYERS = 8
 
 
-def state_bytes(model, processes, itemsize, ahead, accumulate=False):
-    """What each of ``processes`` holds under --ddp-shard-weights before any activation,
-    in bytes, for full fine-tuning of ``model`` (built on the meta device is enough) in
-    weights of ``itemsize`` bytes: the choice of a mode under torchrun (run.choose_parallel)
-    reads it. The same selection as ShardedUpdate and LayerWeights make:
-    - a released weight (a split weight of a decoder layer past the first ahead + 1): its
-      piece, its gradient's piece and its two moments' pieces, 4/N of its bytes;
-    - another split weight (the embeddings, the first layers): whole, with its whole
-      gradient, and 1/N of each moment, 2 + 2/N;
-    - the rest (norms, small weights): 4 copies, as on one GPU;
+def state_bytes(model, processes, itemsize, ahead=1, accumulate=False, release=True, checkpoints=False):
+    """What each of ``processes`` holds under --ddp with --ddp-shard-optimizer's pieces
+    before any activation, in bytes, for full fine-tuning of ``model`` (built on the meta
+    device is enough) in weights of ``itemsize`` bytes; with ``release``, under
+    --ddp-shard-weights too (None: it would release no weight). The choice of a mode under
+    torchrun (run.choose_parallel) reads it. The selection ShardedUpdate and LayerWeights
+    make, weight by weight:
+    - a released weight (a split weight of a decoder layer from ddp.first_released(ahead)
+      on): its piece, its gradient's piece and its two moments' pieces, 4/N of its bytes;
+    - another split weight (the embeddings, the first layers; every split weight without
+      ``release``): whole, with its whole gradient, and 1/N of each moment, 2 + 2/N;
+    - the rest (norms, small weights, weights not divisible by N): 4 copies, as on one GPU;
     - the slots, ahead + 2 of the largest released layer, and the whole gradients waiting
-      for their reduce-scatters: IN_FLIGHT_LAYERS layers', or with ``accumulate``
-      (--grad-accum) every released layer's, which add up until the last micro-batch.
+      for their reduce-scatters: IN_FLIGHT_LAYERS layers', or with ``accumulate`` every
+      released layer's (--grad-accum, which adds them up until the last micro-batch, and
+      the first step after a resume, whose backward learns the order at its end).
+    And what holds more for a while: the model is loaded whole on every process, then its
+    pieces are copied out (the whole weights + 1/N of the released ones); with
+    ``checkpoints`` (written or resumed) every weight is gathered whole beside the rest.
     Measured against it (NOTES.md, Step 19): a Qwen2 of 32B's shape over 4 GPUs, ~80 GiB by
     this count, peaked at 86.2 GiB with checkpointing's activations."""
     layers = list(kernel_common.decoder_of(model).layers)
-    ahead = max(ahead, 1)
     released = {layer: [p for p in layer.parameters() if ddp.splits(p, processes, itemsize)]
-                for layer in layers[ahead + 1:]}
+                for layer in (layers[ddp.first_released(ahead):] if release else [])}
     in_layers = {p for weights in released.values() for p in weights}
-    total = 0.0
+    if release and not in_layers:
+        return None
+    steady = whole = 0.0
     for p in model.parameters():  # each once, tied weights too
         size = p.numel() * itemsize
-        total += size * (4 / processes if p in in_layers else
-                         2 + 2 / processes if ddp.splits(p, processes, itemsize) else 4)
+        whole += size
+        steady += size * (4 / processes if p in in_layers else
+                          2 + 2 / processes if ddp.splits(p, processes, itemsize) else 4)
     layer_bytes = [sum(p.numel() for p in weights) * itemsize for weights in released.values()]
     largest = max(layer_bytes, default=0)
     whole_gradients = sum(layer_bytes) if accumulate else IN_FLIGHT_LAYERS * largest
-    return int(total + (ahead + 2) * largest + whole_gradients)
+    steady += (max(ahead, 1) + 2) * largest + whole_gradients if release else 0
+    loaded = whole + sum(layer_bytes) / processes
+    gathered = steady + sum(layer_bytes) if checkpoints else 0
+    return int(max(steady, loaded if release else 0, gathered))
 
 
 def _in_backward():

@@ -194,14 +194,17 @@ def choose_parallel(settings):
     need, memory, where = fsdp.replica_memory(settings)
     room = fsdp.REPLICA_SHARE * memory
     gib = lambda n: f"~{n / 2**30:.2f} GiB"  # noqa: E731 - a local format
-    held = ("frozen weights" if getattr(settings, "lora", False) else "weights, gradients and AdamW state"
-            if fsdp.replica_state_copies(settings, processes) == fsdp.REPLICA_STATE_COPIES
-            else f"weights, gradients and 1/{processes} of AdamW state")
+    held = ("frozen weights" if getattr(settings, "lora", False) else
+            f"weights, gradients and 1/{processes} of AdamW state" if flags.shards_optimizer(settings)
+            else "weights, gradients and AdamW state")
     asked_pieces = getattr(settings, "ddp_shard_weights", False)
-    applies = flags.shard_weights_refusal(settings.but(ddp=True, ddp_shard_weights=True)) is None
-    replicate = need <= room and not (asked_pieces and applies)
-    sharded = fsdp.shard_weights_memory(settings) if applies and not replicate else None
-    pieces = sharded is not None and sharded <= room
+    if asked_pieces:  # asked for where it cannot run: its own refusal, whatever fits
+        flags.check_shard_weights(settings.but(ddp=True))
+    sharded = None  # --ddp-shard-weights' state, where it applies and releases a weight
+    if flags.shard_weights_refusal(settings.but(ddp=True, ddp_shard_weights=True)) is None:
+        sharded = fsdp.shard_weights_memory(settings)
+    replicate = need <= room and not (asked_pieces and sharded is not None)
+    pieces = not replicate and sharded is not None and sharded <= room
     start = f"torchrun started {processes} processes without --fsdp or --ddp, so "
     share = f"{fsdp.REPLICA_SHARE:.0%} of the {memory / 2**30:.1f} GiB {where}"
     if replicate:
@@ -213,8 +216,10 @@ def choose_parallel(settings):
                f"weights, whole only around their use ({gib(sharded)} of state per process, which fits in {share}; "
                f"{whole}); pass --fsdp for FSDP2")
     else:
-        also = f", and --ddp-shard-weights' {gib(sharded)}," if sharded is not None else ""
-        why = (f"{start}--fsdp: the model sharded over them (its {held}, {gib(need)}{also} exceed {share}); pass "
+        over = ([f"its {held}, {gib(need)}"] if need > room else []) + (
+            [f"--ddp-shard-weights' {gib(sharded)}"] if sharded is not None else [])
+        given = "; --ddp-shard-weights was given, so no whole copy" if need <= room else ""
+        why = (f"{start}--fsdp: the model sharded over them ({', and '.join(over)}, exceed {share}{given}); pass "
                f"--ddp to copy it whole anyway")
     chosen = settings.but(fsdp=not (replicate or pieces), ddp=replicate or pieces,
                           ddp_shard_weights=asked_pieces or pieces, parallel_choice=why)

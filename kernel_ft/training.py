@@ -412,7 +412,9 @@ def exit_on_oom(args, what, model):
         where = "GPU" if isinstance(e, torch.OutOfMemoryError) else "CPU"
         name = "the tiny LLaMA" if args.tiny else args.model
         hint = "" if getattr(args, "use_custom_flce", False) else ", or add --use-custom-flce (no logits at all)"
-        if getattr(args, "ddp", False):  # chosen by torchrun's memory rule, or asked for
+        if getattr(args, "ddp", False) and getattr(args, "ddp_shard_weights", False):
+            hint += ", or add --gradient-checkpointing, or shard the model with --fsdp instead"
+        elif getattr(args, "ddp", False):  # chosen by torchrun's memory rule, or asked for
             hint += ", or shard the model with --fsdp instead of --ddp (a whole copy on every GPU)"
         raise SystemExit(
             f"error: out of {where} memory while {what} {name} with batch {args.batch_size} x seq "

@@ -507,18 +507,34 @@ def test_torchrun_without_fsdp_or_ddp_chooses_from_memory(monkeypatch):
                                              "whole copy per process (its weights, gradients and 1/2 of AdamW "
                                              "state, ~")
     assert "--fsdp-prefetch without --fsdp changes nothing" in chosen._notes
-    assert fsdp.replica_memory(chosen)[0] == 3 * weights
-    from kernel_ft import layer_weights  # float32 on the CPU, 2 layers ahead by default, no --grad-accum
-
-    tiny_meta = models.meta_model(models.tiny_config())
-    assert fsdp.shard_weights_memory(chosen) == layer_weights.state_bytes(tiny_meta, 2, 4, 2)
-    assert fsdp.shard_weights_memory(choose("--grad-accum", "2")) == layer_weights.state_bytes(tiny_meta, 2, 4, 2, True)
+    # Counted weight by weight: the tiny model's embeddings (4 MB each) are split into pieces, 2 + 2/N
+    # copies; its layers' matrices are under ddp.PACKED_BYTES, 4 copies as on one GPU.
+    split = 4 * sum(p.numel() for p in tiny.parameters() if p.numel() * 4 >= ddp.PACKED_BYTES)
+    assert split == 2 * 4 * tiny.config.vocab_size * tiny.config.hidden_size
+    assert fsdp.replica_memory(chosen)[0] == 3 * split + 4 * (weights - split)
     whole = choose("--no-ddp-shard-optimizer")  # weights, gradients, both moments whole
     assert whole.ddp and "(its weights, gradients and AdamW state, ~" in whole.parallel_choice
     assert fsdp.replica_memory(whole)[0] == fsdp.REPLICA_STATE_COPIES * weights
     monkeypatch.setenv("WORLD_SIZE", "4")
-    assert fsdp.replica_memory(choose())[0] == int(2.5 * weights)
+    assert fsdp.replica_memory(choose())[0] == int(2.5 * split + 4 * (weights - split))
     monkeypatch.setenv("WORLD_SIZE", "2")
+    # What the counts are asked for: the processes, float32 on the CPU, the layers gathered ahead in each mode,
+    # the whole gradients of --grad-accum and of a resume's first step, the whole weights of a checkpoint.
+    from kernel_ft import layer_weights
+
+    asked, count = [], layer_weights.state_bytes
+    monkeypatch.setattr(layer_weights, "state_bytes", lambda *a, **k: asked.append((a[1:], k)) or count(*a, **k))
+    assert fsdp.shard_weights_memory(chosen) is None  # the tiny model's layers release no weight
+    assert asked[-1] == ((2, 4, 2), dict(accumulate=False, release=True, checkpoints=False))
+    fsdp.replica_memory(chosen)
+    assert asked[-1] == ((2, 4, 1), dict(accumulate=False, release=False, checkpoints=False))
+    fsdp.shard_weights_memory(choose("--grad-accum", "2", "--ddp-gather-ahead", "3"))
+    assert asked[-1] == ((2, 4, 3), dict(accumulate=True, release=True, checkpoints=False))
+    fsdp.shard_weights_memory(chosen.but(output_dir="runs/x"))
+    assert asked[-1][1]["checkpoints"] and not asked[-1][1]["accumulate"]
+    fsdp.shard_weights_memory(chosen.but(resume="runs/x/checkpoint-2", output_dir="runs/x"))
+    assert asked[-1][1]["checkpoints"] and asked[-1][1]["accumulate"]
+    monkeypatch.setattr(layer_weights, "state_bytes", count)
     monkeypatch.setattr(fsdp, "replica_memory", lambda args: (10 * 2**30, 12 * 2**30, "here"))
     # A whole copy does not fit: --ddp-shard-weights where its state does (and it applies) ...
     monkeypatch.setattr(fsdp, "shard_weights_memory", lambda args: 9 * 2**30)
@@ -541,6 +557,10 @@ def test_torchrun_without_fsdp_or_ddp_chooses_from_memory(monkeypatch):
     asked = choose("--ddp-shard-weights")
     assert asked.ddp and asked.ddp_shard_weights and "--ddp-shard-weights was given" in asked.parallel_choice
     assert choose().ddp and not choose().ddp_shard_weights
+    monkeypatch.setattr(fsdp, "shard_weights_memory", lambda args: 11 * 2**30)  # given, fits only whole: --fsdp
+    asked = choose("--ddp-shard-weights")
+    assert asked.fsdp and ("(--ddp-shard-weights' ~11.00 GiB, exceed 80% of the 12.0 GiB here; --ddp-shard-weights "
+                           "was given, so no whole copy)") in asked.parallel_choice
     with pytest.raises(SystemExit, match="^error: --ddp-shard-weights with --lora is not implemented"):
         choose("--ddp-shard-weights", "--lora")  # asked for where it cannot run: its own refusal
     monkeypatch.setattr(fsdp, "replica_memory", lambda args: (10 * 2**30, 12 * 2**30, "here"))
@@ -560,7 +580,8 @@ def test_shard_weights_memory_counts_what_each_process_holds():
     LLaMA-3.1-8B's shapes (its bundled config, built on the meta device): 2 layers ahead,
     so layers 0-2 and the embeddings stay whole with 1/N of their moments, layers 3-31
     keep 4/N of their matrices, the norms 4 copies, and 2 + 2 slots plus 8 layers'
-    gradients in flight, or every released layer's with --grad-accum."""
+    gradients in flight, or every released layer's with --grad-accum; what holds more for a
+    while (loading, checkpoints); without --ddp-shard-weights; where nothing is released."""
     from kernel_ft import layer_weights
 
     config = models.config_for("meta-llama/Llama-3.1-8B")
@@ -575,11 +596,27 @@ def test_shard_weights_memory_counts_what_each_process_holds():
         assert layer_weights.state_bytes(model, n, 2, 2) == int(expected)
         accumulated = expected - 2 * 8 * layer + 2 * released
         assert layer_weights.state_bytes(model, n, 2, 2, accumulate=True) == int(accumulated)
-    # 1 layer ahead keeps 2 whole; 3 processes split no embedding (128,256 x 4,096 is not divisible by 3).
+        # Without --ddp-shard-weights: every split weight whole, 2 + 2/N copies.
+        assert layer_weights.state_bytes(model, n, 2, release=False) == int(
+            2 * ((embeddings + config.num_hidden_layers * layer) * (2 + 2 / n) + norms * 4))
+    # 1 layer ahead keeps 2 whole.
     assert layer_weights.state_bytes(model, 2, 2, 1) == int(
         2 * ((embeddings + 2 * layer) * 3 + (config.num_hidden_layers - 2) * layer * 2 + norms * 4 + (3 + 8) * layer))
-    three = layer_weights.state_bytes(model, 3, 2, 2)
-    assert three > int(2 * embeddings * 4)
+    # A checkpoint (written or resumed) gathers every released weight whole beside the rest.
+    released = (config.num_hidden_layers - 3) * layer
+    assert layer_weights.state_bytes(model, 2, 2, 2, checkpoints=True) == int(
+        2 * ((embeddings + 3 * layer) * 3 + released * 2 + norms * 4 + (4 + 8) * layer + released))
+    # Over 3 processes no decoder matrix splits (4,096 x 4,096, 4,096 x 1,024 and 4,096 x 14,336 are not
+    # divisible by 3): nothing to release; the embeddings (128,256 x 4,096) still split without it.
+    assert layer_weights.state_bytes(model, 3, 2, 2) is None
+    assert layer_weights.state_bytes(model, 3, 2, release=False) == int(
+        2 * (embeddings * (2 + 2 / 3) + config.num_hidden_layers * layer * 4 + norms * 4))
+    # LLaMA-70B over 8: each process would hold 1/8 of it in pieces, but loads it whole first (131.4 GiB of
+    # bf16 weights) and then copies its pieces out: more than 80% of an H200's 139.8 GiB, so --fsdp.
+    big = models.meta_model(models.config_for("meta-llama/Llama-3.1-70B"))
+    weights70 = 2 * sum(p.numel() for p in big.parameters())
+    assert weights70 < layer_weights.state_bytes(big, 8, 2, 2) < 1.125 * weights70
+    assert layer_weights.state_bytes(big, 8, 2, 2) > 0.8 * 139.8 * 2**30
 
 
 def test_ddp_compiled_matches_one_process(full, tmp_path):

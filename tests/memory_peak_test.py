@@ -23,9 +23,9 @@ def event(action, addr, size, *frames):
 
 
 def test_the_peak_is_the_highest_point_and_its_live_blocks():
-    """Allocated bytes rise at alloc and fall at free_completed only (a free_requested
-    block is still counted until the allocator takes it back); the live set is the one at
-    the highest point, not at the end."""
+    """Allocated bytes rise at alloc and fall at free_requested, as the allocator's own
+    count does (a block another stream still reads is taken back later, at free_completed,
+    which changes nothing here); the live set is the one at the highest point, not at the end."""
     weights = frame("kernel_ft/models.py", 5, "build")
     saved = frame("swiglu_kernel.py", 40, "forward")
     step = frame("kernel_ft/training.py", 90, "train_step")
@@ -33,14 +33,16 @@ def test_the_peak_is_the_highest_point_and_its_live_blocks():
         event("alloc", 1, 100, weights),
         event("alloc", 2, 30, TORCH, saved, step),
         event("alloc", 3, 30, TORCH, saved, step),
+        event("alloc", 4, 5, step),  # the peak: 165
         event("free_requested", 2, 30),
-        event("alloc", 4, 5, step),  # the peak: 165, block 2 not yet taken back
+        event("alloc", 5, 20, step),  # 155 (block 2 no longer counts); counted until free_completed: 185
         event("free_completed", 2, 30),
+        event("free_requested", 3, 30),
         event("free_completed", 3, 30),
-        event("alloc", 5, 50, step),  # 125 at the end
+        event("alloc", 6, 10, step),  # 135 at the end
     ]
     peak, live, at = memory_peak.live_at_peak(events)
-    assert (peak, at) == (165, 4)
+    assert (peak, at) == (165, 3)
     assert sorted(e["addr"] for e in live) == [1, 2, 3, 4]
     groups = memory_peak.by_site(live)
     assert groups[0] == ("kernel_ft/models.py:5 build", 1, 100)

@@ -4,13 +4,16 @@ What holds the GPU's memory at a run's peak, by the line of code that allocated 
 The scripts report one figure, ``torch.cuda.max_memory_allocated``. To lower it you need
 to know what was alive at that moment. This tool runs one of the project's scripts in
 its own process (its flags after ``--``) with PyTorch's allocator recording every
-allocation and free with its Python stack (``torch.cuda.memory._record_memory_history``).
-At the end it replays that record: the allocated bytes rise at each "alloc" and fall at
-each "free_completed" (when the allocator takes a block back, as its own statistics
-count it), so the highest point is the run's peak, and the blocks alive then are what
-filled it. They are grouped by where they were allocated: the innermost frame in this
-project's files (a kernel's output, a saved activation, a gradient the optimizer keeps),
-with the frame that called it. A table of the largest groups, all of them in --json.
+allocation and free with its Python stack
+(``torch.cuda.memory._record_memory_history``). At the end it replays that record: the
+allocated bytes rise at each "alloc" and fall at each "free_requested" (when the tensor
+lets its block go: that is when the allocator's own count, max_memory_allocated, falls,
+though a block another stream still reads is reused only at its "free_completed"), so
+the highest point is the run's peak, and the blocks alive then are what filled it. They
+are grouped by where they were allocated: the innermost frame in this project's files (a
+kernel's output, a saved activation, a gradient the optimizer keeps), with the frame
+that called it. A table of the largest groups, all of them in --json. The record is read
+however the script ends: after an out-of-memory error it is most wanted.
 
 GPU only: the record is of the CUDA allocator. Record few steps: every event keeps its
 stack (~1 KB of host memory each; --max-events caps them, and a record that overflowed
@@ -18,7 +21,8 @@ is refused, since its replay would be wrong).
 
 Usage:
     python tools/memory_peak.py -- finetune_optimized.py --random-init --steps 4
-    python tools/memory_peak.py --top 30 --json peak.json -- finetune_optimized.py --random-init --fp8 tensorwise --steps 4
+    python tools/memory_peak.py --top 30 --json peak.json -- finetune_optimized.py --random-init --fp8 tensorwise \
+        --steps 4
 """
 
 import argparse
@@ -50,21 +54,21 @@ def parse_args(argv=None):
 
 def live_at_peak(events):
     """(peak bytes, the alloc events of the blocks alive at the peak, its index) of one
-    device's trace: allocated bytes rise at "alloc" and fall at "free_completed"."""
+    device's trace: allocated bytes rise at "alloc" and fall at "free_requested"."""
     current = peak = 0
     at = -1
     for i, event in enumerate(events):
         if event["action"] == "alloc":
             current += event["size"]
-        elif event["action"] == "free_completed":
+        elif event["action"] == "free_requested":
             current -= event["size"]
         if current > peak:
             peak, at = current, i
     live = {}
-    for event in events[:at + 1]:  # replayed again to the peak: a copy of the live set at every new high would cost more
+    for event in events[:at + 1]:  # replayed again to the peak: cheaper than copying the live set at each new high
         if event["action"] == "alloc":
             live[event["addr"]] = event
-        elif event["action"] == "free_completed":
+        elif event["action"] == "free_requested":
             live.pop(event["addr"], None)
     return peak, list(live.values()), at
 
@@ -104,9 +108,19 @@ def main(argv=None):
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
         runpy.run_path(script, run_name="__main__")
-    except SystemExit as e:  # the script's own exit: its record is still read
-        if e.code not in (None, 0):
-            raise
+    except SystemExit as e:  # the script's own exit (an out-of-memory error is one): read, then passed on
+        ended = None if e.code in (None, 0) else e
+    except BaseException as e:  # noqa: BLE001 - anything else too: the record first, then the error
+        ended = e
+    else:
+        ended = None
+    report(torch, args)
+    if ended is not None:
+        raise ended
+
+
+def report(torch, args):
+    """The record replayed to its peak: the table, and --json."""
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     events = snapshot["device_traces"][torch.cuda.current_device()]
@@ -116,15 +130,16 @@ def main(argv=None):
     peak, blocks, at = live_at_peak(events)
     groups = by_site(blocks)
     gib = 2**30
-    print(f"\nPeak: {peak / gib:.2f} GiB allocated at event {at + 1:,} of {len(events):,} "
-          f"(the script's max_memory_allocated, since its last reset: {torch.cuda.max_memory_allocated() / gib:.2f} GiB), "
+    print(f"\nPeak: {peak / gib:.2f} GiB allocated at event {at + 1:,} of {len(events):,} (the script's "
+          f"max_memory_allocated, since its last reset: {torch.cuda.max_memory_allocated() / gib:.2f} GiB), "
           f"{len(blocks):,} blocks alive")
     print(f"{'GiB':>8} {'share':>6} {'blocks':>7}  allocated at (innermost line of this project <- its caller)")
     for key, count, size in groups[:args.top]:
         print(f"{size / gib:8.3f} {size / max(peak, 1):6.1%} {count:7,}  {key}")
     rest = groups[args.top:]
     if rest:
-        print(f"{sum(s for _, _, s in rest) / gib:8.3f} {'':6} {sum(c for _, c, _ in rest):7,}  {len(rest)} other sites")
+        size, count = sum(s for _, _, s in rest), sum(c for _, c, _ in rest)
+        print(f"{size / gib:8.3f} {size / max(peak, 1):6.1%} {count:7,}  {len(rest)} other sites")
     if args.json:
         import json
 

@@ -181,14 +181,50 @@ def fresh_tmp(tmp):
 
 
 def save_checkpoint(args, model, optimizer, scheduler, step, history, rng):
-    """Write DIR/checkpoint-``step`` (layout above); return its path."""
+    """Write DIR/checkpoint-``step`` (layout above); return its path. A write that fails
+    (a full disk, most often) ends the run in one line that says so, the half-written
+    folder removed; the checkpoints before it stay whole."""
     path = checkpoint_path(args.output_dir, step)
     tmp = path + ".tmp"
     rank, ranks = fsdp.rank_and_size()
-    mode = parallel_mode(args)
     if rank == 0:
         fresh_tmp(tmp)
     fsdp.barrier()  # --fsdp, --ddp: every process writes into the folder rank 0 made
+    try:
+        _write_checkpoint(args, model, optimizer, scheduler, step, history, rng, tmp, path)
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        # What writing files raises: OSError (ENOSPC), torch.save's RuntimeError from its
+        # writer, DCP's CheckpointException with every process's error (a full disk on 2 x H200
+        # at 20B: "unexpected pos 704 vs 598"). Anything else (a bug, Ctrl-C) goes on as it is.
+        if not (isinstance(e, (OSError, RuntimeError)) or type(e).__name__ == "CheckpointException"):
+            raise
+        raise SystemExit(_write_failed(args.output_dir, tmp, step, e)) from None
+    return path
+
+
+def _write_failed(output_dir, tmp, step, error):
+    """The one line for a checkpoint that could not be written: why, and how much room its
+    disk has once the half-written folder is gone (each process removes what it can), next
+    to the size of the last checkpoint, which stays whole."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    free = shutil.disk_usage(output_dir).free
+    found = existing_checkpoints(output_dir)
+    earlier = found[max(found)] if found else None
+    kept = (f"the last checkpoint, {earlier} ({folder_bytes(earlier) / 1e9:.1f} GB), stays whole" if earlier
+            else "no earlier checkpoint exists")
+    return (f"error: checkpoint-{step} could not be written into --output-dir {output_dir} ({files.one_line(error)}); "
+            f"{free / 1e9:.1f} GB are free on its disk once the half-written folder is removed; {kept}")
+
+
+def folder_bytes(folder):
+    """The bytes of the files under ``folder``."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(folder) for f in names)
+
+
+def _write_checkpoint(args, model, optimizer, scheduler, step, history, rng, tmp, path):
+    """save_checkpoint's writes, into ``tmp``, renamed ``path`` when whole."""
+    rank, ranks = fsdp.rank_and_size()
+    mode = parallel_mode(args)
     pieces = ddp.optimizer_in_pieces(model)  # --ddp-shard-optimizer: each process's AdamW state is its own
     if mode == "fsdp":
         save_sharded(tmp, model, optimizer)
@@ -202,7 +238,7 @@ def save_checkpoint(args, model, optimizer, scheduler, step, history, rng):
     fsdp.barrier()
     if rank != 0:
         fsdp.barrier()  # until rank 0 has renamed the folder
-        return path
+        return
     torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
     files.write_json_atomic(os.path.join(tmp, TRAINER_STATE), {
         "format": CHECKPOINT_FORMAT,
@@ -221,7 +257,6 @@ def save_checkpoint(args, model, optimizer, scheduler, step, history, rng):
     write_manifest(tmp)  # last: a checkpoint whose manifest matches its files is whole
     os.rename(tmp, path)
     fsdp.barrier()
-    return path
 
 
 def parallel_mode(args):

@@ -35,6 +35,7 @@ if __name__ == "__main__":
 import argparse
 import ast
 import copy
+import errno
 import importlib.util
 import json
 import math
@@ -52,7 +53,7 @@ import finetune_baseline
 import finetune_optimized
 import kernel_ft
 import linear_cross_entropy_kernel
-from kernel_ft import dataloader, files, flags, models, reporting, run, training
+from kernel_ft import checkpoints, dataloader, files, flags, models, reporting, run, training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 # Synthetic tokens: these tests are about the loop and the kernels (tests/data_test.py tests the data).
@@ -707,6 +708,39 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, mon
     assert doc["stop_reason"] == "non-finite loss or gradient"
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["checkpoint-1", "checkpoint-2", flags.LOSS_CURVE]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nan.json", "out"]  # no temporary file left
+
+
+def test_a_checkpoint_that_cannot_be_written_ends_in_one_line(tmp_path, monkeypatch):
+    """A full disk while checkpoint-4 is written (the optimizer's file fails half-way, as
+    torch.save does on ENOSPC): one line naming the checkpoint, the cause, the room left
+    and the last whole checkpoint; the half-written folder is removed, checkpoint-2 stays
+    whole and resumable. A bug inside the save is not hidden behind that line."""
+    real_save, out = torch.save, tmp_path / "out"
+
+    def full_disk_at_step_4(obj, path, *args, **kwargs):
+        if "checkpoint-4.tmp" in str(path):
+            with open(path, "wb") as f:
+                f.write(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoints.torch, "save", full_disk_at_step_4)
+    with pytest.raises(SystemExit) as e:
+        finetune_baseline.main(TINY + ["--output-dir", str(out), "--save-every", "2"])
+    msg = str(e.value.code)
+    assert msg.startswith(f"error: checkpoint-4 could not be written into --output-dir {out} (OSError: [Errno 28] No "
+                          f"space left on device: ") and "\n" not in msg
+    assert (f"GB are free on its disk once the half-written folder is removed; the last checkpoint, "
+            f"{out / 'checkpoint-2'} (") in msg
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2"]
+    assert checkpoints.damage(str(out / "checkpoint-2")) is None
+
+    def a_bug(obj, path, *args, **kwargs):
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(checkpoints.torch, "save", a_bug)
+    with pytest.raises(ValueError, match="a bug"):
+        finetune_baseline.main(TINY + ["--output-dir", str(tmp_path / "bug"), "--save-every", "2"])
 
 
 def test_a_learning_rate_that_diverges_stops_the_run():

@@ -213,8 +213,8 @@ def choose_parallel(settings):
     elif pieces:
         whole = "--ddp-shard-weights was given" if asked_pieces else f"a whole copy's {held}, {gib(need)}, exceed"
         why = (f"{start}--ddp --ddp-shard-weights: each process keeps 1/{processes} of the decoder layers' "
-               f"weights, whole only around their use ({gib(sharded)} of state per process, which fits in {share}; "
-               f"{whole}); pass --fsdp for FSDP2")
+               f"weights, whole only around their use (at most {gib(sharded)} per process before activations, which "
+               f"fits in {share}; {whole}); pass --fsdp for FSDP2")
     else:
         over = ([f"its {held}, {gib(need)}"] if need > room else []) + (
             [f"--ddp-shard-weights' {gib(sharded)}"] if sharded is not None else [])

@@ -541,8 +541,9 @@ def test_torchrun_without_fsdp_or_ddp_chooses_from_memory(monkeypatch):
     chosen = choose()
     assert chosen.ddp and chosen.ddp_shard_weights and not chosen.fsdp
     assert ("so --ddp --ddp-shard-weights: each process keeps 1/2 of the decoder layers' weights, whole only around "
-            "their use (~9.00 GiB of state per process, which fits in 80% of the 12.0 GiB here; a whole copy's "
-            "weights, gradients and 1/2 of AdamW state, ~10.00 GiB, exceed); pass --fsdp") in chosen.parallel_choice
+            "their use (at most ~9.00 GiB per process before activations, which fits in 80% of the 12.0 GiB here; "
+            "a whole copy's weights, gradients and 1/2 of AdamW state, ~10.00 GiB, exceed); pass --fsdp"
+            ) in chosen.parallel_choice
     for where_it_does_not_apply in (["--lora"], ["--no-ddp-shard-optimizer"]):  # (--fp8: no CPU runs it)
         assert choose(*where_it_does_not_apply).fsdp
     # ... else --fsdp, the line giving both.

@@ -186,8 +186,7 @@ def save_checkpoint(args, model, optimizer, scheduler, step, history, rng):
     folder removed; the checkpoints before it stay whole."""
     path = checkpoint_path(args.output_dir, step)
     tmp = path + ".tmp"
-    rank, ranks = fsdp.rank_and_size()
-    if rank == 0:
+    if fsdp.is_main_process():
         fresh_tmp(tmp)
     fsdp.barrier()  # --fsdp, --ddp: every process writes into the folder rank 0 made
     try:

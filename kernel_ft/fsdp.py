@@ -126,12 +126,12 @@ def replica_memory(args):
     has. With --lora only the adapters train: the frozen weights alone count; with the
     pieces (--ddp-shard-optimizer, on by default where it applies) 1/N of AdamW's state of
     each weight split into pieces (layer_weights.state_bytes)."""
-    config = models.tiny_config() if args.tiny else models.config_for(args.model)
-    weights = models.parameter_count(config) * models.weights_dtype(args, _this_device()).itemsize
+    model, itemsize = _meta_model(args)
+    weights = sum(p.numel() for p in model.parameters()) * itemsize
     if getattr(args, "lora", False):
         need = weights
     elif flags.shards_optimizer(args):
-        need = _pieces_state(args, config, release=False)
+        need = _pieces_state(args, model, itemsize, release=False)
     else:
         need = REPLICA_STATE_COPIES * weights
     return (need, *device_memory())
@@ -141,16 +141,20 @@ def shard_weights_memory(args):
     """What each process would hold under --ddp --ddp-shard-weights before any activation,
     in bytes, with what holds more for a while (layer_weights.state_bytes), for the same
     comparison as replica_memory's; None where it would release no weight."""
+    return _pieces_state(args, *_meta_model(args), release=True)
+
+
+def _meta_model(args):
+    """The run's model built on the meta device, and its weights' bytes per value here."""
     config = models.tiny_config() if args.tiny else models.config_for(args.model)
-    return _pieces_state(args, config, release=True)
+    return models.meta_model(config), models.weights_dtype(args, _this_device()).itemsize
 
 
-def _pieces_state(args, config, release):
+def _pieces_state(args, model, itemsize, release):
     from kernel_ft import layer_weights  # the lesson that counts them; it imports ddp, which this file does too
 
-    itemsize = models.weights_dtype(args, _this_device()).itemsize
     resumed = bool(getattr(args, "resume", None))
-    return layer_weights.state_bytes(models.meta_model(config), flags.processes_started(), itemsize,
+    return layer_weights.state_bytes(model, flags.processes_started(), itemsize,
                                      flags.gather_ahead(args.but(ddp_shard_weights=release)),
                                      accumulate=getattr(args, "grad_accum", 1) > 1 or resumed, release=release,
                                      checkpoints=bool(getattr(args, "output_dir", None)) or resumed)

@@ -103,13 +103,15 @@ def state_bytes(model, processes, itemsize, ahead=1, accumulate=False, release=T
         whole += size
         steady += size * (4 / processes if p in in_layers else
                           2 + 2 / processes if ddp.splits(p, processes, itemsize) else 4)
+    if not release:  # the pieces gather in place: nothing holds more for a while
+        return int(steady)
     layer_bytes = [sum(p.numel() for p in weights) * itemsize for weights in released.values()]
     largest = max(layer_bytes, default=0)
     whole_gradients = sum(layer_bytes) if accumulate else IN_FLIGHT_LAYERS * largest
-    steady += (max(ahead, 1) + 2) * largest + whole_gradients if release else 0
+    steady += (max(ahead, 1) + 2) * largest + whole_gradients
     loaded = whole + sum(layer_bytes) / processes
     gathered = steady + sum(layer_bytes) if checkpoints else 0
-    return int(max(steady, loaded if release else 0, gathered))
+    return int(max(steady, loaded, gathered))
 
 
 def _in_backward():

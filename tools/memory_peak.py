@@ -114,13 +114,15 @@ def main(argv=None):
         ended = e
     else:
         ended = None
-    report(torch, args)
+    report(args)
     if ended is not None:
         raise ended
 
 
-def report(torch, args):
+def report(args):
     """The record replayed to its peak: the table, and --json."""
+    import torch
+
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     events = snapshot["device_traces"][torch.cuda.current_device()]

@@ -47,6 +47,7 @@ import fp8_kernel
 import kernel_common
 from fp8_kernel import RECIPES, cast_traffic, fp8_supported, quantize, quantize_reference, replace_linears, scaled_mm
 from rmsnorm_kernel import _forward as rmsnorm_launch
+import swiglu_kernel
 from swiglu_kernel import TritonLlamaMLP, _forward as swiglu_launch, swiglu_backward_and_hidden
 
 M = 8192  # tokens per step: 4 x 2,048
@@ -264,15 +265,17 @@ def mlp_rows(bench_ms):
         variants += [f"torchao {r}" for r in RECIPES]
     # Our training step's way: eager kernels replayed in a CUDA graph; per tensor with and
     # without the amax handed over by SwiGLU forward and backward (kernel_common.FP8_PRODUCERS).
-    # And with gate_proj and up_proj as two products each way, not one (fp8_kernel.STACK_PROJECTIONS).
+    # And with gate_proj and up_proj as two products each way, not one (fp8_kernel.STACK_PROJECTIONS);
+    # per tensor with down_proj's h8^T kept from forward (swiglu_kernel.FP8_DOWN_IN_BACKWARD off).
     variants += (["bf16, graph"] + [f"ours {r}, graph" for r in RECIPES] + ["ours tensorwise, graph, no producers"]
-                 + [f"ours {r}, graph, unstacked" for r in RECIPES])
+                 + [f"ours {r}, graph, unstacked" for r in RECIPES] + ["ours tensorwise, graph, h8^T kept"])
     rows, flop = [], 3 * 2 * M * 3 * HIDDEN * INTERMEDIATE * LAYERS
     for variant in variants:
         model = mlp_stack(state, variant)
         xg = x.detach().requires_grad_()
         kernel_common.FP8_PRODUCERS = "no producers" not in variant
         fp8_kernel.STACK_PROJECTIONS = "unstacked" not in variant
+        swiglu_kernel.FP8_DOWN_IN_BACKWARD = "h8^T kept" not in variant
         if ", graph" in variant:
             graph, out = graphed_step(model, xg, dy)
             ms = timed(graph.replay, bench_ms)
@@ -290,7 +293,7 @@ def mlp_rows(bench_ms):
             xg.grad = None
             out = compiled(xg)
             out.backward(dy)
-        kernel_common.FP8_PRODUCERS = fp8_kernel.STACK_PROJECTIONS = True
+        kernel_common.FP8_PRODUCERS = fp8_kernel.STACK_PROJECTIONS = swiglu_kernel.FP8_DOWN_IN_BACKWARD = True
         grads = {n: p.grad for n, p in model.named_parameters()}
         errors = {"out": relative_error(out.detach(), truth["out"]), "dx": relative_error(xg.grad, truth["dx"]),
                   "dW (worst layer)": max(relative_error(grads[n], truth[n]) for n in grads)}

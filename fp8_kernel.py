@@ -483,7 +483,7 @@ def quantize_side_by_side(parts, recipe, fmt="e4m3", amaxes=None):
     dtype, e5m2 = GRAD_FORMATS[fmt][0], fmt == "e5m2"
     data = torch.empty(M, N, dtype=dtype, device=device)
     data_t = torch.empty(N, M, dtype=dtype, device=device)
-    most = AMAX_FLAT[2] * (1 if INTERPRET else num_sms(device))
+    most = _most_partials(device)
     if rowwise:  # the rows' maxima run over every part (atomics fold them), each part has its columns'
         amax, amax_t = (torch.zeros(n, dtype=torch.float32, device=device) for n in (M, N))
         inv, inv_t = torch.empty_like(amax), torch.empty_like(amax_t)
@@ -541,7 +541,7 @@ def _quantize_parts(parts, recipe, transpose, align, fmt, amaxes):
     dtype, e5m2 = GRAD_FORMATS[fmt][0], fmt == "e5m2"
     data = torch.empty(M, K, dtype=dtype, device=device)
     data_t = torch.empty(K, m_pad, dtype=dtype, device=device) if transpose else data
-    most = AMAX_FLAT[2] * (1 if INTERPRET else num_sms(device))
+    most = _most_partials(device)
     if rowwise:
         amax, amax_t, inv, inv_t = _row_maxima(parts, transpose)
     else:
@@ -622,6 +622,17 @@ def _tensor_maxima(parts, amaxes, most):
             _launch_amax(x, given, given, False, False)
         maxima.append(given.reshape(-1))
     return maxima[0] if len(maxima) == 1 else torch.cat(maxima)
+
+
+def tensor_maxima(x):
+    """float32 maxima whose maximum is max |x| (what a per-tensor cast measures when no
+    producer handed them over): for a cast with the same scale later (quantize's amax)."""
+    return _tensor_maxima([x], [None], _most_partials(x.device))
+
+
+def _most_partials(device):
+    """How many partial maxima a per-tensor amax pass writes at most (kernel 1b's grid)."""
+    return AMAX_FLAT[2] * (1 if INTERPRET else num_sms(device))
 
 
 def _one_pass(recipe, transpose, K):
@@ -1078,16 +1089,29 @@ class FP8Linear(nn.Module):
         (evaluation: each layer's product then skips the transposed copies), torch.compile,
         STACK_PROJECTIONS off."""
         layers = (self, *others)
-        if not STACK_PROJECTIONS or not torch.is_grad_enabled() or torch.compiler.is_compiling() or traced(x):
-            return None
-        if any(not isinstance(m, FP8Linear) or (m.recipe, m.grads, m.emulate) != (self.recipe, self.grads, self.emulate)
-               or m.bias is not None or not m.weight.requires_grad or hasattr(m.weight, "fp8_copy")
-               or m.weight.dtype != self.weight.dtype or m._forward_hooks or m._forward_pre_hooks
-               or "forward" in m.__dict__ for m in layers):
+        if not STACK_PROJECTIONS or not self.runs_inside(x) or not all(self.same_kind(m) for m in others):
             return None
         for m in layers:
             _check_linear(x, m.weight, None, m.recipe, m.grads, m.emulate)
         return FP8StackedFunction.apply(x, self.recipe, self.grads, split, *(m.weight for m in layers))
+
+    def runs_inside(self, x):
+        """Whether this layer's products may run inside another autograd Function on input
+        ``x`` (stacked with others above, or after SwiGLU: swiglu_kernel.swiglu_fp8_down_proj):
+        gradients on, no tracer, and the layer plain (_plain)."""
+        return torch.is_grad_enabled() and not torch.compiler.is_compiling() and not traced(x) and self._plain()
+
+    def same_kind(self, other):
+        """``other`` is a plain FP8Linear like this one: recipe, gradient format, weight dtype."""
+        return (isinstance(other, FP8Linear) and other._plain() and (other.recipe, other.grads, other.emulate,
+                other.weight.dtype) == (self.recipe, self.grads, self.emulate, self.weight.dtype))
+
+    def _plain(self):
+        """Its forward would be this class's as it stands: a trained, bias-free weight not
+        gathered by FSDP in FP8, no hooks (they run only when the layer is called), no
+        forward of its own (offloading, parameter gathers)."""
+        return (self.bias is None and self.weight.requires_grad and not hasattr(self.weight, "fp8_copy")
+                and not self._forward_hooks and not self._forward_pre_hooks and "forward" not in self.__dict__)
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

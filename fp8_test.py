@@ -959,6 +959,86 @@ def test_mlp_runs_fp8_gate_and_up_as_one_gate_up_layer(monkeypatch, recipe):
     assert all("stack_projections" not in m.__dict__ for m in model.modules())  # the probe's switch is gone
 
 
+@pytest.mark.parametrize("layout", ["gate_up", "apart"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("tokens", [21, 32])
+def test_fp8_down_proj_casts_h_transposed_in_backward(monkeypatch, layout, activation, tokens):
+    """A per-tensor FP8 down_proj after the gated activation: h8^T, written by SwiGLU's
+    backward kernel with the forward's scale, instead of kept from forward. The same output
+    and every gradient bit for bit as the layer called on h (FP8_DOWN_IN_BACKWARD off), no
+    fp8 [I, tokens] copy saved for backward, and h8^T the bytes quantize keeps (padding
+    columns zero where the tokens are not a multiple of 16)."""
+    import swiglu_kernel
+    from transformers import LlamaConfig
+    from swiglu_kernel import TritonGateUpMLP, TritonLlamaMLP
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=48, hidden_act="silu")  # W^T [48, 64]: not h^T's shape
+    torch.manual_seed(5)
+    mlp = (TritonGateUpMLP if layout == "gate_up" else TritonLlamaMLP)(config).to(DEVICE, torch.bfloat16)
+    mlp.activation = activation
+    replace_linears(mlp, "tensorwise", emulate=True)
+    assert mlp.casts_fp8_hidden_in_backward()
+    x = sample((1, tokens, 64), torch.bfloat16, seed=1)
+    dy = sample((1, tokens, 64), torch.bfloat16, seed=2)
+
+    def run():
+        saved = []
+
+        def pack(t):
+            saved.append((t.dtype, tuple(t.shape)))
+            return t
+
+        xx = x.clone().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = mlp(xx)
+        y.backward(dy)
+        grads = [p.grad for p in mlp.parameters()]
+        mlp.zero_grad(set_to_none=True)
+        return y.grad_fn.name(), saved, [y, xx.grad, *grads]
+
+    name, saved, got = run()
+    assert "TritonSwiGLUFP8DownFunction" in name
+    h_t = (fp8_kernel.FP8_DTYPE, (48, -(-tokens // 16) * 16))
+    assert h_t not in saved
+    monkeypatch.setattr(swiglu_kernel, "FP8_DOWN_IN_BACKWARD", False)
+    assert not mlp.casts_fp8_hidden_in_backward()
+    name, saved, want = run()
+    assert "TritonSwiGLUFP8DownFunction" not in name and h_t in saved  # the layer alone keeps it
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+    # The kernel's h8^T against quantize's transposed copy of the forward's h.
+    gate = sample((tokens, 96 if layout == "gate_up" else 48), torch.bfloat16, seed=3)
+    up = None if layout == "gate_up" else sample((tokens, 48), torch.bfloat16, seed=4)
+    h = swiglu_kernel.swiglu_forward(gate, up, activation)
+    maxima = fp8_kernel.tensor_maxima(h)
+    want = quantize(h, "tensorwise", transpose=True, align=16, amax=maxima)
+    out = torch.full(want.data_t.shape, 7, dtype=torch.uint8, device=DEVICE)  # the padding must be written
+    swiglu_kernel.swiglu_backward_and_hidden(torch.zeros_like(h), gate, up, True, up is not None, activation,
+                                             store_h=False, h8_t=(out, maxima))
+    assert torch.equal(out, bits(want.data_t))
+
+
+def test_fp8_down_proj_keeps_h8_transposed_where_it_must():
+    """Per row, with a bias, a frozen weight or without gradients the layer is called on h."""
+    from transformers import LlamaConfig
+    from swiglu_kernel import TritonLlamaMLP
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=48, hidden_act="silu")
+    x = torch.randn(1, 16, 32).to(DEVICE).requires_grad_()
+    for change in ("rowwise", "bias", "frozen", "no_grad"):
+        mlp = TritonLlamaMLP(config).to(DEVICE)
+        if change == "bias":
+            mlp.down_proj.bias = torch.nn.Parameter(torch.zeros(32, device=DEVICE))
+        replace_linears(mlp, "rowwise" if change == "rowwise" else "tensorwise", emulate=True)
+        if change == "frozen":
+            mlp.down_proj.weight.requires_grad_(False)
+        assert not mlp.casts_fp8_hidden_in_backward() or change == "no_grad"
+        with torch.set_grad_enabled(change != "no_grad"):
+            y = mlp(x)
+        assert y.grad_fn is None or "TritonSwiGLUFP8DownFunction" not in y.grad_fn.name(), change
+
+
 # --------------------------------------------------------------------------------
 # On a GPU with FP8 tensor cores
 # --------------------------------------------------------------------------------

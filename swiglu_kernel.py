@@ -181,6 +181,9 @@ from kernel_common import (
 import triton
 import triton.language as tl
 
+import fp8_kernel
+from fp8_kernel import _cast_tile, _scale  # noqa: F401 - Triton functions the backward kernel calls (STORE_H8_T)
+
 
 # --------------------------------------------------------------------------------
 # The references: Hugging Face's eager formulas. Tests compare against them (and
@@ -368,6 +371,8 @@ def _swiglu_bwd_kernel(
     DU,  # [n_rows, n_cols] output d_up, up's dtype; rows stride_du apart
     H,  # [n_rows, n_cols] output h = act(gate) * up as forward wrote it, contiguous (STORE_H only)
     AMAX_DG, AMAX_DU,  # [AMAX_SLOTS] float32, zeroed: max |DG|, max |DU| (the same slots when fused)
+    H8_T,  # [n_cols, m_pad] uint8: the fp8 bits of h^T, rows m_pad apart (STORE_H8_T only)
+    H_AMAX,  # [n_amax] float32: maxima whose maximum is the forward's max |h| (STORE_H8_T only)
     stride_dy,
     stride_g,
     stride_u,
@@ -375,6 +380,8 @@ def _swiglu_bwd_kernel(
     stride_du,
     n_rows,
     n_cols,
+    m_pad,  # STORE_H8_T: h^T's row length, n_rows rounded up (the grid covers it; the padding gets zeros)
+    n_amax,
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     COMPUTE_DG: tl.constexpr,  # False when gate does not require grad: no read of u, no store
@@ -383,6 +390,8 @@ def _swiglu_bwd_kernel(
     ACT: tl.constexpr,
     PRECISE: tl.constexpr,
     AMAX_SLOTS: tl.constexpr = 0,  # > 0: fold the gradients' max |.| into AMAX_DG / AMAX_DU
+    STORE_H8_T: tl.constexpr = False,  # also write h^T in e4m3 with the forward's scale (FP8 down_proj)
+    AMAX_BLOCK: tl.constexpr = 1,  # a power of two >= n_amax
 ):
     rows, cols, mask = _tile(n_rows, n_cols, BLOCK_N, ROWS)
     dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -403,6 +412,19 @@ def _swiglu_bwd_kernel(
         # this program has loaded anyway: 2 B per element written here instead of a
         # separate forward launch that reads g and u again (6 B). See swiglu_down_proj below.
         tl.store(H + rows[:, None] * n_cols + cols[None, :], cast_to(a_rounded * u, H.dtype.element_ty), mask=mask)
+
+    if STORE_H8_T:
+        # The fp8 h^T an FP8 down_proj's weight gradient reads, bit for bit what its forward
+        # cast would have kept (fp8_kernel's cast of the same bf16 h with the same scale), 1 B
+        # per element written here instead of kept from forward (swiglu_fp8_down_proj below).
+        # Transposed through tl.trans: h^T's rows are h's columns, tokens contiguous; rows
+        # n_rows..m_pad of this tile loaded as zeros, so the padding columns get zeros.
+        h = cast_to(a_rounded * u, G.dtype.element_ty).to(tl.float32)
+        offs_a = tl.arange(0, AMAX_BLOCK)
+        scale = _scale(tl.max(tl.load(H_AMAX + offs_a, mask=offs_a < n_amax, other=0.0), axis=0), False)
+        bits_t = tl.trans(_cast_tile(h, scale, False))
+        tl.store(H8_T + cols[:, None].to(tl.int64) * m_pad + rows[None, :], bits_t,
+                 mask=(cols < n_cols)[:, None] & (rows < m_pad)[None, :])
 
     if COMPUTE_DG:
         if ACT == "gelu_tanh":
@@ -428,6 +450,13 @@ def _swiglu_bwd_kernel(
 # 8192 slowed the backward by ~30%, 16 warps with small tiles by ~50%.
 TILE_ELEMENTS = 2048
 NUM_WARPS = 8
+
+
+# With h^T in fp8 (STORE_H8_T) the tile is square-ish instead: one row of 2048 columns
+# would write 2048 single bytes, each into another row of h^T. 32 rows x 64 columns write
+# 32 contiguous bytes (one memory sector) into each of 64 rows of h^T, and still read and
+# write 128 contiguous bytes of each bf16 row.
+H8_T_TILE = (16, 16, 1) if INTERPRET else (64, 32, 4)  # (BLOCK_N, ROWS, num_warps)
 
 
 def _launch_config(n_cols):
@@ -539,14 +568,20 @@ def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Ten
 
 
 def swiglu_backward_and_hidden(dy, gate, up, compute_dgate, compute_dup, activation="silu", store_h=True,
-                               amax=None):
+                               amax=None, h8_t=None):
     """swiglu_backward's (d_gate, d_up), and with ``store_h`` also forward's output h
     (swiglu_forward's bits) from the same pass, else None. A plain launcher: callers
     inside an operator (swiglu_down_proj_backward below) use it. ``amax``: zeroed float32
-    slots [2, AMAX_SLOTS] that get max |d_gate| and max |d_up| (fused layout: both in row 0)."""
+    slots [2, AMAX_SLOTS] that get max |d_gate| and max |d_up| (fused layout: both in row 0).
+    ``h8_t``: (out, h_amax), out a uint8 [I, m_pad] (m_pad >= rows) that gets h^T cast to
+    e4m3 with the scale of the maxima h_amax, as fp8_kernel.quantize casts (gate's dtype
+    is h's: gate and up of one dtype)."""
     g2, u2, n_cols = _rows(gate, up)
     dy2 = as_rows(dy, n_cols)
     n_rows = g2.shape[0]
+    if h8_t is not None and (u2.dtype != g2.dtype or h8_t[0].shape[0] != n_cols or h8_t[0].shape[1] < n_rows):
+        raise ValueError(f"swiglu_backward_and_hidden: h^T's fp8 copy must be [{n_cols}, >= {n_rows}] for gate and "
+                         f"up of one dtype, got {tuple(h8_t[0].shape)} ({g2.dtype}, {u2.dtype})")
     if up is None:
         # Optimization: gate_up_proj's backward wants ONE [N, 2I] gradient. The
         # kernel writes d_gate and d_up straight into its two halves; two separate
@@ -559,17 +594,22 @@ def swiglu_backward_and_hidden(dy, gate, up, compute_dgate, compute_dup, activat
         dg = torch.empty((n_rows, n_cols), dtype=gate.dtype, device=gate.device) if compute_dgate else None
         du = torch.empty((n_rows, n_cols), dtype=up.dtype, device=up.device) if compute_dup else None
     h = torch.empty((n_rows, n_cols), dtype=_out_dtype(gate, up), device=gate.device) if store_h else None
-    if n_rows > 0 and (compute_dgate or compute_dup or store_h):
-        block_n, rows, num_warps = _launch_config(n_cols)
+    out_t, h_amax = h8_t if h8_t is not None else (None, None)
+    m_pad = n_rows if out_t is None else out_t.shape[1]
+    if m_pad > 0 and (compute_dgate or compute_dup or store_h or out_t is not None):
+        block_n, rows, num_warps = _launch_config(n_cols) if out_t is None else H8_T_TILE
         # A switched-off output is never written: any tensor stands in for its pointer.
-        dg_arg = next(t for t in (dg, du, h) if t is not None)
+        dg_arg = next(t for t in (dg, du, h, out_t) if t is not None)
         du_arg = du if compute_dup else dg_arg
         amax_dg, amax_du = (dg_arg, dg_arg) if amax is None else (amax[0], amax[0] if up is None else amax[1])
-        _swiglu_bwd_kernel[_grid(n_rows, n_cols, block_n, rows)](
+        _swiglu_bwd_kernel[_grid(m_pad, n_cols, block_n, rows)](
             dy2, g2, u2, dg_arg, du_arg, h if store_h else dg_arg, amax_dg, amax_du,
+            dg_arg if out_t is None else out_t, dg_arg if h_amax is None else h_amax,
             dy2.stride(0), g2.stride(0), u2.stride(0), dg_arg.stride(0), du_arg.stride(0), n_rows, n_cols,
+            m_pad, 1 if h_amax is None else h_amax.numel(),
             BLOCK_N=block_n, ROWS=rows, COMPUTE_DG=compute_dgate, COMPUTE_DU=compute_dup, STORE_H=store_h,
             ACT=activation, PRECISE=gate.dtype == torch.float32, AMAX_SLOTS=0 if amax is None else amax.shape[1],
+            STORE_H8_T=out_t is not None, AMAX_BLOCK=1 if h_amax is None else next_power_of_2(h_amax.numel()),
             num_warps=num_warps,
         )
     h = h.view(_out_shape(gate, up)) if store_h else None
@@ -787,6 +827,82 @@ def swiglu_down_proj(gate, up, weight, activation="silu"):
 
 
 # --------------------------------------------------------------------------------
+# The same under an FP8 down_proj: h^T cast in backward (Step 22)
+# --------------------------------------------------------------------------------
+# An FP8 down_proj (fp8_kernel.FP8Linear) casts h to e4m3 for its forward product and keeps
+# the transposed copy h8^T for its weight gradient dW = dy^T h: 1 B per element from
+# forward to backward, 56 MB per layer at 8B and 2 x 2,048 tokens, 1.75 GiB over the 32
+# layers, all of it alive at FP8's peak (the start of backward). Per tensor, h's scale is
+# one number fixed in forward (from the max |h| the forward kernel measured as it wrote h),
+# so the SwiGLU backward kernel, which reads gate and up anyway, can write h8^T itself with
+# that scale: the bytes the forward's cast would have kept, bit for bit. The forward's cast
+# writes h8 only; the backward writes h8^T: the same traffic, the copy gone from the peak.
+# Backward runs dh = dy W (dy cast to fp8 once, for this product and for dW), then the
+# SwiGLU backward (d_gate, d_up and h8^T), then dW = dy8^T h8^T.
+# Where: per tensor (per row, h^T's scales are per column of h, known only once all of h
+# is), a plain FP8Linear (FP8Linear.runs_inside), gate and up of one dtype that need
+# gradients, no autocast; elsewhere the layer is called on h as before.
+FP8_DOWN_IN_BACKWARD = True  # False: the FP8 down_proj keeps h8^T from forward (A/B: NOTES.md Step 22)
+
+
+class TritonSwiGLUFP8DownFunction(torch.autograd.Function):
+    """down(act(gate) * up) for an FP8Linear ``down`` per tensor, h8^T cast in backward.
+    apply(gate, up, weight, activation, grads); up None: gate holds [gate | up]."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, activation, grads):
+        slots = amax_slots(gate)
+        h = _forward(gate, up, activation, None if slots is None else slots[0])
+        h2 = h.view(-1, h.shape[-1])
+        h_amax = slots[0] if slots is not None else fp8_kernel.tensor_maxima(h2)
+        hq = fp8_kernel.quantize(h2, "tensorwise", align=16, amax=h_amax)  # h8 only, no h8^T
+        wq = fp8_kernel._weight_fp8(weight, "tensorwise", transpose=True)
+        y = fp8_kernel._forward_mm(hq, wq.data, wq.inv_scale, h.dtype)
+        ctx.save_for_backward(gate, up, wq.data_t, wq.inv_scale_t, h_amax, hq.inv_scale)
+        ctx.activation, ctx.grads, ctx.w_dtype = activation, grads, weight.dtype
+        return y.view(*h.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    @first_order_only("swiglu_fp8_down_proj")
+    def backward(ctx, dy):
+        gate, up, w_t, w_inv_t, h_amax, h_inv = ctx.saved_tensors
+        w_t, w_inv_t = fp8_kernel._weight_t(w_t, w_inv_t, None)
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dyq = fp8_kernel._output_grad_fp8(dy2, "tensorwise", ctx.grads, True)
+        dh = fp8_kernel.scaled_mm(dyq.data, dyq.inv_scale, w_t, w_inv_t, dy.dtype)
+        n_cols = w_t.shape[0]
+        h8_t = torch.empty(n_cols, cdiv(dy2.shape[0], 16) * 16, dtype=fp8_kernel.FP8_DTYPE, device=dy.device)
+        slots = amax_slots(dh, 2)  # the FP8 gate/up layers take their gradients' amax from here
+        dg, du, _ = swiglu_backward_and_hidden(dh, gate, up, True, up is not None, ctx.activation, store_h=False,
+                                               amax=slots, h8_t=(h8_t.view(torch.uint8), h_amax))
+        del dh
+        if slots is not None:
+            for grad, row in zip((dg, du), slots):
+                note_amax(grad, row)
+        dw = fp8_kernel.scaled_mm(dyq.data_t, dyq.inv_scale_t, h8_t, h_inv, ctx.w_dtype)
+        return dg, (du if up is not None else None), dw, None, None
+
+
+def fp8_down_in_backward(down):
+    """Whether ``down`` is an FP8 down_proj whose h8^T may be cast in backward (above)."""
+    return (FP8_DOWN_IN_BACKWARD and isinstance(down, fp8_kernel.FP8Linear) and down.recipe == "tensorwise"
+            and down._plain())
+
+
+def swiglu_fp8_down_proj(gate, up, down, activation="silu"):
+    """``down(act(gate) * up)`` with h8^T cast in backward (above), or None where that does
+    not apply (then the caller calls ``down`` on the activation itself)."""
+    if (not fp8_down_in_backward(down) or not down.runs_inside(gate) or torch.is_autocast_enabled(gate.device.type)
+            or not gate.requires_grad or (up is not None and (not up.requires_grad or up.dtype != gate.dtype))):
+        return None
+    n_cols = gate.shape[-1] if up is not None else gate.shape[-1] // 2
+    if down.weight.dim() != 2 or down.weight.shape[1] != n_cols:
+        return None  # the layer's own call says what is wrong
+    fp8_kernel._check_linear(gate.new_empty(0, n_cols), down.weight, None, down.recipe, down.grads, down.emulate)
+    return TritonSwiGLUFP8DownFunction.apply(gate, up, down.weight, activation, down.grads)
+
+
+# --------------------------------------------------------------------------------
 # Drop-in modules and model patching
 # --------------------------------------------------------------------------------
 # HF's names of the activations we implement (config.hidden_act, or Gemma 2/3's
@@ -883,6 +999,10 @@ class TritonLlamaMLP(nn.Module):
         down = self.down_proj
         return self.recompute_hidden and type(down) is nn.Linear and down.bias is None
 
+    def casts_fp8_hidden_in_backward(self):
+        """True when a training forward runs swiglu_fp8_down_proj (h8^T cast in backward)."""
+        return self.recompute_hidden and fp8_down_in_backward(self.down_proj)
+
     # FP8 gate_proj and up_proj (fp8_kernel.FP8Linear, Step 22) may run as one product whose
     # output [gate | up] is the fused layout below (TritonGateUpMLP), read in place.
     stack_projections = True
@@ -897,9 +1017,14 @@ class TritonLlamaMLP(nn.Module):
 
     def forward(self, x):
         gate, up = self._gate_and_up(x)
+        return self._down(gate, up)
+
+    def _down(self, gate, up):
+        """down_proj(act(gate) * up), h recomputed in backward where the layer allows it."""
         if self.recomputes_hidden():
             return swiglu_down_proj(gate, up, self.down_proj.weight, self.activation)
-        return self.down_proj(gated_activation(gate, up, self.activation))
+        y = swiglu_fp8_down_proj(gate, up, self.down_proj, self.activation) if self.recompute_hidden else None
+        return y if y is not None else self.down_proj(gated_activation(gate, up, self.activation))
 
     def extra_repr(self):
         act = {"silu": "SwiGLU", "gelu_tanh": "GeGLU (tanh)"}[self.activation]
@@ -928,10 +1053,7 @@ class TritonGateUpMLP(TritonLlamaMLP):
         self.down_proj = mlp.down_proj
 
     def forward(self, x):
-        gate_up = self.gate_up_proj(x)  # [..., 2I]: gate | up, never split into copies
-        if self.recomputes_hidden():
-            return swiglu_down_proj(gate_up, None, self.down_proj.weight, self.activation)
-        return self.down_proj(gated_activation(gate_up, None, self.activation))
+        return self._down(self.gate_up_proj(x), None)  # [..., 2I]: gate | up, never split into copies
 
 
 def triton_mlp_class(module):

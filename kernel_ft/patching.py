@@ -154,8 +154,14 @@ def apply(model, *, fp8=None, rmsnorm=True, swiglu=True, flce=True, ce=True, rop
               "found no gated MLPs to replace in {model} (it looks for modules named *MLP with gate_proj, up_proj "
               "and down_proj, or gate_up_proj and down_proj, and MoE experts modules, gated by SiLU or tanh-GELU)",
               "replaced {count} gated MLPs with TritonLlamaMLP (fused SwiGLU / GeGLU)"):
-        # Only a plain nn.Linear down_proj lets the MLP recompute h instead of storing it.
-        kept = [m for m in lm.modules() if isinstance(m, TritonLlamaMLP) and not m.recomputes_hidden()]
+        # Only a plain nn.Linear down_proj lets the MLP recompute h instead of storing it; a plain
+        # per-tensor FP8 one keeps h8 but not its transposed copy.
+        mlps = [m for m in lm.modules() if isinstance(m, TritonLlamaMLP)]
+        cast_later = sum(m.casts_fp8_hidden_in_backward() for m in mlps)
+        if cast_later:
+            report["swiglu"]["detail"] += (f"; {cast_later} of them cast h^T for their FP8 down_proj in backward "
+                                           f"instead of keeping it")
+        kept = [m for m in mlps if not m.recomputes_hidden() and not m.casts_fp8_hidden_in_backward()]
         if kept:
             report["swiglu"]["detail"] += (
                 f"; {len(kept)} of them keep h = silu(gate) * up for backward: their down_proj is a "

@@ -403,56 +403,31 @@ def _norm_block(n, programs):
     return interpreter_block(n, 4 * programs, NORM_BLOCK) if INTERPRET else NORM_BLOCK
 
 
-class PartialSums:
-    """The sums of squares of ``grads``: each tensor's launch when ``add(i)`` asks for it (or
-    at the end), added up per tensor by ``sums()``. --ddp-shard-optimizer launches each
-    piece's as soon as its reduce-scatter is done, beside the last ones (kernel_ft/ddp.py,
-    "The norm's sums ahead"); sums_of_squares launches them all at once."""
-
-    def __init__(self, grads):
-        check_kernel_device(*grads)
-        self.grads = grads
-        most = num_sms(grads[0].device) * NORM_PROGRAMS_PER_SM
-        self.grid = [max(1, min(most, cdiv(g.numel(), NORM_BLOCK))) for g in grads]
-        # One row of slots per tensor; the slots a smaller grid leaves are zeros.
-        self.partials = torch.zeros(len(grads), max(self.grid), dtype=torch.float32, device=grads[0].device)
-        self.launched = [False] * len(grads)
-
-    def add(self, i):
-        g, programs = self.grads[i], self.grid[i]
-        g = g if g.is_contiguous() else g.contiguous()
-        _sum_squares_kernel[(programs,)](g, self.partials[i], g.numel(), BLOCK=_norm_block(g.numel(), programs),
-                                         num_warps=NORM_WARPS)
-        self.launched[i] = True
-
-    def sums(self):
-        """Each tensor's sum of squares in float32: a tensor [len(grads)]."""
-        for i, done in enumerate(self.launched):
-            if not done:
-                self.add(i)
-        return self.partials.sum(dim=1)
-
-    def covers(self, grads):
-        """Whether these are the sums of exactly ``grads`` (the same tensors, in order)."""
-        return len(grads) == len(self.grads) and all(a is b for a, b in zip(grads, self.grads))
-
-
 def sums_of_squares(grads):
     """Each tensor's sum of squares in float32 (this file's kernel): a tensor [len(grads)]."""
-    return PartialSums(grads).sums()
+    check_kernel_device(*grads)
+    grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+    device = grads[0].device
+    most = num_sms(device) * NORM_PROGRAMS_PER_SM
+    grid = [max(1, min(most, cdiv(g.numel(), NORM_BLOCK))) for g in grads]
+    # One row of slots per tensor; the slots a smaller grid leaves are zeros.
+    partials = torch.zeros(len(grads), max(grid), dtype=torch.float32, device=device)
+    for row, (g, programs) in enumerate(zip(grads, grid)):
+        _sum_squares_kernel[(programs,)](g, partials[row], g.numel(), BLOCK=_norm_block(g.numel(), programs),
+                                         num_warps=NORM_WARPS)
+    return partials.sum(dim=1)
 
 
-def gradient_norm(grads, add_up=None, ahead=None):
+def gradient_norm(grads, add_up=None):
     """The L2 norm of all ``grads`` (tensors on one device), as
     ``torch.nn.utils.get_total_norm(grads)`` computes it: the norm of each tensor in
     float32, rounded to the tensor's dtype, then the norm of those norms. A tensor.
     The sums of squares are this file's kernel; the few ops after it are PyTorch's.
     ``add_up(sums)``: where some of ``grads`` are pieces of a tensor split over
-    processes (--ddp-shard-optimizer), their sums added up over the processes.
-    ``ahead``: a PartialSums of ``grads`` some of whose sums are launched already."""
+    processes (--ddp-shard-optimizer), their sums added up over the processes."""
     if not grads:
         return torch.tensor(0.0)
-    sums = (ahead if ahead is not None else PartialSums(grads)).sums()
+    sums = sums_of_squares(grads)
     if add_up is not None:
         sums = add_up(sums)
     norms = sums.sqrt()
@@ -583,11 +558,7 @@ class TritonAdamW(torch.optim.Optimizer):
             # full_tensor() adds them up across processes: the global norm.
             return torch.nn.utils.get_total_norm(grads, 2.0).full_tensor()
         add_up = getattr(self, "add_up_pieces", None)
-        # --ddp-shard-optimizer: the sums launched while the last reduce-scatters ran, if they
-        # are of these gradients (consumed: the next backward makes new ones).
-        ahead, self.sums_ahead = getattr(self, "sums_ahead", None), None
-        return gradient_norm(grads, None if add_up is None else functools.partial(add_up, params),
-                             ahead if ahead is not None and ahead.covers(grads) else None)
+        return gradient_norm(grads, None if add_up is None else functools.partial(add_up, params))
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm):

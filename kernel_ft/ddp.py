@@ -26,7 +26,6 @@ import functools
 import os
 
 import kernel_common  # first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
-import adamw_kernel
 
 import torch
 
@@ -73,7 +72,6 @@ from kernel_ft import flags
 # the rows would be more than half the vocabulary (many GPUs, long accumulation). What it
 # buys at 8B on 2 x H200, one call: 0.966x one GPU's tokens/s per GPU against 0.962x.
 PACKED_BYTES = 2**20  # smaller gradients are packed into groups; larger ones are averaged alone, in place
-SUMS_AHEAD = True  # False: the norm's sums wait for every reduce-scatter (A/B; GradientAverage._sums_ahead)
 
 
 def averages_rows(model, embedding, params):
@@ -95,7 +93,6 @@ class GradientAverage:
     def __init__(self, model, size, group_bytes, rank=0, embedding_rows=False):
         self.rank, self.size, self.group_bytes = rank, size, group_bytes
         self.pieces = {}  # --ddp-shard-optimizer: weight -> this process's piece (ShardedUpdate)
-        self.optimizer = None  # --ddp-shard-optimizer: the optimizer over the pieces (ShardedUpdate.attach)
         self.released = None  # --ddp-shard-weights: the LayerWeights whose weights are whole only in use
         self.params = [p for p in model.parameters() if p.requires_grad]  # tied weights once
         self.names = {p: name for name, p in model.named_parameters()}
@@ -119,9 +116,8 @@ class GradientAverage:
         self.filled = set()  # those made_by_now made (a gradient of one arriving later is an error)
         self.missing = [len(group) for group in self.groups] if self.groups else None
         self.next = 0  # the first group not averaged yet
-        self.pending = []  # (work, what to do once it is done or None, the piece it makes or None)
-        self.in_flight = []  # --ddp-shard-weights: (reduce-scatter, the whole gradient it reads, the piece)
-        self.reduced = []  # --ddp-shard-weights: pieces whose reduce-scatter this stream waited for in backward
+        self.pending = []  # (work, what to do once it is done, or None)
+        self.in_flight = []  # --ddp-shard-weights: (reduce-scatter, the whole gradient it reads)
         self.ids = []  # the token ids the input embedding looked up since the last averaged backward
 
     def _flat_ids(self):
@@ -218,7 +214,7 @@ class GradientAverage:
         packed = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else None
         flat = grads[0] if packed is None else packed
         work = self._launch_average(torch.distributed.all_reduce, flat)
-        self.pending.append((work, None if packed is None else functools.partial(_unpack, packed, grads), None))
+        self.pending.append((work, None if packed is None else functools.partial(_unpack, packed, grads)))
 
     def _launch_average(self, collective, flat, *output):
         """``collective(*output, flat)``, asynchronous, averaging ``flat`` over the processes:
@@ -252,7 +248,7 @@ class GradientAverage:
                 raise RuntimeError(f"--ddp-shard-weights: the gradient of {self.names[p]} is not contiguous")
             piece.grad = torch.empty_like(piece)
             p.grad = None
-            self.in_flight.append((self._launch_average(reduce_scatter, grad.view(-1), piece.grad), grad, piece))
+            self.in_flight.append((self._launch_average(reduce_scatter, grad.view(-1), piece.grad), grad))
             # The whole gradient's memory goes back once its reduce-scatter has read it, not at
             # the end of backward: this stream waits for the reduce-scatter released.in_flight
             # gradients back (long done by then: no stall), so that only that many whole
@@ -263,12 +259,10 @@ class GradientAverage:
             # before it needs any gather they issue after those waits. (Past the last released
             # layers nothing waits for a gather, and the rest may be held back to finish().)
             while len(self.in_flight) > self.released.in_flight:
-                work, _, done = self.in_flight.pop(0)
-                work.wait()
-                self.reduced.append(done)
+                self.in_flight.pop(0)[0].wait()
             return
         mine = self._piece_grad(p)
-        self.pending.append((self._launch_average(reduce_scatter, p.grad.view(-1), mine), None, self.pieces[p]))
+        self.pending.append((self._launch_average(reduce_scatter, p.grad.view(-1), mine), None))
 
     def _average_rows(self, p):
         """--ddp-embedding-rows: the rows of ``p.grad`` at every process's ids averaged (an
@@ -281,7 +275,7 @@ class GradientAverage:
         work = self._launch_average(torch.distributed.all_reduce, rows)
         if p in self.pieces:
             self._piece_grad(p)
-        self.pending.append((work, functools.partial(p.grad.index_copy_, 0, everyone, rows), self.pieces.get(p)))
+        self.pending.append((work, functools.partial(p.grad.index_copy_, 0, everyone, rows)))
         self.rows_averaged += 1
 
     def _only_rows_seen(self):
@@ -311,43 +305,14 @@ class GradientAverage:
             for p in group:
                 self._zeros_if_missing(p)
             self._average(group)
-        ahead = self._sums_ahead()
-        for piece in self.reduced:
-            ahead(piece)
-        for work, then, piece in self.pending:
+        for work, then in self.pending:
             work.wait()  # on NCCL: this stream waits for NCCL's; the host does not wait
             if then is not None:
                 then()
-            ahead(piece)
-        for work, _, piece in self.in_flight:
+        for work, _ in self.in_flight:
             work.wait()
-            ahead(piece)
         if self.released is not None:  # the last layers' weights, kept for this backward, go back
             self.released.release_all()
-
-    # The norm's sums ahead (--ddp-shard-optimizer). Clipping needs the norm of every gradient
-    # before any update, so the step's sums of squares (2.4 ms at 8B over 2 GPUs, on the pieces)
-    # used to start only once the last reduce-scatter was done, and those last ones, with no
-    # backward left beside them, ran alone before it. The reduce-scatters end in the order
-    # they went out, and this stream waits for them in that order (finish, above): each
-    # piece's sum of squares is launched right after its wait, into the optimizer's next
-    # norm (adamw_kernel.PartialSums), so the sums of the pieces done run while the last
-    # ones still cross. The same kernel and the same additions: the same norm, bit for bit.
-    # Not beside the backward itself: sums launched on a stream of their own while backward
-    # ran slowed its kernels more than they saved, at every grid size tried (NOTES.md Step 19).
-    def _sums_ahead(self):
-        """A function launching a piece's sum of squares into the optimizer's next norm, or
-        doing nothing (no optimizer over pieces, or SUMS_AHEAD off)."""
-        optimizer = self.optimizer
-        if optimizer is None or not SUMS_AHEAD or not hasattr(optimizer, "sums_ahead"):
-            return lambda piece: None
-        params = optimizer._with_grads()
-        if not params:
-            return lambda piece: None
-        sums = adamw_kernel.PartialSums([p.grad for p in params])
-        optimizer.sums_ahead = sums
-        index = {p: i for i, p in enumerate(params)}
-        return lambda piece: sums.add(index[piece]) if piece in index else None
 
     def _released(self, p):
         """Whether --ddp-shard-weights keeps ``p`` as a piece between uses (its memory empty)."""
@@ -566,8 +531,6 @@ class ShardedUpdate:
         """The optimizer's gradient norm adds up the pieces' sums over the processes; its
         zero_grad frees the whole gradients too; its step makes the weights stale."""
         optimizer.add_up_pieces = self._add_up
-        optimizer.sums_ahead = None  # the norm's sums ahead (GradientAverage._sums_ahead)
-        self.average.optimizer = optimizer
         zero_grad = optimizer.zero_grad
 
         def zero_grad_and_whole(set_to_none=True):

@@ -33,7 +33,6 @@ import kernel_common  # noqa: F401 - first: the Triton interpreter switch
 import torch
 from transformers import LlamaForCausalLM
 
-import adamw_kernel
 from adamw_kernel import TritonAdamW
 from kernel_ft import ddp, fsdp, layer_weights, models, training
 
@@ -111,15 +110,6 @@ def train(folder, rank, size, ahead, device, lora, release=False, checkpointing=
 
         released._gather = shuffled
     whole_between_steps = []  # --ddp-shard-weights: the layers' weights with memory after each step (none)
-    # The norm's sums launched ahead (GradientAverage._sums_ahead): per step, how many of the
-    # norm's tensors had theirs launched before the norm asked for them.
-    launched_ahead, sums = [], adamw_kernel.PartialSums.sums
-
-    def counted_sums(self):
-        launched_ahead.append(sum(self.launched))
-        return sums(self)
-
-    adamw_kernel.PartialSums.sums = counted_sums
     for step, ids in enumerate(steps):
         loss, norm = training.train_step(model, optimizer, training.hf_loss, [batch_of(ids[rank:rank + 1], device)],
                                          max_grad_norm=1.0)
@@ -148,7 +138,7 @@ def train(folder, rank, size, ahead, device, lora, release=False, checkpointing=
     report = {
         "rank": rank, "ahead": ahead, "losses": losses, "want_losses": want_losses, "norms": norms,
         "want_norms": want_norms, "evaluated": evaluated, "want_evaluated": want_evaluated,
-        "split": len(pieces), "launched_ahead": launched_ahead, "whole": sum(1 for p in model.parameters() if p.requires_grad and p not in pieces),
+        "split": len(pieces), "whole": sum(1 for p in model.parameters() if p.requires_grad and p not in pieces),
         "worst_vs_alone": max((p - q).abs().max().item() for p, q in zip(model.parameters(), alone.parameters())),
         "worst_between_processes": (theirs[0] - theirs[1]).abs().max().item(),
         "rows_averaged": model._gradient_average.rows_averaged,

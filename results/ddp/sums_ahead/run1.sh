@@ -1,4 +1,5 @@
 #!/bin/bash
+# As it ran at commit e850eea (the sums ahead were removed after this call: no gain).
 # 2 GPUs of one host: 8B full fine-tuning 2 x 2,048 per GPU, --ddp (pieces, copy engines), the norm's sums launched as
 # each reduce-scatter ends (the default) against after the last one (after.py), alternating, around one GPU alone;
 # then the pieces' NCCL test.

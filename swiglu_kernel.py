@@ -371,8 +371,7 @@ def _swiglu_bwd_kernel(
     DU,  # [n_rows, n_cols] output d_up, up's dtype; rows stride_du apart
     H,  # [n_rows, n_cols] output h = act(gate) * up as forward wrote it, contiguous (STORE_H only)
     AMAX_DG, AMAX_DU,  # [AMAX_SLOTS] float32, zeroed: max |DG|, max |DU| (the same slots when fused)
-    H8_T,  # [n_cols, m_pad] uint8: the fp8 bits of h^T, rows m_pad apart, or [n_cols, m_pad / 4] int32 with
-           # PACK_H8_T (STORE_H8_T only)
+    H8_T,  # [n_cols, m_pad] uint8: the fp8 bits of h^T, rows m_pad apart (STORE_H8_T only)
     H_AMAX,  # [n_amax] float32: maxima whose maximum is the forward's max |h| (STORE_H8_T only)
     stride_dy,
     stride_g,
@@ -393,7 +392,6 @@ def _swiglu_bwd_kernel(
     AMAX_SLOTS: tl.constexpr = 0,  # > 0: fold the gradients' max |.| into AMAX_DG / AMAX_DU
     STORE_H8_T: tl.constexpr = False,  # also write h^T in e4m3 with the forward's scale (FP8 down_proj)
     AMAX_BLOCK: tl.constexpr = 1,  # a power of two >= n_amax
-    PACK_H8_T: tl.constexpr = False,  # H8_T written as 32-bit words (ROWS and m_pad multiples of 4)
 ):
     rows, cols, mask = _tile(n_rows, n_cols, BLOCK_N, ROWS)
     dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -424,19 +422,8 @@ def _swiglu_bwd_kernel(
         h = cast_to(a_rounded * u, G.dtype.element_ty).to(tl.float32)
         offs_a = tl.arange(0, AMAX_BLOCK)
         scale = _scale(tl.max(tl.load(H_AMAX + offs_a, mask=offs_a < n_amax, other=0.0), axis=0), False)
-        bits = _cast_tile(h, scale, False)
-        if PACK_H8_T:
-            # Four tokens' bytes of a column are one 32-bit word of h^T's row, the first in the low
-            # byte, packed before the transpose (fp8_kernel's cast kernel does the same: PACK).
-            quads = tl.reshape(bits, (ROWS // 4, 4, BLOCK_N)).to(tl.uint32)
-            words = tl.sum(quads << (tl.arange(0, 4) * 8).to(tl.uint32)[None, :, None], axis=1)
-            offs_w = (tl.program_id(0) // tl.cdiv(n_cols, BLOCK_N)).to(tl.int64) * (ROWS // 4) + tl.arange(0, ROWS // 4)
-            tl.store(H8_T + cols[:, None].to(tl.int64) * (m_pad // 4) + offs_w[None, :],
-                     tl.trans(words).to(tl.int32, bitcast=True),
-                     mask=(cols < n_cols)[:, None] & (offs_w < m_pad // 4)[None, :])
-        else:
-            tl.store(H8_T + cols[:, None].to(tl.int64) * m_pad + rows[None, :], tl.trans(bits),
-                     mask=(cols < n_cols)[:, None] & (rows < m_pad)[None, :])
+        tl.store(H8_T + cols[:, None].to(tl.int64) * m_pad + rows[None, :], tl.trans(_cast_tile(h, scale, False)),
+                 mask=(cols < n_cols)[:, None] & (rows < m_pad)[None, :])
 
     if COMPUTE_DG:
         if ACT == "gelu_tanh":
@@ -465,11 +452,14 @@ NUM_WARPS = 8
 
 
 # With h^T in fp8 (STORE_H8_T) the tile is square-ish instead: one row of 2048 columns
-# would write 2048 single bytes, each into another row of h^T. 32 rows x 64 columns write
-# 32 contiguous bytes (one memory sector) into each of 64 rows of h^T, and still read and
-# write 128 contiguous bytes of each bf16 row.
-H8_T_TILE = (16, 16, 1) if INTERPRET else (64, 32, 4)  # (BLOCK_N, ROWS, num_warps)
-H8_T_PACK = True
+# would write 2048 single bytes, each into another row of h^T. 32 rows x 128 columns write
+# 32 contiguous bytes (one memory sector) into each of 128 rows of h^T, and read and write
+# 256 contiguous bytes of each bf16 row. A sweep on an H200 (results/fp8/h8t_backward/call2,
+# LLaMA-8B's MLP at 4,096 tokens): 199 us against 166 without h8^T, which the forward's cast
+# then does not write (18 us): +15 us per layer. Columns x rows x warps 64x32x4 +24 us,
+# 32x64x4 +30, 128x16x4 +36, 8 warps +45 to +85; four tokens packed into 32-bit words first
+# (as fp8_kernel's cast does) was slower at every tile.
+H8_T_TILE = (16, 16, 1) if INTERPRET else (128, 32, 4)  # (BLOCK_N, ROWS, num_warps)
 
 
 def _launch_config(n_cols):
@@ -615,17 +605,14 @@ def swiglu_backward_and_hidden(dy, gate, up, compute_dgate, compute_dup, activat
         dg_arg = next(t for t in (dg, du, h, out_t) if t is not None)
         du_arg = du if compute_dup else dg_arg
         amax_dg, amax_du = (dg_arg, dg_arg) if amax is None else (amax[0], amax[0] if up is None else amax[1])
-        pack = out_t is not None and H8_T_PACK and m_pad % 4 == 0 and rows % 4 == 0
         _swiglu_bwd_kernel[_grid(m_pad, n_cols, block_n, rows)](
             dy2, g2, u2, dg_arg, du_arg, h if store_h else dg_arg, amax_dg, amax_du,
-            dg_arg if out_t is None else out_t.view(torch.int32) if pack else out_t,
-            dg_arg if h_amax is None else h_amax,
+            dg_arg if out_t is None else out_t, dg_arg if h_amax is None else h_amax,
             dy2.stride(0), g2.stride(0), u2.stride(0), dg_arg.stride(0), du_arg.stride(0), n_rows, n_cols,
             m_pad, 1 if h_amax is None else h_amax.numel(),
             BLOCK_N=block_n, ROWS=rows, COMPUTE_DG=compute_dgate, COMPUTE_DU=compute_dup, STORE_H=store_h,
             ACT=activation, PRECISE=gate.dtype == torch.float32, AMAX_SLOTS=0 if amax is None else amax.shape[1],
             STORE_H8_T=out_t is not None, AMAX_BLOCK=1 if h_amax is None else next_power_of_2(h_amax.numel()),
-            PACK_H8_T=pack,
             num_warps=num_warps,
         )
     h = h.view(_out_shape(gate, up)) if store_h else None

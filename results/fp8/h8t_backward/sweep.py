@@ -1,4 +1,5 @@
-"""Tiles for SwiGLU's backward kernel when it also writes h8^T (swiglu_kernel.H8_T_TILE, H8_T_PACK), H200.
+"""Tiles for SwiGLU's backward kernel when it also writes h8^T (swiglu_kernel.H8_T_TILE; H8_T_PACK, four tokens
+per 32-bit word, existed when it ran and was removed after), H200.
 
 For LLaMA-8B's MLP at 4,096 tokens ([gate | up] of 2 x 14,336): the backward with h8^T against the backward
 without it plus what the forward's cast saves by not writing h8^T (quantize with and without the transposed copy),

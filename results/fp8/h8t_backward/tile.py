@@ -1,4 +1,5 @@
-"""finetune_optimized.py with SwiGLU's h8^T tile from the environment: H8T="BLOCK_N,ROWS,WARPS,PACK" (run2.sh)."""
+"""finetune_optimized.py with SwiGLU's h8^T tile from the environment: H8T="BLOCK_N,ROWS,WARPS,PACK" (run2.sh; as it
+ran then: swiglu_kernel.H8_T_PACK was removed after)."""
 import os
 import runpy
 import sys

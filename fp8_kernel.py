@@ -1108,10 +1108,14 @@ class FP8Linear(nn.Module):
 
     def _plain(self):
         """Its forward would be this class's as it stands: a trained, bias-free weight not
-        gathered by FSDP in FP8, no hooks (they run only when the layer is called), no
-        forward of its own (offloading, parameter gathers)."""
+        gathered by FSDP in FP8, no hooks of its own or global ones (they run only when the
+        layer is called), no forward of its own (offloading, parameter gathers)."""
+        hooks = torch.nn.modules.module
         return (self.bias is None and self.weight.requires_grad and not hasattr(self.weight, "fp8_copy")
-                and not self._forward_hooks and not self._forward_pre_hooks and "forward" not in self.__dict__)
+                and not (self._forward_hooks or self._forward_pre_hooks or self._backward_hooks
+                         or self._backward_pre_hooks) and "forward" not in self.__dict__
+                and not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks
+                         or hooks._global_backward_hooks or hooks._global_backward_pre_hooks))
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

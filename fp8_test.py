@@ -967,7 +967,8 @@ def test_fp8_down_proj_casts_h_transposed_in_backward(monkeypatch, layout, activ
     backward kernel with the forward's scale, instead of kept from forward. The same output
     and every gradient bit for bit as the layer called on h (FP8_DOWN_IN_BACKWARD off), no
     fp8 [I, tokens] copy saved for backward, and h8^T the bytes quantize keeps (padding
-    columns zero where the tokens are not a multiple of 16)."""
+    columns zero where the tokens are not a multiple of 16). Both layouts: one [gate | up]
+    tensor (Phi-3's gate_up_proj), and gate and up apart (two FP8 layers not stacked)."""
     import swiglu_kernel
     from transformers import LlamaConfig
     from swiglu_kernel import TritonGateUpMLP, TritonLlamaMLP
@@ -977,9 +978,14 @@ def test_fp8_down_proj_casts_h_transposed_in_backward(monkeypatch, layout, activ
     mlp = (TritonGateUpMLP if layout == "gate_up" else TritonLlamaMLP)(config).to(DEVICE, torch.bfloat16)
     mlp.activation = activation
     replace_linears(mlp, "tensorwise", emulate=True)
+    monkeypatch.setattr(fp8_kernel, "STACK_PROJECTIONS", False)  # "apart": gate and up reach the Function apart
     assert mlp.casts_fp8_hidden_in_backward()
     x = sample((1, tokens, 64), torch.bfloat16, seed=1)
     dy = sample((1, tokens, 64), torch.bfloat16, seed=2)
+    ups = []
+    apply = swiglu_kernel.TritonSwiGLUFP8DownFunction.apply
+    monkeypatch.setattr(swiglu_kernel.TritonSwiGLUFP8DownFunction, "apply",
+                        lambda gate, up, *rest: ups.append(up is not None) or apply(gate, up, *rest))
 
     def run():
         saved = []
@@ -997,7 +1003,7 @@ def test_fp8_down_proj_casts_h_transposed_in_backward(monkeypatch, layout, activ
         return y.grad_fn.name(), saved, [y, xx.grad, *grads]
 
     name, saved, got = run()
-    assert "TritonSwiGLUFP8DownFunction" in name
+    assert "TritonSwiGLUFP8DownFunction" in name and ups == [layout == "apart"]
     h_t = (fp8_kernel.FP8_DTYPE, (48, -(-tokens // 16) * 16))
     assert h_t not in saved
     monkeypatch.setattr(swiglu_kernel, "FP8_DOWN_IN_BACKWARD", False)
@@ -1007,36 +1013,62 @@ def test_fp8_down_proj_casts_h_transposed_in_backward(monkeypatch, layout, activ
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 
-    # The kernel's h8^T against quantize's transposed copy of the forward's h.
+    # The kernel's h8^T against quantize's transposed copy of the forward's h, also without
+    # the gradients (compute_dgate off: the kernel still reads up for h).
     gate = sample((tokens, 96 if layout == "gate_up" else 48), torch.bfloat16, seed=3)
     up = None if layout == "gate_up" else sample((tokens, 48), torch.bfloat16, seed=4)
     h = swiglu_kernel.swiglu_forward(gate, up, activation)
     maxima = fp8_kernel.tensor_maxima(h)
     want = quantize(h, "tensorwise", transpose=True, align=16, amax=maxima)
-    out = torch.full(want.data_t.shape, 7, dtype=torch.uint8, device=DEVICE)  # the padding must be written
-    swiglu_kernel.swiglu_backward_and_hidden(torch.zeros_like(h), gate, up, True, up is not None, activation,
-                                             store_h=False, h8_t=(out, maxima))
-    assert torch.equal(out, bits(want.data_t))
+    for grads in (True, False):
+        out = torch.full(want.data_t.shape, 7, dtype=torch.uint8, device=DEVICE)  # the padding must be written
+        swiglu_kernel.swiglu_backward_and_hidden(torch.zeros_like(h), gate, up, grads, grads and up is not None,
+                                                 activation, store_h=False, h8_t=(out, maxima))
+        assert torch.equal(out, bits(want.data_t))
 
 
-def test_fp8_down_proj_keeps_h8_transposed_where_it_must():
-    """Per row, with a bias, a frozen weight or without gradients the layer is called on h."""
+def test_fp8_down_proj_keeps_h8_transposed_where_it_must(monkeypatch):
+    """Per row, with a bias, a frozen weight, a hook on the layer (forward or backward, its
+    own or global), without gradients, under autocast, with up frozen or of another dtype:
+    the layer is called on h (swiglu_fp8_down_proj declines); a bad input is refused."""
+    import swiglu_kernel
     from transformers import LlamaConfig
     from swiglu_kernel import TritonLlamaMLP
 
     config = LlamaConfig(hidden_size=32, intermediate_size=48, hidden_act="silu")
     x = torch.randn(1, 16, 32).to(DEVICE).requires_grad_()
-    for change in ("rowwise", "bias", "frozen", "no_grad"):
+    calls = []
+    real = swiglu_kernel.swiglu_fp8_down_proj
+    monkeypatch.setattr(swiglu_kernel, "swiglu_fp8_down_proj", lambda *a: calls.append(real(*a)) or calls[-1])
+
+    def mlp_with(change):
         mlp = TritonLlamaMLP(config).to(DEVICE)
         if change == "bias":
             mlp.down_proj.bias = torch.nn.Parameter(torch.zeros(32, device=DEVICE))
         replace_linears(mlp, "rowwise" if change == "rowwise" else "tensorwise", emulate=True)
         if change == "frozen":
             mlp.down_proj.weight.requires_grad_(False)
-        assert not mlp.casts_fp8_hidden_in_backward() or change == "no_grad"
-        with torch.set_grad_enabled(change != "no_grad"):
-            y = mlp(x)
-        assert y.grad_fn is None or "TritonSwiGLUFP8DownFunction" not in y.grad_fn.name(), change
+        return mlp
+
+    for change in ("none", "rowwise", "bias", "frozen", "hook", "backward_hook", "global_hook", "no_grad", "autocast"):
+        mlp, calls[:] = mlp_with(change), []
+        handle = (mlp.down_proj.register_forward_pre_hook(lambda *_: None) if change == "hook" else
+                  mlp.down_proj.register_full_backward_hook(lambda *_: None) if change == "backward_hook" else
+                  torch.nn.modules.module.register_module_forward_hook(lambda *_: None) if change == "global_hook"
+                  else None)
+        assert mlp.casts_fp8_hidden_in_backward() == (change in ("none", "no_grad", "autocast")), change
+        with torch.set_grad_enabled(change != "no_grad"), torch.autocast(DEVICE.type, enabled=change == "autocast"):
+            mlp(x)
+        if handle is not None:
+            handle.remove()
+        assert len(calls) == 1 and (calls[0] is None) == (change != "none"), change
+
+    mlp = mlp_with("none")
+    gate = torch.randn(16, 48).to(DEVICE).requires_grad_()
+    assert real(gate, torch.randn(16, 48).to(DEVICE), mlp.down_proj) is None  # up frozen
+    assert real(gate, torch.randn(16, 48).to(DEVICE, torch.float64).requires_grad_(), mlp.down_proj) is None
+    with pytest.raises(ValueError, match="gate shape"):
+        real(gate, torch.randn(16, 40).to(DEVICE).requires_grad_(), mlp.down_proj)
 
 
 # --------------------------------------------------------------------------------

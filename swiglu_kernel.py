@@ -398,7 +398,7 @@ def _swiglu_bwd_kernel(
     g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     s, s_c, a = _sigmoid_and_act(g, ACT, PRECISE)  # s_c = 1 - s
     a_rounded = cast_to(a, G.dtype.element_ty).to(tl.float32)  # as forward rounded it
-    if COMPUTE_DG or STORE_H:
+    if COMPUTE_DG or STORE_H or STORE_H8_T:
         u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
 
     if COMPUTE_DU:
@@ -458,7 +458,7 @@ NUM_WARPS = 8
 # LLaMA-8B's MLP at 4,096 tokens): 199 us against 166 without h8^T, which the forward's cast
 # then does not write (18 us): +15 us per layer. Columns x rows x warps 64x32x4 +24 us,
 # 32x64x4 +30, 128x16x4 +36, 8 warps +45 to +85; four tokens packed into 32-bit words first
-# (as fp8_kernel's cast does) was slower at every tile.
+# (as fp8_kernel's cast does) was never faster.
 H8_T_TILE = (16, 16, 1) if INTERPRET else (128, 32, 4)  # (BLOCK_N, ROWS, num_warps)
 
 
@@ -898,8 +898,11 @@ def swiglu_fp8_down_proj(gate, up, down, activation="silu"):
     if (not fp8_down_in_backward(down) or not down.runs_inside(gate) or torch.is_autocast_enabled(gate.device.type)
             or not gate.requires_grad or (up is not None and (not up.requires_grad or up.dtype != gate.dtype))):
         return None
+    if activation not in FUNCTION_NAMES:
+        raise ValueError(f"swiglu_fp8_down_proj: activation must be one of {sorted(FUNCTION_NAMES)}, got {activation!r}")
+    _check_inputs(gate, up, FUNCTION_NAMES[activation])
     n_cols = gate.shape[-1] if up is not None else gate.shape[-1] // 2
-    if down.weight.dim() != 2 or down.weight.shape[1] != n_cols:
+    if gate.dim() < 2 or down.weight.dim() != 2 or down.weight.shape[1] != n_cols:
         return None  # the layer's own call says what is wrong
     fp8_kernel._check_linear(gate.new_empty(0, n_cols), down.weight, None, down.recipe, down.grads, down.emulate)
     return TritonSwiGLUFP8DownFunction.apply(gate, up, down.weight, activation, down.grads)

@@ -154,8 +154,8 @@ def apply(model, *, fp8=None, rmsnorm=True, swiglu=True, flce=True, ce=True, rop
               "found no gated MLPs to replace in {model} (it looks for modules named *MLP with gate_proj, up_proj "
               "and down_proj, or gate_up_proj and down_proj, and MoE experts modules, gated by SiLU or tanh-GELU)",
               "replaced {count} gated MLPs with TritonLlamaMLP (fused SwiGLU / GeGLU)"):
-        # Only a plain nn.Linear down_proj lets the MLP recompute h instead of storing it; a plain
-        # per-tensor FP8 one keeps h8 but not its transposed copy.
+        # Only a plain nn.Linear down_proj lets the MLP recompute h instead of storing it; under a plain
+        # per-tensor FP8 one, SwiGLU's backward makes h8^T (nothing of h is kept but gate and up).
         mlps = [m for m in lm.modules() if isinstance(m, TritonLlamaMLP)]
         cast_later = sum(m.casts_fp8_hidden_in_backward() for m in mlps)
         if cast_later:

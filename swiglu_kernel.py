@@ -503,6 +503,11 @@ def _check_inputs(gate, up, name):
     check_kernel_device(gate, up)
 
 
+def _hidden_size(gate, up):
+    """I, the width of h = act(gate) * up (up None: gate holds [gate | up])."""
+    return gate.shape[-1] if up is not None else gate.shape[-1] // 2
+
+
 def _rows(gate, up):
     """(gate, up, I): gate and up as [rows, I] views with contiguous columns.
 
@@ -518,7 +523,7 @@ def _rows(gate, up):
 
 
 def _out_shape(gate, up):
-    return gate.shape if up is not None else gate.shape[:-1] + (gate.shape[-1] // 2,)
+    return gate.shape[:-1] + (_hidden_size(gate, up),)
 
 
 def _out_dtype(gate, up):
@@ -682,10 +687,14 @@ swiglu_forward.op.register_autograd(first_order_only("swiglu/geglu")(_swiglu_gra
 FUNCTION_NAMES = {"silu": "swiglu", "gelu_tanh": "geglu"}
 
 
+def _check_activation(activation, name):
+    if activation not in FUNCTION_NAMES:
+        raise ValueError(f"{name}: activation must be one of {sorted(FUNCTION_NAMES)}, got {activation!r}")
+
+
 def gated_activation(gate, up, activation):
     """``act(gate) * up`` for ``activation`` in "silu" (swiglu) and "gelu_tanh" (geglu)."""
-    if activation not in FUNCTION_NAMES:
-        raise ValueError(f"gated_activation: activation must be one of {sorted(FUNCTION_NAMES)}, got {activation!r}")
+    _check_activation(activation, "gated_activation")
     _check_inputs(gate, up, FUNCTION_NAMES[activation])
     if torch.compiler.is_compiling():
         return swiglu_forward.op(gate, up, activation)  # one node of the compiled graph (kernel_common.kernel_op)
@@ -811,14 +820,13 @@ def swiglu_down_proj(gate, up, weight, activation="silu"):
     ``activation``: "silu" (SwiGLU) or "gelu_tanh" (GeGLU); up None: gate holds [gate | up].
     """
     _check_inputs(gate, up, "swiglu_down_proj")
-    n_cols = gate.shape[-1] if up is not None else gate.shape[-1] // 2
+    n_cols = _hidden_size(gate, up)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != n_cols:
         raise ValueError(
             f"swiglu_down_proj: weight must be [H, {n_cols}], got "
             f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}"
         )
-    if activation not in FUNCTION_NAMES:
-        raise ValueError(f"swiglu_down_proj: activation must be one of {sorted(FUNCTION_NAMES)}, got {activation!r}")
+    _check_activation(activation, "swiglu_down_proj")
     # The dtype F.linear computes in: autocast's when it is on, else the inputs'.
     if torch.is_autocast_enabled(gate.device.type):
         dtype = torch.get_autocast_dtype(gate.device.type)
@@ -886,25 +894,26 @@ class TritonSwiGLUFP8DownFunction(torch.autograd.Function):
         return dg, (du if up is not None else None), dw, None, None
 
 
-def fp8_down_in_backward(down):
-    """Whether ``down`` is an FP8 down_proj whose h8^T may be cast in backward (above)."""
+def fp8_down_in_backward(down, gate=None):
+    """Whether ``down`` is an FP8 down_proj whose h8^T may be cast in backward (above); with
+    ``gate``, whether its call on this input may (FP8Linear.runs_inside: gradients on, no tracer)."""
     return (FP8_DOWN_IN_BACKWARD and isinstance(down, fp8_kernel.FP8Linear) and down.recipe == "tensorwise"
-            and down._plain())
+            and (down._plain() if gate is None else down.runs_inside(gate)))
 
 
 def swiglu_fp8_down_proj(gate, up, down, activation="silu"):
     """``down(act(gate) * up)`` with h8^T cast in backward (above), or None where that does
     not apply (then the caller calls ``down`` on the activation itself)."""
-    if (not fp8_down_in_backward(down) or not down.runs_inside(gate) or torch.is_autocast_enabled(gate.device.type)
+    if (not fp8_down_in_backward(down, gate) or torch.is_autocast_enabled(gate.device.type)
             or not gate.requires_grad or (up is not None and (not up.requires_grad or up.dtype != gate.dtype))):
         return None
-    if activation not in FUNCTION_NAMES:
-        raise ValueError(f"swiglu_fp8_down_proj: activation must be one of {sorted(FUNCTION_NAMES)}, got {activation!r}")
+    _check_activation(activation, "swiglu_fp8_down_proj")
     _check_inputs(gate, up, FUNCTION_NAMES[activation])
-    n_cols = gate.shape[-1] if up is not None else gate.shape[-1] // 2
+    n_cols = _hidden_size(gate, up)
     if gate.dim() < 2 or down.weight.dim() != 2 or down.weight.shape[1] != n_cols:
         return None  # the layer's own call says what is wrong
-    fp8_kernel._check_linear(gate.new_empty(0, n_cols), down.weight, None, down.recipe, down.grads, down.emulate)
+    # h's shape, dtype and device, as a view of gate (h does not exist yet).
+    fp8_kernel._check_linear(gate[..., :n_cols], down.weight, None, down.recipe, down.grads, down.emulate)
     return TritonSwiGLUFP8DownFunction.apply(gate, up, down.weight, activation, down.grads)
 
 

@@ -157,11 +157,11 @@ def apply(model, *, fp8=None, rmsnorm=True, swiglu=True, flce=True, ce=True, rop
         # Only a plain nn.Linear down_proj lets the MLP recompute h instead of storing it; under a plain
         # per-tensor FP8 one, SwiGLU's backward makes h8^T (nothing of h is kept but gate and up).
         mlps = [m for m in lm.modules() if isinstance(m, TritonLlamaMLP)]
-        cast_later = sum(m.casts_fp8_hidden_in_backward() for m in mlps)
+        cast_later = [m for m in mlps if m.casts_fp8_hidden_in_backward()]
         if cast_later:
-            report["swiglu"]["detail"] += (f"; {cast_later} of them cast h^T for their FP8 down_proj in backward "
+            report["swiglu"]["detail"] += (f"; {len(cast_later)} of them cast h^T for their FP8 down_proj in backward "
                                            f"instead of keeping it")
-        kept = [m for m in mlps if not m.recomputes_hidden() and not m.casts_fp8_hidden_in_backward()]
+        kept = [m for m in mlps if not m.recomputes_hidden() and m not in cast_later]
         if kept:
             report["swiglu"]["detail"] += (
                 f"; {len(kept)} of them keep h = silu(gate) * up for backward: their down_proj is a "

@@ -1,5 +1,6 @@
 """finetune_optimized.py with the gradient norm's sums launched after the last reduce-scatter,
-as before GradientAverage._sums_ahead (the A/B of run1.sh; same flags)."""
+as before GradientAverage._sums_ahead (the A/B of run1.sh; same flags). It ran at commit
+e850eea: ddp.SUMS_AHEAD was removed after that call."""
 import os
 import runpy
 import sys

@@ -823,10 +823,27 @@ def packed_attention(q, k, v, doc_start, scale=None, window=None, softcap=None):
 # at the decoder (``route_masked_calls`` below), from what the call carries (never
 # from tensor values: no host synchronization, CUDA graphs stay possible).
 NAME = "triton_packed"
+# A call routed to the model's own attention (route_masked_calls) carries this keyword,
+# the name of that attention, down to every layer: the decoder passes its keyword
+# arguments on to each layer's attention function. Gradient checkpointing recomputes a
+# layer in backward, after the decoder's forward has set the model back to NAME, so
+# the recomputation calls ours, with the same arguments as the forward: the keyword
+# says to run theirs again (same mask, same saved tensors), never ours without the mask.
+ROUTED = "kernel_ft_routed_to"
 
 
 def hf_packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The attention function transformers calls under NAME (sdpa_attention_forward's signature)."""
+    theirs = kwargs.pop(ROUTED, None)
+    if theirs is not None:  # a recomputation of a routed call (gradient checkpointing): theirs again
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        return ALL_ATTENTION_FUNCTIONS[theirs](module, query, key, value, attention_mask, scaling=scaling,
+                                               dropout=dropout, **kwargs)
+    if attention_mask is not None:  # never ignored: a mask HF built reaches only the model's own attention
+        raise ValueError(f"{NAME} attention got an attention mask {tuple(attention_mask.shape)}, which it cannot "
+                         f"apply; such calls run the model's own attention (a layer recomputed by gradient "
+                         f"checkpointing without the decoder's keyword arguments lost its way there)")
     if dropout:
         raise ValueError(f"{NAME} attention has no dropout (attention_dropout {dropout}); set it to 0")
     B, _, T, _ = query.shape
@@ -1034,14 +1051,18 @@ def check_gradients_reach(model, theirs_name):
 
 def decoder_forward_routed(decoder, *args, **kwargs):
     """The decoder's forward: ours for unmasked calls without earlier cached tokens,
-    the model's own attention (kept in ``_kernel_ft_theirs``) for the others."""
+    the model's own attention (kept in ``_kernel_ft_theirs``) for the others, and for
+    rows of one document where it is measured to be faster (plain_rows_to_theirs)."""
     arguments = decoder._kernel_ft_signature.bind(*args, **kwargs).arguments
     cache = arguments.get("past_key_values")
     cached = cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0
-    if arguments.get("attention_mask") is None and not cached:
+    if arguments.get("attention_mask") is None and not cached and not plain_rows_to_theirs(decoder, arguments):
         return decoder._kernel_ft_attention_forward(*args, **kwargs)
+    theirs = decoder._kernel_ft_theirs
+    if decoder._kernel_ft_passes_keywords:  # down to the layers, for their recomputation (ROUTED above)
+        kwargs[ROUTED] = theirs
     config = decoder.config
-    config._attn_implementation = decoder._kernel_ft_theirs  # read by every layer and by HF's mask builders
+    config._attn_implementation = theirs  # read by every layer and by HF's mask builders
     try:
         return decoder._kernel_ft_attention_forward(*args, **kwargs)
     finally:
@@ -1054,7 +1075,133 @@ def route_masked_calls(model, theirs):
     decoder = decoder_of(model)
     decoder._kernel_ft_theirs = theirs
     decoder._kernel_ft_signature = inspect.signature(decoder.forward)
+    decoder._kernel_ft_passes_keywords = any(p.kind is p.VAR_KEYWORD
+                                             for p in decoder._kernel_ft_signature.parameters.values())
     wrap_forward(decoder, "_kernel_ft_attention_forward", decoder_forward_routed)
+
+
+# --------------------------------------------------------------------------------
+# Rows of one document: ours or the model's own, measured on this GPU
+# --------------------------------------------------------------------------------
+# A call without position ids holds one document per row: a plain causal row, which
+# SDPA runs through its own causal kernels (cuDNN's on Hopper, FlashAttention-2's on
+# others) without any mask. There ours skips nothing that theirs computes, so which
+# is faster depends on the GPU, the head dim and the length (on an H200, 8,192 tokens
+# of 32 heads of 128: cuDNN 3.81 ms fwd+bwd, ours 4.87). So the first such call of
+# each shape times both on this device, fwd+bwd on random rows of that shape, and
+# keeps the faster for every later call of the shape. Calls with position ids (packed
+# rows: ours skips the pairs across documents, 3-50x fewer than the dense mask SDPA
+# needs) and layers that slide a window shorter than the row (SDPA needs a dense mask
+# there too) stay ours without a measurement, as does the model's own eager attention
+# (the T x T scores in memory: Gemma-2). Nothing is measured in Triton's interpreter
+# (no speed to compare), without gradients (generate()), inside a CUDA graph capture
+# or a torch.compile trace: there a shape not measured yet runs ours.
+PLAIN_ROW_CHOICES = {}  # (device, dtype, B, T, Hq, Hkv, D, theirs) -> (theirs is faster, ours ms, theirs ms)
+MEASURED_DEVICES = ("cuda",)  # not the CPU: Triton's interpreter has no speed to compare
+MAX_MEASURED_SHAPES = 16  # past this many, a new shape takes the choice of the measured one nearest in tokens
+MEASURE_REPEATS = 5
+CHOICE_LISTENERS = []  # callables given each choice's line once (the scripts print it)
+
+
+def _plain_row_key(decoder, arguments):
+    """The key of this call's rows in PLAIN_ROW_CHOICES, with the attention layer that
+    takes them, or None where no measurement applies (see above)."""
+    if arguments.get("position_ids") is not None or decoder._kernel_ft_theirs == "eager":
+        return None
+    ids = arguments.get("input_ids")
+    ids = arguments.get("inputs_embeds") if ids is None else ids
+    layer = next(_attention_layers(decoder), None)
+    if ids is None or ids.dim() < 2 or ids.device.type not in MEASURED_DEVICES or layer is None:
+        return None
+    B, T = ids.shape[:2]
+    config = decoder.config
+    windows = [getattr(m, "sliding_window", None) or 0 for m in _attention_layers(decoder)]
+    if any(0 < w < T for w in windows) or getattr(config, "attention_chunk_size", None):
+        return None
+    where = ids.device.type
+    dtype = torch.get_autocast_dtype(where) if torch.is_autocast_enabled(where) else next(layer.parameters()).dtype
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(layer, "head_dim", None) or config.hidden_size // heads
+    return (str(ids.device), dtype, B, T, heads, kv_heads, head_dim, decoder._kernel_ft_theirs), layer
+
+
+def plain_rows_to_theirs(decoder, arguments):
+    """Whether this unmasked call's rows of one document run the model's own attention:
+    measured faster than ours on this device for this shape (see above)."""
+    found = _plain_row_key(decoder, arguments)
+    if found is None:
+        return False
+    key, layer = found
+    if key in PLAIN_ROW_CHOICES:
+        return PLAIN_ROW_CHOICES[key][0]
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling() or capturing:
+        return False
+    if len(PLAIN_ROW_CHOICES) >= MAX_MEASURED_SHAPES:
+        def distance(k):  # another layout of heads or dtype last, then the difference in tokens
+            return k[:2] + k[4:] != key[:2] + key[4:], abs(k[2] * k[3] - key[2] * key[3])
+        return PLAIN_ROW_CHOICES[min(PLAIN_ROW_CHOICES, key=distance)][0]
+    ours_ms, theirs_ms = time_plain_rows(layer, key)
+    PLAIN_ROW_CHOICES[key] = (theirs_ms < ours_ms, ours_ms, theirs_ms)
+    for listener in CHOICE_LISTENERS:
+        listener(choice_line(key))
+    return PLAIN_ROW_CHOICES[key][0]
+
+
+def choice_line(key):
+    """One line saying what a measured shape runs, and why."""
+    theirs_faster, ours_ms, theirs_ms = PLAIN_ROW_CHOICES[key]
+    _, dtype, B, T, heads, kv_heads, head_dim, theirs = key
+    kept = f"the model's own ({theirs})" if theirs_faster else "ours"
+    return (f"rows of one document, {B} x {T:,} tokens, {heads}/{kv_heads} heads of {head_dim}, "
+            f"{str(dtype).replace('torch.', '')}: {kept}, measured fwd+bwd per layer: ours {ours_ms:.3f} ms, "
+            f"{theirs} {theirs_ms:.3f} ms")
+
+
+def time_plain_rows(layer, key, repeats=MEASURE_REPEATS, clock=None):
+    """(ours ms, theirs ms): median of ``repeats`` fwd+bwd calls of each attention on
+    random rows of ``key``'s shape, through ``layer`` (its scaling, heads, causality),
+    one of each in turn after a first call each (compilation, caches). ``clock``: a
+    function timing one call in ms (default: CUDA events around it)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    device, dtype, B, T, heads, kv_heads, head_dim, theirs = key
+    generator = torch.Generator(device=device).manual_seed(0)  # not the run's random stream
+
+    def rows(h):
+        return torch.randn(B, h, T, head_dim, generator=generator, device=device, dtype=dtype).requires_grad_()
+
+    q, k, v = rows(heads), rows(kv_heads), rows(kv_heads)
+    upstream = torch.randn(B, T, heads, head_dim, generator=generator, device=device, dtype=dtype)
+    scaling = getattr(layer, "scaling", None)
+    calls = {
+        "ours": lambda: hf_packed_attention(layer, q, k, v, None, scaling=scaling)[0],
+        "theirs": lambda: ALL_ATTENTION_FUNCTIONS[theirs](layer, q, k, v, None, scaling=scaling, dropout=0.0)[0],
+    }
+
+    def once(name):
+        q.grad = k.grad = v.grad = None
+        calls[name]().backward(upstream)
+
+    clock = clock or _device_ms
+    for name in calls:
+        once(name)
+    times = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name in calls:
+            times[name].append(clock(lambda: once(name)))
+    return tuple(sorted(t)[len(t) // 2] for t in (times["ours"], times["theirs"]))
+
+
+def _device_ms(call):
+    """Milliseconds of the GPU's work queued by ``call``, by CUDA events around it."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    call()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def use_packed_attention(model):

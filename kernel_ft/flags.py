@@ -141,10 +141,12 @@ def add_model_args(parser, custom_kernels_default=False, packing_default=False):
     k = parser.add_argument_group("custom Triton kernels")
     for name, help_text in KERNEL_FLAGS.items():
         # The attention kernel pays off where it skips what documents never see: on by
-        # default for packed real data (None: decided by kernels_from_args), and for
-        # families whose own attention is the eager one (run.assemble).
+        # default for packed real data (None: decided by kernels_from_args), for families
+        # whose own attention is the eager one, and on a GPU for rows of one document
+        # where it is measured faster than SDPA (run.assemble).
         default = None if name == "attention" and custom_kernels_default else custom_kernels_default
-        said = "on with packed real data, or where the model runs eager attention" if default is None else default
+        said = ("on with packed real data, where the model runs eager attention, and on a GPU for rows of one "
+                "document where measured faster than SDPA") if default is None else default
         k.add_argument(
             f"--use-custom-{name}",
             action=argparse.BooleanOptionalAction,

@@ -33,6 +33,7 @@ from kernel_ft import files, flags, models, ddp, fsdp, dataloader, checkpoints, 
 from kernel_ft import fp8_gather
 from kernel_ft.patching import KERNELS, KernelNotApplied, apply
 from adamw_kernel import TritonAdamW
+import attention_kernel
 
 # How each report entry is labelled in a run's output (kernel_ft.apply says what happened).
 LABELS = {"fp8": "FP8 matmuls:", "rmsnorm": "Custom rmsnorm:", "swiglu": "Custom swiglu:", "flce": "Custom loss:",
@@ -69,6 +70,8 @@ def apply_kernels(model, kernels):
     for name, entry in report.items():
         if entry["status"] == "applied" or (name == "projections" and kernels.get("projections")):
             print(f"{LABELS[name]:<14} {entry['detail']}")
+    if "attention" in report.applied and say_attention_choice not in attention_kernel.CHOICE_LISTENERS:
+        attention_kernel.CHOICE_LISTENERS.append(say_attention_choice)  # rows of one document: what was measured
     active = [name for name in flags.KERNELS if name in report.applied or (name == "adamw" and kernels.get(name))]
     if "lora" in report.applied:
         active.append("lora")
@@ -123,6 +126,7 @@ def assemble(args, model, data, switch_in, world, after_kernels=None):
     if kernels_default_attention(args, model) and not kernels["attention"]:
         # Rows SDPA cannot run through its causal kernels (kernels_default_attention): ours
         # is faster on every row, packed or not, and lets the step run as a CUDA graph.
+        # On a GPU, rows of one document: the faster of ours and SDPA's, measured.
         kernels["attention"] = True
     loss_fn, make_optimizer = switch_in(model, kernels)
     if after_kernels:
@@ -148,16 +152,23 @@ def assemble(args, model, data, switch_in, world, after_kernels=None):
     return kernels, loss_fn, optimizer, graphs
 
 
+def say_attention_choice(line):
+    print(f"Attention:     {line}", flush=True)
+
+
 def kernels_default_attention(args, model):
-    """--use-custom-attention left at its default, and SDPA would not take these rows
-    through its causal flash or cuDNN kernels: the model's attention is transformers'
-    eager one (Gemma-2's soft-capped scores), or its layers slide a window shorter than
-    the row (Mistral, Phi-3, Qwen2 and Gemma-3 past their window), which SDPA can only
-    apply as a dense [B, 1, T, T] mask. The kernel skips the tiles outside the window."""
+    """--use-custom-attention left at its default, and either SDPA would not take these
+    rows through its causal flash or cuDNN kernels: the model's attention is
+    transformers' eager one (Gemma-2's soft-capped scores), or its layers slide a window
+    shorter than the row (Mistral, Phi-3, Qwen2 and Gemma-3 past their window), which
+    SDPA can only apply as a dense [B, 1, T, T] mask (the kernel skips the tiles outside
+    the window); or the model is on a GPU, where rows of one document run whichever of
+    ours and SDPA's is measured faster for their shape (attention_kernel.plain_rows_to_theirs)."""
     if getattr(args, "use_custom_attention", False) is not None:
         return False
     window, sliding = models.sliding_layers(model.config)
-    return model.config._attn_implementation == "eager" or bool(window and args.seq_len > window and any(sliding))
+    return model.config._attn_implementation == "eager" or bool(window and args.seq_len > window and any(sliding)) \
+        or next(model.parameters()).device.type in attention_kernel.MEASURED_DEVICES
 
 
 def check_model_flags(args):

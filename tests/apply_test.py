@@ -477,6 +477,164 @@ def test_padded_batch_runs_the_models_attention(label, side, attention_calls):
     assert_close("loss", loss, want_loss, LOSS_TOL)
 
 
+def loss_and_gradients(model, **inputs):
+    model.zero_grad(set_to_none=True)
+    loss = model(**inputs).loss
+    loss.backward()
+    return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+# Gradient checkpointing recomputes each layer in backward, after the decoder's forward
+# has set the model back to our attention. A masked batch's layers must recompute with
+# the model's own attention and the same mask (attention_kernel.ROUTED): without that,
+# the reentrant recomputation ran ours without the padding mask (gradients silently
+# wrong) and the non-reentrant one stopped at CheckpointError, mask of ones included.
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("pads", [[0, 4], [0, 0]], ids=["left-padded", "mask of ones"])
+def test_gradient_checkpointing_recomputes_a_masked_batch_with_the_models_attention(reentrant, pads,
+                                                                                     attention_calls):
+    plain = tiny_model("Llama")
+    ours = applied(copy.deepcopy(plain))
+    for model in (plain, ours):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.config.use_cache = False
+    ids, mask = left_padded(token_ids(2, 12), pads)
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    attention_calls.clear()
+    loss, grads = loss_and_gradients(ours, **inputs)
+    assert attention_calls == [], "a masked batch ran our attention (in its recomputation)"
+    want_loss, want_grads = loss_and_gradients(plain, **inputs)
+    assert_close("loss", loss, want_loss, LOSS_TOL)
+    assert_close("gradients", grads, want_grads, GRAD_TOL)
+
+
+def test_a_mask_reaching_our_attention_is_refused_not_ignored():
+    model = tiny_model("Llama")
+    layer = next(attention_kernel._attention_layers(model))
+    q = torch.randn(1, model.config.num_attention_heads, 4, layer.head_dim, device=DEVICE)
+    k = torch.randn(1, model.config.num_key_value_heads, 4, layer.head_dim, device=DEVICE)
+    mask = torch.ones(1, 1, 4, 4, dtype=torch.bool, device=DEVICE)
+    with pytest.raises(ValueError, match="attention mask .* cannot apply"):
+        attention_kernel.hf_packed_attention(layer, q, k, k, mask)
+
+
+# Rows of one document (no position ids): the faster of ours and the model's own SDPA,
+# measured per shape on a GPU (attention_kernel.plain_rows_to_theirs). On the CPU
+# nothing is measured; these tests make the CPU a measured device and give the timings.
+@pytest.fixture
+def measured_here(monkeypatch):
+    """The CPU as a measured device, an empty table of choices, and the timings the
+    measurement returns set by the test: ``timings["ms"] = (ours, theirs)``."""
+    timings = {"ms": (1.0, 2.0), "calls": 0}
+
+    def fake_timing(layer, key):
+        timings["calls"] += 1
+        return timings["ms"]
+
+    monkeypatch.setattr(attention_kernel, "MEASURED_DEVICES", (DEVICE.type,))
+    monkeypatch.setattr(attention_kernel, "PLAIN_ROW_CHOICES", {})
+    monkeypatch.setattr(attention_kernel, "time_plain_rows", fake_timing)
+    lines = []
+    monkeypatch.setattr(attention_kernel, "CHOICE_LISTENERS", [lines.append])
+    timings["lines"] = lines
+    return timings
+
+
+@pytest.mark.parametrize("faster", ["ours", "theirs"])
+def test_rows_of_one_document_run_the_attention_measured_faster(faster, measured_here, attention_calls):
+    plain = tiny_model("Llama")
+    ours = applied(copy.deepcopy(plain))
+    measured_here["ms"] = (1.0, 2.0) if faster == "ours" else (2.0, 1.0)
+    ids = token_ids(2, 12)
+    attention_calls.clear()
+    loss, grads = loss_and_gradients(ours, input_ids=ids, labels=ids)
+    loss_and_gradients(ours, input_ids=ids, labels=ids)  # the same shape again: measured once
+    want_loss, want_grads = loss_and_gradients(plain, input_ids=ids, labels=ids)
+    assert measured_here["calls"] == 1
+    layers = plain.config.num_hidden_layers
+    assert len(attention_calls) == (2 * layers if faster == "ours" else 0)
+    assert_close("loss", loss, want_loss, LOSS_TOL)
+    assert_close("gradients", grads, want_grads, GRAD_TOL)
+    (line,) = measured_here["lines"]
+    assert line.startswith("rows of one document, 2 x 12 tokens") and ("sdpa)" in line) == (faster == "theirs")
+    # Packed rows (position ids) are ours without a measurement, whatever was measured.
+    positions = torch.cat([torch.arange(5), torch.arange(7)]).expand(2, 12).to(DEVICE)
+    attention_calls.clear()
+    loss_and_gradients(ours, input_ids=ids, position_ids=positions, labels=ids)
+    assert len(attention_calls) == layers and measured_here["calls"] == 1
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_rows_routed_by_the_measurement_recompute_with_the_models_attention(reentrant, measured_here,
+                                                                            attention_calls):
+    plain = tiny_model("Llama")
+    ours = applied(copy.deepcopy(plain))
+    for model in (plain, ours):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.config.use_cache = False
+    measured_here["ms"] = (2.0, 1.0)
+    ids = token_ids(2, 12)
+    attention_calls.clear()
+    loss, grads = loss_and_gradients(ours, input_ids=ids, labels=ids)
+    assert attention_calls == []
+    want_loss, want_grads = loss_and_gradients(plain, input_ids=ids, labels=ids)
+    assert_close("loss", loss, want_loss, LOSS_TOL)
+    assert_close("gradients", grads, want_grads, GRAD_TOL)
+
+
+def test_no_measurement_without_gradients_or_for_a_sliding_window_shorter_than_the_row(measured_here,
+                                                                                      attention_calls):
+    ours = applied(tiny_model("Llama"))
+    measured_here["ms"] = (2.0, 1.0)
+    ids = token_ids(1, 12)
+    attention_calls.clear()
+    with torch.no_grad():  # generate()'s calls: a shape not measured yet runs ours
+        ours(input_ids=ids, use_cache=False)
+    assert measured_here["calls"] == 0 and len(attention_calls) == ours.config.num_hidden_layers
+    for layer in attention_kernel._attention_layers(ours):
+        layer.sliding_window = 8  # shorter than the row: SDPA would need a dense mask
+    decoder = attention_kernel.decoder_of(ours)
+    assert attention_kernel._plain_row_key(decoder, {"input_ids": ids}) is None
+    for layer in attention_kernel._attention_layers(ours):
+        layer.sliding_window = 12
+    key, _ = attention_kernel._plain_row_key(decoder, {"input_ids": ids})
+    assert key[2:] == (1, 12, ours.config.num_attention_heads, ours.config.num_key_value_heads,
+                       next(attention_kernel._attention_layers(ours)).head_dim, "sdpa")
+
+
+def test_past_the_measured_shapes_a_new_one_takes_the_nearest_choice(measured_here, monkeypatch):
+    monkeypatch.setattr(attention_kernel, "MAX_MEASURED_SHAPES", 2)
+    ours = applied(tiny_model("Llama"))
+    decoder = attention_kernel.decoder_of(ours)
+    for length, ms in ((4, (1.0, 2.0)), (16, (2.0, 1.0))):
+        measured_here["ms"] = ms
+        assert attention_kernel.plain_rows_to_theirs(decoder, {"input_ids": token_ids(1, length)}) == (length == 16)
+    assert attention_kernel.plain_rows_to_theirs(decoder, {"input_ids": token_ids(1, 6)}) is False  # nearest: 4
+    assert attention_kernel.plain_rows_to_theirs(decoder, {"input_ids": token_ids(1, 13)}) is True  # nearest: 16
+    assert measured_here["calls"] == 2
+
+
+def test_the_measurement_times_both_attentions_on_rows_of_the_shape():
+    """time_plain_rows itself, with a host clock on the CPU: both calls run fwd+bwd on
+    rows of the key's shape (through the layer's own scaling and heads)."""
+    import time
+
+    model = tiny_model("Llama")
+    layer = next(attention_kernel._attention_layers(model))
+    key = (str(DEVICE), torch.float32, 2, 12, model.config.num_attention_heads, model.config.num_key_value_heads,
+           layer.head_dim, "sdpa")
+    clocked = []
+
+    def clock(call):
+        start = time.perf_counter()
+        call()
+        clocked.append(1)
+        return (time.perf_counter() - start) * 1e3
+
+    ours_ms, theirs_ms = attention_kernel.time_plain_rows(layer, key, repeats=3, clock=clock)
+    assert len(clocked) == 6 and ours_ms > 0 and theirs_ms > 0
+
+
 @pytest.mark.parametrize("label", TESTED)
 def test_packed_rows_give_each_documents_logits_and_the_loss(label, attention_calls):
     """DataCollatorWithFlattening's rows: documents one after another, position ids

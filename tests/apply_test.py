@@ -55,7 +55,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DEVICE, check_outputs, no_worse, rel_err  # first: the Triton interpreter switch
+from conftest import DEVICE, check_outputs, need_gpu, no_worse, rel_err  # first: the Triton interpreter switch
 
 import attention_kernel
 import kernel_ft
@@ -612,6 +612,23 @@ def test_past_the_measured_shapes_a_new_one_takes_the_nearest_choice(measured_he
     assert attention_kernel.plain_rows_to_theirs(decoder, {"input_ids": token_ids(1, 6)}) is False  # nearest: 4
     assert attention_kernel.plain_rows_to_theirs(decoder, {"input_ids": token_ids(1, 13)}) is True  # nearest: 16
     assert measured_here["calls"] == 2
+
+
+def test_on_a_gpu_rows_of_one_document_are_measured_and_keep_the_models_loss(monkeypatch):
+    """The real measurement (CUDA events) on a GPU: the first plain call records both
+    times and the faster, and the loss and gradients are the model's own in bf16."""
+    need_gpu()
+    monkeypatch.setattr(attention_kernel, "PLAIN_ROW_CHOICES", {})
+    plain = tiny_model("Llama").to(torch.bfloat16)
+    ours = applied(copy.deepcopy(plain))
+    ids = token_ids(2, 256)
+    loss, grads = loss_and_gradients(ours, input_ids=ids, labels=ids)
+    (key, (theirs_faster, ours_ms, theirs_ms)), = attention_kernel.PLAIN_ROW_CHOICES.items()
+    assert key[1:4] == (torch.bfloat16, 2, 256) and ours_ms > 0 and theirs_ms > 0
+    assert theirs_faster == (theirs_ms < ours_ms)
+    want_loss, want_grads = loss_and_gradients(plain, input_ids=ids, labels=ids)
+    assert_close("loss", loss.float(), want_loss.float(), 1e-2)
+    assert rel_err(grads, want_grads) < 5e-2, rel_err(grads, want_grads)
 
 
 def test_the_measurement_times_both_attentions_on_rows_of_the_shape():

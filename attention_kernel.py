@@ -829,13 +829,15 @@ NAME = "triton_packed"
 # layer in backward, after the decoder's forward has set the model back to NAME, so
 # the recomputation calls ours, with the same arguments as the forward: the keyword
 # says to run theirs again (same mask, same saved tensors), never ours without the mask.
+# Rows of one document that the measurement gives to theirs (plain_rows_to_theirs) carry
+# it too, with the model left at NAME: our function then calls theirs without a mask.
 ROUTED = "kernel_ft_routed_to"
 
 
 def hf_packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The attention function transformers calls under NAME (sdpa_attention_forward's signature)."""
     theirs = kwargs.pop(ROUTED, None)
-    if theirs is not None:  # a recomputation of a routed call (gradient checkpointing): theirs again
+    if theirs is not None:  # a recomputation of a routed call, or rows of one document measured faster there
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         return ALL_ATTENTION_FUNCTIONS[theirs](module, query, key, value, attention_mask, scaling=scaling,
@@ -1056,7 +1058,12 @@ def decoder_forward_routed(decoder, *args, **kwargs):
     arguments = decoder._kernel_ft_signature.bind(*args, **kwargs).arguments
     cache = arguments.get("past_key_values")
     cached = cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0
-    if arguments.get("attention_mask") is None and not cached and not plain_rows_to_theirs(decoder, arguments):
+    if arguments.get("attention_mask") is None and not cached:
+        if decoder._kernel_ft_passes_keywords and plain_rows_to_theirs(decoder, arguments):
+            # Theirs through hf_packed_attention, with no mask: what such rows get from it
+            # (SDPA's causal flag). HF builds none under NAME, also inside a CUDA graph
+            # capture, where it would build a dense one for SDPA (cuda_graphs.py).
+            kwargs[ROUTED] = decoder._kernel_ft_theirs
         return decoder._kernel_ft_attention_forward(*args, **kwargs)
     theirs = decoder._kernel_ft_theirs
     if decoder._kernel_ft_passes_keywords:  # down to the layers, for their recomputation (ROUTED above)

@@ -844,8 +844,7 @@ def hf_packed_attention(module, query, key, value, attention_mask, scaling=None,
                                                dropout=dropout, **kwargs)
     if attention_mask is not None:  # never ignored: a mask HF built reaches only the model's own attention
         raise ValueError(f"{NAME} attention got an attention mask {tuple(attention_mask.shape)}, which it cannot "
-                         f"apply; such calls run the model's own attention (a layer recomputed by gradient "
-                         f"checkpointing without the decoder's keyword arguments lost its way there)")
+                         f"apply (a mask the model makes itself; padding masks go to the model's own attention)")
     if dropout:
         raise ValueError(f"{NAME} attention has no dropout (attention_dropout {dropout}); set it to 0")
     B, _, T, _ = query.shape

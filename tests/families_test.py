@@ -145,9 +145,10 @@ def test_family_kernels_compute_the_baseline(label, model_type, extra):
 # must refuse (a kernel that went in would give other numbers), and the one line it says.
 OUTSIDE = [
     ("bert", "attention", "own attention on a row without a mask is not causal"),  # an encoder: bidirectional
-    # Its own learned mask: not causal on a plain row, or (transformers >= 5.24, the mask
-    # flat at its zero start) its parameters would get no gradient through the kernel.
-    ("doge", "attention", ("own attention on a row without a mask is not causal",
+    # Its own learned mask: handed to the attention function, which refuses a mask; or not
+    # causal on a plain row, or (transformers >= 5.24, the mask flat at its zero start) its
+    # parameters would get no gradient through the kernel.
+    ("doge", "attention", ("got an attention mask", "own attention on a row without a mask is not causal",
                            "reach the loss through its own attention and not through the kernel")),
     ("cpmant", "flce", "own loss is not HF's causal LM loss"),  # scores each position against its own label
     ("cpmant", "ce", "computes its loss without calling loss_function"),

@@ -484,6 +484,16 @@ def loss_and_gradients(model, **inputs):
     return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
+def checkpointed_pair(reentrant):
+    """A tiny LLaMA and its applied copy, both with gradient checkpointing (reentrant or not)."""
+    plain = tiny_model("Llama")
+    ours = applied(copy.deepcopy(plain))
+    for model in (plain, ours):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.config.use_cache = False
+    return plain, ours
+
+
 # Gradient checkpointing recomputes each layer in backward, after the decoder's forward
 # has set the model back to our attention. A masked batch's layers must recompute with
 # the model's own attention and the same mask (attention_kernel.ROUTED): without that,
@@ -493,11 +503,7 @@ def loss_and_gradients(model, **inputs):
 @pytest.mark.parametrize("pads", [[0, 4], [0, 0]], ids=["left-padded", "mask of ones"])
 def test_gradient_checkpointing_recomputes_a_masked_batch_with_the_models_attention(reentrant, pads,
                                                                                      attention_calls):
-    plain = tiny_model("Llama")
-    ours = applied(copy.deepcopy(plain))
-    for model in (plain, ours):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-        model.config.use_cache = False
+    plain, ours = checkpointed_pair(reentrant)
     ids, mask = left_padded(token_ids(2, 12), pads)
     inputs = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
     attention_calls.clear()
@@ -567,11 +573,7 @@ def test_rows_of_one_document_run_the_attention_measured_faster(faster, measured
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 def test_rows_routed_by_the_measurement_recompute_with_the_models_attention(reentrant, measured_here,
                                                                             attention_calls):
-    plain = tiny_model("Llama")
-    ours = applied(copy.deepcopy(plain))
-    for model in (plain, ours):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-        model.config.use_cache = False
+    plain, ours = checkpointed_pair(reentrant)
     measured_here["ms"] = (2.0, 1.0)
     ids = token_ids(2, 12)
     attention_calls.clear()

@@ -161,17 +161,30 @@ def test_optimized_used_the_kernels(runs):
     assert len(mlps) == 2 and all(isinstance(m, TritonLlamaMLP) for m in mlps)
 
 
+# On a GPU the attention kernel goes in by default, for the measured choice on rows of
+# one document (run.kernels_default_attention); in the interpreter it does not.
+DEFAULT_ATTENTION = torch.cuda.is_available()
+
+
+def kernels_line(*names):
+    """The run's "Kernels:" line for these kernels, with attention where it goes in by default."""
+    if DEFAULT_ATTENTION:
+        order = list(flags.KERNELS)
+        names = sorted((*names, "attention"), key=lambda n: order.index(n) if n in order else len(order))
+    return f"Kernels:       {', '.join(names)}\n"
+
+
 def test_optimized_prints_active_kernels(capsys):
     finetune_optimized.main(TINY[:-4] + ["--steps", "1", "--warmup-steps", "0", "--no-use-custom-flce",
                                          "--no-use-custom-swiglu", "--no-use-custom-rope", "--no-use-custom-adamw"])
     out = capsys.readouterr().out
     assert "replaced 5 RMSNorm modules with TritonRMSNorm" in out
-    assert "Kernels:       rmsnorm, ce, projections\n" in out
+    assert kernels_line("rmsnorm", "ce", "projections") in out
     finetune_optimized.main(TINY[:-4] + ["--steps", "1", "--warmup-steps", "0", "--no-use-custom-rmsnorm"])
     out = capsys.readouterr().out
     assert "replaced 2 gated MLPs with TritonLlamaMLP" in out and "fused linear cross-entropy inside the model's" in out
     assert "fused RoPE in 2 attention modules" in out
-    assert "Kernels:       swiglu, rope, flce, adamw, projections\n" in out
+    assert kernels_line("swiglu", "rope", "flce", "adamw", "projections") in out
 
 
 def test_json_fields(runs):
@@ -181,9 +194,10 @@ def test_json_fields(runs):
                 "tokens_per_sec", "time_per_step_s", "peak_memory_bytes", "peak_memory_kind", "warmup_steps"):
         assert key in doc, key
     assert doc["script"] == "finetune_optimized.py"
-    # Synthetic rows are one document each: the attention kernel stays off by default (packed real data only).
-    assert doc["kernels"] == {"rmsnorm": True, "swiglu": True, "rope": True, "attention": False, "ce": True,
-                              "flce": True, "adamw": True, "projections": True}
+    # Synthetic rows are one document each: the attention kernel stays off by default in the
+    # interpreter (packed real data only); on a GPU it goes in for the measured choice.
+    assert doc["kernels"] == {"rmsnorm": True, "swiglu": True, "rope": True, "attention": DEFAULT_ATTENTION,
+                              "ce": True, "flce": True, "adamw": True, "projections": True}
     assert doc["config"]["seq_len"] == 32 and doc["config"]["batch_size"] == 2 and doc["config"]["tiny"] is True
     for key in ("device", "gpu", "python", "torch", "triton", "transformers", "cuda", "date"):
         assert key in doc["environment"], key
@@ -204,9 +218,21 @@ def test_json_fields(runs):
 ])
 def test_attention_kernel_by_default_where_sdpa_needs_a_mask(flag, config, seq_len, on):
     model = argparse.Namespace(config=argparse.Namespace(
-        **{"_attn_implementation": "sdpa", "sliding_window": None, "num_hidden_layers": 2, **config}))
+        **{"_attn_implementation": "sdpa", "sliding_window": None, "num_hidden_layers": 2, **config}),
+        parameters=lambda: iter([torch.zeros(1)]))  # on the CPU: no measured choice
     args = argparse.Namespace(use_custom_attention=flag, seq_len=seq_len)
     assert run.kernels_default_attention(args, model) is on
+
+
+@pytest.mark.parametrize("flag, on", [(None, True), (False, False)])
+def test_attention_kernel_by_default_on_a_measured_device(flag, on, monkeypatch):
+    """On a device where rows of one document are measured (a GPU; here the CPU made
+    one), the kernel goes in by default for them, unless asked off."""
+    monkeypatch.setattr(run.attention_kernel, "MEASURED_DEVICES", ("cpu",))
+    model = argparse.Namespace(config=argparse.Namespace(_attn_implementation="sdpa", sliding_window=None,
+                                                         num_hidden_layers=2),
+                               parameters=lambda: iter([torch.zeros(1)]))
+    assert run.kernels_default_attention(argparse.Namespace(use_custom_attention=flag, seq_len=64), model) is on
 
 
 def test_loss_functions_agree_on_padding():

@@ -1148,7 +1148,11 @@ def plain_rows_to_theirs(decoder, arguments):
         def distance(k):  # another layout of heads or dtype last, then the difference in tokens
             return k[:2] + k[4:] != key[:2] + key[4:], abs(k[2] * k[3] - key[2] * key[3])
         return PLAIN_ROW_CHOICES[min(PLAIN_ROW_CHOICES, key=distance)][0]
-    ours_ms, theirs_ms = time_plain_rows(layer, key)
+    try:
+        ours_ms, theirs_ms = time_plain_rows(layer, key)
+    except torch.OutOfMemoryError:  # no room for the random rows beside the run's own: ours, as without the choice
+        torch.cuda.empty_cache()
+        ours_ms, theirs_ms = float("nan"), float("nan")
     PLAIN_ROW_CHOICES[key] = (theirs_ms < ours_ms, ours_ms, theirs_ms)
     for listener in CHOICE_LISTENERS:
         listener(choice_line(key))
@@ -1160,9 +1164,10 @@ def choice_line(key):
     theirs_faster, ours_ms, theirs_ms = PLAIN_ROW_CHOICES[key]
     _, dtype, B, T, heads, kv_heads, head_dim, theirs = key
     kept = f"the model's own ({theirs})" if theirs_faster else "ours"
+    measured = (f"measured fwd+bwd per layer: ours {ours_ms:.3f} ms, {theirs} {theirs_ms:.3f} ms" if ours_ms == ours_ms
+                else "not measured: out of GPU memory for the measurement's rows")
     return (f"rows of one document, {B} x {T:,} tokens, {heads}/{kv_heads} heads of {head_dim}, "
-            f"{str(dtype).replace('torch.', '')}: {kept}, measured fwd+bwd per layer: ours {ours_ms:.3f} ms, "
-            f"{theirs} {theirs_ms:.3f} ms")
+            f"{str(dtype).replace('torch.', '')}: {kept}, {measured}")
 
 
 def time_plain_rows(layer, key, repeats=MEASURE_REPEATS, clock=None):

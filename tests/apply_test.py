@@ -604,6 +604,21 @@ def test_no_measurement_without_gradients_or_for_a_sliding_window_shorter_than_t
                        next(attention_kernel._attention_layers(ours)).head_dim, "sdpa")
 
 
+def test_a_measurement_out_of_memory_keeps_ours_and_says_so(measured_here, monkeypatch, attention_calls):
+    def no_room(layer, key):
+        raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
+
+    monkeypatch.setattr(attention_kernel, "time_plain_rows", no_room)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    ours = applied(tiny_model("Llama"))
+    ids = token_ids(1, 12)
+    attention_calls.clear()
+    loss_and_gradients(ours, input_ids=ids, labels=ids)
+    assert len(attention_calls) == ours.config.num_hidden_layers
+    (line,) = measured_here["lines"]
+    assert line.endswith(": ours, not measured: out of GPU memory for the measurement's rows")
+
+
 def test_past_the_measured_shapes_a_new_one_takes_the_nearest_choice(measured_here, monkeypatch):
     monkeypatch.setattr(attention_kernel, "MAX_MEASURED_SHAPES", 2)
     ours = applied(tiny_model("Llama"))

@@ -2,7 +2,7 @@
 # One GPU, the final code: the GPU test files the change touches (the routing and its measured choice, the
 # scripts' default, CUDA graphs, the attention kernel), each under its own time limit.
 # Call 4: FILES="tests/finetune_test.py:150 attention_test.py:330" CALL=c4 after the finetune_test fix (and
-# attention_test under a limit it fits).
+# attention_test under a limit it fits); call 5: FILES="tests/finetune_test.py:150" CALL=c5 after the second fix.
 export PYTHONUNBUFFERED=1
 R=$OUT/${CALL:-c3}; mkdir -p $R
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site

@@ -120,6 +120,7 @@ import torch
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
     IN_INTERPRETER, INTERPRET, SUPPORTED_DTYPES, SwapMismatch, cast_to, cdiv, check_kernel_device, decoder_of,
+    plain_causal_attention,
     evaluating, exp, fast_launch, first_order_only, kernel_op, log, next_power_of_2, probe_rounding, tanh,
     vocabulary_size, wrap_forward,
 )
@@ -834,17 +835,28 @@ NAME = "triton_packed"
 ROUTED = "kernel_ft_routed_to"
 
 
+def attention_function(layer, name):
+    """The attention function ``layer`` calls under the implementation ``name``: the
+    registered one, or for "eager" (not registered) its family's own eager function."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if name in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[name]
+    for names in _eager_namespaces(layer):
+        return names["eager_attention_forward"]
+    raise ValueError(f"{NAME}: no attention function named {name!r} for {type(layer).__name__}")
+
+
 def hf_packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The attention function transformers calls under NAME (sdpa_attention_forward's signature)."""
     theirs = kwargs.pop(ROUTED, None)
     if theirs is not None:  # a recomputation of a routed call, or rows of one document measured faster there
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        return ALL_ATTENTION_FUNCTIONS[theirs](module, query, key, value, attention_mask, scaling=scaling,
-                                               dropout=dropout, **kwargs)
+        return attention_function(module, theirs)(module, query, key, value, attention_mask, scaling=scaling,
+                                                  dropout=dropout, **kwargs)
     if attention_mask is not None:  # never ignored: a mask HF built reaches only the model's own attention
         raise ValueError(f"{NAME} attention got an attention mask {tuple(attention_mask.shape)}, which it cannot "
-                         f"apply (a mask the model makes itself; padding masks go to the model's own attention)")
+                         f"apply (a mask the model makes itself, or a masked call recomputed by gradient "
+                         f"checkpointing in a decoder whose forward takes no keyword arguments to pass on)")
     if dropout:
         raise ValueError(f"{NAME} attention has no dropout (attention_dropout {dropout}); set it to 0")
     B, _, T, _ = query.shape
@@ -900,23 +912,27 @@ def _attention_layers(model):
     return (m for m in model.modules() if type(m).__name__.endswith("Attention"))
 
 
+def _eager_namespaces(layer):
+    """The globals in which ``layer``'s forward looks ``eager_attention_forward`` up
+    (their python module's, or the copy fuse_rope gave them; behind a decorator, those
+    of the function it wraps)."""
+    forward = getattr(layer.forward, "__func__", layer.forward)
+    for _ in range(5):  # through decorators (functools.wraps: __wrapped__) to the function that looks it up
+        names = getattr(forward, "__globals__", {})
+        if callable(names.get("eager_attention_forward")):
+            yield names
+        forward = getattr(forward, "__wrapped__", None)
+        if forward is None:
+            break
+
+
 @contextlib.contextmanager
 def _eager_in_float64(model):
     """Within: the model's eager attention computes in float64 and rounds its output
     to the model's dtype. The layers look ``eager_attention_forward`` up by name in
-    their forward's globals (their python module's, or the copy fuse_rope gave them;
-    behind a decorator, those of the function it wraps), so it is swapped there.
-    Yields False, changing nothing, where there is none."""
-    spaces = {}
-    for layer in _attention_layers(model):
-        forward = getattr(layer.forward, "__func__", layer.forward)
-        for _ in range(5):  # through decorators (functools.wraps: __wrapped__) to the function that looks it up
-            names = getattr(forward, "__globals__", {})
-            if callable(names.get("eager_attention_forward")):
-                spaces[id(names)] = names
-            forward = getattr(forward, "__wrapped__", None)
-            if forward is None:
-                break
+    their forward's globals (_eager_namespaces), so it is swapped there. Yields False,
+    changing nothing, where there is none."""
+    spaces = {id(names): names for layer in _attention_layers(model) for names in _eager_namespaces(layer)}
     if not spaces:
         yield False
         return
@@ -1083,6 +1099,10 @@ def route_masked_calls(model, theirs):
     decoder._kernel_ft_signature = inspect.signature(decoder.forward)
     decoder._kernel_ft_passes_keywords = any(p.kind is p.VAR_KEYWORD
                                              for p in decoder._kernel_ft_signature.parameters.values())
+    # For the measured choice (plain_rows_to_theirs), once: the first attention layer, and
+    # the shortest window a layer keeps as its own attribute (0: none).
+    windows = [w for m in _attention_layers(decoder) if (w := getattr(m, "sliding_window", None) or 0)]
+    decoder._kernel_ft_plain_rows = next(_attention_layers(decoder), None), min(windows, default=0)
     wrap_forward(decoder, "_kernel_ft_attention_forward", decoder_forward_routed)
 
 
@@ -1102,8 +1122,13 @@ def route_masked_calls(model, theirs):
 # (the T x T scores in memory: Gemma-2). Nothing is measured in Triton's interpreter
 # (no speed to compare), without gradients (generate()), inside a CUDA graph capture
 # or a torch.compile trace: there a shape not measured yet runs ours.
-PLAIN_ROW_CHOICES = {}  # (device, dtype, B, T, Hq, Hkv, D, theirs) -> (theirs is faster, ours ms, theirs ms)
+# (device, dtype, B, T, Hq, Hkv, D, theirs) -> (theirs is faster, ours ms, theirs ms, why not measured or None)
+PLAIN_ROW_CHOICES = {}
 MEASURED_DEVICES = ("cuda",)  # not the CPU: Triton's interpreter has no speed to compare
+# The model's own attentions that compute causal attention when given no mask (SDPA's
+# is_causal flag, flash-attn's causal flag); FlexAttention without a block mask, say, is
+# bidirectional: those stay ours.
+CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3")
 MAX_MEASURED_SHAPES = 16  # past this many, a new shape takes the choice of the measured one nearest in tokens
 MEASURE_REPEATS = 5
 CHOICE_LISTENERS = []  # callables given each choice's line once (the scripts print it)
@@ -1112,20 +1137,21 @@ CHOICE_LISTENERS = []  # callables given each choice's line once (the scripts pr
 def _plain_row_key(decoder, arguments):
     """The key of this call's rows in PLAIN_ROW_CHOICES, with the attention layer that
     takes them, or None where no measurement applies (see above)."""
-    if arguments.get("position_ids") is not None or decoder._kernel_ft_theirs == "eager":
+    if arguments.get("position_ids") is not None or decoder._kernel_ft_theirs not in CAUSAL_WITHOUT_MASK:
         return None
     ids = arguments.get("input_ids")
     ids = arguments.get("inputs_embeds") if ids is None else ids
-    layer = next(_attention_layers(decoder), None)
+    layer, window = decoder._kernel_ft_plain_rows
     if ids is None or ids.dim() < 2 or ids.device.type not in MEASURED_DEVICES or layer is None:
         return None
     B, T = ids.shape[:2]
     config = decoder.config
-    windows = [getattr(m, "sliding_window", None) or 0 for m in _attention_layers(decoder)]
-    if any(0 < w < T for w in windows) or getattr(config, "attention_chunk_size", None):
+    if 0 < window < T or not plain_causal_attention(config, T):  # a window shorter than the row, chunks
         return None
     where = ids.device.type
-    dtype = torch.get_autocast_dtype(where) if torch.is_autocast_enabled(where) else next(layer.parameters()).dtype
+    embeds = arguments.get("inputs_embeds")  # q, k, v come out of the layers in the hidden states' dtype
+    dtype = embeds.dtype if embeds is not None else decoder.get_input_embeddings().weight.dtype
+    dtype = torch.get_autocast_dtype(where) if torch.is_autocast_enabled(where) else dtype
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(layer, "head_dim", None) or config.hidden_size // heads
@@ -1148,12 +1174,14 @@ def plain_rows_to_theirs(decoder, arguments):
         def distance(k):  # another layout of heads or dtype last, then the difference in tokens
             return k[:2] + k[4:] != key[:2] + key[4:], abs(k[2] * k[3] - key[2] * key[3])
         return PLAIN_ROW_CHOICES[min(PLAIN_ROW_CHOICES, key=distance)][0]
+    failed = None
     try:
         ours_ms, theirs_ms = time_plain_rows(layer, key)
-    except torch.OutOfMemoryError:  # no room for the random rows beside the run's own: ours, as without the choice
-        torch.cuda.empty_cache()
-        ours_ms, theirs_ms = float("nan"), float("nan")
-    PLAIN_ROW_CHOICES[key] = (theirs_ms < ours_ms, ours_ms, theirs_ms)
+    except Exception as e:  # noqa: BLE001 - out of memory for the random rows, say: ours, as without the choice
+        failed, ours_ms, theirs_ms = _error_line(e), float("nan"), float("nan")
+    if failed and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # outside the handler: the traceback no longer holds the random rows
+    PLAIN_ROW_CHOICES[key] = (theirs_ms < ours_ms, ours_ms, theirs_ms, failed)
     for listener in CHOICE_LISTENERS:
         listener(choice_line(key))
     return PLAIN_ROW_CHOICES[key][0]
@@ -1161,11 +1189,11 @@ def plain_rows_to_theirs(decoder, arguments):
 
 def choice_line(key):
     """One line saying what a measured shape runs, and why."""
-    theirs_faster, ours_ms, theirs_ms = PLAIN_ROW_CHOICES[key]
+    theirs_faster, ours_ms, theirs_ms, failed = PLAIN_ROW_CHOICES[key]
     _, dtype, B, T, heads, kv_heads, head_dim, theirs = key
     kept = f"the model's own ({theirs})" if theirs_faster else "ours"
-    measured = (f"measured fwd+bwd per layer: ours {ours_ms:.3f} ms, {theirs} {theirs_ms:.3f} ms" if ours_ms == ours_ms
-                else "not measured: out of GPU memory for the measurement's rows")
+    measured = (f"not measured ({failed})" if failed else
+                f"measured fwd+bwd per layer: ours {ours_ms:.3f} ms, {theirs} {theirs_ms:.3f} ms")
     return (f"rows of one document, {B} x {T:,} tokens, {heads}/{kv_heads} heads of {head_dim}, "
             f"{str(dtype).replace('torch.', '')}: {kept}, {measured}")
 

@@ -283,6 +283,28 @@ def evaluating(model):
         model.train(was_training)
 
 
+# The attention layers' masks from the config alone (the fine-tune scripts, the CUDA
+# graphs and the attention kernel's routing ask the same question).
+def sliding_layers(config):
+    """(window, [whether layer i attends through it]): a sliding window of ``window``
+    keys (0: none) in the layers that slide; without ``layer_types`` every layer does."""
+    window = getattr(config, "sliding_window", None) or 0
+    if not window:
+        return 0, [False] * config.num_hidden_layers
+    types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    return window, [t == "sliding_attention" for t in types]
+
+
+def plain_causal_attention(config, seq_len):
+    """Whether every layer of this model attends causally to all earlier tokens of a
+    row of ``seq_len`` tokens: no window shorter than the row, no chunked attention,
+    a decoder (``is_causal``). Then SDPA's is_causal flag is every layer's mask."""
+    window, sliding = sliding_layers(config)
+    if window and seq_len > window and any(sliding):
+        return False
+    return not getattr(config, "attention_chunk_size", None) and getattr(config, "is_causal", True)
+
+
 def probe_rounding(dtype):
     """How far two computations of a probe's logits may part: one rounding of ``dtype``, and margin."""
     return 1e-4 if dtype == torch.float32 else 2**-6

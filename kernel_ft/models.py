@@ -30,7 +30,7 @@ import os
 import warnings
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
-from kernel_common import evaluating, probe_ids, vocabulary_size
+from kernel_common import evaluating, plain_causal_attention, probe_ids, sliding_layers, vocabulary_size
 
 import torch
 import torch.nn as nn
@@ -207,26 +207,6 @@ def avoid_per_shape_attention_plans(args, data):
         return
     torch.backends.cuda.enable_cudnn_sdp(False)
     print("Attention:     PyTorch's cuDNN attention off (padded batches: it would plan anew for every length)")
-
-
-def sliding_layers(config):
-    """(window, [whether layer i attends through it]): a sliding window of ``window``
-    keys (0: none) in the layers that slide; without ``layer_types`` every layer does."""
-    window = getattr(config, "sliding_window", None) or 0
-    if not window:
-        return 0, [False] * config.num_hidden_layers
-    types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
-    return window, [t == "sliding_attention" for t in types]
-
-
-def plain_causal_attention(config, seq_len):
-    """Whether every layer of this model attends causally to all earlier tokens of a
-    row of ``seq_len`` tokens: no window shorter than the row, no chunked attention,
-    a decoder (``is_causal``). Then SDPA's is_causal flag is every layer's mask."""
-    window, sliding = sliding_layers(config)
-    if window and seq_len > window and any(sliding):
-        return False
-    return not getattr(config, "attention_chunk_size", None) and getattr(config, "is_causal", True)
 
 
 def dense_mask_window(args, data, config):

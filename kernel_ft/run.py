@@ -26,6 +26,8 @@ import os
 import signal
 import sys
 
+import torch
+
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
 from kernel_common import vocabulary_size
 
@@ -168,7 +170,7 @@ def kernels_default_attention(args, model):
         return False
     window, sliding = models.sliding_layers(model.config)
     return model.config._attn_implementation == "eager" or bool(window and args.seq_len > window and any(sliding)) \
-        or next(model.parameters()).device.type in attention_kernel.MEASURED_DEVICES
+        or ("cuda" if torch.cuda.is_available() else "cpu") in attention_kernel.MEASURED_DEVICES  # the run's device
 
 
 def check_model_flags(args):

@@ -484,9 +484,9 @@ def loss_and_gradients(model, **inputs):
     return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
-def checkpointed_pair(reentrant):
-    """A tiny LLaMA and its applied copy, both with gradient checkpointing (reentrant or not)."""
-    plain = tiny_model("Llama")
+def checkpointed_pair(reentrant, label="Llama"):
+    """A tiny model and its applied copy, both with gradient checkpointing (reentrant or not)."""
+    plain = tiny_model(label)
     ours = applied(copy.deepcopy(plain))
     for model in (plain, ours):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
@@ -501,9 +501,10 @@ def checkpointed_pair(reentrant):
 # wrong) and the non-reentrant one stopped at CheckpointError, mask of ones included.
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 @pytest.mark.parametrize("pads", [[0, 4], [0, 0]], ids=["left-padded", "mask of ones"])
-def test_gradient_checkpointing_recomputes_a_masked_batch_with_the_models_attention(reentrant, pads,
+@pytest.mark.parametrize("label", ["Llama", "Gemma-2"])  # Gemma-2's own: the eager attention (not registered)
+def test_gradient_checkpointing_recomputes_a_masked_batch_with_the_models_attention(label, reentrant, pads,
                                                                                      attention_calls):
-    plain, ours = checkpointed_pair(reentrant)
+    plain, ours = checkpointed_pair(reentrant, label)
     ids, mask = left_padded(token_ids(2, 12), pads)
     inputs = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
     attention_calls.clear()
@@ -593,15 +594,29 @@ def test_no_measurement_without_gradients_or_for_a_sliding_window_shorter_than_t
     with torch.no_grad():  # generate()'s calls: a shape not measured yet runs ours
         ours(input_ids=ids, use_cache=False)
     assert measured_here["calls"] == 0 and len(attention_calls) == ours.config.num_hidden_layers
-    for layer in attention_kernel._attention_layers(ours):
-        layer.sliding_window = 8  # shorter than the row: SDPA would need a dense mask
+    ours.config.sliding_window = 8  # shorter than the row: SDPA would need a dense mask
     decoder = attention_kernel.decoder_of(ours)
     assert attention_kernel._plain_row_key(decoder, {"input_ids": ids}) is None
-    for layer in attention_kernel._attention_layers(ours):
-        layer.sliding_window = 12
+    ours.config.sliding_window = 12
     key, _ = attention_kernel._plain_row_key(decoder, {"input_ids": ids})
     assert key[2:] == (1, 12, ours.config.num_attention_heads, ours.config.num_key_value_heads,
                        next(attention_kernel._attention_layers(ours)).head_dim, "sdpa")
+
+
+def test_a_window_shorter_than_the_row_keeps_ours_unmeasured(measured_here, attention_calls):
+    """Mistral keeps its window on the config, not on its layers: rows longer than it
+    are ours (SDPA would need a dense mask; given none it would drop the window)."""
+    config = tiny_config("Mistral")
+    config.sliding_window = 6
+    torch.manual_seed(0)
+    plain = models.build_random(config, torch.device(DEVICE), torch.float32).eval()
+    ours = applied(copy.deepcopy(plain))
+    measured_here["ms"] = (2.0, 1.0)
+    ids = token_ids(2, 12)
+    attention_calls.clear()
+    logits = ours(input_ids=ids, use_cache=False).logits  # with gradients: a measured choice would apply
+    assert measured_here["calls"] == 0 and len(attention_calls) == config.num_hidden_layers
+    assert_logits_match(["logits"], [logits.detach()], plain, lambda m: [m(input_ids=ids, use_cache=False).logits])
 
 
 def test_a_measurement_out_of_memory_keeps_ours_and_says_so(measured_here, monkeypatch, attention_calls):
@@ -616,7 +631,7 @@ def test_a_measurement_out_of_memory_keeps_ours_and_says_so(measured_here, monke
     loss_and_gradients(ours, input_ids=ids, labels=ids)
     assert len(attention_calls) == ours.config.num_hidden_layers
     (line,) = measured_here["lines"]
-    assert line.endswith(": ours, not measured: out of GPU memory for the measurement's rows")
+    assert line.endswith(": ours, not measured (OutOfMemoryError: CUDA out of memory (a stand-in))"), line
 
 
 def test_past_the_measured_shapes_a_new_one_takes_the_nearest_choice(measured_here, monkeypatch):
@@ -631,7 +646,7 @@ def test_past_the_measured_shapes_a_new_one_takes_the_nearest_choice(measured_he
     assert measured_here["calls"] == 2
 
 
-def test_on_a_gpu_rows_of_one_document_are_measured_and_keep_the_models_loss(monkeypatch):
+def test_on_a_gpu_rows_of_one_document_are_measured_and_keep_the_models_loss(monkeypatch, attention_calls):
     """The real measurement (CUDA events) on a GPU: the first plain call records both
     times and the faster, and the loss and gradients are the model's own in bf16."""
     need_gpu()
@@ -640,17 +655,21 @@ def test_on_a_gpu_rows_of_one_document_are_measured_and_keep_the_models_loss(mon
     ours = applied(copy.deepcopy(plain))
     ids = token_ids(2, 256)
     loss, grads = loss_and_gradients(ours, input_ids=ids, labels=ids)
-    (key, (theirs_faster, ours_ms, theirs_ms)), = attention_kernel.PLAIN_ROW_CHOICES.items()
-    assert key[1:4] == (torch.bfloat16, 2, 256) and ours_ms > 0 and theirs_ms > 0
-    assert theirs_faster == (theirs_ms < ours_ms)
+    (key, (theirs_faster, ours_ms, theirs_ms, failed)), = attention_kernel.PLAIN_ROW_CHOICES.items()
+    assert key[1:4] == (torch.bfloat16, 2, 256) and ours_ms > 0 and theirs_ms > 0 and failed is None
+    # The second call runs what was kept, every layer.
+    attention_calls.clear()
+    loss_and_gradients(ours, input_ids=ids, labels=ids)
+    assert len(attention_calls) == (0 if theirs_faster else plain.config.num_hidden_layers)
     want_loss, want_grads = loss_and_gradients(plain, input_ids=ids, labels=ids)
     assert_close("loss", loss.float(), want_loss.float(), 1e-2)
     assert rel_err(grads, want_grads) < 5e-2, rel_err(grads, want_grads)
 
 
 def test_the_measurement_times_both_attentions_on_rows_of_the_shape():
-    """time_plain_rows itself, with a host clock on the CPU: both calls run fwd+bwd on
-    rows of the key's shape (through the layer's own scaling and heads)."""
+    """time_plain_rows itself, with a host clock on the CPU: after a first call each,
+    ours and theirs run fwd+bwd in turn, ``repeats`` timed calls each, on rows of the
+    key's shape through the layer (its scaling, heads and causality)."""
     import time
 
     model = tiny_model("Llama")

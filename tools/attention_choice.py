@@ -17,6 +17,7 @@ import json
 import torch
 
 import attention_kernel
+from kernel_common import plain_causal_attention
 from kernel_ft import models
 
 # (label, config): the bundled configs, and LLaMA-3.2-1B's and Gemma-3's head layouts
@@ -57,14 +58,14 @@ def main():
     for label, make in FAMILIES.items():
         layer = attention_layer(make())
         config = layer.config
-        window = getattr(layer, "sliding_window", None) or 0
         for length in args.lengths:
             batch = max(1, args.tokens // length)
-            if 0 < window < length:  # SDPA would need a dense mask: ours, not measured (as the routing does)
-                print(f"{label:34s} {f'{batch} x {length}':>12s} {'':9s} {'':9s} {'':9s}  ours (window {window})")
+            if not plain_causal_attention(config, length):  # a window shorter than the row: ours, not measured
+                print(f"{label:34s} {f'{batch} x {length}':>12s} {'':9s} {'':9s} {'':9s}  ours (window "
+                      f"{config.sliding_window})")
                 continue
-            key = ("cuda:0", torch.bfloat16, batch, length, config.num_attention_heads,
-                   config.num_key_value_heads, layer.head_dim, "sdpa")
+            key = (str(torch.device("cuda", torch.cuda.current_device())), torch.bfloat16, batch, length,
+                   config.num_attention_heads, config.num_key_value_heads, layer.head_dim, "sdpa")
             ours, theirs = attention_kernel.time_plain_rows(layer, key)
             runs = "SDPA" if theirs < ours else "ours"
             rows.append(dict(family=label, batch=batch, length=length, ours_ms=ours, sdpa_ms=theirs, runs=runs))

@@ -26,10 +26,9 @@ import os
 import signal
 import sys
 
-import torch
-
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
 from kernel_common import vocabulary_size
+import torch
 
 from kernel_ft import files, flags, models, ddp, fsdp, dataloader, checkpoints, reporting, training
 from kernel_ft import fp8_gather

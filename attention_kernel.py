@@ -120,9 +120,8 @@ import torch
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
     IN_INTERPRETER, INTERPRET, SUPPORTED_DTYPES, SwapMismatch, cast_to, cdiv, check_kernel_device, decoder_of,
-    plain_causal_attention,
-    evaluating, exp, fast_launch, first_order_only, kernel_op, log, next_power_of_2, probe_rounding, tanh,
-    vocabulary_size, wrap_forward,
+    evaluating, exp, fast_launch, first_order_only, gpu_clock, kernel_op, log, next_power_of_2, plain_causal_attention,
+    probe_rounding, tanh, vocabulary_size, wrap_forward,
 )
 
 import triton
@@ -1202,9 +1201,7 @@ def time_plain_rows(layer, key, repeats=MEASURE_REPEATS, clock=None):
     """(ours ms, theirs ms): median of ``repeats`` fwd+bwd calls of each attention on
     random rows of ``key``'s shape, through ``layer`` (its scaling, heads, causality),
     one of each in turn after a first call each (compilation, caches). ``clock``: a
-    function timing one call in ms (default: CUDA events around it)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
+    function timing one call in ms (default: kernel_common.gpu_clock's CUDA events)."""
     device, dtype, B, T, heads, kv_heads, head_dim, theirs = key
     generator = torch.Generator(device=device).manual_seed(0)  # not the run's random stream
 
@@ -1216,14 +1213,14 @@ def time_plain_rows(layer, key, repeats=MEASURE_REPEATS, clock=None):
     scaling = getattr(layer, "scaling", None)
     calls = {
         "ours": lambda: hf_packed_attention(layer, q, k, v, None, scaling=scaling)[0],
-        "theirs": lambda: ALL_ATTENTION_FUNCTIONS[theirs](layer, q, k, v, None, scaling=scaling, dropout=0.0)[0],
+        "theirs": lambda: attention_function(layer, theirs)(layer, q, k, v, None, scaling=scaling, dropout=0.0)[0],
     }
 
     def once(name):
         q.grad = k.grad = v.grad = None
         calls[name]().backward(upstream)
 
-    clock = clock or _device_ms
+    clock = clock or (lambda call: gpu_clock(call)[1])
     for name in calls:
         once(name)
     times = {name: [] for name in calls}
@@ -1233,14 +1230,6 @@ def time_plain_rows(layer, key, repeats=MEASURE_REPEATS, clock=None):
     return tuple(sorted(t)[len(t) // 2] for t in (times["ours"], times["theirs"]))
 
 
-def _device_ms(call):
-    """Milliseconds of the GPU's work queued by ``call``, by CUDA events around it."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    call()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
 
 
 def use_packed_attention(model):

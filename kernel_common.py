@@ -283,6 +283,18 @@ def evaluating(model):
         model.train(was_training)
 
 
+def gpu_clock(run):
+    """(run(), milliseconds on the GPU's clock from before its first kernel to after its
+    last, by CUDA events around it): when Python queues slower than the GPU runs, the
+    wait is in it too."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = run()
+    end.record()
+    end.synchronize()
+    return out, start.elapsed_time(end)
+
+
 # The attention layers' masks from the config alone (the fine-tune scripts, the CUDA
 # graphs and the attention kernel's routing ask the same question).
 def sliding_layers(config):

@@ -296,14 +296,8 @@ class GraphedStep:
         return outputs
 
     def _clock(self, run):
-        """(run(), milliseconds on the GPU's clock from before its first kernel to after its
-        last): when Python queues slower than the GPU runs, the wait is in it too."""
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = run()
-        end.record()
-        end.synchronize()
-        return out, start.elapsed_time(end)
+        """(run(), its milliseconds on the GPU's clock): kernel_common.gpu_clock."""
+        return kernel_common.gpu_clock(run)
 
     def _keep_faster(self, replay_ms):
         """After the timed replay: if it was slower than the last eager step (on any

@@ -28,6 +28,7 @@ import torch
 from conftest import DEVICE, check_outputs, need_gpu
 
 import attention_kernel
+import attention_routing
 from kernel_ft import dataloader, flags, models, training
 from attention_kernel import attention_reference, document_ends, document_starts, packed_attention
 from kernel_ft.run import apply_kernels
@@ -204,7 +205,7 @@ def test_packed_model_matches_the_dense_mask(model_type, extra):
     want_loss, want_grads = loss_and_grads(model, training.hf_loss, batch)
     with contextlib.redirect_stdout(io.StringIO()):
         apply_kernels(model, {"attention": True})
-    assert model.config._attn_implementation == attention_kernel.NAME
+    assert model.config._attn_implementation == attention_routing.NAME
     maskless = {**batch, "attention_mask": None}  # what the dataloader gives with the kernel on
     loss, grads = loss_and_grads(model, training.hf_loss, maskless)
     assert abs(loss.item() - want_loss.item()) <= 1e-4
@@ -308,7 +309,7 @@ def test_soft_capped_family_runs_the_kernel():
     want_loss, want_grads = loss_and_grads(model, training.hf_loss, {**batch, "attention_mask": additive.to(DEVICE)})
     with contextlib.redirect_stdout(io.StringIO()):
         apply_kernels(model, {"attention": True})
-    assert model.config._attn_implementation == attention_kernel.NAME
+    assert model.config._attn_implementation == attention_routing.NAME
     loss, grads = loss_and_grads(model, training.hf_loss, {**batch, "attention_mask": None})
     assert abs(loss.item() - want_loss.item()) <= 1e-4
     for name in grads:
@@ -346,7 +347,7 @@ def test_probe_measures_eager_rounding_also_after_fused_rope():
     ids = torch.arange(1, 9, device=DEVICE)[None]
     with torch.no_grad():
         own = model(input_ids=ids).logits
-        with attention_kernel._eager_in_float64(model) as wide:
+        with attention_routing._eager_in_float64(model) as wide:
             assert wide
             in_float64 = model(input_ids=ids).logits
         again = model(input_ids=ids).logits
@@ -362,22 +363,22 @@ def test_bf16_probe_passes_ours_and_refuses_a_wrong_attention(family):
 
     def across_examples(module, query, key, value, mask, scaling=None, dropout=0.0, **kwargs):
         kwargs.pop("position_ids")  # without them: one causal document per row
-        return attention_kernel.hf_packed_attention(module, query, key, value, mask, scaling, dropout, **kwargs)
+        return attention_routing.hf_packed_attention(module, query, key, value, mask, scaling, dropout, **kwargs)
 
     torch.manual_seed(0)
     model = models.build_random(family_config(family, {"num_hidden_layers": 6}), torch.device(DEVICE), torch.bfloat16)
     assert model.config.num_hidden_layers == 6
     theirs = model.config._attn_implementation
     assert theirs == ("eager" if family == "gemma2" else "sdpa")
-    AttentionInterface.register(attention_kernel.NAME, attention_kernel.hf_packed_attention)
-    attention_kernel.check_same_attention(model, theirs)  # ours: passes
+    AttentionInterface.register(attention_routing.NAME, attention_routing.hf_packed_attention)
+    attention_routing.check_same_attention(model, theirs)  # ours: passes
     try:
-        AttentionInterface.register(attention_kernel.NAME, across_examples)
-        with pytest.raises(attention_kernel.SwapMismatch, match="computes something else .* own two"):
-            attention_kernel.check_same_attention(model, theirs)
+        AttentionInterface.register(attention_routing.NAME, across_examples)
+        with pytest.raises(attention_routing.SwapMismatch, match="computes something else .* own two"):
+            attention_routing.check_same_attention(model, theirs)
         assert model.config._attn_implementation == theirs  # left as it was
     finally:
-        AttentionInterface.register(attention_kernel.NAME, attention_kernel.hf_packed_attention)
+        AttentionInterface.register(attention_routing.NAME, attention_routing.hf_packed_attention)
 
 
 def test_inside_torch_compile():

@@ -34,7 +34,7 @@ from kernel_ft import files, flags, models, ddp, fsdp, dataloader, checkpoints, 
 from kernel_ft import fp8_gather
 from kernel_ft.patching import KERNELS, KernelNotApplied, apply
 from adamw_kernel import TritonAdamW
-import attention_kernel
+import attention_routing
 
 # How each report entry is labelled in a run's output (kernel_ft.apply says what happened).
 LABELS = {"fp8": "FP8 matmuls:", "rmsnorm": "Custom rmsnorm:", "swiglu": "Custom swiglu:", "flce": "Custom loss:",
@@ -71,8 +71,8 @@ def apply_kernels(model, kernels):
     for name, entry in report.items():
         if entry["status"] == "applied" or (name == "projections" and kernels.get("projections")):
             print(f"{LABELS[name]:<14} {entry['detail']}")
-    if "attention" in report.applied and say_attention_choice not in attention_kernel.CHOICE_LISTENERS:
-        attention_kernel.CHOICE_LISTENERS.append(say_attention_choice)  # rows of one document: what was measured
+    if "attention" in report.applied and say_attention_choice not in attention_routing.CHOICE_LISTENERS:
+        attention_routing.CHOICE_LISTENERS.append(say_attention_choice)  # rows of one document: what was measured
     active = [name for name in flags.KERNELS if name in report.applied or (name == "adamw" and kernels.get(name))]
     if "lora" in report.applied:
         active.append("lora")
@@ -164,12 +164,12 @@ def kernels_default_attention(args, model):
     shorter than the row (Mistral, Phi-3, Qwen2 and Gemma-3 past their window), which
     SDPA can only apply as a dense [B, 1, T, T] mask (the kernel skips the tiles outside
     the window); or the model is on a GPU, where rows of one document run whichever of
-    ours and SDPA's is measured faster for their shape (attention_kernel.plain_rows_to_theirs)."""
+    ours and SDPA's is measured faster for their shape (attention_routing.plain_rows_to_theirs)."""
     if getattr(args, "use_custom_attention", False) is not None:
         return False
     window, sliding = models.sliding_layers(model.config)
     return model.config._attn_implementation == "eager" or bool(window and args.seq_len > window and any(sliding)) \
-        or ("cuda" if torch.cuda.is_available() else "cpu") in attention_kernel.MEASURED_DEVICES  # the run's device
+        or ("cuda" if torch.cuda.is_available() else "cpu") in attention_routing.MEASURED_DEVICES  # the run's device
 
 
 def check_model_flags(args):

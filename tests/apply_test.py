@@ -57,7 +57,7 @@ import torch
 
 from conftest import DEVICE, check_outputs, need_gpu, no_worse, rel_err  # first: the Triton interpreter switch
 
-import attention_kernel
+import attention_routing
 import kernel_ft
 import linear_cross_entropy_kernel
 from kernel_ft import models
@@ -162,8 +162,8 @@ def spy_on(monkeypatch, module, name):
 
 @pytest.fixture
 def attention_calls(monkeypatch):
-    """Calls of our flash attention (attention_kernel.hf_packed_attention calls it)."""
-    return spy_on(monkeypatch, attention_kernel, "packed_attention")
+    """Calls of our flash attention (attention_routing.hf_packed_attention calls it)."""
+    return spy_on(monkeypatch, attention_routing, "packed_attention")
 
 
 @pytest.fixture
@@ -496,7 +496,7 @@ def checkpointed_pair(reentrant, label="Llama"):
 
 # Gradient checkpointing recomputes each layer in backward, after the decoder's forward
 # has set the model back to our attention. A masked batch's layers must recompute with
-# the model's own attention and the same mask (attention_kernel.ROUTED): without that,
+# the model's own attention and the same mask (attention_routing.ROUTED): without that,
 # the reentrant recomputation ran ours without the padding mask (gradients silently
 # wrong) and the non-reentrant one stopped at CheckpointError, mask of ones included.
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
@@ -517,16 +517,16 @@ def test_gradient_checkpointing_recomputes_a_masked_batch_with_the_models_attent
 
 def test_a_mask_reaching_our_attention_is_refused_not_ignored():
     model = tiny_model("Llama")
-    layer = next(attention_kernel._attention_layers(model))
+    layer = next(attention_routing._attention_layers(model))
     q = torch.randn(1, model.config.num_attention_heads, 4, layer.head_dim, device=DEVICE)
     k = torch.randn(1, model.config.num_key_value_heads, 4, layer.head_dim, device=DEVICE)
     mask = torch.ones(1, 1, 4, 4, dtype=torch.bool, device=DEVICE)
     with pytest.raises(ValueError, match="attention mask .* cannot apply"):
-        attention_kernel.hf_packed_attention(layer, q, k, k, mask)
+        attention_routing.hf_packed_attention(layer, q, k, k, mask)
 
 
 # Rows of one document (no position ids): the faster of ours and the model's own SDPA,
-# measured per shape on a GPU (attention_kernel.plain_rows_to_theirs). On the CPU
+# measured per shape on a GPU (attention_routing.plain_rows_to_theirs). On the CPU
 # nothing is measured; these tests make the CPU a measured device and give the timings.
 @pytest.fixture
 def measured_here(monkeypatch):
@@ -538,11 +538,11 @@ def measured_here(monkeypatch):
         timings["calls"] += 1
         return timings["ms"]
 
-    monkeypatch.setattr(attention_kernel, "MEASURED_DEVICES", (DEVICE.type,))
-    monkeypatch.setattr(attention_kernel, "PLAIN_ROW_CHOICES", {})
-    monkeypatch.setattr(attention_kernel, "time_plain_rows", fake_timing)
+    monkeypatch.setattr(attention_routing, "MEASURED_DEVICES", (DEVICE.type,))
+    monkeypatch.setattr(attention_routing, "PLAIN_ROW_CHOICES", {})
+    monkeypatch.setattr(attention_routing, "time_plain_rows", fake_timing)
     lines = []
-    monkeypatch.setattr(attention_kernel, "CHOICE_LISTENERS", [lines.append])
+    monkeypatch.setattr(attention_routing, "CHOICE_LISTENERS", [lines.append])
     timings["lines"] = lines
     return timings
 
@@ -595,12 +595,12 @@ def test_no_measurement_without_gradients_or_for_a_sliding_window_shorter_than_t
         ours(input_ids=ids, use_cache=False)
     assert measured_here["calls"] == 0 and len(attention_calls) == ours.config.num_hidden_layers
     ours.config.sliding_window = 8  # shorter than the row: SDPA would need a dense mask
-    decoder = attention_kernel.decoder_of(ours)
-    assert attention_kernel._plain_row_key(decoder, {"input_ids": ids}) is None
+    decoder = attention_routing.decoder_of(ours)
+    assert attention_routing._plain_row_key(decoder, {"input_ids": ids}) is None
     ours.config.sliding_window = 12
-    key, _ = attention_kernel._plain_row_key(decoder, {"input_ids": ids})
+    key, _ = attention_routing._plain_row_key(decoder, {"input_ids": ids})
     assert key[2:] == (1, 12, ours.config.num_attention_heads, ours.config.num_key_value_heads,
-                       next(attention_kernel._attention_layers(ours)).head_dim, "sdpa")
+                       next(attention_routing._attention_layers(ours)).head_dim, "sdpa")
 
 
 def test_a_window_shorter_than_the_row_keeps_ours_unmeasured(measured_here, attention_calls):
@@ -623,7 +623,7 @@ def test_a_measurement_out_of_memory_keeps_ours_and_says_so(measured_here, monke
     def no_room(layer, key):
         raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
 
-    monkeypatch.setattr(attention_kernel, "time_plain_rows", no_room)
+    monkeypatch.setattr(attention_routing, "time_plain_rows", no_room)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     ours = applied(tiny_model("Llama"))
     ids = token_ids(1, 12)
@@ -635,14 +635,14 @@ def test_a_measurement_out_of_memory_keeps_ours_and_says_so(measured_here, monke
 
 
 def test_past_the_measured_shapes_a_new_one_takes_the_nearest_choice(measured_here, monkeypatch):
-    monkeypatch.setattr(attention_kernel, "MAX_MEASURED_SHAPES", 2)
+    monkeypatch.setattr(attention_routing, "MAX_MEASURED_SHAPES", 2)
     ours = applied(tiny_model("Llama"))
-    decoder = attention_kernel.decoder_of(ours)
+    decoder = attention_routing.decoder_of(ours)
     for length, ms in ((4, (1.0, 2.0)), (16, (2.0, 1.0))):
         measured_here["ms"] = ms
-        assert attention_kernel.plain_rows_to_theirs(decoder, {"input_ids": token_ids(1, length)}) == (length == 16)
-    assert attention_kernel.plain_rows_to_theirs(decoder, {"input_ids": token_ids(1, 6)}) is False  # nearest: 4
-    assert attention_kernel.plain_rows_to_theirs(decoder, {"input_ids": token_ids(1, 13)}) is True  # nearest: 16
+        assert attention_routing.plain_rows_to_theirs(decoder, {"input_ids": token_ids(1, length)}) == (length == 16)
+    assert attention_routing.plain_rows_to_theirs(decoder, {"input_ids": token_ids(1, 6)}) is False  # nearest: 4
+    assert attention_routing.plain_rows_to_theirs(decoder, {"input_ids": token_ids(1, 13)}) is True  # nearest: 16
     assert measured_here["calls"] == 2
 
 
@@ -650,12 +650,12 @@ def test_on_a_gpu_rows_of_one_document_are_measured_and_keep_the_models_loss(mon
     """The real measurement (CUDA events) on a GPU: the first plain call records both
     times and the faster, and the loss and gradients are the model's own in bf16."""
     need_gpu()
-    monkeypatch.setattr(attention_kernel, "PLAIN_ROW_CHOICES", {})
+    monkeypatch.setattr(attention_routing, "PLAIN_ROW_CHOICES", {})
     plain = tiny_model("Llama").to(torch.bfloat16)
     ours = applied(copy.deepcopy(plain))
     ids = token_ids(2, 256)
     loss, grads = loss_and_gradients(ours, input_ids=ids, labels=ids)
-    (key, (theirs_faster, ours_ms, theirs_ms, failed)), = attention_kernel.PLAIN_ROW_CHOICES.items()
+    (key, (theirs_faster, ours_ms, theirs_ms, failed)), = attention_routing.PLAIN_ROW_CHOICES.items()
     assert key[1:4] == (torch.bfloat16, 2, 256) and ours_ms > 0 and theirs_ms > 0 and failed is None
     # The second call runs what was kept, every layer.
     attention_calls.clear()
@@ -673,7 +673,7 @@ def test_the_measurement_times_both_attentions_on_rows_of_the_shape():
     import time
 
     model = tiny_model("Llama")
-    layer = next(attention_kernel._attention_layers(model))
+    layer = next(attention_routing._attention_layers(model))
     key = (str(DEVICE), torch.float32, 2, 12, model.config.num_attention_heads, model.config.num_key_value_heads,
            layer.head_dim, "sdpa")
     clocked = []
@@ -684,7 +684,7 @@ def test_the_measurement_times_both_attentions_on_rows_of_the_shape():
         clocked.append(1)
         return (time.perf_counter() - start) * 1e3
 
-    ours_ms, theirs_ms = attention_kernel.time_plain_rows(layer, key, repeats=3, clock=clock)
+    ours_ms, theirs_ms = attention_routing.time_plain_rows(layer, key, repeats=3, clock=clock)
     assert len(clocked) == 6 and ours_ms > 0 and theirs_ms > 0
 
 

@@ -238,7 +238,7 @@ def test_attention_kernel_by_default_where_sdpa_needs_a_mask(flag, config, seq_l
 def test_attention_kernel_by_default_on_a_measured_device(flag, on, monkeypatch):
     """On a device where rows of one document are measured (a GPU; here the CPU made
     one), the kernel goes in by default for them, unless asked off."""
-    monkeypatch.setattr(run.attention_kernel, "MEASURED_DEVICES", ("cpu",))
+    monkeypatch.setattr(run.attention_routing, "MEASURED_DEVICES", ("cpu",))
     model = argparse.Namespace(config=argparse.Namespace(_attn_implementation="sdpa", sliding_window=None,
                                                          num_hidden_layers=2),
                                parameters=lambda: iter([torch.zeros(1)]))

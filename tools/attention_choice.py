@@ -2,8 +2,8 @@
 
 A call without position ids holds one document per row, which SDPA runs through its
 own causal kernels (cuDNN's on Hopper). The attention kernel's routing times both on
-the first call of each shape and keeps the faster (attention_kernel.plain_rows_to_theirs).
-This tool makes that same measurement (attention_kernel.time_plain_rows: fwd+bwd, the
+the first call of each shape and keeps the faster (attention_routing.plain_rows_to_theirs).
+This tool makes that same measurement (attention_routing.time_plain_rows: fwd+bwd, the
 median of 5 of each in turn) on the attention layers of several families' configs, at
 several lengths with the same tokens per call, and prints which one each shape gets.
 
@@ -16,7 +16,7 @@ import json
 
 import torch
 
-import attention_kernel
+import attention_routing
 from kernel_common import plain_causal_attention
 from kernel_ft import models
 
@@ -39,7 +39,7 @@ def attention_layer(config):
     config._attn_implementation = "sdpa"
     config.num_hidden_layers = 1
     model = models.meta_model(config)
-    layer = next(attention_kernel._attention_layers(model))
+    layer = next(attention_routing._attention_layers(model))
     return layer.to_empty(device="cuda").to(torch.bfloat16)
 
 
@@ -52,7 +52,7 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("error: tools/attention_choice.py measures GPU kernels; no CUDA device here")
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | bf16, fwd+bwd per layer, median of "
-          f"{attention_kernel.MEASURE_REPEATS}")
+          f"{attention_routing.MEASURE_REPEATS}")
     print(f"{'family':34s} {'rows':>12s} {'ours ms':>9s} {'SDPA ms':>9s} {'ours/SDPA':>9s}  runs")
     rows = []
     for label, make in FAMILIES.items():
@@ -66,7 +66,7 @@ def main():
                 continue
             key = (str(torch.device("cuda", torch.cuda.current_device())), torch.bfloat16, batch, length,
                    config.num_attention_heads, config.num_key_value_heads, layer.head_dim, "sdpa")
-            ours, theirs = attention_kernel.time_plain_rows(layer, key)
+            ours, theirs = attention_routing.time_plain_rows(layer, key)
             runs = "SDPA" if theirs < ours else "ours"
             rows.append(dict(family=label, batch=batch, length=length, ours_ms=ours, sdpa_ms=theirs, runs=runs))
             print(f"{label:34s} {f'{batch} x {length}':>12s} {ours:9.3f} {theirs:9.3f} {ours / theirs:9.2f}  {runs}",

@@ -31,8 +31,8 @@ import torch
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
-    SwapMismatch, decoder_of, evaluating, gpu_clock, plain_causal_attention, probe_rounding, vocabulary_size,
-    wrap_forward,
+    SwapMismatch, decoder_of, evaluating, gpu_clock, plain_causal_attention, probe_rounding, text_config,
+    text_config_key, text_modules, vocabulary_size, wrap_forward,
 )
 from attention_kernel import document_starts, packed_attention, visible_keys
 
@@ -138,8 +138,17 @@ def _probe_ids(n, model, device):
 
 
 def _attention_layers(model):
-    """The model's attention modules (HF's classes are named *Attention)."""
-    return (m for m in model.modules() if type(m).__name__.endswith("Attention"))
+    """The attention modules of the model's text decoder (HF's classes are named
+    *Attention); a multimodal model's vision tower is not among them (kernel_common.text_modules)."""
+    return (m for m in text_modules(model) if type(m).__name__.endswith("Attention"))
+
+
+def _set_attention(model, name):
+    """The model's text decoder calls the attention ``name`` from now on. A multimodal
+    model's other towers keep theirs: they attend over image patches without a causal
+    mask, which ours would impose, and no probe here runs them."""
+    key = text_config_key(model)
+    model.set_attn_implementation(name if key is None else {key: name})
 
 
 def _eager_namespaces(layer):
@@ -200,11 +209,11 @@ def check_same_attention(model, theirs_name):
     additive.masked_fill_(~mask, torch.finfo(weight.dtype).min)
 
     def logits(implementation, attention_mask):
-        model.set_attn_implementation(implementation)
+        _set_attention(model, implementation)
         return model(input_ids=ids, position_ids=positions, attention_mask=attention_mask).logits.float()
 
     def plain_logits(implementation):  # one example, nothing but the tokens
-        model.set_attn_implementation(implementation)
+        _set_attention(model, implementation)
         return model(input_ids=ids[:, :PROBE_LENGTHS[0]]).logits.float()
 
     drift = 0.0
@@ -223,7 +232,7 @@ def check_same_attention(model, theirs_name):
                 with _eager_in_float64(model) as wide:
                     if wide:
                         drift = (logits("eager", additive) - expected).abs().max().item()
-            model.set_attn_implementation(NAME)
+            _set_attention(model, NAME)
             try:
                 got = model(input_ids=ids, position_ids=positions).logits.float()
                 plain_got = plain_logits(NAME)
@@ -231,7 +240,7 @@ def check_same_attention(model, theirs_name):
                 raise SwapMismatch(f"{type(model).__name__}'s attention cannot run as {NAME} "
                                    f"({_error_line(e)})") from None
         except SwapMismatch:
-            model.set_attn_implementation(theirs_name)
+            _set_attention(model, theirs_name)
             raise
     rounding = probe_rounding(weight.dtype)
 
@@ -239,12 +248,12 @@ def check_same_attention(model, theirs_name):
         return torch.allclose(ours, theirs, rtol=rounding, atol=max(rounding * theirs.abs().max().item(), 4 * drift))
 
     if not close(plain_got, plain_expected):
-        model.set_attn_implementation(theirs_name)
+        _set_attention(model, theirs_name)
         raise SwapMismatch(f"{type(model).__name__}'s own attention on a row without a mask is not causal "
                            f"softmax(scale q k^T) v (bidirectional, or a mask of its own; max logit difference "
                            f"{(plain_got - plain_expected).abs().max().item():.2g}), which is all the kernel computes")
     if not close(got, expected):
-        model.set_attn_implementation(theirs_name)
+        _set_attention(model, theirs_name)
         raise SwapMismatch(f"{type(model).__name__}'s attention computes something else than softmax(scale q k^T) v "
                            f"within each example (max logit difference {(got - expected).abs().max().item():.2g}, "
                            f"its own two implementations differ by {drift:.2g})")
@@ -265,7 +274,7 @@ def _reaching(model, implementation):
     if not params or weight.is_meta:
         return set()
     ids = _probe_ids(PROBE_LENGTHS[0], model, weight.device)[None]
-    model.set_attn_implementation(implementation)
+    _set_attention(model, implementation)
     with torch.enable_grad():
         nodes, seen, found = [model(input_ids=ids).logits.grad_fn], set(), set()
         while nodes:
@@ -289,7 +298,7 @@ def check_gradients_reach(model, theirs_name):
         except (ValueError, TypeError, RuntimeError) as e:
             lost = {f"(the gradient probe failed: {_error_line(e)})"}
         finally:
-            model.set_attn_implementation(theirs_name)
+            _set_attention(model, theirs_name)
     if lost:
         raise SwapMismatch(f"{type(model).__name__}'s attention parameters {', '.join(sorted(lost))} reach the loss "
                            f"through its own attention and not through the kernel (a mask of its own, which the kernel "
@@ -471,7 +480,7 @@ def use_packed_attention(model):
     from transformers import AttentionInterface
 
     count = sum(1 for _ in _attention_layers(model))
-    theirs = model.config._attn_implementation
+    theirs = text_config(model)._attn_implementation
     if theirs == NAME:
         return count
     AttentionInterface.register(NAME, hf_packed_attention)
@@ -482,7 +491,7 @@ def use_packed_attention(model):
                            f"({_error_line(e)})") from None
     check_same_attention(model, theirs)
     check_gradients_reach(model, theirs)
-    model.set_attn_implementation(NAME)
+    _set_attention(model, NAME)
     route_masked_calls(model, theirs)
     check_padding_is_routed(model, theirs, padded)
     return count
@@ -508,7 +517,7 @@ def _undo_switch(model, theirs):
     decoder = decoder_of(model)
     for name in ("forward", "_kernel_ft_attention_forward"):
         decoder.__dict__.pop(name, None)
-    model.set_attn_implementation(theirs)
+    _set_attention(model, theirs)
 
 
 def check_padding_is_routed(model, theirs, expected):

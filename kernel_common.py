@@ -368,6 +368,44 @@ def decoder_of(model):
     return decoder
 
 
+# A multimodal model (LLaVA, Mistral-3, Qwen2-VL, Gemma-3: image-text-to-text) holds its
+# text decoder beside other towers (vision, audio), each a sub-model with a sub-config of
+# its own. The towers attend bidirectionally over patches, rotate positions in 2-D and
+# are called only with images, which no probe before a swap feeds them: the swaps whose
+# check runs the model on text (attention, RoPE) touch the text decoder only.
+def text_config(model):
+    """The config of ``model``'s text decoder: its own, or a multimodal model's text sub-config."""
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def text_config_key(model):
+    """The name of a multimodal model's text sub-config ("text_config"), or None where
+    ``model``'s config is its text decoder's own."""
+    config, text = model.config, text_config(model)
+    if text is config:
+        return None
+    return next((key for key in getattr(config, "sub_configs", {}) if getattr(config, key, None) is text), None)
+
+
+def text_modules(model):
+    """``model``'s modules, parents first, without the other towers of a multimodal model:
+    a sub-model whose config is one of its sub-configs other than the text one is left out
+    with everything under it."""
+    config = getattr(model, "config", None)
+    text = text_config(model) if config is not None else None
+    towers = [c for key in getattr(config, "sub_configs", None) or {}
+              if (c := getattr(config, key, None)) is not None and c is not text]
+
+    def walk(module):
+        yield module
+        for child in module.children():
+            if not any(getattr(child, "config", None) is tower for tower in towers):
+                yield from walk(child)
+
+    return walk(model)
+
+
 def wrap_forward(module, slot, wrapper):
     """Make ``wrapper(module, *args, **kwargs)`` this instance's forward, the forward it
     had kept as ``module.<slot>`` for the wrapper to call; return False (and change

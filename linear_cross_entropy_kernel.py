@@ -75,7 +75,7 @@ import torch.nn as nn
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
     SUPPORTED_DTYPES, SwapMismatch, cdiv, check_kernel_device, decoder_of, evaluating, first_order_only, kernel_op,
-    nothing, probe_ids, probe_rounding, wrap_forward,
+    nothing, probe_ids, probe_rounding, text_config, wrap_forward,
 )
 
 # Step 8's building blocks: the loss kernel's launcher (it writes the loss per row
@@ -407,6 +407,15 @@ class TritonFusedLinearCrossEntropyLoss(nn.Module):
 # checked there too: the model's own loss must be HF's causal one on its logits (the
 # next token's cross-entropy, averaged); a family that scores each position against
 # its own label (CPM-Ant), smooths labels or adds a term keeps its own loss.
+def model_body(model):
+    """The module a causal LM's forward runs under its LM head: its base model
+    (``model.base_model``), else its decoder. A multimodal model's base model (LLaVA's,
+    Qwen2-VL's) merges the image features into the text before its decoder runs: called
+    alone, the decoder would take the image tokens for text and drop ``pixel_values``."""
+    base = getattr(model, "base_model", None)
+    return base if isinstance(base, nn.Module) and base is not model else decoder_of(model)
+
+
 def logit_multiplier(config):
     """The constant some families multiply the logits by after the LM head: Granite
     divides them by ``logits_scaling``, Cohere multiplies them by ``logit_scale``."""
@@ -420,7 +429,7 @@ def check_flce_head(model):
     if head is None or not isinstance(head, nn.Linear) or head.bias is not None:
         raise SwapMismatch(f"needs an LM head that is a plain bias-free torch.nn.Linear ({type(model).__name__} has "
                            f"{type(head).__module__}.{type(head).__name__})")
-    if getattr(model.config, "output_router_logits", False):
+    if any(getattr(c, "output_router_logits", False) for c in (model.config, text_config(model))):
         raise SwapMismatch(f"{type(model).__name__} adds its router's auxiliary loss to the loss "
                            f"(output_router_logits), which the fused loss does not compute")
     if any(p.is_meta for p in model.parameters()):
@@ -432,9 +441,10 @@ def check_flce_head(model):
         theirs = out.logits.float()
         their_loss = float("nan") if out.loss is None else out.loss.float().item()
         hf_rule = nn.functional.cross_entropy(theirs[0, :-1], ids[0, 1:]).item()
-        hidden = decoder_of(model)(input_ids=ids).last_hidden_state * logit_multiplier(model.config)
+        config = text_config(model)  # a multimodal model's head and its transforms are its text decoder's
+        hidden = model_body(model)(input_ids=ids).last_hidden_state * logit_multiplier(config)
         ours = (hidden @ head.weight.T).float()
-        cap = getattr(model.config, "final_logit_softcapping", None)
+        cap = getattr(config, "final_logit_softcapping", None)
         if cap:
             ours = cap * torch.tanh(ours / cap)
     rounding = probe_rounding(head.weight.dtype)
@@ -463,9 +473,10 @@ def causal_lm_forward_with_fused_loss(model, *args, **kwargs):
     shift_labels = extra.pop("shift_labels", None)
     ignore_index = extra.pop("ignore_index", -100)
     decoder_args = {k: v for k, v in {**arguments, **extra}.items() if k not in HEAD_ARGUMENTS}
-    outputs = decoder_of(model)(**decoder_args)
+    outputs = model_body(model)(**decoder_args)
     hidden = outputs.last_hidden_state  # [B, T, H]
-    scale = logit_multiplier(model.config)
+    config = text_config(model)
+    scale = logit_multiplier(config)
     if scale != 1.0:
         hidden = hidden * scale  # (c h) @ W.T == c (h @ W.T)
     weight = model.get_output_embeddings().weight  # [V, H], possibly tied to the embedding
@@ -478,7 +489,7 @@ def causal_lm_forward_with_fused_loss(model, *args, **kwargs):
     targets = causal_lm_targets(labels, shift_labels, ignore_index).to(hidden.device)
     loss = fused_linear_cross_entropy(hidden, weight, targets, ignore_index=ignore_index,
                                       reduction=causal_lm_reduction(num_items),
-                                      softcap=getattr(model.config, "final_logit_softcapping", None))
+                                      softcap=getattr(config, "final_logit_softcapping", None))
     loss = divide_by_items(loss, num_items)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 

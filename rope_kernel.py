@@ -129,6 +129,8 @@ from kernel_common import (
     kernel_op,
     next_power_of_2,
     nothing,
+    text_config,
+    text_modules,
 )
 
 import triton
@@ -685,9 +687,10 @@ apply_rotary_pos_emb = rope
 # and the swap is not thread-safe. Nesting is fine: an inner block restores what
 # the outer one installed, the outer one restores HF's original.
 def _rope_attention_layers(model):
-    """(attention submodule, its python module) for every layer whose python module
-    defines the ``apply_rotary_pos_emb`` that its forward calls by name."""
-    for sub in model.modules():
+    """(attention submodule, its python module) for every layer of the text decoder whose
+    python module defines the ``apply_rotary_pos_emb`` that its forward calls by name (a
+    multimodal model's vision tower keeps its own 2-D rotation: kernel_common.text_modules)."""
+    for sub in text_modules(model):
         cls = type(sub)
         if not cls.__name__.endswith("Attention"):
             continue
@@ -779,7 +782,7 @@ class RopeMismatch(SwapMismatch):
 @torch.no_grad()
 def check_same_rope(original, model, where):
     """Raise RopeMismatch unless ``original`` computes what ``rope`` does for ``model``."""
-    config = model.config
+    config = text_config(model)  # a multimodal model's: its text decoder's
     try:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     except Exception as e:  # noqa: BLE001 - Gemma-4's config refuses a global head_dim: it varies per layer
@@ -789,12 +792,12 @@ def check_same_rope(original, model, where):
     device = torch.device("cpu") if device.type == "meta" else device  # --fsdp builds large models there
     seq_len = 8
     positions = torch.arange(seq_len, device=device)[None]
-    tables = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    tables = [m for m in text_modules(model) if type(m).__name__.endswith("RotaryEmbedding")]
     gen = torch.Generator(device="cpu").manual_seed(0)
     cos = sin = None
     if tables and not any(b.is_meta for b in tables[0].buffers()):
         # A table that wants more (Gemma-3, DeepSeek-V4: the layer type) or fails: random angles below.
-        with contextlib.suppress(TypeError, AttributeError, KeyError, ValueError, RuntimeError):
+        with contextlib.suppress(TypeError, AttributeError, KeyError, IndexError, ValueError, RuntimeError):
             cos, sin = tables[0](torch.zeros(1, seq_len, head_dim, device=device), positions)
             cos, sin = cos.float(), sin.float()
     if cos is None:  # no table to ask: random angles over the whole head

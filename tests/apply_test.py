@@ -719,6 +719,87 @@ def test_packed_rows_give_each_documents_logits_and_the_loss(label, attention_ca
 
 
 # --------------------------------------------------------------------------------
+# 7b. Multimodal models: the kernels in the text decoder, the other towers as they were
+# --------------------------------------------------------------------------------
+# An image-text-to-text model runs its vision tower (bidirectional attention over the
+# patches, its own rotations) only when given an image, and merges the image features into
+# the text in its base model before the decoder. No probe of apply feeds it an image, so
+# these runs do: one image beside the text, its loss and every gradient.
+TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=VOCAB, initializer_range=0.2)
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+              patch_size=14)  # a 28 x 28 image: 2 x 2 patches, 4 image tokens in the text
+IMAGE_TOKEN, IMAGE_TOKENS = VOCAB - 1, 4
+# family -> (the kernels apply leaves to PyTorch there, and why)
+MULTIMODAL = {
+    "LLaVA": (),
+    "Mistral-3": (),
+    "Gemma-3": ("attention",),  # its base model builds the text's masks: a padded row would not reach theirs
+    "Qwen2-VL": ("attention",),  # 3-D positions (M-RoPE): no documents to read from them
+}
+
+
+def multimodal(family):
+    """(a tiny random model of the family in float32, the keyword arguments of one image for ids)."""
+    t = transformers
+    gen = torch.Generator().manual_seed(2)
+    if family == "LLaVA":
+        config = t.LlavaConfig(text_config=t.LlamaConfig(**TEXT), vision_config=t.CLIPVisionConfig(**VISION),
+                               image_token_index=IMAGE_TOKEN)
+        cls, image = t.LlavaForConditionalGeneration, lambda ids: {"pixel_values": torch.randn(1, 3, 28, 28, generator=gen)}
+    elif family == "Mistral-3":
+        config = t.Mistral3Config(text_config={**TEXT, "head_dim": 16}, vision_config={**VISION, "head_dim": 16},
+                                  image_token_index=IMAGE_TOKEN, spatial_merge_size=1)
+        cls = t.Mistral3ForConditionalGeneration
+
+        def image(ids):
+            return {"pixel_values": torch.randn(1, 3, 28, 28, generator=gen), "image_sizes": torch.tensor([[28, 28]])}
+    elif family == "Gemma-3":
+        config = t.Gemma3Config(text_config={**TEXT, "head_dim": 16, "sliding_window": 8}, vision_config=VISION,
+                                mm_tokens_per_image=IMAGE_TOKENS, image_token_index=IMAGE_TOKEN)
+        cls = t.Gemma3ForConditionalGeneration
+
+        def image(ids):  # the image's tokens see each other both ways (token_type_ids)
+            return {"pixel_values": torch.randn(1, 3, 28, 28, generator=gen), "token_type_ids": (ids == IMAGE_TOKEN).long()}
+    else:
+        config = t.Qwen2VLConfig(text_config={**TEXT, "rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 4]}},
+                                 vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14,
+                                                    spatial_merge_size=2, temporal_patch_size=2),
+                                 image_token_id=IMAGE_TOKEN)
+        cls = t.Qwen2VLForConditionalGeneration
+
+        def image(ids):  # 4 x 4 patches of 14 (2 frames of 3 channels each), merged 2 x 2: 4 tokens
+            return {"pixel_values": torch.randn(16, 2 * 3 * 14 * 14, generator=gen),
+                    "image_grid_thw": torch.tensor([[1, 4, 4]]), "mm_token_type_ids": (ids == IMAGE_TOKEN).long()}
+    torch.manual_seed(0)
+    model = cls(config).float().to(DEVICE).eval()
+    return model, lambda ids: {k: v.to(DEVICE) for k, v in image(ids).items()}
+
+
+@pytest.mark.parametrize("family", MULTIMODAL)
+def test_a_multimodal_model_with_an_image_gives_its_own_loss_and_gradients(family):
+    """apply swaps the text decoder's kernels only (the vision tower keeps its attention),
+    and the fused loss runs the model's base model, which merges the image into the text."""
+    plain, image = multimodal(family)
+    ours = copy.deepcopy(plain)
+    report, _ = apply_and_warnings(ours)
+    assert sorted(report.left_out) == sorted(MULTIMODAL[family]), report.left_out
+    assert "flce" in report.applied and "rope" in report.applied  # rope: the text config's head_dim
+    if "attention" in report.applied:  # the two text layers only, not the vision tower's
+        assert report["attention"]["count"] == TEXT["num_hidden_layers"]
+    towers = [key for key in plain.config.sub_configs if key != "text_config"]
+    assert [getattr(ours.config, k)._attn_implementation for k in towers] == \
+           [getattr(plain.config, k)._attn_implementation for k in towers]
+    ids = token_ids(1, 12)
+    ids[0, 2:2 + IMAGE_TOKENS] = IMAGE_TOKEN
+    inputs = image(ids)
+    their_loss, theirs = loss_and_gradients(plain, input_ids=ids, labels=ids, **inputs)
+    our_loss, grads = loss_and_gradients(ours, input_ids=ids, labels=ids, **inputs)
+    assert_close("loss", our_loss, their_loss, LOSS_TOL)
+    assert_close("gradients", grads, theirs, GRAD_TOL)
+
+
+# --------------------------------------------------------------------------------
 # 8. The report and the refusals
 # --------------------------------------------------------------------------------
 def test_report_has_one_line_per_kernel_and_is_json():

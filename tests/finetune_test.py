@@ -226,22 +226,21 @@ def test_json_fields(runs):
     (None, dict(), 64, False),
     (False, dict(sliding_window=16), 64, False),  # asked off
 ])
-def test_attention_kernel_by_default_where_sdpa_needs_a_mask(flag, config, seq_len, on):
+def test_attention_kernel_by_default_where_sdpa_needs_a_mask(flag, config, seq_len, on, monkeypatch):
+    monkeypatch.setattr(run.attention_routing, "MEASURED_DEVICES", ())  # no measured choice, on a GPU too
     model = argparse.Namespace(config=argparse.Namespace(
-        **{"_attn_implementation": "sdpa", "sliding_window": None, "num_hidden_layers": 2, **config}),
-        parameters=lambda: iter([torch.zeros(1)]))  # on the CPU: no measured choice
+        **{"_attn_implementation": "sdpa", "sliding_window": None, "num_hidden_layers": 2, **config}))
     args = argparse.Namespace(use_custom_attention=flag, seq_len=seq_len)
     assert run.kernels_default_attention(args, model) is on
 
 
 @pytest.mark.parametrize("flag, on", [(None, True), (False, False)])
 def test_attention_kernel_by_default_on_a_measured_device(flag, on, monkeypatch):
-    """On a device where rows of one document are measured (a GPU; here the CPU made
-    one), the kernel goes in by default for them, unless asked off."""
-    monkeypatch.setattr(run.attention_routing, "MEASURED_DEVICES", ("cpu",))
+    """On a device where rows of one document are measured (a GPU; on a CPU run the CPU
+    made one), the kernel goes in by default for them, unless asked off."""
+    monkeypatch.setattr(run.attention_routing, "MEASURED_DEVICES", ("cuda" if torch.cuda.is_available() else "cpu",))
     model = argparse.Namespace(config=argparse.Namespace(_attn_implementation="sdpa", sliding_window=None,
-                                                         num_hidden_layers=2),
-                               parameters=lambda: iter([torch.zeros(1)]))
+                                                         num_hidden_layers=2))
     assert run.kernels_default_attention(argparse.Namespace(use_custom_attention=flag, seq_len=64), model) is on
 
 

@@ -356,8 +356,13 @@ def swap_modules(model, matches, replacement, check=None):
 def decoder_of(model):
     """A causal LM's decoder, the model under its LM head: ``model.get_decoder()``, or where
     that answers with the causal LM itself (Llama-4's text model in transformers 5.17) the
-    submodule its ``base_model_prefix`` names, else its ``model``."""
+    submodule its ``base_model_prefix`` names, else its ``model``. Where it answers with a
+    language model of its own (Llama-4's image-text model: its ``language_model``, a causal
+    LM with a head), that one's decoder."""
     decoder = model.get_decoder()
+    head = getattr(decoder, "get_output_embeddings", None)
+    if decoder is not model and callable(head) and head() is not None:
+        return decoder_of(decoder)
     if decoder is model:
         names = (getattr(model, "base_model_prefix", None), "model")
         decoder = next((getattr(model, n) for n in names if n and isinstance(getattr(model, n, None), torch.nn.Module)),

@@ -169,6 +169,18 @@ def test_decoder_of_finds_the_decoder_where_get_decoder_returns_the_model():
     with pytest.raises(kernel_common.SwapMismatch, match="returns the model itself"):
         kernel_common.decoder_of(quirk)
 
+    class ImageTextModel(nn.Module):  # Llama-4's: get_decoder() answers with a causal LM of its own
+        def __init__(self):
+            super().__init__()
+            self.language_model = CausalLM(False)
+            self.language_model.get_output_embeddings = lambda: nn.Linear(2, 5)
+
+        def get_decoder(self):
+            return self.language_model
+
+    image_text = ImageTextModel()
+    assert kernel_common.decoder_of(image_text) is image_text.language_model.model
+
 
 def test_check_kernel_device_errors(monkeypatch):
     on_cpu = torch.empty(3)

@@ -411,9 +411,16 @@ def model_body(model):
     """The module a causal LM's forward runs under its LM head: its base model
     (``model.base_model``), else its decoder. A multimodal model's base model (LLaVA's,
     Qwen2-VL's) merges the image features into the text before its decoder runs: called
-    alone, the decoder would take the image tokens for text and drop ``pixel_values``."""
+    alone, the decoder would take the image tokens for text and drop ``pixel_values``.
+    A multimodal model without a base model (Llama-4's) merges them in its own forward:
+    refused, as nothing under its head sees the images."""
     base = getattr(model, "base_model", None)
-    return base if isinstance(base, nn.Module) and base is not model else decoder_of(model)
+    if isinstance(base, nn.Module) and base is not model:
+        return base
+    if text_config(model) is not model.config:
+        raise SwapMismatch(f"{type(model).__name__}'s own forward merges the images into the text before its language "
+                           f"model, and no module under its LM head does: the fused loss would not see them")
+    return decoder_of(model)
 
 
 def logit_multiplier(config):

@@ -799,6 +799,25 @@ def test_a_multimodal_model_with_an_image_gives_its_own_loss_and_gradients(famil
     assert_close("gradients", grads, theirs, GRAD_TOL)
 
 
+def test_a_multimodal_model_that_merges_the_images_in_its_own_forward_keeps_its_loss():
+    """Llama-4's image-text model has no base model: its forward merges the images, then
+    calls a causal LM of its own. The fused loss cannot see them there: refused in one line
+    (HF's loss on the logits by the fused cross-entropy instead), and apply does not raise."""
+    from tools.family_sweep import tiny_image_text_config
+
+    torch.manual_seed(0)
+    plain = transformers.AutoModelForImageTextToText.from_config(tiny_image_text_config("llama4")).float().eval()
+    ours = copy.deepcopy(plain)
+    report, _ = apply_and_warnings(ours)
+    assert "merges the images into the text" in report.left_out["flce"]
+    assert "ce" in report.applied
+    ids = token_ids(2, 12)
+    their_loss, theirs = loss_and_gradients(plain, input_ids=ids, labels=ids)
+    our_loss, grads = loss_and_gradients(ours, input_ids=ids, labels=ids)
+    assert_close("loss", our_loss, their_loss, LOSS_TOL)
+    assert_close("gradients", grads, theirs, GRAD_TOL)
+
+
 # --------------------------------------------------------------------------------
 # 8. The report and the refusals
 # --------------------------------------------------------------------------------

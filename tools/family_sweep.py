@@ -11,6 +11,10 @@ rounding), or it was left to PyTorch with a one-line reason. Anything else is a 
 ``DIFFERS`` (other numbers) or ``APPLY-ERROR`` (apply raised instead of refusing).
 Model types that cannot build or run at these shapes by themselves are listed as such.
 
+``--image-text`` sweeps the image-text-to-text mapping instead (LLaVA, Qwen2-VL, ...): the text
+sub-config at TINY's shapes, the other towers at VISION_TINY's, the same text-only rows (what
+the vision towers do with an image is tests/apply_test.py's section 7b).
+
 Gradients are compared per tensor by relative norm, against at least 1% of the largest
 gradient's norm (analytically zero ones, such as the key bias under softmax, come out
 as rounding noise either way).
@@ -19,6 +23,7 @@ Usage:
     python tools/family_sweep.py                       # every model type (CPU: about an hour)
     python tools/family_sweep.py --only llama bert     # some
     python tools/family_sweep.py --json sweep.json
+    python tools/family_sweep.py --image-text          # the image-text models, text only
 """
 
 import argparse
@@ -39,13 +44,18 @@ from kernel_ft import flags  # noqa: F401 - first: the Triton interpreter switch
 import kernel_ft
 import torch
 import transformers
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 from tools.family_matrix import TINY
 
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # float32: the kernels round differently, never by more
 MAX_PARAMETERS = 150_000_000  # a tiny model has ~0.2 M; more means tables or experts TINY does not shrink
 MEMORY_LIMIT = 8 * 2**30  # bytes of address space per model type
+# An image-text model's other towers (vision, audio), as small as their configs take (keys a config
+# does not have are ignored by it): one layer, 2 x 2 patches of 14 pixels.
+VISION_TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                   image_size=28, patch_size=14, depth=1, embed_dim=32, num_heads=2)
 
 
 def _one_line(e, width=140):
@@ -70,26 +80,42 @@ def compare(ours, theirs):
     return abs(loss.item() - ref_loss.item()) / max(abs(ref_loss.item()), 1e-12), worst, grads.keys() == ref_grads.keys()
 
 
-def sweep_one(model_type):
+def tiny_image_text_config(model_type):
+    """The type's config: its text sub-config at TINY's shapes, its other sub-configs at VISION_TINY's."""
+    default = transformers.AutoConfig.for_model(model_type)
+    text = default.get_text_config()
+    subs = {key: dict(TINY if getattr(default, key, None) is text else VISION_TINY) for key in default.sub_configs
+            if getattr(default, key, None) is not None}
+    return transformers.AutoConfig.for_model(model_type, **subs)
+
+
+def sweep_one(model_type, image_text=False):
     """One model type's row: {"type", "status", "applied", "refused", "detail"}."""
     row = {"type": model_type, "applied": [], "refused": {}, "detail": ""}
+    auto = transformers.AutoModelForImageTextToText if image_text else transformers.AutoModelForCausalLM
     try:
-        config = transformers.AutoConfig.for_model(model_type, **TINY)
-        if (getattr(config, "pad_token_id", None) or 0) >= TINY["vocab_size"]:
-            config.pad_token_id = 0  # the family's own id is outside the tiny vocabulary
-        for key, value in config.to_dict().items():
-            if "dropout" in key and isinstance(value, float):
-                setattr(config, key, 0.0)
+        if image_text:
+            config = tiny_image_text_config(model_type)
+        else:
+            config = transformers.AutoConfig.for_model(model_type, **TINY)
+        for part in {id(c): c for c in (config, config.get_text_config())}.values():
+            if (getattr(part, "pad_token_id", None) or 0) >= TINY["vocab_size"]:
+                part.pad_token_id = 0  # the family's own id is outside the tiny vocabulary
+        for part in [config, *(getattr(config, key) for key in config.sub_configs if getattr(config, key, None))]:
+            for key, value in part.to_dict().items():
+                if "dropout" in key and isinstance(value, float):
+                    setattr(part, key, 0.0)
         with torch.device("meta"):  # count first: some types keep huge tables at any hidden size
-            size = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+            size = sum(p.numel() for p in auto.from_config(config).parameters())
         if size > MAX_PARAMETERS:
             return {**row, "status": "too large", "detail": f"{size / 1e6:.0f} M parameters at the tiny shapes"}
         torch.manual_seed(0)
         # Eval mode: no dropout by any name, no router jitter (PhiMoE); gradients flow as in training.
-        model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+        model = auto.from_config(config).float().eval()
     except Exception as e:  # noqa: BLE001 - the type itself does not build at these shapes
         return {**row, "status": "does not build", "detail": _one_line(e)}
-    vocab = min(getattr(model.config, "vocab_size", None) or TINY["vocab_size"], TINY["vocab_size"])
+    vocab = getattr(model.config.get_text_config(), "vocab_size", None) or TINY["vocab_size"]
+    vocab = min(vocab, TINY["vocab_size"])
     ids = torch.randint(3, vocab, (2, 12), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding
@@ -116,17 +142,17 @@ def sweep_one(model_type):
     return {**row, "status": "same", "detail": "; ".join(checks)}
 
 
-def _child(model_type, queue):
+def _child(model_type, image_text, queue):
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))  # a MemoryError here, not the OOM killer
-    queue.put(sweep_one(model_type))
+    queue.put(sweep_one(model_type, image_text))
 
 
-def in_a_child(model_type, timeout):
+def in_a_child(model_type, timeout, image_text=False):
     """sweep_one in a process of its own: a model type that hangs or takes the machine's
     memory (Falcon-H1's tiny config does) costs its own row, not the sweep."""
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
-    child = context.Process(target=_child, args=(model_type, queue))
+    child = context.Process(target=_child, args=(model_type, image_text, queue))
     child.start()
     try:
         return queue.get(timeout=timeout)
@@ -144,16 +170,19 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="+", metavar="TYPE", help="these model types (default: every one)")
     parser.add_argument("--timeout", type=int, default=180, help="seconds per model type (default 180)")
+    parser.add_argument("--image-text", action="store_true",
+                        help="the image-text-to-text mapping instead (text-only rows; the other towers at VISION_TINY)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
-    types = args.only or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    types = args.only or sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES if args.image_text
+                                else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, {len(types)} model types")
     print(f"{'model type':<28} {'result':<15} kernels in / detail")
     rows = []
     for model_type in types:
-        row = in_a_child(model_type, args.timeout)
+        row = in_a_child(model_type, args.timeout, args.image_text)
         rows.append(row)
         what = ",".join(row["applied"]) if row["status"] == "same" else row["detail"]
         print(f"{model_type:<28} {row['status']:<15} {what}", flush=True)

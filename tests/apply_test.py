@@ -746,7 +746,10 @@ def multimodal(family):
     if family == "LLaVA":
         config = t.LlavaConfig(text_config=t.LlamaConfig(**TEXT), vision_config=t.CLIPVisionConfig(**VISION),
                                image_token_index=IMAGE_TOKEN)
-        cls, image = t.LlavaForConditionalGeneration, lambda ids: {"pixel_values": torch.randn(1, 3, 28, 28, generator=gen)}
+        cls = t.LlavaForConditionalGeneration
+
+        def image(ids):
+            return {"pixel_values": torch.randn(1, 3, 28, 28, generator=gen)}
     elif family == "Mistral-3":
         config = t.Mistral3Config(text_config={**TEXT, "head_dim": 16}, vision_config={**VISION, "head_dim": 16},
                                   image_token_index=IMAGE_TOKEN, spatial_merge_size=1)
@@ -760,7 +763,8 @@ def multimodal(family):
         cls = t.Gemma3ForConditionalGeneration
 
         def image(ids):  # the image's tokens see each other both ways (token_type_ids)
-            return {"pixel_values": torch.randn(1, 3, 28, 28, generator=gen), "token_type_ids": (ids == IMAGE_TOKEN).long()}
+            return {"pixel_values": torch.randn(1, 3, 28, 28, generator=gen),
+                    "token_type_ids": (ids == IMAGE_TOKEN).long()}
     else:
         config = t.Qwen2VLConfig(text_config={**TEXT, "rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 4]}},
                                  vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14,
@@ -806,7 +810,8 @@ def test_a_multimodal_model_that_merges_the_images_in_its_own_forward_keeps_its_
     from tools.family_sweep import tiny_image_text_config
 
     torch.manual_seed(0)
-    plain = transformers.AutoModelForImageTextToText.from_config(tiny_image_text_config("llama4")).float().eval()
+    config = tiny_image_text_config("llama4")
+    plain = transformers.AutoModelForImageTextToText.from_config(config).float().to(DEVICE).eval()
     ours = copy.deepcopy(plain)
     report, _ = apply_and_warnings(ours)
     assert "merges the images into the text" in report.left_out["flce"]

@@ -16,6 +16,8 @@ model's own, and decides per call which one runs:
   recomputation by gradient checkpointing goes where its forward went.
 * Rows of one document (``plain_rows_to_theirs``): whichever attention is measured
   faster on this GPU for that shape.
+* An image-text model (LLaVA, Qwen2-VL, ...): its text decoder only; the vision tower
+  attends over its patches without a causal mask and keeps its own attention.
 
 ``use_packed_attention(model)`` does all of it; kernel_ft.apply calls it. Every
 decision is taken from what a call carries (its arguments, never tensor values): no

@@ -736,6 +736,7 @@ MULTIMODAL = {
     "Mistral-3": (),
     "Gemma-3": ("attention",),  # its base model builds the text's masks: a padded row would not reach theirs
     "Qwen2-VL": ("attention",),  # 3-D positions (M-RoPE): no documents to read from them
+    "Qwen3-VL": (),  # its layers get the text's positions (or none, beside an image): causal rows
 }
 
 
@@ -765,13 +766,23 @@ def multimodal(family):
         def image(ids):  # the image's tokens see each other both ways (token_type_ids)
             return {"pixel_values": torch.randn(1, 3, 28, 28, generator=gen),
                     "token_type_ids": (ids == IMAGE_TOKEN).long()}
-    else:
+    elif family == "Qwen2-VL":
         config = t.Qwen2VLConfig(text_config={**TEXT, "rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 4]}},
                                  vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14,
                                                     spatial_merge_size=2, temporal_patch_size=2),
                                  image_token_id=IMAGE_TOKEN)
         cls = t.Qwen2VLForConditionalGeneration
+    else:
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+        config = t.Qwen3VLConfig(text_config={**TEXT, "head_dim": 16, "rope_parameters": rope},
+                                 vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                                    patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                                                    out_hidden_size=64, num_position_embeddings=16,
+                                                    deepstack_visual_indexes=[0]),
+                                 image_token_id=IMAGE_TOKEN)
+        cls = t.Qwen3VLForConditionalGeneration
 
+    if family.startswith("Qwen"):
         def image(ids):  # 4 x 4 patches of 14 (2 frames of 3 channels each), merged 2 x 2: 4 tokens
             return {"pixel_values": torch.randn(16, 2 * 3 * 14 * 14, generator=gen),
                     "image_grid_thw": torch.tensor([[1, 4, 4]]), "mm_token_type_ids": (ids == IMAGE_TOKEN).long()}

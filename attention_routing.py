@@ -33,8 +33,8 @@ import torch
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
-    SwapMismatch, decoder_of, evaluating, gpu_clock, plain_causal_attention, probe_rounding, text_config,
-    text_config_key, text_modules, vocabulary_size, wrap_forward,
+    SwapMismatch, decoder_of, error_line, evaluating, gpu_clock, plain_causal_attention, probe_rounding,
+    text_config, text_config_key, text_modules, vocabulary_size, wrap_forward,
 )
 from attention_kernel import document_starts, packed_attention, visible_keys
 
@@ -127,11 +127,6 @@ def hf_packed_attention(module, query, key, value, attention_mask, scaling=None,
 # token there, and Doge adds a learned mask of its own where it is given none: both
 # are refused.
 PROBE_LENGTHS = (5, 3)
-
-
-def _error_line(e):
-    """An exception in one line, for a refusal: its type and its message's first line."""
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def _probe_ids(n, model, device):
@@ -227,7 +222,7 @@ def check_same_attention(model, theirs_name):
             except Exception as e:  # noqa: BLE001 - any failure of the model's own code: nothing to check against
                 raise SwapMismatch(f"{type(model).__name__}'s own attention does not run a packed row (position ids "
                                    f"and a 4-D block mask), so ours cannot be checked against it "
-                                   f"({_error_line(e)})") from None
+                                   f"({error_line(e)})") from None
             if weight.dtype != torch.float32 and theirs_name != "eager":
                 drift = (logits("eager", additive) - expected).abs().max().item()
             elif weight.dtype != torch.float32:
@@ -240,7 +235,7 @@ def check_same_attention(model, theirs_name):
                 plain_got = plain_logits(NAME)
             except (ValueError, TypeError, RuntimeError) as e:
                 raise SwapMismatch(f"{type(model).__name__}'s attention cannot run as {NAME} "
-                                   f"({_error_line(e)})") from None
+                                   f"({error_line(e)})") from None
         except SwapMismatch:
             _set_attention(model, theirs_name)
             raise
@@ -298,7 +293,7 @@ def check_gradients_reach(model, theirs_name):
         try:
             lost = _reaching(model, theirs_name) - _reaching(model, NAME)
         except (ValueError, TypeError, RuntimeError) as e:
-            lost = {f"(the gradient probe failed: {_error_line(e)})"}
+            lost = {f"(the gradient probe failed: {error_line(e)})"}
         finally:
             _set_attention(model, theirs_name)
     if lost:
@@ -419,7 +414,7 @@ def plain_rows_to_theirs(decoder, arguments):
     try:
         ours_ms, theirs_ms = time_plain_rows(layer, key)
     except Exception as e:  # noqa: BLE001 - out of memory for the random rows, say: ours, as without the choice
-        failed, ours_ms, theirs_ms = _error_line(e), float("nan"), float("nan")
+        failed, ours_ms, theirs_ms = error_line(e), float("nan"), float("nan")
     if failed and torch.cuda.is_available():
         torch.cuda.empty_cache()  # outside the handler: the traceback no longer holds the random rows
     PLAIN_ROW_CHOICES[key] = (theirs_ms < ours_ms, ours_ms, theirs_ms, failed)
@@ -490,7 +485,7 @@ def use_packed_attention(model):
         padded = _padded_logits(model)  # the model's own, before the switch
     except Exception as e:  # noqa: BLE001 - its own attention cannot take a padded row: nothing to check against
         raise SwapMismatch(f"{type(model).__name__}'s own attention does not run a left-padded row "
-                           f"({_error_line(e)})") from None
+                           f"({error_line(e)})") from None
     check_same_attention(model, theirs)
     check_gradients_reach(model, theirs)
     _set_attention(model, NAME)
@@ -531,7 +526,7 @@ def check_padding_is_routed(model, theirs, expected):
     except Exception as e:  # noqa: BLE001 - the model's own attention ran this row before the switch
         _undo_switch(model, theirs)
         raise SwapMismatch(f"{type(model).__name__}: a row with a padding mask fails once switched "
-                           f"({_error_line(e)})") from None
+                           f"({error_line(e)})") from None
     rounding = probe_rounding(next(model.parameters()).dtype)
     if not torch.allclose(got, expected, rtol=rounding, atol=rounding * expected.abs().max().item()):
         _undo_switch(model, theirs)

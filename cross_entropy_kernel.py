@@ -82,6 +82,7 @@ from kernel_common import (
     SwapMismatch,
     cast_to,
     check_kernel_device,
+    error_line,
     evaluating,
     exp,
     fast_launch,
@@ -725,13 +726,15 @@ def check_loss_function(model):
         return theirs
 
     model.loss_function = recorded
+    name = type(model).__name__
     try:
         with evaluating(model):
             ids = probe_ids(model, weight.device)
             model(input_ids=ids, labels=ids)
+    except Exception as e:  # noqa: BLE001 - the model's own forward: nothing to check our loss against
+        raise SwapMismatch(f"{name}'s own forward fails on a probe with labels ({error_line(e)})") from None
     finally:
         model.loss_function = original
-    name = type(model).__name__
     if not calls:
         raise SwapMismatch(f"{name}'s forward computes its loss without calling loss_function: it keeps its own")
     theirs, ours = calls[-1]

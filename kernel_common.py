@@ -317,6 +317,11 @@ def plain_causal_attention(config, seq_len):
     return not getattr(config, "attention_chunk_size", None) and getattr(config, "is_causal", True)
 
 
+def error_line(e):
+    """An exception in one line, for a refusal: its type and its message's first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 def probe_rounding(dtype):
     """How far two computations of a probe's logits may part: one rounding of ``dtype``, and margin."""
     return 1e-4 if dtype == torch.float32 else 2**-6

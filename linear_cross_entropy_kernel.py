@@ -74,8 +74,8 @@ import torch.nn as nn
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
-    SUPPORTED_DTYPES, SwapMismatch, cdiv, check_kernel_device, decoder_of, evaluating, first_order_only, kernel_op,
-    nothing, probe_ids, probe_rounding, text_config, wrap_forward,
+    SUPPORTED_DTYPES, SwapMismatch, cdiv, check_kernel_device, decoder_of, error_line, evaluating, first_order_only,
+    kernel_op, nothing, probe_ids, probe_rounding, text_config, wrap_forward,
 )
 
 # Step 8's building blocks: the loss kernel's launcher (it writes the loss per row
@@ -439,17 +439,22 @@ def check_flce_head(model):
     if any(getattr(c, "output_router_logits", False) for c in (model.config, text_config(model))):
         raise SwapMismatch(f"{type(model).__name__} adds its router's auxiliary loss to the loss "
                            f"(output_router_logits), which the fused loss does not compute")
+    body = model_body(model)
     if any(p.is_meta for p in model.parameters()):
         return
     # eval: no dropout, the two forwards differ only by what follows the LM head
     with evaluating(model), torch.no_grad():
         ids = probe_ids(model, head.weight.device)
-        out = model(input_ids=ids, labels=ids)
+        try:
+            out = model(input_ids=ids, labels=ids)
+        except Exception as e:  # noqa: BLE001 - the model's own forward: nothing to check the fused loss against
+            raise SwapMismatch(f"{type(model).__name__}'s own forward fails on a probe with labels "
+                               f"({error_line(e)})") from None
         theirs = out.logits.float()
         their_loss = float("nan") if out.loss is None else out.loss.float().item()
         hf_rule = nn.functional.cross_entropy(theirs[0, :-1], ids[0, 1:]).item()
         config = text_config(model)  # a multimodal model's head and its transforms are its text decoder's
-        hidden = model_body(model)(input_ids=ids).last_hidden_state * logit_multiplier(config)
+        hidden = body(input_ids=ids).last_hidden_state * logit_multiplier(config)
         ours = (hidden @ head.weight.T).float()
         cap = getattr(config, "final_logit_softcapping", None)
         if cap:

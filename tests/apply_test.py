@@ -824,11 +824,18 @@ def test_a_multimodal_model_that_merges_the_images_in_its_own_forward_keeps_its_
     config = tiny_image_text_config("llama4")
     plain = transformers.AutoModelForImageTextToText.from_config(config).float().to(DEVICE).eval()
     ours = copy.deepcopy(plain)
+    ids = token_ids(2, 12)
+    try:
+        their_loss, theirs = loss_and_gradients(plain, input_ids=ids, labels=ids)
+    except AttributeError as e:  # transformers 5.24's own forward reads an output field its language model lacks
+        report, _ = apply_and_warnings(ours)  # then the loss's probe refuses, nothing raises
+        assert "merges the images into the text" in report.left_out["flce"]
+        assert "own forward fails on a probe" in report.left_out["ce"]
+        pytest.skip(f"Llama-4's image-text model does not run by itself under transformers "
+                    f"{transformers.__version__} ({e})")
     report, _ = apply_and_warnings(ours)
     assert "merges the images into the text" in report.left_out["flce"]
     assert "ce" in report.applied
-    ids = token_ids(2, 12)
-    their_loss, theirs = loss_and_gradients(plain, input_ids=ids, labels=ids)
     our_loss, grads = loss_and_gradients(ours, input_ids=ids, labels=ids)
     assert_close("loss", our_loss, their_loss, LOSS_TOL)
     assert_close("gradients", grads, theirs, GRAD_TOL)

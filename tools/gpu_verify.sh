@@ -14,19 +14,9 @@
 # The throughput runs (e2e, compile, profile) use --dataset synthetic: every row
 # is --seq-len real tokens, the fixed shapes results/ reports.
 set -o pipefail
-export PYTHONUNBUFFERED=1
 OUTDIR=${1:-gpu_logs}; shift || true
 WHAT=${*:-tests bench e2e}
-mkdir -p "$OUTDIR"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-# The checkout's package and kernel lessons for tools/*.py, as `pip install -e .` would give them.
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-  git rev-parse --short HEAD 2>/dev/null; date -u +%F; } | tee "$OUTDIR/env.txt"
+source "$(dirname "$0")/device_env.sh" "$OUTDIR"
 # Our fine-tune script once per precision, bf16 then --fp8 tensorwise and rowwise:
 # recipes NAME LINES FLAGS... writes OUTDIR/NAME_{bf16,tensorwise,rowwise}.{json,log}, shows LINES of each.
 recipes() {

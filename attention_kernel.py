@@ -92,7 +92,10 @@ results/attention/tma_h100.txt):
   can hide (~3 TB/s here); larger key tiles spill the dK and dV accumulators.
   128-query tiles with TMA. Warp specialization (``tl.range(warp_specialize=True)``):
   does not compile for this loop in Triton 3.6; in the tutorial's one-loop shape it
-  compiles with 8 warps and is no faster, with 4 warps it returns NaN.
+  compiles with 8 warps and is no faster, with 4 warps it returns NaN. Computing
+  dK/dV transposed (S^T = K Q^T, no transposed register tiles), and issuing the next
+  key tile's scores before this tile's softmax: both slower, the second because the
+  compiler stops pipelining that loop (results/attention/kernel_probes_h200/).
 
 Triton concepts new in this step
 --------------------------------
@@ -134,11 +137,16 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 # The reference: plain softmax attention, document by document
 # --------------------------------------------------------------------------------
 def document_starts(position_ids):
-    """[B, T] position ids that restart at 0 with every document (packing) -> [B, T]
-    int32, the position where each token's document starts. Positions that count on
-    from 0 in one piece (one document per row) give 0 everywhere."""
+    """[B, T] position ids -> [B, T] int32, the position where each token's document
+    starts. A document begins wherever the position does not follow the one before by
+    exactly 1, transformers' rule for packed rows (masking_utils.find_packed_sequence_indices):
+    packing restarts the positions at 0 with every document; positions that count on in
+    one piece, from any start, are one document (0 everywhere). No host sync: a running
+    maximum of the positions where documents begin."""
     t = torch.arange(position_ids.shape[-1], device=position_ids.device)
-    return (t - position_ids).clamp(min=0).minimum(t).to(torch.int32)
+    begins = torch.ones_like(position_ids, dtype=torch.bool)
+    begins[..., 1:] = position_ids[..., 1:] - position_ids[..., :-1] != 1
+    return torch.cummax(torch.where(begins, t, 0), dim=-1).values.to(torch.int32)
 
 
 def document_ends(doc_start):

@@ -89,8 +89,12 @@ def hf_packed_attention(module, query, key, value, attention_mask, scaling=None,
         raise ValueError(f"{NAME} attention got an attention mask {tuple(attention_mask.shape)}, which it cannot "
                          f"apply (a mask the model makes itself, or a masked call recomputed by gradient "
                          f"checkpointing in a decoder whose forward takes no keyword arguments to pass on)")
-    if dropout:
-        raise ValueError(f"{NAME} attention has no dropout (attention_dropout {dropout}); set it to 0")
+    if dropout:  # dropout set after the switch (apply refuses a model with it): the layer's own attention drops
+        theirs = getattr(module, "_kernel_ft_theirs", None)
+        if theirs is None:
+            raise ValueError(f"{NAME} attention has no dropout (attention_dropout {dropout}); set it to 0")
+        return attention_function(module, theirs)(module, query, key, value, attention_mask, scaling=scaling,
+                                                  dropout=dropout, **kwargs)
     B, _, T, _ = query.shape
     if key.shape[2] != T:  # a KV cache: route_masked_calls sends such calls to the model's own attention
         raise ValueError(f"{NAME} attention got {T} queries for {key.shape[2]} keys (a KV cache); it computes "
@@ -138,6 +142,23 @@ def _attention_layers(model):
     """The attention modules of the model's text decoder (HF's classes are named
     *Attention); a multimodal model's vision tower is not among them (kernel_common.text_modules)."""
     return (m for m in text_modules(model) if type(m).__name__.endswith("Attention"))
+
+
+# Where configs keep the probability of dropping an attention weight in training
+# (LLaMA and most decoders: attention_dropout; GPT-2-like: attn_pdrop).
+DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
+
+
+def attention_dropout(model):
+    """(p, where) of the largest attention-dropout probability p > 0 of the text config
+    or its attention layers, or None. HF passes it to the attention function in training
+    only."""
+    config = text_config(model)
+    found = [(getattr(config, key, None), f"config.{key}") for key in DROPOUT_KEYS]
+    found += [(getattr(layer, "attention_dropout", None), f"{type(layer).__name__}.attention_dropout")
+              for layer in _attention_layers(model)]
+    found = [(float(p), where) for p, where in found if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0]
+    return max(found, default=None)
 
 
 def _set_attention(model, name):
@@ -488,7 +509,14 @@ def use_packed_attention(model):
                            f"({error_line(e)})") from None
     check_same_attention(model, theirs)
     check_gradients_reach(model, theirs)
+    # Last: where the kernel could not compute the model's attention anyway, that is the line to say.
+    dropout = attention_dropout(model)
+    if dropout:
+        raise SwapMismatch(f"{type(model).__name__}'s attention drops probabilities in training ({dropout[1]} = "
+                           f"{dropout[0]:g}), which the kernel does not: set it to 0 to use the kernel")
     _set_attention(model, NAME)
+    for layer in _attention_layers(model):
+        layer._kernel_ft_theirs = theirs  # for a call with dropout (hf_packed_attention)
     route_masked_calls(model, theirs)
     check_padding_is_routed(model, theirs, padded)
     return count

@@ -154,6 +154,11 @@ def test_document_starts_and_ends():
     assert starts.tolist() == [[0, 0, 0, 3, 4, 4, 4, 4, 8, 8]] and starts.dtype == torch.int32
     assert document_ends(starts).tolist() == [[3, 3, 3, 4, 8, 8, 8, 8, 10, 10]]
     assert document_starts(torch.arange(6)[None]).tolist() == [[0] * 6]  # one document: plain causal
+    assert document_starts(torch.arange(6)[None] + 40).tolist() == [[0] * 6]  # from any start
+    # transformers' rule: a document begins wherever the position does not follow by 1
+    # (not only at a 0): a restart at 1, a jump forward, a step back.
+    positions = torch.tensor([[0, 1, 2, 1, 2, 3, 9, 10, 4, 5]])
+    assert document_starts(positions).tolist() == [[0, 0, 0, 3, 3, 3, 6, 6, 8, 8]]
 
 
 def test_bad_inputs():

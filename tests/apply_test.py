@@ -525,6 +525,50 @@ def test_a_mask_reaching_our_attention_is_refused_not_ignored():
         attention_routing.hf_packed_attention(layer, q, k, k, mask)
 
 
+
+def dropout_loss_and_gradients(model, ids, seed=5):
+    """A training step's loss and gradients with the dropout masks of ``seed``."""
+    torch.manual_seed(seed)
+    return loss_and_gradients(model, input_ids=ids, labels=ids)
+
+
+def test_attention_dropout_leaves_the_attention_to_the_model_and_keeps_its_loss(attention_calls):
+    plain = tiny_model("Llama")
+    plain.config.attention_dropout = 0.3
+    for layer in attention_routing._attention_layers(plain):
+        layer.attention_dropout = 0.3
+    ours = copy.deepcopy(plain)
+    report, warned = apply_and_warnings(ours)
+    assert report["attention"]["status"] == "left to PyTorch", report["attention"]
+    assert "attention_dropout = 0.3" in report["attention"]["detail"] and len(warned) == 1, warned
+    ids = token_ids(2)
+    want_loss, want_grads = dropout_loss_and_gradients(plain, ids)
+    attention_calls.clear()  # the probes' calls
+    loss, grads = dropout_loss_and_gradients(ours, ids)
+    assert not attention_calls
+    assert abs(loss - want_loss) <= LOSS_TOL and rel_err(grads, want_grads) <= GRAD_TOL
+    # The masks differ with the seed: the dropout is drawn, not skipped.
+    assert abs(dropout_loss_and_gradients(plain, ids, seed=6)[0] - want_loss) > 10 * LOSS_TOL
+
+
+def test_attention_dropout_set_after_apply_runs_the_models_attention(attention_calls):
+    plain = tiny_model("Llama")
+    ours = applied(copy.deepcopy(plain))
+    for model in (plain, ours):
+        for layer in attention_routing._attention_layers(model):
+            layer.attention_dropout = 0.3
+    ids = token_ids(2)
+    want_loss, want_grads = dropout_loss_and_gradients(plain, ids)
+    attention_calls.clear()  # the probes' calls
+    loss, grads = dropout_loss_and_gradients(ours, ids)
+    assert not attention_calls  # every call dropped, so every call ran the model's own attention
+    assert abs(loss - want_loss) <= LOSS_TOL and rel_err(grads, want_grads) <= GRAD_TOL
+    ours.eval()  # no dropout in eval: ours again (packed rows: ours on any device, never measured)
+    positions = torch.arange(SEQ // 2, device=DEVICE).repeat(2)[None].expand(2, SEQ)
+    with torch.no_grad():
+        ours(input_ids=ids, position_ids=positions)
+    assert attention_calls
+
 # Rows of one document (no position ids): the faster of ours and the model's own SDPA,
 # measured per shape on a GPU (attention_routing.plain_rows_to_theirs). On the CPU
 # nothing is measured; these tests make the CPU a measured device and give the timings.
@@ -717,6 +761,23 @@ def test_packed_rows_give_each_documents_logits_and_the_loss(label, attention_ca
     with torch.no_grad():
         assert_close("loss", ours(**inputs, use_cache=False).loss, plain(**inputs, use_cache=False).loss, LOSS_TOL)
 
+
+
+@pytest.mark.parametrize("positions", [[0, 1, 2, 3, 1, 2, 3, 4, 5, 9, 10, 11, 4, 5, 6, 7],  # restarts not at 0
+                                       list(range(40, 56))])  # one document from an offset
+def test_position_ids_split_documents_as_transformers_does(positions, attention_calls):
+    """A document begins wherever a position does not follow the one before by 1,
+    as transformers' own packed-row mask has it (use_cache=False, as in training):
+    the same logits as the model's own attention with that mask."""
+    plain = tiny_model("Llama").eval()
+    ours = applied(copy.deepcopy(plain))
+    attention_calls.clear()
+    inputs = {"input_ids": token_ids(1, len(positions)), "position_ids": torch.tensor([positions], device=DEVICE),
+              "use_cache": False}
+    with torch.no_grad():
+        logits = ours(**inputs).logits[0]
+    assert len(attention_calls) == plain.config.num_hidden_layers
+    assert_logits_match(["logits"], [logits], plain, lambda model: [model(**inputs).logits[0]])
 
 # --------------------------------------------------------------------------------
 # 7b. Multimodal models: the kernels in the text decoder, the other towers as they were

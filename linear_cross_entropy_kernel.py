@@ -509,7 +509,11 @@ def causal_lm_forward_with_fused_loss(model, *args, **kwargs):
     result = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(outputs, "past_key_values", None),
                                     hidden_states=getattr(outputs, "hidden_states", None),
                                     attentions=getattr(outputs, "attentions", None))
-    return result.to_tuple() if arguments.get("return_dict") is False else result
+    # return_dict=False: HF's tuple, with None where the logits would be, so that whatever reads the outputs by
+    # position finds each in its place (the loss first, the cache third).
+    if {**arguments, **extra}.get("return_dict") is False:
+        return (loss, None, *result.to_tuple()[1:])
+    return result
 
 
 def fuse_linear_cross_entropy(model):

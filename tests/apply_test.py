@@ -406,6 +406,19 @@ def test_labels_give_the_loss_without_running_the_lm_head(label):
         assert_close(f"gradient of {name}", grads[name], p.grad, GRAD_TOL)
 
 
+def test_return_dict_false_gives_the_models_tuple_with_no_logits():
+    """return_dict=False: HF's tuple, the loss first and None where the logits would
+    be, every other output at its own position."""
+    plain = tiny_model("Llama")
+    ours = applied(copy.deepcopy(plain))
+    ids = token_ids(2)
+    with torch.no_grad():
+        want = plain(input_ids=ids, labels=ids, use_cache=True, return_dict=False)
+        got = ours(input_ids=ids, labels=ids, use_cache=True, return_dict=False)
+    assert isinstance(got, tuple) and len(got) == len(want) == 3
+    assert_close("loss", got[0], want[0], LOSS_TOL)
+    assert got[1] is None and type(got[2]) is type(want[2])
+
 def test_an_moe_call_asking_for_the_router_loss_runs_the_models_own_forward():
     """Mixtral given output_router_logits=True adds its router's auxiliary loss to the loss:
     that call runs the model's own forward (logits and all), the same loss as without apply."""

@@ -429,11 +429,30 @@ def logit_multiplier(config):
     return (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
 
 
+def _peft_copies(head):
+    """The Linear layers of PEFT's ModulesToSaveWrapper (``modules_to_save=["lm_head"]``:
+    the head trained as a copy per adapter), or None for any other module. The wrapper's
+    ``.weight`` is the weight its forward multiplies by: the active adapter's copy, the
+    original with adapters off."""
+    copies, original = getattr(head, "modules_to_save", None), getattr(head, "original_module", None)
+    if isinstance(copies, nn.ModuleDict) and isinstance(original, nn.Module):
+        return [original, *copies.values()]
+    return None
+
+
+def _plain_head(head):
+    """Whether the LM head computes x @ head.weight.T and nothing else: a bias-free
+    nn.Linear, or PEFT's wrapper of copies of one."""
+    layers = _peft_copies(head) or [head]
+    return all(isinstance(m, nn.Linear) and m.bias is None for m in layers)
+
+
 def check_flce_head(model):
     """Raise SwapMismatch unless the fused loss computes ``model``'s own logits: a plain
-    bias-free nn.Linear head, then only the transforms this file implements."""
+    bias-free nn.Linear head (PEFT's copies of one, trained with modules_to_save, too),
+    then only the transforms this file implements."""
     head = model.get_output_embeddings()
-    if head is None or not isinstance(head, nn.Linear) or head.bias is not None:
+    if head is None or not _plain_head(head):
         raise SwapMismatch(f"needs an LM head that is a plain bias-free torch.nn.Linear ({type(model).__name__} has "
                            f"{type(head).__module__}.{type(head).__name__})")
     if any(getattr(c, "output_router_logits", False) for c in (model.config, text_config(model))):
@@ -478,8 +497,12 @@ def causal_lm_forward_with_fused_loss(model, *args, **kwargs):
     arguments = model._kernel_ft_signature.bind(*args, **kwargs).arguments
     extra = arguments.pop(model._kernel_ft_var_keyword, {})  # what came in through **kwargs
     labels = arguments.get("labels")
-    if labels is None or extra.get("output_router_logits") or arguments.get("output_router_logits"):
-        # No loss to compute, or an MoE call that adds its router's auxiliary loss: the model's own forward.
+    head = model.get_output_embeddings()
+    if labels is None or extra.get("output_router_logits") or arguments.get("output_router_logits") \
+            or (_peft_copies(head) and head._forward_pre_hooks):
+        # No loss to compute, an MoE call that adds its router's auxiliary loss, or a call of a PEFT model
+        # with an adapter per row (adapter_names: PEFT gives the head's copies a hook that picks each row's):
+        # the model's own forward.
         return model._kernel_ft_forward(*args, **kwargs)
     num_items = extra.pop("num_items_in_batch", None)
     shift_labels = extra.pop("shift_labels", None)
@@ -491,7 +514,7 @@ def causal_lm_forward_with_fused_loss(model, *args, **kwargs):
     scale = logit_multiplier(config)
     if scale != 1.0:
         hidden = hidden * scale  # (c h) @ W.T == c (h @ W.T)
-    weight = model.get_output_embeddings().weight  # [V, H], possibly tied to the embedding
+    weight = head.weight  # [V, H], possibly tied to the embedding
     device = hidden.device.type
     if torch.is_autocast_enabled(device):  # as autocast runs the head: its product in the autocast dtype
         dtype = torch.get_autocast_dtype(device)

@@ -358,6 +358,45 @@ def test_peft_lora(dropout):
         assert_close(f"gradient of {name}", grads[name], want_grads[name], GRAD_TOL)
 
 
+def test_peft_lm_head_trained_as_a_copy_runs_the_fused_loss_on_it(fused_loss_calls):
+    """modules_to_save=["lm_head"] (new tokens' rows trained with LoRA): PEFT wraps the
+    head and trains a copy per adapter. The fused loss multiplies by the copy the
+    wrapper's forward would (the original with adapters off), with PEFT's loss and
+    gradients; a call with an adapter per row (adapter_names) runs PEFT's own forward."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
+    theirs = peft.get_peft_model(tiny_model("Llama"), config)
+    theirs.add_adapter("other", config)
+    with torch.no_grad():  # each copy its own weights: which one is multiplied shows in the loss
+        for name, p in theirs.named_parameters():
+            if "modules_to_save" in name or "lora_B" in name:
+                p.normal_(0, 0.2)
+    ours = copy.deepcopy(theirs)
+    report, _ = apply_and_warnings(ours)
+    assert report["flce"]["status"] == "applied", report["flce"]
+    ids = token_ids(2)
+    labels = masked_prompts(ids, [3, 6])
+    fused_loss_calls.clear()
+    loss, grads = loss_and_grads(ours, ids, labels)
+    want_loss, want_grads = loss_and_grads(theirs, ids, labels)
+    assert fused_loss_calls and any("modules_to_save.default" in name for name in grads)
+    assert_close("loss", loss, want_loss, LOSS_TOL)
+    assert grads.keys() == want_grads.keys()
+    for name in grads:
+        assert_close(f"gradient of {name}", grads[name], want_grads[name], GRAD_TOL)
+    for model in (ours, theirs):
+        model.eval()
+    with torch.no_grad():
+        with ours.disable_adapter(), theirs.disable_adapter():  # the original head
+            assert_close("loss without adapters", ours(input_ids=ids, labels=labels).loss,
+                         theirs(input_ids=ids, labels=labels).loss, LOSS_TOL)
+        fused_loss_calls.clear()
+        rows = ["default", "other"]
+        got = ours(input_ids=ids, labels=labels, adapter_names=rows).loss
+        assert not fused_loss_calls
+        assert_close("loss with an adapter per row", got, theirs(input_ids=ids, labels=labels, adapter_names=rows).loss,
+                     LOSS_TOL)
+
 def test_peft_lora_under_bf16_autocast_is_within_bf16_rounding():
     """Fused LoRA layers under bf16 autocast over float32 weights (Trainer's bf16=True):
     the adapters' gradients no further from the float32 run than twice PEFT's own under

@@ -17,6 +17,9 @@ trained by transformers' Trainer, TRL's SFTTrainer and PEFT, with and without ap
   (position ids restarting per document: each document's logits, the model's loss)
   and greedy ``generate()`` (also left-padded) give what the model gives without
   apply (logits by conftest.check_outputs: float64 truth, no worse than 2x PyTorch);
+* a config with attention dropout keeps the model's attention (dropout set after apply
+  too), position ids split into documents as transformers splits them, return_dict=False
+  gives HF's tuple, PEFT's copy of the head (modules_to_save) runs the fused loss;
 * the report (one line per kernel, JSON-ready), Cohere's LayerNorm and interleaved RoPE
   left to PyTorch (warning; strict=True raises KernelNotApplied), a torch.compile'd model
   refused in one line; a second apply wraps nothing twice and reports the kernels the
@@ -397,6 +400,7 @@ def test_peft_lm_head_trained_as_a_copy_runs_the_fused_loss_on_it(fused_loss_cal
         assert_close("loss with an adapter per row", got, theirs(input_ids=ids, labels=labels, adapter_names=rows).loss,
                      LOSS_TOL)
 
+
 def test_peft_lora_under_bf16_autocast_is_within_bf16_rounding():
     """Fused LoRA layers under bf16 autocast over float32 weights (Trainer's bf16=True):
     the adapters' gradients no further from the float32 run than twice PEFT's own under
@@ -457,6 +461,7 @@ def test_return_dict_false_gives_the_models_tuple_with_no_logits():
     assert isinstance(got, tuple) and len(got) == len(want) == 3
     assert_close("loss", got[0], want[0], LOSS_TOL)
     assert got[1] is None and type(got[2]) is type(want[2])
+
 
 def test_an_moe_call_asking_for_the_router_loss_runs_the_models_own_forward():
     """Mixtral given output_router_logits=True adds its router's auxiliary loss to the loss:
@@ -577,7 +582,6 @@ def test_a_mask_reaching_our_attention_is_refused_not_ignored():
         attention_routing.hf_packed_attention(layer, q, k, k, mask)
 
 
-
 def dropout_loss_and_gradients(model, ids, seed=5):
     """A training step's loss and gradients with the dropout masks of ``seed``."""
     torch.manual_seed(seed)
@@ -620,6 +624,7 @@ def test_attention_dropout_set_after_apply_runs_the_models_attention(attention_c
     with torch.no_grad():
         ours(input_ids=ids, position_ids=positions)
     assert attention_calls
+
 
 # Rows of one document (no position ids): the faster of ours and the model's own SDPA,
 # measured per shape on a GPU (attention_routing.plain_rows_to_theirs). On the CPU
@@ -814,7 +819,6 @@ def test_packed_rows_give_each_documents_logits_and_the_loss(label, attention_ca
         assert_close("loss", ours(**inputs, use_cache=False).loss, plain(**inputs, use_cache=False).loss, LOSS_TOL)
 
 
-
 @pytest.mark.parametrize("positions", [[0, 1, 2, 3, 1, 2, 3, 4, 5, 9, 10, 11, 4, 5, 6, 7],  # restarts not at 0
                                        list(range(40, 56))])  # one document from an offset
 def test_position_ids_split_documents_as_transformers_does(positions, attention_calls):
@@ -830,6 +834,7 @@ def test_position_ids_split_documents_as_transformers_does(positions, attention_
         logits = ours(**inputs).logits[0]
     assert len(attention_calls) == plain.config.num_hidden_layers
     assert_logits_match(["logits"], [logits], plain, lambda model: [model(**inputs).logits[0]])
+
 
 # --------------------------------------------------------------------------------
 # 7b. Multimodal models: the kernels in the text decoder, the other towers as they were

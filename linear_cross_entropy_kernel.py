@@ -507,7 +507,8 @@ def causal_lm_forward_with_fused_loss(model, *args, **kwargs):
     num_items = extra.pop("num_items_in_batch", None)
     shift_labels = extra.pop("shift_labels", None)
     ignore_index = extra.pop("ignore_index", -100)
-    decoder_args = {k: v for k, v in {**arguments, **extra}.items() if k not in HEAD_ARGUMENTS}
+    call = {**arguments, **extra}
+    decoder_args = {k: v for k, v in call.items() if k not in HEAD_ARGUMENTS}
     outputs = model_body(model)(**decoder_args)
     hidden = outputs.last_hidden_state  # [B, T, H]
     config = text_config(model)
@@ -534,7 +535,7 @@ def causal_lm_forward_with_fused_loss(model, *args, **kwargs):
                                     attentions=getattr(outputs, "attentions", None))
     # return_dict=False: HF's tuple, with None where the logits would be, so that whatever reads the outputs by
     # position finds each in its place (the loss first, the cache third).
-    if {**arguments, **extra}.get("return_dict") is False:
+    if call.get("return_dict") is False:
         return (loss, None, *result.to_tuple()[1:])
     return result
 

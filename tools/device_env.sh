@@ -1,4 +1,4 @@
-# Sourced at the top of every script that runs on a lent GPU machine:
+# Sourced at the top of every script that runs on a GPU machine without the project's extras:
 #
 #   source tools/device_env.sh OUTDIR
 #

@@ -1,5 +1,5 @@
 #!/bin/bash
-# One GPU, call 4's test step again with the wheels carried (call 4 ran without .whl/: apply_test could not import
+# One GPU, call 4's test step again with the wheels in .whl/ (call 4 ran without .whl/: apply_test could not import
 # datasets): tests/apply_test.py and the whole attention_test.py; the outputs in one archive.
 R=$OUT/c5
 source tools/device_env.sh $R

@@ -1,5 +1,5 @@
 #!/bin/bash
-# One GPU, on the final code (with .whl/ carried): the whole tests/apply_test.py (the attention-dropout, position-id,
+# One GPU, on the final code (with .whl/ present): the whole tests/apply_test.py (the attention-dropout, position-id,
 # return_dict=False and modules_to_save tests among it) and linear_cross_entropy_test.py.
 R=$OUT/c7
 source tools/device_env.sh $R

@@ -9,11 +9,13 @@ model's own, and decides per call which one runs:
   with what they pass (q, k, v after RoPE, the position ids among the keyword
   arguments); it reads each token's document from the position ids.
 * Before the switch, probes (``check_same_attention``, ``check_gradients_reach``,
-  ``check_padding_is_routed``): the model's logits and the reach of its attention
-  parameters must be the same with ours, or the switch is refused in one line.
-* At the decoder (``route_masked_calls``): a call with a padding mask or earlier
-  cached tokens (generate()) goes to the model's own attention, with its mask; a
-  recomputation by gradient checkpointing goes where its forward went.
+  ``check_padding_is_routed``): the model's logits (a sequence classifier's last
+  hidden states) and the reach of its attention parameters must be the same with
+  ours, or the switch is refused in one line.
+* At the decoder (``route_masked_calls``): a call with a padding mask, a KV cache
+  (generate()) or output_attentions goes to the model's own attention, with its mask;
+  a recomputation by gradient checkpointing goes where its forward went; a model set
+  to another attention after apply (set_attn_implementation) runs that one.
 * Rows of one document (``plain_rows_to_theirs``): whichever attention is measured
   faster on this GPU for that shape.
 * An image-text model (LLaVA, Qwen2-VL, ...): its text decoder only; the vision tower
@@ -33,7 +35,7 @@ import torch
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
-    SwapMismatch, decoder_of, error_line, evaluating, gpu_clock, plain_causal_attention, probe_rounding,
+    SwapMismatch, decoder_of, error_line, gpu_clock, plain_causal_attention, probe_rounding, probing,
     text_config, text_config_key, text_modules, vocabulary_size, wrap_forward,
 )
 from attention_kernel import document_starts, packed_attention, visible_keys
@@ -138,6 +140,16 @@ def _probe_ids(n, model, device):
     return (torch.arange(n, device=device) * 7 + 1) % vocabulary_size(model)
 
 
+def _per_token(model, **inputs):
+    """What the probes compare: the model's output for every token of the call. That is
+    a causal LM's logits [B, T, V]; a model whose head reads one token per row (a sequence
+    classifier's logits are [B, labels]) is compared on its decoder's last hidden states."""
+    logits = getattr(model(**inputs), "logits", None)
+    if logits is not None and logits.dim() == 3 and logits.shape[:2] == inputs["input_ids"].shape:
+        return logits
+    return model(**inputs, output_hidden_states=True).hidden_states[-1]
+
+
 def _attention_layers(model):
     """The attention modules of the model's text decoder (HF's classes are named
     *Attention); a multimodal model's vision tower is not among them (kernel_common.text_modules)."""
@@ -228,14 +240,14 @@ def check_same_attention(model, theirs_name):
 
     def logits(implementation, attention_mask):
         _set_attention(model, implementation)
-        return model(input_ids=ids, position_ids=positions, attention_mask=attention_mask).logits.float()
+        return _per_token(model, input_ids=ids, position_ids=positions, attention_mask=attention_mask).float()
 
     def plain_logits(implementation):  # one example, nothing but the tokens
         _set_attention(model, implementation)
-        return model(input_ids=ids[:, :PROBE_LENGTHS[0]]).logits.float()
+        return _per_token(model, input_ids=ids[:, :PROBE_LENGTHS[0]]).float()
 
     drift = 0.0
-    with evaluating(model):
+    with probing(model):
         try:
             try:
                 expected = logits(theirs_name, additive if theirs_name == "eager" else mask)
@@ -252,7 +264,7 @@ def check_same_attention(model, theirs_name):
                         drift = (logits("eager", additive) - expected).abs().max().item()
             _set_attention(model, NAME)
             try:
-                got = model(input_ids=ids, position_ids=positions).logits.float()
+                got = _per_token(model, input_ids=ids, position_ids=positions).float()
                 plain_got = plain_logits(NAME)
             except (ValueError, TypeError, RuntimeError) as e:
                 raise SwapMismatch(f"{type(model).__name__}'s attention cannot run as {NAME} "
@@ -294,7 +306,10 @@ def _reaching(model, implementation):
     ids = _probe_ids(PROBE_LENGTHS[0], model, weight.device)[None]
     _set_attention(model, implementation)
     with torch.enable_grad():
-        nodes, seen, found = [model(input_ids=ids).logits.grad_fn], set(), set()
+        # The output stays referenced while its graph is walked: a custom Function's node (our RMSNorm's, where a
+        # classifier's walk starts at the normed hidden states) is reachable only while the tensors it made live.
+        output = _per_token(model, input_ids=ids)
+        nodes, seen, found = [output.grad_fn], set(), set()
         while nodes:
             node = nodes.pop()
             if node is None or node in seen:
@@ -310,7 +325,7 @@ def _reaching(model, implementation):
 def check_gradients_reach(model, theirs_name):
     """Raise SwapMismatch unless every attention parameter that the model's own attention
     trains is trained through ours too; the model is left on ``theirs_name``."""
-    with evaluating(model):
+    with probing(model):
         try:
             lost = _reaching(model, theirs_name) - _reaching(model, NAME)
         except (ValueError, TypeError, RuntimeError) as e:
@@ -323,14 +338,36 @@ def check_gradients_reach(model, theirs_name):
                            f"does not take)")
 
 
-def decoder_forward_routed(decoder, *args, **kwargs):
-    """The decoder's forward: ours for unmasked calls without earlier cached tokens,
-    the model's own attention (kept in ``_kernel_ft_theirs``) for the others, and for
-    rows of one document where it is measured to be faster (plain_rows_to_theirs)."""
-    arguments = decoder._kernel_ft_signature.bind(*args, **kwargs).arguments
+def _cached(arguments):
+    """Whether the call's keys are not all its own tokens: a cache holding earlier tokens,
+    or one whose keys are preallocated (a StaticCache hands each layer keys as long as
+    its capacity, prefill included). Only an empty DynamicCache grows with the call."""
+    from transformers import DynamicCache
+
     cache = arguments.get("past_key_values")
-    cached = cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0
-    if arguments.get("attention_mask") is None and not cached:
+    if cache is None or not hasattr(cache, "get_seq_length"):
+        return False
+    return not isinstance(cache, DynamicCache) or cache.get_seq_length() > 0
+
+
+def _weights_asked(decoder, arguments):
+    """Whether the call asks for the attention weights (output_attentions), which ours never
+    forms: the model's own attention returns them. (transformers refuses the flag in the
+    config under any implementation but eager.)"""
+    extra = arguments.get(decoder._kernel_ft_var_keyword) or {}  # what came in through **kwargs
+    return bool(arguments.get("output_attentions", extra.get("output_attentions")))
+
+
+def decoder_forward_routed(decoder, *args, **kwargs):
+    """The decoder's forward: ours for unmasked calls without a KV cache or a request for
+    the attention weights, the model's own attention (kept in ``_kernel_ft_theirs``) for
+    the others, and for rows of one document where it is measured to be faster
+    (plain_rows_to_theirs)."""
+    config = getattr(decoder, "config", None)  # (none: not a decoder; check_padding_is_routed says so)
+    if config is None or config._attn_implementation != NAME:  # set_attn_implementation after apply: that runs
+        return decoder._kernel_ft_attention_forward(*args, **kwargs)
+    arguments = decoder._kernel_ft_signature.bind(*args, **kwargs).arguments
+    if arguments.get("attention_mask") is None and not _cached(arguments) and not _weights_asked(decoder, arguments):
         if decoder._kernel_ft_passes_keywords and plain_rows_to_theirs(decoder, arguments):
             # Theirs through hf_packed_attention, with no mask: what such rows get from it
             # (SDPA's causal flag). HF builds none under NAME, also inside a CUDA graph
@@ -340,7 +377,6 @@ def decoder_forward_routed(decoder, *args, **kwargs):
     theirs = decoder._kernel_ft_theirs
     if decoder._kernel_ft_passes_keywords:  # down to the layers, for their recomputation (ROUTED above)
         kwargs[ROUTED] = theirs
-    config = decoder.config
     config._attn_implementation = theirs  # read by every layer and by HF's mask builders
     try:
         return decoder._kernel_ft_attention_forward(*args, **kwargs)
@@ -354,8 +390,9 @@ def route_masked_calls(model, theirs):
     decoder = decoder_of(model)
     decoder._kernel_ft_theirs = theirs
     decoder._kernel_ft_signature = inspect.signature(decoder.forward)
-    decoder._kernel_ft_passes_keywords = any(p.kind is p.VAR_KEYWORD
-                                             for p in decoder._kernel_ft_signature.parameters.values())
+    decoder._kernel_ft_var_keyword = next((p.name for p in decoder._kernel_ft_signature.parameters.values()
+                                           if p.kind is p.VAR_KEYWORD), None)
+    decoder._kernel_ft_passes_keywords = decoder._kernel_ft_var_keyword is not None
     # For the measured choice (plain_rows_to_theirs), once: the first attention layer, and
     # the shortest window a layer keeps as its own attribute (0: none).
     windows = [w for m in _attention_layers(decoder) if (w := getattr(m, "sliding_window", None) or 0)]
@@ -534,8 +571,8 @@ def _padded_logits(model):
     ids = _probe_ids(2 * PROBE_LENGTHS[0], model, weight.device).view(2, -1)
     mask = torch.ones_like(ids)
     mask[1, :2] = 0  # left padding
-    with evaluating(model):
-        return model(input_ids=ids, attention_mask=mask).logits.float()[mask.bool()]
+    with probing(model):
+        return _per_token(model, input_ids=ids, attention_mask=mask).float()[mask.bool()]
 
 
 def _undo_switch(model, theirs):

@@ -83,7 +83,6 @@ from kernel_common import (
     cast_to,
     check_kernel_device,
     error_line,
-    evaluating,
     exp,
     fast_launch,
     first_order_only,
@@ -92,6 +91,7 @@ from kernel_common import (
     next_power_of_2,
     nothing,
     probe_ids,
+    probing,
 )
 
 import triton
@@ -728,7 +728,7 @@ def check_loss_function(model):
     model.loss_function = recorded
     name = type(model).__name__
     try:
-        with evaluating(model):
+        with probing(model):
             ids = probe_ids(model, weight.device)
             model(input_ids=ids, labels=ids)
     except Exception as e:  # noqa: BLE001 - the model's own forward: nothing to check our loss against

@@ -283,6 +283,23 @@ def evaluating(model):
         model.train(was_training)
 
 
+@contextlib.contextmanager
+def probing(model):
+    """``evaluating``, and an MoE config's ``output_router_logits`` off: a swap's probe
+    compares what the model computes with and without a kernel, and the router's
+    auxiliary loss (added after the loss function, from router logits that no 4-D probe
+    mask fits) is neither. Restored after."""
+    configs = {id(c): c for c in (model.config, text_config(model)) if getattr(c, "output_router_logits", False)}
+    for config in configs.values():
+        config.output_router_logits = False
+    try:
+        with evaluating(model):
+            yield model
+    finally:
+        for config in configs.values():
+            config.output_router_logits = True
+
+
 def gpu_clock(run):
     """(run(), milliseconds on the GPU's clock from before its first kernel to after its
     last, by CUDA events around it): when Python queues slower than the GPU runs, the

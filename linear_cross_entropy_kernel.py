@@ -66,6 +66,7 @@ Step 8's kernel; what this step teaches is the memory plan.
 Nothing runs on import. See linear_cross_entropy_test.py for the checks.
 """
 
+import contextlib
 import inspect
 import math
 
@@ -492,17 +493,56 @@ def check_flce_head(model):
 HEAD_ARGUMENTS = ("labels", "logits_to_keep", "return_dict")
 
 
+# Which calls with labels skip the logits. Training (gradients on, or the model in train
+# mode) never needs them: only the loss. An evaluation under no_grad in eval mode is
+# where Trainer's compute_metrics, predict() and a user's own accuracy read them, so
+# there the model's own forward runs, logits and all, as Liger's fused loss does too.
+# A call passes ``skip_logits=True`` (or False) to choose; ``loss_only()`` chooses True
+# for every call within it (our own held-out loss: no [B, T, V] tensor at eval either).
+_LOSS_ONLY = []
+
+
+@contextlib.contextmanager
+def loss_only():
+    """Within: a fused model's evaluation calls with labels compute the loss without
+    logits too (``with kernel_ft.loss_only(): trainer.evaluate()``, no compute_metrics)."""
+    _LOSS_ONLY.append(True)
+    try:
+        yield
+    finally:
+        _LOSS_ONLY.pop()
+
+
+def _skips_logits(model, skip_logits):
+    if skip_logits is not None:
+        return bool(skip_logits)
+    return model.training or torch.is_grad_enabled() or bool(_LOSS_ONLY)
+
+
+def _router_loss(model, arguments, extra):
+    """Whether this call adds an MoE router's auxiliary loss: asked in the call, else by
+    the config (HF's forwards read it there when the call says nothing)."""
+    asked = extra.get("output_router_logits", arguments.get("output_router_logits"))
+    return bool(getattr(text_config(model), "output_router_logits", False) if asked is None else asked)
+
+
 def causal_lm_forward_with_fused_loss(model, *args, **kwargs):
-    """``model``'s forward; with labels, the loss by the fused kernel and no logits."""
+    """``model``'s forward; with labels in training (or ``skip_logits=True``), the loss by
+    the fused kernel and no logits."""
+    skip_logits = kwargs.pop("skip_logits", None)
     arguments = model._kernel_ft_signature.bind(*args, **kwargs).arguments
     extra = arguments.pop(model._kernel_ft_var_keyword, {})  # what came in through **kwargs
     labels = arguments.get("labels")
+    if skip_logits and labels is None:
+        raise ValueError("skip_logits=True needs labels: without them the logits are all the forward computes")
     head = model.get_output_embeddings()
-    if labels is None or extra.get("output_router_logits") or arguments.get("output_router_logits") \
-            or (_peft_copies(head) and head._forward_pre_hooks):
-        # No loss to compute, an MoE call that adds its router's auxiliary loss, or a call of a PEFT model
-        # with an adapter per row (adapter_names: PEFT gives the head's copies a hook that picks each row's):
-        # the model's own forward.
+    if labels is None or not _skips_logits(model, skip_logits) or _router_loss(model, arguments, extra) \
+            or extra.get("fused_lm_head") or (_peft_copies(head) and head._forward_pre_hooks):
+        # No loss to compute, an evaluation that wants the logits, an MoE call that adds its router's
+        # auxiliary loss, TRL's call of the log-probabilities its own fused head computes (fused_lm_head:
+        # its trainers wrap the forward, before or after apply), or a call of a PEFT model with an adapter
+        # per row (adapter_names: PEFT gives the head's copies a hook that picks each row's): the model's
+        # own forward.
         return model._kernel_ft_forward(*args, **kwargs)
     num_items = extra.pop("num_items_in_batch", None)
     shift_labels = extra.pop("shift_labels", None)

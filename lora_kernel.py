@@ -252,6 +252,45 @@ def compute_dtype(x, weights):
     return x.dtype if bases == {x.dtype} else None
 
 
+def unfused_adapter(layer, name):
+    """Why adapter ``name`` of ``layer`` is beyond lora_linear whatever the call (PEFT's
+    forward computes it), or None. lora_linear computes x W^T + b + s (x A^T) B^T with
+    plain bias-free A and B over a frozen plain (or FP8) base layer, nothing else."""
+    variant = getattr(layer, "lora_variant", {}).get(name)
+    if variant is not None or getattr(layer, "use_dora", {}).get(name, False):  # older PEFT: DoRA without variants
+        return f"a LoRA variant ({'DoRA' if variant is None else type(variant).__name__})"
+    if getattr(layer, "fan_in_fan_out", False):
+        return "fan_in_fan_out weights"
+    lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
+    if type(lora_a) is not nn.Linear or type(lora_b) is not nn.Linear or lora_a.bias is not None \
+            or lora_b.bias is not None:
+        return "an adapter with a bias (lora_bias)"
+    base = layer.base_layer
+    if type(base) not in (nn.Linear, FP8Linear):
+        return f"a {type(base).__module__.split('.')[0]} {type(base).__name__} base layer (quantized)"
+    if base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
+        return "a trained base layer"
+    return None
+
+
+def active_adapter_unfused(layer):
+    """unfused_adapter of ``layer``'s one active adapter (None with none or several active:
+    that is decided per call)."""
+    active = layer.active_adapters
+    return unfused_adapter(layer, active[0]) if len(active) == 1 and active[0] in layer.lora_A else None
+
+
+def unfused_layers(model):
+    """{reason: count} over the routed LoRA layers whose active adapter keeps PEFT's
+    forward whatever the call (for apply's report)."""
+    reasons = {}
+    for module in model.modules():
+        why = "_peft_forward" in module.__dict__ and active_adapter_unfused(module)
+        if why:
+            reasons[why] = reasons.get(why, 0) + 1
+    return reasons
+
+
 def _fusable(layer, x, args, kwargs):
     """The one active plain adapter of ``layer`` as (A, B, scaling, dropout, fp8), or None:
     PEFT's path. ``dropout`` is the adapter's dropout module when it drops anything (p > 0,
@@ -259,21 +298,14 @@ def _fusable(layer, x, args, kwargs):
     if args or kwargs or layer.disable_adapters or layer.merged:
         return None
     active = layer.active_adapters
-    if len(active) != 1 or active[0] not in layer.lora_A or active[0] in getattr(layer, "lora_variant", {}):
+    if len(active) != 1 or active[0] not in layer.lora_A or unfused_adapter(layer, active[0]):
         return None
     name = active[0]
-    if getattr(layer, "use_dora", {}).get(name, False):  # older PEFT: DoRA without lora_variant
-        return None
     base = layer.base_layer
     lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
     # An FP8 base layer eagerly only: under a tracer its own operators run.
     fp8 = type(base) is FP8Linear and not (traced(x) or torch.compiler.is_compiling())
-    if ((type(base) is not nn.Linear and not fp8) or base.weight.requires_grad
-            or compute_dtype(x, (base.weight, base.bias)) is None or getattr(layer, "fan_in_fan_out", False)
-            or type(lora_a) is not nn.Linear or type(lora_b) is not nn.Linear
-            or lora_a.bias is not None or lora_b.bias is not None):
-        return None
-    if base.bias is not None and base.bias.requires_grad:
+    if (type(base) is not nn.Linear and not fp8) or compute_dtype(x, (base.weight, base.bias)) is None:
         return None
     dropout = layer.lora_dropout[name]
     drops = not isinstance(dropout, nn.Identity) and dropout.training and getattr(dropout, "p", 1.0) > 0
@@ -295,6 +327,11 @@ def _fused_forward(layer, x, *args, **kwargs):
                        adapter_input(x, dropout), fp8)
 
 
+def lora_layer(module):
+    """Whether ``module`` is PEFT's LoRA wrapper of a linear layer (peft.tuners.lora's Linear)."""
+    return type(module).__name__ == "Linear" and type(module).__module__.startswith("peft.tuners.lora")
+
+
 def fuse_lora(model):
     """Route every PEFT ``lora.Linear`` of ``model`` through lora_linear where it applies
     (checked per call; PEFT's own forward otherwise). The modules, their parameters,
@@ -302,7 +339,7 @@ def fuse_lora(model):
     Returns how many layers were routed."""
     count = 0
     for module in model.modules():
-        if type(module).__name__ != "Linear" or not type(module).__module__.startswith("peft.tuners.lora"):
+        if not lora_layer(module):
             continue
         if "_peft_forward" not in module.__dict__:
             module._peft_forward = module.forward

@@ -60,7 +60,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fp8_kernel import FP8Linear
-from lora_kernel import LoRALinearFunction, _fusable, _fused_forward, adapter_input, compute_dtype
+from lora_kernel import (
+    LoRALinearFunction, _fusable, _fused_forward, active_adapter_unfused, adapter_input, compute_dtype,
+)
 
 # The projections of one module that read the same input, by the names HF gives them.
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -227,7 +229,8 @@ def group_projections(model):
             members = [(n, getattr(module, n, None)) for n in names]
             # A forward set on the instance (accelerate's offloading hooks, say) is left to run.
             plain = [(n, m) for n, m in members if (type(m) is nn.Linear and "forward" not in m.__dict__)
-                     or (m is not None and _is_routed_lora(m) and "projection_group" not in m.__dict__)]
+                     or (m is not None and _is_routed_lora(m) and "projection_group" not in m.__dict__
+                         and not active_adapter_unfused(m))]
             fp8 = [(n, m) for n, m in members if type(m) is FP8Linear and "forward" not in m.__dict__]
             members = plain if len(plain) >= 2 else fp8  # a group is all FP8Linear or none
             if len(members) < 2 or len({_width(m) for _, m in members}) != 1:

@@ -7,6 +7,10 @@ kernel_ft: the fused Triton kernels of this tutorial in your own training script
     print(report)                                       # what went in, what did not and why
     trainer = Trainer(model=model, args=..., optimizers=(kernel_ft.AdamW(model.parameters(), lr=2e-5), None))
 
+With labels, training calls return the loss without logits; an evaluation (eval mode,
+no gradients) returns the logits too, for compute_metrics. ``with kernel_ft.loss_only():``
+around an evaluation that needs only the loss skips them there as well.
+
 ``apply`` is kernel_ft/patching.py; ``AdamW`` the fused AdamW of adamw_kernel.py (the
 signature and defaults of torch.optim.AdamW). The rest of the package is the workload
 the tutorial's step scripts share (flags, model loading, data, the loop, checkpoints,
@@ -15,5 +19,6 @@ FSDP, CUDA graphs, reports), one concern per module.
 
 from adamw_kernel import TritonAdamW as AdamW
 from kernel_ft.patching import KERNELS, KernelNotApplied, Report, apply
+from linear_cross_entropy_kernel import loss_only
 
-__all__ = ["AdamW", "KERNELS", "KernelNotApplied", "Report", "apply"]
+__all__ = ["AdamW", "KERNELS", "KernelNotApplied", "Report", "apply", "loss_only"]

@@ -35,7 +35,7 @@ from attention_routing import use_packed_attention
 from cross_entropy_kernel import use_fused_loss
 from fp8_kernel import GRAD_FORMATS, FP8Linear, replace_linears
 from linear_cross_entropy_kernel import fuse_linear_cross_entropy
-from lora_kernel import fuse_lora
+from lora_kernel import fuse_lora, unfused_layers
 from projections_kernel import Grouped, group_projections
 from rmsnorm_kernel import TritonRMSNorm, replace_rmsnorm
 from rope_kernel import fuse_rope
@@ -129,10 +129,12 @@ def apply(model, *, fp8=None, rmsnorm=True, swiglu=True, flce=True, ce=True, rop
     ``fp8_grads`` ("e4m3" or "e5m2"). Call it once,
     before the model goes to Trainer / accelerate; with LoRA after ``get_peft_model``.
 
-    After it, ``model(input_ids, labels=...)`` returns HF's loss (shifted labels,
-    ignore_index -100, ``num_items_in_batch``) without building the logits (flce; the
-    output's ``logits`` is None), calls without labels return logits as before, and a
-    padding ``attention_mask`` or a KV cache (generate) runs the model's own attention.
+    After it, ``model(input_ids, labels=...)`` in training returns HF's loss (shifted
+    labels, ignore_index -100, ``num_items_in_batch``) without building the logits (flce;
+    the output's ``logits`` is None); an evaluation (eval mode, no gradients) and calls
+    without labels return logits as before (``loss_only()``: none in evaluation either),
+    and a padding ``attention_mask``, a KV cache (generate) or ``output_attentions`` runs
+    the model's own attention.
     """
     lm = _unwrapped(model)
     name = type(lm).__name__
@@ -169,7 +171,11 @@ def apply(model, *, fp8=None, rmsnorm=True, swiglu=True, flce=True, ce=True, rop
                 f"(LoRA or quantized), not a plain nn.Linear")
 
     # The loss: inside the model's forward, without logits (flce), else on the logits (ce).
-    if switch("flce", flce, fuse_linear_cross_entropy, "",
+    other_loss = _other_loss(lm)
+    if other_loss:
+        report.add("flce", NOT_USED, 0, other_loss)
+        report.add("ce", NOT_USED, 0, other_loss)
+    elif switch("flce", flce, fuse_linear_cross_entropy, "",
               "fused linear cross-entropy inside the model's forward: LM head + loss in chunks, no logits"):
         report.add("ce", NOT_USED, 0, "superseded by flce" if ce else "switched off")
     else:
@@ -195,6 +201,18 @@ def apply(model, *, fp8=None, rmsnorm=True, swiglu=True, flce=True, ce=True, rop
         warnings.warn("kernel_ft.apply: left to PyTorch: " + "; ".join(f"{k} ({v})" for k, v in left.items()),
                       stacklevel=2)
     return report
+
+
+def _other_loss(lm):
+    """Why ``lm``'s loss is not a language model's next-token cross-entropy, which is
+    all flce and ce compute (a sequence classifier's loss over its pooled logits), or
+    None. transformers names each model's loss by its class (``loss_type``)."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    kind = getattr(lm, "loss_type", None)
+    if kind is None or LOSS_MAPPING.get(kind) is LOSS_MAPPING["ForCausalLM"]:
+        return None
+    return f"{type(lm).__name__}'s loss is its own ({kind}), not a language model's next-token cross-entropy"
 
 
 def _apply_fp8(report, model, fp8, grads, name):
@@ -225,10 +243,19 @@ def _apply_lora_and_groups(report, model, lora, projections, name):
         report.add("lora", NOT_USED, 0, "switched off")
     elif not hasattr(model, "peft_config"):
         report.add("lora", NOT_USED, 0, "no LoRA layers (a PEFT model: call apply after get_peft_model)")
-    else:
-        _swap(report, "lora", fuse_lora, model, "found no PEFT LoRA layers in {model}",
-              "{count} LoRA layers: the adapter's scale and sum inside the base layer's matrix products "
-              "(cuBLAS epilogues), forward and backward")
+    elif "LORA" not in (kinds := sorted({str(getattr(c, "peft_type", "?")).split(".")[-1]
+                                          for c in model.peft_config.values()})):
+        report.add("lora", NOT_USED, 0, f"no LoRA adapters in this PEFT model ({', '.join(kinds)}: PEFT's forward)")
+    elif _swap(report, "lora", fuse_lora, model, "found no PEFT LoRA layers over linear layers in {model} "
+               "(LoRA over quantized layers keeps PEFT's forward)",
+               "{count} LoRA layers: the adapter's scale and sum inside the base layer's matrix products "
+               "(cuBLAS epilogues), forward and backward"):
+        unfused = unfused_layers(model)
+        why = "; ".join(f"{n} with {reason}" for reason, n in unfused.items())
+        if sum(unfused.values()) == report["lora"]["count"]:
+            report.add("lora", LEFT_OUT, 0, f"every LoRA layer keeps PEFT's forward: {why}")
+        elif unfused:
+            report["lora"]["detail"] += f"; {sum(unfused.values())} of them keep PEFT's forward: {why}"
     if not projections:
         report.add("projections", NOT_USED, 0, "switched off")
     else:

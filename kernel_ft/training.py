@@ -40,6 +40,7 @@ import time
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
 from kernel_common import evaluating, vocabulary_size
+from linear_cross_entropy_kernel import loss_only
 
 import torch
 
@@ -379,7 +380,7 @@ def evaluate(model, loss_fn, batches):
     weighted alike, with the model in eval mode (no dropout) and no gradients.
     Returns a float."""
     loss_sum, count_sum = 0.0, 0
-    with evaluating(model):
+    with evaluating(model), loss_only():  # the fused loss: no [B, T, V] logits here either
         for batch in batches:
             count = target_count(batch)
             loss_sum = loss_sum + loss_fn(model, batch).float() * count

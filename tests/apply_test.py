@@ -19,7 +19,8 @@ trained by transformers' Trainer, TRL's SFTTrainer and PEFT, with and without ap
   apply (logits by conftest.check_outputs: float64 truth, no worse than 2x PyTorch);
 * a config with attention dropout keeps the model's attention (dropout set after apply
   too), position ids split into documents as transformers splits them, return_dict=False
-  gives HF's tuple, PEFT's copy of the head (modules_to_save) runs the fused loss;
+  gives HF's tuple, PEFT's copy of the head (modules_to_save) runs the fused loss; a
+  sequence classifier keeps its own loss (flce and ce not used) and runs our attention;
 * the report (one line per kernel, JSON-ready), Cohere's LayerNorm and interleaved RoPE
   left to PyTorch (warning; strict=True raises KernelNotApplied), a torch.compile'd model
   refused in one line; a second apply wraps nothing twice and reports the kernels the
@@ -317,10 +318,10 @@ def test_sft_trainer_losses(case):
 # --------------------------------------------------------------------------------
 # 3. PEFT LoRA
 # --------------------------------------------------------------------------------
-def lora_model(dropout):
+def lora_model(dropout, **options):
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(tiny_model("Llama"), peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
-                                                                     lora_dropout=dropout))
+                                                                     lora_dropout=dropout, **options))
     torch.manual_seed(3)
     with torch.no_grad():  # PEFT starts B at zero, where A's gradient path would go untested
         for name, p in model.named_parameters():
@@ -359,6 +360,45 @@ def test_peft_lora(dropout):
     assert grads.keys() == want_grads.keys() and all("lora_" in name for name in grads)
     for name in grads:
         assert_close(f"gradient of {name}", grads[name], want_grads[name], GRAD_TOL)
+
+
+@pytest.mark.parametrize("option", ["use_dora", "lora_bias"])
+def test_lora_layers_beyond_the_kernel_are_reported_left_to_peft(option, monkeypatch):
+    """DoRA and adapters with a bias are PEFT's to compute: the report says so (a warning;
+    no "applied" for layers that never run fused), they are not grouped, and the model
+    keeps PEFT's loss and gradients."""
+    import lora_kernel
+
+    fused = spy_on(monkeypatch, lora_kernel, "lora_linear")
+    ours = lora_model(0.0, **{option: True})
+    theirs = copy.deepcopy(ours)
+    report, warned = apply_and_warnings(ours)
+    detail = report["lora"]["detail"]
+    assert report["lora"]["status"] == "left to PyTorch" and detail.startswith("every LoRA layer keeps PEFT's"), detail
+    assert "14 with " + ("a LoRA variant" if option == "use_dora" else "an adapter with a bias") in detail, detail
+    assert len(warned) == 1 and "lora (" in warned[0], warned
+    assert report["projections"]["status"] == "not used", report["projections"]
+    ids = token_ids(2)
+    loss, grads = loss_and_grads(ours, ids, ids)
+    want_loss, want_grads = loss_and_grads(theirs, ids, ids)
+    assert not fused
+    assert_close("loss", loss, want_loss, LOSS_TOL)
+    for name in want_grads:
+        assert_close(f"gradient of {name}", grads[name], want_grads[name], GRAD_TOL)
+
+
+def test_a_peft_model_without_lora_layers_is_not_a_lora_refusal():
+    """Prompt tuning (or IA3, LoHa, ...) has no LoRA layers: lora is "not used", with no
+    warning and strict=True passing, and the other kernels keep PEFT's loss."""
+    peft = pytest.importorskip("peft")
+    theirs = peft.get_peft_model(tiny_model("Llama"), peft.PromptTuningConfig(task_type="CAUSAL_LM",
+                                                                               num_virtual_tokens=4))
+    ours = copy.deepcopy(theirs)
+    report = kernel_ft.apply(ours, strict=True)
+    assert report["lora"]["status"] == "not used" and "PROMPT_TUNING" in report["lora"]["detail"], report["lora"]
+    ids = token_ids(2)
+    assert_close("loss", ours(input_ids=ids, labels=ids).loss.detach(), theirs(input_ids=ids, labels=ids).loss.detach(),
+                 LOSS_TOL)
 
 
 def test_peft_lm_head_trained_as_a_copy_runs_the_fused_loss_on_it(fused_loss_calls):
@@ -477,6 +517,89 @@ def test_an_moe_call_asking_for_the_router_loss_runs_the_models_own_forward():
     assert ours(input_ids=ids, labels=ids).logits is None
 
 
+def test_an_moe_config_asking_for_the_router_loss_is_probed_without_it_and_keeps_it():
+    """output_router_logits=True in the config: apply's probes compare attention and loss
+    without the router's term (it is neither), so both kernels go in, and the fused loss
+    leaves such a model's calls to its own forward, also when the flag is set after apply."""
+    plain = tiny_model("Mixtral")
+    before = copy.deepcopy(plain)
+    before.config.output_router_logits = True
+    report, _ = apply_and_warnings(before)
+    assert report["attention"]["status"] == report["ce"]["status"] == "applied", str(report)
+    assert "output_router_logits" in report["flce"]["detail"]
+    assert before.config.output_router_logits is True
+    after = applied(copy.deepcopy(plain))
+    after.config.output_router_logits = True
+    plain.config.output_router_logits = True
+    ids = token_ids(2)
+    want = plain(input_ids=ids, labels=ids)
+    for ours in (before, after):
+        got = ours(input_ids=ids, labels=ids)
+        assert got.aux_loss is not None
+        assert_close("aux loss", got.aux_loss.detach(), want.aux_loss.detach(), LOSS_TOL)
+        assert_close("loss", got.loss.detach(), want.loss.detach(), LOSS_TOL)
+
+
+def test_an_evaluation_without_gradients_returns_the_logits_unless_told_not_to():
+    """Trainer's evaluation (eval mode, no_grad) hands the logits to compute_metrics: there
+    the model's own forward runs. skip_logits=True, or kernel_ft.loss_only() around the
+    calls, keeps the fused loss; in training the logits are skipped as before."""
+    plain = tiny_model("Llama").eval()
+    ours = applied(copy.deepcopy(plain))
+    ids = token_ids(2)
+    with torch.no_grad():
+        want = plain(input_ids=ids, labels=ids)
+        got = ours(input_ids=ids, labels=ids)
+        assert got.logits is not None
+        assert_close("logits", got.logits, want.logits, LOSS_TOL)
+        assert_close("loss", got.loss, want.loss, LOSS_TOL)
+        for lean in (ours(input_ids=ids, labels=ids, skip_logits=True), None):
+            if lean is None:
+                with kernel_ft.loss_only():
+                    lean = ours(input_ids=ids, labels=ids)
+            assert lean.logits is None
+            assert_close("loss without logits", lean.loss, want.loss, LOSS_TOL)
+        with pytest.raises(ValueError, match="skip_logits=True needs labels"):
+            ours(input_ids=ids, skip_logits=True)
+    ours.train()
+    assert ours(input_ids=ids, labels=ids).logits is None
+    assert ours(input_ids=ids, labels=ids, skip_logits=False).logits is not None
+
+    def accuracy(prediction):
+        predicted, labels = prediction.predictions[:, :-1], prediction.label_ids[:, 1:]
+        return {"accuracy": float((predicted == labels).mean())}
+
+    def evaluation(model):
+        with tempfile.TemporaryDirectory() as out:
+            args = transformers.TrainingArguments(output_dir=out, per_device_eval_batch_size=2, report_to="none",
+                                                  use_cpu=ON_CPU, disable_tqdm=True)
+            trainer = transformers.Trainer(model=model, args=args, eval_dataset=lm_dataset(4),
+                                           compute_metrics=accuracy,
+                                           preprocess_logits_for_metrics=lambda logits, _: logits.argmax(-1))
+            return trainer.evaluate()
+
+    theirs, mine = evaluation(plain), evaluation(ours)
+    assert_close("eval loss", mine["eval_loss"], theirs["eval_loss"], LOSS_TOL)
+    assert mine["eval_accuracy"] == theirs["eval_accuracy"]
+
+
+def test_trls_fused_head_wrapped_before_apply_still_gives_its_log_probabilities():
+    """TRL's trainers give the model a forward of their own (add_fused_lm_head) and call it
+    with fused_lm_head=True for per-token log-probabilities. apply after it (on
+    trainer.model) must hand those calls to TRL's forward, not compute a loss instead."""
+    add_fused_lm_head = pytest.importorskip("trl.trainer.utils").__dict__.get("add_fused_lm_head")
+    if add_fused_lm_head is None:
+        pytest.skip("this TRL has no add_fused_lm_head")
+    plain = tiny_model("Llama")
+    add_fused_lm_head(plain)
+    ours = applied(copy.deepcopy(plain))
+    ids = token_ids(2)
+    want = plain(input_ids=ids, labels=ids, fused_lm_head=True).log_probs
+    got = ours(input_ids=ids, labels=ids, fused_lm_head=True).log_probs
+    assert_close("log-probabilities", got.detach(), want.detach(), LOSS_TOL)
+    assert ours(input_ids=ids, labels=ids).logits is None  # the fused loss still serves the plain calls
+
+
 @pytest.mark.parametrize("label", TESTED)
 def test_without_labels_the_logits_are_the_models(label):
     plain = tiny_model(label).eval()
@@ -509,6 +632,37 @@ def test_generate_gives_the_same_greedy_tokens(label, padding):
     got = ours.generate(ids, **kwargs)
     assert want.shape == (2, 14)
     assert torch.equal(got, want), f"{got.tolist()} vs {want.tolist()}"
+
+
+def test_a_static_cache_runs_the_models_attention():
+    """A StaticCache hands each layer keys as long as its capacity, the prefill included:
+    those calls go to the model's own attention, as a filled cache's do."""
+    plain = tiny_model("Llama").eval()
+    ours = applied(copy.deepcopy(plain))
+    ids = token_ids(2, 6)
+    kwargs = dict(max_new_tokens=6, do_sample=False, cache_implementation="static")
+    want, got = plain.generate(ids, **kwargs), ours.generate(ids, **kwargs)
+    assert torch.equal(got, want), f"{got.tolist()} vs {want.tolist()}"
+
+
+def test_attention_weights_asked_for_come_from_the_models_attention(attention_calls):
+    """output_attentions=True needs the weights, which ours never forms: the model's own
+    attention runs; and an implementation set after apply is kept."""
+    torch.manual_seed(0)
+    plain = transformers.AutoModelForCausalLM.from_config(tiny_config("Llama"), attn_implementation="eager")
+    plain = plain.to(DEVICE).eval()
+    ours = applied(copy.deepcopy(plain))
+    ids = token_ids(2)
+    want = plain(input_ids=ids, output_attentions=True).attentions
+    attention_calls.clear()
+    got = ours(input_ids=ids, output_attentions=True).attentions
+    assert len(got) == len(want) == 2 and not attention_calls
+    for a, b in zip(got, want):
+        assert_close("attention weights", a, b, LOSS_TOL)
+    ours.set_attn_implementation("eager")  # the user's choice after apply: kept, also after a padded call
+    ours(input_ids=ids, attention_mask=torch.ones_like(ids))
+    ours(input_ids=ids)
+    assert ours.config._attn_implementation == "eager" and not attention_calls
 
 
 @pytest.mark.parametrize("label", ["Llama", "Phi-3"])
@@ -985,6 +1139,43 @@ def test_what_a_family_cannot_run_is_left_to_pytorch_with_one_warning():
     assert "RMSNorm" in report["rmsnorm"]["detail"]
     assert len(warned) == 1 and "rmsnorm (" in warned[0] and "rope (" in warned[0], warned
     assert report["attention"]["status"] == "applied"
+
+
+def test_a_sequence_classifier_keeps_its_loss_and_runs_our_attention(attention_calls):
+    """A classifier's loss is over one pooled row of logits, not the next token: flce and
+    ce are not used (said, no warning), and the attention's probes compare the decoder's
+    last hidden states, so the kernel goes in and gives the model's own loss and gradients."""
+    torch.manual_seed(0)
+    config = tiny_config("Llama")
+    config.num_labels = 3
+    theirs = transformers.AutoModelForSequenceClassification.from_config(config).to(DEVICE).train()
+    ours = copy.deepcopy(theirs)
+    report, warned = apply_and_warnings(ours)
+    assert warned == [], warned
+    assert report.applied == ["rmsnorm", "swiglu", "rope", "attention", "projections"], str(report)
+    for kernel in ("flce", "ce"):
+        assert report[kernel]["status"] == "not used" and "ForSequenceClassification" in report[kernel]["detail"]
+    ids, labels = token_ids(2), torch.tensor([0, 2], device=DEVICE)
+    padded = ids.clone()
+    padded[1, -5:] = config.pad_token_id  # right padding: the classifier pools each row's last real token
+    # Packed rows (two documents each): ours, also on a GPU, where rows of one document may be measured faster in
+    # SDPA and routed there (without a cache, as in training, HF splits its own attention by the positions too);
+    # a padded batch: the model's own attention.
+    positions = torch.cat([torch.arange(10), torch.arange(SEQ - 10)]).expand(2, SEQ).to(DEVICE)
+    for inputs in ({"input_ids": ids, "position_ids": positions, "use_cache": False},
+                   {"input_ids": padded, "attention_mask": (padded != 0).long()}):
+        calls = len(attention_calls)
+        losses = []
+        for model in (ours, theirs):
+            model.zero_grad()
+            loss = model(**inputs, labels=labels).loss
+            loss.backward()
+            losses.append(loss)
+        assert_close(f"loss {list(inputs)}", losses[0], losses[1], LOSS_TOL)
+        for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+            assert_close(f"{name}.grad {list(inputs)}", a.grad, b.grad, GRAD_TOL)
+        ran_ours = len(attention_calls) > calls
+        assert ran_ours == ("attention_mask" not in inputs), "the padded batch goes to the model's attention"
 
 
 def test_strict_raises_kernel_not_applied_on_cohere():

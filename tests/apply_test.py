@@ -21,6 +21,12 @@ trained by transformers' Trainer, TRL's SFTTrainer and PEFT, with and without ap
   too), position ids split into documents as transformers splits them, return_dict=False
   gives HF's tuple, PEFT's copy of the head (modules_to_save) runs the fused loss; a
   sequence classifier keeps its own loss (flce and ce not used) and runs our attention;
+* an evaluation (eval mode, no_grad) returns the logits for Trainer's compute_metrics
+  (skip_logits / kernel_ft.loss_only skip them); TRL's fused_lm_head calls reach TRL's
+  forward; a static cache, output_attentions and an implementation set after apply run
+  the model's attention; an MoE config asking for the router loss is probed without it
+  and keeps it; DoRA and LoRA with a bias are reported as PEFT's; a PEFT model without
+  LoRA layers is no refusal;
 * the report (one line per kernel, JSON-ready), Cohere's LayerNorm and interleaved RoPE
   left to PyTorch (warning; strict=True raises KernelNotApplied), a torch.compile'd model
   refused in one line; a second apply wraps nothing twice and reports the kernels the

@@ -283,6 +283,28 @@ def evaluating(model):
         model.train(was_training)
 
 
+# kernel_ft.loss_only(): evaluation calls of a model with the fused loss skip the logits
+# too (linear_cross_entropy_kernel reads it); here, so that the loop uses it without
+# importing a kernel.
+_LOSS_ONLY = []
+
+
+@contextlib.contextmanager
+def loss_only():
+    """Within: a fused model's evaluation calls with labels compute the loss without
+    logits too (``with kernel_ft.loss_only(): trainer.evaluate()``, no compute_metrics)."""
+    _LOSS_ONLY.append(True)
+    try:
+        yield
+    finally:
+        _LOSS_ONLY.pop()
+
+
+def losses_only():
+    """Whether a loss_only() block is open."""
+    return bool(_LOSS_ONLY)
+
+
 @contextlib.contextmanager
 def probing(model):
     """``evaluating``, and an MoE config's ``output_router_logits`` off: a swap's probe

@@ -66,7 +66,6 @@ Step 8's kernel; what this step teaches is the memory plan.
 Nothing runs on import. See linear_cross_entropy_test.py for the checks.
 """
 
-import contextlib
 import inspect
 import math
 
@@ -76,7 +75,7 @@ import torch.nn as nn
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
     SUPPORTED_DTYPES, SwapMismatch, cdiv, check_kernel_device, decoder_of, error_line, evaluating, first_order_only,
-    kernel_op, nothing, probe_ids, probe_rounding, text_config, wrap_forward,
+    kernel_op, losses_only, nothing, probe_ids, probe_rounding, text_config, wrap_forward,
 )
 
 # Step 8's building blocks: the loss kernel's launcher (it writes the loss per row
@@ -497,26 +496,12 @@ HEAD_ARGUMENTS = ("labels", "logits_to_keep", "return_dict")
 # mode) never needs them: only the loss. An evaluation under no_grad in eval mode is
 # where Trainer's compute_metrics, predict() and a user's own accuracy read them, so
 # there the model's own forward runs, logits and all, as Liger's fused loss does too.
-# A call passes ``skip_logits=True`` (or False) to choose; ``loss_only()`` chooses True
-# for every call within it (our own held-out loss: no [B, T, V] tensor at eval either).
-_LOSS_ONLY = []
-
-
-@contextlib.contextmanager
-def loss_only():
-    """Within: a fused model's evaluation calls with labels compute the loss without
-    logits too (``with kernel_ft.loss_only(): trainer.evaluate()``, no compute_metrics)."""
-    _LOSS_ONLY.append(True)
-    try:
-        yield
-    finally:
-        _LOSS_ONLY.pop()
-
-
+# A call passes ``skip_logits=True`` (or False) to choose; kernel_common.loss_only()
+# chooses True for every call within it (our own held-out loss: no [B, T, V] tensor).
 def _skips_logits(model, skip_logits):
     if skip_logits is not None:
         return bool(skip_logits)
-    return model.training or torch.is_grad_enabled() or bool(_LOSS_ONLY)
+    return model.training or torch.is_grad_enabled() or losses_only()
 
 
 def _router_loss(model, arguments, extra):

@@ -267,7 +267,7 @@ def unfused_adapter(layer, name):
         return "an adapter with a bias (lora_bias)"
     base = layer.base_layer
     if type(base) not in (nn.Linear, FP8Linear):
-        return f"a {type(base).__module__.split('.')[0]} {type(base).__name__} base layer (quantized)"
+        return f"a {type(base).__module__.split('.')[0]} {type(base).__name__} base layer, not a plain Linear"
     if base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
         return "a trained base layer"
     return None

@@ -19,6 +19,6 @@ FSDP, CUDA graphs, reports), one concern per module.
 
 from adamw_kernel import TritonAdamW as AdamW
 from kernel_ft.patching import KERNELS, KernelNotApplied, Report, apply
-from linear_cross_entropy_kernel import loss_only
+from kernel_common import loss_only
 
 __all__ = ["AdamW", "KERNELS", "KernelNotApplied", "Report", "apply", "loss_only"]

@@ -39,8 +39,7 @@ import threading
 import time
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
-from kernel_common import evaluating, vocabulary_size
-from linear_cross_entropy_kernel import loss_only
+from kernel_common import evaluating, loss_only, vocabulary_size
 
 import torch
 

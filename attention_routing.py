@@ -338,13 +338,17 @@ def check_gradients_reach(model, theirs_name):
                            f"does not take)")
 
 
-def _cached(arguments):
+def _cached(decoder, arguments):
     """Whether the call's keys are not all its own tokens: a cache holding earlier tokens,
     or one whose keys are preallocated (a StaticCache hands each layer keys as long as
-    its capacity, prefill included). Only an empty DynamicCache grows with the call."""
+    its capacity, prefill included). Only an empty DynamicCache grows with the call.
+    (transformers 5.24 renamed the argument ``past_key_values`` to ``cache`` and still
+    takes the old name through **kwargs; either may come.)"""
     from transformers import DynamicCache
 
-    cache = arguments.get("past_key_values")
+    extra = arguments.get(decoder._kernel_ft_var_keyword) or {}  # what came in through **kwargs
+    cache = next((c for c in (arguments.get("cache"), arguments.get("past_key_values"),
+                              extra.get("cache"), extra.get("past_key_values")) if c is not None), None)
     if cache is None or not hasattr(cache, "get_seq_length"):
         return False
     return not isinstance(cache, DynamicCache) or cache.get_seq_length() > 0
@@ -367,7 +371,8 @@ def decoder_forward_routed(decoder, *args, **kwargs):
     if config is None or config._attn_implementation != NAME:  # set_attn_implementation after apply: that runs
         return decoder._kernel_ft_attention_forward(*args, **kwargs)
     arguments = decoder._kernel_ft_signature.bind(*args, **kwargs).arguments
-    if arguments.get("attention_mask") is None and not _cached(arguments) and not _weights_asked(decoder, arguments):
+    plain = not (_cached(decoder, arguments) or _weights_asked(decoder, arguments))
+    if arguments.get("attention_mask") is None and plain:
         if decoder._kernel_ft_passes_keywords and plain_rows_to_theirs(decoder, arguments):
             # Theirs through hf_packed_attention, with no mask: what such rows get from it
             # (SDPA's causal flag). HF builds none under NAME, also inside a CUDA graph

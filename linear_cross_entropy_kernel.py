@@ -552,10 +552,18 @@ def causal_lm_forward_with_fused_loss(model, *args, **kwargs):
                                       reduction=causal_lm_reduction(num_items),
                                       softcap=getattr(config, "final_logit_softcapping", None))
     loss = divide_by_items(loss, num_items)
+    import dataclasses
+
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    # A decoder without a KV cache (GPT-1, Mamba, RWKV: their outputs have no past_key_values) returns None there.
-    result = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(outputs, "past_key_values", None),
+    # The KV cache under the name this transformers gives it (5.24 renamed past_key_values to cache; the old
+    # name still reads, with a warning). A decoder without one (GPT-1, Mamba, RWKV) returns None there.
+    fields = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
+    cache_field = "cache" if "cache" in fields else "past_key_values"
+    # Read by key (a ModelOutput is a dict): the old names' properties in 5.24 would warn.
+    cache = next((outputs[k] for k in ("cache", "past_key_values")
+                  if isinstance(outputs, dict) and outputs.get(k) is not None), None)
+    result = CausalLMOutputWithPast(loss=loss, logits=None, **{cache_field: cache},
                                     hidden_states=getattr(outputs, "hidden_states", None),
                                     attentions=getattr(outputs, "attentions", None))
     # return_dict=False: HF's tuple, with None where the logits would be, so that whatever reads the outputs by

@@ -651,6 +651,23 @@ def test_a_static_cache_runs_the_models_attention():
     assert torch.equal(got, want), f"{got.tolist()} vs {want.tolist()}"
 
 
+def test_a_cache_passed_by_either_name_runs_the_models_attention():
+    """A filled cache passed by hand, under the name of either transformers (5.24 calls it
+    ``cache`` and still takes ``past_key_values`` through **kwargs): the next tokens' keys
+    include the cached ones, so those calls go to the model's own attention."""
+    import inspect
+
+    plain = tiny_model("Llama").eval()
+    ours = applied(copy.deepcopy(plain))
+    ids = token_ids(2, 9)
+    names = ["past_key_values"] + ["cache"] * ("cache" in inspect.signature(type(plain).forward).parameters)
+    with torch.no_grad():
+        for name in names:
+            want = plain(ids[:, 6:], **{name: plain(ids[:, :6], use_cache=True)[1]}).logits
+            got = ours(ids[:, 6:], **{name: ours(ids[:, :6], use_cache=True)[1]}).logits
+            torch.testing.assert_close(got, want, msg=lambda m: f"{name}=: {m}")
+
+
 def test_attention_weights_asked_for_come_from_the_models_attention(attention_calls):
     """output_attentions=True needs the weights, which ours never forms: the model's own
     attention runs; and an implementation set after apply is kept."""

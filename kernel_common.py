@@ -31,7 +31,6 @@ import functools
 import inspect
 import os
 import sys
-import types
 
 import torch
 
@@ -455,26 +454,65 @@ def text_modules(model):
     return walk(model)
 
 
-def wrap_forward(module, slot, wrapper):
-    """Make ``wrapper(module, *args, **kwargs)`` this instance's forward, the forward it
-    had kept as ``module.<slot>`` for the wrapper to call; return False (and change
-    nothing) if ``slot`` is taken already: wrapping twice would call ours twice.
+class InstanceForward:
+    """``function(module, *args, **kwargs)`` as one module instance's forward: what
+    ``types.MethodType(function, module)`` is, and what it is not.
 
-    The new forward shows the old one's signature to ``inspect``: transformers'
-    Trainer reads a model's forward signature to pick the dataset columns it keeps
-    and whether to pass ``num_items_in_batch``. It is a bound method, so a deep copy
-    of the model calls its own copy (a closure would keep calling the original)."""
+    * A deep copy of the model calls its own copy (a closure would keep calling the
+      original), as a bound method does.
+    * ``pickle`` / ``torch.save(model)`` keep it. A bound method pickles as
+      ``getattr(module, function.__name__)``, which on loading finds no such attribute,
+      or, named ``forward``, the class's forward: the kernel silently gone. This one
+      pickles as the function itself (found by its import path) or, for a function
+      made at run time, as ``made_by`` = (maker, argument) that makes it again.
+    * ``inspect.signature`` shows ``signature_of``'s (the forward it replaced, kept on
+      the module under that name): transformers' Trainer reads a model's forward
+      signature to pick the dataset columns it keeps and whether to pass
+      ``num_items_in_batch``. Read when asked, so a loaded copy shows it too.
+    * ``__func__`` / ``__self__``, as on a bound method: accelerate's mixed-precision
+      wrapper rebinds ``model.forward.__func__``.
+    """
+
+    def __init__(self, function, module, signature_of=None, made_by=None):
+        self.__func__, self.__self__ = function, module
+        self.signature_of, self.made_by = signature_of, made_by
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    def __getattr__(self, name):  # only for what the instance lacks
+        if name == "__signature__":
+            if self.signature_of is not None:
+                return inspect.signature(getattr(self.__self__, self.signature_of))
+            return inspect.signature(functools.partial(self.__func__, self.__self__))
+        if name in ("__name__", "__qualname__"):
+            return getattr(self.__func__, name)
+        raise AttributeError(name)
+
+    def __reduce__(self):
+        return _loaded_forward, (self.made_by or self.__func__, self.__self__, self.signature_of)
+
+    def __repr__(self):
+        return f"<forward {self.__func__.__qualname__} of {type(self.__self__).__name__}>"
+
+
+def _loaded_forward(function, module, signature_of):
+    """An InstanceForward again, from what its __reduce__ kept."""
+    if isinstance(function, tuple):  # made at run time: make it again
+        maker, argument = function
+        return InstanceForward(maker(argument), module, signature_of, made_by=function)
+    return InstanceForward(function, module, signature_of)
+
+
+def wrap_forward(module, slot, wrapper):
+    """Make ``wrapper(module, *args, **kwargs)`` this instance's forward (an
+    InstanceForward), the forward it had kept as ``module.<slot>`` for the wrapper to
+    call; return False (and change nothing) if ``slot`` is taken already: wrapping
+    twice would call ours twice. The new forward shows the old one's signature."""
     if slot in module.__dict__:
         return False
-    original = module.forward
-    function = types.FunctionType(wrapper.__code__, wrapper.__globals__, wrapper.__name__, wrapper.__defaults__,
-                                  wrapper.__closure__)
-    self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    signature = inspect.signature(original)
-    function.__signature__ = signature.replace(parameters=[self_parameter, *signature.parameters.values()])
-    function.__doc__ = wrapper.__doc__
-    setattr(module, slot, original)
-    module.forward = types.MethodType(function, module)
+    setattr(module, slot, module.forward)
+    module.forward = InstanceForward(wrapper, module, signature_of=slot)
     return True
 
 # What the FP8 layers (fp8_kernel.py) share with the flags' check (flags.py) and

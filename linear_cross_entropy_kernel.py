@@ -552,18 +552,13 @@ def causal_lm_forward_with_fused_loss(model, *args, **kwargs):
                                       reduction=causal_lm_reduction(num_items),
                                       softcap=getattr(config, "final_logit_softcapping", None))
     loss = divide_by_items(loss, num_items)
-    import dataclasses
-
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    # The KV cache under the name this transformers gives it (5.24 renamed past_key_values to cache; the old
-    # name still reads, with a warning). A decoder without one (GPT-1, Mamba, RWKV) returns None there.
-    fields = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
-    cache_field = "cache" if "cache" in fields else "past_key_values"
-    # Read by key (a ModelOutput is a dict): the old names' properties in 5.24 would warn.
+    # The KV cache, read by key (a ModelOutput is a dict; 5.24's properties for the old name warn). A decoder
+    # without one (GPT-1, Mamba, RWKV: no past_key_values in their outputs) returns None there.
     cache = next((outputs[k] for k in ("cache", "past_key_values")
                   if isinstance(outputs, dict) and outputs.get(k) is not None), None)
-    result = CausalLMOutputWithPast(loss=loss, logits=None, **{cache_field: cache},
+    result = CausalLMOutputWithPast(loss=loss, logits=None, **{output_cache_field(): cache},
                                     hidden_states=getattr(outputs, "hidden_states", None),
                                     attentions=getattr(outputs, "attentions", None))
     # return_dict=False: HF's tuple, with None where the logits would be, so that whatever reads the outputs by
@@ -571,6 +566,23 @@ def causal_lm_forward_with_fused_loss(model, *args, **kwargs):
     if call.get("return_dict") is False:
         return (loss, None, *result.to_tuple()[1:])
     return result
+
+
+_CACHE_FIELD = []
+
+
+def output_cache_field():
+    """The name transformers gives the KV cache in a causal LM's output: ``past_key_values``,
+    ``cache`` from 5.24 on (the old name still reads, with a warning). Looked up once (the
+    first call is apply's probe, in eager), then a plain read under torch.compile."""
+    if not _CACHE_FIELD:
+        import dataclasses
+
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        fields = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
+        _CACHE_FIELD.append("cache" if "cache" in fields else "past_key_values")
+    return _CACHE_FIELD[0]
 
 
 def fuse_linear_cross_entropy(model):

@@ -77,13 +77,12 @@ Nothing runs on import. See lora_test.py for the checks.
 """
 
 import math
-import types
 
 import torch
 import torch.nn as nn
 
 from fp8_kernel import FP8Linear, frozen_linear_forward, frozen_linear_input_grad
-from kernel_common import first_order_only, traced
+from kernel_common import InstanceForward, first_order_only, traced
 
 
 class LoRALinearFunction(torch.autograd.Function):
@@ -343,6 +342,6 @@ def fuse_lora(model):
             continue
         if "_peft_forward" not in module.__dict__:
             module._peft_forward = module.forward
-            module.forward = types.MethodType(_fused_forward, module)
+            module.forward = InstanceForward(_fused_forward, module, signature_of="_peft_forward")
         count += 1
     return count

@@ -53,13 +53,13 @@ and their gradients of x through A are summed in one epilogue.
 Nothing runs on import. See projections_test.py for the checks.
 """
 
-import types
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from fp8_kernel import FP8Linear
+from kernel_common import InstanceForward
 from lora_kernel import (
     LoRALinearFunction, _fusable, _fused_forward, active_adapter_unfused, adapter_input, compute_dtype,
 )
@@ -239,7 +239,7 @@ def group_projections(model):
             for i, (n, m) in enumerate(members):
                 if _is_routed_lora(m):
                     m.projection_group, m.projection_index = group, i
-                    m.forward = types.MethodType(_grouped_forward, m)
+                    m.forward = InstanceForward(_grouped_forward, m, signature_of="_peft_forward")
                 else:
                     m = (GroupedFP8Linear if members is fp8 else GroupedLinear).from_linear(m, group, i)
                     setattr(module, n, m)

@@ -121,6 +121,7 @@ import torch
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
     SUPPORTED_DTYPES,
+    InstanceForward,
     SwapMismatch,
     cast_to,
     check_kernel_device,
@@ -759,9 +760,9 @@ def fuse_rope(model):
         if forward is None:
             continue
         count += 1
-        # A method bound to the layer: copy.deepcopy(model) binds the copy's
-        # forward to the copy.
-        sub.forward = types.MethodType(forward, sub)
+        # Bound to the layer (copy.deepcopy(model) binds the copy's forward to the
+        # copy); pickled as the class it is made from, and made again on loading.
+        sub.forward = InstanceForward(forward, sub, made_by=(_forward_with_fused_rope, type(sub)))
     return count
 
 

@@ -151,7 +151,6 @@ Nothing runs on import. See swiglu_test.py for the checks.
 """
 
 import functools
-import types
 from typing import Optional
 
 import torch
@@ -162,6 +161,7 @@ import torch.nn.functional as F
 from kernel_common import (
     INTERPRET,
     SUPPORTED_DTYPES,
+    InstanceForward,
     SwapMismatch,
     amax_slots,
     as_rows,
@@ -1274,5 +1274,5 @@ def fuse_expert_gates(found):
     it keeps its weights and forward, its ``_apply_gate`` becomes the kernel."""
     for experts, activation in found:
         experts.fused_activation = activation
-        experts._apply_gate = types.MethodType(_fused_expert_gate, experts)
+        experts._apply_gate = InstanceForward(_fused_expert_gate, experts)
     return len(found)

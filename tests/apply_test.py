@@ -23,14 +23,15 @@ trained by transformers' Trainer, TRL's SFTTrainer and PEFT, with and without ap
   sequence classifier keeps its own loss (flce and ce not used) and runs our attention;
 * an evaluation (eval mode, no_grad) returns the logits for Trainer's compute_metrics
   (skip_logits / kernel_ft.loss_only skip them); TRL's fused_lm_head calls reach TRL's
-  forward; a static cache, output_attentions and an implementation set after apply run
-  the model's attention; an MoE config asking for the router loss is probed without it
-  and keeps it; DoRA and LoRA with a bias are reported as PEFT's; a PEFT model without
-  LoRA layers is no refusal;
+  forward; a static cache, a cache passed by either name (5.24 renamed it), output_attentions
+  and an implementation set after apply run the model's attention; an MoE config asking
+  for the router loss is probed without it and keeps it; DoRA and LoRA with a bias are
+  reported as PEFT's; a PEFT model without LoRA layers is no refusal;
 * the report (one line per kernel, JSON-ready), Cohere's LayerNorm and interleaved RoPE
   left to PyTorch (warning; strict=True raises KernelNotApplied), a torch.compile'd model
   refused in one line; a second apply wraps nothing twice and reports the kernels the
-  model runs (no warning, strict=True passes);
+  model runs (no warning, strict=True passes); a model after apply pickles (torch.save) and
+  deep-copies with every kernel in place;
 * ``pip install`` of the repository into a folder: ``import kernel_ft`` from another
   directory that holds a user's own models.py, flags.py and training.py;
 * Step 23's script, finetune_trainer.py: the same losses with and without the kernels, and
@@ -1247,6 +1248,45 @@ def test_second_apply_reports_what_the_model_runs():
     assert warned == [], warned
     assert {k: v["status"] for k, v in second.items()} == {k: v["status"] for k, v in first.items()}, str(second)
     kernel_ft.apply(model, strict=True)
+
+
+def our_forwards(model):
+    """{(module name, attribute): the function} of every forward apply set on an instance."""
+    from kernel_common import InstanceForward
+
+    return {(name, attribute): (value.__func__, value.__self__ is module)
+            for name, module in model.named_modules() for attribute, value in vars(module).items()
+            if isinstance(value, InstanceForward)}
+
+
+@pytest.mark.parametrize("label", ["Llama", "LoRA", "Mixtral"])
+def test_a_model_after_apply_pickles_and_copies_with_its_kernels(label, fused_loss_calls):
+    """torch.save(model) / torch.load and copy.deepcopy keep every kernel apply put in,
+    each bound to its own copy of the module: the same loss and gradients, the fused loss
+    running, the forward's signature (Trainer reads it). A bound method would pickle as a
+    name lookup that finds nothing, or the class's own forward (the kernel silently gone)."""
+    import inspect
+    import io
+
+    model = applied(lora_model(0.0) if label == "LoRA" else tiny_model(label))
+    ids = token_ids(2)
+    want_loss, want_grads = loss_and_grads(model, ids, ids)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for copied in (torch.load(buffer, weights_only=False), copy.deepcopy(model)):
+        assert our_forwards(copied).keys() == our_forwards(model).keys() and our_forwards(model)
+        assert all(own for _, own in our_forwards(copied).values()), "a forward bound to the original's module"
+        assert [f for f, _ in our_forwards(copied).values()] == [f for f, _ in our_forwards(model).values()]
+        causal_lm = copied.get_base_model() if label == "LoRA" else copied  # (PEFT's own shows *args, **kwargs)
+        assert "labels" in inspect.signature(causal_lm.forward).parameters
+        calls = len(fused_loss_calls)
+        loss, grads = loss_and_grads(copied, ids, ids)
+        assert len(fused_loss_calls) == calls + 1
+        assert torch.equal(loss, want_loss)
+        assert grads.keys() == want_grads.keys()
+        for name, grad in grads.items():
+            assert torch.equal(grad, want_grads[name]), name
 
 
 # --------------------------------------------------------------------------------

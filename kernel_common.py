@@ -31,6 +31,7 @@ import functools
 import inspect
 import os
 import sys
+import types
 
 import torch
 
@@ -469,31 +470,48 @@ class InstanceForward:
       the module under that name): transformers' Trainer reads a model's forward
       signature to pick the dataset columns it keeps and whether to pass
       ``num_items_in_batch``. Read when asked, so a loaded copy shows it too.
-    * ``__func__`` / ``__self__``, as on a bound method: accelerate's mixed-precision
-      wrapper rebinds ``model.forward.__func__``.
+    * ``__func__`` / ``__self__``, as on a bound method, for code that rebinds a forward:
+      accelerate's mixed precision wraps ``model.forward.__func__`` and binds the wrapper
+      to the model, its ``compile_regions`` binds ``__func__`` to a copy of the module.
+      ``__func__`` is a copy of the function that shows the replaced forward's
+      signature (with the module's parameter first), as the wrapper keeps it.
     """
 
     def __init__(self, function, module, signature_of=None, made_by=None):
-        self.__func__, self.__self__ = function, module
+        self.function, self.module = function, module
         self.signature_of, self.made_by = signature_of, made_by
 
     def __call__(self, *args, **kwargs):
-        return self.__func__(self.__self__, *args, **kwargs)
+        return self.function(self.module, *args, **kwargs)
 
     def __getattr__(self, name):  # only for what the instance lacks
         if name == "__signature__":
             if self.signature_of is not None:
-                return inspect.signature(getattr(self.__self__, self.signature_of))
-            return inspect.signature(functools.partial(self.__func__, self.__self__))
+                return inspect.signature(getattr(self.module, self.signature_of))
+            return inspect.signature(functools.partial(self.function, self.module))
         if name in ("__name__", "__qualname__"):
-            return getattr(self.__func__, name)
+            return getattr(self.function, name)
         raise AttributeError(name)
 
+    @property
+    def __self__(self):
+        return self.module
+
+    @property
+    def __func__(self):
+        f = self.function
+        copy = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+        copy.__kwdefaults__, copy.__doc__ = f.__kwdefaults__, f.__doc__
+        module_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+        signature = self.__signature__
+        copy.__signature__ = signature.replace(parameters=[module_parameter, *signature.parameters.values()])
+        return copy
+
     def __reduce__(self):
-        return _loaded_forward, (self.made_by or self.__func__, self.__self__, self.signature_of)
+        return _loaded_forward, (self.made_by or self.function, self.module, self.signature_of)
 
     def __repr__(self):
-        return f"<forward {self.__func__.__qualname__} of {type(self.__self__).__name__}>"
+        return f"<forward {self.function.__qualname__} of {type(self.module).__name__}>"
 
 
 def _loaded_forward(function, module, signature_of):

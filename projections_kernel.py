@@ -53,7 +53,6 @@ and their gradients of x through A are summed in one epilogue.
 Nothing runs on import. See projections_test.py for the checks.
 """
 
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

@@ -1254,7 +1254,7 @@ def our_forwards(model):
     """{(module name, attribute): the function} of every forward apply set on an instance."""
     from kernel_common import InstanceForward
 
-    return {(name, attribute): (value.__func__, value.__self__ is module)
+    return {(name, attribute): (value.function, value.module is module)
             for name, module in model.named_modules() for attribute, value in vars(module).items()
             if isinstance(value, InstanceForward)}
 
@@ -1263,14 +1263,23 @@ def our_forwards(model):
 def test_a_model_after_apply_pickles_and_copies_with_its_kernels(label, fused_loss_calls):
     """torch.save(model) / torch.load and copy.deepcopy keep every kernel apply put in,
     each bound to its own copy of the module: the same loss and gradients, the fused loss
-    running, the forward's signature (Trainer reads it). A bound method would pickle as a
+    running, the forward's signature (Trainer reads it), also where accelerate binds its
+    __func__ again. A bound method would pickle as a
     name lookup that finds nothing, or the class's own forward (the kernel silently gone)."""
     import inspect
     import io
+    import types
 
     model = applied(lora_model(0.0) if label == "LoRA" else tiny_model(label))
     ids = token_ids(2)
     want_loss, want_grads = loss_and_grads(model, ids, ids)
+    causal_lm = model.get_base_model() if label == "LoRA" else model  # (PEFT's own forward shows *args, **kwargs)
+    # As accelerate's mixed precision and compile_regions rebind a forward: its __func__ bound again.
+    rebound = types.MethodType(causal_lm.forward.__func__, causal_lm)
+    assert inspect.signature(rebound) == inspect.signature(causal_lm.forward)
+    assert "labels" in inspect.signature(rebound).parameters
+    with torch.no_grad():
+        assert torch.equal(rebound(input_ids=ids, labels=ids).loss, causal_lm(input_ids=ids, labels=ids).loss)
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)
@@ -1278,11 +1287,11 @@ def test_a_model_after_apply_pickles_and_copies_with_its_kernels(label, fused_lo
         assert our_forwards(copied).keys() == our_forwards(model).keys() and our_forwards(model)
         assert all(own for _, own in our_forwards(copied).values()), "a forward bound to the original's module"
         assert [f for f, _ in our_forwards(copied).values()] == [f for f, _ in our_forwards(model).values()]
-        causal_lm = copied.get_base_model() if label == "LoRA" else copied  # (PEFT's own shows *args, **kwargs)
-        assert "labels" in inspect.signature(causal_lm.forward).parameters
+        copied_lm = copied.get_base_model() if label == "LoRA" else copied
+        assert inspect.signature(copied_lm.forward) == inspect.signature(causal_lm.forward)
         calls = len(fused_loss_calls)
         loss, grads = loss_and_grads(copied, ids, ids)
-        assert len(fused_loss_calls) == calls + 1
+        assert len(fused_loss_calls) == calls + 1, "the copy did not run the fused loss"
         assert torch.equal(loss, want_loss)
         assert grads.keys() == want_grads.keys()
         for name, grad in grads.items():

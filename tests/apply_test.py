@@ -661,7 +661,8 @@ def test_a_cache_passed_by_either_name_runs_the_models_attention():
     plain = tiny_model("Llama").eval()
     ours = applied(copy.deepcopy(plain))
     ids = token_ids(2, 9)
-    names = ["past_key_values"] + ["cache"] * ("cache" in inspect.signature(type(plain).forward).parameters)
+    renamed = "cache" in inspect.signature(type(plain).forward).parameters
+    names = ["past_key_values", "cache"] if renamed else ["past_key_values"]
     with torch.no_grad():
         for name in names:
             want = plain(ids[:, 6:], **{name: plain(ids[:, :6], use_cache=True)[1]}).logits
@@ -1251,7 +1252,8 @@ def test_second_apply_reports_what_the_model_runs():
 
 
 def our_forwards(model):
-    """{(module name, attribute): the function} of every forward apply set on an instance."""
+    """{(module name, attribute): (its function, whether bound to that module)} of every
+    forward apply set on an instance."""
     from kernel_common import InstanceForward
 
     return {(name, attribute): (value.function, value.module is module)
@@ -1264,8 +1266,8 @@ def test_a_model_after_apply_pickles_and_copies_with_its_kernels(label, fused_lo
     """torch.save(model) / torch.load and copy.deepcopy keep every kernel apply put in,
     each bound to its own copy of the module: the same loss and gradients, the fused loss
     running, the forward's signature (Trainer reads it), also where accelerate binds its
-    __func__ again. A bound method would pickle as a
-    name lookup that finds nothing, or the class's own forward (the kernel silently gone)."""
+    __func__ again. A bound method would pickle as a name lookup that finds nothing, or
+    the class's own forward (the kernel silently gone)."""
     import inspect
     import io
     import types

@@ -502,6 +502,7 @@ class InstanceForward:
         f = self.function
         copy = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
         copy.__kwdefaults__, copy.__doc__ = f.__kwdefaults__, f.__doc__
+        copy.__dict__.update(f.__dict__)  # __wrapped__ too: attention_routing walks a decorator's chain
         module_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
         signature = self.__signature__
         copy.__signature__ = signature.replace(parameters=[module_parameter, *signature.parameters.values()])

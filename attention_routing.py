@@ -36,7 +36,7 @@ import torch
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
     SwapMismatch, decoder_of, error_line, gpu_clock, plain_causal_attention, probe_rounding, probing,
-    text_config, text_config_key, text_modules, vocabulary_size, wrap_forward,
+    CACHE_NAMES, text_config, text_config_key, text_modules, vocabulary_size, wrap_forward,
 )
 from attention_kernel import document_starts, packed_attention, visible_keys
 
@@ -347,8 +347,7 @@ def _cached(decoder, arguments):
     from transformers import DynamicCache
 
     extra = arguments.get(decoder._kernel_ft_var_keyword) or {}  # what came in through **kwargs
-    cache = next((c for c in (arguments.get("cache"), arguments.get("past_key_values"),
-                              extra.get("cache"), extra.get("past_key_values")) if c is not None), None)
+    cache = next((c for where in (arguments, extra) for c in map(where.get, CACHE_NAMES) if c is not None), None)
     if cache is None or not hasattr(cache, "get_seq_length"):
         return False
     return not isinstance(cache, DynamicCache) or cache.get_seq_length() > 0

@@ -455,6 +455,11 @@ def text_modules(model):
     return walk(model)
 
 
+# The names a KV cache goes by in a call and in a model's output: transformers 5.24
+# renamed past_key_values to cache (the old name still taken, with a warning).
+CACHE_NAMES = ("cache", "past_key_values")
+
+
 class InstanceForward:
     """``function(module, *args, **kwargs)`` as one module instance's forward: what
     ``types.MethodType(function, module)`` is, and what it is not.

@@ -74,8 +74,8 @@ import torch.nn as nn
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
-    SUPPORTED_DTYPES, SwapMismatch, cdiv, check_kernel_device, decoder_of, error_line, evaluating, first_order_only,
-    kernel_op, losses_only, nothing, probe_ids, probe_rounding, text_config, wrap_forward,
+    CACHE_NAMES, SUPPORTED_DTYPES, SwapMismatch, cdiv, check_kernel_device, decoder_of, error_line, evaluating,
+    first_order_only, kernel_op, losses_only, nothing, probe_ids, probe_rounding, text_config, wrap_forward,
 )
 
 # Step 8's building blocks: the loss kernel's launcher (it writes the loss per row
@@ -556,8 +556,7 @@ def causal_lm_forward_with_fused_loss(model, *args, **kwargs):
 
     # The KV cache, read by key (a ModelOutput is a dict; 5.24's properties for the old name warn). A decoder
     # without one (GPT-1, Mamba, RWKV: no past_key_values in their outputs) returns None there.
-    cache = next((outputs[k] for k in ("cache", "past_key_values")
-                  if isinstance(outputs, dict) and outputs.get(k) is not None), None)
+    cache = next((outputs[k] for k in CACHE_NAMES if isinstance(outputs, dict) and outputs.get(k) is not None), None)
     result = CausalLMOutputWithPast(loss=loss, logits=None, **{output_cache_field(): cache},
                                     hidden_states=getattr(outputs, "hidden_states", None),
                                     attentions=getattr(outputs, "attentions", None))

@@ -34,9 +34,9 @@ import inspect
 import torch
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
-from kernel_common import (
-    SwapMismatch, decoder_of, error_line, gpu_clock, plain_causal_attention, probe_rounding, probing,
-    CACHE_NAMES, text_config, text_config_key, text_modules, vocabulary_size, wrap_forward,
+from swap_common import (
+    SwapMismatch, decoder_of, error_line, gpu_clock, plain_causal_attention, probe_rounding, probing, CACHE_NAMES,
+    text_config, text_config_key, text_modules, vocabulary_size, wrap_forward,
 )
 from attention_kernel import document_starts, packed_attention, visible_keys
 
@@ -152,7 +152,7 @@ def _per_token(model, **inputs):
 
 def _attention_layers(model):
     """The attention modules of the model's text decoder (HF's classes are named
-    *Attention); a multimodal model's vision tower is not among them (kernel_common.text_modules)."""
+    *Attention); a multimodal model's vision tower is not among them (swap_common.text_modules)."""
     return (m for m in text_modules(model) if type(m).__name__.endswith("Attention"))
 
 
@@ -500,7 +500,7 @@ def time_plain_rows(layer, key, repeats=MEASURE_REPEATS, clock=None):
     """(ours ms, theirs ms): median of ``repeats`` fwd+bwd calls of each attention on
     random rows of ``key``'s shape, through ``layer`` (its scaling, heads, causality),
     one of each in turn after a first call each (compilation, caches). ``clock``: a
-    function timing one call in ms (default: kernel_common.gpu_clock's CUDA events)."""
+    function timing one call in ms (default: swap_common.gpu_clock's CUDA events)."""
     device, dtype, B, T, heads, kv_heads, head_dim, theirs = key
     generator = torch.Generator(device=device).manual_seed(0)  # not the run's random stream
 

@@ -78,21 +78,10 @@ import torch.nn.functional as F
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
-    SUPPORTED_DTYPES,
-    SwapMismatch,
-    cast_to,
-    check_kernel_device,
-    error_line,
-    exp,
-    fast_launch,
-    first_order_only,
-    kernel_op,
-    log,
-    next_power_of_2,
+    SUPPORTED_DTYPES, cast_to, check_kernel_device, exp, fast_launch, first_order_only, kernel_op, log, next_power_of_2,
     nothing,
-    probe_ids,
-    probing,
 )
+from swap_common import SwapMismatch, error_line, probe_ids, probing
 
 import triton
 import triton.language as tl

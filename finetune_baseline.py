@@ -93,12 +93,12 @@ def with_liger(model):
 def with_torchao_fp8(model, recipe):
     """The peer of finetune_optimized.py --fp8 (Step 22): torchao's float8 training
     (``convert_to_float8_training``, its recipe of the same name) on the same layers
-    ours takes (kernel_common.linears_to_cast: not the LM head, not LoRA's adapters)."""
+    ours takes (swap_common.linears_to_cast: not the LM head, not LoRA's adapters)."""
     import importlib.metadata
 
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    from kernel_common import linears_to_cast
+    from swap_common import linears_to_cast
 
     names = {name for name, _ in linears_to_cast(model)[0]}
     convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),

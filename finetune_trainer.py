@@ -42,7 +42,7 @@ import time
 import torch
 
 from kernel_ft import dataloader, flags, fsdp, models, reporting, run
-from kernel_common import vocabulary_size
+from swap_common import vocabulary_size
 import kernel_ft
 
 TITLE = "Fine-tuning in TRL's SFTTrainer"

@@ -134,11 +134,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.weak import WeakIdKeyDictionary
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
-from kernel_common import (  # noqa: F401 - fp8_supported: part of this file's API, used by the tests
+from kernel_common import (
     IN_INTERPRETER, INTERPRET, SUPPORTED_DTYPES, cdiv, check_kernel_device, fast_launch, first_order_only,
-    fp8_supported, interpreter_block, kernel_op, linears_to_cast, next_power_of_2, nothing, num_sms,
-    register_fp8_weight, swap_modules, take_amax, take_weight_amax, traced,
+    interpreter_block, kernel_op, next_power_of_2, nothing, num_sms, register_fp8_weight, take_amax, take_weight_amax,
+    traced,
 )
+# fp8_supported: part of this file's API (the tests import it from here).
+from swap_common import called_plainly, fp8_supported, linears_to_cast, swap_modules  # noqa: F401
 
 import triton
 import triton.language as tl
@@ -1110,12 +1112,8 @@ class FP8Linear(nn.Module):
         """Its forward would be this class's as it stands: a trained, bias-free weight not
         gathered by FSDP in FP8, no hooks of its own or global ones (they run only when the
         layer is called), no forward of its own (offloading, parameter gathers)."""
-        hooks = torch.nn.modules.module
         return (self.bias is None and self.weight.requires_grad and not hasattr(self.weight, "fp8_copy")
-                and not (self._forward_hooks or self._forward_pre_hooks or self._backward_hooks
-                         or self._backward_pre_hooks) and "forward" not in self.__dict__
-                and not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks
-                         or hooks._global_backward_hooks or hooks._global_backward_pre_hooks))
+                and called_plainly(self))
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -1123,7 +1121,7 @@ class FP8Linear(nn.Module):
 
 
 def replace_linears(model, recipe="tensorwise", skip=("lm_head",), emulate=False, grads="e4m3"):
-    """Swap the layers kernel_common.linears_to_cast picks (not the LM head, not LoRA's
+    """Swap the layers swap_common.linears_to_cast picks (not the LM head, not LoRA's
     adapters, sizes FP8 can run) for FP8Linear; returns (count, names of the layers left
     alone for their sizes). Under peft, apply this after get_peft_model: a LoRA layer's
     ``base_layer`` is swapped. ``grads``: the gradients' format, "e4m3" or "e5m2"."""

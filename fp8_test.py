@@ -664,7 +664,7 @@ def test_fine_tune_refuses_fp8_in_one_line_before_loading(monkeypatch):
         monkeypatch.setattr("kernel_ft.models.load_model", lambda *a: pytest.fail("the model was built before the refusal"))
         if "--lora-4bit" in argv:
             monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # past --lora-4bit's GPU check
-            monkeypatch.setattr("kernel_common.fp8_supported", lambda device: (True, ""))
+            monkeypatch.setattr("swap_common.fp8_supported", lambda device: (True, ""))
         with pytest.raises(SystemExit) as e:
             finetune_optimized.main(argv)
         assert str(e.value.code).startswith(expected) and "\n" not in str(e.value.code), argv

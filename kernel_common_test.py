@@ -4,8 +4,8 @@ Tests for what every kernel shares (kernel_common.py).
 The version check refuses the Triton / NumPy combinations known to fail with one
 line that says what to install and lets the good ones through; importing triton
 before the kernels on a machine without a GPU stops with one clear line; and the
-host-side helpers (``as_rows``, ``swap_modules``, ``check_kernel_device``) do
-what the launchers and the model patching rely on. ``@fast_launch`` reuses a
+host-side helpers (``as_rows``, ``check_kernel_device``, the grid arithmetic) do
+what the launchers rely on. ``@fast_launch`` reuses a
 compiled kernel only for arguments Triton itself would reuse it for, gives the
 same results as Triton's own launch, and steps aside for launch hooks (GPU).
 
@@ -19,11 +19,10 @@ import sys
 
 import pytest
 import torch
-import torch.nn as nn
 
 import kernel_common
 from conftest import DEVICE, ON_GPU, need_gpu
-from kernel_common import as_rows, cdiv, check_kernel_device, check_versions, next_power_of_2, swap_modules
+from kernel_common import as_rows, cdiv, check_kernel_device, check_versions, next_power_of_2
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -92,94 +91,6 @@ def test_as_rows_copies_only_a_non_contiguous_last_dim():
     rows = as_rows(sliced, 3)
     assert rows.shape == (10, 3) and rows.data_ptr() == x.data_ptr()
     assert torch.equal(rows, sliced.reshape(-1, 3))
-
-
-def test_swap_modules_replaces_submodules_never_the_root():
-    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), nn.Linear(4, 2)), nn.ReLU())
-    inner = model[1]
-    count = swap_modules(model, lambda m: isinstance(m, nn.Linear), lambda m: nn.Identity())
-    assert count == 2
-    assert isinstance(model[0], nn.Identity) and isinstance(model[1][1], nn.Identity)
-    assert model[1] is inner and isinstance(model[1][0], nn.ReLU) and isinstance(model[2], nn.ReLU)
-    # The root matches too, but has no parent to hold a replacement: it stays.
-    assert swap_modules(model, lambda m: isinstance(m, nn.Sequential), lambda m: nn.Tanh()) == 1
-    assert isinstance(model, nn.Sequential) and isinstance(model[1], nn.Tanh)
-    assert swap_modules(nn.Linear(2, 2), lambda m: True, lambda m: nn.Tanh()) == 0
-
-
-def test_swap_modules_nested_matches_replace_the_outer_one():
-    model = nn.Sequential(nn.Sequential(nn.Sequential(nn.ReLU())), nn.Sequential(nn.ReLU()))
-    count = swap_modules(model, lambda m: isinstance(m, nn.Sequential), lambda m: nn.Tanh())
-    assert count == 2
-    assert isinstance(model[0], nn.Tanh) and isinstance(model[1], nn.Tanh)
-
-
-def test_evaluating_restores_the_mode_also_when_the_block_raises():
-    from kernel_common import evaluating
-
-    for training in (True, False):
-        model = torch.nn.Sequential(torch.nn.Dropout(0.5)).train(training)
-        with pytest.raises(RuntimeError), evaluating(model):
-            assert not model.training and not model[0].training
-            raise RuntimeError("a probe failed")
-        assert model.training == training and model[0].training == training
-
-
-def test_vocabulary_size_reads_a_text_config_where_the_config_has_none():
-    """A multimodal config (Fuyu's from transformers 5.24) keeps vocab_size in its text
-    config only; the probes and the data read it there."""
-    import transformers
-
-    class Composite(transformers.PretrainedConfig):
-        model_type = "kernel_ft_composite_probe"
-        sub_configs = {"text_config": transformers.LlamaConfig}
-
-        def __init__(self, text_config=None, **kwargs):
-            self.text_config = text_config if text_config is not None else transformers.LlamaConfig(vocab_size=77)
-            super().__init__(**kwargs)
-
-    assert not hasattr(Composite(), "vocab_size") and kernel_common.vocabulary_size(Composite()) == 77
-    assert kernel_common.vocabulary_size(transformers.LlamaConfig(vocab_size=5)) == 5
-    model = nn.Module()
-    model.config = transformers.LlamaConfig(vocab_size=9)
-    assert kernel_common.vocabulary_size(model) == 9
-    model.config = Composite(text_config=transformers.LlamaConfig(vocab_size=3))  # the probes' tokens wrap
-    assert kernel_common.probe_ids(model, "cpu").tolist() == [[1, 2, 0]]
-
-
-def test_decoder_of_finds_the_decoder_where_get_decoder_returns_the_model():
-    """transformers' get_decoder(); where a causal LM answers with itself (Llama-4's text
-    model in transformers 5.17), the submodule its base_model_prefix names, else its
-    ``model``; a refusal if there is neither."""
-    class CausalLM(nn.Module):
-        base_model_prefix = "model"
-
-        def __init__(self, own):
-            super().__init__()
-            self.model, self.own = nn.Linear(2, 2), own
-
-        def get_decoder(self):
-            return self.model if self.own else self
-
-    assert kernel_common.decoder_of(good := CausalLM(True)) is good.model
-    assert kernel_common.decoder_of(quirk := CausalLM(False)) is quirk.model
-    quirk.base_model_prefix = "language_model"  # Llama-4's: absent, ``model`` is the decoder
-    assert kernel_common.decoder_of(quirk) is quirk.model
-    del quirk.model
-    with pytest.raises(kernel_common.SwapMismatch, match="returns the model itself"):
-        kernel_common.decoder_of(quirk)
-
-    class ImageTextModel(nn.Module):  # Llama-4's: get_decoder() answers with a causal LM of its own
-        def __init__(self):
-            super().__init__()
-            self.language_model = CausalLM(False)
-            self.language_model.get_output_embeddings = lambda: nn.Linear(2, 5)
-
-        def get_decoder(self):
-            return self.language_model
-
-    image_text = ImageTextModel()
-    assert kernel_common.decoder_of(image_text) is image_text.language_model.model
 
 
 def test_check_kernel_device_errors(monkeypatch):

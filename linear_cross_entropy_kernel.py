@@ -73,9 +73,10 @@ import torch
 import torch.nn as nn
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
-from kernel_common import (
-    CACHE_NAMES, SUPPORTED_DTYPES, SwapMismatch, cdiv, check_kernel_device, decoder_of, error_line, evaluating,
-    first_order_only, kernel_op, losses_only, nothing, probe_ids, probe_rounding, text_config, wrap_forward,
+from kernel_common import SUPPORTED_DTYPES, cdiv, check_kernel_device, first_order_only, kernel_op, nothing
+from swap_common import (
+    CACHE_NAMES, SwapMismatch, decoder_of, error_line, evaluating, losses_only, probe_ids, probe_rounding, text_config,
+    wrap_forward,
 )
 
 # Step 8's building blocks: the loss kernel's launcher (it writes the loss per row
@@ -496,7 +497,7 @@ HEAD_ARGUMENTS = ("labels", "logits_to_keep", "return_dict")
 # mode) never needs them: only the loss. An evaluation under no_grad in eval mode is
 # where Trainer's compute_metrics, predict() and a user's own accuracy read them, so
 # there the model's own forward runs, logits and all, as Liger's fused loss does too.
-# A call passes ``skip_logits=True`` (or False) to choose; kernel_common.loss_only()
+# A call passes ``skip_logits=True`` (or False) to choose; swap_common.loss_only()
 # chooses True for every call within it (our own held-out loss: no [B, T, V] tensor).
 def _skips_logits(model, skip_logits):
     if skip_logits is not None:

@@ -81,8 +81,10 @@ import math
 import torch
 import torch.nn as nn
 
+import rmsnorm_kernel
 from fp8_kernel import FP8Linear, frozen_linear_forward, frozen_linear_input_grad
-from kernel_common import InstanceForward, first_order_only, traced
+from kernel_common import first_order_only, traced
+from swap_common import InstanceForward
 
 
 class LoRALinearFunction(torch.autograd.Function):
@@ -109,6 +111,7 @@ class LoRALinearFunction(torch.autograd.Function):
 
 
 PER_PROJECTION = 5  # LoRALinearFunction's inputs per projection: W, b, A, B, x_i (b, A, B, x_i may be None)
+REMAKE_NORMS = True  # False: keep x itself from forward to backward (A/B, tests)
 # Saved per projection: W (of an FP8 layer only if FSDP gathered it in FP8), W8^T and its
 # inverse scale (FP8 layers), B, A, x_i, x_i A^T.
 SAVED = 7
@@ -131,7 +134,12 @@ def _lora_forward(ctx, x, dtype, scalings, fp8s, *params):
     needs = ctx.needs_input_grad[4:]
     keep_x = any(needs[n * i] or (needs[n * i + 2] and m[4] is None) for i, m in enumerate(members))
     keep_xa = any(needs[n * i + 3] for i in range(len(members)))
-    outs, saved, start = [], [x2 if keep_x else None, a_all, xa_all if keep_xa else None], 0
+    # Optimization: x an RMSNorm's output, its recipe kept instead of x (rmsnorm_kernel.py,
+    # "the output made again in backward"): one [tokens, K] tensor less per norm.
+    recipe = (rmsnorm_kernel.remade_later(x) if keep_x and REMAKE_NORMS and all(f is None for f in fp8s)
+              else None)
+    ctx.recipe = None if recipe is None else recipe[1]
+    outs, saved, start = [], [x2 if keep_x and recipe is None else None, a_all, xa_all if keep_xa else None], 0
     for (weight, bias, lora_a, lora_b, own), s, fp8 in zip(members, scalings, fp8s):
         if fp8 is None:
             # Written in place into the output's own storage: each output is a tensor of its
@@ -160,7 +168,7 @@ def _lora_forward(ctx, x, dtype, scalings, fp8s, *params):
             y2.addmm_(xa, b.t(), alpha=s)  # the scale and the sum in the epilogue
         saved += [*w_saved, b, a, own2, xa if own is not None and keep_xa else None]
         outs.append(y)
-    ctx.save_for_backward(*saved)
+    ctx.save_for_backward(*saved, *(recipe[0] if recipe is not None else ()))
     ctx.scalings, ctx.fp8s, ctx.dtype, ctx.x_shape, ctx.x_dtype = scalings, fp8s, dtype, x.shape, x.dtype
     ctx.param_dtypes = [None if p is None else p.dtype for p in params]
     ctx.ranks = [None if m[2] is None else m[2].shape[0] for m in members]
@@ -172,6 +180,9 @@ def _lora_backward(ctx, *grads):
     """LoRALinearFunction's backward, autocast off."""
     n = PER_PROJECTION
     x2, a_all, xa_all, *saved = ctx.saved_tensors
+    if ctx.recipe is not None:  # x made again by the norm's forward kernel: its bits
+        x2 = rmsnorm_kernel.remake(*saved[-2:], ctx.recipe).to(ctx.dtype).reshape(-1, ctx.x_shape[-1])
+        saved = saved[:-2]
     need_x, need = ctx.needs_input_grad[0], ctx.needs_input_grad[4:]
     dx, params, gs, start = None, [], [], 0
     for i, (dy, s, r, fp8) in enumerate(zip(grads, ctx.scalings, ctx.ranks, ctx.fp8s)):
@@ -309,6 +320,18 @@ def _fusable(layer, x, args, kwargs):
     dropout = layer.lora_dropout[name]
     drops = not isinstance(dropout, nn.Identity) and dropout.training and getattr(dropout, "p", 1.0) > 0
     return lora_a.weight, lora_b.weight, layer.scaling[name], dropout if drops else None, base if fp8 else None
+
+
+def plain_adapter(layer, x):
+    """(W, b, A, B, s) of ``layer``'s one adapter where a call on x would run lora_linear over
+    a plain base layer with no dropout (the layer routed by fuse_lora), else None: what a
+    caller that computes x itself needs to run the same products (swiglu_kernel's LoRA
+    down_proj, which recomputes its input h in backward instead of keeping it)."""
+    adapter = "_peft_forward" in layer.__dict__ and _fusable(layer, x, (), {})
+    if not adapter or adapter[3] is not None or adapter[4] is not None:
+        return None
+    lora_a, lora_b, scaling = adapter[:3]
+    return layer.base_layer.weight, layer.base_layer.bias, lora_a, lora_b, float(scaling)
 
 
 def adapter_input(x, dropout):

@@ -70,15 +70,24 @@ def run(model, x, autocast=None):
 @pytest.fixture
 def calls(monkeypatch):
     """The projections of each call of the fused function (one for a single layer,
-    several for projections_kernel.py's groups)."""
+    several for projections_kernel.py's groups; one for a LoRA down_proj run by the MLP
+    with its input made again in backward, swiglu_kernel.TritonSwiGLULoRADownFunction)."""
+    import swiglu_kernel
+
     count = []
     real = LoRALinearFunction.forward
+    real_down = swiglu_kernel.TritonSwiGLULoRADownFunction.forward
 
     def spy(ctx, x, dtype, scalings, fp8s, *params):
         count.append(len(scalings))
         return real(ctx, x, dtype, scalings, fp8s, *params)
 
+    def spy_down(ctx, *args):
+        count.append(1)
+        return real_down(ctx, *args)
+
     monkeypatch.setattr(LoRALinearFunction, "forward", staticmethod(spy))
+    monkeypatch.setattr(swiglu_kernel.TritonSwiGLULoRADownFunction, "forward", staticmethod(spy_down))
     return count
 
 

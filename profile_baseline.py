@@ -68,7 +68,7 @@ from collections import defaultdict
 
 from kernel_ft import flags  # first: flags switches on the Triton interpreter before triton loads
 from kernel_ft import dataloader, files, fsdp, reporting, run, training
-from kernel_common import vocabulary_size
+from swap_common import vocabulary_size
 import profile_timeline
 
 import torch

@@ -58,7 +58,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fp8_kernel import FP8Linear
-from kernel_common import InstanceForward
+from swap_common import InstanceForward
 from lora_kernel import (
     LoRALinearFunction, _fusable, _fused_forward, active_adapter_unfused, adapter_input, compute_dtype,
 )

@@ -40,7 +40,7 @@ once per program; x is read once and y written once, as for LLaMA. Backward
 uses the scale ``1 + w`` for dx; dw's formula does not contain w at all.
 
 Before a module is swapped, ``replace_rmsnorm`` runs the HF module and ours on
-the same random input and refuses (``kernel_common.SwapMismatch``) a module that
+the same random input and refuses (``swap_common.SwapMismatch``) a module that
 computes anything else: families reuse the name ``*RMSNorm`` for other formulas.
 
 Why a custom kernel
@@ -87,30 +87,20 @@ Nothing runs on import. See rmsnorm_test.py for the checks and
 benchmark_kernels.py for the measurements.
 """
 
+import collections
 import functools
 import math
+import weakref
 
 import torch
 import torch.nn as nn
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
-    SUPPORTED_DTYPES,
-    SwapMismatch,
-    amax_slots,
-    as_rows,
-    cast_to,
-    cdiv,
-    check_kernel_device,
-    fast_launch,
-    first_order_only,
-    kernel_op,
-    next_power_of_2,
-    note_amax,
-    nothing,
-    num_sms,
-    swap_modules,
+    SUPPORTED_DTYPES, amax_slots, as_rows, cast_to, cdiv, check_kernel_device, fast_launch, first_order_only, kernel_op,
+    extent_key, next_power_of_2, note_amax, nothing, num_sms, traced,
 )
+from swap_common import SwapMismatch, swap_modules
 
 import triton
 import triton.language as tl
@@ -520,6 +510,8 @@ class TritonRMSNormFunction(torch.autograd.Function):
             y, rstd = _forward(x, weight, eps, weight_offset, cast_first, slots[0])
             note_amax(y, slots[0])
         _save_for_backward(ctx, (x, weight, eps, weight_offset, cast_first), (y, rstd))
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:  # x is kept for backward: y can be remade from it
+            _note_made(y, x, weight, (eps, weight_offset, cast_first))
         return y
 
     @staticmethod
@@ -531,6 +523,52 @@ class TritonRMSNormFunction(torch.autograd.Function):
 # The same formula on the operator: torch.ops.llama_kernels.rmsnorm_forward is
 # differentiable, and torch.compile differentiates it without tracing our Python.
 rmsnorm_forward.op.register_autograd(first_order_only("rmsnorm")(_backward), setup_context=_save_for_backward)
+
+
+# --------------------------------------------------------------------------------
+# Optimization: the output made again in backward instead of kept (Step 20's projections)
+# --------------------------------------------------------------------------------
+# A norm's output y is the input of the projections after it (q/k/v, gate/up), which keep
+# it for their weight or adapter gradients (dW = dy^T y, dA = g^T y), while the norm keeps
+# its own input x for its backward: two [tokens, H] tensors per norm from forward to
+# backward, where x and the weight alone make y. So the projections (lora_kernel's
+# LoRALinearFunction, which every group of projections_kernel.py runs through) ask
+# ``remade_later(y)``: for an output of this Function as it was written (same elements,
+# no in-place change since) whose x this Function keeps, it returns the recipe, (x,
+# weight) and the formula, to keep instead of y; ``remake`` runs the forward kernel again
+# in backward, which gives y's bits (the kernel is deterministic). What it buys: one
+# [tokens, H] tensor per norm, 64 MB at LLaMA-8B's H = 4,096 and 8,192 tokens, 4 GiB over
+# its 64 norms; it costs one forward pass per norm in backward (read x, write y: 4 bytes
+# per element of [tokens, H]). Eager code and CUDA-graph captures only, keyed as the FP8
+# producers are (kernel_common.extent_key: a changed or other tensor misses); never under
+# a tracer, and never for an FP8 group (its casts keep their own copies).
+_MADE = collections.OrderedDict()  # extent key of y -> (weak x, weak weight, (eps, weight_offset, cast_first))
+_MADE_KEEP = 8  # the norms of the last few layers: a norm's projections ask right after it
+
+
+def _note_made(y, x, weight, formula):
+    if torch.compiler.is_compiling() or traced(y) or (key := extent_key(y)) is None:
+        return
+    _MADE[key] = (weakref.ref(x), weakref.ref(weight), formula)
+    while len(_MADE) > _MADE_KEEP:
+        _MADE.popitem(last=False)
+
+
+def remade_later(y):
+    """((x, weight), formula) from which ``remake`` makes exactly ``y`` again, where ``y``
+    (or a reshape of it) is an output of TritonRMSNormFunction unchanged since and its x
+    is kept for the norm's backward; else None."""
+    if torch.compiler.is_compiling() or not _MADE or traced(y):  # first: a tracer must not read _MADE
+        return None
+    if (key := extent_key(y)) is None or (entry := _MADE.get(key)) is None:
+        return None
+    x, weight = entry[0](), entry[1]()
+    return None if x is None or weight is None else ((x, weight), entry[2])
+
+
+def remake(x, weight, formula):
+    """The output a recipe of ``remade_later`` describes: the forward kernel again."""
+    return rmsnorm_forward(x, weight, *formula)[0]
 
 
 def rmsnorm(x, weight, eps=1e-6, weight_offset=0.0, cast_first=True):
@@ -667,7 +705,7 @@ _CHECK_DIFFERING_AT_MOST = 1 / 32  # of the values, in bf16/fp16
 
 @torch.no_grad()
 def check_same_rmsnorm(original, new):
-    """Raise kernel_common.SwapMismatch unless module ``new`` computes what ``original`` does.
+    """Raise swap_common.SwapMismatch unless module ``new`` computes what ``original`` does.
 
     ``replace_rmsnorm`` hands it to ``swap_modules``, which calls it once per module
     class before anything is swapped. A module on the meta device (a model built
@@ -723,6 +761,6 @@ def replace_rmsnorm(model):
     ``GemmaRMSNorm``, ...) with a ``weight`` and a ``variance_epsilon`` (LLaMA's
     formula) or an ``eps`` (Gemma's), see rmsnorm_formula. Each module class is
     run against ours first (check_same_rmsnorm): one that computes anything else
-    raises kernel_common.SwapMismatch, and then nothing in the model is swapped.
+    raises swap_common.SwapMismatch, and then nothing in the model is swapped.
     """
     return swap_modules(model, _is_rmsnorm, TritonRMSNorm.from_hf_rmsnorm, check=check_same_rmsnorm)

@@ -8,7 +8,7 @@ irregular sizes, every dtype, strided inputs and the module swap in a LLaMA.
 The Gemma variant (scale ``1 + weight``, float32 product, cast last) gets the
 same checks against Gemma's formula and HF's ``GemmaRMSNorm`` itself, and the
 swap is checked in a tiny Gemma; a norm that computes anything else is refused
-(kernel_common.SwapMismatch) and leaves the model as it was.
+(swap_common.SwapMismatch) and leaves the model as it was.
 Without a GPU the kernels run in the Triton interpreter and the GPU-only tests
 (64-bit offsets, CUDA graphs, determinism) are skipped.
 
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, DTYPES, check_outputs, need_gpu, rel_err
-from kernel_common import SwapMismatch
+from swap_common import SwapMismatch
 from rmsnorm_kernel import (
     GEMMA,
     LLAMA,

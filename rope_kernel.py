@@ -120,19 +120,9 @@ import torch
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
-    SUPPORTED_DTYPES,
-    InstanceForward,
-    SwapMismatch,
-    cast_to,
-    check_kernel_device,
-    fast_launch,
-    first_order_only,
-    kernel_op,
-    next_power_of_2,
-    nothing,
-    text_config,
-    text_modules,
+    SUPPORTED_DTYPES, cast_to, check_kernel_device, fast_launch, first_order_only, kernel_op, next_power_of_2, nothing,
 )
+from swap_common import InstanceForward, SwapMismatch, text_config, text_modules
 
 import triton
 import triton.language as tl
@@ -690,7 +680,7 @@ apply_rotary_pos_emb = rope
 def _rope_attention_layers(model):
     """(attention submodule, its python module) for every layer of the text decoder whose
     python module defines the ``apply_rotary_pos_emb`` that its forward calls by name (a
-    multimodal model's vision tower keeps its own 2-D rotation: kernel_common.text_modules)."""
+    multimodal model's vision tower keeps its own 2-D rotation: swap_common.text_modules)."""
     for sub in text_modules(model):
         cls = type(sub)
         if not cls.__name__.endswith("Attention"):

@@ -128,7 +128,7 @@ the hand-written tanh formulas round differently and are left alone). Shape prov
 math, so before the swap each MLP class runs next to its replacement on a
 random input (``check_same_mlp``); a class that computes something else (a
 clamped gate, a top-k sparse gate, a scaled output) raises
-``kernel_common.SwapMismatch`` and the model is left as it was.
+``swap_common.SwapMismatch`` and the model is left as it was.
 
 Triton concepts new in this step (see rmsnorm_kernel.py for the basics)
 -----------------------------------------------------------------------
@@ -159,29 +159,16 @@ import torch.nn.functional as F
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
-    INTERPRET,
-    SUPPORTED_DTYPES,
-    InstanceForward,
-    SwapMismatch,
-    amax_slots,
-    as_rows,
-    cast_to,
-    cdiv,
-    check_kernel_device,
-    exp,
-    fast_launch,
-    first_order_only,
-    kernel_op,
-    next_power_of_2,
-    note_amax,
-    nothing,
-    swap_modules,
+    INTERPRET, SUPPORTED_DTYPES, amax_slots, as_rows, cast_to, cdiv, check_kernel_device, exp, fast_launch,
+    first_order_only, kernel_op, next_power_of_2, note_amax, nothing, traced,
 )
+from swap_common import InstanceForward, SwapMismatch, called_plainly, swap_modules
 
 import triton
 import triton.language as tl
 
 import fp8_kernel
+import lora_kernel
 from fp8_kernel import _cast_tile, _scale  # noqa: F401 - Triton functions the backward kernel calls (STORE_H8_T)
 
 
@@ -918,6 +905,94 @@ def swiglu_fp8_down_proj(gate, up, down, activation="silu"):
 
 
 # --------------------------------------------------------------------------------
+# The same under a LoRA down_proj: h recomputed for the adapter's gradient
+# --------------------------------------------------------------------------------
+# A LoRA down_proj (PEFT's layer, its products lora_kernel.py's) keeps its input h from
+# forward to backward: the frozen base weight needs no dW, but the adapter's dA = g^T h
+# (g = s dy B) does. That is the [tokens, I] tensor the recomputation above removes for
+# full fine-tuning: 235 MB per layer at LLaMA-8B and 8,192 tokens, 7.0 GiB over the 32
+# layers, alive at the peak (the end of forward). Here too the SwiGLU backward kernel,
+# which reads gate and up anyway, writes h for dA (2 B per element more).
+#   forward   h = act(gate) * up (dies inside); y = h W^T + b; xa = h A^T; y += s xa B^T
+#   backward  g = s dy B; dh = dy W; dh += g A; (d_gate, d_up, h) from the SwiGLU backward;
+#             dA = g^T h; dB = dy^T (s xa)
+# The products are lora_kernel's own calls in the same order, so every gradient is the
+# bits of the layer called on h (swiglu_test.py compares them). Where: the layer's one
+# adapter would run lora_kernel's path on this call with no dropout (dropout's output,
+# which the adapter reads, would be kept instead of h) over a plain bf16/fp16/float32 base
+# layer (lora_kernel.plain_adapter), nothing hooked on the layers (swap_common.called_plainly),
+# gate or up trained (else h alone is less to keep than both), eagerly (under torch.compile
+# the layer's own call runs).
+class TritonSwiGLULoRADownFunction(torch.autograd.Function):
+    """down(act(gate) * up) for a LoRA down_proj, h recomputed in backward.
+    apply(gate, up, weight, bias, lora_a, lora_b, scaling, dtype, activation)."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scaling, dtype, activation):
+        with torch.autocast(gate.device.type, enabled=False):  # every cast explicit, as lora_kernel's
+            h = swiglu_forward(gate, up, activation)
+            h2 = h.to(dtype).reshape(-1, h.shape[-1])
+            a, b, w = lora_a.to(dtype), lora_b.to(dtype), weight.to(dtype)
+            xa = torch.mm(h2, a.t())
+            y = h2.new_empty(*h.shape[:-1], weight.shape[0])
+            y2 = y.view(-1, weight.shape[0])
+            if bias is None:
+                torch.mm(h2, w.t(), out=y2)
+            else:
+                torch.addmm(bias.to(dtype), h2, w.t(), out=y2)
+            y2.addmm_(xa, b.t(), alpha=scaling)
+        ctx.save_for_backward(gate, up, weight, a, b, xa if ctx.needs_input_grad[5] else None)
+        ctx.scaling, ctx.dtype, ctx.activation, ctx.h_dtype = scaling, dtype, activation, h.dtype
+        ctx.a_dtype, ctx.b_dtype = lora_a.dtype, lora_b.dtype
+        return y
+
+    @staticmethod
+    @first_order_only("swiglu_lora_down_proj")
+    def backward(ctx, dy):
+        gate, up, weight, a, b, xa = ctx.saved_tensors
+        need_gate, need_up, _, _, need_a, need_b = ctx.needs_input_grad[:6]
+        s = ctx.scaling
+        with torch.autocast(dy.device.type, enabled=False):
+            dy2 = dy.reshape(-1, dy.shape[-1]).to(ctx.dtype)
+            g = torch.mm(dy2, b) * s
+            db = torch.mm(dy2.t(), xa * s).to(ctx.b_dtype) if need_b else None
+            # gate or up needs its gradient (swiglu_lora_down_proj's condition): dh always.
+            dh = torch.mm(dy2, weight.to(ctx.dtype))
+            dh.addmm_(g, a)
+            dh = dh.view(*dy.shape[:-1], -1).to(ctx.h_dtype)
+            dg, du, h = swiglu_backward_and_hidden(dh, gate, up, need_gate, need_up, ctx.activation,
+                                                   store_h=need_a)
+            dg, du = _wanted((dg, du), (need_gate, need_up))
+            del dh
+            da = torch.mm(g.t(), h.to(ctx.dtype).reshape(-1, h.shape[-1])).to(ctx.a_dtype) if need_a else None
+        return dg, du, None, None, da, db, None, None, None
+
+
+def swiglu_lora_down_proj(gate, up, down, activation="silu"):
+    """``down(act(gate) * up)`` for a LoRA ``down`` with h recomputed in backward (above), or
+    None where that does not apply (then the caller calls ``down`` on the activation)."""
+    # Gate and up are kept for their own gradients anyway only when one of them needs one;
+    # otherwise keeping h (one tensor) is cheaper than keeping both.
+    trained = gate.requires_grad or (up is not None and up.requires_grad)
+    if (not lora_kernel.lora_layer(down) or not torch.is_grad_enabled() or not trained
+            or torch.compiler.is_compiling() or traced(gate) or (up is not None and up.dtype != gate.dtype)):
+        return None
+    adapter = lora_kernel.plain_adapter(down, gate)
+    if adapter is None:
+        return None
+    weight, bias, lora_a, lora_b, scaling = adapter
+    name = down.active_adapters[0]
+    if not called_plainly(down.base_layer, down.lora_A[name], down.lora_B[name], ours=(down,)):
+        return None
+    if gate.dim() < 2 or weight.dim() != 2 or weight.shape[1] != _hidden_size(gate, up):
+        return None  # the layer's own call says what is wrong
+    _check_activation(activation, "swiglu_lora_down_proj")
+    _check_inputs(gate, up, FUNCTION_NAMES[activation])
+    dtype = lora_kernel.compute_dtype(gate, (weight, bias))
+    return TritonSwiGLULoRADownFunction.apply(gate, up, weight, bias, lora_a, lora_b, scaling, dtype, activation)
+
+
+# --------------------------------------------------------------------------------
 # Drop-in modules and model patching
 # --------------------------------------------------------------------------------
 # HF's names of the activations we implement (config.hidden_act, or Gemma 2/3's
@@ -1003,10 +1078,11 @@ class TritonLlamaMLP(nn.Module):
         self.up_proj = mlp.up_proj
         self.down_proj = mlp.down_proj
 
-    # Recompute h = act(gate) * up in backward instead of keeping it (see
-    # TritonSwiGLUDownProjFunction). Only for a plain bias-free nn.Linear
-    # down_proj: a LoRA or quantized wrapper must see h itself (a LoRA adapter's
-    # A matrix needs h for its own gradient, so h is stored there anyway).
+    # Recompute h = act(gate) * up in backward instead of keeping it: for a plain
+    # bias-free nn.Linear down_proj (TritonSwiGLUDownProjFunction), a per-tensor FP8
+    # one (TritonSwiGLUFP8DownFunction) and a LoRA one without dropout
+    # (TritonSwiGLULoRADownFunction). Any other wrapper (QLoRA's 4-bit layers, a
+    # LoRA variant) is called on h, and keeps it as it would.
     recompute_hidden = True
 
     def recomputes_hidden(self):
@@ -1038,7 +1114,11 @@ class TritonLlamaMLP(nn.Module):
         """down_proj(act(gate) * up), h recomputed in backward where the layer allows it."""
         if self.recomputes_hidden():
             return swiglu_down_proj(gate, up, self.down_proj.weight, self.activation)
-        y = swiglu_fp8_down_proj(gate, up, self.down_proj, self.activation) if self.recompute_hidden else None
+        y = None
+        if self.recompute_hidden:
+            y = swiglu_fp8_down_proj(gate, up, self.down_proj, self.activation)
+            if y is None:
+                y = swiglu_lora_down_proj(gate, up, self.down_proj, self.activation)
         return y if y is not None else self.down_proj(gated_activation(gate, up, self.activation))
 
     def extra_repr(self):
@@ -1192,7 +1272,7 @@ def replace_swiglu(model):
     gate_up_proj/down_proj ``TritonGateUpMLP`` (see triton_mlp_class for how they
     are found). Each MLP class is first checked against its replacement
     (check_same_mlp): one that computes something else raises SwapMismatch and
-    the model is left unchanged. kernel_common.swap_modules does the swapping.
+    the model is left unchanged. swap_common.swap_modules does the swapping.
     The experts of MoE layers keep their module, with the kernel as its gate
     (fuse_expert_gates); each counts as one.
     """

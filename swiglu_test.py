@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, DTYPES, check_outputs, need_gpu, rel_err
-from kernel_common import SwapMismatch
+from swap_common import SwapMismatch
 import swiglu_kernel
 from swiglu_kernel import TritonSwiGLUFunction, geglu, geglu_reference, swiglu, swiglu_reference
 from swiglu_kernel import (
@@ -333,6 +333,83 @@ def test_recompute_hidden_instead_of_saving():
     true = [yt.detach(), xt.grad, gate.weight.grad, up.weight.grad, down.weight.grad]
     check_outputs(("y", "dx", "dW_gate", "dW_up", "dW_down"), results[True], results[False], true, torch.bfloat16,
                   peer_name="h saved")
+
+
+def _lora_mlp(dtype, dropout=0.0, layout="llama", targets=("gate_proj", "up_proj", "down_proj")):
+    """A TritonLlamaMLP (layout "phi3": TritonGateUpMLP, one gate_up_proj) inside a PEFT model,
+    LoRA r4 on ``targets`` (B random, not PEFT's zeros, so that every adapter gradient is
+    nonzero), routed by lora_kernel.fuse_lora."""
+    import peft
+    from transformers.models.llama.modeling_llama import LlamaMLP
+    from transformers.models.phi3.modeling_phi3 import Phi3MLP
+
+    import lora_kernel
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            if layout == "phi3":
+                self.mlp = TritonGateUpMLP.from_mlp(Phi3MLP(_tiny_phi3_config()))
+            else:
+                self.mlp = TritonLlamaMLP.from_llama_mlp(LlamaMLP(_tiny_llama_config()))
+
+        def forward(self, x):
+            return self.mlp(x)
+
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, init_lora_weights=False,
+                             target_modules=list(targets))
+    model = peft.get_peft_model(Block().to(DEVICE, dtype), config)
+    assert lora_kernel.fuse_lora(model) == len(targets)
+    return model
+
+
+LORA_DOWN_CASES = {  # case: (_lora_mlp's arguments, whether h is recomputed)
+    "bf16": (dict(dtype=torch.bfloat16), True),
+    "float32 under bf16 autocast": (dict(dtype=torch.float32), True),
+    "gate_up_proj (Phi-3)": (dict(dtype=torch.bfloat16, layout="phi3", targets=("gate_up_proj", "down_proj")), True),
+    # gate and up need no gradient: keeping h beats keeping them both.
+    "only down_proj adapted": (dict(dtype=torch.bfloat16, targets=("down_proj",)), False),
+    "dropout": (dict(dtype=torch.bfloat16, dropout=0.25), False),
+    "hooked down_proj": (dict(dtype=torch.bfloat16), False),
+}
+
+
+@pytest.mark.parametrize("case", list(LORA_DOWN_CASES))
+def test_lora_down_proj_recomputes_hidden_with_the_same_bits(case):
+    # A LoRA down_proj keeps h for its adapter's dA; TritonSwiGLULoRADownFunction recomputes
+    # it in backward: the same output and gradients bit for bit, one [N, I] tensor less kept.
+    # With dropout (the adapter reads dropout(h)), a hook on the layer or gate and up frozen,
+    # the layer's own call runs: nothing changes.
+    arguments, recomputes = LORA_DOWN_CASES[case]
+    model = _lora_mlp(**arguments)
+    mlp = model.base_model.model.mlp
+    hooked = []
+    if case == "hooked down_proj":
+        mlp.down_proj.register_forward_pre_hook(lambda module, args: hooked.append(args[0].shape))
+    x, _, _ = make_inputs((3, 7, 64), torch.bfloat16, seed=5)
+    dy = torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(6)).to(DEVICE, torch.bfloat16)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    results, saved = {}, {}
+    for recompute in (True, False):
+        mlp.recompute_hidden = recompute
+        for p in trained:
+            p.grad = None
+        # x needs no gradient where only down_proj is adapted: then gate and up need none either.
+        xx = x.detach().to(arguments["dtype"]).requires_grad_(case != "only down_proj adapted")
+        torch.manual_seed(7)  # dropout's draws
+        with torch.autocast(DEVICE.type, torch.bfloat16, enabled="autocast" in case):
+            y, saved[recompute] = _saved_bytes(lambda xx=xx: model(xx))
+        y.backward(dy.to(y.dtype))
+        results[recompute] = [y.detach(), xx.grad] + [p.grad.clone() for p in trained]
+    assert len(trained) == 2 * len(arguments.get("targets", "abc"))
+    assert all(g.abs().sum() > 0 for g in results[True][2:])
+    for i, (ours, theirs) in enumerate(zip(results[True], results[False])):
+        assert (ours is None and theirs is None) or torch.equal(ours, theirs), f"{case}: output/gradient {i} differs"
+    h_bytes = 3 * 7 * mlp.intermediate_size * 2  # h in bf16 (autocast's dtype)
+    assert saved[False] - saved[True] == (h_bytes if recomputes else 0), \
+        f"{case}: saved {saved[True]} vs {saved[False]} bytes"
+    assert len(hooked) == (2 if case == "hooked down_proj" else 0)
 
 
 # ---------------------------------------------------------------- GeGLU (Gemma)

@@ -19,6 +19,6 @@ FSDP, CUDA graphs, reports), one concern per module.
 
 from adamw_kernel import TritonAdamW as AdamW
 from kernel_ft.patching import KERNELS, KernelNotApplied, Report, apply
-from kernel_common import loss_only
+from swap_common import loss_only
 
 __all__ = ["AdamW", "KERNELS", "KernelNotApplied", "Report", "apply", "loss_only"]

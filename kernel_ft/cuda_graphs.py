@@ -73,10 +73,11 @@ Nothing runs on import.
 import contextlib
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
+import swap_common
 
 import torch
 
-from kernel_ft import files, flags, models
+from kernel_ft import files, flags
 
 EAGER_STEPS = 2  # steps run eagerly before the capture: compilation, autotuning, optimizer state
 # A replay slower than the last eager step by more than this keeps the run eager (see
@@ -159,14 +160,16 @@ def keep_sdpa_causal(model, seq_len):
     attend as the eager one does (this file's docstring, "The attention of the eager
     step"): SDPA is registered again under SDPA_CAUSAL, with _mask_as_in_eager as its
     mask function. Only where every layer's mask is the causal one for rows of
-    ``seq_len`` tokens (models.plain_causal_attention); other attention
+    ``seq_len`` tokens (swap_common.plain_causal_attention); other attention
     implementations (eager, ours for packed rows) are left alone. Returns whether
     the model was switched."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     config = model.config
-    if getattr(config, "_attn_implementation", None) != "sdpa" or not models.plain_causal_attention(config, seq_len):
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    if not swap_common.plain_causal_attention(config, seq_len):
         return False
     AttentionInterface.register(SDPA_CAUSAL, ALL_ATTENTION_FUNCTIONS["sdpa"])
     AttentionMaskInterface.register(SDPA_CAUSAL, _mask_as_in_eager)
@@ -296,8 +299,8 @@ class GraphedStep:
         return outputs
 
     def _clock(self, run):
-        """(run(), its milliseconds on the GPU's clock): kernel_common.gpu_clock."""
-        return kernel_common.gpu_clock(run)
+        """(run(), its milliseconds on the GPU's clock): swap_common.gpu_clock."""
+        return swap_common.gpu_clock(run)
 
     def _keep_faster(self, replay_ms):
         """After the timed replay: if it was slower than the last eager step (on any

@@ -25,7 +25,8 @@ import contextlib
 import functools
 import os
 
-import kernel_common  # first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
+import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
+import swap_common
 
 import torch
 
@@ -473,7 +474,7 @@ class ShardedUpdate:
 
     def __init__(self, model, average, ahead=flags.DDP_GATHER_AHEAD, windows=False, release=False):
         self.average, self.size = average, average.size
-        layers = list(kernel_common.decoder_of(model).layers)
+        layers = list(swap_common.decoder_of(model).layers)
         embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
         owners = [embedding, *layers] + ([head] if head is not None and head is not embedding else [])
         trains = set(average.params)

@@ -31,7 +31,8 @@ Nothing runs on import.
 import argparse
 import os
 
-import kernel_common  # first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1); fp8_supported
+import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
+import swap_common
 
 import torch
 
@@ -235,7 +236,7 @@ def check_fp8_flags(args, flag="--fp8"):
         raise SystemExit(f"error: {flag} {args.fp8} with --fsdp --lora: the fp8 copies of the frozen weights would be "
                          f"kept whole on every GPU, which undoes the sharding; use --fp8 tensorwise (gathered in FP8: "
                          f"without --compile or --no-fsdp-fp8-gather), or --ddp, or leave out {flag}")
-    ok, reason = kernel_common.fp8_supported(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    ok, reason = swap_common.fp8_supported(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     if not ok:
         raise SystemExit(f"error: {flag}: {reason}")
 

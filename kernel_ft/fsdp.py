@@ -28,7 +28,8 @@ import math
 import os
 import sys
 
-import kernel_common  # first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
+import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
+import swap_common
 
 import torch
 
@@ -355,7 +356,7 @@ def shard_model(model, args, world):
     if world.device.type == "cuda" and not args.tiny:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                    reduce_dtype=getattr(torch, reduce_dtype))
-    layers = kernel_common.decoder_of(model).layers
+    layers = swap_common.decoder_of(model).layers
     # --fsdp-keep-gathered (what it buys: backward skips one all-gather per layer, and
     # FSDP's copy out of its buffer; what it costs: the layers' bf16 weights stay whole
     # on every process from forward until their backward, the memory sharding saved).
@@ -441,7 +442,7 @@ def decide_keep_gathered(args, model):
     nothing to decide (not auto, not a GPU)."""
     if not keep_gathered_is_decided(args):
         return None
-    layers = kernel_common.decoder_of(model).layers
+    layers = swap_common.decoder_of(model).layers
     # Bytes per weight as gathered: shard_model's bf16 (tiny: float32), or 1 where the shard
     # gathers itself in FP8 (kernel_ft/fp8_gather.py gives its local tensor the method).
     plain = 4 if args.tiny else 2

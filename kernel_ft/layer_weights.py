@@ -14,7 +14,8 @@ their gradients. Nothing runs on import.
 import contextlib
 import functools
 
-import kernel_common  # first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
+import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
+import swap_common
 
 import torch
 
@@ -91,7 +92,7 @@ def state_bytes(model, processes, itemsize, ahead=1, accumulate=False, release=T
     ``checkpoints`` (written or resumed) every weight is gathered whole beside the rest.
     Measured against it (NOTES.md, Step 19): a Qwen2 of 32B's shape over 4 GPUs, ~80 GiB by
     this count, peaked at 86.2 GiB with checkpointing's activations."""
-    layers = list(kernel_common.decoder_of(model).layers)
+    layers = list(swap_common.decoder_of(model).layers)
     released = {layer: [p for p in layer.parameters() if ddp.splits(p, processes, itemsize)]
                 for layer in (layers[ddp.first_released(ahead):] if release else [])}
     in_layers = {p for weights in released.values() for p in weights}

@@ -30,7 +30,7 @@ import os
 import warnings
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
-from kernel_common import evaluating, plain_causal_attention, probe_ids, sliding_layers, vocabulary_size
+from swap_common import decoder_of, evaluating, probe_ids, sliding_layers, vocabulary_size
 
 import torch
 import torch.nn as nn
@@ -472,7 +472,7 @@ def compile_decoder(model, args):
     options = {"mode": args.compile_mode} if on_gpu and args.compile_mode != "default" else {}
     if not on_gpu and args.compile_mode != "default":
         flags.note(f"--compile-mode {args.compile_mode} needs a GPU; compiling with the aot_eager backend")
-    layers = kernel_common.decoder_of(model).layers
+    layers = decoder_of(model).layers
     checkpointing = getattr(args, "gradient_checkpointing", False)
     sharded = getattr(args, "fsdp", False)
     for layer in layers:

@@ -30,7 +30,7 @@ import warnings
 import torch
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
-from kernel_common import SwapMismatch
+from swap_common import SwapMismatch
 from attention_routing import use_packed_attention
 from cross_entropy_kernel import use_fused_loss
 from fp8_kernel import GRAD_FORMATS, FP8Linear, replace_linears

@@ -27,7 +27,7 @@ import signal
 import sys
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
-from kernel_common import vocabulary_size
+from swap_common import vocabulary_size
 import torch
 
 from kernel_ft import files, flags, models, ddp, fsdp, dataloader, checkpoints, reporting, training

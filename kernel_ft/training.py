@@ -39,7 +39,7 @@ import threading
 import time
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
-from kernel_common import evaluating, loss_only, vocabulary_size
+from swap_common import evaluating, loss_only, vocabulary_size
 
 import torch
 

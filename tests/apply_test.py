@@ -369,6 +369,54 @@ def test_peft_lora(dropout):
         assert_close(f"gradient of {name}", grads[name], want_grads[name], GRAD_TOL)
 
 
+def saved_bytes(run):
+    """run()'s result, and the bytes of the storages autograd keeps for backward while it runs."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return out, sum(seen.values())
+
+
+@pytest.mark.parametrize("case", ["LoRA", "LoRA, float32 weights under bf16 autocast", "full fine-tuning"])
+def test_what_backward_makes_again_gives_the_same_bits(case, monkeypatch):
+    """The q/k/v and gate/up groups keep their RMSNorm's recipe instead of its output
+    (rmsnorm_kernel.remade_later), and a LoRA down_proj makes its input h again
+    (swiglu_kernel.TritonSwiGLULoRADownFunction): the loss and every gradient are the bits
+    of the same model keeping both, with a [tokens, hidden] tensor per norm fewer kept
+    (and, with LoRA, one [tokens, intermediate] per layer)."""
+    import lora_kernel
+    import swiglu_kernel
+
+    lora = case.startswith("LoRA")
+    autocast = "autocast" in case
+    ids = token_ids(2)
+    labels = masked_prompts(ids, [3, 6])
+    runs = {}
+    for remake in (True, False):
+        monkeypatch.setattr(lora_kernel, "REMAKE_NORMS", remake)
+        monkeypatch.setattr(swiglu_kernel.TritonLlamaMLP, "recompute_hidden", remake or not lora)
+        model = applied(lora_model(0.0) if lora else tiny_model("Llama"))
+        runs[remake] = saved_bytes(lambda: loss_and_grads(model, ids, labels, autocast))
+    (loss, grads), kept = runs[True]
+    (want_loss, want_grads), want_kept = runs[False]
+    assert torch.equal(loss, want_loss)
+    assert grads.keys() == want_grads.keys() and len(grads) == (28 if lora else len(list(model.parameters())))
+    for name in grads:
+        assert torch.equal(grads[name], want_grads[name]), f"gradient of {name}"
+    config = model.config
+    tokens, item, layers = ids.numel(), 2 if autocast else 4, config.num_hidden_layers
+    # Under LoRA the first norm reads the frozen embedding's output: with no gradient to
+    # pass, it keeps no input to remake its output from, and the group keeps the output.
+    norms = 2 * layers - lora
+    expected = tokens * item * (norms * config.hidden_size + lora * layers * config.intermediate_size)
+    assert want_kept - kept == expected, f"kept {kept} against {want_kept} bytes, expected {expected} fewer"
+
+
 @pytest.mark.parametrize("option", ["use_dora", "lora_bias"])
 def test_lora_layers_beyond_the_kernel_are_reported_left_to_peft(option, monkeypatch):
     """DoRA and adapters with a bias are PEFT's to compute: the report says so (a warning;
@@ -1254,7 +1302,7 @@ def test_second_apply_reports_what_the_model_runs():
 def our_forwards(model):
     """{(module name, attribute): (its function, whether bound to that module)} of every
     forward apply set on an instance."""
-    from kernel_common import InstanceForward
+    from swap_common import InstanceForward
 
     return {(name, attribute): (value.function, value.module is module)
             for name, module in model.named_modules() for attribute, value in vars(module).items()

@@ -39,7 +39,7 @@ import torch
 from conftest import DEVICE  # first: the Triton interpreter switch
 
 from kernel_ft import dataloader, flags, models, training
-from kernel_common import vocabulary_size
+from swap_common import vocabulary_size
 from kernel_ft.run import apply_kernels
 from tools.family_matrix import FAMILIES, family_config
 
@@ -154,11 +154,11 @@ OUTSIDE = [
     ("cpmant", "ce", "computes its loss without calling loss_function"),
     ("bloom", "attention", "own attention does not run a packed row"),  # ALiBi, no position ids
     ("deepseek_v4", "rope", "does not take (q, k, cos, sin)"),  # its rotary table wants the layer type
-    # Chunked attention; its get_decoder() returns the causal LM itself (kernel_common.decoder_of).
+    # Chunked attention; its get_decoder() returns the causal LM itself (swap_common.decoder_of).
     ("llama4_text", "attention", "computes something else than softmax(scale q k^T) v"),
     ("openai-gpt", "flce", None),  # goes in: a decoder whose output has no past_key_values
     # Goes in: a multimodal causal LM run on text alone; from transformers 5.24 its config has
-    # no vocab_size of its own, only its text config's (kernel_common.vocabulary_size).
+    # no vocab_size of its own, only its text config's (swap_common.vocabulary_size).
     ("fuyu", "flce", None),
     ("gemma4_unified_text", "rope", "config has no single head_dim"),  # it varies per layer
     # Its causal LM does not call the module get_decoder() returns: a padding mask would miss the routing.

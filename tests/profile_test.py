@@ -138,7 +138,7 @@ def test_out_of_memory(monkeypatch, tmp_path):
 # --------------------------------------------------------------------------------
 def test_fp8_refused_before_the_model_where_there_are_no_fp8_tensor_cores(monkeypatch, tmp_path):
     monkeypatch.setattr(models, "load_model", lambda *a: pytest.fail("built a model before the check"))
-    monkeypatch.setattr(pb.flags.kernel_common, "fp8_supported", lambda device: (False, "no FP8 tensor cores here"))
+    monkeypatch.setattr(pb.flags.swap_common, "fp8_supported", lambda device: (False, "no FP8 tensor cores here"))
     with pytest.raises(SystemExit) as e:
         pb.main(TINY + ["--fp8", "tensorwise", "--trace-dir", str(tmp_path)])
     assert str(e.value.code) == "error: --fp8: no FP8 tensor cores here"

@@ -17,7 +17,7 @@ import json
 import torch
 
 import attention_routing
-from kernel_common import plain_causal_attention
+from swap_common import plain_causal_attention
 from kernel_ft import models
 
 # (label, config): the bundled configs, and LLaMA-3.2-1B's and Gemma-3's head layouts

@@ -5,7 +5,7 @@ For every family below, a tiny random model is built from transformers' own conf
 class (no download) and each kernel is switched in alone by finetune_optimized.py's
 ``apply_kernels``, the code a run uses. A kernel either goes in, or is refused with
 the one-line reason a run would print: the swaps are checked against the module or
-function they replace (kernel_common.SwapMismatch, the RoPE check, the LM-head
+function they replace (swap_common.SwapMismatch, the RoPE check, the LM-head
 probe), so "on" means the family's own computation was reproduced, not that a name
 matched. The table is generated, never written by hand: README's matrix is this
 tool's output. Losses against the baseline are tested in tests/families_test.py.

@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from kernel_ft import flags  # noqa: F401 - first: the Triton interpreter switch, then transformers
 import kernel_ft
-import kernel_common
+import swap_common
 import torch
 import transformers
 from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
@@ -115,7 +115,7 @@ def sweep_one(model_type, image_text=False):
         model = auto.from_config(config).float().eval()
     except Exception as e:  # noqa: BLE001 - the type itself does not build at these shapes
         return {**row, "status": "does not build", "detail": _one_line(e)}
-    vocab = min(kernel_common.vocabulary_size(model) or TINY["vocab_size"], TINY["vocab_size"])
+    vocab = min(swap_common.vocabulary_size(model) or TINY["vocab_size"], TINY["vocab_size"])
     ids = torch.randint(3, vocab, (2, 12), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding

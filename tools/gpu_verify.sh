@@ -3,7 +3,7 @@
 #
 #   bash tools/gpu_verify.sh [OUTDIR] [WHAT...]
 #     WHAT: tests bench e2e compile profile maxseq graphs families attention fp8 fp8e2e fp8loss fp8producers
-#           inbackward fsdp gpus
+#           remake inbackward fsdp gpus
 #           trainer trainer-full trainer-small
 #           (default: tests bench e2e)
 #
@@ -165,6 +165,28 @@ for what in $WHAT; do
       python3 -c "$off" finetune_optimized.py $loop > "$OUTDIR/loop_producers_off.log" 2>&1
       diff <(grep "^step" "$OUTDIR/loop_producers_on.log" | awk '{print $2, $4}') \
            <(grep "^step" "$OUTDIR/loop_producers_off.log" | awk '{print $2, $4}') && echo "losses: the same" ;;
+    remake)
+      # Step 20: what backward makes again instead of keeping (the norms' outputs: lora_kernel.REMAKE_NORMS; a
+      # LoRA down_proj's input h: TritonLlamaMLP.recompute_hidden), on and off alternating: 8B LoRA r16 4 x 2,048
+      # and 1 x 16,384 tokens, 8B full 2 x 2,048 (norms only: there h is recomputed either way); then LoRA
+      # 1 x 32,768, which did not fit on an H200 before.
+      off="import runpy, sys, lora_kernel, swiglu_kernel; lora_kernel.REMAKE_NORMS = False;"
+      lora_off="$off swiglu_kernel.TritonLlamaMLP.recompute_hidden = False;"
+      run="sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+      for spec in "lora 4 2048" "lora 1 16384" "full 2 2048"; do
+        set -- $spec
+        common="--random-init --dataset synthetic --batch-size $2 --seq-len $3 --steps 12 --log-every 4"
+        [ "$1" = lora ] && common="$common --lora"
+        [ "$1" = lora ] && undo="$lora_off" || undo="$off"
+        for round in 1 2; do
+          python3 finetune_optimized.py $common --json "$OUTDIR/remake_$1_$2x$3_on_$round.json" 2>&1 \
+            | tee "$OUTDIR/remake_$1_$2x$3_on_$round.log" | grep "Average\|Peak"
+          python3 -c "$undo $run" finetune_optimized.py $common --json "$OUTDIR/remake_$1_$2x$3_off_$round.json" 2>&1 \
+            | tee "$OUTDIR/remake_$1_$2x$3_off_$round.log" | grep "Average\|Peak"
+        done
+      done
+      python3 finetune_optimized.py --random-init --dataset synthetic --lora --batch-size 1 --seq-len 32768 --steps 6 \
+        --json "$OUTDIR/remake_lora_1x32768.json" 2>&1 | tee "$OUTDIR/remake_lora_1x32768.log" | tail -4 ;;
     inbackward)
       # Step 20: 8B full fine-tuning 2 x 2,048, the plain loop without clipping against --optimizer-in-backward.
       for extra in "" "--optimizer-in-backward"; do
@@ -239,7 +261,7 @@ for what in $WHAT; do
           row kernels; row liger --liger; row plain --no-kernels ;;
       esac ;;
     *) echo "unknown step: $what (tests bench e2e compile profile maxseq graphs families attention fp8 fp8e2e fp8loss fp8producers"\
-         "inbackward fsdp trainer trainer-full trainer-small)"; exit 2 ;;
+         "remake inbackward fsdp gpus trainer trainer-full trainer-small)"; exit 2 ;;
   esac
 done
 tar czf "$OUTDIR/logs.tgz" --exclude=logs.tgz --exclude=traces -C "$OUTDIR" .

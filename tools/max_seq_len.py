@@ -25,7 +25,7 @@ import time
 
 from kernel_ft import flags  # first: the Triton interpreter switch, then transformers
 from kernel_ft import dataloader, files, reporting, run, training
-from kernel_common import vocabulary_size
+from swap_common import vocabulary_size
 import torch
 
 

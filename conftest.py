@@ -87,6 +87,20 @@ def check_outputs(names, ours, peer, truth, dtypes=None, factor=2.0, peer_name="
         )
 
 
+def saved_bytes(run):
+    """(run(), the bytes of the storages autograd keeps from forward to backward while run()
+    builds the graph): what a recomputation in backward saves, counted on any device."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return out, sum(seen.values())
+
+
 def peak_extra_mb(fn):
     """Peak GPU memory during fn() above what was allocated before it, in MB."""
     torch.cuda.synchronize()

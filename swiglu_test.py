@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from conftest import DEVICE, DTYPES, check_outputs, need_gpu, rel_err
+from conftest import DEVICE, DTYPES, check_outputs, need_gpu, rel_err, saved_bytes
 from swap_common import SwapMismatch
 import swiglu_kernel
 from swiglu_kernel import TritonSwiGLUFunction, geglu, geglu_reference, swiglu, swiglu_reference
@@ -256,19 +256,6 @@ def test_replace_swiglu_in_llama_model():
         TritonLlamaMLP(_tiny_llama_config(hidden_act="gelu"))
 
 
-def _saved_bytes(fn):
-    """Bytes autograd keeps from forward to backward while fn() builds the graph."""
-    seen = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(seen.values())
-
-
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("fused", [False, True], ids=["gate, up", "gate_up"])
@@ -321,7 +308,7 @@ def test_recompute_hidden_instead_of_saving():
         for p in mlp.parameters():
             p.grad = None
         xx = x.detach().requires_grad_()
-        y, saved[recompute] = _saved_bytes(lambda xx=xx: mlp(xx))
+        y, saved[recompute] = saved_bytes(lambda xx=xx: mlp(xx))
         y.backward(dy)
         results[recompute] = [y.detach(), xx.grad] + [p.grad.clone() for p in mlp.parameters()]
     h_bytes = 3 * 7 * 123 * 2
@@ -399,7 +386,7 @@ def test_lora_down_proj_recomputes_hidden_with_the_same_bits(case):
         xx = x.detach().to(arguments["dtype"]).requires_grad_(case != "only down_proj adapted")
         torch.manual_seed(7)  # dropout's draws
         with torch.autocast(DEVICE.type, torch.bfloat16, enabled="autocast" in case):
-            y, saved[recompute] = _saved_bytes(lambda xx=xx: model(xx))
+            y, saved[recompute] = saved_bytes(lambda xx=xx: model(xx))
         y.backward(dy.to(y.dtype))
         results[recompute] = [y.detach(), xx.grad] + [p.grad.clone() for p in trained]
     assert len(trained) == 2 * len(arguments.get("targets", "abc"))

@@ -66,7 +66,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DEVICE, check_outputs, need_gpu, no_worse, rel_err  # first: the Triton interpreter switch
+# First: the Triton interpreter switch.
+from conftest import DEVICE, check_outputs, need_gpu, no_worse, rel_err, saved_bytes
 
 import attention_routing
 import kernel_ft
@@ -367,19 +368,6 @@ def test_peft_lora(dropout):
     assert grads.keys() == want_grads.keys() and all("lora_" in name for name in grads)
     for name in grads:
         assert_close(f"gradient of {name}", grads[name], want_grads[name], GRAD_TOL)
-
-
-def saved_bytes(run):
-    """run()'s result, and the bytes of the storages autograd keeps for backward while it runs."""
-    seen = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run()
-    return out, sum(seen.values())
 
 
 @pytest.mark.parametrize("case", ["LoRA", "LoRA, float32 weights under bf16 autocast", "full fine-tuning"])

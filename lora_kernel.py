@@ -142,15 +142,7 @@ def _lora_forward(ctx, x, dtype, scalings, fp8s, *params):
     outs, saved, start = [], [x2 if keep_x and recipe is None else None, a_all, xa_all if keep_xa else None], 0
     for (weight, bias, lora_a, lora_b, own), s, fp8 in zip(members, scalings, fp8s):
         if fp8 is None:
-            # Written in place into the output's own storage: each output is a tensor of its
-            # own, not a view of another, so the caller may change it in place as F.linear's.
-            y = x2.new_empty(*x.shape[:-1], weight.shape[0])
-            y2 = y.view(-1, weight.shape[0])
-            w = weight.to(dtype)
-            if bias is None:
-                torch.mm(x2, w.t(), out=y2)
-            else:
-                torch.addmm(bias.to(dtype), x2, w.t(), out=y2)
+            y, y2 = base_product(x2, weight, bias, dtype, x.shape[:-1])
             # The weight as it is: cast again in backward (no float32 -> bf16 copy kept alive).
             w_saved = (weight, None, None)
         else:  # its FP8 product (a new tensor too); backward keeps W8^T, cached for a frozen weight
@@ -174,6 +166,28 @@ def _lora_forward(ctx, x, dtype, scalings, fp8s, *params):
     ctx.ranks = [None if m[2] is None else m[2].shape[0] for m in members]
     ctx.set_materialize_grads(False)  # an output nobody used gets None, not zeros to multiply
     return tuple(outs)
+
+
+def base_product(x2, weight, bias, dtype, lead):
+    """x2 W^T (+ bias) in ``dtype``, written into a new [*lead, N] tensor: its own storage,
+    not a view of another, so the caller may change it in place as F.linear's output.
+    Returns it and its [M, N] view (the adapter's product is added into that in place)."""
+    y = x2.new_empty(*lead, weight.shape[0])
+    y2 = y.view(-1, weight.shape[0])
+    w = weight.to(dtype)
+    if bias is None:
+        torch.mm(x2, w.t(), out=y2)
+    else:
+        torch.addmm(bias.to(dtype), x2, w.t(), out=y2)
+    return y, y2
+
+
+def adapter_output_grads(dy, b, xa, s, need_b, b_dtype):
+    """For y += s (x A^T) B^T: g = s dy B, the gradient of x A^T (scaled where it is small,
+    [M, r]), and dB = dy^T (s x A^T) in ``b_dtype`` when ``need_b`` (else None)."""
+    g = torch.mm(dy, b) * s
+    db = torch.mm(dy.t(), xa * s).to(b_dtype) if need_b else None
+    return g, db
 
 
 def _lora_backward(ctx, *grads):
@@ -211,8 +225,7 @@ def _lora_backward(ctx, *grads):
         dbias = dy.sum(0).to(bias_dtype) if need_bias else None
         da = db = d_own = None
         if r is not None:
-            g = torch.mm(dy, b) * s  # the adapter's share of the gradient, scaled where it is small
-            db = torch.mm(dy.t(), xa * s).to(b_dtype) if need_b else None
+            g, db = adapter_output_grads(dy, b, xa, s, need_b, b_dtype)
             if stacked:
                 gs.append(g)
             else:  # dropout's input: its gradient goes back through PEFT's dropout module

@@ -932,15 +932,10 @@ class TritonSwiGLULoRADownFunction(torch.autograd.Function):
         with torch.autocast(gate.device.type, enabled=False):  # every cast explicit, as lora_kernel's
             h = swiglu_forward(gate, up, activation)
             h2 = h.to(dtype).reshape(-1, h.shape[-1])
-            a, b, w = lora_a.to(dtype), lora_b.to(dtype), weight.to(dtype)
+            a, b = lora_a.to(dtype), lora_b.to(dtype)
             xa = torch.mm(h2, a.t())
-            y = h2.new_empty(*h.shape[:-1], weight.shape[0])
-            y2 = y.view(-1, weight.shape[0])
-            if bias is None:
-                torch.mm(h2, w.t(), out=y2)
-            else:
-                torch.addmm(bias.to(dtype), h2, w.t(), out=y2)
-            y2.addmm_(xa, b.t(), alpha=scaling)
+            y, y2 = lora_kernel.base_product(h2, weight, bias, dtype, h.shape[:-1])
+            y2.addmm_(xa, b.t(), alpha=scaling)  # lora_kernel's epilogue
         ctx.save_for_backward(gate, up, weight, a, b, xa if ctx.needs_input_grad[5] else None)
         ctx.scaling, ctx.dtype, ctx.activation, ctx.h_dtype = scaling, dtype, activation, h.dtype
         ctx.a_dtype, ctx.b_dtype = lora_a.dtype, lora_b.dtype
@@ -951,11 +946,9 @@ class TritonSwiGLULoRADownFunction(torch.autograd.Function):
     def backward(ctx, dy):
         gate, up, weight, a, b, xa = ctx.saved_tensors
         need_gate, need_up, _, _, need_a, need_b = ctx.needs_input_grad[:6]
-        s = ctx.scaling
         with torch.autocast(dy.device.type, enabled=False):
             dy2 = dy.reshape(-1, dy.shape[-1]).to(ctx.dtype)
-            g = torch.mm(dy2, b) * s
-            db = torch.mm(dy2.t(), xa * s).to(ctx.b_dtype) if need_b else None
+            g, db = lora_kernel.adapter_output_grads(dy2, b, xa, ctx.scaling, need_b, ctx.b_dtype)
             # gate or up needs its gradient (swiglu_lora_down_proj's condition): dh always.
             dh = torch.mm(dy2, weight.to(ctx.dtype))
             dh.addmm_(g, a)

@@ -985,7 +985,8 @@ def test_on_a_gpu_rows_of_one_document_are_measured_and_keep_the_models_loss(mon
 def test_the_measurement_times_both_attentions_on_rows_of_the_shape():
     """time_plain_rows itself, with a host clock on the CPU: after a first call each,
     ours and theirs run fwd+bwd in turn, ``repeats`` timed calls each, on rows of the
-    key's shape through the layer (its scaling, heads and causality)."""
+    key's shape through the layer (its scaling, heads and causality), out of the sight of
+    the caller's saved-tensor hooks."""
     import time
 
     model = tiny_model("Llama")
@@ -1000,8 +1001,13 @@ def test_the_measurement_times_both_attentions_on_rows_of_the_shape():
         clocked.append(1)
         return (time.perf_counter() - start) * 1e3
 
-    ours_ms, theirs_ms = attention_routing.time_plain_rows(layer, key, repeats=3, clock=clock)
+    # It runs inside the user's forward: saved-tensor hooks around that (offloading, a
+    # memory count) see none of its tensors.
+    seen = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t.shape) or t, lambda t: t):
+        ours_ms, theirs_ms = attention_routing.time_plain_rows(layer, key, repeats=3, clock=clock)
     assert len(clocked) == 6 and ours_ms > 0 and theirs_ms > 0
+    assert seen == []
 
 
 @pytest.mark.parametrize("label", TESTED)

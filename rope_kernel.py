@@ -820,6 +820,7 @@ def _copy_function(fn, names=None, closure=None):
     new.__kwdefaults__ = fn.__kwdefaults__
     new.__dict__.update(fn.__dict__)
     new.__qualname__ = fn.__qualname__
+    new.__module__ = fn.__module__  # FunctionType takes it from the globals' __name__
     return new
 
 
@@ -845,6 +846,13 @@ def _with_fused_rope(fn, depth=0):
     if "apply_rotary_pos_emb" in code.co_names and "apply_rotary_pos_emb" in fn.__globals__:
         names = dict(fn.__globals__)  # the module's globals as they are now
         names["apply_rotary_pos_emb"] = apply_rotary_pos_emb
+        # Without the module's __name__ the copy's globals are a scope of their own to
+        # torch.compile: it reads a global of a function whose globals have a
+        # __name__ as that module's attribute and guards on it there, where HF's
+        # function (or, from transformers 5.25 on, the nn.Module the `kernels`
+        # package wraps it in) sits, not ours: guards that fail or check the wrong
+        # object. Without one, it guards on this dict's own entries.
+        names.pop("__name__", None)
         return _copy_function(fn, names=names)
     inner = getattr(fn, "__wrapped__", None)
     if inner is None or depth >= 4 or not fn.__closure__ or not any(_cell_holds(c, inner) for c in fn.__closure__):

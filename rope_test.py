@@ -438,6 +438,48 @@ def test_fuse_rope_with_gradient_checkpointing(monkeypatch):
     e_grad = max(rel_err(p.grad, r.grad) for p, r in zip(model.parameters(), reference.parameters()))
     assert e_grad <= 1e-6, f"gradients differ by up to {e_grad:.2e}"
 
+def test_compiled_fused_layers_read_our_function(monkeypatch):
+    # torch.compile reads a global of the copied forward as an attribute of the python
+    # module its globals name, and guards on it there: where HF's function sits, not
+    # ours. transformers 5.25 (with the `kernels` package) keeps there an nn.Module that
+    # wraps the function; the same stand-in here must neither break the guards nor
+    # take the place of our kernel in the compiled layers.
+    from transformers.models.llama import modeling_llama
+
+    class Wrapped(torch.nn.Module):  # a callable with no __defaults__ / __code__
+        def __init__(self, function):
+            super().__init__()
+            self.function = function
+
+        def forward(self, *args, **kwargs):
+            return self.function(*args, **kwargs)
+
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", Wrapped(modeling_llama.apply_rotary_pos_emb))
+    model = _tiny_llama()
+    reference = copy.deepcopy(model)
+    assert fuse_rope(model) == 2
+    graphs = []
+
+    def backend(graph_module, example_inputs):  # keeps what each compilation traced
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    for layer in model.model.layers:
+        layer.compile(backend=backend)
+    ids = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    model(ids, labels=ids)
+    compiled = len(graphs)
+    loss = model(ids, labels=ids).loss  # the cached graphs: their guards hold
+    torch._dynamo.reset()
+    assert compiled >= 1 and len(graphs) == compiled, f"{compiled} graphs, then {len(graphs) - compiled} more"
+    for graph in graphs:
+        targets = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+        assert any("rope_forward" in t for t in targets), f"our RoPE op is not in a compiled layer: {targets}"
+    loss_ref = reference(ids, labels=ids).loss  # HF's function, eager
+    assert rel_err(loss, loss_ref) <= 1e-6
+
+
 def test_patch_scope_restore_and_nesting():
     from transformers.models.llama import modeling_llama
 

@@ -2,7 +2,6 @@
 # The final code of the recomputations (164ee87's shared LoRA products, the measurement of plain rows kept out of the
 # caller's saved-tensor hooks, the compiled RoPE copy's own globals): the GPU tests of the files they touch, then the default
 # commands of c1 once each (8B LoRA r16 4 x 2,048 and 1 x 16,384, 8B full 2 x 2,048) to compare with c1 on the same kind of GPU.
-# (8B LoRA r16 4 x 2,048 and 1 x 16,384, 8B full 2 x 2,048) to compare with c1's figures on the same kind of GPU.
 R=$OUT/c3
 source tools/device_env.sh $R
 t0=$(date +%s)

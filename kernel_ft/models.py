@@ -496,7 +496,8 @@ def compile_decoder(model, args):
             # becomes part of the graph, and the compiler recomputes the layer's
             # activations in backward.
             layer.gradient_checkpointing = False
-            layer.forward = torch.compile(_checkpointed(layer.forward), backend=backend, fullgraph=True, **options)
+            compiled = torch.compile(_checkpointed(layer.forward), backend=backend, fullgraph=True, **options)
+            layer.forward = _python_effects_once(compiled)
         else:
             layer.compile(backend=backend, fullgraph=True, **options)
     mode = f", mode {args.compile_mode}" if options else ""
@@ -505,6 +506,26 @@ def compile_decoder(model, args):
     print(f"Compile:       {len(layers)} decoder layers with torch.compile (backend {backend}{mode}, fullgraph{inside}); "
           "compiled during the warm-up steps")
     return len(layers)
+
+
+def _python_effects_once(compiled):
+    """``compiled`` tracing with Dynamo's leave to run a checkpointed layer's Python side
+    effects once, in forward, and not again in the backward's recomputation.
+
+    Dynamo refuses to compile a checkpointed region that changes Python state from
+    outside it, because eager checkpointing would repeat that change when it reruns
+    the layer and a graph cannot. transformers 5.25's attention forwards make such a
+    change on every call (the `kernels` package sets, then resets, a context variable
+    naming the model's own RoPE wrapper), so a fullgraph compile with checkpointing
+    stopped there, with our kernels or without. The change is undone before forward
+    returns and only steers which function the trace sees, so not repeating it changes
+    no number. Any other Python side effect of a layer's forward also runs once
+    (an eager checkpointed layer runs it twice). Scoped to these calls (the tracing
+    happens inside them); PyTorch releases without the option trace as before."""
+    option = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+    if not hasattr(torch._dynamo.config, option):
+        return compiled
+    return torch._dynamo.config.patch(**{option: True})(compiled)
 
 
 def _checkpointed(forward):

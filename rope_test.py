@@ -438,6 +438,7 @@ def test_fuse_rope_with_gradient_checkpointing(monkeypatch):
     e_grad = max(rel_err(p.grad, r.grad) for p, r in zip(model.parameters(), reference.parameters()))
     assert e_grad <= 1e-6, f"gradients differ by up to {e_grad:.2e}"
 
+
 def test_compiled_fused_layers_read_our_function(monkeypatch):
     # torch.compile reads a global of the copied forward as an attribute of the python
     # module its globals name, and guards on it there: where HF's function sits, not

@@ -9,7 +9,9 @@ mode: nothing random) computes its loss and gradients with the model's own code,
 left-padding mask. A kernel either went in and the numbers are the model's (to float32
 rounding), or it was left to PyTorch with a one-line reason. Anything else is a bug:
 ``DIFFERS`` (other numbers) or ``APPLY-ERROR`` (apply raised instead of refusing).
-Model types that cannot build or run at these shapes by themselves are listed as such.
+Model types that cannot build or run at these shapes by themselves are listed as such; one
+that TINY's widths refuse because of another head count (an indexer's, a decoder's own) is
+tried once more with those counts cut to TINY's key-value heads, named on its row.
 
 ``--image-text`` sweeps the image-text-to-text mapping instead (LLaVA, Qwen2-VL, ...): the text
 sub-config at TINY's shapes, the other towers at VISION_TINY's, the same text-only rows (what
@@ -90,15 +92,24 @@ def tiny_image_text_config(model_type):
     return transformers.AutoConfig.for_model(model_type, **subs)
 
 
-def sweep_one(model_type, image_text=False):
-    """One model type's row: {"type", "status", "applied", "refused", "detail"}."""
-    row = {"type": model_type, "applied": [], "refused": {}, "detail": ""}
-    auto = transformers.AutoModelForImageTextToText if image_text else transformers.AutoModelForCausalLM
-    try:
-        if image_text:
-            config = tiny_image_text_config(model_type)
-        else:
-            config = transformers.AutoConfig.for_model(model_type, **TINY)
+def other_head_counts(model_type):
+    """The type's head counts that TINY does not set (an indexer's, a linear-attention or Mamba
+    mixer's, an encoder-decoder's decoder heads), cut to TINY's key-value heads, which divide every
+    TINY width; {} when it has none above that. Keys an attribute_map points TINY's names to are
+    TINY's own (GPT-2's n_head is num_attention_heads)."""
+    default = transformers.AutoConfig.for_model(model_type)
+    aliases = set(getattr(default, "attribute_map", {}).values())
+    few = TINY["num_key_value_heads"]
+    return {key: few for key, value in default.to_dict().items()
+            if key.endswith("heads") and key not in TINY and key not in aliases and type(value) is int and value > few}
+
+
+def build(model_type, image_text, auto, fewer_heads):
+    """(model at the tiny shapes, float32, eval mode, or None when over MAX_PARAMETERS; its size)."""
+    if image_text:
+        config = tiny_image_text_config(model_type)
+    else:
+        config = transformers.AutoConfig.for_model(model_type, **TINY, **fewer_heads)
         for part in {id(c): c for c in (config, config.get_text_config())}.values():
             if (getattr(part, "pad_token_id", None) or 0) >= TINY["vocab_size"]:
                 part.pad_token_id = 0  # the family's own id is outside the tiny vocabulary
@@ -106,15 +117,42 @@ def sweep_one(model_type, image_text=False):
             for key, value in part.to_dict().items():
                 if "dropout" in key and isinstance(value, float):
                     setattr(part, key, 0.0)
-        with torch.device("meta"):  # count first: some types keep huge tables at any hidden size
-            size = sum(p.numel() for p in auto.from_config(config).parameters())
-        if size > MAX_PARAMETERS:
-            return {**row, "status": "too large", "detail": f"{size / 1e6:.0f} M parameters at the tiny shapes"}
-        torch.manual_seed(0)
-        # Eval mode: no dropout by any name, no router jitter (PhiMoE); gradients flow as in training.
-        model = auto.from_config(config).float().eval()
+    with torch.device("meta"):  # count first: some types keep huge tables at any hidden size
+        size = sum(p.numel() for p in auto.from_config(config).parameters())
+    if size > MAX_PARAMETERS:
+        return None, size
+    torch.manual_seed(0)
+    # Eval mode: no dropout by any name, no router jitter (PhiMoE); gradients flow as in training.
+    return auto.from_config(config).float().eval(), size
+
+
+def sweep_one(model_type, image_text=False):
+    """One model type's row: {"type", "status", "applied", "refused", "detail"}."""
+    row = {"type": model_type, "applied": [], "refused": {}, "detail": ""}
+    auto = transformers.AutoModelForImageTextToText if image_text else transformers.AutoModelForCausalLM
+    fewer = {}
+    try:
+        model, size = build(model_type, image_text, auto, fewer)
     except Exception as e:  # noqa: BLE001 - the type itself does not build at these shapes
-        return {**row, "status": "does not build", "detail": _one_line(e)}
+        # Its other head counts may be what TINY's widths refuse (Kolibri's 12 indexer heads over 4
+        # query heads, Whisper's 6 decoder heads over a width of 64): once more with them cut.
+        try:
+            fewer = {} if image_text else other_head_counts(model_type)
+            if not fewer:
+                raise
+            model, size = build(model_type, image_text, auto, fewer)
+        except Exception:  # noqa: BLE001
+            return {**row, "status": "does not build", "detail": _one_line(e)}
+    if model is None:
+        return {**row, "status": "too large", "detail": f"{size / 1e6:.0f} M parameters at the tiny shapes"}
+    result = check(row, model)
+    if fewer:  # said on the row: these are not TINY's shapes alone
+        result["detail"] = f"{', '.join(f'{k}={v}' for k, v in fewer.items())}; {result['detail']}"
+    return result
+
+
+def check(row, model):
+    """The model's own loss and gradients against those after kernel_ft.apply, with and without a padding mask."""
     vocab = min(swap_common.vocabulary_size(model) or TINY["vocab_size"], TINY["vocab_size"])
     ids = torch.randint(3, vocab, (2, 12), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)

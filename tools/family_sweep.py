@@ -110,13 +110,13 @@ def build(model_type, image_text, auto, fewer_heads):
         config = tiny_image_text_config(model_type)
     else:
         config = transformers.AutoConfig.for_model(model_type, **TINY, **fewer_heads)
-        for part in {id(c): c for c in (config, config.get_text_config())}.values():
-            if (getattr(part, "pad_token_id", None) or 0) >= TINY["vocab_size"]:
-                part.pad_token_id = 0  # the family's own id is outside the tiny vocabulary
-        for part in [config, *(getattr(config, key) for key in config.sub_configs if getattr(config, key, None))]:
-            for key, value in part.to_dict().items():
-                if "dropout" in key and isinstance(value, float):
-                    setattr(part, key, 0.0)
+    for part in {id(c): c for c in (config, config.get_text_config())}.values():
+        if (getattr(part, "pad_token_id", None) or 0) >= TINY["vocab_size"]:
+            part.pad_token_id = 0  # the family's own id is outside the tiny vocabulary
+    for part in [config, *(getattr(config, key) for key in config.sub_configs if getattr(config, key, None))]:
+        for key, value in part.to_dict().items():
+            if "dropout" in key and isinstance(value, float):
+                setattr(part, key, 0.0)
     with torch.device("meta"):  # count first: some types keep huge tables at any hidden size
         size = sum(p.numel() for p in auto.from_config(config).parameters())
     if size > MAX_PARAMETERS:

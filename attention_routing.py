@@ -537,8 +537,6 @@ def _as_it_is(t):
     return t
 
 
-
-
 def use_packed_attention(model):
     """Make ``model``'s attention layers call ours (registered once under NAME), after
     checking that it computes what theirs does (check_same_attention), with calls that

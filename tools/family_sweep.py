@@ -134,15 +134,18 @@ def sweep_one(model_type, image_text=False):
     try:
         model, size = build(model_type, image_text, auto, fewer)
     except Exception as e:  # noqa: BLE001 - the type itself does not build at these shapes
+        refusal = {**row, "status": "does not build", "detail": _one_line(e)}
         # Its other head counts may be what TINY's widths refuse (Kolibri's 12 indexer heads over 4
         # query heads, Whisper's 6 decoder heads over a width of 64): once more with them cut.
+        if image_text:
+            return refusal
         try:
-            fewer = {} if image_text else other_head_counts(model_type)
+            fewer = other_head_counts(model_type)
             if not fewer:
-                raise
+                return refusal
             model, size = build(model_type, image_text, auto, fewer)
-        except Exception:  # noqa: BLE001
-            return {**row, "status": "does not build", "detail": _one_line(e)}
+        except Exception:  # noqa: BLE001 - not the heads, then: the first reason stands
+            return refusal
     if model is None:
         return {**row, "status": "too large", "detail": f"{size / 1e6:.0f} M parameters at the tiny shapes"}
     result = check(row, model)

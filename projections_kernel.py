@@ -53,6 +53,8 @@ and their gradients of x through A are summed in one epilogue.
 Nothing runs on import. See projections_test.py for the checks.
 """
 
+import warnings
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -65,6 +67,7 @@ from lora_kernel import (
 
 # The projections of one module that read the same input, by the names HF gives them.
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+_WARNED_WRAPPED = False  # ProjectionGroup._warn_if_wrapped has said it
 
 
 # --------------------------------------------------------------------------------
@@ -131,8 +134,10 @@ class ProjectionGroup:
     tensor, not modified in place since), returns it.
     """
 
-    def __init__(self, owner, names, members):
+    def __init__(self, owner, names, members, module=None):
         self.owner, self.names, self.members = owner, names, members
+        self._module = module  # the module holding the members (a plain reference: the model pickles)
+        self._wrap_checked = module is None
         self.enabled = True
         self._abandoned = 0  # forwards in a row that left outputs unused
         self._source, self._version, self._pending = None, None, {}
@@ -142,6 +147,9 @@ class ProjectionGroup:
 
     def output(self, index, x, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not self._wrap_checked and not torch.compiler.is_compiling():
+            self._wrap_checked = True
+            self._warn_if_wrapped()
         if (self._pending and index in self._pending and x is self._source
                 and x._version == self._version and not args and not kwargs):
             out = self._pending.pop(index)
@@ -177,6 +185,22 @@ class ProjectionGroup:
         return outs[index]
 
 
+    def _warn_if_wrapped(self):
+        """Once, at the group's first call: say so if PEFT wrapped a member after the group
+        was made (kernel_ft.apply before get_peft_model, or TRL's SFTTrainer given a
+        peft_config): its adapter then runs PEFT's own forward, unfused, until apply is
+        called again (which makes the groups anew, with the adapters; ungroup_under_adapters)."""
+        wrapped = [n for n, m in zip(self.names, self.members)
+                   if getattr(getattr(self._module, n, None), "base_layer", None) is m]
+        global _WARNED_WRAPPED
+        if wrapped and not _WARNED_WRAPPED:
+            _WARNED_WRAPPED = True  # once per process: the advice is the same for every group
+            warnings.warn(f"kernel_ft: {self.owner}.{wrapped[0]} got a LoRA adapter after kernel_ft.apply; such "
+                          f"adapters run PEFT's own forward, unfused. Call kernel_ft.apply(model) again after "
+                          f"get_peft_model (with TRL's peft_config: kernel_ft.apply(trainer.model) before "
+                          f"trainer.train()).", stacklevel=3)
+
+
 class Grouped:
     """A layer (same Parameters, same state-dict names) that computes through its ProjectionGroup."""
 
@@ -195,16 +219,24 @@ class Grouped:
     def forward(self, x):
         return self.group.output(self.index, x)
 
+    def ungrouped(self):
+        """The same layer out of its group: the plain nn.Linear or FP8Linear it was made from."""
+        plain = self.PLAIN.__new__(self.PLAIN)
+        plain.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("group", "index")})
+        return plain
+
     def extra_repr(self):
         return super().extra_repr() + f", grouped with {', '.join(self.group.names)}"
 
 
 class GroupedLinear(Grouped, nn.Linear):
     """An nn.Linear in a group."""
+    PLAIN = nn.Linear
 
 
 class GroupedFP8Linear(Grouped, FP8Linear):
     """An FP8Linear in a group (still an FP8Linear: it stacks with the others)."""
+    PLAIN = FP8Linear
 
 
 def _grouped_forward(layer, x, *args, **kwargs):
@@ -234,7 +266,7 @@ def group_projections(model):
             members = plain if len(plain) >= 2 else fp8  # a group is all FP8Linear or none
             if len(members) < 2 or len({_width(m) for _, m in members}) != 1:
                 continue
-            group = ProjectionGroup(name or type(module).__name__, tuple(n for n, _ in members), [])
+            group = ProjectionGroup(name or type(module).__name__, tuple(n for n, _ in members), [], module)
             for i, (n, m) in enumerate(members):
                 if _is_routed_lora(m):
                     m.projection_group, m.projection_index = group, i
@@ -245,3 +277,29 @@ def group_projections(model):
                 group.members.append(m)
             count += 1
     return count
+
+
+def ungroup_under_adapters(model):
+    """Undo the groups of which PEFT wrapped a member since they were made (kernel_ft.apply
+    before get_peft_model): every member of such a group becomes the plain layer it was,
+    under its LoRA layer or not, so that lora_kernel.fuse_lora can route the adapters and
+    group_projections group them again, adapters included. Returns the number undone."""
+    count = 0
+    for module in list(model.modules()):
+        for names in GROUPS:
+            members = {n: getattr(module, n, None) for n in names}
+            if not any(isinstance(getattr(m, "base_layer", None), Grouped) for m in members.values()):
+                continue
+            for n, m in members.items():
+                if isinstance(m, Grouped):
+                    setattr(module, n, m.ungrouped())
+                elif isinstance(getattr(m, "base_layer", None), Grouped):
+                    m.base_layer = m.base_layer.ungrouped()
+            count += 1
+    return count
+
+
+def groups_in(model):
+    """How many projection groups ``model`` holds (an earlier group_projections')."""
+    return len({id(m.group) if isinstance(m, Grouped) else id(m.projection_group) for m in model.modules()
+                if isinstance(m, Grouped) or "projection_group" in m.__dict__})

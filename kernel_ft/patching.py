@@ -36,7 +36,7 @@ from cross_entropy_kernel import use_fused_loss
 from fp8_kernel import GRAD_FORMATS, FP8Linear, replace_linears
 from linear_cross_entropy_kernel import fuse_linear_cross_entropy
 from lora_kernel import fuse_lora, unfused_layers
-from projections_kernel import Grouped, group_projections
+from projections_kernel import group_projections, groups_in, ungroup_under_adapters
 from rmsnorm_kernel import TritonRMSNorm, replace_rmsnorm
 from rope_kernel import fuse_rope
 from swiglu_kernel import TritonLlamaMLP, replace_swiglu
@@ -95,11 +95,13 @@ def _unwrapped(model):
 
 # The modules an earlier apply left in a model, by kernel: a second call finds nothing
 # left to swap, and the report must say what the model runs, not "found nothing".
-OURS = {"fp8": FP8Linear, "rmsnorm": TritonRMSNorm, "swiglu": TritonLlamaMLP, "projections": Grouped}
+OURS = {"fp8": FP8Linear, "rmsnorm": TritonRMSNorm, "swiglu": TritonLlamaMLP}
 
 
 def _already_in(kernel, model):
     """How many of ``kernel``'s modules ``model`` holds already (0: none, or not a module swap)."""
+    if kernel == "projections":
+        return groups_in(model)
     kind = OURS.get(kernel)
     return 0 if kind is None else sum(isinstance(m, kind) for m in model.modules())
 
@@ -238,7 +240,11 @@ def _apply_lora_and_groups(report, model, lora, projections, name):
     """LoRA in the base layers' products, then the projection groups (LoRA's fused layers
     join them, FP8 layers stack; quantized layers keep their own). Only PEFT models have
     adapters; each layer is checked at every call (DoRA, QLoRA keep PEFT's forward;
-    dropout and FP8 base layers run fused)."""
+    dropout and FP8 base layers run fused). Groups made by an apply before get_peft_model
+    are undone first where PEFT wrapped their members, and made again with the adapters."""
+    regrouped = 0
+    if lora and hasattr(model, "peft_config"):
+        regrouped = ungroup_under_adapters(model)
     if not lora:
         report.add("lora", NOT_USED, 0, "switched off")
     elif not hasattr(model, "peft_config"):
@@ -259,10 +265,14 @@ def _apply_lora_and_groups(report, model, lora, projections, name):
     if not projections:
         report.add("projections", NOT_USED, 0, "switched off")
     else:
-        count = group_projections(model) or _already_in("projections", model)
+        group_projections(model)
+        count = groups_in(model)  # those made now and any an earlier apply made
         if count:
             report.add("projections", APPLIED, count, f"{count} groups of projections (q/k/v, gate/up) with one "
                        f"input gradient, summed in cuBLAS's epilogues (FP8: one product of the stacked weights)")
+            if regrouped:
+                report["projections"]["detail"] += (f"; {regrouped} made again with the LoRA adapters added since "
+                                                    f"an earlier apply")
         else:
             report.add("projections", NOT_USED, 0, f"nothing to group in {name} (its q/k/v and gate/up are fused "
                        f"already, or quantized or unrouted LoRA layers)")

@@ -11,7 +11,8 @@ trained by transformers' Trainer, TRL's SFTTrainer and PEFT, with and without ap
 * TRL's SFTTrainer: padding-free packing and completion-only loss, same losses;
 * PEFT LoRA (all-linear, r=8): every layer fused, with lora_dropout 0 and 0.05 (PEFT's
   dropout module draws the masks), no warning, PEFT's loss and gradients; under bf16
-  autocast within bf16 rounding;
+  autocast within bf16 rounding; adapters added after apply (get_peft_model after it,
+  SFTTrainer's peft_config) warned of, then fused by a second apply;
 * with labels the LM head never runs and ``.logits`` is None; without labels the
   logits, a padded batch (left or right: the model's own attention runs), packed rows
   (position ids restarting per document: each document's logits, the model's loss)
@@ -291,7 +292,9 @@ SFT_CASES = {
 }
 
 
-def sft_run(case, kernels):
+def sft_run(case, kernels, peft_config=None, after=None):
+    """SFTTrainer's batch and (losses, gradient norms) per step; ``peft_config`` is handed
+    to the trainer (which wraps the model), ``after(trainer)`` runs before training."""
     pytest.importorskip("trl")
     import trl
 
@@ -304,7 +307,9 @@ def sft_run(case, kernels):
                              logging_steps=1, report_to="none", use_cpu=ON_CPU, save_strategy="no", seed=0,
                              bf16=False, gradient_checkpointing=False, disable_tqdm=True, **options)
         trainer = trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict(columns()),
-                                 processing_class=word_tokenizer())
+                                 processing_class=word_tokenizer(), peft_config=peft_config)
+        if after is not None:
+            after(trainer)
         batch = next(iter(trainer.get_train_dataloader()))
         trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
@@ -326,10 +331,15 @@ def test_sft_trainer_losses(case):
 # --------------------------------------------------------------------------------
 # 3. PEFT LoRA
 # --------------------------------------------------------------------------------
-def lora_model(dropout, **options):
+def lora_config(dropout, **options):
     peft = pytest.importorskip("peft")
-    model = peft.get_peft_model(tiny_model("Llama"), peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
-                                                                     lora_dropout=dropout, **options))
+    return peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=dropout, **options)
+
+
+def lora_model(dropout, model=None, **options):
+    """A PEFT LoRA model around ``model`` (a tiny LLaMA by default), B not zero."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_model("Llama") if model is None else model, lora_config(dropout, **options))
     torch.manual_seed(3)
     with torch.no_grad():  # PEFT starts B at zero, where A's gradient path would go untested
         for name, p in model.named_parameters():
@@ -368,6 +378,62 @@ def test_peft_lora(dropout):
     assert grads.keys() == want_grads.keys() and all("lora_" in name for name in grads)
     for name in grads:
         assert_close(f"gradient of {name}", grads[name], want_grads[name], GRAD_TOL)
+
+
+def test_lora_added_after_apply_is_said_then_fused_by_a_second_apply(monkeypatch):
+    """apply before get_peft_model: the groups it made hold the projections PEFT then wraps,
+    so their adapters run PEFT's forward. That is right (PEFT's loss and gradients) but
+    slow, and said once in a warning; a second apply undoes those groups and makes them
+    again with the adapters fused, as an apply after get_peft_model would."""
+    import projections_kernel
+    from lora_kernel import unfused_layers
+
+    monkeypatch.setattr(projections_kernel, "_WARNED_WRAPPED", False)
+    theirs = lora_model(0.05)
+    ours = lora_model(0.05, model=applied(tiny_model("Llama")))
+    ours.load_state_dict(theirs.state_dict())  # apply's probes draw random numbers: the same adapters
+    ids = token_ids(2)
+    labels = masked_prompts(ids, [3, 6])
+    want_loss, want_grads = loss_and_grads(theirs, ids, labels)
+
+    def check(model):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss, grads = loss_and_grads(model, ids, labels)
+        assert_close("loss", loss, want_loss, LOSS_TOL)
+        assert grads.keys() == want_grads.keys()
+        for name in grads:
+            assert_close(f"gradient of {name}", grads[name], want_grads[name], GRAD_TOL)
+        return [str(w.message) for w in caught if str(w.message).startswith("kernel_ft")]
+
+    wrapped = [m for m in ours.modules() if isinstance(getattr(m, "base_layer", None), projections_kernel.Grouped)]
+    assert len(wrapped) == 10  # q, k, v, gate, up in 2 layers
+    warned = check(ours)
+    assert len(warned) == 1 and "after kernel_ft.apply" in warned[0] and "apply(model) again" in warned[0], warned
+
+    report, warned = apply_and_warnings(ours)
+    assert warned == []
+    assert report["lora"]["status"] == "applied" and report["lora"]["count"] == 14, report["lora"]
+    assert report["projections"]["count"] == 4 and "4 made again" in report["projections"]["detail"], report
+    assert unfused_layers(ours) == {}
+    lora_layers = [m for m in ours.modules() if hasattr(m, "lora_A")]
+    assert all(type(m.base_layer) is torch.nn.Linear for m in lora_layers)
+    assert sum("projection_group" in m.__dict__ for m in lora_layers) == 10  # grouped, adapters and all
+    assert check(ours) == []
+
+
+def test_sft_trainer_given_a_peft_config_after_apply_fuses_lora_with_a_second_apply():
+    """TRL's SFTTrainer(peft_config=...) wraps the model itself, after apply: the warning's
+    advice, apply(trainer.model) before train(), gives every LoRA layer fused and the losses
+    of the same run without the kernels."""
+    reports = []
+    ours = sft_run("packing, padding-free", kernels=True, peft_config=lora_config(0.0),
+                   after=lambda trainer: reports.append(apply_and_warnings(trainer.model)))
+    (report, warned), = reports
+    assert warned == [] and report["lora"]["status"] == "applied" and report["lora"]["count"] == 14, report
+    assert "PEFT's forward" not in report["lora"]["detail"], report["lora"]  # none left unfused
+    _, *theirs = sft_run("packing, padding-free", kernels=False, peft_config=lora_config(0.0))
+    assert_same_run(ours[1:], theirs)
 
 
 @pytest.mark.parametrize("case", ["LoRA", "LoRA, float32 weights under bf16 autocast", "full fine-tuning"])

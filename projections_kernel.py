@@ -184,7 +184,6 @@ class ProjectionGroup:
         self._source, self._version = x, x._version
         return outs[index]
 
-
     def _warn_if_wrapped(self):
         """Once, at the group's first call: say so if PEFT wrapped a member after the group
         was made (kernel_ft.apply before get_peft_model, or TRL's SFTTrainer given a

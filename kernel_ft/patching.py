@@ -100,8 +100,6 @@ OURS = {"fp8": FP8Linear, "rmsnorm": TritonRMSNorm, "swiglu": TritonLlamaMLP}
 
 def _already_in(kernel, model):
     """How many of ``kernel``'s modules ``model`` holds already (0: none, or not a module swap)."""
-    if kernel == "projections":
-        return groups_in(model)
     kind = OURS.get(kernel)
     return 0 if kind is None else sum(isinstance(m, kind) for m in model.modules())
 

@@ -13,7 +13,8 @@ model's own, and decides per call which one runs:
   hidden states) and the reach of its attention parameters must be the same with
   ours, or the switch is refused in one line.
 * At the decoder (``route_masked_calls``): a call with a padding mask, a KV cache
-  (generate()) or output_attentions goes to the model's own attention, with its mask;
+  (generate()), output_attentions, or position ids with use_cache on (transformers then
+  reads no documents from them) goes to the model's own attention, with its mask;
   a recomputation by gradient checkpointing goes where its forward went; a model set
   to another attention after apply (set_attn_implementation) runs that one.
 * Rows of one document (``plain_rows_to_theirs``): whichever attention is measured
@@ -30,6 +31,7 @@ Nothing runs on import. tests/apply_test.py checks the routing and the choice.
 
 import contextlib
 import inspect
+import warnings
 
 import torch
 
@@ -346,31 +348,63 @@ def _cached(decoder, arguments):
     takes the old name through **kwargs; either may come.)"""
     from transformers import DynamicCache
 
-    extra = arguments.get(decoder._kernel_ft_var_keyword) or {}  # what came in through **kwargs
-    cache = next((c for where in (arguments, extra) for c in map(where.get, CACHE_NAMES) if c is not None), None)
+    cache = _argument(decoder, arguments, *CACHE_NAMES)
     if cache is None or not hasattr(cache, "get_seq_length"):
         return False
     return not isinstance(cache, DynamicCache) or cache.get_seq_length() > 0
+
+
+def _argument(decoder, arguments, *names):
+    """The first of ``names`` the call passed, by name or through **kwargs, or None."""
+    extra = arguments.get(decoder._kernel_ft_var_keyword) or {}  # what came in through **kwargs
+    return next((v for where in (arguments, extra) for v in map(where.get, names) if v is not None), None)
+
+
+_WARNED_CACHE = False  # _cache_hides_documents has said it
+
+
+def _cache_hides_documents(decoder, arguments):
+    """Whether transformers would attend across the documents of this call's rows: it
+    reads documents from the position ids only where no cache exists when it builds the
+    mask, and a decoder makes an empty DynamicCache itself whenever use_cache is on (the
+    config's default, in training too). Such a call runs the model's own attention, which
+    gives what transformers gives, whichever way the family decides. Trainer and TRL turn
+    use_cache off, as our scripts do: there packed rows run ours, one document at a time."""
+    global _WARNED_CACHE
+    if arguments.get("position_ids") is None:
+        return False  # no documents to read: one per row, either way
+    use_cache = _argument(decoder, arguments, "use_cache")
+    if use_cache is None:
+        use_cache = getattr(decoder.config, "use_cache", False)
+    if not (use_cache or _argument(decoder, arguments, *CACHE_NAMES) is not None):
+        return False
+    if decoder.training and torch.is_grad_enabled() and not _WARNED_CACHE:
+        _WARNED_CACHE = True
+        warnings.warn("kernel_ft: a training call with position ids and use_cache on: transformers then keeps a KV "
+                      "cache and attends across the documents of packed rows, so the model's own attention runs. "
+                      "Set model.config.use_cache = False (Trainer and TRL do) to train packed rows with the "
+                      "kernel, each document attending only to itself.", stacklevel=3)
+    return True
 
 
 def _weights_asked(decoder, arguments):
     """Whether the call asks for the attention weights (output_attentions), which ours never
     forms: the model's own attention returns them. (transformers refuses the flag in the
     config under any implementation but eager.)"""
-    extra = arguments.get(decoder._kernel_ft_var_keyword) or {}  # what came in through **kwargs
-    return bool(arguments.get("output_attentions", extra.get("output_attentions")))
+    return bool(_argument(decoder, arguments, "output_attentions"))
 
 
 def decoder_forward_routed(decoder, *args, **kwargs):
-    """The decoder's forward: ours for unmasked calls without a KV cache or a request for
-    the attention weights, the model's own attention (kept in ``_kernel_ft_theirs``) for
-    the others, and for rows of one document where it is measured to be faster
-    (plain_rows_to_theirs)."""
+    """The decoder's forward: ours for unmasked calls without a KV cache, a request for the
+    attention weights or position ids that a cache would hide (_cache_hides_documents), the
+    model's own attention (kept in ``_kernel_ft_theirs``) for the others, and for rows of
+    one document where it is measured to be faster (plain_rows_to_theirs)."""
     config = getattr(decoder, "config", None)  # (none: not a decoder; check_padding_is_routed says so)
     if config is None or config._attn_implementation != NAME:  # set_attn_implementation after apply: that runs
         return decoder._kernel_ft_attention_forward(*args, **kwargs)
     arguments = decoder._kernel_ft_signature.bind(*args, **kwargs).arguments
-    plain = not (_cached(decoder, arguments) or _weights_asked(decoder, arguments))
+    plain = not (_cached(decoder, arguments) or _weights_asked(decoder, arguments)
+                 or _cache_hides_documents(decoder, arguments))
     if arguments.get("attention_mask") is None and plain:
         if decoder._kernel_ft_passes_keywords and plain_rows_to_theirs(decoder, arguments):
             # Theirs through hf_packed_attention, with no mask: what such rows get from it

@@ -666,11 +666,15 @@ def causal_lm_reduction(num_items_in_batch):
     return "mean" if num_items_in_batch is None else "sum"
 
 
-def divide_by_items(loss, num_items_in_batch):
+def divide_by_items(loss, num_items_in_batch, targets, ignore_index):
     """HF's normalization: the summed loss over ``num_items_in_batch`` (an int or a tensor,
-    possibly on another device); the mean loss as it is."""
+    possibly on another device); the mean loss as it is, except over no target at all:
+    there transformers divides 0 by 0 (NaN, with zero gradients, as PyTorch's
+    cross_entropy gives), where our kernels return 0 (an all-padding batch in a training
+    loop of their own stays finite). A model's loss gives transformers' value."""
     if num_items_in_batch is None:
-        return loss
+        # torch.where: the NaN is the value only; the gradient stays the kernel's zeros. No host sync.
+        return torch.where((targets != ignore_index).any(), loss, torch.full_like(loss, float("nan")))
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss / num_items_in_batch
@@ -682,7 +686,7 @@ def causal_lm_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ign
     no float32 copy of the [B, T, V] logits."""
     targets = causal_lm_targets(labels, shift_labels, ignore_index).to(logits.device)
     loss = cross_entropy(logits, targets, ignore_index=ignore_index, reduction=causal_lm_reduction(num_items_in_batch))
-    return divide_by_items(loss, num_items_in_batch)
+    return divide_by_items(loss, num_items_in_batch, targets, ignore_index)
 
 
 def use_fused_loss(model):

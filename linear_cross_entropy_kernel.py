@@ -522,12 +522,15 @@ def causal_lm_forward_with_fused_loss(model, *args, **kwargs):
     if skip_logits and labels is None:
         raise ValueError("skip_logits=True needs labels: without them the logits are all the forward computes")
     head = model.get_output_embeddings()
+    keep = arguments.get("logits_to_keep", extra.get("logits_to_keep"))
+    some_logits = keep is not None and not (isinstance(keep, int) and keep == 0)
     if labels is None or not _skips_logits(model, skip_logits) or _router_loss(model, arguments, extra) \
-            or extra.get("fused_lm_head") or (_peft_copies(head) and head._forward_pre_hooks):
+            or extra.get("fused_lm_head") or (_peft_copies(head) and head._forward_pre_hooks) or some_logits:
         # No loss to compute, an evaluation that wants the logits, an MoE call that adds its router's
         # auxiliary loss, TRL's call of the log-probabilities its own fused head computes (fused_lm_head:
-        # its trainers wrap the forward, before or after apply), or a call of a PEFT model with an adapter
-        # per row (adapter_names: PEFT gives the head's copies a hook that picks each row's): the model's
+        # its trainers wrap the forward, before or after apply), a call of a PEFT model with an adapter
+        # per row (adapter_names: PEFT gives the head's copies a hook that picks each row's), or labels with
+        # the logits of some positions only (logits_to_keep; transformers refuses the pair): the model's
         # own forward.
         return model._kernel_ft_forward(*args, **kwargs)
     num_items = extra.pop("num_items_in_batch", None)
@@ -552,7 +555,7 @@ def causal_lm_forward_with_fused_loss(model, *args, **kwargs):
     loss = fused_linear_cross_entropy(hidden, weight, targets, ignore_index=ignore_index,
                                       reduction=causal_lm_reduction(num_items),
                                       softcap=getattr(config, "final_logit_softcapping", None))
-    loss = divide_by_items(loss, num_items)
+    loss = divide_by_items(loss, num_items, targets, ignore_index)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     # The KV cache, read by key (a ModelOutput is a dict; 5.24's properties for the old name warn). A decoder

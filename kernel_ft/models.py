@@ -365,14 +365,17 @@ def check_seq_len(seq_len, config):
 
 
 def build_random(config, device, dtype):
-    """Random weights, created directly on ``device`` in ``dtype``.
+    """Random weights, created directly on ``device`` in ``dtype``, for training: no KV
+    cache (with one, transformers attends across the documents of packed rows).
 
     Building 8B parameters in float32 on the CPU and then converting and copying
     them would take minutes and 32 GB of host memory; allocating them in bf16 on
     the GPU takes seconds.
     """
     with device:
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention_for(config))
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention_for(config))
+    model.config.use_cache = False
+    return model
 
 
 def document_attention(args):

@@ -201,6 +201,13 @@ def target_count(batch):
     return (dataloader.shift_labels(batch["labels"]) != dataloader.IGNORE_INDEX).sum()
 
 
+def counted(loss, count):
+    """A micro-batch's mean loss, 0 where it has no target: transformers' mean over none
+    is 0 / 0, NaN, which its weight of 0 would not remove (NaN x 0 is NaN). A NaN of a
+    batch with targets stays. torch.where: no host sync, and zero gradients there."""
+    return torch.where(count > 0, loss, torch.zeros_like(loss))
+
+
 def accumulate_gradients(model, loss_fn, micro_batches):
     """Forward and backward of each micro-batch, adding up the gradients.
 
@@ -224,7 +231,8 @@ def accumulate_gradients(model, loss_fn, micro_batches):
     step_loss = 0.0
     for i, (batch, count) in enumerate(zip(micro_batches, counts)):
         with phase("forward"):
-            loss = loss_fn(model, batch) * (count * ranks / total)  # exactly x1.0 on one process without accumulation
+            # x1.0 exactly on one process with one micro-batch
+            loss = counted(loss_fn(model, batch), count) * (count * ranks / total)
         # --ddp: the last micro-batch's backward averages the gradients over the processes
         with phase("backward"), ddp.averaged_backward(model, last=i == len(micro_batches) - 1):
             loss.backward()
@@ -382,7 +390,7 @@ def evaluate(model, loss_fn, batches):
     with evaluating(model), loss_only():  # the fused loss: no [B, T, V] logits here either
         for batch in batches:
             count = target_count(batch)
-            loss_sum = loss_sum + loss_fn(model, batch).float() * count
+            loss_sum = loss_sum + counted(loss_fn(model, batch), count).float() * count
             count_sum = count_sum + count
     return float(loss_sum / max(int(count_sum), 1))
 

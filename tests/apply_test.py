@@ -15,9 +15,12 @@ trained by transformers' Trainer, TRL's SFTTrainer and PEFT, with and without ap
   SFTTrainer's peft_config) warned of, then fused by a second apply;
 * with labels the LM head never runs and ``.logits`` is None; without labels the
   logits, a padded batch (left or right: the model's own attention runs), packed rows
-  (position ids restarting per document: each document's logits, the model's loss)
+  (position ids restarting per document: each document's logits, the model's loss;
+  with use_cache on, the model's attention across documents, as transformers gives it)
   and greedy ``generate()`` (also left-padded) give what the model gives without
   apply (logits by conftest.check_outputs: float64 truth, no worse than 2x PyTorch);
+  labels without a target give the model's NaN and zero gradients, labels with
+  logits_to_keep the model's error;
 * a config with attention dropout keeps the model's attention (dropout set after apply
   too), position ids split into documents as transformers splits them, return_dict=False
   gives HF's tuple, PEFT's copy of the head (modules_to_save) runs the fused loss; a
@@ -111,6 +114,7 @@ def tiny_config(label):
 def tiny_model(label="Llama", seed=0):
     torch.manual_seed(seed)
     model = models.build_random(tiny_config(label), torch.device(DEVICE), torch.float32)
+    model.config.use_cache = True  # as a user's model comes (build_random turns it off for training)
     return model.train()
 
 
@@ -598,6 +602,38 @@ def test_labels_give_the_loss_without_running_the_lm_head(label):
         assert_close(f"gradient of {name}", grads[name], p.grad, GRAD_TOL)
 
 
+@pytest.mark.parametrize("loss", ["flce", "ce"])
+def test_labels_without_targets_give_the_models_nan_and_zero_gradients(loss):
+    """No target in the batch: transformers' mean is 0 / 0, NaN, and its gradients are 0;
+    the fused loss (inside the forward, or on the logits) gives the same."""
+    plain = tiny_model("Llama")
+    ours = applied(copy.deepcopy(plain), flce=loss == "flce")
+    ids = token_ids(2)
+    labels = torch.full_like(ids, -100)
+    for model in (plain, ours):
+        out = model(input_ids=ids, labels=labels)
+        out.loss.backward()
+        assert torch.isnan(out.loss), f"{model is ours and 'ours' or 'plain'}: {out.loss}"
+        assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def test_labels_with_logits_to_keep_get_the_models_own_answer():
+    """transformers refuses labels with the logits of some positions only (logits_to_keep):
+    after apply the same error, not a loss over every position."""
+    plain = tiny_model("Llama")
+    ours = applied(copy.deepcopy(plain))
+    ids = token_ids(2)
+    for keep in (1, torch.tensor([2, 5])):
+        errors = []
+        for model in (plain, ours):
+            with pytest.raises(Exception) as caught:
+                model(input_ids=ids, labels=ids, logits_to_keep=keep)
+            errors.append((type(caught.value), str(caught.value)))
+        assert errors[0] == errors[1], errors
+    got, want = (model(input_ids=ids, labels=ids, logits_to_keep=0).loss for model in (ours, plain))
+    assert_close("loss, logits_to_keep=0", got.detach(), want.detach(), LOSS_TOL)
+
+
 def test_return_dict_false_gives_the_models_tuple_with_no_logits():
     """return_dict=False: HF's tuple, the loss first and None where the logits would
     be, every other output at its own position."""
@@ -900,10 +936,10 @@ def test_attention_dropout_set_after_apply_runs_the_models_attention(attention_c
     loss, grads = dropout_loss_and_gradients(ours, ids)
     assert not attention_calls  # every call dropped, so every call ran the model's own attention
     assert abs(loss - want_loss) <= LOSS_TOL and rel_err(grads, want_grads) <= GRAD_TOL
-    ours.eval()  # no dropout in eval: ours again (packed rows: ours on any device, never measured)
+    ours.eval()  # no dropout in eval: ours again (packed rows without a cache: ours on any device, never measured)
     positions = torch.arange(SEQ // 2, device=DEVICE).repeat(2)[None].expand(2, SEQ)
     with torch.no_grad():
-        ours(input_ids=ids, position_ids=positions)
+        ours(input_ids=ids, position_ids=positions, use_cache=False)
     assert attention_calls
 
 
@@ -949,7 +985,7 @@ def test_rows_of_one_document_run_the_attention_measured_faster(faster, measured
     # Packed rows (position ids) are ours without a measurement, whatever was measured.
     positions = torch.cat([torch.arange(5), torch.arange(7)]).expand(2, 12).to(DEVICE)
     attention_calls.clear()
-    loss_and_gradients(ours, input_ids=ids, position_ids=positions, labels=ids)
+    loss_and_gradients(ours, input_ids=ids, position_ids=positions, labels=ids, use_cache=False)
     assert len(attention_calls) == layers and measured_here["calls"] == 1
 
 
@@ -1103,6 +1139,37 @@ def test_packed_rows_give_each_documents_logits_and_the_loss(label, attention_ca
     inputs = {k: batch[k].to(DEVICE) for k in ("input_ids", "position_ids", "labels")}
     with torch.no_grad():
         assert_close("loss", ours(**inputs, use_cache=False).loss, plain(**inputs, use_cache=False).loss, LOSS_TOL)
+
+
+def test_packed_rows_with_use_cache_on_get_the_models_attention_across_documents(attention_calls, monkeypatch):
+    """With use_cache on (a config's default, in training too) a decoder keeps a cache and
+    transformers then reads no documents from the position ids: each row attends across
+    its documents. The model's own attention runs such calls (its loss and gradients), and
+    a training call says once how to get ours; use_cache=False gives each document alone."""
+    monkeypatch.setattr(attention_routing, "_WARNED_CACHE", False)
+    plain = tiny_model("Llama")
+    ours = applied(copy.deepcopy(plain))
+    ids = token_ids(2, 12)
+    positions = torch.cat([torch.arange(5), torch.arange(7)]).expand(2, 12).to(DEVICE)
+    assert plain.config.use_cache
+    for cache in ({}, {"use_cache": True}):
+        attention_calls.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss, grads = loss_and_gradients(ours, input_ids=ids, position_ids=positions, labels=ids, **cache)
+        warned = [str(w.message) for w in caught if "use_cache" in str(w.message)]
+        assert len(warned) == (0 if cache else 1), warned  # once
+        want_loss, want_grads = loss_and_gradients(plain, input_ids=ids, position_ids=positions, labels=ids, **cache)
+        assert not attention_calls
+        assert_close("loss", loss, want_loss, LOSS_TOL)
+        assert_close("gradients", grads, want_grads, GRAD_TOL)
+    attention_calls.clear()
+    loss, _ = loss_and_gradients(ours, input_ids=ids, position_ids=positions, labels=ids, use_cache=False)
+    want_loss, _ = loss_and_gradients(plain, input_ids=ids, position_ids=positions, labels=ids, use_cache=False)
+    assert len(attention_calls) == plain.config.num_hidden_layers
+    assert_close("loss, use_cache=False", loss, want_loss, LOSS_TOL)
+    assert abs(loss - want_loss) < abs(loss - loss_and_gradients(plain, input_ids=ids, position_ids=positions,
+                                                                  labels=ids)[0])  # the two differ
 
 
 @pytest.mark.parametrize("positions", [[0, 1, 2, 3, 1, 2, 3, 4, 5, 9, 10, 11, 4, 5, 6, 7],  # restarts not at 0

@@ -387,28 +387,51 @@ def toy_batch(kind, vocab_size):
     return dataloader.batch_to(dataloader.lm_batch(ids, labels), DEVICE)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["hf", "flce"])
-@pytest.mark.parametrize("kind", ["full", "padded", "packed"])
-def test_grad_accum_equals_one_big_batch(tiny_model, fused, kind):
-    model, loss_fn = tiny_model, training.hf_loss
-    if fused:  # HF's loss call, computed inside the model's forward by the fused linear cross-entropy
-        model = copy.deepcopy(tiny_model)
-        kernel_ft.apply(model, rmsnorm=False, swiglu=False, ce=False, rope=False, attention=False, lora=False,
-                        projections=False, strict=True)
-    batch = toy_batch(kind, model.config.vocab_size)
-    if kind == "packed":  # the rows hold 10 and 11 targets: the weights are not 1/2 each
-        assert [training.target_count(rows(batch, r, r + 1)).item() for r in (0, 1)] == [10, 11]
+def loss_model(tiny_model, fused):
+    """The tiny model with HF's loss, or with HF's loss call computed inside the model's
+    forward by the fused linear cross-entropy."""
+    if not fused:
+        return tiny_model
+    model = copy.deepcopy(tiny_model)
+    kernel_ft.apply(model, rmsnorm=False, swiglu=False, ce=False, rope=False, attention=False, lora=False,
+                    projections=False, strict=True)
+    return model
+
+
+def assert_big_equals_small(model, batch):
+    """One micro-batch of both rows, and two of one row each: the same loss and gradients."""
     model.zero_grad(set_to_none=True)
-    big = training.accumulate_gradients(model, loss_fn, [batch])
+    big = training.accumulate_gradients(model, training.hf_loss, [batch])
     g_big = gradients(model)
     model.zero_grad(set_to_none=True)
-    small = training.accumulate_gradients(model, loss_fn, [rows(batch, 0, 1), rows(batch, 1, 2)])
+    small = training.accumulate_gradients(model, training.hf_loss, [rows(batch, 0, 1), rows(batch, 1, 2)])
     g_small = gradients(model)
     model.zero_grad(set_to_none=True)
-    assert abs(big.item() - small.item()) <= 1e-6 * abs(big.item())
+    assert torch.isfinite(small) and abs(big.item() - small.item()) <= 1e-6 * abs(big.item()), (big, small)
     assert g_big.keys() == g_small.keys()
     for name in g_big:
         torch.testing.assert_close(g_small[name], g_big[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["hf", "flce"])
+@pytest.mark.parametrize("kind", ["full", "padded", "packed"])
+def test_grad_accum_equals_one_big_batch(tiny_model, fused, kind):
+    model = loss_model(tiny_model, fused)
+    batch = toy_batch(kind, model.config.vocab_size)
+    if kind == "packed":  # the rows hold 10 and 11 targets: the weights are not 1/2 each
+        assert [training.target_count(rows(batch, r, r + 1)).item() for r in (0, 1)] == [10, 11]
+    assert_big_equals_small(model, batch)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["hf", "flce"])
+def test_a_micro_batch_without_targets_adds_nothing(tiny_model, fused):
+    """transformers' loss of a batch with no target is 0 / 0 (NaN), and so is the fused
+    loss's inside the model; weighted by 0 it must still add nothing to the step."""
+    model = loss_model(tiny_model, fused)
+    batch = toy_batch("full", model.config.vocab_size)
+    batch["labels"][0] = dataloader.IGNORE_INDEX
+    assert torch.isnan(training.hf_loss(model, rows(batch, 0, 1)))
+    assert_big_equals_small(model, batch)
 
 
 def test_schedule_shape():

@@ -432,6 +432,10 @@ def test_a_micro_batch_without_targets_adds_nothing(tiny_model, fused):
     batch["labels"][0] = dataloader.IGNORE_INDEX
     assert torch.isnan(training.hf_loss(model, rows(batch, 0, 1)))
     assert_big_equals_small(model, batch)
+    # The held-out loss too: a batch without targets weighs nothing there either.
+    alone = training.evaluate(model, training.hf_loss, [rows(batch, 1, 2)])
+    assert math.isfinite(alone) and training.evaluate(model, training.hf_loss, [rows(batch, 0, 1), rows(batch, 1, 2)]) \
+        == pytest.approx(alone, rel=1e-6)
 
 
 def test_schedule_shape():

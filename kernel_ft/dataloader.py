@@ -276,6 +276,12 @@ class ByteTokenizer:
         return self.vocab_size
 
 
+# The files a saved tokenizer is made of (tokenizer.json for fast tokenizers; the others
+# for slow ones, SentencePiece or BPE vocabularies); a model folder without any has none.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "merges.txt", "spiece.model", "sentencepiece.bpe.model")
+
+
 def load_tokenizer(args):
     """(tokenizer, description): the model's own tokenizer when it can be had, else
     the byte-level one (with a note saying why)."""
@@ -285,9 +291,13 @@ def load_tokenizer(args):
 
     model_id, problem, tokenizer = args.model, None, None
     try:
-        if os.path.exists(model_id):
+        if os.path.isdir(model_id) and not any(os.path.exists(os.path.join(model_id, f)) for f in TOKENIZER_FILES):
+            # A folder with a config and weights only: transformers would build some families an
+            # empty tokenizer from the config (refuse_empty), others none at all. Bytes for all.
+            problem = "its folder holds no tokenizer files"
+        elif os.path.exists(model_id):
             return refuse_empty(AutoTokenizer.from_pretrained(model_id), model_id), f"{model_id}'s own"
-        if not models.looks_like_path(model_id):
+        elif not models.looks_like_path(model_id):
             with contextlib.suppress(Exception):
                 tokenizer = AutoTokenizer.from_pretrained(model_id, local_files_only=True)
             if tokenizer is not None:

@@ -30,7 +30,7 @@ import os
 import warnings
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
-from swap_common import decoder_of, evaluating, probe_ids, sliding_layers, vocabulary_size
+from swap_common import decoder_of, error_line, evaluating, probe_ids, sliding_layers, vocabulary_size
 
 import torch
 import torch.nn as nn
@@ -406,9 +406,19 @@ def available_ram(field="MemAvailable"):
 
 
 def meta_model(config):
-    """``config``'s model built on the meta device: its shapes, no memory."""
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+    """``config``'s model built on the meta device: its shapes, no memory. The first model
+    a run builds: a config that builds none (a pad_token_id past the vocabulary, as
+    transformers' own defaults give with a small vocab_size) ends the run in one line."""
+    pad, vocab = getattr(config, "pad_token_id", None), getattr(config, "vocab_size", None)
+    if isinstance(pad, int) and isinstance(vocab, int) and not 0 <= pad < vocab:
+        raise SystemExit(f"error: the model's config has pad_token_id {pad}, outside its vocabulary of {vocab} "
+                         f"tokens; set pad_token_id in its config.json to a token id below {vocab}, or to null")
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except (AssertionError, ValueError, TypeError, IndexError) as e:
+        raise SystemExit(f"error: the model's config ({type(config).__name__}) builds no model: {error_line(e)}") \
+            from None
 
 
 def parameter_count(config):

@@ -306,6 +306,18 @@ def test_tokenizer_that_encodes_nothing_is_refused(script, tmp_path, monkeypatch
     assert e.value.code == f"error: the tokenizer of {tmp_path} turns text into no tokens (are its tokenizer files missing?)"
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma2"])
+def test_a_model_folder_without_tokenizer_files_gets_the_byte_tokenizer(model_type, tmp_path):
+    # transformers raises for some families (LLaMA) and builds an empty tokenizer from the
+    # config for others (Qwen2: no tokens; Gemma-2: its unknown token only): bytes for all.
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(model_type, vocab_size=320).save_pretrained(tmp_path)
+    args = flags.settle(finetune_baseline.parse_args(["--model", str(tmp_path), "--no-tiny"]))
+    tokenizer, description = dataloader.load_tokenizer(args)
+    assert isinstance(tokenizer, dataloader.ByteTokenizer) and "unavailable" in description
+
+
 @pytest.mark.parametrize("script", [finetune_baseline, finetune_optimized])
 def test_synthetic_rows_of_one_token_are_refused(script, monkeypatch):
     no_training(monkeypatch)

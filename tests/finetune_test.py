@@ -666,6 +666,19 @@ def test_a_rope_that_turns_other_pairs_is_refused(tmp_path, monkeypatch):
                             "first 16 of 16 dims); run with --no-use-custom-rope")
 
 
+@pytest.mark.parametrize("script", [finetune_baseline, finetune_optimized])
+def test_a_config_whose_pad_token_is_past_its_vocabulary_is_refused_in_one_line(script, tmp_path, monkeypatch):
+    # Phi3Config's own default pad_token_id (32000) with a small vocabulary: the embedding
+    # cannot be built (torch asserts), so the run ends in one line, not a traceback.
+    transformers.AutoConfig.for_model("phi3", **SMALL_DECODER).save_pretrained(tmp_path)
+    monkeypatch.setattr(training, "train_step", lambda *a, **k: pytest.fail("trained"))
+    with pytest.raises(SystemExit) as e:
+        script.main(["--model", str(tmp_path), "--random-init", "--dataset", "synthetic", "--seq-len", "16"])
+    vocab = SMALL_DECODER["vocab_size"]
+    assert e.value.code == (f"error: the model's config has pad_token_id 32000, outside its vocabulary of {vocab} "
+                            f"tokens; set pad_token_id in its config.json to a token id below {vocab}, or to null")
+
+
 def test_partial_rotary_trains_like_the_baseline(tmp_path):
     # Phi-3 with partial_rotary_factor 0.5: the first half of each head turns. Its
     # MLP is one fused gate_up_proj, which the SwiGLU swap does not take.

@@ -410,7 +410,7 @@ def meta_model(config):
     a run builds: a config that builds none (a pad_token_id past the vocabulary, as
     transformers' own defaults give with a small vocab_size) ends the run in one line."""
     pad, vocab = getattr(config, "pad_token_id", None), getattr(config, "vocab_size", None)
-    if isinstance(pad, int) and isinstance(vocab, int) and not 0 <= pad < vocab:
+    if isinstance(pad, int) and isinstance(vocab, int) and not -vocab <= pad < vocab:  # torch's padding_idx rule
         raise SystemExit(f"error: the model's config has pad_token_id {pad}, outside its vocabulary of {vocab} "
                          f"tokens; set pad_token_id in its config.json to a token id below {vocab}, or to null")
     try:

@@ -31,14 +31,13 @@ Nothing runs on import. tests/apply_test.py checks the routing and the choice.
 
 import contextlib
 import inspect
-import warnings
 
 import torch
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from swap_common import (
     SwapMismatch, decoder_of, error_line, gpu_clock, plain_causal_attention, probe_rounding, probing, CACHE_NAMES,
-    text_config, text_config_key, text_modules, vocabulary_size, wrap_forward,
+    text_config, text_config_key, text_modules, vocabulary_size, warn_once, wrap_forward,
 )
 from attention_kernel import document_starts, packed_attention, visible_keys
 
@@ -360,9 +359,6 @@ def _argument(decoder, arguments, *names):
     return next((v for where in (arguments, extra) for v in map(where.get, names) if v is not None), None)
 
 
-_WARNED_CACHE = False  # _cache_hides_documents has said it
-
-
 def _cache_hides_documents(decoder, arguments):
     """Whether transformers would attend across the documents of this call's rows: it
     reads documents from the position ids only where no cache exists when it builds the
@@ -370,7 +366,6 @@ def _cache_hides_documents(decoder, arguments):
     config's default, in training too). Such a call runs the model's own attention, which
     gives what transformers gives, whichever way the family decides. Trainer and TRL turn
     use_cache off, as our scripts do: there packed rows run ours, one document at a time."""
-    global _WARNED_CACHE
     if arguments.get("position_ids") is None:
         return False  # no documents to read: one per row, either way
     use_cache = _argument(decoder, arguments, "use_cache")
@@ -378,12 +373,11 @@ def _cache_hides_documents(decoder, arguments):
         use_cache = getattr(decoder.config, "use_cache", False)
     if not (use_cache or _argument(decoder, arguments, *CACHE_NAMES) is not None):
         return False
-    if decoder.training and torch.is_grad_enabled() and not _WARNED_CACHE:
-        _WARNED_CACHE = True
-        warnings.warn("kernel_ft: a training call with position ids and use_cache on: transformers then keeps a KV "
-                      "cache and attends across the documents of packed rows, so the model's own attention runs. "
-                      "Set model.config.use_cache = False (Trainer and TRL do) to train packed rows with the "
-                      "kernel, each document attending only to itself.", stacklevel=3)
+    if decoder.training and torch.is_grad_enabled():
+        warn_once("use_cache in training", "kernel_ft: a training call with position ids and use_cache on: "
+                  "transformers then keeps a KV cache and attends across the documents of packed rows, so the "
+                  "model's own attention runs. Set model.config.use_cache = False (Trainer and TRL do) to train "
+                  "packed rows with the kernel, each document attending only to itself.", stacklevel=3)
     return True
 
 

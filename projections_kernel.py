@@ -53,21 +53,18 @@ and their gradients of x through A are summed in one epilogue.
 Nothing runs on import. See projections_test.py for the checks.
 """
 
-import warnings
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from fp8_kernel import FP8Linear
-from swap_common import InstanceForward
+from swap_common import InstanceForward, warn_once
 from lora_kernel import (
     LoRALinearFunction, _fusable, _fused_forward, active_adapter_unfused, adapter_input, compute_dtype,
 )
 
 # The projections of one module that read the same input, by the names HF gives them.
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-_WARNED_WRAPPED = False  # ProjectionGroup._warn_if_wrapped has said it
 
 
 # --------------------------------------------------------------------------------
@@ -191,13 +188,11 @@ class ProjectionGroup:
         called again (which makes the groups anew, with the adapters; ungroup_under_adapters)."""
         wrapped = [n for n, m in zip(self.names, self.members)
                    if getattr(getattr(self._module, n, None), "base_layer", None) is m]
-        global _WARNED_WRAPPED
-        if wrapped and not _WARNED_WRAPPED:
-            _WARNED_WRAPPED = True  # once per process: the advice is the same for every group
-            warnings.warn(f"kernel_ft: {self.owner}.{wrapped[0]} got a LoRA adapter after kernel_ft.apply; such "
-                          f"adapters run PEFT's own forward, unfused. Call kernel_ft.apply(model) again after "
-                          f"get_peft_model (with TRL's peft_config: kernel_ft.apply(trainer.model) before "
-                          f"trainer.train()).", stacklevel=3)
+        if wrapped:  # once per process: the advice is the same for every group
+            warn_once("lora after apply", f"kernel_ft: {self.owner}.{wrapped[0]} got a LoRA adapter after "
+                      f"kernel_ft.apply; such adapters run PEFT's own forward, unfused. Call kernel_ft.apply(model) "
+                      f"again after get_peft_model (with TRL's peft_config: kernel_ft.apply(trainer.model) before "
+                      f"trainer.train()).", stacklevel=3)
 
 
 class Grouped:

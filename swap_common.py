@@ -27,6 +27,7 @@ import contextlib
 import functools
 import inspect
 import types
+import warnings
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
 import torch
@@ -142,6 +143,17 @@ def plain_causal_attention(config, seq_len):
 def error_line(e):
     """An exception in one line, for a refusal: its type and its message's first line."""
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+SAID = set()  # the keys warn_once has said in this process
+
+
+def warn_once(key, message, stacklevel=2):
+    """warnings.warn ``message`` the first time ``key`` comes, whatever the warnings filter:
+    advice that every layer or every forward would otherwise repeat."""
+    if key not in SAID:
+        SAID.add(key)
+        warnings.warn(message, stacklevel=stacklevel + 1)
 
 
 def probe_rounding(dtype):

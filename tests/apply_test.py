@@ -76,6 +76,7 @@ from conftest import DEVICE, check_outputs, need_gpu, no_worse, rel_err, saved_b
 import attention_routing
 import kernel_ft
 import linear_cross_entropy_kernel
+import swap_common
 from kernel_ft import models
 from tools.family_matrix import FAMILIES, TINY, family_config
 
@@ -392,7 +393,7 @@ def test_lora_added_after_apply_is_said_then_fused_by_a_second_apply(monkeypatch
     import projections_kernel
     from lora_kernel import unfused_layers
 
-    monkeypatch.setattr(projections_kernel, "_WARNED_WRAPPED", False)
+    monkeypatch.setattr(swap_common, "SAID", set())
     theirs = lora_model(0.05)
     ours = lora_model(0.05, model=applied(tiny_model("Llama")))
     ours.load_state_dict(theirs.state_dict())  # apply's probes draw random numbers: the same adapters
@@ -1146,7 +1147,7 @@ def test_packed_rows_with_use_cache_on_get_the_models_attention_across_documents
     transformers then reads no documents from the position ids: each row attends across
     its documents. The model's own attention runs such calls (its loss and gradients), and
     a training call says once how to get ours; use_cache=False gives each document alone."""
-    monkeypatch.setattr(attention_routing, "_WARNED_CACHE", False)
+    monkeypatch.setattr(swap_common, "SAID", set())
     plain = tiny_model("Llama")
     ours = applied(copy.deepcopy(plain))
     ids = token_ids(2, 12)

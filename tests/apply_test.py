@@ -35,7 +35,8 @@ trained by transformers' Trainer, TRL's SFTTrainer and PEFT, with and without ap
   left to PyTorch (warning; strict=True raises KernelNotApplied), a torch.compile'd model
   refused in one line; a second apply wraps nothing twice and reports the kernels the
   model runs (no warning, strict=True passes); a model after apply pickles (torch.save) and
-  deep-copies with every kernel in place;
+  deep-copies with every kernel in place; what save_pretrained writes after training loads
+  in plain transformers (PEFT: the adapters on a fresh base), and merge_and_unload works;
 * ``pip install`` of the repository into a folder: ``import kernel_ft`` from another
   directory that holds a user's own models.py, flags.py and training.py;
 * Step 23's script, finetune_trainer.py: the same losses with and without the kernels, and
@@ -1473,6 +1474,45 @@ def test_a_model_after_apply_pickles_and_copies_with_its_kernels(label, fused_lo
         assert grads.keys() == want_grads.keys()
         for name, grad in grads.items():
             assert torch.equal(grad, want_grads[name]), name
+
+
+@pytest.mark.parametrize("label", ["Llama", "LoRA"])
+def test_what_save_pretrained_writes_loads_without_kernel_ft(label, tmp_path):
+    """After apply and a training step, save_pretrained writes what the model's own
+    classes read: plain transformers loads the same tensors under the same names (PEFT:
+    the adapters onto a fresh base model) and gives the trained model's loss; PEFT's
+    merge_and_unload leaves plain Linear layers with the adapters' outputs. A kernel that
+    renamed, stacked or re-registered a weight would save a checkpoint that loads as
+    random or missing weights elsewhere."""
+    ids = token_ids(2)
+    model = lora_model(0.0) if label == "LoRA" else tiny_model("Llama")
+    names = set(model.state_dict())
+    applied(model)
+    loss_and_grads(model, ids, ids)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= 0.1 * p.grad
+    assert set(model.state_dict()) == names, "apply changed the state dict's names"
+    model.save_pretrained(tmp_path)
+    if label == "LoRA":
+        peft = pytest.importorskip("peft")
+        loaded = peft.PeftModel.from_pretrained(tiny_model("Llama"), tmp_path)
+    else:
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).to(DEVICE)
+    saved, back = model.state_dict(), loaded.state_dict()
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert all(torch.equal(saved[n], back[n]) for n in trained), "a trained weight did not come back"
+    for m in (model, loaded):
+        m.eval()
+    with torch.no_grad():
+        want = model(input_ids=ids, labels=ids).loss
+        assert_close("loss of the reloaded model", loaded(input_ids=ids, labels=ids).loss, want, LOSS_TOL)
+        if label == "LoRA":
+            logits = model(input_ids=ids).logits
+            merged = model.merge_and_unload()
+            assert type(merged.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+            assert_close("logits after merge_and_unload", merged(input_ids=ids).logits, logits, LOSS_TOL)
 
 
 # --------------------------------------------------------------------------------

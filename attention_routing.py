@@ -363,21 +363,27 @@ def _cache_hides_documents(decoder, arguments):
     """Whether transformers would attend across the documents of this call's rows: it
     reads documents from the position ids only where no cache exists when it builds the
     mask, and a decoder makes an empty DynamicCache itself whenever use_cache is on (the
-    config's default, in training too). Such a call runs the model's own attention, which
-    gives what transformers gives, whichever way the family decides. Trainer and TRL turn
-    use_cache off, as our scripts do: there packed rows run ours, one document at a time."""
+    config's default, in training too), except where it turns use_cache off itself: a
+    training call with gradients under gradient checkpointing. Such a call runs the model's
+    own attention, which gives what transformers gives, whichever way the family decides.
+    TRL passes use_cache=False, Trainer and our scripts set it in the config: there packed
+    rows run ours, one document at a time."""
     if arguments.get("position_ids") is None:
         return False  # no documents to read: one per row, either way
     use_cache = _argument(decoder, arguments, "use_cache")
     if use_cache is None:
         use_cache = getattr(decoder.config, "use_cache", False)
+    training = decoder.training and torch.is_grad_enabled()
+    if training and getattr(decoder, "gradient_checkpointing", False):
+        use_cache = False  # transformers' rule (without gradients its releases differ: theirs runs then)
     if not (use_cache or _argument(decoder, arguments, *CACHE_NAMES) is not None):
         return False
-    if decoder.training and torch.is_grad_enabled():
+    if training:
         warn_once("use_cache in training", "kernel_ft: a training call with position ids and use_cache on: "
                   "transformers then keeps a KV cache and attends across the documents of packed rows, so the "
-                  "model's own attention runs. Set model.config.use_cache = False (Trainer and TRL do) to train "
-                  "packed rows with the kernel, each document attending only to itself.", stacklevel=3)
+                  "model's own attention runs. Set use_cache = False in the decoder's config (model.config; "
+                  "a multimodal model's model.config.text_config) or pass use_cache=False to train packed rows "
+                  "with the kernel, each document attending only to itself.", stacklevel=3)
     return True
 
 

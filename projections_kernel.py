@@ -134,7 +134,7 @@ class ProjectionGroup:
     def __init__(self, owner, names, members, module=None):
         self.owner, self.names, self.members = owner, names, members
         self._module = module  # the module holding the members (a plain reference: the model pickles)
-        self._wrap_checked = module is None
+        self._wrapped_said = module is None
         self.enabled = True
         self._abandoned = 0  # forwards in a row that left outputs unused
         self._source, self._version, self._pending = None, None, {}
@@ -144,9 +144,6 @@ class ProjectionGroup:
 
     def output(self, index, x, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self._wrap_checked and not torch.compiler.is_compiling():
-            self._wrap_checked = True
-            self._warn_if_wrapped()
         if (self._pending and index in self._pending and x is self._source
                 and x._version == self._version and not args and not kwargs):
             out = self._pending.pop(index)
@@ -164,6 +161,8 @@ class ProjectionGroup:
                 self.enabled = False
                 print(f"note: {self.owner}: {', '.join(self.names)} are not called in turn on one unchanged "
                       f"input; separate products from now on (their input gradients summed by autograd)")
+        if not self._wrapped_said and not torch.compiler.is_compiling():
+            self._warn_if_wrapped()  # each eager forward until it says so: PEFT may wrap after any call
         outs = None
         # Nothing to gain without an input gradient, or where torch.compile plans the layer.
         if self.enabled and torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling():
@@ -182,13 +181,14 @@ class ProjectionGroup:
         return outs[index]
 
     def _warn_if_wrapped(self):
-        """Once, at the group's first call: say so if PEFT wrapped a member after the group
-        was made (kernel_ft.apply before get_peft_model, or TRL's SFTTrainer given a
-        peft_config): its adapter then runs PEFT's own forward, unfused, until apply is
-        called again (which makes the groups anew, with the adapters; ungroup_under_adapters)."""
+        """Say so if PEFT wrapped a member after the group was made (kernel_ft.apply before
+        get_peft_model, or TRL's SFTTrainer given a peft_config): its adapter then runs
+        PEFT's own forward, unfused, until apply is called again (which makes the groups
+        anew, with the adapters; ungroup_under_adapters)."""
         wrapped = [n for n, m in zip(self.names, self.members)
                    if getattr(getattr(self._module, n, None), "base_layer", None) is m]
         if wrapped:  # once per process: the advice is the same for every group
+            self._wrapped_said = True
             warn_once("lora after apply", f"kernel_ft: {self.owner}.{wrapped[0]} got a LoRA adapter after "
                       f"kernel_ft.apply; such adapters run PEFT's own forward, unfused. Call kernel_ft.apply(model) "
                       f"again after get_peft_model (with TRL's peft_config: kernel_ft.apply(trainer.model) before "
@@ -287,7 +287,10 @@ def ungroup_under_adapters(model):
             for n, m in members.items():
                 if isinstance(m, Grouped):
                     setattr(module, n, m.ungrouped())
-                elif isinstance(getattr(m, "base_layer", None), Grouped):
+                elif m is not None and "projection_group" in m.__dict__:  # a LoRA layer routed into the group:
+                    del m.projection_group, m.projection_index  # fuse_lora's forward again
+                    m.forward = InstanceForward(_fused_forward, m, signature_of="_peft_forward")
+                if isinstance(getattr(m, "base_layer", None), Grouped):
                     m.base_layer = m.base_layer.ungrouped()
             count += 1
     return count

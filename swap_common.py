@@ -91,19 +91,22 @@ def losses_only():
 
 @contextlib.contextmanager
 def probing(model):
-    """``evaluating``, and an MoE config's ``output_router_logits`` off: a swap's probe
-    compares what the model computes with and without a kernel, and the router's
-    auxiliary loss (added after the loss function, from router logits that no 4-D probe
-    mask fits) is neither. Restored after."""
-    configs = {id(c): c for c in (model.config, text_config(model)) if getattr(c, "output_router_logits", False)}
-    for config in configs.values():
-        config.output_router_logits = False
+    """``evaluating``, and in the configs an MoE's ``output_router_logits`` and
+    ``use_cache`` off: a swap's probe compares what the model computes with and without a
+    kernel, and the router's auxiliary loss (added after the loss function, from router
+    logits that no 4-D probe mask fits) is neither; with a cache, transformers would not
+    read the probe's documents from its position ids (training runs without one).
+    Restored after."""
+    switched = [(c, key) for c in {id(c): c for c in (model.config, text_config(model))}.values()
+                for key in ("output_router_logits", "use_cache") if getattr(c, key, False)]
+    for config, key in switched:
+        setattr(config, key, False)
     try:
         with evaluating(model):
             yield model
     finally:
-        for config in configs.values():
-            config.output_router_logits = True
+        for config, key in switched:
+            setattr(config, key, True)
 
 
 def gpu_clock(run):
@@ -150,8 +153,9 @@ SAID = set()  # the keys warn_once has said in this process
 
 def warn_once(key, message, stacklevel=2):
     """warnings.warn ``message`` the first time ``key`` comes, whatever the warnings filter:
-    advice that every layer or every forward would otherwise repeat."""
-    if key not in SAID:
+    advice that every layer or every forward would otherwise repeat. Nothing while
+    torch.compile traces (a fullgraph trace stops at warnings.warn)."""
+    if key not in SAID and not torch.compiler.is_compiling():
         SAID.add(key)
         warnings.warn(message, stacklevel=stacklevel + 1)
 

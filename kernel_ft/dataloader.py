@@ -277,9 +277,16 @@ class ByteTokenizer:
 
 
 # The files a saved tokenizer is made of (tokenizer.json for fast tokenizers; the others
-# for slow ones, SentencePiece or BPE vocabularies); a model folder without any has none.
+# for slow ones, SentencePiece, BPE or tiktoken vocabularies, Mistral's tekken.json and
+# versioned tokenizer.model.v3 ...); a model folder without any has none.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "merges.txt", "spiece.model", "sentencepiece.bpe.model")
+                   "merges.txt", "spiece.model", "spm.model", "sentencepiece.model", "sentencepiece.bpe.model",
+                   "tekken.json", "tiktoken.model")
+
+
+def holds_tokenizer(folder):
+    """Whether ``folder`` holds any of a saved tokenizer's files."""
+    return any(f in TOKENIZER_FILES or f.startswith("tokenizer.model.v") for f in os.listdir(folder))
 
 
 def load_tokenizer(args):
@@ -291,7 +298,7 @@ def load_tokenizer(args):
 
     model_id, problem, tokenizer = args.model, None, None
     try:
-        if os.path.isdir(model_id) and not any(os.path.exists(os.path.join(model_id, f)) for f in TOKENIZER_FILES):
+        if os.path.isdir(model_id) and not holds_tokenizer(model_id):
             # A folder with a config and weights only: transformers would build some families an
             # empty tokenizer from the config (refuse_empty), others none at all. Bytes for all.
             problem = "its folder holds no tokenizer files"

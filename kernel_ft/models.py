@@ -30,7 +30,9 @@ import os
 import warnings
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
-from swap_common import decoder_of, error_line, evaluating, probe_ids, sliding_layers, vocabulary_size
+from swap_common import (
+    decoder_of, error_line, evaluating, probe_ids, sliding_layers, text_config, vocabulary_size,
+)
 
 import torch
 import torch.nn as nn
@@ -374,8 +376,15 @@ def build_random(config, device, dtype):
     """
     with device:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention_for(config))
-    model.config.use_cache = False
+    no_kv_cache(model)
     return model
+
+
+def no_kv_cache(model):
+    """use_cache off, for training, where transformers reads it: the model's config and a
+    multimodal model's text config (with a cache it attends across packed documents)."""
+    for config in (model.config, text_config(model)):
+        config.use_cache = False
 
 
 def document_attention(args):
@@ -605,7 +614,7 @@ def load_model(args, world=None):
             f"on {device}; it needs {dtype.itemsize} bytes per parameter (use a smaller --model, or --tiny)"
         ) from None
     check_seq_len(args.seq_len, model.config)
-    model.config.use_cache = False  # training: no KV cache
+    no_kv_cache(model)  # training: no KV cache
     check_causal_lm(model.config, args.model)
     check_causal(model, args.model)
 

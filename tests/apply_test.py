@@ -386,19 +386,24 @@ def test_peft_lora(dropout):
         assert_close(f"gradient of {name}", grads[name], want_grads[name], GRAD_TOL)
 
 
-def test_lora_added_after_apply_is_said_then_fused_by_a_second_apply(monkeypatch):
+@pytest.mark.parametrize("forward_before", [False, True])
+def test_lora_added_after_apply_is_said_then_fused_by_a_second_apply(monkeypatch, forward_before):
     """apply before get_peft_model: the groups it made hold the projections PEFT then wraps,
     so their adapters run PEFT's forward. That is right (PEFT's loss and gradients) but
-    slow, and said once in a warning; a second apply undoes those groups and makes them
-    again with the adapters fused, as an apply after get_peft_model would."""
+    slow, and said once in a warning, also where the model ran a forward between apply
+    and get_peft_model; a second apply undoes those groups and makes them again with the
+    adapters fused, as an apply after get_peft_model would."""
     import projections_kernel
     from lora_kernel import unfused_layers
 
     monkeypatch.setattr(swap_common, "SAID", set())
-    theirs = lora_model(0.05)
-    ours = lora_model(0.05, model=applied(tiny_model("Llama")))
-    ours.load_state_dict(theirs.state_dict())  # apply's probes draw random numbers: the same adapters
     ids = token_ids(2)
+    theirs = lora_model(0.05)
+    base = applied(tiny_model("Llama"))
+    if forward_before:  # a sanity step before the adapters: the groups' first calls come before any wrap
+        loss_and_grads(base, ids, ids)
+    ours = lora_model(0.05, model=base)
+    ours.load_state_dict(theirs.state_dict())  # apply's probes draw random numbers: the same adapters
     labels = masked_prompts(ids, [3, 6])
     want_loss, want_grads = loss_and_grads(theirs, ids, labels)
 
@@ -426,6 +431,42 @@ def test_lora_added_after_apply_is_said_then_fused_by_a_second_apply(monkeypatch
     assert all(type(m.base_layer) is torch.nn.Linear for m in lora_layers)
     assert sum("projection_group" in m.__dict__ for m in lora_layers) == 10  # grouped, adapters and all
     assert check(ours) == []
+
+
+def test_an_adapter_added_beside_grouped_ones_joins_their_group_after_a_second_apply():
+    """LoRA on q and v, apply (q, k and v grouped, q and v routed), then a second adapter on
+    k made active: a second apply undoes the whole group, the routed q and v too, and
+    makes one group of the three again, with PEFT's loss and gradients."""
+    peft = pytest.importorskip("peft")
+    import projections_kernel
+
+    def two_adapters(model):
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+        return model, lambda: (model.add_adapter("second", peft.LoraConfig(r=4, target_modules=["k_proj"])),
+                               model.set_adapter("second"))
+
+    ids = token_ids(2)
+    model, add_second = two_adapters(tiny_model("Llama"))
+    applied(model)
+    add_second()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    theirs, add_second = two_adapters(tiny_model("Llama"))  # PEFT's own forward, the same weights
+    add_second()
+    theirs.load_state_dict(model.state_dict())
+    applied(model)
+    for layer in model.get_base_model().model.layers:
+        attention = layer.self_attn
+        groups = {id(getattr(attention, n).__dict__.get("projection_group")) for n in ("q_proj", "k_proj", "v_proj")}
+        assert len(groups) == 1 and None not in groups and id(None) not in groups
+    assert projections_kernel.groups_in(model) == 4
+    want_loss, want_grads = loss_and_grads(theirs, ids, ids)
+    loss, grads = loss_and_grads(model, ids, ids)
+    assert_close("loss", loss, want_loss, LOSS_TOL)
+    for name in grads:
+        assert_close(f"gradient of {name}", grads[name], want_grads[name], GRAD_TOL)
 
 
 def test_sft_trainer_given_a_peft_config_after_apply_fuses_lora_with_a_second_apply():
@@ -1172,6 +1213,41 @@ def test_packed_rows_with_use_cache_on_get_the_models_attention_across_documents
     assert_close("loss, use_cache=False", loss, want_loss, LOSS_TOL)
     assert abs(loss - want_loss) < abs(loss - loss_and_gradients(plain, input_ids=ids, position_ids=positions,
                                                                   labels=ids)[0])  # the two differ
+
+
+def test_packed_rows_under_gradient_checkpointing_run_ours_with_use_cache_on(attention_calls, monkeypatch):
+    """Under gradient checkpointing transformers turns use_cache off itself for a training
+    call with gradients, so packed rows are split into documents even with use_cache on
+    in the config: ours runs them (no warning), with the model's loss and gradients."""
+    monkeypatch.setattr(swap_common, "SAID", set())
+    plain = tiny_model("Llama")
+    plain.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ours = applied(copy.deepcopy(plain))
+    assert ours.config.use_cache
+    ids = token_ids(2, 12)
+    positions = torch.cat([torch.arange(5), torch.arange(7)]).expand(2, 12).to(DEVICE)
+    attention_calls.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss, grads = loss_and_gradients(ours, input_ids=ids, position_ids=positions, labels=ids)
+    assert not [str(w.message) for w in caught if "use_cache" in str(w.message)]
+    assert len(attention_calls) >= plain.config.num_hidden_layers
+    want_loss, want_grads = loss_and_gradients(plain, input_ids=ids, position_ids=positions, labels=ids)
+    assert_close("loss", loss, want_loss, LOSS_TOL)
+    assert_close("gradients", grads, want_grads, GRAD_TOL)
+
+
+def test_a_second_apply_after_set_attn_implementation_keeps_ours_with_use_cache_on():
+    """apply, then the model's attention set to SDPA by hand, then apply again: the check
+    of the attention kernel probes packed rows through the routing the first apply left,
+    with the config's use_cache on; the probes run without a cache (as training does), so
+    the kernel is found to compute the model's function and goes in again."""
+    model = applied(tiny_model("Llama"))
+    assert model.config.use_cache
+    model.set_attn_implementation("sdpa")
+    report, _ = apply_and_warnings(model)
+    assert report["attention"]["status"] == "applied", report["attention"]
+    assert model.config.use_cache  # put back after the probes
 
 
 @pytest.mark.parametrize("positions", [[0, 1, 2, 3, 1, 2, 3, 4, 5, 9, 10, 11, 4, 5, 6, 7],  # restarts not at 0

@@ -447,3 +447,13 @@ def test_held_out_split():
     for a, b in zip(first_two, batches):
         same_batch(a, b)
 
+
+
+@pytest.mark.parametrize("name, holds", [("tekken.json", True), ("tokenizer.model.v3", True), ("tiktoken.model", True),
+                                         ("spm.model", True), ("generation_config.json", False)])
+def test_the_tokenizer_files_a_model_folder_is_read_by(name, holds, tmp_path):
+    # Mistral's tekken.json and versioned tokenizer.model.v3, tiktoken and SentencePiece
+    # files are tokenizers transformers loads: such a folder keeps its own, never bytes.
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / name).write_text("")
+    assert dataloader.holds_tokenizer(tmp_path) is holds

@@ -347,11 +347,17 @@ def lora_model(dropout, model=None, **options):
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(tiny_model("Llama") if model is None else model, lora_config(dropout, **options))
     torch.manual_seed(3)
-    with torch.no_grad():  # PEFT starts B at zero, where A's gradient path would go untested
+    return nonzero_lora_b(model).train()
+
+
+def nonzero_lora_b(model):
+    """``model`` with every LoRA B drawn from N(0, 0.1): PEFT starts B at zero, where A's
+    gradient path would go untested."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1)
-    return model.train()
+    return model
 
 
 def loss_and_grads(model, ids, labels, autocast=False, seed=4):
@@ -449,10 +455,7 @@ def test_an_adapter_added_beside_grouped_ones_joins_their_group_after_a_second_a
     model, add_second = two_adapters(tiny_model("Llama"))
     applied(model)
     add_second()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1)
+    nonzero_lora_b(model)
     theirs, add_second = two_adapters(tiny_model("Llama"))  # PEFT's own forward, the same weights
     add_second()
     theirs.load_state_dict(model.state_dict())

@@ -448,7 +448,6 @@ def test_held_out_split():
         same_batch(a, b)
 
 
-
 @pytest.mark.parametrize("name, holds", [("tekken.json", True), ("tokenizer.model.v3", True), ("tiktoken.model", True),
                                          ("spm.model", True), ("generation_config.json", False)])
 def test_the_tokenizer_files_a_model_folder_is_read_by(name, holds, tmp_path):

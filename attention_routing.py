@@ -37,7 +37,7 @@ import torch
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from swap_common import (
     SwapMismatch, decoder_of, error_line, gpu_clock, plain_causal_attention, probe_rounding, probing, CACHE_NAMES,
-    text_config, text_config_key, text_modules, vocabulary_size, warn_once, wrap_forward,
+    our_forward, text_config, text_config_key, text_modules, vocabulary_size, warn_once, wrap_forward,
 )
 from attention_kernel import document_starts, packed_attention, visible_keys
 
@@ -186,7 +186,8 @@ def _eager_namespaces(layer):
     """The globals in which ``layer``'s forward looks ``eager_attention_forward`` up
     (their python module's, or the copy fuse_rope gave them; behind a decorator, those
     of the function it wraps)."""
-    forward = getattr(layer.forward, "__func__", layer.forward)
+    ours = our_forward(layer.forward)  # fuse_rope's copy, run by the layer through swap_common.set_forward
+    forward = ours.function if ours is not None else getattr(layer.forward, "__func__", layer.forward)
     for _ in range(5):  # through decorators (functools.wraps: __wrapped__) to the function that looks it up
         names = getattr(forward, "__globals__", {})
         if callable(names.get("eager_attention_forward")):

@@ -84,7 +84,7 @@ import torch.nn as nn
 import rmsnorm_kernel
 from fp8_kernel import FP8Linear, frozen_linear_forward, frozen_linear_input_grad
 from kernel_common import first_order_only, traced
-from swap_common import InstanceForward
+from swap_common import set_forward
 
 
 class LoRALinearFunction(torch.autograd.Function):
@@ -378,6 +378,6 @@ def fuse_lora(model):
             continue
         if "_peft_forward" not in module.__dict__:
             module._peft_forward = module.forward
-            module.forward = InstanceForward(_fused_forward, module, signature_of="_peft_forward")
+            set_forward(module, _fused_forward)
         count += 1
     return count

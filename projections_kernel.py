@@ -58,7 +58,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fp8_kernel import FP8Linear
-from swap_common import InstanceForward, warn_once
+from swap_common import set_forward, warn_once
 from lora_kernel import (
     LoRALinearFunction, _fusable, _fused_forward, active_adapter_unfused, adapter_input, compute_dtype,
 )
@@ -264,7 +264,7 @@ def group_projections(model):
             for i, (n, m) in enumerate(members):
                 if _is_routed_lora(m):
                     m.projection_group, m.projection_index = group, i
-                    m.forward = InstanceForward(_grouped_forward, m, signature_of="_peft_forward")
+                    set_forward(m, _grouped_forward)
                 else:
                     m = (GroupedFP8Linear if members is fp8 else GroupedLinear).from_linear(m, group, i)
                     setattr(module, n, m)
@@ -289,7 +289,7 @@ def ungroup_under_adapters(model):
                     setattr(module, n, m.ungrouped())
                 elif m is not None and "projection_group" in m.__dict__:  # a LoRA layer routed into the group:
                     del m.projection_group, m.projection_index  # fuse_lora's forward again
-                    m.forward = InstanceForward(_fused_forward, m, signature_of="_peft_forward")
+                    set_forward(m, _fused_forward)
                 if isinstance(getattr(m, "base_layer", None), Grouped):
                     m.base_layer = m.base_layer.ungrouped()
             count += 1

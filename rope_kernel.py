@@ -122,7 +122,7 @@ import torch
 from kernel_common import (
     SUPPORTED_DTYPES, cast_to, check_kernel_device, fast_launch, first_order_only, kernel_op, next_power_of_2, nothing,
 )
-from swap_common import InstanceForward, SwapMismatch, text_config, text_modules
+from swap_common import SwapMismatch, set_forward, text_config, text_modules
 
 import triton
 import triton.language as tl
@@ -752,7 +752,7 @@ def fuse_rope(model):
         count += 1
         # Bound to the layer (copy.deepcopy(model) binds the copy's forward to the
         # copy); pickled as the class it is made from, and made again on loading.
-        sub.forward = InstanceForward(forward, sub, made_by=(_forward_with_fused_rope, type(sub)))
+        set_forward(sub, forward, made_by=(_forward_with_fused_rope, type(sub)))
     return count
 
 

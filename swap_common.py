@@ -341,6 +341,29 @@ def _loaded_forward(function, module, signature_of):
     return InstanceForward(function, module, signature_of)
 
 
+def set_forward(module, function, made_by=None):
+    """``function(module, *args, **kwargs)`` as the forward of ``module``, a module inside
+    a decoder layer (attention, a linear layer): the bound ``__call__`` of an
+    InstanceForward, which copies and pickles as above.
+
+    Why bound and not the object itself: torch.compile guards a forward set on an
+    instance by that object's identity, but a bound method by its function's code.
+    Compiled one decoder layer at a time (--compile, accelerate's regional
+    compilation), every layer then passes the first layer's guards and one
+    compilation serves them all; with a distinct object per layer each layer compiles
+    again, and past Dynamo's recompile limit (8) the rest run eagerly or, under
+    fullgraph=True, the run fails. (The bound forward shows ``(*args, **kwargs)`` to
+    inspect.signature; nothing reads the signature of a module inside a layer.)
+    """
+    module.forward = InstanceForward(function, module, made_by=made_by).__call__
+
+
+def our_forward(value):
+    """The InstanceForward that ``value`` (a module's attribute) is or is bound to, or None."""
+    value = getattr(value, "__self__", value) if callable(value) else value
+    return value if isinstance(value, InstanceForward) else None
+
+
 def wrap_forward(module, slot, wrapper):
     """Make ``wrapper(module, *args, **kwargs)`` this instance's forward (an
     InstanceForward), the forward it had kept as ``module.<slot>`` for the wrapper to

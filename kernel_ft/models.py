@@ -414,14 +414,19 @@ def available_ram(field="MemAvailable"):
     return None
 
 
-def meta_model(config):
-    """``config``'s model built on the meta device: its shapes, no memory. The first model
-    a run builds: a config that builds none (a pad_token_id past the vocabulary, as
-    transformers' own defaults give with a small vocab_size) ends the run in one line."""
+def check_pad_token(config):
+    """A pad_token_id past the vocabulary (as transformers' own defaults give with a small
+    vocab_size) builds no model: torch's embedding asserts. Said in one line instead."""
     pad, vocab = getattr(config, "pad_token_id", None), getattr(config, "vocab_size", None)
     if isinstance(pad, int) and isinstance(vocab, int) and not -vocab <= pad < vocab:  # torch's padding_idx rule
         raise SystemExit(f"error: the model's config has pad_token_id {pad}, outside its vocabulary of {vocab} "
                          f"tokens; set pad_token_id in its config.json to a token id below {vocab}, or to null")
+
+
+def meta_model(config):
+    """``config``'s model built on the meta device: its shapes, no memory. A config that
+    builds none ends the run in one line."""
+    check_pad_token(config)
     try:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config)
@@ -595,6 +600,7 @@ def load_model(args, world=None):
         if model is None:
             check_causal_lm(config, args.model)
             check_seq_len(args.seq_len, config)  # before spending a minute building 8B parameters
+            check_pad_token(config)
             if device.type == "cpu":
                 check_fits_in_ram(config, dtype, args)
             # --fsdp: no process could hold the whole large model, so it is built on the

@@ -1510,11 +1510,11 @@ def test_second_apply_reports_what_the_model_runs():
 def our_forwards(model):
     """{(module name, attribute): (its function, whether bound to that module)} of every
     forward apply set on an instance."""
-    from swap_common import InstanceForward
+    from swap_common import our_forward
 
-    return {(name, attribute): (value.function, value.module is module)
+    return {(name, attribute): (ours.function, ours.module is module)
             for name, module in model.named_modules() for attribute, value in vars(module).items()
-            if isinstance(value, InstanceForward)}
+            if (ours := our_forward(value)) is not None}
 
 
 @pytest.mark.parametrize("label", ["Llama", "LoRA", "Mixtral"])

@@ -268,6 +268,37 @@ def test_compiled_decoder_with_every_kernel_matches_eager(setting):
     assert {"rmsnorm_forward", "rope_forward", "swiglu_down_proj_forward"} <= ops_in(counter), ops_in(counter)
 
 
+@pytest.mark.parametrize("setting", ["every kernel", "LoRA"])
+def test_one_compilation_serves_every_layer(setting):
+    """The kernels set a forward on modules inside each layer (the fused RoPE's attention,
+    the fused LoRA layers). Compiled one layer at a time, every layer must pass the first
+    one's guards: a recompilation per layer would stop at Dynamo's limit of 8, and a
+    32-layer model under fullgraph=True would fail at its ninth layer."""
+    config = models.tiny_config()
+    config.num_hidden_layers = 4
+    torch.manual_seed(0)
+    model = models.build_random(config, DEVICE, torch.float32)
+    kernels = {name: name != "projections" for name in flags.KERNELS}
+    if setting == "LoRA":
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear"))
+        kernels["lora"] = True
+    loss_fn, _ = apply_kernels(model, kernels)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(BACKEND)
+    args = argparse.Namespace(compile=True, compile_mode="default", gradient_checkpointing=False)
+    with unittest.mock.patch.object(models, "BACKENDS", {"cuda": counter, "cpu": counter}):
+        models.compile_decoder(model.get_base_model() if setting == "LoRA" else model, args)
+    ids = torch.randint(0, config.vocab_size, (1, 8), device=DEVICE)
+    loss_fn(model, dataloader.lm_batch(ids)).backward()
+    # LoRA: the first layer's input needs no gradient (the embedding is frozen), the
+    # others' do: two compilations, for any number of layers.
+    assert counter.frame_count == (2 if setting == "LoRA" else 1), counter.frame_count
+    if setting == "every kernel":
+        assert "rope_forward" in ops_in(counter), ops_in(counter)
+
+
 def test_projection_groups_step_aside_under_compile():
     """projections_kernel.py groups only eager calls: a compiled layer runs each projection on
     its own (no grouped node in the graph, nothing kept between calls), and the

@@ -12,8 +12,9 @@ the same questions of a model, and the answers live here, once:
   and ``text_modules`` (a multimodal model's text decoder, without its vision
   tower), ``vocabulary_size``, ``sliding_layers`` and ``plain_causal_attention``
   (which masks the attention layers use, from the config alone).
-* Replacing: ``swap_modules`` (modules), ``wrap_forward`` and ``InstanceForward``
-  (one module's forward, in a form that deep copies and ``torch.save`` keep);
+* Replacing: ``swap_modules`` (modules), ``wrap_forward``, ``set_forward`` and
+  ``InstanceForward`` (one module's forward, in a form that deep copies and
+  ``torch.save`` keep, and that torch.compile compiles once for all layers);
   ``called_plainly``: whether a layer may run inside a larger kernel uncalled.
 * The FP8 layers' choice: ``fp8_supported`` and ``linears_to_cast``, shared with the
   flags' check and the torchao peer, which import no kernel.

@@ -274,7 +274,7 @@ def called_plainly(*modules, ours=()):
 CACHE_NAMES = ("cache", "past_key_values")
 
 
-class InstanceForward:
+class InstanceForward(functools.partial):
     """``function(module, *args, **kwargs)`` as one module instance's forward: what
     ``types.MethodType(function, module)`` is, and what it is not.
 
@@ -291,17 +291,25 @@ class InstanceForward:
       ``num_items_in_batch``. Read when asked, so a loaded copy shows it too.
     * ``__func__`` / ``__self__``, as on a bound method, for code that rebinds a forward:
       accelerate's mixed precision wraps ``model.forward.__func__`` and binds the wrapper
-      to the model, its ``compile_regions`` binds ``__func__`` to a copy of the module.
-      ``__func__`` is a copy of the function that shows the replaced forward's
-      signature (with the module's parameter first), as the wrapper keeps it.
+      to the model. ``__func__`` is a copy of the function that shows the replaced
+      forward's signature (with the module's parameter first), as the wrapper keeps it.
+    * A ``functools.partial`` of ``function`` and ``module``, for code that makes a
+      shallow copy of a module and binds its forward to the copy: accelerate's
+      ``compile_regions`` (1.15 through ``__func__``, 1.16 and later a partial's
+      arguments, never another object). Without it the copy's forward would run the
+      original module, whose layers are not the compiled ones.
     """
 
-    def __init__(self, function, module, signature_of=None, made_by=None):
-        self.function, self.module = function, module
+    def __new__(cls, function, module, signature_of=None, made_by=None):
+        self = super().__new__(cls, function, module)
         self.signature_of, self.made_by = signature_of, made_by
+        return self
 
-    def __call__(self, *args, **kwargs):
-        return self.function(self.module, *args, **kwargs)
+    function = property(lambda self: self.func, doc="The function called with the module first.")
+    module = property(lambda self: self.args[0], doc="The module it is the forward of.")
+
+    def __call__(self, *args, **kwargs):  # a Python method, that set_forward binds
+        return self.func(self.args[0], *args, **kwargs)
 
     def __getattr__(self, name):  # only for what the instance lacks
         if name == "__signature__":

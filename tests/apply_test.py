@@ -1556,6 +1556,38 @@ def test_a_model_after_apply_pickles_and_copies_with_its_kernels(label, fused_lo
             assert torch.equal(grad, want_grads[name]), name
 
 
+def test_accelerate_compile_regions_runs_the_compiled_layers_with_our_kernels(fused_loss_calls):
+    """accelerate's regional compilation copies the model and its decoder shallowly, binds
+    their forwards to the copies (1.15 through ``__func__``, 1.16 through a partial's
+    arguments) and compiles each decoder layer. The copy must run those compiled layers
+    with our kernels in them, one compilation serving every layer, with the loss and
+    gradients of the model before."""
+    accelerate_utils = pytest.importorskip("accelerate.utils")
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    config = tiny_config("Llama")
+    config.num_hidden_layers = 4
+    torch.manual_seed(0)
+    model = applied(models.build_random(config, torch.device(DEVICE), torch.float32).train())
+    ids = token_ids(2)
+    want_loss, want_grads = loss_and_grads(model, ids, ids)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor" if DEVICE.type == "cuda" else "aot_eager")
+    compiled = accelerate_utils.compile_regions(model, backend=counter)
+    calls = len(fused_loss_calls)
+    loss, grads = loss_and_grads(compiled, ids, ids)
+    assert len(fused_loss_calls) == calls + 1, "the copy did not run the fused loss"
+    # The layers (one compilation for all four) and each leaf module beside them: the
+    # embedding, the final norm, the rotary table, the LM head (a frame each, traced or not).
+    layer_frames = [f for f in counter.graphs if any("rope_forward" in str(n.target) for n in f.graph.nodes)]
+    assert len(layer_frames) == 1, f"{len(layer_frames)} compilations of the decoder layer"
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+    grads = {name.replace("_orig_mod.", ""): grad for name, grad in grads.items()}  # the compiled modules' names
+    assert grads.keys() == want_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want_grads[name], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("label", ["Llama", "LoRA"])
 def test_what_save_pretrained_writes_loads_without_kernel_ft(label, tmp_path):
     """After apply and a training step, save_pretrained writes what the model's own

@@ -368,9 +368,12 @@ def set_forward(module, function, made_by=None):
 
 
 def our_forward(value):
-    """The InstanceForward that ``value`` (a module's attribute) is or is bound to, or None."""
-    value = getattr(value, "__self__", value) if callable(value) else value
-    return value if isinstance(value, InstanceForward) else None
+    """The InstanceForward that ``value`` (a module's attribute) is or is bound to, or None.
+    (An InstanceForward's own ``__self__`` is its module: it is checked first.)"""
+    if isinstance(value, InstanceForward):
+        return value
+    bound_to = getattr(value, "__self__", None)
+    return bound_to if isinstance(bound_to, InstanceForward) else None
 
 
 def wrap_forward(module, slot, wrapper):

@@ -33,7 +33,8 @@ went in:
 * ``--fp8 {tensorwise,rowwise}`` (off by default): the decoder's linear layers
   multiply in FP8 with dynamic scales (fp8_kernel.py, Step 22); GPUs with FP8
   tensor cores only; with ``--fsdp`` or ``--ddp`` too. ``--fp8-grads e5m2``: the
-  output gradients in e5m2 instead of e4m3.
+  output gradients in e5m2 instead of e4m3; ``--fp8-fast-accum``: the backward
+  products accumulate at the tensor cores' own precision too (~3% faster at 8B).
 
 Usage:
     python finetune_optimized.py                        # every kernel, LLaMA-3.1-8B on a GPU

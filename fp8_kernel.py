@@ -669,6 +669,18 @@ def cast_traffic(x, recipe, transpose, produced=False):
 # --------------------------------------------------------------------------------
 # The scaled GEMM: cuBLASLt through torch._scaled_mm
 # --------------------------------------------------------------------------------
+# Fast accumulation. Hopper's FP8 tensor cores add products into an accumulator that keeps
+# fewer bits than float32 (about 14 of mantissa); with use_fast_accum=False cuBLASLt moves the
+# partial sums into float32 every few K-tiles, with True it lets the tensor cores run the
+# whole K loop. The forward product always runs fast (torchao's and Transformer Engine's
+# default too); the two backward products, dX = dY W (K = out_features) and dW = dY^T X
+# (K = the tokens of the micro-batch), are precise unless a layer is built with fast_accum
+# (``--fp8-fast-accum``, ``kernel_ft.apply(fp8_fast_accum=True)``). What it buys and costs,
+# measured (H100, LLaMA-3.1-8B full fine-tuning, 2 x 2,048 tokens, NOTES.md Step 22): +3.1%
+# tokens/s, and over 500 steps on the bundled data the same loss (last 50 steps: 1.825
+# against 1.824). The error of a fast sum grows with K, so a batch of many more tokens per
+# micro-batch (dW's K) may lose more than this run shows: an option to check against a
+# precise run, like FP8 itself, not the default.
 def scaled_mm(a8, inv_a, b8, inv_b, out_dtype, bias=None, fast_accum=False):
     """(a8 * inv_a) @ (b8 * inv_b)^T in out_dtype: a8 [M, K], b8 [N, K] fp8 row-major (K
     last; K and N multiples of 16 on the GPU), inverse scales [] or [M, 1] / [N, 1].
@@ -741,7 +753,7 @@ def _scale_shape(recipe, rows):
     return (rows, 1) if recipe == "rowwise" else ()
 
 
-def _linear_forward_fake(x, weight, bias, recipe, grads, need_dx, need_dw):
+def _linear_forward_fake(x, weight, bias, recipe, grads, fast_accum, need_dx, need_dw):
     (M, K), N = x.shape, weight.shape[0]
     f32 = torch.float32
     return (x.new_empty(M, N),
@@ -753,11 +765,12 @@ def _linear_forward_fake(x, weight, bias, recipe, grads, need_dx, need_dw):
 
 @kernel_op("fp8_linear_forward", fake=_linear_forward_fake)
 def fp8_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], recipe: str,
-                       grads: str, need_dx: bool, need_dw: bool,
+                       grads: str, fast_accum: bool, need_dx: bool, need_dw: bool,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y [M, N] in x's dtype, x_t, x_t's inverse scale, w_t, w_t's inverse scale) of x [M, K]:
     the fp8 transposed copies backward needs (empty placeholders where it needs none).
-    ``grads``: the format backward casts dy to (kept for the backward registered below)."""
+    ``grads``: the format backward casts dy to; ``fast_accum``: backward's products accumulate
+    at the tensor cores' own precision (both kept for the backward registered below)."""
     # X^T for dW only when the weight gets a gradient; its M columns padded to a multiple
     # of 16, the reduction dim of the dW GEMM (zero columns add nothing).
     return _linear_forward(x, weight, bias, recipe, need_dx, quantize(x, recipe, transpose=need_dw, align=16))
@@ -791,7 +804,8 @@ def _output_grad_fp8(dy, recipe, grads, transpose):
     return quantize(dy, recipe, transpose=transpose, align=16, fmt=grads, amax=_produced_amax(dy, recipe))
 
 
-def _linear_backward_fake(dy, x_t, x_inv_t, w_t, w_inv_t, recipe, grads, x_dtype, w_dtype, need_dx, need_dw):
+def _linear_backward_fake(dy, x_t, x_inv_t, w_t, w_inv_t, recipe, grads, fast_accum, x_dtype, w_dtype, need_dx,
+                          need_dw):
     M, N = dy.shape
     return (dy.new_empty(M, w_t.shape[0], dtype=x_dtype) if need_dx else nothing(dy),
             dy.new_empty(N, x_t.shape[0], dtype=w_dtype) if need_dw else nothing(dy))
@@ -799,13 +813,14 @@ def _linear_backward_fake(dy, x_t, x_inv_t, w_t, w_inv_t, recipe, grads, x_dtype
 
 @kernel_op("fp8_linear_backward", fake=_linear_backward_fake)
 def fp8_linear_backward(dy: torch.Tensor, x_t: torch.Tensor, x_inv_t: torch.Tensor, w_t: torch.Tensor,
-                        w_inv_t: torch.Tensor, recipe: str, grads: str, x_dtype: torch.dtype,
+                        w_inv_t: torch.Tensor, recipe: str, grads: str, fast_accum: bool, x_dtype: torch.dtype,
                         w_dtype: torch.dtype, need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [M, K] in x_dtype, dw [N, K] in w_dtype) from dy [M, N] and the saved fp8 copies;
-    dy cast to the ``grads`` format."""
+    dy cast to the ``grads`` format, the products with ``fast_accum`` ("Fast accumulation", above scaled_mm)."""
     dyq = _output_grad_fp8(dy, recipe, grads, need_dw)
-    dx = scaled_mm(dyq.data, dyq.inv_scale, w_t, w_inv_t, x_dtype) if need_dx else nothing(dy)
-    dw = scaled_mm(dyq.data_t, dyq.inv_scale_t, x_t, x_inv_t, w_dtype) if need_dw else nothing(dy)
+    dx = scaled_mm(dyq.data, dyq.inv_scale, w_t, w_inv_t, x_dtype, fast_accum=fast_accum) if need_dx else nothing(dy)
+    dw = (scaled_mm(dyq.data_t, dyq.inv_scale_t, x_t, x_inv_t, w_dtype, fast_accum=fast_accum) if need_dw
+          else nothing(dy))
     return dx, dw
 
 
@@ -813,13 +828,13 @@ def fp8_linear_backward(dy: torch.Tensor, x_t: torch.Tensor, x_inv_t: torch.Tens
 # Autograd
 # --------------------------------------------------------------------------------
 def _linear_save(ctx, inputs, output):
-    x, weight, bias, recipe, grads, need_dx, need_dw = inputs
+    x, weight, bias, recipe, grads, fast_accum, need_dx, need_dw = inputs
     # The fp8 copies only, never x or a bf16 W. A weight FSDP gathered in FP8 is saved itself
     # (what it buys: no whole W8^T kept on every GPU from forward to backward, 6.5 GiB at 8B;
     # FSDP has the weight whole again for backward, as for nn.Linear) and W8^T made from it there.
     gathered = [weight] if need_dx and hasattr(weight, "fp8_copy") else []
     ctx.save_for_backward(*output[1:], *gathered)
-    ctx.recipe, ctx.grads, ctx.need_dx, ctx.need_dw = recipe, grads, need_dx, need_dw
+    ctx.recipe, ctx.grads, ctx.fast_accum, ctx.need_dx, ctx.need_dw = recipe, grads, fast_accum, need_dx, need_dw
     ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
     ctx.bias_dtype = None if bias is None else bias.dtype
 
@@ -841,20 +856,20 @@ def _weight_t(w_t, w_inv_t, gathered):
 def _linear_grads(ctx, dy, *_):
     x_t, x_inv_t, w_t, w_inv_t, *gathered = ctx.saved_tensors
     w_t, w_inv_t = _weight_t(w_t, w_inv_t, gathered[0] if gathered else None)
-    dx, dw = fp8_linear_backward(dy, x_t, x_inv_t, w_t, w_inv_t, ctx.recipe, ctx.grads, ctx.x_dtype,
+    dx, dw = fp8_linear_backward(dy, x_t, x_inv_t, w_t, w_inv_t, ctx.recipe, ctx.grads, ctx.fast_accum, ctx.x_dtype,
                                  ctx.w_dtype, ctx.need_dx, ctx.need_dw)
     db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
-    return (dx if ctx.need_dx else None), (dw if ctx.need_dw else None), db, None, None, None, None
+    return (dx if ctx.need_dx else None), (dw if ctx.need_dw else None), db, None, None, None, None, None
 
 
 class FP8LinearFunction(torch.autograd.Function):
     """y = x W^T + b with all three GEMMs in FP8: x [..., K], weight [N, K], bias [N] or None."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe, grads):
+    def forward(ctx, x, weight, bias, recipe, grads, fast_accum=False):
         x2d = x.reshape(-1, x.shape[-1])
         need_dx, need_dw = ctx.needs_input_grad[:2]
-        inputs = (x2d, weight, bias, recipe, grads, need_dx, need_dw)
+        inputs = (x2d, weight, bias, recipe, grads, fast_accum, need_dx, need_dw)
         if traced(x2d):
             output = fp8_linear_forward(*inputs)
         else:  # eager: the cast of x shared with the layers before that read the same x
@@ -867,7 +882,7 @@ class FP8LinearFunction(torch.autograd.Function):
     @first_order_only("fp8_linear")
     def backward(ctx, dy):
         dx, dw, db = _linear_grads(ctx, dy.reshape(-1, dy.shape[-1]))[:3]
-        return (None if dx is None else dx.view(ctx.x_shape)), dw, db, None, None
+        return (None if dx is None else dx.view(ctx.x_shape)), dw, db, None, None, None
 
 
 fp8_linear_forward.op.register_autograd(first_order_only("fp8_linear")(_linear_grads),
@@ -907,9 +922,9 @@ class FP8StackedFunction(torch.autograd.Function):
     or with ``split`` one tensor per layer (q, k and v, which the attention reads apart)."""
 
     @staticmethod
-    def forward(ctx, x, recipe, grads, split, *weights):
+    def forward(ctx, x, recipe, grads, fast_accum, split, *weights):
         x2d = x.reshape(-1, x.shape[-1])
-        need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[4:])
+        need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[5:])
         xq = _input_fp8(x2d, recipe, need_dw)  # shared with any other layer reading x
         amaxes = [take_weight_amax(w) for w in weights] if recipe == "tensorwise" else None
         wq = quantize_stacked([w.detach() for w in weights], recipe, need_dx, amaxes)
@@ -923,7 +938,8 @@ class FP8StackedFunction(torch.autograd.Function):
         else:
             y, *keep = _forward_product(x2d, xq, wq)
         ctx.save_for_backward(*keep)
-        ctx.recipe, ctx.grads, ctx.x_shape, ctx.x_dtype, ctx.split = recipe, grads, x.shape, x.dtype, split
+        ctx.recipe, ctx.grads, ctx.fast_accum = recipe, grads, fast_accum
+        ctx.x_shape, ctx.x_dtype, ctx.split = x.shape, x.dtype, split
         return tuple(ys) if split else y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -931,15 +947,18 @@ class FP8StackedFunction(torch.autograd.Function):
     def backward(ctx, *dys):
         x_t, x_inv_t, w_t, w_inv_t = ctx.saved_tensors
         _LAST_INPUT.clear()  # the forward is over (as in _weight_t)
-        need_dx, need_dws = ctx.needs_input_grad[0], ctx.needs_input_grad[4:]
+        need_dx, need_dws = ctx.needs_input_grad[0], ctx.needs_input_grad[5:]
         dyq = (_side_by_side_grads(dys, ctx) if ctx.split else
                _output_grad_fp8(dys[0].reshape(-1, dys[0].shape[-1]), ctx.recipe, ctx.grads, any(need_dws)))
         # What split buys: dx = [dq | dk | dv] [Wq; Wk; Wv] is one product; as three layers, three
         # products and two adds of [M, K] tensors autograd runs apart (96 MB each at 8B, 4,096 tokens).
-        dx = scaled_mm(dyq.data, dyq.inv_scale, w_t, w_inv_t, ctx.x_dtype).view(ctx.x_shape) if need_dx else None
-        dws = [scaled_mm(dyq.data_t[rows], _rows_of(dyq.inv_scale_t, rows, ctx.recipe), x_t, x_inv_t, dtype)
+        fast = ctx.fast_accum
+        dx = (scaled_mm(dyq.data, dyq.inv_scale, w_t, w_inv_t, ctx.x_dtype, fast_accum=fast).view(ctx.x_shape)
+              if need_dx else None)
+        dws = [scaled_mm(dyq.data_t[rows], _rows_of(dyq.inv_scale_t, rows, ctx.recipe), x_t, x_inv_t, dtype,
+                         fast_accum=fast)
                if need else None for (rows, dtype), need in zip(ctx.rows, need_dws)]  # dW_i: its rows of dy^T
-        return (dx, None, None, None, *dws)
+        return (dx, None, None, None, None, *dws)
 
 
 def _row_slices(weights):
@@ -995,8 +1014,8 @@ def frozen_linear_input_grad(layer, dy, saved, out_dtype):
     """dx [M, K] = dy W in ``out_dtype`` for dy [M, N], from frozen_linear_forward's ``saved``:
     dy cast to the layer's gradient format, the product on the weight's fp8 copy."""
     w_t, w_inv_t = _weight_t(*saved)
-    return fp8_linear_backward(dy, nothing(dy), nothing(dy), w_t, w_inv_t, layer.recipe, layer.grads, out_dtype,
-                               out_dtype, True, False)[0]
+    return fp8_linear_backward(dy, nothing(dy), nothing(dy), w_t, w_inv_t, layer.recipe, layer.grads,
+                               layer.fast_accum, out_dtype, out_dtype, True, False)[0]
 
 
 # --------------------------------------------------------------------------------
@@ -1033,9 +1052,10 @@ def _check_linear(x, weight, bias, recipe, grads, emulate):
     check_kernel_device(*(t for t in (x, weight, bias) if t is not None))
 
 
-def fp8_linear(x, weight, bias=None, recipe="tensorwise", emulate=False, grads="e4m3"):
+def fp8_linear(x, weight, bias=None, recipe="tensorwise", emulate=False, grads="e4m3", fast_accum=False):
     """``F.linear(x, weight, bias)`` with its three GEMMs in FP8 (dynamic scales; x and W in
-    e4m3, the output's gradient in ``grads``: "e4m3" or "e5m2").
+    e4m3, the output's gradient in ``grads``: "e4m3" or "e5m2"). ``fast_accum``: the two
+    backward products accumulate at the tensor cores' own precision too ("Fast accumulation", above scaled_mm).
 
     x [..., K], weight [N, K], bias [N] (bf16/fp16/fp32; K and N multiples of 16).
     Returns y [..., N] in x's dtype; differentiable in all three. ``emulate=True`` runs
@@ -1047,13 +1067,13 @@ def fp8_linear(x, weight, bias=None, recipe="tensorwise", emulate=False, grads="
     need_dx, need_dw = grad and x.requires_grad, grad and weight.requires_grad
     x2d = x.reshape(-1, x.shape[-1])
     if torch.compiler.is_compiling() or traced(x2d):  # one operator in the graph
-        y = fp8_linear_forward(x2d, weight, bias, recipe, grads, need_dx, need_dw)[0]
+        y = fp8_linear_forward(x2d, weight, bias, recipe, grads, fast_accum, need_dx, need_dw)[0]
     elif not (need_dx or need_dw or (grad and bias is not None and bias.requires_grad)):
         # Nothing to differentiate: no transposed copies; x's amax from its producer, if noted.
         y = _linear_forward(x2d, weight, bias, recipe, False,
                             quantize(x2d, recipe, align=16, amax=_produced_amax(x2d, recipe)))[0]
     else:
-        return FP8LinearFunction.apply(x, weight, bias, recipe, grads)
+        return FP8LinearFunction.apply(x, weight, bias, recipe, grads, fast_accum)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -1065,21 +1085,21 @@ class FP8Linear(nn.Module):
     Parameters as the layer it replaces: optimizers, weight tying and checkpoints see
     no difference."""
 
-    def __init__(self, linear, recipe="tensorwise", emulate=False, grads="e4m3"):
+    def __init__(self, linear, recipe="tensorwise", emulate=False, grads="e4m3", fast_accum=False):
         super().__init__()
         _check_recipe(recipe, "FP8Linear")
         _check_format(grads, "FP8Linear")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.register_parameter("bias", linear.bias)
-        self.recipe, self.emulate, self.grads = recipe, emulate, grads
+        self.recipe, self.emulate, self.grads, self.fast_accum = recipe, emulate, grads, bool(fast_accum)
         if recipe == "tensorwise":
             # The kernels that produce its input note their amax (kernel_common), and so may
             # the optimizer for its weight.
             register_fp8_weight(self.weight)
 
     def forward(self, x):
-        return fp8_linear(x, self.weight, self.bias, self.recipe, self.emulate, self.grads)
+        return fp8_linear(x, self.weight, self.bias, self.recipe, self.emulate, self.grads, self.fast_accum)
 
     def stacked_with(self, x, *others, split=False):
         """``torch.cat([self(x), *(m(x) for m in others)], -1)`` as one FP8 product whose weight
@@ -1095,7 +1115,8 @@ class FP8Linear(nn.Module):
             return None
         for m in layers:
             _check_linear(x, m.weight, None, m.recipe, m.grads, m.emulate)
-        return FP8StackedFunction.apply(x, self.recipe, self.grads, split, *(m.weight for m in layers))
+        return FP8StackedFunction.apply(x, self.recipe, self.grads, self.fast_accum, split,
+                                        *(m.weight for m in layers))
 
     def runs_inside(self, x):
         """Whether this layer's products may run inside another autograd Function on input
@@ -1104,9 +1125,11 @@ class FP8Linear(nn.Module):
         return torch.is_grad_enabled() and not torch.compiler.is_compiling() and not traced(x) and self._plain()
 
     def same_kind(self, other):
-        """``other`` is a plain FP8Linear like this one: recipe, gradient format, weight dtype."""
-        return (isinstance(other, FP8Linear) and other._plain() and (other.recipe, other.grads, other.emulate,
-                other.weight.dtype) == (self.recipe, self.grads, self.emulate, self.weight.dtype))
+        """``other`` is a plain FP8Linear like this one: recipe, gradient format, accumulation, weight dtype."""
+        return (isinstance(other, FP8Linear) and other._plain() and self._kind() == other._kind())
+
+    def _kind(self):
+        return self.recipe, self.grads, self.fast_accum, self.emulate, self.weight.dtype
 
     def _plain(self):
         """Its forward would be this class's as it stands: a trained, bias-free weight not
@@ -1117,18 +1140,20 @@ class FP8Linear(nn.Module):
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, recipe={self.recipe}, grads={self.grads}")
+                f"bias={self.bias is not None}, recipe={self.recipe}, grads={self.grads}"
+                + (", fast_accum=True" if self.fast_accum else ""))
 
 
-def replace_linears(model, recipe="tensorwise", skip=("lm_head",), emulate=False, grads="e4m3"):
+def replace_linears(model, recipe="tensorwise", skip=("lm_head",), emulate=False, grads="e4m3", fast_accum=False):
     """Swap the layers swap_common.linears_to_cast picks (not the LM head, not LoRA's
     adapters, sizes FP8 can run) for FP8Linear; returns (count, names of the layers left
     alone for their sizes). Under peft, apply this after get_peft_model: a LoRA layer's
-    ``base_layer`` is swapped. ``grads``: the gradients' format, "e4m3" or "e5m2"."""
+    ``base_layer`` is swapped. ``grads``: the gradients' format, "e4m3" or "e5m2";
+    ``fast_accum``: fast accumulation in the backward products too ("Fast accumulation", above scaled_mm)."""
     _check_recipe(recipe, "replace_linears")
     _check_format(grads, "replace_linears")
     targets, skipped = linears_to_cast(model, skip)
     chosen = {id(module) for _, module in targets}
     count = swap_modules(model, lambda module: id(module) in chosen,
-                         lambda module: FP8Linear(module, recipe, emulate, grads))
+                         lambda module: FP8Linear(module, recipe, emulate, grads, fast_accum))
     return count, skipped

@@ -384,7 +384,7 @@ def test_a_written_or_new_x_is_cast_anew(monkeypatch):
         y = FP8LinearFunction.apply(x, w, None, "rowwise", "e4m3")
         casts = calls.count(tuple(x.shape))
         with torch.no_grad():  # the operator, no kept cast: the truth for these values
-            want = fp8_kernel.fp8_linear_forward(x, w, None, "rowwise", "e4m3", False, True)[0]
+            want = fp8_kernel.fp8_linear_forward(x, w, None, "rowwise", "e4m3", False, False, True)[0]
         assert torch.equal(y, want)
         return casts
 
@@ -706,7 +706,7 @@ def test_fine_tune_switches_fp8_in_with_every_kernel(monkeypatch, capsys):
     from kernel_ft.run import apply_kernels
 
     monkeypatch.setattr("kernel_ft.patching.replace_linears",
-                        lambda model, recipe, grads: replace_linears(model, recipe, emulate=True, grads=grads))
+                        lambda model, recipe, **kw: replace_linears(model, recipe, emulate=True, **kw))
     model = tiny_llama()
     batch = dataloader.lm_batch(torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0)).to(DEVICE))
     want = training.hf_loss(model, batch).item()
@@ -726,6 +726,56 @@ def test_fine_tune_switches_fp8_in_with_every_kernel(monkeypatch, capsys):
     assert mlp.down_proj.weight.grad is not None
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("fast", [False, True], ids=["precise", "fast"])
+def test_fp8_fast_accum_reaches_every_backward_product_and_only_those(monkeypatch, capsys, fast, lora):
+    """--fp8-fast-accum: each FP8 product of a training step, counted where it is made,
+    runs with use_fast_accum on in forward, and in backward as the flag says, through every
+    path a decoder layer takes: q/k/v grouped (stacked backward), gate/up stacked, down_proj
+    after SwiGLU (h8^T cast in backward), o_proj alone, and under LoRA the frozen base layers'
+    input gradients. The CLI flag and apply's switch both get there."""
+    import finetune_optimized
+    from kernel_ft import dataloader, models, run
+    from kernel_ft import flags
+
+    monkeypatch.setattr("kernel_ft.patching.replace_linears",
+                        lambda model, recipe, **kw: replace_linears(model, recipe, emulate=True, **kw))
+    calls, phase = [], ["setup"]
+    real = fp8_kernel.scaled_mm
+
+    def counted(a8, inv_a, b8, inv_b, out_dtype, bias=None, fast_accum=False):
+        calls.append((phase[0], fast_accum))
+        return real(a8, inv_a, b8, inv_b, out_dtype, bias, fast_accum)
+
+    monkeypatch.setattr(fp8_kernel, "scaled_mm", counted)
+    argv = ["--tiny", "--fp8", "tensorwise"] + (["--fp8-fast-accum"] if fast else []) + (["--lora"] if lora else [])
+    args = finetune_optimized.parse_args(argv)
+    model = tiny_llama()
+    if lora:
+        model = models.apply_lora(model, args)
+    kernels = {**flags.kernels_from_args(args), "attention": False}
+    loss_fn, _ = run.apply_kernels(model, kernels)
+    out = capsys.readouterr().out
+    assert ("fast accumulation in backward too" in out) == fast
+    layer = model.model.layers[0] if not lora else model.base_model.model.model.layers[0]
+    down = layer.mlp.down_proj if not lora else layer.mlp.down_proj.base_layer
+    assert isinstance(down, FP8Linear) and down.fast_accum == fast
+    batch = dataloader.lm_batch(torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0)).to(DEVICE))
+    phase[0] = "forward"
+    loss = loss_fn(model, batch)
+    phase[0] = "backward"
+    loss.backward()
+    forward = [f for when, f in calls if when == "forward"]
+    backward = [f for when, f in calls if when == "backward"]
+    # Per layer in forward: q, k, v (split), o, [gate | up] (under LoRA gate and up apart: frozen
+    # weights do not stack), down. In backward, every weight trained: per layer dx of q/k/v
+    # (stacked), o, [gate | up] and down, and dW of the 7 weights. Under LoRA the frozen base
+    # layers' dx only, one product each: 7 in the second layer, 4 in the first (its attention's
+    # input, the frozen embedding's output, needs none).
+    assert len(forward) == 2 * (7 if lora else 6) and all(forward)
+    assert len(backward) == (7 + 4 if lora else 2 * (4 + 7)) and all(f == fast for f in backward)
+
+
 def test_fine_tune_fp8_under_lora_in_bf16(monkeypatch, capsys):
     """--fp8 --lora on a bf16 model: the frozen base layers in FP8, the adapters computed
     in bf16 under autocast (adapters_compute_in); the adapters get finite gradients."""
@@ -736,7 +786,7 @@ def test_fine_tune_fp8_under_lora_in_bf16(monkeypatch, capsys):
     from tools.family_matrix import family_config
 
     monkeypatch.setattr("kernel_ft.patching.replace_linears",
-                        lambda model, recipe, grads: replace_linears(model, recipe, emulate=True, grads=grads))
+                        lambda model, recipe, **kw: replace_linears(model, recipe, emulate=True, **kw))
     torch.manual_seed(0)
     model = models.build_random(family_config("llama", {}), torch.device(DEVICE), torch.bfloat16)
     model = models.apply_lora(model, finetune_optimized.parse_args(["--tiny", "--lora", "--lora-r", "4"]))

@@ -134,10 +134,12 @@ def profile_name(args):
     --compile, '-pageable' with --no-pin-memory, '-fsdp' with --fsdp."""
     switches = flags.kernels_from_args(args)
     # The gradients' format: below; whether FSDP gathers FP8 weights in FP8: the settings the folder keeps.
-    kernels = [k for k, on in switches.items() if on and k not in ("fp8_grads", "fp8_gathered")]
+    kernels = [k for k, on in switches.items() if on and k not in ("fp8_grads", "fp8_fast_accum", "fp8_gathered")]
     name = "custom-" + "-".join(kernels) if kernels else BASELINE
     if switches.get("fp8_grads", "e4m3") != "e4m3":
         name += "-" + switches["fp8_grads"]
+    if switches.get("fp8_fast_accum"):
+        name += "-fastaccum"
     if getattr(args, "lora", False):
         name += "-lora"
     if getattr(args, "compile", False):

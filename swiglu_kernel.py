@@ -845,10 +845,10 @@ FP8_DOWN_IN_BACKWARD = True  # False: the FP8 down_proj keeps h8^T from forward 
 
 class TritonSwiGLUFP8DownFunction(torch.autograd.Function):
     """down(act(gate) * up) for an FP8Linear ``down`` per tensor, h8^T cast in backward.
-    apply(gate, up, weight, activation, grads); up None: gate holds [gate | up]."""
+    apply(gate, up, weight, activation, grads, fast_accum); up None: gate holds [gate | up]."""
 
     @staticmethod
-    def forward(ctx, gate, up, weight, activation, grads):
+    def forward(ctx, gate, up, weight, activation, grads, fast_accum=False):
         slots = amax_slots(gate)
         h = _forward(gate, up, activation, None if slots is None else slots[0])
         h2 = h.view(-1, h.shape[-1])
@@ -857,7 +857,7 @@ class TritonSwiGLUFP8DownFunction(torch.autograd.Function):
         wq = fp8_kernel._weight_fp8(weight, "tensorwise", transpose=True)
         y = fp8_kernel._forward_mm(hq, wq.data, wq.inv_scale, h.dtype)
         ctx.save_for_backward(gate, up, wq.data_t, wq.inv_scale_t, h_amax, hq.inv_scale)
-        ctx.activation, ctx.grads, ctx.w_dtype = activation, grads, weight.dtype
+        ctx.activation, ctx.grads, ctx.fast_accum, ctx.w_dtype = activation, grads, fast_accum, weight.dtype
         return y.view(*h.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -867,7 +867,7 @@ class TritonSwiGLUFP8DownFunction(torch.autograd.Function):
         w_t, w_inv_t = fp8_kernel._weight_t(w_t, w_inv_t, None)
         dy2 = dy.reshape(-1, dy.shape[-1])
         dyq = fp8_kernel._output_grad_fp8(dy2, "tensorwise", ctx.grads, True)
-        dh = fp8_kernel.scaled_mm(dyq.data, dyq.inv_scale, w_t, w_inv_t, dy.dtype)
+        dh = fp8_kernel.scaled_mm(dyq.data, dyq.inv_scale, w_t, w_inv_t, dy.dtype, fast_accum=ctx.fast_accum)
         n_cols = w_t.shape[0]
         h8_t = torch.empty(n_cols, cdiv(dy2.shape[0], 16) * 16, dtype=fp8_kernel.FP8_DTYPE, device=dy.device)
         slots = amax_slots(dh, 2)  # the FP8 gate/up layers take their gradients' amax from here
@@ -877,8 +877,8 @@ class TritonSwiGLUFP8DownFunction(torch.autograd.Function):
         if slots is not None:
             for grad, row in zip((dg, du), slots):
                 note_amax(grad, row)
-        dw = fp8_kernel.scaled_mm(dyq.data_t, dyq.inv_scale_t, h8_t, h_inv, ctx.w_dtype)
-        return dg, (du if up is not None else None), dw, None, None
+        dw = fp8_kernel.scaled_mm(dyq.data_t, dyq.inv_scale_t, h8_t, h_inv, ctx.w_dtype, fast_accum=ctx.fast_accum)
+        return dg, (du if up is not None else None), dw, None, None, None
 
 
 def fp8_down_in_backward(down, gate=None):
@@ -901,7 +901,7 @@ def swiglu_fp8_down_proj(gate, up, down, activation="silu"):
         return None  # the layer's own call says what is wrong
     # h's shape, dtype and device, as a view of gate (h does not exist yet).
     fp8_kernel._check_linear(gate[..., :n_cols], down.weight, None, down.recipe, down.grads, down.emulate)
-    return TritonSwiGLUFP8DownFunction.apply(gate, up, down.weight, activation, down.grads)
+    return TritonSwiGLUFP8DownFunction.apply(gate, up, down.weight, activation, down.grads, down.fast_accum)
 
 
 # --------------------------------------------------------------------------------

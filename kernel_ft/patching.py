@@ -122,11 +122,12 @@ def _swap(report, kernel, swap, model, found_nothing, line):
 
 
 def apply(model, *, fp8=None, rmsnorm=True, swiglu=True, flce=True, ce=True, rope=True, attention=True, lora=True,
-          projections=True, strict=False, fp8_grads="e4m3"):
+          projections=True, strict=False, fp8_grads="e4m3", fp8_fast_accum=False):
     """Switch the kernels into ``model`` (a Hugging Face causal LM, or a PEFT model around
     one); return a ``Report``. Every kernel is on unless its switch is False; ``fp8`` is
     off unless "tensorwise" or "rowwise" (a GPU with FP8 tensor cores), its gradients in
-    ``fp8_grads`` ("e4m3" or "e5m2"). Call it once,
+    ``fp8_grads`` ("e4m3" or "e5m2"), with ``fp8_fast_accum`` its backward products at the
+    tensor cores' own precision too (fp8_kernel.py, "Fast accumulation"). Call it once,
     before the model goes to Trainer / accelerate; with LoRA after ``get_peft_model``.
 
     After it, ``model(input_ids, labels=...)`` in training returns HF's loss (shifted
@@ -140,7 +141,7 @@ def apply(model, *, fp8=None, rmsnorm=True, swiglu=True, flce=True, ce=True, rop
     name = type(lm).__name__
     report = Report()
 
-    _apply_fp8(report, model, fp8, fp8_grads, name)  # first: the MLP swap below finds FP8 layers as its projections
+    _apply_fp8(report, model, fp8, fp8_grads, fp8_fast_accum, name)  # first: the MLP swap below finds FP8 layers as its projections
 
     def switch(kernel, on, swap, found_nothing, line):
         if not on:
@@ -215,16 +216,19 @@ def _other_loss(lm):
     return f"{type(lm).__name__}'s loss is its own ({kind}), not a language model's next-token cross-entropy"
 
 
-def _apply_fp8(report, model, fp8, grads, name):
+def _apply_fp8(report, model, fp8, grads, fast_accum, name):
     """FP8 linear layers (fp8_kernel.replace_linears), when asked for."""
     if grads not in GRAD_FORMATS:
         raise ValueError(f"kernel_ft.apply: fp8_grads must be one of {tuple(GRAD_FORMATS)}, got {grads!r}")
+    if not isinstance(fast_accum, bool):
+        raise TypeError(f"kernel_ft.apply: fp8_fast_accum must be True or False, got {fast_accum!r}")
     if not fp8:
         report.add("fp8", NOT_USED, 0, "off (fp8='tensorwise' or 'rowwise' to use it)")
         return
-    count, skipped = replace_linears(model, fp8, grads=grads)
-    detail = (f"{count} linear layers in float8_e4m3fn ({grads} gradients), {fp8} scales (Triton casts, cuBLASLt "
-              f"products); the LM head and LoRA adapters as before")
+    count, skipped = replace_linears(model, fp8, grads=grads, fast_accum=fast_accum)
+    accumulation = ", fast accumulation in backward too" if fast_accum else ""
+    detail = (f"{count} linear layers in float8_e4m3fn ({grads} gradients{accumulation}), {fp8} scales (Triton casts, "
+              f"cuBLASLt products); the LM head and LoRA adapters as before")
     if skipped:
         detail += f"; {len(skipped)} left as they were (sizes not multiples of 16), e.g. {skipped[0]}"
     count = count or _already_in("fp8", model)

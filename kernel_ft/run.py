@@ -48,8 +48,9 @@ LABELS = {"fp8": "FP8 matmuls:", "rmsnorm": "Custom rmsnorm:", "swiglu": "Custom
 def apply_switches(kernels):
     """kernel_ft.apply's keyword arguments from the --use-custom-* flags
     (flags.kernels_from_args): each kernel on or off, fp8 the recipe or None and its
-    gradients' format."""
+    gradients' format and accumulation."""
     return {"fp8": kernels.get("fp8") or None, "fp8_grads": kernels.get("fp8_grads", "e4m3"),
+            "fp8_fast_accum": bool(kernels.get("fp8_fast_accum")),
             **{name: bool(kernels.get(name)) for name in KERNELS if name != "fp8"}}
 
 
@@ -77,7 +78,8 @@ def apply_kernels(model, kernels):
     if "lora" in report.applied:
         active.append("lora")
     if "fp8" in report.applied:
-        active.append(f"fp8 ({switches['fp8']}, {switches['fp8_grads']} gradients)")
+        fast = ", fast accumulation" if switches["fp8_fast_accum"] else ""
+        active.append(f"fp8 ({switches['fp8']}, {switches['fp8_grads']} gradients{fast})")
 
     # The loss: HF's own call; with flce or ce the model computes it with our kernels.
     loss_fn, make_optimizer = training.hf_loss, training.pytorch_adamw

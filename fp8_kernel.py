@@ -676,9 +676,9 @@ def cast_traffic(x, recipe, transpose, produced=False):
 # default too); the two backward products, dX = dY W (K = out_features) and dW = dY^T X
 # (K = the tokens of the micro-batch), are precise unless a layer is built with fast_accum
 # (``--fp8-fast-accum``, ``kernel_ft.apply(fp8_fast_accum=True)``). What it buys and costs,
-# measured (H100, LLaMA-3.1-8B full fine-tuning, 2 x 2,048 tokens, NOTES.md Step 22): +3.1%
-# tokens/s, and over 500 steps on the bundled data the same loss (last 50 steps: 1.825
-# against 1.824). The error of a fast sum grows with K, so a batch of many more tokens per
+# measured (H100, LLaMA-3.1-8B full fine-tuning, 2 x 2,048 tokens, NOTES.md Step 22): +2.7%
+# tokens/s on synthetic rows, +3.1% on the bundled data, and over its 500 steps the same loss
+# (last 50 steps: 1.825 against 1.824). The error of a fast sum grows with K, so a batch of many more tokens per
 # micro-batch (dW's K) may lose more than this run shows: an option to check against a
 # precise run, like FP8 itself, not the default.
 def scaled_mm(a8, inv_a, b8, inv_b, out_dtype, bias=None, fast_accum=False):

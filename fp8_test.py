@@ -587,6 +587,29 @@ def test_inside_torch_compile():
         assert torch.equal(a, c)
 
 
+def test_fast_accum_survives_torch_compile(monkeypatch):
+    """Under torch.compile the layer is the fp8_linear_forward operator and its registered
+    backward: fast_accum rides through the operator's arguments to both backward products."""
+    x, w = sample((2, 16, 32), torch.float32, 15), sample((16, 32), torch.float32, 16)
+    dy = torch.randn(2, 16, 16).to(DEVICE)
+    calls = []
+    real = fp8_kernel.scaled_mm
+
+    def counted(*args, fast_accum=False, **kwargs):
+        calls.append(fast_accum)
+        return real(*args, fast_accum=fast_accum, **kwargs)
+
+    monkeypatch.setattr(fp8_kernel, "scaled_mm", counted)
+    for fast in (False, True):
+        compiled = torch.compile(lambda x, w: fp8_linear(x, w, None, "tensorwise", emulate=True, fast_accum=fast),
+                                 backend="aot_eager", fullgraph=True)
+        calls.clear()
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        compiled(xg, wg).backward(dy)
+        assert calls == [True, fast, fast]  # forward, then dx and dW
+        torch._dynamo.reset()
+
+
 def test_refusals_in_one_line():
     x, w = torch.randn(4, 32, device=DEVICE), torch.randn(16, 32, device=DEVICE)
     with pytest.raises(ValueError, match="recipe must be one of"):

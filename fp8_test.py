@@ -799,6 +799,34 @@ def test_fp8_fast_accum_reaches_every_backward_product_and_only_those(monkeypatc
     assert len(backward) == (7 + 4 if lora else 2 * (4 + 7)) and all(f == fast for f in backward)
 
 
+def test_a_second_apply_does_not_claim_fp8_settings_it_did_not_use(monkeypatch):
+    """kernel_ft.apply on a model whose layers an earlier apply made FP8: the same settings
+    are reported as in, other ones (recipe, gradients, accumulation) left out in one line,
+    an error with strict=True, and the layers keep the first settings; FP8's settings
+    without fp8 are said to change nothing."""
+    import kernel_ft
+    from kernel_ft.patching import KernelNotApplied
+
+    monkeypatch.setattr("kernel_ft.patching.replace_linears",
+                        lambda model, recipe, **kw: replace_linears(model, recipe, emulate=True, **kw))
+    model = tiny_llama()
+    first = kernel_ft.apply(model, fp8="tensorwise", attention=False)
+    assert first["fp8"]["status"] == "applied" and first["fp8"]["count"] == 14
+    again = kernel_ft.apply(model, fp8="tensorwise", attention=False)
+    assert again["fp8"]["status"] == "applied" and again["fp8"]["count"] == 14
+    for other in ({"fp8_fast_accum": True}, {"fp8_grads": "e5m2"}, {"fp8": "rowwise"}):
+        switches = {"fp8": "tensorwise", "attention": False, **other}
+        with pytest.warns(UserWarning, match="earlier kernel_ft.apply with other settings"):
+            report = kernel_ft.apply(model, **switches)
+        assert report["fp8"]["status"] == "left to PyTorch" and "tensorwise, e4m3 gradients" in report["fp8"]["detail"]
+        with pytest.raises(KernelNotApplied, match="the first apply's settings hold"):
+            kernel_ft.apply(model, strict=True, **switches)
+    layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    assert len(layers) == 14 and {(m.recipe, m.grads, m.fast_accum) for m in layers} == {("tensorwise", "e4m3", False)}
+    report = kernel_ft.apply(tiny_llama(), fp8_fast_accum=True, fp8_grads="e5m2", attention=False)
+    assert report["fp8"]["detail"].endswith("fp8_grads='e5m2', fp8_fast_accum=True change nothing without it")
+
+
 def test_fine_tune_fp8_under_lora_in_bf16(monkeypatch, capsys):
     """--fp8 --lora on a bf16 model: the frozen base layers in FP8, the adapters computed
     in bf16 under autocast (adapters_compute_in); the adapters get finite gradients."""

@@ -525,13 +525,16 @@ def causal_lm_forward_with_fused_loss(model, *args, **kwargs):
     keep = arguments.get("logits_to_keep", extra.get("logits_to_keep"))
     some_logits = keep is not None and not (isinstance(keep, int) and keep == 0)
     if labels is None or not _skips_logits(model, skip_logits) or _router_loss(model, arguments, extra) \
-            or extra.get("fused_lm_head") or (_peft_copies(head) and head._forward_pre_hooks) or some_logits:
+            or extra.get("fused_lm_head") or (_peft_copies(head) and head._forward_pre_hooks) \
+            or any(m.weight.is_meta for m in _peft_copies(head) or [head]) or some_logits:
         # No loss to compute, an evaluation that wants the logits, an MoE call that adds its router's
         # auxiliary loss, TRL's call of the log-probabilities its own fused head computes (fused_lm_head:
         # its trainers wrap the forward, before or after apply), a call of a PEFT model with an adapter
-        # per row (adapter_names: PEFT gives the head's copies a hook that picks each row's), or labels with
+        # per row (adapter_names: PEFT gives the head's copies a hook that picks each row's), a head whose
+        # weight its call brings in (accelerate's offloading keeps it on the meta device), or labels with
         # the logits of some positions only (logits_to_keep; transformers refuses the pair): the model's
-        # own forward.
+        # own forward. (Other hooks on the head, a spy's, a compiled forward's, see no call in training:
+        # the point of the fused loss is not to run it.)
         return model._kernel_ft_forward(*args, **kwargs)
     num_items = extra.pop("num_items_in_batch", None)
     shift_labels = extra.pop("shift_labels", None)

@@ -84,7 +84,7 @@ import torch.nn as nn
 import rmsnorm_kernel
 from fp8_kernel import FP8Linear, frozen_linear_forward, frozen_linear_input_grad
 from kernel_common import first_order_only, traced
-from swap_common import set_forward
+from swap_common import called_plainly, set_forward
 
 
 class LoRALinearFunction(torch.autograd.Function):
@@ -326,6 +326,8 @@ def _fusable(layer, x, args, kwargs):
     name = active[0]
     base = layer.base_layer
     lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
+    if not called_plainly(base, lora_a, lora_b):
+        return None  # hooks that must see the call (offloading moves the weights in): PEFT's path calls them
     # An FP8 base layer eagerly only: under a tracer its own operators run.
     fp8 = type(base) is FP8Linear and not (traced(x) or torch.compiler.is_compiling())
     if (type(base) is not nn.Linear and not fp8) or compute_dtype(x, (base.weight, base.bias)) is None:

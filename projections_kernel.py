@@ -58,7 +58,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fp8_kernel import FP8Linear
-from swap_common import set_forward, warn_once
+from swap_common import called_plainly, set_forward, warn_once
 from lora_kernel import (
     LoRALinearFunction, _fusable, _fused_forward, active_adapter_unfused, adapter_input, compute_dtype,
 )
@@ -165,7 +165,11 @@ class ProjectionGroup:
             self._warn_if_wrapped()  # each eager forward until it says so: PEFT may wrap after any call
         outs = None
         # Nothing to gain without an input gradient, or where torch.compile plans the layer.
-        if self.enabled and torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling():
+        # The called member's hooks have run; the others' would not (offloading moves weights in).
+        others = [m for i, m in enumerate(self.members) if i != index]
+        routed = [m for m in others if _is_routed_lora(m)]  # their forward on the instance is ours
+        if (self.enabled and torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling()
+                and called_plainly(*(m for m in others if m not in routed), ours=routed)):
             if _fp8_group(self.members):
                 # FP8: the weights stacked, one product for dx (fp8_kernel.FP8StackedFunction, split).
                 outs = None if args or kwargs else self.members[0].stacked_with(x, *self.members[1:], split=True)

@@ -122,7 +122,7 @@ import torch
 from kernel_common import (
     SUPPORTED_DTYPES, cast_to, check_kernel_device, fast_launch, first_order_only, kernel_op, next_power_of_2, nothing,
 )
-from swap_common import SwapMismatch, set_forward, text_config, text_modules
+from swap_common import SwapMismatch, our_forward, set_forward, text_config, text_modules
 
 import triton
 import triton.language as tl
@@ -748,6 +748,11 @@ def fuse_rope(model):
     for sub, _ in layers:
         forward = _forward_with_fused_rope(type(sub))
         if forward is None:
+            continue
+        if "forward" in sub.__dict__:
+            # Ours already (apply called again): counted, kept. Anyone else's (accelerate's
+            # hooks keep the old forward and call it): left as it is, and the model's RoPE with it.
+            count += our_forward(sub.__dict__["forward"]) is not None
             continue
         count += 1
         # Bound to the layer (copy.deepcopy(model) binds the copy's forward to the

@@ -259,14 +259,17 @@ def called_plainly(*modules, ours=()):
     """Whether calling each of ``modules`` would run just its class's forward: no hooks of its
     own or global ones (they run only when a module is called), no forward set on the
     instance (offloading, parameter gathers); for the modules in ``ours``, whose forward is
-    one of our kernels' (set on the instance), no hooks. A kernel that runs a layer's
-    products inside a larger autograd Function, without calling the layer, asks this first."""
+    one of our kernels' (set on the instance), no hooks and that forward still ours (not one
+    wrapped around it later: accelerate's hooks keep the old forward and set their own). A
+    kernel that runs a layer's products inside a larger autograd Function, without calling
+    the layer, asks this first."""
     hooks = torch.nn.modules.module
     if (hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks
             or hooks._global_backward_pre_hooks):
         return False
     return not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-                   or ("forward" in m.__dict__ and m not in ours) for m in (*modules, *ours))
+                   or ("forward" in m.__dict__ and (m not in ours or our_forward(m.__dict__["forward"]) is None))
+                   for m in (*modules, *ours))
 
 
 # The names a KV cache goes by in a call and in a model's output: transformers 5.24

@@ -1081,7 +1081,7 @@ class TritonLlamaMLP(nn.Module):
     def recomputes_hidden(self):
         """True when forward runs swiglu_down_proj (h recomputed in backward)."""
         down = self.down_proj
-        return self.recompute_hidden and type(down) is nn.Linear and down.bias is None
+        return self.recompute_hidden and type(down) is nn.Linear and down.bias is None and called_plainly(down)
 
     def casts_fp8_hidden_in_backward(self):
         """True when a training forward runs swiglu_fp8_down_proj (h8^T cast in backward)."""

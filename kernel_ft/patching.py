@@ -223,19 +223,33 @@ def _apply_fp8(report, model, fp8, grads, fast_accum, name):
     if not isinstance(fast_accum, bool):
         raise TypeError(f"kernel_ft.apply: fp8_fast_accum must be True or False, got {fast_accum!r}")
     if not fp8:
-        report.add("fp8", NOT_USED, 0, "off (fp8='tensorwise' or 'rowwise' to use it)")
+        idle = [f"{k}={v!r}" for k, v, default in (("fp8_grads", grads, "e4m3"), ("fp8_fast_accum", fast_accum, False))
+                if v != default]
+        report.add("fp8", NOT_USED, 0, "off (fp8='tensorwise' or 'rowwise' to use it)"
+                   + (f"; {', '.join(idle)} change nothing without it" if idle else ""))
         return
     count, skipped = replace_linears(model, fp8, grads=grads, fast_accum=fast_accum)
+    if not count:  # FP8 layers from an earlier apply, or none to cast
+        earlier = {(m.recipe, m.grads, m.fast_accum) for m in model.modules() if isinstance(m, FP8Linear)}
+        if earlier and earlier != {(fp8, grads, fast_accum)}:
+            report.add("fp8", LEFT_OUT, 0, f"the linear layers are FP8 from an earlier kernel_ft.apply with other "
+                       f"settings ({'; '.join(_fp8_settings(*k) for k in sorted(earlier))}), left as they are: the "
+                       f"first apply's settings hold")
+            return
+        count = _already_in("fp8", model)
+        if not count:
+            report.add("fp8", LEFT_OUT, 0, f"found no linear layers to cast in {name}")
+            return
     accumulation = ", fast accumulation in backward too" if fast_accum else ""
     detail = (f"{count} linear layers in float8_e4m3fn ({grads} gradients{accumulation}), {fp8} scales (Triton casts, "
               f"cuBLASLt products); the LM head and LoRA adapters as before")
     if skipped:
         detail += f"; {len(skipped)} left as they were (sizes not multiples of 16), e.g. {skipped[0]}"
-    count = count or _already_in("fp8", model)
-    if count:
-        report.add("fp8", APPLIED, count, detail)
-    else:
-        report.add("fp8", LEFT_OUT, 0, f"found no linear layers to cast in {name}")
+    report.add("fp8", APPLIED, count, detail)
+
+
+def _fp8_settings(recipe, grads, fast_accum):
+    return f"{recipe}, {grads} gradients" + (", fast accumulation" if fast_accum else "")
 
 
 def _apply_lora_and_groups(report, model, lora, projections, name):

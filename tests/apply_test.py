@@ -1588,6 +1588,53 @@ def test_accelerate_compile_regions_runs_the_compiled_layers_with_our_kernels(fu
         torch.testing.assert_close(grad, want_grads[name], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def test_accelerate_hooks_on_layers_run_and_offloaded_weights_are_read_where_they_are():
+    """accelerate's hooks set their own forward on a module (``add_hook_to_module``; its CPU
+    offloading moves each leaf's weights in at the call): a kernel that computes a layer
+    without calling it would skip them. Hooks on an attention module before apply, on the
+    fused LoRA down_proj and on an attention's base layer after apply all run in a training
+    step, and a LoRA model offloaded after apply gives its own loss."""
+    hooks = pytest.importorskip("accelerate.hooks")
+    accelerate = pytest.importorskip("accelerate")
+
+    class Count(hooks.ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            self.calls += 1
+            return args, kwargs
+
+    ids = token_ids(2)
+
+    def step_calls(model, module, apply_after=False):
+        counter = Count()
+        hooks.add_hook_to_module(module, counter)
+        if apply_after:
+            kernel_ft.apply(model)
+            counter.calls = 0  # apply's probes call the model
+        model(input_ids=ids, labels=ids).loss.backward()
+        return counter.calls
+
+    model = tiny_model("Llama")  # a hook before apply: fuse_rope leaves the attention's forward to it
+    assert step_calls(model, model.model.layers[0].self_attn, apply_after=True) == 1
+    model = applied(tiny_model("Llama"))  # after apply, and apply again
+    assert step_calls(model, model.model.layers[0].self_attn, apply_after=True) == 1
+    model = applied(lora_model(0.0))  # the SwiGLU kernel's fused LoRA down_proj calls its hook
+    assert step_calls(model, model.base_model.model.model.layers[0].mlp.down_proj) == 1
+    model = applied(lora_model(0.0))  # the fused LoRA layer calls its base layer's hook
+    assert step_calls(model, model.base_model.model.model.layers[0].self_attn.o_proj.base_layer) == 1
+    model = applied(lora_model(0.0))  # ... in a projection group too (q, k, v)
+    assert step_calls(model, model.base_model.model.model.layers[1].self_attn.k_proj.base_layer) == 1
+
+    theirs = lora_model(0.0)
+    ours = applied(copy.deepcopy(theirs))
+    for model in (theirs, ours):
+        accelerate.cpu_offload(model, execution_device=DEVICE)  # every weight on the meta device between calls
+    # (Offloaded weights live on the meta device between calls: nothing to train, the loss to compare.)
+    want = theirs(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(ours(input_ids=ids, labels=ids).loss, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("label", ["Llama", "LoRA"])
 def test_what_save_pretrained_writes_loads_without_kernel_ft(label, tmp_path):
     """After apply and a training step, save_pretrained writes what the model's own

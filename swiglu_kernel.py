@@ -974,8 +974,7 @@ def swiglu_lora_down_proj(gate, up, down, activation="silu"):
     if adapter is None:
         return None
     weight, bias, lora_a, lora_b, scaling = adapter
-    name = down.active_adapters[0]
-    if not called_plainly(down.base_layer, down.lora_A[name], down.lora_B[name], ours=(down,)):
+    if not called_plainly(ours=(down,)):  # its base layer and adapters: plain_adapter asked already
         return None
     if gate.dim() < 2 or weight.dim() != 2 or weight.shape[1] != _hidden_size(gate, up):
         return None  # the layer's own call says what is wrong

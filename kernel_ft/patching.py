@@ -230,13 +230,14 @@ def _apply_fp8(report, model, fp8, grads, fast_accum, name):
         return
     count, skipped = replace_linears(model, fp8, grads=grads, fast_accum=fast_accum)
     if not count:  # FP8 layers from an earlier apply, or none to cast
-        earlier = {(m.recipe, m.grads, m.fast_accum) for m in model.modules() if isinstance(m, FP8Linear)}
+        layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+        earlier = {(m.recipe, m.grads, m.fast_accum) for m in layers}
         if earlier and earlier != {(fp8, grads, fast_accum)}:
             report.add("fp8", LEFT_OUT, 0, f"the linear layers are FP8 from an earlier kernel_ft.apply with other "
                        f"settings ({'; '.join(_fp8_settings(*k) for k in sorted(earlier))}), left as they are: the "
                        f"first apply's settings hold")
             return
-        count = _already_in("fp8", model)
+        count = len(layers)
         if not count:
             report.add("fp8", LEFT_OUT, 0, f"found no linear layers to cast in {name}")
             return

@@ -61,7 +61,8 @@ def test_refusals_are_one_line_and_graphs_are_turned_off():
     assert tool.parse_args(["--history", "2", "--", "finetune_optimized.py", "--fp8=tensorwise"]).history == [2]
     for argv, message in ((run, "^error: name the script to run after --"),
                           (["--", "--steps", "4"], "^error: after -- comes a script"),
-                          (["--", "finetune_optimized.py", "--fp8", "rowwise"], "^error: the script must run --fp8 tensorwise"),
+                          (["--", "finetune_optimized.py", "--fp8", "rowwise"],
+                           "^error: the script must run --fp8 tensorwise"),
                           (["--", *run, "--cuda-graphs"], "^error: a replayed CUDA graph"),
                           (["--", *run, "--compile"], "^error: under --compile"),
                           (["--history", "0", "--", *run], "^error: --history lengths"),
@@ -100,7 +101,8 @@ def test_each_kind_of_cast_is_recorded_where_it_is_made():
     assert [(kind, shape) for kind, shape, _ in step] == [
         ("weight", [48, 32]), ("input", [16, 32]), ("gradient", [16, 48]), ("gradient", [16, 32]),
         ("weight", [64, 32])]
-    truth = [w.detach().abs().max(), x.abs().max(), dy.abs().max(), torch.cat(parts, 1).abs().max(), w.detach().abs().max()]
+    weight_max = w.detach().abs().max()
+    truth = [weight_max, x.abs().max(), dy.abs().max(), torch.cat(parts, 1).abs().max(), weight_max]
     for (_, _, got), want in zip(step, truth):
         assert got == pytest.approx(float(want), rel=1e-6)
 
@@ -112,8 +114,8 @@ def test_gpu_a_fine_tune_run_is_recorded_and_replayed(tmp_path):
     if not ok:
         pytest.skip(why)
     out = tmp_path / "amax.json"
-    summary = tool.main(["--history", "1", "4", "--skip", "1", "--json", str(out), "--", "finetune_optimized.py", "--tiny",
-                         "--random-init", "--dataset", "synthetic", "--fp8", "tensorwise", "--steps", "4",
+    summary = tool.main(["--history", "1", "4", "--skip", "1", "--json", str(out), "--", "finetune_optimized.py",
+                         "--tiny", "--random-init", "--dataset", "synthetic", "--fp8", "tensorwise", "--steps", "4",
                          "--warmup-steps", "1"])
     assert set(summary) == {"weight", "input", "gradient"}
     for entry in summary.values():

@@ -102,8 +102,8 @@ def _asks_tensorwise(flags):
 class Recorder:
     """Wraps fp8_kernel's cast entry points (module attributes, looked up at each call)
     and training.train_step (a step's boundary). ``steps``: per step, a list of
-    (kind, shape, inverse scale tensor, format's largest value) of the casts made inside
-    train_step (``_in_step``: the test of a cast outside a run sets it itself)."""
+    (kind, shape, inverse scale tensor, format's largest value) of the casts made while
+    ``_in_step`` (inside train_step)."""
 
     def __init__(self):
         self.steps = []
@@ -115,6 +115,7 @@ class Recorder:
         from kernel_ft import training
 
         self._undo = []
+        self._largest = {dtype: top for dtype, top in fp8_kernel.GRAD_FORMATS.values()}  # e4m3: 448
         # Where every per-tensor cast ends: the cast kernels over stacked parts, or side by side.
         self._wrap(fp8_kernel, "_quantize_parts", functools.partial(self._recorded, rows_stacked=True))
         self._wrap(fp8_kernel, "quantize_side_by_side", functools.partial(self._recorded, rows_stacked=False))
@@ -155,10 +156,7 @@ class Recorder:
         if self._in_step and kind is not None and q.inv_scale.numel() == 1:  # per tensor, in a training step
             shape = ((sum(p.shape[0] for p in parts), parts[0].shape[1]) if rows_stacked
                      else (parts[0].shape[0], sum(p.shape[1] for p in parts)))
-            import fp8_kernel
-
-            top = next(t for dtype, t in fp8_kernel.GRAD_FORMATS.values() if dtype == q.data.dtype)
-            self.steps[-1].append((kind, shape, q.inv_scale.detach().reshape(1).clone(), top))
+            self.steps[-1].append((kind, shape, q.inv_scale.detach().reshape(1).clone(), self._largest[q.data.dtype]))
         return q
 
     def _step(self, original, *args, **kwargs):

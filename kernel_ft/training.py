@@ -581,7 +581,8 @@ def evaluate_now(model, loss_fn, heldout, step, total, history, say):
     """--eval-every: the held-out loss after ``step``, recorded in ``history`` and said."""
     eval_loss = evaluate(model, loss_fn, heldout)
     history["eval"].append([step, eval_loss])
-    say(f"eval {step:>4}/{total}  held-out loss {eval_loss:.4f} ({len(heldout)} batches)")
+    batches = f"{len(heldout)} batch" + ("" if len(heldout) == 1 else "es")
+    say(f"eval {step:>4}/{total}  held-out loss {eval_loss:.4f} ({batches})")
     return {"step": step, "loss": eval_loss}
 
 

@@ -310,7 +310,7 @@ def test_ddp_shard_weights_matches_the_pieces_and_resumes(tmp_path):
     LlamaConfig(**config).save_pretrained(tmp_path / "wide")
     # 1 layer ahead (2 by default with the flag): layers 2-4 released, layer 2 between its forward and backward too
     args = ["--model", str(tmp_path / "wide"), "--random-init", *TINY[1:], "--steps", "4", "--batch-size", "1",
-            "--eval-every", "1", "--save-every", "2", "--ddp-gather-ahead", "1"]
+            "--eval-every", "1", "--eval-batches", "1", "--save-every", "2", "--ddp-gather-ahead", "1"]
     sharded = run("finetune_optimized.py", [*args, "--ddp-shard-weights", "--output-dir", str(tmp_path / "s")], 2,
                   tmp_path, "sharded", mode="--ddp")
     pieces = run("finetune_optimized.py", [*args, "--output-dir", str(tmp_path / "p")], 2, tmp_path, "pieces",
@@ -353,7 +353,7 @@ def test_ddp_shard_optimizer_matches_the_all_reduce_and_resumes(tmp_path):
     (ShardedUpdate.replayed). Each process writes its own optimizer state, rank 0 the whole
     model; the run resumes from step 4 to the same loss, and a resume without the flag is
     refused in one line."""
-    args = [*TINY, "--steps", "5", "--batch-size", "1", "--eval-every", "1", "--save-every", "2"]
+    args = [*TINY, "--steps", "5", "--batch-size", "1", "--eval-every", "1", "--eval-batches", "1", "--save-every", "2"]
     out = tmp_path / "pieces"
     pieces = run("finetune_optimized.py", [*args, "--ddp-shard-optimizer", "--output-dir", str(out)], 2, tmp_path,
                  "pieces", mode="--ddp")

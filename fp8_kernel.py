@@ -90,8 +90,8 @@ tensor that grows past that history is clamped at 448 for a step, and every scal
 Current scaling, this step's own amax, is what torchao and we use; the producers move
 where it is measured, which costs the cast one read of x, never a result. Measured over
 200 steps of 8B fine-tuning (tools/fp8_amax_history.py, NOTES.md Step 22): the weights'
-amaxes never moved, but a history of 16 steps would have clipped ~6% of the casts of
-layer inputs and output gradients, gradients by up to 2.9x.
+amaxes never moved, but a history of 16 steps would have clipped ~5% of the casts of
+layer inputs and output gradients, gradients by up to 2.4x.
 Not covered: per row (x^T's scales are column maxima over all rows, which a row-by-row
 producer cannot finish), tensors other code writes (SDPA's attention output, q, k and
 v's output gradients from RoPE and SDPA, those autograd sums into o and down: 6 maxima

@@ -20,19 +20,23 @@ step, in the order the step makes them (the weights, the layers' inputs, the out
 gradients), and replays delayed scaling over that record for each history length:
 
 * per kind, how much each cast's maximum changes from one step to the next;
-* how many casts would clip (their maximum above the delayed one), and the worst
-  factor by which they would;
+* how many casts would clip (their maximum above the delayed one), how many by more than
+  the rounding of e4m3's largest value costs under current scaling (x1.036), and the worst
+  factor;
 * how much of the range the others would leave unused (log2 of delayed over current,
   in bits; e4m3 spans ~17 bits from its smallest subnormal to 448).
 
-No bytes are saved by this tool and no training changes: it reads the scales the run
-computes anyway (one copy of a float32 scalar per cast; the record is read once, at
-the end).
+``--skip N`` counts only the steps from N on, which still look back at the first N as
+their history. ``--replay`` reads an earlier ``--json`` and counts it again, with other
+histories or another --skip. No bytes are saved by this tool and no training changes: it
+reads the scales the run computes anyway (one copy of a float32 scalar per cast; the
+record is read once, at the end).
 
 Usage:
     python tools/fp8_amax_history.py -- finetune_optimized.py --random-init --fp8 tensorwise --steps 40
     python tools/fp8_amax_history.py --history 1 16 1024 --skip 20 --json amax.json -- finetune_optimized.py \
         --random-init --fp8 tensorwise --steps 200
+    python tools/fp8_amax_history.py --replay amax.json --skip 50      # the same record, counted otherwise
 """
 
 import argparse
@@ -50,39 +54,53 @@ if ROOT not in sys.path:  # run as a file: the project's modules beside tools/
 KINDS = ("weight", "input", "gradient")
 
 
+# Runs whose casts the record would get wrong: a weight gathered by FSDP is cast as its shards
+# (and a frozen one only once), a checkpointed layer casts its forward's inputs again in backward.
+UNRECORDABLE = {"--fsdp": "FSDP casts each weight's shards, not the weight",
+                "--fsdp-fp8-gather": "FSDP casts each weight's shards, not the weight",
+                "--gradient-checkpointing": "the recomputed forward would cast each input a second time",
+                "--compile": "under --compile the casts run inside compiled code and are not recorded",
+                "--cuda-graphs": "a replayed CUDA graph runs no Python, so its casts cannot be recorded (the tool "
+                                 "adds --no-cuda-graphs)"}
+
+
 def parse_args(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--" not in argv:
+    if "--" not in argv and not any(a == "--replay" or a.startswith("--replay=") for a in argv):
         raise SystemExit("error: name the script to run after --, e.g. tools/fp8_amax_history.py -- "
                          "finetune_optimized.py --random-init --fp8 tensorwise --steps 40")
-    split = argv.index("--")
+    split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(description="How each FP8 cast's max |x| moves between steps, and what "
                                                  "delayed scaling would clip (per tensor, eager).")
     parser.add_argument("--history", type=int, nargs="+", default=[1, 16, 1024],
                         help="history lengths H to replay: the delayed maximum is the largest of the last H "
                              "steps (default: %(default)s; Transformer Engine's default is 1024)")
     parser.add_argument("--skip", type=int, default=0,
-                        help="leave the first N steps out of the replay (from random weights the maxima move most "
-                             "at the start; default: %(default)s)")
+                        help="count only steps from N on (they still look back at the first N as history; from "
+                             "random weights the maxima move most at the start; default: %(default)s)")
     parser.add_argument("--json", metavar="PATH", help="the summary and every cast's maximum per step, here")
+    parser.add_argument("--replay", metavar="PATH",
+                        help="replay the record of an earlier --json (.json or .json.gz) instead of running a script")
     args = parser.parse_args(argv[:split])
     if args.skip < 0:
         raise SystemExit(f"error: --skip is a number of steps, at least 0, got {args.skip}")
     if any(h < 1 for h in args.history):
         raise SystemExit(f"error: --history lengths are at least 1 step, got {args.history}")
     command = argv[split + 1:]
+    if args.replay:
+        if command:
+            raise SystemExit("error: --replay reads a record; it runs no script (leave out what follows --)")
+        args.command = None
+        return args
     if not command or not command[0].endswith(".py"):
         raise SystemExit("error: after -- comes a script of this project and its flags, e.g. finetune_optimized.py "
                          "--random-init --fp8 tensorwise --steps 40")
     if not _asks_tensorwise(command[1:]):
         raise SystemExit("error: the script must run --fp8 tensorwise: per row there is no one maximum per tensor "
                          "to delay")
-    if "--cuda-graphs" in command:
-        raise SystemExit("error: a replayed CUDA graph runs no Python, so its casts cannot be recorded: leave out "
-                         "--cuda-graphs (the tool adds --no-cuda-graphs)")
-    if "--compile" in command:
-        raise SystemExit("error: under --compile the casts run inside compiled code and are not recorded: leave out "
-                         "--compile")
+    for flag, why in UNRECORDABLE.items():
+        if flag in command:
+            raise SystemExit(f"error: leave out {flag}: {why}")
     if "--no-cuda-graphs" not in command:
         command.append("--no-cuda-graphs")
     args.command = command
@@ -197,10 +215,11 @@ def cast_sites(steps):
     return [(kind, shape, [step[i][2] for step in steps]) for i, (kind, shape) in enumerate(layout)]
 
 
-def delayed(series, history):
-    """[(current max, delayed max)] for steps 1.. of one site: the delayed maximum is the
-    largest of the ``history`` steps before (step 0 has none: current scaling)."""
-    return [(series[t], max(series[max(0, t - history):t])) for t in range(1, len(series))]
+def delayed(series, history, start=1):
+    """[(current max, delayed max)] for steps ``start``.. of one site: the delayed maximum is
+    the largest of the ``history`` steps before (step 0 has none: current scaling). Steps
+    before ``start`` still count as history."""
+    return [(series[t], max(series[max(0, t - history):t])) for t in range(max(1, start), len(series))]
 
 
 def _percentile(values, q):
@@ -208,29 +227,40 @@ def _percentile(values, q):
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
-def summarize(steps, histories):
-    """{kind: {"sites", "change", "delayed": {H: ...}}} over the record (see the module docstring).
-    A maximum of 0 (an all-zero tensor) is left out of the ratios."""
+# A cast whose maximum was all zeros (an empty or zero tensor) stores the floor of
+# fp8_kernel.AMAX_FLOOR, 1e-12, as its maximum: no scale to compare, left out of the ratios.
+ZERO = 1e-12 * (1 + 1e-6)
+# e4m3's two largest values are 416 and 448: a value that would land up to half that gap
+# above 448 rounds to 448 with current scaling too. Delayed scaling's clip of x <= 1 + 16/448
+# costs no more than that rounding; CLEAR counts only the clips past it.
+CLEAR = 1 + 16 / 448
+
+
+def summarize(steps, histories, skip=0):
+    """{kind: {...}} over the record (see the module docstring): every step serves as history,
+    only steps from ``skip`` on are counted. A maximum of 0 is left out of the ratios."""
     sites = cast_sites(steps)
     summary = {}
+    start = max(1, skip)
     for kind in KINDS:
         mine = [series for k, _, series in sites if k == kind]
         if not mine:
             continue
-        changes = [abs(math.log2(b / a)) for s in mine for a, b in zip(s, s[1:]) if a > 0 and b > 0]
-        growth = [b / a for s in mine for a, b in zip(s, s[1:]) if a > 0 and b > 0]
-        entry = {"sites": len(mine), "steps": len(mine[0]),
+        steps_seen = [(s[t - 1], s[t]) for s in mine for t in range(start, len(s)) if min(s[t - 1], s[t]) > ZERO]
+        changes = [abs(math.log2(b / a)) for a, b in steps_seen]
+        entry = {"sites": len(mine), "steps": max(0, len(mine[0]) - start),  # steps counted (each after another)
                  "change_bits_median": statistics.median(changes) if changes else 0.0,
                  "change_bits_p99": _percentile(changes, 0.99) if changes else 0.0,
-                 "largest_growth": max(growth) if growth else 1.0, "delayed": {}}
+                 "largest_growth": max((b / a for a, b in steps_seen), default=1.0), "delayed": {}}
         for history in histories:
-            pairs = [p for s in mine for p in delayed(s, history) if p[0] > 0 and p[1] > 0]
+            pairs = [p for s in mine for p in delayed(s, history, start) if min(p) > ZERO]
             clipped = [cur / old for cur, old in pairs if cur > old]
             unused = [math.log2(old / cur) for cur, old in pairs if cur <= old]
             entry["delayed"][history] = {
                 "casts": len(pairs), "clipped": len(clipped),
                 "clipped_fraction": len(clipped) / len(pairs) if pairs else 0.0,
-                "worst_clip": max(clipped) if clipped else 1.0,
+                "clipped_past_rounding": sum(c > CLEAR for c in clipped),
+                "worst_clip": max(clipped, default=1.0),
                 "unused_bits_median": statistics.median(unused) if unused else 0.0,
                 "unused_bits_p99": _percentile(unused, 0.99) if unused else 0.0}
         summary[kind] = entry
@@ -244,38 +274,59 @@ def print_summary(summary):
         print(f"{kind:<9} {e['sites']:>10,} {e['steps']:>6} {e['change_bits_median']:>9.4f} "
               f"{e['change_bits_p99']:>9.4f} {'x%.4f' % e['largest_growth']:>15}")
     print("\nDelayed scaling, the largest max |x| of the last H steps, replayed over the same casts")
-    print(f"{'kind':<9} {'H':>5} {'casts':>8} {'clipped':>8} {'share':>7} {'worst clip':>11} "
+    print(f"(clipped past rounding: by more than x{CLEAR:.4f}, the rounding of e4m3's top value under current scaling)")
+    print(f"{'kind':<9} {'H':>5} {'casts':>8} {'clipped':>8} {'share':>7} {'past rounding':>14} {'worst clip':>11} "
           f"{'unused bits: median':>20} {'99th pct':>9}")
     for kind, e in summary.items():
         for history, d in e["delayed"].items():
+            past = d["clipped_past_rounding"] / d["casts"] if d["casts"] else 0.0
             print(f"{kind:<9} {history:>5} {d['casts']:>8,} {d['clipped']:>8,} {d['clipped_fraction']:>7.2%} "
-                  f"{'x%.4f' % d['worst_clip']:>11} {d['unused_bits_median']:>20.4f} {d['unused_bits_p99']:>9.4f}")
+                  f"{past:>14.2%} {'x%.4f' % d['worst_clip']:>11} {d['unused_bits_median']:>20.4f} "
+                  f"{d['unused_bits_p99']:>9.4f}")
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    script = args.command[0]
-    print(f"Recording the scale of every per-tensor FP8 cast: {' '.join(args.command)}")
+def record_run(command):
+    """Run ``command`` (a script and its flags) with the recorder installed: the record."""
+    print(f"Recording the scale of every per-tensor FP8 cast: {' '.join(command)}")
     recorder = Recorder().install()
-    sys.argv = list(args.command)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    sys.argv = list(command)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(command[0])))
     try:
-        runpy.run_path(script, run_name="__main__")
+        runpy.run_path(command[0], run_name="__main__")
     except SystemExit as e:  # the script's own exit: a failed run has no record worth replaying
         if e.code not in (None, 0):
             raise
     finally:
         recorder.uninstall()
-    steps = recorder.maxima()
+    return recorder.maxima()
+
+
+def read_record(path):
+    """The "command" and "steps" of an earlier --json."""
+    import gzip
+    import json
+
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        saved = json.load(f)
+    return saved["command"], saved["steps"]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.replay:
+        command, steps = read_record(args.replay)
+        print(f"Replaying the record of: {' '.join(command)}")
+    else:
+        command, steps = args.command, record_run(args.command)
     try:
-        summary = summarize(steps[args.skip:], args.history)
+        summary = summarize(steps, args.history, args.skip)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     print_summary(summary)
     if args.json:
         from kernel_ft import files
 
-        files.write_json_atomic(args.json, {"command": args.command, "histories": args.history, "skip": args.skip,
+        files.write_json_atomic(args.json, {"command": command, "histories": args.history, "skip": args.skip,
                                             "summary": summary, "steps": steps})
         print(f"Wrote {args.json}")
     return summary

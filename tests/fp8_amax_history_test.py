@@ -159,6 +159,10 @@ def test_a_step_is_what_train_step_runs_and_a_saved_record_replays(tmp_path, mon
             json.dump({"command": ["finetune_optimized.py"], "steps": steps}, f)
         assert tool.main(["--replay", str(tmp_path / name), "--history", "1", "2", "--skip", "1"]) == want
     assert [want["input"]["delayed"][h]["clipped"] for h in (1, 2)] == [1, 1]  # step 1 has step 0 alone behind it
+    (tmp_path / "other.json").write_text('{"losses": [1.0]}')
+    for path in (tmp_path / "missing.json", tmp_path / "other.json"):
+        with pytest.raises(SystemExit, match=f"^error: --replay {path}: not a record this tool wrote"):
+            tool.main(["--replay", str(path)])
 
 
 def test_gpu_a_fine_tune_run_is_recorded_and_replayed(tmp_path):

@@ -306,9 +306,12 @@ def read_record(path):
     import gzip
     import json
 
-    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
-        saved = json.load(f)
-    return saved["command"], saved["steps"]
+    try:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+            saved = json.load(f)
+        return saved["command"], saved["steps"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"error: --replay {path}: not a record this tool wrote ({type(e).__name__}: {e})") from None
 
 
 def main(argv=None):

@@ -98,10 +98,15 @@ def _unwrapped(model):
 OURS = {"fp8": FP8Linear, "rmsnorm": TritonRMSNorm, "swiglu": TritonLlamaMLP}
 
 
+def _ours_in(kernel, model):
+    """The modules of ``kernel`` that ``model`` holds already ([]: none, or not a module swap)."""
+    kind = OURS.get(kernel)
+    return [] if kind is None else [m for m in model.modules() if isinstance(m, kind)]
+
+
 def _already_in(kernel, model):
     """How many of ``kernel``'s modules ``model`` holds already (0: none, or not a module swap)."""
-    kind = OURS.get(kernel)
-    return 0 if kind is None else sum(isinstance(m, kind) for m in model.modules())
+    return len(_ours_in(kernel, model))
 
 
 def _swap(report, kernel, swap, model, found_nothing, line):
@@ -141,7 +146,8 @@ def apply(model, *, fp8=None, rmsnorm=True, swiglu=True, flce=True, ce=True, rop
     name = type(lm).__name__
     report = Report()
 
-    _apply_fp8(report, model, fp8, fp8_grads, fp8_fast_accum, name)  # first: the MLP swap below finds FP8 layers as its projections
+    # First: the MLP swap below finds FP8 layers as its projections.
+    _apply_fp8(report, model, fp8, fp8_grads, fp8_fast_accum, name)
 
     def switch(kernel, on, swap, found_nothing, line):
         if not on:
@@ -230,7 +236,7 @@ def _apply_fp8(report, model, fp8, grads, fast_accum, name):
         return
     count, skipped = replace_linears(model, fp8, grads=grads, fast_accum=fast_accum)
     if not count:  # FP8 layers from an earlier apply, or none to cast
-        layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+        layers = _ours_in("fp8", model)
         earlier = {(m.recipe, m.grads, m.fast_accum) for m in layers}
         if earlier and earlier != {(fp8, grads, fast_accum)}:
             report.add("fp8", LEFT_OUT, 0, f"the linear layers are FP8 from an earlier kernel_ft.apply with other "

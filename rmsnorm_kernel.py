@@ -165,6 +165,10 @@ def _rmsnorm_fwd_kernel(
     W_OFFSET: tl.constexpr = 0.0,  # the scale is W + W_OFFSET: 0.0 for LLaMA, 1.0 for Gemma
     CAST_FIRST: tl.constexpr = True,  # LLaMA: round x_hat to X's dtype before scaling; Gemma: no
     AMAX_SLOTS: tl.constexpr = 0,  # > 0: also fold max |Y| into AMAX, for an FP8 cast of Y (Step 22)
+    DELTA=None,  # residual_kernel.py: [n_rows, n_cols] added to X first (rows stride_d apart)
+    SUM=None,  # residual_kernel.py: [n_rows, n_cols] contiguous output, X + DELTA as stored
+    stride_d=0,
+    ADD: tl.constexpr = False,  # True: normalize X + DELTA and store that sum in SUM
 ):
     # Each program normalizes ROWS consecutive rows. For LLaMA (H = 4096) ROWS is 1:
     # one row is 8 KB of bf16, enough work for 8 warps. For short rows we give one
@@ -182,6 +186,13 @@ def _rmsnorm_fwd_kernel(
     x_ptrs = X + rows64[:, None] * stride_x + cols[None, :]
     # Load in the input dtype, compute in float32 (as HF does with x.float()).
     x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if ADD:
+        # The decoder layer's residual add (residual_kernel.py): the sum rounded to SUM's
+        # dtype, as PyTorch's add stores it, is both what we store and what we normalize.
+        d = tl.load(DELTA + rows64[:, None] * stride_d + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x_sum = cast_to(x + d, SUM.dtype.element_ty)
+        tl.store(SUM + rows64[:, None] * n_cols + cols[None, :], x_sum, mask=mask)
+        x = x_sum.to(tl.float32)
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     if W_OFFSET != 0.0:
         w = w + W_OFFSET  # Gemma: 1.0 + weight.float(), in float32 as HF adds it
@@ -251,6 +262,11 @@ def _rmsnorm_bwd_kernel(
     ROWS: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
     W_OFFSET: tl.constexpr = 0.0,  # as in the forward: the scale is W + W_OFFSET
+    DRES=None,  # residual_kernel.py: [n_rows, n_cols] another gradient of X (rows stride_dres apart), added to DX
+    stride_dres=0,
+    DX_AMAX=None,  # residual_kernel.py: [DX_AMAX_SLOTS] float32, zeroed: max |DX| as stored folded in
+    HAS_DRES: tl.constexpr = False,
+    DX_AMAX_SLOTS: tl.constexpr = 0,
 ):
     # A *persistent* grid: a fixed number of programs (a few per SM) each walk over
     # many row blocks, pid, pid + num_programs, ... Keeping the program alive lets
@@ -283,7 +299,13 @@ def _rmsnorm_bwd_kernel(
         # mean_j(g_j * x_hat_j) per row; masked columns are 0 on both sides.
         c = tl.sum(g * x_hat, axis=1) / n_cols
         dx = (g - x_hat * c[:, None]) * rstd[:, None]
-        tl.store(DX + rows64[:, None] * n_cols + cols[None, :], cast_to(dx, DX.dtype.element_ty), mask=mask)
+        if HAS_DRES:  # the residual's gradient: autograd's sum of X's two gradients, done here
+            dx += tl.load(DRES + rows64[:, None] * stride_dres + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dx = cast_to(dx, DX.dtype.element_ty)
+        tl.store(DX + rows64[:, None] * n_cols + cols[None, :], dx, mask=mask)
+        if DX_AMAX_SLOTS:  # for the FP8 cast of this gradient (residual_kernel.py), as the forward's AMAX
+            tl.atomic_max(DX_AMAX + pid % DX_AMAX_SLOTS, tl.max(tl.max(tl.abs(dx.to(tl.float32)), axis=1), axis=0),
+                          sem="relaxed")
 
         if COMPUTE_DW:
             dw_acc += tl.sum(dy * x_hat, axis=0)
@@ -409,8 +431,9 @@ def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_of
     return _forward(x, weight, eps, weight_offset, cast_first, None)
 
 
-def _forward(x, weight, eps, weight_offset, cast_first, amax):
-    """rmsnorm_forward's launch; ``amax``: zeroed float32 slots that get max |y| (or None)."""
+def _forward(x, weight, eps, weight_offset, cast_first, amax, delta=None):
+    """rmsnorm_forward's launch; ``amax``: zeroed float32 slots that get max |y| (or None).
+    With ``delta`` (residual_kernel.py) it normalizes s = x + delta and returns (y, rstd, s)."""
     n_cols = x.shape[-1]
     x2 = as_rows(x, n_cols)
     # The kernels index the weight as a contiguous [H] vector. A view such as
@@ -423,14 +446,19 @@ def _forward(x, weight, eps, weight_offset, cast_first, amax):
     # (empty_like costs a third of the host time of torch.empty(shape, ...).)
     y = torch.empty_like(x, dtype=out_dtype, memory_format=torch.contiguous_format)
     rstd = x2.new_empty(n_rows, dtype=torch.float32)
+    added = {}
+    if delta is not None:  # the sum is stored in x's dtype, as ``x + delta`` of one dtype is
+        d2 = as_rows(delta, n_cols)
+        s = torch.empty_like(x, memory_format=torch.contiguous_format)
+        added = {"DELTA": d2, "SUM": s, "stride_d": d2.stride(0), "ADD": True}
     if n_rows > 0:
         block_n, rows, num_warps = _launch_config(n_cols)
         _rmsnorm_fwd_kernel[(cdiv(n_rows, rows),)](
             x2, weight, y, rstd, rstd if amax is None else amax, x2.stride(0), n_rows, n_cols, eps,
             BLOCK_N=block_n, ROWS=rows, W_OFFSET=weight_offset, CAST_FIRST=cast_first,
-            AMAX_SLOTS=0 if amax is None else amax.numel(), num_warps=num_warps,
+            AMAX_SLOTS=0 if amax is None else amax.numel(), num_warps=num_warps, **added,
         )
-    return y, rstd
+    return (y, rstd) if delta is None else (y, rstd, s)
 
 
 def _rmsnorm_backward_fake(dy, x, weight, rstd, compute_dw, weight_offset=0.0):
@@ -441,6 +469,12 @@ def _rmsnorm_backward_fake(dy, x, weight, rstd, compute_dw, weight_offset=0.0):
 def rmsnorm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
                      compute_dw: bool, weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the backward kernels. Returns (dx, dw); dw is empty if not asked for."""
+    return _backward_launch(dy, x, weight, rstd, compute_dw, weight_offset)
+
+
+def _backward_launch(dy, x, weight, rstd, compute_dw, weight_offset, dres=None, amax=None):
+    """rmsnorm_backward's launches; with ``dres`` (residual_kernel.py) dx is the norm's gradient
+    plus ``dres``; ``amax``: zeroed float32 slots that get max |dx| (or None)."""
     n_cols = x.shape[-1]
     x2 = as_rows(x, n_cols)
     dy2 = as_rows(dy, n_cols)
@@ -456,12 +490,18 @@ def rmsnorm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rs
     else:
         dw_partial = dx  # never written: COMPUTE_DW=False removes the store
         dw = nothing(weight)
+    added = {}
+    if dres is not None:
+        dres2 = as_rows(dres, n_cols)
+        added = {"DRES": dres2, "stride_dres": dres2.stride(0), "HAS_DRES": True}
+    if amax is not None:
+        added.update(DX_AMAX=amax, DX_AMAX_SLOTS=amax.numel())
     if n_rows > 0:
         _rmsnorm_bwd_kernel[(n_programs,)](
             dy2, x2, weight, rstd, dx, dw_partial,
             dy2.stride(0), x2.stride(0), n_rows, n_cols, n_programs, cdiv(n_blocks, n_programs),
             BLOCK_N=block_n, ROWS=rows, COMPUTE_DW=compute_dw, W_OFFSET=weight_offset,
-            num_warps=num_warps,
+            num_warps=num_warps, **added,
         )
     if compute_dw:
         if n_rows == 0:

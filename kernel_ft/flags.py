@@ -183,6 +183,8 @@ def add_fp8_arg(parser):
 # with the help of their --use-custom-<name> flags.
 KERNEL_FLAGS = {
     "rmsnorm": "replace every RMSNorm module with TritonRMSNorm",
+    "residual": "pre-norm decoder layers add the residual stream inside their RMSNorm kernels, forward and "
+                "backward (their two norms become TritonRMSNorm)",
     "swiglu": "replace every gated MLP with one whose act(gate) * up is the fused Triton SwiGLU (GeGLU for Gemma)",
     "rope": "rotary position embedding with the fused Triton kernel, inside this model's forward only",
     "attention": "flash attention in Triton that takes the documents of a packed row from the position ids: "

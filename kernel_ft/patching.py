@@ -8,6 +8,7 @@ one order, and says what happened:
 
     fp8          the decoder's linear layers multiply in FP8 (off unless asked: fp8="rowwise")
     rmsnorm      every RMSNorm module becomes TritonRMSNorm
+    residual     pre-norm decoder layers add their residual stream inside the norms' kernels
     swiglu       every gated MLP computes act(gate) * up with the fused kernel
     flce         with labels, the model's forward computes HF's loss without logits
     ce           (where flce cannot apply) HF's loss on the logits by the fused kernel
@@ -37,12 +38,13 @@ from fp8_kernel import GRAD_FORMATS, FP8Linear, replace_linears
 from linear_cross_entropy_kernel import fuse_linear_cross_entropy
 from lora_kernel import fuse_lora, unfused_layers
 from projections_kernel import group_projections, groups_in, ungroup_under_adapters
+from residual_kernel import fuse_residuals, fused_layers
 from rmsnorm_kernel import TritonRMSNorm, replace_rmsnorm
 from rope_kernel import fuse_rope
 from swiglu_kernel import TritonLlamaMLP, replace_swiglu
 
 # The switches of apply, in the order the kernels go in and are reported.
-KERNELS = ("fp8", "rmsnorm", "swiglu", "flce", "ce", "rope", "attention", "lora", "projections")
+KERNELS = ("fp8", "rmsnorm", "residual", "swiglu", "flce", "ce", "rope", "attention", "lora", "projections")
 
 APPLIED, LEFT_OUT, NOT_USED = "applied", "left to PyTorch", "not used"
 
@@ -100,6 +102,8 @@ OURS = {"fp8": FP8Linear, "rmsnorm": TritonRMSNorm, "swiglu": TritonLlamaMLP}
 
 def _ours_in(kernel, model):
     """The modules of ``kernel`` that ``model`` holds already ([]: none, or not a module swap)."""
+    if kernel == "residual":
+        return fused_layers(model)
     kind = OURS.get(kernel)
     return [] if kind is None else [m for m in model.modules() if isinstance(m, kind)]
 
@@ -126,7 +130,7 @@ def _swap(report, kernel, swap, model, found_nothing, line):
     return count
 
 
-def apply(model, *, fp8=None, rmsnorm=True, swiglu=True, flce=True, ce=True, rope=True, attention=True, lora=True,
+def apply(model, *, fp8=None, rmsnorm=True, residual=True, swiglu=True, flce=True, ce=True, rope=True, attention=True, lora=True,
           projections=True, strict=False, fp8_grads="e4m3", fp8_fast_accum=False):
     """Switch the kernels into ``model`` (a Hugging Face causal LM, or a PEFT model around
     one); return a ``Report``. Every kernel is on unless its switch is False; ``fp8`` is
@@ -159,6 +163,8 @@ def apply(model, *, fp8=None, rmsnorm=True, swiglu=True, flce=True, ce=True, rop
            "found no RMSNorm modules to replace in {model} (it looks for modules named *RMSNorm with a weight and "
            "variance_epsilon (LLaMA) or eps (Gemma))",
            "replaced {count} RMSNorm modules with TritonRMSNorm")
+    switch("residual", residual, fuse_residuals, "found no decoder layers in {model}",
+           "residual adds inside the RMSNorm kernels of {count} decoder layers (forward and backward)")
     if switch("swiglu", swiglu, replace_swiglu,
               "found no gated MLPs to replace in {model} (it looks for modules named *MLP with gate_proj, up_proj "
               "and down_proj, or gate_up_proj and down_proj, and MoE experts modules, gated by SiLU or tanh-GELU)",
@@ -198,7 +204,7 @@ def apply(model, *, fp8=None, rmsnorm=True, swiglu=True, flce=True, ce=True, rop
            "caches run the model's own attention")
 
     _apply_lora_and_groups(report, model, lora, projections, name)
-    asked = {"fp8": bool(fp8), "rmsnorm": rmsnorm, "swiglu": swiglu, "flce": flce, "ce": ce, "rope": rope,
+    asked = {"fp8": bool(fp8), "rmsnorm": rmsnorm, "residual": residual, "swiglu": swiglu, "flce": flce, "ce": ce, "rope": rope,
              "attention": attention, "lora": lora, "projections": projections}
     left = {k: v for k, v in report.left_out.items() if asked[k]}
     if left and strict:

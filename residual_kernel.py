@@ -70,14 +70,18 @@ import torch
 
 from kernel_common import amax_slots, first_order_only, note_amax
 from rmsnorm_kernel import (TritonRMSNorm, _backward_launch, _check_inputs, _forward, _is_rmsnorm,
-                            _note_made, check_same_rmsnorm)
+                            _note_made, check_same_rmsnorm, rmsnorm_formula)
 from swap_common import SwapMismatch, called_plainly, our_forward, set_forward, swap_modules
 
 LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 
 
 def _formula(norm):
-    return norm.variance_epsilon, norm.weight_offset, norm.cast_first
+    """(eps, weight_offset, cast_first) of a TritonRMSNorm, or of the HF RMSNorm it will replace."""
+    if isinstance(norm, TritonRMSNorm):
+        return norm.variance_epsilon, norm.weight_offset, norm.cast_first
+    eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
+    return (eps, *rmsnorm_formula(norm))
 
 
 def _norm_backward(ctx, dy, dres, x, weight, rstd):
@@ -239,8 +243,7 @@ def _check_layer(layer, device):
     runs = []
     for forward in (type(layer).forward, residual_layer_forward):
         gen = torch.Generator().manual_seed(0)
-        norms = [TritonRMSNorm(width, eps=n.variance_epsilon, weight_offset=n.weight_offset, cast_first=n.cast_first)
-                 for n in (first, layer.post_attention_layernorm)]
+        norms = [TritonRMSNorm(width, *_formula(n)) for n in (first, layer.post_attention_layernorm)]
         for n in norms:
             n.weight.data = 0.3 + torch.rand(width, generator=gen)
         stands = [_Stand(width, 1, True), _Stand(width, 2, False)]
@@ -328,23 +331,21 @@ def fuse_residuals(model):
     refused = [m for m in todo if reasons[m] is not None]
     if refused:
         raise SwapMismatch(f"{type(refused[0]).__name__} is no plain pre-norm decoder layer: {reasons[refused[0]]}")
-    norms = {id(n) for m in todo for n in (m.input_layernorm, m.post_attention_layernorm)}
-    if any(not isinstance(m.input_layernorm, TritonRMSNorm) for m in todo) or any(
-            not isinstance(m.post_attention_layernorm, TritonRMSNorm) for m in todo):
-        swap_modules(model, lambda m: id(m) in norms and not isinstance(m, TritonRMSNorm),
-                     TritonRMSNorm.from_hf_rmsnorm, check=check_same_rmsnorm)
     checked = set()
-    for m in todo:
+    for m in todo:  # first the checks, then the changes: a refusal leaves the model as it was
         formulas = {_formula(n)[1:] for n in (m.input_layernorm, m.post_attention_layernorm)}
         if len(formulas) != 1:
             raise SwapMismatch(f"{type(m).__name__}'s two norms compute different formulas")
-        weight = m.input_layernorm.weight
-        if type(m) not in checked and not weight.is_meta:
-            _check_layer(m, weight.device)
+        if type(m) not in checked:
+            weight = m.input_layernorm.weight  # on the meta device (a model for FSDP before its weights):
+            cuda = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+            _check_layer(m, cuda if weight.is_meta else weight.device)  # the check runs on stand-ins anyway
             checked.add(type(m))
-    if todo and not checked:  # every weight on the meta device (FSDP before its weights): check on a copy
-        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        _check_layer(todo[0], device)
+    norms = {id(n) for m in todo for n in (m.input_layernorm, m.post_attention_layernorm)}
+    if any(not isinstance(m.input_layernorm, TritonRMSNorm) or not isinstance(m.post_attention_layernorm,
+                                                                            TritonRMSNorm) for m in todo):
+        swap_modules(model, lambda m: id(m) in norms and not isinstance(m, TritonRMSNorm),
+                     TritonRMSNorm.from_hf_rmsnorm, check=check_same_rmsnorm)
     for m in todo:
         set_forward(m, residual_layer_forward)
     return len(todo)

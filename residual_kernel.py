@@ -301,8 +301,10 @@ def _same_call(theirs, their_markers, ours, our_markers):
 def _why_not(layer):
     """Why ``layer`` is no pre-norm decoder layer this forward can stand in for, or None."""
     children = {name for name, _ in layer.named_children()}
-    if children != LAYER_CHILDREN:
-        return f"its modules are {sorted(children)}, not {sorted(LAYER_CHILDREN)}"
+    if children - LAYER_CHILDREN:
+        return f"it has modules besides its attention, MLP and two norms: {', '.join(sorted(children - LAYER_CHILDREN))}"
+    if LAYER_CHILDREN - children:
+        return f"it has no {' and no '.join(sorted(LAYER_CHILDREN - children))}"
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if not all(isinstance(n, TritonRMSNorm) or _is_rmsnorm(n) for n in norms):
         return f"its norms are {type(norms[0]).__name__} and {type(norms[1]).__name__}, not RMSNorms"
@@ -322,6 +324,28 @@ def fuse_residuals(model):
     in the norms; return the count. Its two norms become TritonRMSNorm where they are
     not (checked as ``rmsnorm_kernel.replace_rmsnorm`` checks them). Raises
     SwapMismatch, changing nothing, where a layer class computes anything else."""
+    todo = _layers_to_fuse(model)
+    norms = {id(n) for m in todo for n in (m.input_layernorm, m.post_attention_layernorm)}
+    if any(not isinstance(m.input_layernorm, TritonRMSNorm) or not isinstance(m.post_attention_layernorm,
+                                                                            TritonRMSNorm) for m in todo):
+        swap_modules(model, lambda m: id(m) in norms and not isinstance(m, TritonRMSNorm),
+                     TritonRMSNorm.from_hf_rmsnorm, check=check_same_rmsnorm)
+    for m in todo:
+        set_forward(m, residual_layer_forward)
+    return len(todo)
+
+
+def refusal(model):
+    """Why ``fuse_residuals(model)`` would refuse, in one line, or None; changes nothing."""
+    try:
+        _layers_to_fuse(model)
+    except SwapMismatch as e:
+        return str(e)
+    return None
+
+
+def _layers_to_fuse(model):
+    """The decoder layers of ``model`` to fuse (not fused yet), each class checked; or SwapMismatch."""
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     if not layers:
         raise SwapMismatch(f"found no decoder layers in {type(model).__name__} (modules named *DecoderLayer)")
@@ -341,13 +365,6 @@ def fuse_residuals(model):
             cuda = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
             _check_layer(m, cuda if weight.is_meta else weight.device)  # the check runs on stand-ins anyway
             checked.add(type(m))
-    norms = {id(n) for m in todo for n in (m.input_layernorm, m.post_attention_layernorm)}
-    if any(not isinstance(m.input_layernorm, TritonRMSNorm) or not isinstance(m.post_attention_layernorm,
-                                                                            TritonRMSNorm) for m in todo):
-        swap_modules(model, lambda m: id(m) in norms and not isinstance(m, TritonRMSNorm),
-                     TritonRMSNorm.from_hf_rmsnorm, check=check_same_rmsnorm)
-    for m in todo:
-        set_forward(m, residual_layer_forward)
-    return len(todo)
+    return todo
 
 

@@ -141,13 +141,13 @@ def add_model_args(parser, custom_kernels_default=False, packing_default=False):
     )
     k = parser.add_argument_group("custom Triton kernels")
     for name, help_text in KERNEL_FLAGS.items():
-        # The attention kernel pays off where it skips what documents never see: on by
-        # default for packed real data (None: decided by kernels_from_args), for families
-        # whose own attention is the eager one, and on a GPU for rows of one document
-        # where it is measured faster than SDPA (run.assemble).
-        default = None if name == "attention" and custom_kernels_default else custom_kernels_default
-        said = ("on with packed real data, where the model runs eager attention, and on a GPU for rows of one "
-                "document where measured faster than SDPA") if default is None else default
+        # Two kernels of finetune_optimized.py are on where they apply (None: decided for the
+        # model, run.py). Attention pays off where it skips what documents never see: packed
+        # real data (kernels_from_args), families whose own attention is the eager one, and on
+        # a GPU rows of one document where it is measured faster than SDPA (run.assemble).
+        # The residual adds go in where the decoder layers have the form they fuse (run.apply_kernels).
+        default = None if name in DECIDED_PER_MODEL and custom_kernels_default else custom_kernels_default
+        said = DECIDED_PER_MODEL[name] if default is None else default
         k.add_argument(
             f"--use-custom-{name}",
             action=argparse.BooleanOptionalAction,
@@ -197,6 +197,11 @@ KERNEL_FLAGS = {
                    "gradients summed in cuBLAS's epilogues instead of by add kernels",
 }
 KERNELS = tuple(KERNEL_FLAGS)
+DECIDED_PER_MODEL = {
+    "attention": "on with packed real data, where the model runs eager attention, and on a GPU for rows of one "
+                 "document where measured faster than SDPA",
+    "residual": "on where the decoder layers have the plain pre-norm form",
+}
 FP8_RECIPES = ("tensorwise", "rowwise")  # fp8_kernel.RECIPES (fp8_test checks they agree)
 FP8_GRAD_FORMATS = ("e4m3", "e5m2")  # fp8_kernel.GRAD_FORMATS (the same)
 

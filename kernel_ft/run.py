@@ -35,6 +35,7 @@ from kernel_ft import fp8_gather
 from kernel_ft.patching import KERNELS, KernelNotApplied, apply
 from adamw_kernel import TritonAdamW
 import attention_routing
+import residual_kernel
 
 # How each report entry is labelled in a run's output (kernel_ft.apply says what happened).
 LABELS = {"fp8": "FP8 matmuls:", "rmsnorm": "Custom rmsnorm:", "residual": "Residual adds:",
@@ -63,6 +64,11 @@ def apply_kernels(model, kernels):
     training.run_training. With every kernel off (and no LoRA on a bf16 model) this is
     the plain HF baseline.
     """
+    if kernels.get("residual", False) is None:  # the flag's default: wherever the layers' form allows it
+        why = residual_kernel.refusal(model)
+        kernels["residual"] = why is None
+        if why:
+            print(f"{LABELS['residual']:<14} left to PyTorch: {why}")
     switches = apply_switches(kernels)
     try:
         report = apply(model, strict=True, **switches)

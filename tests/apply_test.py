@@ -1407,18 +1407,18 @@ def test_report_has_one_line_per_kernel_and_is_json():
     for line, (kernel, entry) in zip(lines, report.items()):
         assert entry["status"] in line and entry["detail"] in line
     assert json.loads(json.dumps(dict(report))) == dict(report)
-    assert report.applied == ["rmsnorm", "swiglu", "flce", "rope", "attention", "projections"]
+    assert report.applied == ["rmsnorm", "residual", "swiglu", "flce", "rope", "attention", "projections"]
     assert report["fp8"]["status"] == report["ce"]["status"] == report["lora"]["status"] == "not used"
 
 
 def test_what_a_family_cannot_run_is_left_to_pytorch_with_one_warning():
     model = tiny_model("Cohere")  # LayerNorm, not RMSNorm; RoPE on interleaved pairs
     report, warned = apply_and_warnings(model)
-    assert list(report.left_out) == ["rmsnorm", "rope"], report.left_out
+    assert list(report.left_out) == ["rmsnorm", "residual", "rope"], report.left_out
     for name in report.left_out:
         assert report[name]["status"] == "left to PyTorch" and "\n" not in report[name]["detail"]
     assert "RMSNorm" in report["rmsnorm"]["detail"]
-    assert len(warned) == 1 and "rmsnorm (" in warned[0] and "rope (" in warned[0], warned
+    assert len(warned) == 1 and all(f"{k} (" in warned[0] for k in report.left_out), warned
     assert report["attention"]["status"] == "applied"
 
 
@@ -1433,7 +1433,7 @@ def test_a_sequence_classifier_keeps_its_loss_and_runs_our_attention(attention_c
     ours = copy.deepcopy(theirs)
     report, warned = apply_and_warnings(ours)
     assert warned == [], warned
-    assert report.applied == ["rmsnorm", "swiglu", "rope", "attention", "projections"], str(report)
+    assert report.applied == ["rmsnorm", "residual", "swiglu", "rope", "attention", "projections"], str(report)
     for kernel in ("flce", "ce"):
         assert report[kernel]["status"] == "not used" and "ForSequenceClassification" in report[kernel]["detail"]
     ids, labels = token_ids(2), torch.tensor([0, 2], device=DEVICE)
@@ -1731,7 +1731,7 @@ def test_installed_package_imports_from_another_directory(tmp_path):
     for module in ("kernel_ft", "kernel_common"):
         assert Path(result[module]).resolve().is_relative_to(target.resolve()), result[module]
     assert result["user modules"] == []
-    assert result["applied"] == ["rmsnorm", "swiglu", "flce", "rope", "attention", "projections"]
+    assert result["applied"] == ["rmsnorm", "residual", "swiglu", "flce", "rope", "attention", "projections"]
     assert torch.isfinite(torch.tensor(result["loss"])).item()
     assert_close("loss", result["loss"], result["plain"], LOSS_TOL)
 

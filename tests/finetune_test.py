@@ -189,12 +189,12 @@ def test_optimized_prints_active_kernels(capsys):
                                          "--no-use-custom-swiglu", "--no-use-custom-rope", "--no-use-custom-adamw"])
     out = capsys.readouterr().out
     assert "replaced 5 RMSNorm modules with TritonRMSNorm" in out
-    assert kernels_line("rmsnorm", "ce", "projections") in out
+    assert kernels_line("rmsnorm", "residual", "ce", "projections") in out
     finetune_optimized.main(TINY[:-4] + ["--steps", "1", "--warmup-steps", "0", "--no-use-custom-rmsnorm"])
     out = capsys.readouterr().out
     assert "replaced 2 gated MLPs with TritonLlamaMLP" in out and "fused linear cross-entropy inside the model's" in out
     assert "fused RoPE in 2 attention modules" in out
-    assert kernels_line("swiglu", "rope", "flce", "adamw", "projections") in out
+    assert kernels_line("residual", "swiglu", "rope", "flce", "adamw", "projections") in out
 
 
 def test_json_fields(runs):
@@ -206,7 +206,7 @@ def test_json_fields(runs):
     assert doc["script"] == "finetune_optimized.py"
     # Synthetic rows are one document each: the attention kernel stays off by default in the
     # interpreter (packed real data only); on a GPU it goes in for the measured choice.
-    assert doc["kernels"] == {"rmsnorm": True, "swiglu": True, "rope": True, "attention": DEFAULT_ATTENTION,
+    assert doc["kernels"] == {"rmsnorm": True, "residual": True, "swiglu": True, "rope": True, "attention": DEFAULT_ATTENTION,
                               "ce": True, "flce": True, "adamw": True, "projections": True}
     assert doc["config"]["seq_len"] == 32 and doc["config"]["batch_size"] == 2 and doc["config"]["tiny"] is True
     for key in ("device", "gpu", "python", "torch", "triton", "transformers", "cuda", "date"):

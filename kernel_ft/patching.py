@@ -164,7 +164,7 @@ def apply(model, *, fp8=None, rmsnorm=True, residual=True, swiglu=True, flce=Tru
            "variance_epsilon (LLaMA) or eps (Gemma))",
            "replaced {count} RMSNorm modules with TritonRMSNorm")
     switch("residual", residual, fuse_residuals, "found no decoder layers in {model}",
-           "residual adds inside the RMSNorm kernels of {count} decoder layers (forward and backward)")
+           "the adds of {count} decoder layers inside their RMSNorm kernels (forward and backward)")
     if switch("swiglu", swiglu, replace_swiglu,
               "found no gated MLPs to replace in {model} (it looks for modules named *MLP with gate_proj, up_proj "
               "and down_proj, or gate_up_proj and down_proj, and MoE experts modules, gated by SiLU or tanh-GELU)",

@@ -737,7 +737,7 @@ def test_fine_tune_switches_fp8_in_with_every_kernel(monkeypatch, capsys):
     loss_fn, _ = apply_kernels(model, kernels)
     out = capsys.readouterr().out
     assert "FP8 matmuls:   14 linear layers in float8_e4m3fn (e5m2 gradients)" in out
-    assert "Kernels:       rmsnorm, swiglu, rope, flce, adamw, projections, fp8 (tensorwise, e5m2 gradients)" in out
+    assert "Kernels:       rmsnorm, residual, swiglu, rope, flce, adamw, projections, fp8 (tensorwise, e5m2 gradients)" in out
     q_proj = model.model.layers[0].self_attn.q_proj  # grouped with k and v: one stacked product for dx
     assert isinstance(q_proj, FP8Linear) and q_proj.group.names == ("q_proj", "k_proj", "v_proj")
     mlp = model.model.layers[0].mlp

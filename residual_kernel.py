@@ -56,8 +56,10 @@ cache, keyword arguments). A layer that scales its residual (Granite's multiplie
 applies dropout or normalizes after the sublayer fails that, and is refused in one
 line (``swap_common.SwapMismatch``). At run time the fused forward steps aside for
 the layer's own where it cannot apply: under torch.compile (which fuses such adds
-itself), and where the attention's output differs from the stream in shape, dtype
-or device (autocast's bf16 products on a float32 stream).
+itself), where hooks set on the norms after the swap must run (accelerate's
+offloading brings their weights in at the call), and where the attention's output
+differs from the stream in shape, dtype or device (autocast's bf16 products on a
+float32 stream). Only decoder layers of a multimodal model's text decoder are looked at.
 
 The norms' outputs are noted for the LoRA groups' recomputation (rmsnorm_kernel.py,
 ``remade_later``) exactly as TritonRMSNorm's: norm_2's from the sum s it keeps.
@@ -71,7 +73,7 @@ import torch
 from kernel_common import amax_slots, first_order_only, note_amax
 from rmsnorm_kernel import (TritonRMSNorm, _backward_launch, _check_inputs, _forward, _is_rmsnorm,
                             _note_made, check_same_rmsnorm, rmsnorm_formula)
-from swap_common import SwapMismatch, called_plainly, our_forward, set_forward, swap_modules
+from swap_common import SwapMismatch, called_plainly, our_forward, set_forward, swap_modules, text_modules
 
 LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 
@@ -181,7 +183,11 @@ def _named_arguments(layer_class):
 def residual_layer_forward(layer, hidden_states, *args, **kwargs):
     """The forward of a pre-norm decoder layer with its residual adds in the norms
     (``fuse_residuals`` proves, per layer class, that it computes the class's own)."""
-    if torch.compiler.is_compiling():  # the compiler fuses the adds itself; its graph keeps HF's form
+    first, second = layer.input_layernorm, layer.post_attention_layernorm
+    # The layer's own forward where the norms must be called (hooks set on them after the
+    # swap: accelerate's offloading brings their weights in at the call) and under
+    # torch.compile, which fuses the adds itself: its graph keeps HF's form.
+    if torch.compiler.is_compiling() or not called_plainly(first, second):
         return type(layer).forward(layer, hidden_states, *args, **kwargs)
     names = _named_arguments(type(layer))
     if len(args) > len(names):
@@ -192,7 +198,6 @@ def residual_layer_forward(layer, hidden_states, *args, **kwargs):
         passed[name] = kwargs.pop(name, default)
         if passed[name] is inspect.Parameter.empty:
             raise TypeError(f"{type(layer).__name__}.forward missing required argument {name!r}")
-    first, second = layer.input_layernorm, layer.post_attention_layernorm
     normed, residual = norm_keep(hidden_states, first.weight, *_formula(first))
     attended = layer.self_attn(hidden_states=normed, **passed, **kwargs)[0]
     if attended.shape != residual.shape or attended.dtype != residual.dtype or attended.device != residual.device:
@@ -346,7 +351,7 @@ def refusal(model):
 
 def _layers_to_fuse(model):
     """The decoder layers of ``model`` to fuse (not fused yet), each class checked; or SwapMismatch."""
-    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    layers = [m for m in text_modules(model) if type(m).__name__.endswith("DecoderLayer")]
     if not layers:
         raise SwapMismatch(f"found no decoder layers in {type(model).__name__} (modules named *DecoderLayer)")
     fused = fused_layers(model)

@@ -1287,7 +1287,8 @@ IMAGE_TOKEN, IMAGE_TOKENS = VOCAB - 1, 4
 MULTIMODAL = {
     "LLaVA": (),
     "Mistral-3": (),
-    "Gemma-3": ("attention",),  # its base model builds the text's masks: a padded row would not reach theirs
+    "Gemma-3": ("attention", "residual"),  # its base model builds the text's masks (a padded row would not reach
+    # theirs); four norms per layer
     "Qwen2-VL": ("attention",),  # 3-D positions (M-RoPE): no documents to read from them
     "Qwen3-VL": (),  # its layers get the text's positions (or none, beside an image): causal rows
 }

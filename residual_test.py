@@ -324,7 +324,7 @@ RESIDUAL_ONLY = dict.fromkeys(("rmsnorm", "swiglu", "flce", "ce", "rope", "atten
     ("Granite", {"residual_multiplier": 0.22}, "computes something else"),
     ("Phi-3", {}, "resid_attn_dropout"),
     ("Gemma-2", {}, "pre_feedforward_layernorm"),
-    ("Cohere", {}, "it has no post_attention_layernorm"),
+    ("Cohere", {}, "they have no post_attention_layernorm"),
 ])
 def test_families_of_another_form_are_refused_in_one_line(label, changes, expected):
     model = tiny(label, **changes)

@@ -130,8 +130,8 @@ def _swap(report, kernel, swap, model, found_nothing, line):
     return count
 
 
-def apply(model, *, fp8=None, rmsnorm=True, residual=True, swiglu=True, flce=True, ce=True, rope=True, attention=True, lora=True,
-          projections=True, strict=False, fp8_grads="e4m3", fp8_fast_accum=False):
+def apply(model, *, fp8=None, rmsnorm=True, residual=True, swiglu=True, flce=True, ce=True, rope=True, attention=True,
+          lora=True, projections=True, strict=False, fp8_grads="e4m3", fp8_fast_accum=False):
     """Switch the kernels into ``model`` (a Hugging Face causal LM, or a PEFT model around
     one); return a ``Report``. Every kernel is on unless its switch is False; ``fp8`` is
     off unless "tensorwise" or "rowwise" (a GPU with FP8 tensor cores), its gradients in
@@ -204,8 +204,8 @@ def apply(model, *, fp8=None, rmsnorm=True, residual=True, swiglu=True, flce=Tru
            "caches run the model's own attention")
 
     _apply_lora_and_groups(report, model, lora, projections, name)
-    asked = {"fp8": bool(fp8), "rmsnorm": rmsnorm, "residual": residual, "swiglu": swiglu, "flce": flce, "ce": ce, "rope": rope,
-             "attention": attention, "lora": lora, "projections": projections}
+    asked = {"fp8": bool(fp8), "rmsnorm": rmsnorm, "residual": residual, "swiglu": swiglu, "flce": flce, "ce": ce,
+             "rope": rope, "attention": attention, "lora": lora, "projections": projections}
     left = {k: v for k, v in report.left_out.items() if asked[k]}
     if left and strict:
         kernel = next(iter(left))

@@ -346,5 +346,19 @@ def test_apply_reports_the_layers_and_a_second_apply_keeps_them():
     assert kernel_ft.apply(off, residual=False)["residual"]["status"] == "not used" and not fused_layers(off)
 
 
+def test_the_scripts_default_is_decided_per_model(capsys):
+    """--use-custom-residual left at its default: on for LLaMA, for Gemma-2 off with a line
+    (finetune_optimized.py's strict apply does not stop); apply's own default in a Trainer script."""
+    from kernel_ft import flags, run
+
+    for label, expected in (("Llama", True), ("Gemma-2", False)):
+        kernels = {**dict.fromkeys(flags.KERNELS, False), "rmsnorm": True, "residual": None}
+        run.apply_kernels(tiny(label), kernels)
+        assert kernels["residual"] is expected
+    assert "Residual adds: left to PyTorch: the decoder layers are no plain pre-norm ones" in capsys.readouterr().out
+    assert [run.apply_switches({"residual": value})["residual"] for value in (None, True, False)] == [True, True, False]
+    assert run.apply_switches({})["residual"] is False  # a caller that names other kernels only
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

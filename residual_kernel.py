@@ -91,13 +91,12 @@ def _formula(norm):
     return (eps, *rmsnorm_formula(norm))
 
 
-def _norm_backward(ctx, dy, dres, x, weight, rstd):
+def _norm_backward(ctx, dy, dres, x, weight, rstd, need_dw):
     """dx = the norm's gradient + the residual's (dres), with max |dx| for an FP8 cast of
-    it; dw where the weight needs one."""
+    it; dw where the weight needs one (a frozen weight's partial sums are never made)."""
     if dy is None:  # nothing of the norm's output reached the loss
         dy = torch.zeros_like(x)
     slots = amax_slots(dy)
-    need_dw = ctx.needs_input_grad[1]
     dx, dw = _backward_launch(dy, x, weight, rstd, need_dw, ctx.weight_offset, dres,
                               None if slots is None else slots[0])
     if slots is not None:
@@ -127,7 +126,7 @@ class _NormKeep(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         if dy is None and dres is None:
             return None, None, None, None, None
-        return (*_norm_backward(ctx, dy, dres, x, weight, rstd), None, None, None)
+        return (*_norm_backward(ctx, dy, dres, x, weight, rstd, ctx.needs_input_grad[1]), None, None, None)
 
 
 class _AddNorm(torch.autograd.Function):
@@ -152,7 +151,7 @@ class _AddNorm(torch.autograd.Function):
         s, weight, rstd = ctx.saved_tensors
         if dy is None and dsum is None:
             return None, None, None, None, None, None
-        dx, dw = _norm_backward(ctx, dy, dsum, s, weight, rstd)
+        dx, dw = _norm_backward(ctx, dy, dsum, s, weight, rstd, ctx.needs_input_grad[2])
         return dx, dx, dw, None, None, None
 
 
@@ -311,6 +310,9 @@ def _same_call(theirs, their_markers, ours, our_markers):
 def _why_not(layer):
     """Why ``layer`` is no pre-norm decoder layer this forward can stand in for, or None."""
     children = {name for name, _ in layer.named_children()}
+    own = [name for name, _ in layer.named_parameters(recurse=False)]
+    if own:
+        return f"they have parameters of their own: {', '.join(own)}"
     if children - LAYER_CHILDREN:
         return f"they have modules besides attention, MLP and two norms: {', '.join(sorted(children - LAYER_CHILDREN))}"
     if LAYER_CHILDREN - children:

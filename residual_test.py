@@ -123,6 +123,27 @@ def test_one_gradient_only_and_frozen_weight():
     assert torch.allclose(x.grad, expected, rtol=1e-6, atol=1e-7) and w.grad is None
 
 
+@pytest.mark.parametrize("trained", ["weight", "x", "delta"])
+def test_only_what_needs_a_gradient_gets_one(trained, monkeypatch):
+    """A frozen norm weight (LoRA) costs no dw reduction; a trained one gets its dw whichever
+    of x and delta needs a gradient too."""
+    made = []
+    launch = residual_kernel._backward_launch
+    monkeypatch.setattr(residual_kernel, "_backward_launch", lambda *a: made.append(a[4]) or launch(*a))
+    x, delta, w, dy, ds = inputs((4, 64), torch.float32)
+    leaf = {"weight": w, "x": x, "delta": delta}[trained].requires_grad_()
+    y, s = add_rmsnorm(x, delta, w, EPS)
+    torch.autograd.backward([y, s], [dy, ds])
+    truth = pytorch_add_norm(x, delta, w, dy, ds, LLAMA)[{"x": 2, "delta": 3, "weight": 4}[trained]]
+    assert leaf.grad is not None and torch.allclose(leaf.grad, truth, rtol=1e-5, atol=1e-6)
+    leaf.grad = None
+    y, residual = norm_keep(x, w, EPS)
+    if trained != "delta":
+        torch.autograd.backward([y, residual], [dy, ds])
+        assert leaf.grad is not None
+    assert made == [trained == "weight"] * len(made) and made
+
+
 def test_bad_input_is_refused():
     x, delta, w, _, _ = inputs((4, 64), torch.float32)
     with pytest.raises(ValueError, match="delta must have x's shape"):

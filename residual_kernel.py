@@ -77,7 +77,8 @@ import torch
 
 from kernel_common import amax_slots, first_order_only, note_amax
 from rmsnorm_kernel import (TritonRMSNorm, _backward_launch, _check_inputs, _forward, _is_rmsnorm,
-                            _note_made, check_same_rmsnorm, rmsnorm_formula)
+                            _note_made, check_same_rmsnorm, rmsnorm_formula,
+                            rmsnorm_reference)
 from swap_common import SwapMismatch, called_plainly, our_forward, set_forward, swap_modules, text_modules
 
 LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
@@ -232,6 +233,14 @@ class _Stand(torch.nn.Module):
         return (out, None) if self.returns_pair else out
 
 
+class _PyTorchNorm(TritonRMSNorm):
+    """The same RMSNorm in PyTorch operations (rmsnorm_kernel.rmsnorm_reference)."""
+
+    def forward(self, hidden_states):
+        return rmsnorm_reference(hidden_states, self.weight, self.variance_epsilon, torch.float32,
+                                 self.weight_offset, self.cast_first)
+
+
 def _probe_copy(layer, attention, mlp, norms):
     """A shallow copy of ``layer`` whose children are the given stand-ins: the layer is not touched."""
     probe = object.__new__(type(layer))
@@ -252,7 +261,10 @@ def _check_layer(layer, device):
     runs = []
     for forward in (type(layer).forward, residual_layer_forward):
         gen = torch.Generator().manual_seed(0)
-        norms = [TritonRMSNorm(width, *_formula(n)) for n in (first, layer.post_attention_layernorm)]
+        # Ours against the class's forward with PyTorch's formulation of the same norms: a
+        # truth of its own, and no weight gradient of the RMSNorm kernel runs for a check.
+        kind = TritonRMSNorm if forward is residual_layer_forward else _PyTorchNorm
+        norms = [kind(width, *_formula(n)) for n in (first, layer.post_attention_layernorm)]
         for n in norms:
             n.weight.data = 0.3 + torch.rand(width, generator=gen)
         stands = [_Stand(width, 1, True), _Stand(width, 2, False)]

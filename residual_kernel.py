@@ -31,8 +31,8 @@ So 5 passes fewer per layer in bf16, 7 with FP8, and 3 launches fewer. At LLaMA-
 the 8B full fine-tuning step. Measured (H100, 2026-12-06, torch 2.11, triton 3.6; 8B
 synthetic rows, ``--no-use-custom-residual`` alternating with the default in one call,
 results/residual/): ``--fp8 tensorwise`` 2 x 2,048 15,129-15,185 -> 15,242-15,296
-tokens/s (+0.7%), bf16 11,379 -> 11,436 (+0.5%), LoRA r16 FP8 4 x 2,048 21,581-21,628
--> 21,750-21,799 (+0.8%); the same peak memory. Small, and free: nothing is kept that
+tokens/s (+0.7%), bf16 11,379 -> 11,436 (+0.5%), LoRA r16 FP8 4 x 2,048 21,525-21,628
+-> 21,685-21,799 (+0.8%); the same peak memory. Small, and free: nothing is kept that
 was not kept before (norm_1 keeps h, norm_2 keeps s, as HF's norms do).
 
 The kernels are the RMSNorm's own (rmsnorm_kernel.py): ``ADD`` makes the forward load

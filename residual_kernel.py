@@ -309,6 +309,7 @@ def _same_call(theirs, their_markers, ours, our_markers):
     (their_args, their_kwargs), (our_args, our_kwargs) = theirs, ours
     if their_args or our_args or their_kwargs.keys() != our_kwargs.keys():
         return False
+
     def mark(value, markers):  # a marker by name, anything else as it is
         for key, marker in markers.items():
             if value is marker:
@@ -384,10 +385,11 @@ def _layers_to_fuse(model):
         formulas = {_formula(n)[1:] for n in (m.input_layernorm, m.post_attention_layernorm)}
         if len(formulas) != 1:
             raise SwapMismatch(f"{type(m).__name__}'s two norms compute different formulas")
-        if type(m) not in checked:
-            weight = m.input_layernorm.weight  # on the meta device (a model for FSDP before its weights):
-            cuda = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-            _check_layer(m, cuda if weight.is_meta else weight.device)  # the check runs on stand-ins anyway
+        if type(m) not in checked:  # on stand-ins: a layer on the meta device (a model for FSDP before
+            device = m.input_layernorm.weight.device  # its weights exist) is checked on the GPU or the CPU
+            if device.type == "meta":
+                device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            _check_layer(m, device)
             checked.add(type(m))
     return todo
 

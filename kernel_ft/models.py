@@ -236,10 +236,13 @@ def dense_mask_window(args, data, config):
 
 
 def _from_pretrained(model_id, device, dtype, **kwargs):
+    # The config too from the cache alone when the weights are (local_files_only): else
+    # transformers asks the hub for it, with ~23 s of retries where the hub cannot be reached.
+    config = AutoConfig.from_pretrained(model_id, local_files_only=kwargs.get("local_files_only", False))
     return AutoModelForCausalLM.from_pretrained(
         model_id,
         dtype=dtype,
-        attn_implementation=attention_for(AutoConfig.from_pretrained(model_id)),
+        attn_implementation=attention_for(config),
         device_map=str(device),  # load straight onto the GPU, not via a CPU copy
         **kwargs,
     )

@@ -52,12 +52,13 @@ When it applies
 Only where the layer computes exactly this, and that is proved, not assumed.
 ``fuse_residuals`` takes decoder layers whose children are exactly ``self_attn``,
 ``mlp``, ``input_layernorm`` and ``post_attention_layernorm`` (no dropout module, no
-extra norm: Gemma-2's four norms, Phi-3's residual dropout and Cohere's parallel
-block are left as they are), both norms RMSNorms of one formula. Then, once per
-layer class, its own forward and ours run on a random input with stand-ins for the
-attention and the MLP (``_check_layer``): the same output, the same gradients, and
-every argument the attention is called with the same object (its mask, positions,
-cache, keyword arguments). A layer that scales its residual (Granite's multiplier),
+extra norm, no parameter of the layer's own: Gemma-2's four norms, Phi-3's residual
+dropout, Cohere's parallel block and Doge's learned residual scales are left as they
+are), both norms RMSNorms of one formula. Then, once per layer class, its own forward
+(with PyTorch's formulation of the norms) and ours run on a random float32 input with
+stand-ins for the attention and the MLP (``_check_layer``): the same output and
+gradients to float32 rounding, and every argument the attention is called with the
+same object (its mask, positions, cache, keyword arguments). A layer that scales its residual (Granite's multiplier),
 applies dropout or normalizes after the sublayer fails that, and is refused in one
 line (``swap_common.SwapMismatch``). At run time the fused forward steps aside for
 the layer's own where it cannot apply: under torch.compile (which fuses such adds

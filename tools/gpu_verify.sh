@@ -3,7 +3,7 @@
 #
 #   bash tools/gpu_verify.sh [OUTDIR] [WHAT...]
 #     WHAT: tests bench e2e compile profile maxseq graphs families attention fp8 fp8e2e fp8loss fp8producers
-#           remake inbackward fsdp gpus
+#           remake inbackward fsdp gpus residual
 #           trainer trainer-full trainer-small
 #           (default: tests bench e2e)
 #
@@ -165,6 +165,20 @@ for what in $WHAT; do
       python3 -c "$off" finetune_optimized.py $loop > "$OUTDIR/loop_producers_off.log" 2>&1
       diff <(grep "^step" "$OUTDIR/loop_producers_on.log" | awk '{print $2, $4}') \
            <(grep "^step" "$OUTDIR/loop_producers_off.log" | awk '{print $2, $4}') && echo "losses: the same" ;;
+    residual)
+      # Step 24: the residual adds inside the norms, the default against --no-use-custom-residual, alternating:
+      # 8B full 2 x 2,048 --fp8 tensorwise twice and bf16, 8B LoRA r16 --fp8 tensorwise 4 x 2,048 twice.
+      full="--random-init --dataset synthetic --batch-size 2 --seq-len 2048 --steps 12 --warmup-steps 3 --log-every 4"
+      lora="--random-init --dataset synthetic --batch-size 4 --seq-len 2048 --steps 12 --warmup-steps 3 --log-every 4"
+      lora="$lora --lora --lora-r 16 --fp8 tensorwise"
+      for run in fp8:1 fp8:2 bf16:1 lora:1 lora:2; do
+        kind=${run%%:*}; args="$full --fp8 tensorwise"; [ $kind = bf16 ] && args="$full"; [ $kind = lora ] && args="$lora"
+        for mode in off on; do
+          flag=""; [ $mode = off ] && flag="--no-use-custom-residual"
+          python3 finetune_optimized.py $args $flag --json "$OUTDIR/residual_${kind}_${mode}_${run#*:}.json" 2>&1 \
+            | tee "$OUTDIR/residual_${kind}_${mode}_${run#*:}.log" | grep -E "Average throughput|Peak memory"
+        done
+      done ;;
     remake)
       # Step 20: what backward makes again instead of keeping (the norms' outputs: lora_kernel.REMAKE_NORMS; a
       # LoRA down_proj's input h: TritonLlamaMLP.recompute_hidden), on and off alternating: 8B LoRA r16 4 x 2,048
@@ -261,7 +275,7 @@ for what in $WHAT; do
           row kernels; row liger --liger; row plain --no-kernels ;;
       esac ;;
     *) echo "unknown step: $what (tests bench e2e compile profile maxseq graphs families attention fp8 fp8e2e fp8loss fp8producers"\
-         "remake inbackward fsdp gpus trainer trainer-full trainer-small)"; exit 2 ;;
+         "remake inbackward fsdp gpus residual trainer trainer-full trainer-small)"; exit 2 ;;
   esac
 done
 tar czf "$OUTDIR/logs.tgz" --exclude=logs.tgz --exclude=traces -C "$OUTDIR" .

@@ -53,7 +53,7 @@ def apply_switches(kernels):
     gradients' format and accumulation."""
     return {"fp8": kernels.get("fp8") or None, "fp8_grads": kernels.get("fp8_grads", "e4m3"),
             "fp8_fast_accum": bool(kernels.get("fp8_fast_accum")),
-            **{name: bool(kernels.get(name)) for name in KERNELS if name != "fp8"},
+            **{name: bool(kernels.get(name)) for name in KERNELS if name not in ("fp8", "residual")},
             # --use-custom-residual left at its default (None): apply's own, which leaves the adds, said
             # in its report, to layers of another form (apply_kernels decides it before, to stay strict)
             "residual": kernels.get("residual", False) in (None, True)}

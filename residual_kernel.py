@@ -78,8 +78,7 @@ import torch
 
 from kernel_common import amax_slots, first_order_only, note_amax
 from rmsnorm_kernel import (TritonRMSNorm, _backward_launch, _check_inputs, _forward, _is_rmsnorm,
-                            _note_made, check_same_rmsnorm, rmsnorm_formula,
-                            rmsnorm_reference)
+                            _note_made, check_same_rmsnorm, rmsnorm_reference)
 from swap_common import SwapMismatch, called_plainly, our_forward, set_forward, swap_modules, text_modules
 
 LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
@@ -87,10 +86,9 @@ LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layerno
 
 def _formula(norm):
     """(eps, weight_offset, cast_first) of a TritonRMSNorm, or of the HF RMSNorm it will replace."""
-    if isinstance(norm, TritonRMSNorm):
-        return norm.variance_epsilon, norm.weight_offset, norm.cast_first
-    eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
-    return (eps, *rmsnorm_formula(norm))
+    if not isinstance(norm, TritonRMSNorm):
+        norm = TritonRMSNorm.from_hf_rmsnorm(norm)  # reads the epsilon and the formula as the swap will
+    return norm.variance_epsilon, norm.weight_offset, norm.cast_first
 
 
 def _norm_backward(ctx, dy, dres, x, weight, rstd, need_dw):

@@ -91,6 +91,83 @@ try:
 except ImportError as e:  # one line for the user, not a traceback through the imports
     raise SystemExit(f"error: {e}") from None
 
+
+# The interpreter's fixed cost per call. Before each launch Triton's interpreter
+# swaps its NumPy versions in for triton.language's builtins (``_patch_lang``,
+# undone when the launch ends), and it does it again at every call of a
+# @triton.jit helper inside a program, where they are swapped already. To find
+# them it lists every member of tl, tl.core, tl.tensor and tl.math
+# (inspect.getmembers: a few hundred names each, sorted) and scans the calling
+# function's module globals. A tiny model's training step calls helpers ~15,000
+# times, and that was a third of its interpreter time (cProfile; NOTES "The CPU
+# suite in the interpreter"). Two shortcuts, the same swaps:
+# * the builtins of each module are listed once (they are the same objects at
+#   every call); each call still swaps exactly those not swapped yet, as
+#   Triton's loop does;
+# * a helper called inside a launch whose language modules are swapped already
+#   (by the launch, or by an earlier helper of it) swaps nothing: Triton's call
+#   would only set the same functions again.
+# Interpreter only: on a GPU nothing here runs.
+FAST_INTERPRETER_TRITON = ((3, 6), (3, 9))  # the releases whose interpreter this was read against
+
+
+class _SwappedAlready:
+    """What a helper's call inside a launch gets instead of a scope: nothing to undo."""
+
+    def restore(self):
+        pass
+
+
+def _swap_builtins_once(interpreter):
+    listed = {}  # module or class -> [(name, builtin)]
+    languages = {}  # id(a function's globals) -> the language modules it sees (by id)
+    launch = []  # while a launch runs: the language modules it swapped
+
+    def patch_builtin(pkg, builder, scope):
+        builtins = listed.get(pkg)
+        if builtins is None:
+            builtins = listed[pkg] = [(name, member) for name, member in inspect.getmembers(pkg)
+                                      if tl.core.is_builtin(member)]
+        for name, member in builtins:
+            if getattr(pkg, name, None) is member:  # not swapped yet
+                interpreter._patch_attr(pkg, name, member, builder, scope)
+
+    triton_patch_lang = interpreter._patch_lang
+
+    def patch_lang(fn):
+        seen = languages.get(id(fn.__globals__))
+        if seen is None:
+            seen = languages[id(fn.__globals__)] = frozenset(
+                id(value) for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core))
+        if launch and seen and seen <= launch[0]:
+            return _SwappedAlready()
+        scope = triton_patch_lang(fn)
+        if launch:  # a helper that sees another module (Triton's own tl.sum sees tl.core): swapped now too
+            launch[0] |= seen
+        else:  # a launch starts; it undoes its scope when it ends
+            launch.append(seen)
+            undo = scope.restore
+
+            def restore():
+                launch.clear()
+                undo()
+
+            scope.restore = restore
+        return scope
+
+    interpreter._patch_builtin = patch_builtin
+    interpreter._patch_lang = patch_lang
+
+
+if INTERPRET:
+    import inspect  # noqa: E402
+
+    from triton.runtime import interpreter as _interpreter  # noqa: E402
+
+    if FAST_INTERPRETER_TRITON[0] <= _version(triton.__version__) <= FAST_INTERPRETER_TRITON[1] \
+            and all(hasattr(_interpreter, name) for name in ("_patch_lang", "_patch_builtin", "_patch_attr")):
+        _swap_builtins_once(_interpreter)
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # Inside @triton.jit code a module-level name must be a tl.constexpr; this one

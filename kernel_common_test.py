@@ -117,6 +117,34 @@ def test_host_grid_arithmetic_matches_triton():
     assert next_power_of_2(2**20) == 2**20 and next_power_of_2(2**20 + 1) == 2**21
 
 
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's shortcut: CPU only")
+def test_interpreter_lists_the_builtins_once_and_undoes_every_swap(monkeypatch):
+    """kernel_common's shortcut in Triton's interpreter (_swap_builtins_once): results as
+    before, triton.language's builtins listed only at the first launch, none listed again
+    for the helpers inside a launch (ours, and Triton's own tl.sum, which sees tl.core), and
+    after each launch tl's functions and tl.tensor's methods are the originals again."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    import rmsnorm_kernel
+    assert interpreter._patch_lang.__module__ == "kernel_common"  # installed for this Triton
+    originals = {name: getattr(tl, name) for name in ("sum", "load", "store", "arange", "where")}
+    index = getattr(tl.tensor, "__index__", None)  # none: the interpreter adds one for a launch
+    listed = []
+    getmembers = inspect.getmembers
+    monkeypatch.setattr(inspect, "getmembers", lambda obj, *a: listed.append(obj) or getmembers(obj, *a))
+    x, w = torch.randn(5, 64), torch.rand(64)
+    for launch in range(3):  # the RMSNorm kernel: tl.sum, and kernel_common's cast_to inside
+        torch.testing.assert_close(_rmsnorm_fwd_launch(x, w), rmsnorm_kernel.rmsnorm_reference(x, w))
+        assert all(getattr(tl, name) is f for name, f in originals.items()), launch
+        assert getattr(tl.tensor, "__index__", None) is index
+        if launch == 0:
+            first = len(listed)
+    assert len(listed) == first  # nothing listed after the first launch
+
+
 def test_fast_launch_is_plain_triton_in_the_interpreter():
     import rmsnorm_kernel
     if not ON_GPU:

@@ -398,9 +398,16 @@ NORM_BLOCK, NORM_WARPS, NORM_PROGRAMS_PER_SM = (1024, 1, 1) if INTERPRET else (4
 
 def _norm_block(n, programs):
     """The block of a tensor of ``n`` elements summed by ``programs`` programs: in the
-    interpreter it grows with the tensor (a 1M-element embedding: 4 loop trips per program
-    instead of 256)."""
-    return interpreter_block(n, 4 * programs, NORM_BLOCK) if INTERPRET else NORM_BLOCK
+    interpreter it grows with the tensor (a 1M-element embedding: 2 loop trips per program
+    instead of 512)."""
+    return interpreter_block(n, 2 * programs, NORM_BLOCK) if INTERPRET else NORM_BLOCK
+
+
+def _norm_programs(device):
+    """Programs per tensor at most: a few per SM on a GPU; in the interpreter, which runs
+    them one after another at a fixed Python cost each, two (of two loop trips each: the
+    strided loop and the per-program slots are still exercised)."""
+    return 2 if INTERPRET else num_sms(device) * NORM_PROGRAMS_PER_SM
 
 
 def sums_of_squares(grads):
@@ -408,7 +415,7 @@ def sums_of_squares(grads):
     check_kernel_device(*grads)
     grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
     device = grads[0].device
-    most = num_sms(device) * NORM_PROGRAMS_PER_SM
+    most = _norm_programs(device)
     grid = [max(1, min(most, cdiv(g.numel(), NORM_BLOCK))) for g in grads]
     # One row of slots per tensor; the slots a smaller grid leaves are zeros.
     partials = torch.zeros(len(grads), max(grid), dtype=torch.float32, device=device)

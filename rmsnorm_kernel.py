@@ -97,8 +97,8 @@ import torch.nn as nn
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
-    SUPPORTED_DTYPES, amax_slots, as_rows, cast_to, cdiv, check_kernel_device, fast_launch, first_order_only, kernel_op,
-    extent_key, next_power_of_2, note_amax, nothing, num_sms, traced,
+    INTERPRET, SUPPORTED_DTYPES, amax_slots, as_rows, cast_to, cdiv, check_kernel_device, fast_launch, first_order_only,
+    interpreter_block, kernel_op, extent_key, next_power_of_2, note_amax, nothing, num_sms, traced,
 )
 from swap_common import SwapMismatch, swap_modules
 
@@ -510,7 +510,8 @@ def _backward_launch(dy, x, weight, rstd, compute_dw, weight_offset, dres=None, 
             # Narrow column strips, one warp each: more programs in flight for a
             # tiny reduction (264 x 4,096 floats at 8B: 3.7 us against 9.0 us with
             # 256-column strips and 4 warps; H200 sweep, results/graphs/step_micro_h200.txt).
-            block_c = 32
+            # The interpreter pays per program: two strips (at least 32 columns each).
+            block_c = interpreter_block(n_cols, 2, 32) if INTERPRET else 32
             _rmsnorm_dw_reduce_kernel[(cdiv(n_cols, block_c),)](
                 dw_partial, dw, n_programs, n_cols, BLOCK_P=64, BLOCK_C=block_c,
                 num_warps=1,

@@ -108,7 +108,7 @@ except ImportError as e:  # one line for the user, not a traceback through the i
 #   (by the launch, or by an earlier helper of it) swaps nothing: Triton's call
 #   would only set the same functions again.
 # Interpreter only: on a GPU nothing here runs.
-FAST_INTERPRETER_TRITON = ((3, 6), (3, 9))  # the releases whose interpreter this was read against
+FAST_INTERPRETER_TRITON = ((3, 6), (3, 9))  # releases whose interpreter.py was read for this (3.6, 3.7, 3.8, 3.9)
 
 
 class _SwappedAlready:

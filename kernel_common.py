@@ -120,7 +120,7 @@ class _SwappedAlready:
 
 def _swap_builtins_once(interpreter):
     listed = {}  # module or class -> [(name, builtin)]
-    languages = {}  # id(a function's globals) -> the language modules it sees (by id)
+    languages = {}  # id(a function's globals) -> (those globals, kept so the id stays theirs; the modules it sees)
     launch = []  # while a launch runs: the language modules it swapped
 
     def patch_builtin(pkg, builder, scope):
@@ -135,10 +135,11 @@ def _swap_builtins_once(interpreter):
     triton_patch_lang = interpreter._patch_lang
 
     def patch_lang(fn):
-        seen = languages.get(id(fn.__globals__))
-        if seen is None:
-            seen = languages[id(fn.__globals__)] = frozenset(
-                id(value) for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core))
+        known = languages.get(id(fn.__globals__))
+        if known is None:
+            known = languages[id(fn.__globals__)] = (fn.__globals__, frozenset(
+                id(value) for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core)))
+        seen = known[1]
         if launch and seen and seen <= launch[0]:
             return _SwappedAlready()
         scope = triton_patch_lang(fn)

@@ -7,7 +7,8 @@ adamw) imports its common ground from here and nothing private from the others:
 * ``INTERPRET``: the one switch that runs Triton kernels on a laptop. Without a
   GPU we set ``TRITON_INTERPRET=1`` before ``triton`` is imported; Triton's
   interpreter then executes each kernel program with NumPy on CPU tensors
-  (correct, slow, good for learning and for CI).
+  (correct, slow, good for learning and for CI). Its fixed cost per call is cut
+  by one shortcut (``_swap_builtins_once``: the same swaps of triton.language).
 * A version check: the interpreter of each Triton release has its own quirks;
   a combination we know to fail stops here with one line that says what to
   install, instead of a traceback from inside the interpreter.
@@ -26,7 +27,8 @@ adamw) imports its common ground from here and nothing private from the others:
 What the kernels' model patching shares (finding a model's parts, probing it,
 replacing a module or one module's forward) is in swap_common.py.
 
-Nothing runs on import except the interpreter switch and the version check.
+Nothing runs on import except the interpreter switch (with its shortcut, below) and the
+version check.
 """
 
 import functools

@@ -32,6 +32,7 @@ version check.
 """
 
 import functools
+import inspect
 import os
 import sys
 
@@ -122,7 +123,7 @@ class _SwappedAlready:
 
 def _swap_builtins_once(interpreter):
     listed = {}  # module or class -> [(name, builtin)]
-    languages = {}  # id(a function's globals) -> (those globals, kept so the id stays theirs; the modules it sees)
+    languages = {}  # a jit function's Python function -> the language modules its globals hold (by id)
     launch = []  # while a launch runs: the language modules it swapped
 
     def patch_builtin(pkg, builder, scope):
@@ -137,11 +138,10 @@ def _swap_builtins_once(interpreter):
     triton_patch_lang = interpreter._patch_lang
 
     def patch_lang(fn):
-        known = languages.get(id(fn.__globals__))
-        if known is None:
-            known = languages[id(fn.__globals__)] = (fn.__globals__, frozenset(
-                id(value) for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core)))
-        seen = known[1]
+        seen = languages.get(fn)
+        if seen is None:
+            seen = languages[fn] = frozenset(
+                id(value) for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core))
         if launch and seen and seen <= launch[0]:
             return _SwappedAlready()
         scope = triton_patch_lang(fn)
@@ -163,8 +163,6 @@ def _swap_builtins_once(interpreter):
 
 
 if INTERPRET:
-    import inspect  # noqa: E402
-
     from triton.runtime import interpreter as _interpreter  # noqa: E402
 
     if FAST_INTERPRETER_TRITON[0] <= _version(triton.__version__) <= FAST_INTERPRETER_TRITON[1] \

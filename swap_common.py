@@ -295,7 +295,11 @@ class InstanceForward(functools.partial):
     * ``__func__`` / ``__self__``, as on a bound method, for code that rebinds a forward:
       accelerate's mixed precision wraps ``model.forward.__func__`` and binds the wrapper
       to the model. ``__func__`` is a copy of the function that shows the replaced
-      forward's signature (with the module's parameter first), as the wrapper keeps it.
+      forward's signature (with the module's parameter first), as the wrapper keeps it,
+      and is named ``forward``: accelerate's ``unwrap_model(keep_fp32_wrapper=False)``
+      binds it to the model as a plain method, which pickles by that name, so a copy
+      saved then loads with its class's forward, as a model of HF's own would, and not
+      with an error at ``torch.load``.
     * A ``functools.partial`` of ``function`` and ``module``, for code that makes a
       shallow copy of a module and binds its forward to the copy: accelerate's
       ``compile_regions`` (1.15 through ``__func__``, 1.16 and later a partial's
@@ -330,7 +334,7 @@ class InstanceForward(functools.partial):
     @property
     def __func__(self):
         f = self.function
-        copy = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+        copy = types.FunctionType(f.__code__, f.__globals__, "forward", f.__defaults__, f.__closure__)
         copy.__kwdefaults__, copy.__doc__ = f.__kwdefaults__, f.__doc__
         copy.__dict__.update(f.__dict__)  # __wrapped__ too: attention_routing walks a decorator's chain
         module_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)

@@ -1557,6 +1557,39 @@ def test_a_model_after_apply_pickles_and_copies_with_its_kernels(label, fused_lo
             assert torch.equal(grad, want_grads[name]), name
 
 
+def test_a_model_unwrapped_from_accelerate_mixed_precision_saves_and_loads(fused_loss_calls):
+    """accelerate's ``unwrap_model(keep_fp32_wrapper=False)`` strips its autocast wrappers by
+    binding the innermost function of their chain to the model as a plain method, which
+    pickles by its name. The unwrapped model keeps the fused loss; ``torch.save(model)`` of
+    it loads, with the class's forward (as an HF model's own would: the same loss, which
+    the layers' kernels, kept, still compute), not an AttributeError at ``torch.load``."""
+    import io
+
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState
+
+    model = applied(tiny_model())
+    ids = token_ids(2)
+    with torch.no_grad():
+        want = model(input_ids=ids, labels=ids).loss
+    AcceleratorState._reset_state(True)  # this test's settings, whatever a Trainer test left
+    try:
+        accelerator = accelerate.Accelerator(mixed_precision="bf16", cpu=ON_CPU)
+        unwrapped = accelerator.unwrap_model(accelerator.prepare_model(model), keep_fp32_wrapper=False)
+    finally:
+        AcceleratorState._reset_state(True)
+    calls = len(fused_loss_calls)
+    with torch.no_grad():
+        assert torch.equal(unwrapped(input_ids=ids, labels=ids).loss, want)  # no autocast left
+    assert len(fused_loss_calls) == calls + 1, "the unwrapped model lost the fused loss"
+    buffer = io.BytesIO()
+    torch.save(unwrapped, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        assert_close("loss of the loaded model", loaded(input_ids=ids, labels=ids).loss, want, LOSS_TOL)
+
+
 def test_accelerate_compile_regions_runs_the_compiled_layers_with_our_kernels(fused_loss_calls):
     """accelerate's regional compilation copies the model and its decoder shallowly, binds
     their forwards to the copies (1.15 through ``__func__``, 1.16 through a partial's

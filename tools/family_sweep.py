@@ -47,6 +47,7 @@ import kernel_ft
 import swap_common
 import torch
 import transformers
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
@@ -104,12 +105,20 @@ def other_head_counts(model_type):
             if key.endswith("heads") and key not in TINY and key not in aliases and type(value) is int and value > few}
 
 
+def settable(model_type, shapes):
+    """``shapes`` without the keys the type's config computes itself (a property with no
+    setter: Falcon's head_dim, hidden_size // num_attention_heads, which is TINY's anyway)."""
+    config_class = CONFIG_MAPPING[model_type]
+    return {key: value for key, value in shapes.items()
+            if not (isinstance(getattr(config_class, key, None), property) and getattr(config_class, key).fset is None)}
+
+
 def build(model_type, image_text, auto, fewer_heads):
     """(model at the tiny shapes, float32, eval mode, or None when over MAX_PARAMETERS; its size)."""
     if image_text:
         config = tiny_image_text_config(model_type)
     else:
-        config = transformers.AutoConfig.for_model(model_type, **TINY, **fewer_heads)
+        config = transformers.AutoConfig.for_model(model_type, **settable(model_type, TINY), **fewer_heads)
     for part in {id(c): c for c in (config, config.get_text_config())}.values():
         if (getattr(part, "pad_token_id", None) or 0) >= TINY["vocab_size"]:
             part.pad_token_id = 0  # the family's own id is outside the tiny vocabulary

@@ -282,7 +282,8 @@ def test_dense_mask_window_refuses_mixed_layers():
 
 def test_dataloader_leaves_the_mask_out():
     args = flags.settle(__import__("finetune_optimized").parse_args(["--tiny"]))
-    assert flags.kernels_from_args(args)["attention"] and models.document_attention(args)
+    # None: on where it applies (run.assemble puts the mask back where it cannot go in).
+    assert flags.kernels_from_args(args)["attention"] is None and models.document_attention(args)
     off = flags.settle(__import__("finetune_optimized").parse_args(["--tiny", "--no-use-custom-attention"]))
     assert not models.document_attention(off)
     synthetic = __import__("finetune_optimized").parse_args(["--tiny", "--dataset", "synthetic"])

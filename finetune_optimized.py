@@ -5,9 +5,10 @@ The same loop as finetune_baseline.py (same seed, same data, same optimizer
 settings: both run training.run_training, set up by run.run_finetune), with
 every kernel of this repository on by default. Each --use-custom-* flag is a switch
 of ``kernel_ft.apply`` (kernel_ft/patching.py), the same call a user's own training
-script makes (Step 23), called strictly by run.apply_kernels: a kernel that cannot
-compute the model's own function ends the run in one line. The run prints what
-went in:
+script makes (Step 23), through run.apply_kernels. A kernel left at its default goes
+in where it computes the model's own function, else stays PyTorch's (a GPT-2 trains
+with the fused loss alone); one asked for with its flag that cannot ends the run in
+one line. The run prints what went in, and why the rest did not:
 
 * ``--use-custom-rmsnorm``: every RMSNorm module becomes ``TritonRMSNorm``
   (rmsnorm_kernel.py), sharing the original weight Parameter.

@@ -403,6 +403,7 @@ class InstructionData:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = pad if pad is not None else 0  # any valid id: padding is masked and has no label
         self.mask_window = 0  # a sliding window the dense mask applies (set by run.load: models.dense_mask_window)
+        self.dense_mask = True  # packed rows carry a [B, 1, T, T] mask (set by run.load: models.document_attention)
 
 
 def prepare_data(args, records, vocab_size):
@@ -615,7 +616,7 @@ def training_batches(args, data, device, vocab_size, start_step=0):
         stream = itertools.islice(stream, first, None)
     else:
         dataset = StepBatches(data.train, args.batch_size, args.seq_len, args.packing, args.seed, data.pad_id,
-                              rank=rank, ranks=ranks, dense_mask=not models.document_attention(args),
+                              rank=rank, ranks=ranks, dense_mask=data.dense_mask,
                               window=data.mask_window if data is not None else 0)
         stream = (batch_to(batch, device) for batch in loader(dataset, itertools.count(first), args))
     while True:
@@ -635,7 +636,7 @@ def held_out_batches(args, data, device, vocab_size):
     if not data.held_out:
         return []
     dataset = StepBatches(data.held_out, args.batch_size, args.seq_len, args.packing, args.seed, data.pad_id,
-                          endless=False, dense_mask=not models.document_attention(args),
+                          endless=False, dense_mask=data.dense_mask,
                           window=data.mask_window if data is not None else 0)
     count = dataset.num_batches() if limit is None else min(limit, dataset.num_batches())
     return [batch_to(batch, device) for batch in loader(dataset, range(count), args)]

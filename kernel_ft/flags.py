@@ -141,13 +141,14 @@ def add_model_args(parser, custom_kernels_default=False, packing_default=False):
     )
     k = parser.add_argument_group("custom Triton kernels")
     for name, help_text in KERNEL_FLAGS.items():
-        # Two kernels of finetune_optimized.py are on where they apply (None: decided for the
-        # model, run.py). Attention pays off where it skips what documents never see: packed
-        # real data (kernels_from_args), families whose own attention is the eager one, and on
-        # a GPU rows of one document where it is measured faster than SDPA (run.assemble).
-        # The residual adds go in where the decoder layers have the form they fuse (run.apply_kernels).
-        default = None if name in DECIDED_PER_MODEL and custom_kernels_default else custom_kernels_default
-        said = DECIDED_PER_MODEL[name] if default is None else default
+        # finetune_optimized.py's kernels of the model are on where they compute the model's own
+        # function (None: decided for the model by run.apply_kernels, which says why one is left
+        # out; a flag given on the command line is strict: a kernel asked for that cannot go in
+        # ends the run in one line). Attention, moreover, only where it pays off: packed real
+        # data (kernels_from_args), families whose own attention is the eager one, and on a GPU
+        # rows of one document where it is measured faster than SDPA (run.assemble).
+        default = None if name != "adamw" and custom_kernels_default else custom_kernels_default
+        said = DECIDED_PER_MODEL.get(name, WHERE_IT_APPLIES) if default is None else default
         k.add_argument(
             f"--use-custom-{name}",
             action=argparse.BooleanOptionalAction,
@@ -155,9 +156,11 @@ def add_model_args(parser, custom_kernels_default=False, packing_default=False):
             help=f"{help_text} (default: {said})",
         )
     # Not a kernel of every model (and no column of the family matrix): LoRA layers only.
-    k.add_argument("--use-custom-lora", action=argparse.BooleanOptionalAction, default=custom_kernels_default,
+    k.add_argument("--use-custom-lora", action=argparse.BooleanOptionalAction,
+                   default=None if custom_kernels_default else False,
                    help="with --lora: each adapter's scale and sum inside the base layer's matrix products (cuBLAS "
-                        f"epilogues) instead of PEFT's separate passes (default: {custom_kernels_default})")
+                        "epilogues) instead of PEFT's separate passes (default: "
+                        f"{WHERE_IT_APPLIES if custom_kernels_default else False})")
     if custom_kernels_default:  # finetune_optimized.py
         add_fp8_arg(k)
     return parser
@@ -197,6 +200,7 @@ KERNEL_FLAGS = {
                    "gradients summed in cuBLAS's epilogues instead of by add kernels",
 }
 KERNELS = tuple(KERNEL_FLAGS)
+WHERE_IT_APPLIES = "on where it computes the model's own function; said in one line where not"
 DECIDED_PER_MODEL = {
     "attention": "on with packed real data, where the model runs eager attention, and on a GPU for rows of one "
                  "document where measured faster than SDPA",
@@ -207,12 +211,13 @@ FP8_GRAD_FORMATS = ("e4m3", "e5m2")  # fp8_kernel.GRAD_FORMATS (the same)
 
 
 def kernels_from_args(args):
-    """{kernel name: on/off} from the --use-custom-* flags."""
+    """{kernel name: on/off} from the --use-custom-* flags: True or False as given, None
+    (finetune_optimized.py's defaults) for on where the kernel applies to the model."""
     kernels = {name: getattr(args, f"use_custom_{name}", False) for name in KERNELS}
-    if kernels["attention"] is None:  # the default of finetune_optimized.py: with packed real data
-        kernels["attention"] = bool(getattr(args, "packing", False)) and getattr(args, "dataset", None) != SYNTHETIC
-    if getattr(args, "use_custom_lora", False) and getattr(args, "lora", False):
-        kernels["lora"] = True  # reported for LoRA runs only
+    if kernels["attention"] is None and not (getattr(args, "packing", False) and args.dataset != SYNTHETIC):
+        kernels["attention"] = False  # left at its default: on with packed real data (and see run.assemble)
+    if getattr(args, "use_custom_lora", False) is not False and getattr(args, "lora", False):
+        kernels["lora"] = args.use_custom_lora  # reported for LoRA runs only (None: where it applies)
     if getattr(args, "fp8", None):
         kernels["fp8"] = args.fp8  # the recipe
         kernels["fp8_grads"] = getattr(args, "fp8_grads", "e4m3")  # the gradients' format
@@ -469,7 +474,7 @@ def settle(args):
         # Workers build the next batches while the GPU trains; on a CPU they would
         # only compete with the training for the same cores.
         a.num_workers = 2 if on_gpu else 0
-    if getattr(a, "compile", False) and getattr(a, "use_custom_projections", False):
+    if getattr(a, "compile", False) and getattr(a, "use_custom_projections", False) is not False:
         # Compiled layers run each projection on its own (projections_kernel.py): the run says so.
         a.use_custom_projections = False
         notes.append("--compile: torch.compile plans each decoder layer's sums itself; --use-custom-projections is off")

@@ -211,7 +211,7 @@ def avoid_per_shape_attention_plans(args, data):
     print("Attention:     PyTorch's cuDNN attention off (padded batches: it would plan anew for every length)")
 
 
-def dense_mask_window(args, data, config):
+def dense_mask_window(args, data, config, documents=None):
     """The sliding window that packed rows' dense [B, 1, T, T] mask must carry, or 0.
 
     HF applies a ready 4-D mask as given, to every layer: it replaces the sliding-window
@@ -222,7 +222,8 @@ def dense_mask_window(args, data, config):
     sliding and full attention): no single mask is right for both. The attention
     kernel (--use-custom-attention) takes each layer's own window and needs none."""
     window, sliding = sliding_layers(config)
-    if data is None or not getattr(args, "packing", False) or document_attention(args) \
+    documents = document_attention(args) if documents is None else documents
+    if data is None or not getattr(args, "packing", False) or documents \
             or not window or args.seq_len <= window:
         return 0
     if not any(sliding):
@@ -392,8 +393,10 @@ def no_kv_cache(model):
 
 def document_attention(args):
     """Whether batches leave the attention mask out (the attention kernel reads the
-    documents from the position ids) instead of carrying a dense [B, 1, T, T] one."""
-    return bool(getattr(args, "packing", False)) and flags.kernels_from_args(args)["attention"]
+    documents from the position ids) instead of carrying a dense [B, 1, T, T] one: the
+    kernel asked for, or left at its default with packed real data (until the run finds
+    it cannot go into the model: run.assemble)."""
+    return bool(getattr(args, "packing", False)) and flags.kernels_from_args(args)["attention"] is not False
 
 
 def is_out_of_memory(exc):

@@ -25,6 +25,7 @@ import functools
 import os
 import signal
 import sys
+import warnings
 
 import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GPU: TRITON_INTERPRET=1)
 from swap_common import vocabulary_size
@@ -32,10 +33,9 @@ import torch
 
 from kernel_ft import files, flags, models, ddp, fsdp, dataloader, checkpoints, reporting, training
 from kernel_ft import fp8_gather
-from kernel_ft.patching import KERNELS, KernelNotApplied, apply
+from kernel_ft.patching import KERNELS, LEFT_OUT, apply
 from adamw_kernel import TritonAdamW
 import attention_routing
-import residual_kernel
 
 # How each report entry is labelled in a run's output (kernel_ft.apply says what happened).
 LABELS = {"fp8": "FP8 matmuls:", "rmsnorm": "Custom rmsnorm:", "residual": "Residual adds:",
@@ -53,33 +53,35 @@ def apply_switches(kernels):
     gradients' format and accumulation."""
     return {"fp8": kernels.get("fp8") or None, "fp8_grads": kernels.get("fp8_grads", "e4m3"),
             "fp8_fast_accum": bool(kernels.get("fp8_fast_accum")),
-            **{name: bool(kernels.get(name)) for name in KERNELS if name not in ("fp8", "residual")},
-            # --use-custom-residual left at its default (None): apply's own, which leaves the adds, said
-            # in its report, to layers of another form (apply_kernels decides it before, to stay strict)
-            "residual": kernels.get("residual", False) in (None, True)}
+            # None (a flag left at finetune_optimized.py's default): on where it applies, as apply's own default
+            **{name: kernels.get(name, False) in (None, True) for name in KERNELS if name != "fp8"}}
 
 
 def apply_kernels(model, kernels):
-    """Switch into ``model`` the kernels that ``kernels`` ({name: on/off}, see
+    """Switch into ``model`` the kernels that ``kernels`` ({name: True, False or None}, see
     flags.kernels_from_args) turns on, through ``kernel_ft.apply`` (the call a user's
-    own script makes), strictly: a kernel that cannot compute the model's function
-    ends the run in one line. Returns ``(loss_fn, make_optimizer)`` for
-    training.run_training. With every kernel off (and no LoRA on a bf16 model) this is
-    the plain HF baseline.
+    own script makes). A kernel asked for (True) that cannot compute the model's function
+    ends the run in one line; one left at its default (None) is then left to PyTorch,
+    said in one line, and ``kernels`` records what each came to (True or False). Returns
+    ``(loss_fn, make_optimizer)`` for training.run_training. With every kernel off (and
+    no LoRA on a bf16 model) this is the plain HF baseline.
     """
-    if kernels.get("residual", False) is None:  # the flag's default: wherever the layers' form allows it
-        why = residual_kernel.refusal(model)
-        kernels["residual"] = why is None
-        if why:
-            print(f"{LABELS['residual']:<14} left to PyTorch: {why}")
     switches = apply_switches(kernels)
-    try:
-        report = apply(model, strict=True, **switches)
-    except KernelNotApplied as e:
-        flag = "--fp8" if e.kernel == "fp8" else f"--use-custom-{e.kernel}"
-        undo = "run without it" if e.kernel == "fp8" else f"run with --no-use-custom-{e.kernel}"
-        raise SystemExit(f"error: {flag}: {e.reason}; {undo}") from None
+    defaulted = {name for name in KERNELS if kernels.get(name, False) is None}
+    with warnings.catch_warnings():  # apply's warning of what it left out: said below, per kernel
+        warnings.filterwarnings("ignore", message="kernel_ft.apply: left to PyTorch")
+        report = apply(model, strict=False, **switches)
+    for name, why in report.left_out.items():
+        if name not in defaulted:
+            flag = "--fp8" if name == "fp8" else f"--use-custom-{name}"
+            undo = "run without it" if name == "fp8" else f"run with --no-use-custom-{name}"
+            raise SystemExit(f"error: {flag}: {why}; {undo}")
+    for name in defaulted:
+        kernels[name] = name in report.applied
     for name, entry in report.items():
+        if entry["status"] == LEFT_OUT:
+            print(f"{LABELS[name]:<14} left to PyTorch: {entry['detail']}")
+            continue
         if entry["status"] == "applied" or (name == "projections" and kernels.get("projections")):
             print(f"{LABELS[name]:<14} {entry['detail']}")
     if "attention" in report.applied and say_attention_choice not in attention_routing.CHOICE_LISTENERS:
@@ -121,6 +123,7 @@ def load(args, world=None):
     data = dataloader.prepare_data(args, records, vocabulary_size(model))
     models.avoid_per_shape_attention_plans(args, data)
     if data is not None:  # the sliding window a dense mask must apply (the batches build it)
+        data.dense_mask = not models.document_attention(args)
         data.mask_window = models.dense_mask_window(args, data, model.config)
     if getattr(args, "eval_every", None) and data is not None and not data.held_out:
         raise SystemExit(f"error: --eval-every: {data.name} leaves no held-out example to evaluate on (its "
@@ -136,12 +139,17 @@ def assemble(args, model, data, switch_in, world, after_kernels=None):
     ``after_kernels(model)`` if given, FSDP, torch.compile, CUDA graphs, the optimizer.
     Returns (kernels, loss_fn, optimizer, graphs)."""
     kernels = flags.kernels_from_args(args)
-    if kernels_default_attention(args, model) and not kernels["attention"]:
+    if kernels_default_attention(args, model) and kernels["attention"] is False:
         # Rows SDPA cannot run through its causal kernels (kernels_default_attention): ours
         # is faster on every row, packed or not, and lets the step run as a CUDA graph.
         # On a GPU, rows of one document: the faster of ours and SDPA's, measured.
-        kernels["attention"] = True
+        kernels["attention"] = None  # where it applies
     loss_fn, make_optimizer = switch_in(model, kernels)
+    if data is not None and not data.dense_mask and not kernels["attention"]:
+        # Packed rows planned for the attention kernel, which could not go in: the model's own
+        # attention keeps each document apart only through a dense mask (with its window).
+        data.dense_mask = True
+        data.mask_window = models.dense_mask_window(args, data, model.config, documents=False)
     if after_kernels:
         after_kernels(model)
     if world and args.ddp:  # after the kernels: the swapped modules are what is replicated

@@ -419,7 +419,7 @@ def exit_on_oom(args, what, model):
             raise
         where = "GPU" if isinstance(e, torch.OutOfMemoryError) else "CPU"
         name = "the tiny LLaMA" if args.tiny else args.model
-        hint = "" if getattr(args, "use_custom_flce", False) else ", or add --use-custom-flce (no logits at all)"
+        hint = "" if getattr(args, "use_custom_flce", False) is not False else ", or add --use-custom-flce (no logits at all)"
         if getattr(args, "ddp", False) and getattr(args, "ddp_shard_weights", False):
             hint += ", or add --gradient-checkpointing, or shard the model with --fsdp instead"
         elif getattr(args, "ddp", False):  # chosen by torchrun's memory rule, or asked for

@@ -204,10 +204,11 @@ def test_json_fields(runs):
                 "tokens_per_sec", "time_per_step_s", "peak_memory_bytes", "peak_memory_kind", "warmup_steps"):
         assert key in doc, key
     assert doc["script"] == "finetune_optimized.py"
-    # Synthetic rows are one document each: the attention kernel stays off by default in the
-    # interpreter (packed real data only); on a GPU it goes in for the measured choice.
+    # What each kernel came to. Synthetic rows are one document each: the attention kernel stays
+    # off by default in the interpreter (packed real data only); on a GPU it goes in for the
+    # measured choice. The cross-entropy on logits is left out where the fused loss went in.
     assert doc["kernels"] == {"rmsnorm": True, "residual": True, "swiglu": True, "rope": True, "attention": DEFAULT_ATTENTION,
-                              "ce": True, "flce": True, "adamw": True, "projections": True}
+                              "ce": False, "flce": True, "adamw": True, "projections": True}
     assert doc["config"]["seq_len"] == 32 and doc["config"]["batch_size"] == 2 and doc["config"]["tiny"] is True
     for key in ("device", "gpu", "python", "torch", "triton", "transformers", "cuda", "date"):
         assert key in doc["environment"], key
@@ -408,11 +409,49 @@ def gpt2_dir(tmp_path):
 
 
 def test_no_rmsnorm_modules(gpt2_dir, capsys):
+    # Asked for on the command line: a kernel that cannot go in ends the run in one line.
     with pytest.raises(SystemExit) as e:
-        finetune_optimized.main(["--model", gpt2_dir, "--dataset", "synthetic", "--seq-len", "16", "--steps", "1"])
-    assert "--use-custom-rmsnorm: found no RMSNorm modules to replace in GPT2LMHeadModel" in str(e.value.code)
+        finetune_optimized.main(["--model", gpt2_dir, "--dataset", "synthetic", "--seq-len", "16", "--steps", "1",
+                                 "--use-custom-rmsnorm"])
+    assert e.value.code == ("error: --use-custom-rmsnorm: found no RMSNorm modules to replace in GPT2LMHeadModel (it "
+                            "looks for modules named *RMSNorm with a weight and variance_epsilon (LLaMA) or eps "
+                            "(Gemma)); run with --no-use-custom-rmsnorm")
     # On the way it said, in one line, why the weights were not loaded.
     assert f"Could not load weights for {gpt2_dir}: OSError" in capsys.readouterr().out
+
+
+def test_kernels_left_at_their_defaults_go_in_where_they_apply(gpt2_dir, capsys):
+    """GPT-2 has no RMSNorm, gated MLP, RoPE or decoder layers of the residual kernel's form,
+    and drops attention probabilities: with no --use-custom-* flag those stay PyTorch's, each
+    said in one line, and the run trains with the rest, as the baseline does."""
+    argv = ["--model", gpt2_dir, "--random-init", "--dataset", "synthetic", "--batch-size", "2", "--seq-len", "16",
+            "--steps", "2", "--warmup-steps", "0"]
+    ours = finetune_optimized.main(argv)
+    out = capsys.readouterr().out
+    for kernel in ("rmsnorm", "residual", "swiglu", "rope"):
+        assert f"{run.LABELS[kernel]:<14} left to PyTorch: " in out, kernel
+        assert ours["kernels"][kernel] is False, kernel
+    assert ours["kernels"]["flce"] is True and "Kernels:       flce, adamw\n" in out
+    base = finetune_baseline.main(argv)
+    for step, (b, o) in enumerate(zip(base["losses"], ours["losses"]), start=1):
+        assert abs(b - o) <= 1e-4, f"step {step}: baseline {b:.6f} vs optimized {o:.6f}"
+
+
+def test_packed_rows_keep_their_documents_apart_where_the_attention_kernel_cannot_go_in(tmp_path, capsys):
+    """Packed real data plans rows for the attention kernel (no mask: it reads the documents
+    from the position ids). Falcon's attention is refused by the kernel's probe, so the
+    rows must carry the dense [B, 1, T, T] mask after all: the same losses as the baseline's
+    packed rows (without the mask the documents would attend to each other)."""
+    transformers.AutoConfig.for_model("falcon", vocab_size=512, num_hidden_layers=2, num_attention_heads=4,
+                                      hidden_size=64).save_pretrained(tmp_path / "model")
+    argv = ["--model", str(tmp_path / "model"), "--random-init", "--batch-size", "2", "--seq-len", "96", "--steps", "2",
+            "--warmup-steps", "0", "--packing"]
+    ours = finetune_optimized.main(argv)
+    assert "Custom attn:   left to PyTorch: FalconForCausalLM's attention" in capsys.readouterr().out
+    assert ours["kernels"]["attention"] is False and ours["kernels"]["rope"] is True
+    base = finetune_baseline.main(argv)
+    for step, (b, o) in enumerate(zip(base["losses"], ours["losses"]), start=1):
+        assert abs(b - o) <= 1e-4, f"step {step}: baseline {b:.6f} vs optimized {o:.6f}"
 
 
 def test_missing_path_and_unknown_id():
@@ -662,7 +701,7 @@ def test_a_rope_that_turns_other_pairs_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(training, "train_step", lambda *a, **k: pytest.fail("trained with another RoPE"))
     with pytest.raises(SystemExit) as e:
         finetune_optimized.main(["--model", str(tmp_path), "--random-init", "--dataset", "synthetic", "--seq-len", "16",
-                                 "--no-use-custom-rmsnorm"])
+                                 "--use-custom-rope"])
     assert e.value.code == ("error: --use-custom-rope: transformers.models.cohere.modeling_cohere.apply_rotary_pos_emb "
                             "computes another rotation than the fused RoPE (x * cos + rotate_half(x) * sin on the "
                             "first 16 of 16 dims); run with --no-use-custom-rope")
@@ -706,7 +745,8 @@ def test_a_logit_transform_the_fused_loss_does_not_know_is_refused(tmp_path, mon
     monkeypatch.setattr(linear_cross_entropy_kernel, "logit_multiplier", lambda config: 1.0)  # as if unknown
     monkeypatch.setattr(training, "train_step", lambda *a, **k: pytest.fail("trained with the wrong loss"))
     with pytest.raises(SystemExit) as e:
-        finetune_optimized.main(["--model", str(tmp_path), "--random-init", "--dataset", "synthetic", "--seq-len", "16"])
+        finetune_optimized.main(["--model", str(tmp_path), "--random-init", "--dataset", "synthetic", "--seq-len", "16",
+                                 "--use-custom-flce"])
     assert e.value.code == ("error: --use-custom-flce: GraniteForCausalLM transforms its logits after the LM head in "
                             "a way the fused loss does not implement; run with --no-use-custom-flce")
 

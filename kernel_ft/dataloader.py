@@ -404,6 +404,7 @@ class InstructionData:
         self.pad_id = pad if pad is not None else 0  # any valid id: padding is masked and has no label
         self.mask_window = 0  # a sliding window the dense mask applies (set by run.load: models.dense_mask_window)
         self.dense_mask = True  # packed rows carry a [B, 1, T, T] mask (set by run.load: models.document_attention)
+        self.mask_dtype = None  # bool, or the float dtype of an additive mask (set by run.load: models.mask_dtype)
 
 
 def prepare_data(args, records, vocab_size):
@@ -466,12 +467,12 @@ class StepBatches(torch.utils.data.Dataset):
     """
 
     def __init__(self, examples, batch_size, seq_len, packing, seed, pad_id, endless=True, rank=0, ranks=1,
-                 dense_mask=True, window=0):
+                 dense_mask=True, window=0, mask_dtype=None):
         self.examples, self.batch_size, self.seq_len = examples, batch_size, seq_len
         # Packing without a dense mask: the attention kernel reads the documents from
         # the position ids (models.document_attention), and no [B, 1, T, T] is built.
         # With one, ``window`` is the model's sliding window it must carry (or 0).
-        self.dense_mask, self.window = dense_mask, window
+        self.dense_mask, self.window, self.mask_dtype = dense_mask, window, mask_dtype
         # --fsdp: step k's global batch is rows k*N*B ... of N ranks x B rows; this
         # process (rank r of N) takes its slice, rows k*N*B + r*B ... + B - 1.
         self.rank, self.ranks = rank, ranks
@@ -551,7 +552,7 @@ class StepBatches(torch.utils.data.Dataset):
             document[b, t:] = len(row)
         real = sum(sum(row) for row in lengths)
         if self.packing:
-            attention_mask = block_causal_mask(document, self.window) if self.dense_mask else None
+            attention_mask = block_causal_mask(document, self.window, self.mask_dtype) if self.dense_mask else None
         else:
             # Padding: one example per row, padded on the right, so the model's own
             # positions 0, 1, 2, ... are right and a [B, T] mask hides the padding.
@@ -561,10 +562,13 @@ class StepBatches(torch.utils.data.Dataset):
                 "attention_mask": attention_mask, "num_tokens": input_ids.numel(), "num_real_tokens": real}
 
 
-def block_causal_mask(document, window=0):
+def block_causal_mask(document, window=0, dtype=None):
     """[B, T] example index of every slot -> [B, 1, T, T] bool, True where query t may
     attend to key s: same example, s <= t, and with a sliding ``window`` > 0, s > t -
-    window (the model's own window: models.dense_mask_window).
+    window (the model's own window: models.dense_mask_window). With a float ``dtype``
+    the same as HF's additive form, 0 where allowed and the dtype's lowest value
+    elsewhere: HF's eager attention adds a ready mask to the scores as it is, and a
+    bool one would add 1 and 0 and hide nothing (models.mask_dtype).
 
     Passed to the model as a ready 4-D mask, HF's SDPA attention uses it as given:
     attention never crosses examples, exactly. It costs B * T * T bytes
@@ -576,7 +580,10 @@ def block_causal_mask(document, window=0):
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
     if window:
         causal = causal.triu(-(window - 1))  # s >= t - window + 1
-    return (same & causal)[:, None]
+    allowed = (same & causal)[:, None]
+    if dtype is None:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def loader(dataset, steps, args):
@@ -617,7 +624,7 @@ def training_batches(args, data, device, vocab_size, start_step=0):
     else:
         dataset = StepBatches(data.train, args.batch_size, args.seq_len, args.packing, args.seed, data.pad_id,
                               rank=rank, ranks=ranks, dense_mask=data.dense_mask,
-                              window=data.mask_window if data is not None else 0)
+                              window=data.mask_window, mask_dtype=data.mask_dtype)
         stream = (batch_to(batch, device) for batch in loader(dataset, itertools.count(first), args))
     while True:
         yield [next(stream) for _ in range(accum)]
@@ -637,6 +644,6 @@ def held_out_batches(args, data, device, vocab_size):
         return []
     dataset = StepBatches(data.held_out, args.batch_size, args.seq_len, args.packing, args.seed, data.pad_id,
                           endless=False, dense_mask=data.dense_mask,
-                          window=data.mask_window if data is not None else 0)
+                          window=data.mask_window, mask_dtype=data.mask_dtype)
     count = dataset.num_batches() if limit is None else min(limit, dataset.num_batches())
     return [batch_to(batch, device) for batch in loader(dataset, range(count), args)]

@@ -191,10 +191,11 @@ def hub_problem(model_id, repo_type="model"):
 
 
 def attention_for(config):
-    """PyTorch's fused attention (SDPA) unless the family needs what it cannot do:
-    Gemma-2's attention logit soft-capping (tanh on the scores) runs only in HF's
-    eager attention, in the baseline and here alike."""
-    return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+    """transformers' own choice, PyTorch's fused attention (SDPA) wherever the family
+    supports it (None: asking for "sdpa" by name stops a family without it, Bloom), unless
+    the family needs what SDPA cannot do: Gemma-2's attention logit soft-capping (tanh on
+    the scores) runs only in HF's eager attention, in the baseline and here alike."""
+    return "eager" if getattr(config, "attn_logit_softcapping", None) else None
 
 
 def avoid_per_shape_attention_plans(args, data):
@@ -389,6 +390,32 @@ def no_kv_cache(model):
     multimodal model's text config (with a cache it attends across packed documents)."""
     for config in (model.config, text_config(model)):
         config.use_cache = False
+
+
+def mask_dtype(model):
+    """The dtype packed rows' dense mask takes for ``model``'s own attention: None (bool)
+    for SDPA and the others that read a bool mask as one, the model's float dtype for
+    transformers' eager attention, which adds a ready 4-D mask to the scores as it is."""
+    if getattr(text_config(model), "_attn_implementation", None) != "eager":
+        return None
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def check_dense_mask(model, data):
+    """Packed rows with a dense mask need a model whose forward takes a ready [B, 1, T, T]
+    one; some build their own from a [B, T] mask (Bloom's ALiBi) and fail deep inside.
+    One row of two short examples, in eval mode without gradients, says so in one line."""
+    from kernel_ft import dataloader
+
+    device = next(p.device for p in model.parameters())
+    ids = torch.tensor([[3, 4, 5, 6]], device=device)
+    mask = dataloader.block_causal_mask(torch.tensor([[0, 0, 1, 1]]), data.mask_window, data.mask_dtype)
+    try:
+        with torch.no_grad(), evaluating(model):
+            model(input_ids=ids, attention_mask=mask.to(device), position_ids=torch.tensor([[0, 1, 0, 1]], device=device))
+    except Exception as e:  # noqa: BLE001 - the model's own code: said in one line
+        raise SystemExit(f"error: --packing: {type(model).__name__} does not take the packed rows' [B, 1, T, T] "
+                         f"mask ({error_line(e)}); use --no-packing") from None
 
 
 def document_attention(args):

@@ -124,6 +124,7 @@ def load(args, world=None):
     models.avoid_per_shape_attention_plans(args, data)
     if data is not None:  # the sliding window a dense mask must apply (the batches build it)
         data.dense_mask = not models.document_attention(args)
+        data.mask_dtype = models.mask_dtype(model)
         data.mask_window = models.dense_mask_window(args, data, model.config)
     if getattr(args, "eval_every", None) and data is not None and not data.held_out:
         raise SystemExit(f"error: --eval-every: {data.name} leaves no held-out example to evaluate on (its "
@@ -150,6 +151,8 @@ def assemble(args, model, data, switch_in, world, after_kernels=None):
         # attention keeps each document apart only through a dense mask (with its window).
         data.dense_mask = True
         data.mask_window = models.dense_mask_window(args, data, model.config, documents=False)
+    if data is not None and data.dense_mask and getattr(args, "packing", False) and not world:
+        models.check_dense_mask(model, data)  # (unsharded, so one process's: --fsdp's model may sit on the host)
     if after_kernels:
         after_kernels(model)
     if world and args.ddp:  # after the kernels: the swapped modules are what is replicated

@@ -106,6 +106,24 @@ def test_packed_row_equals_examples_one_by_one(path, capsys):
         assert abs(loss_and_grads(model, loss_fn, leaky)[0] - loss_one) > 1e-3
 
 
+def test_packed_row_under_eager_attention_equals_examples_one_by_one():
+    """transformers' eager attention (Gemma-2's, and any family without SDPA) adds a ready
+    4-D mask to the scores as it is: the packed rows' mask must be additive there
+    (models.mask_dtype). A bool one adds 1 and 0 and hides nothing, so the examples would
+    attend to each other (the test checks that too)."""
+    model = tiny_model()
+    model.set_attn_implementation("eager")
+    assert models.mask_dtype(model) == torch.float32
+    examples, spans = toy_examples(), [(0, 9), (9, 12), (21, 6)]
+    alone = dataloader.StepBatches(examples, 1, 32, packing=False, seed=0, pad_id=0)
+    for dtype, leaks in ((models.mask_dtype(model), False), (None, True)):
+        packed = dataloader.StepBatches(examples, 1, 32, packing=True, seed=0, pad_id=0,
+                                        mask_dtype=dtype).collate([[0, 1, 2]])
+        loss_one = loss_and_grads(model, training.hf_loss, alone.collate([[2]]))[0]
+        loss_packed = loss_and_grads(model, training.hf_loss, only_example(packed, 2, spans))[0]
+        assert (abs(loss_one - loss_packed) > 1e-3) == leaks, (dtype, loss_one, loss_packed)
+
+
 def test_labels_mask_the_prompt():
     tok = dataloader.ByteTokenizer()
     record = {"instruction": "Name a primary colour.", "context": "Colours of paint.", "response": "Red."}

@@ -437,18 +437,23 @@ def test_kernels_left_at_their_defaults_go_in_where_they_apply(gpt2_dir, capsys)
         assert abs(b - o) <= 1e-4, f"step {step}: baseline {b:.6f} vs optimized {o:.6f}"
 
 
-def test_packed_rows_keep_their_documents_apart_where_the_attention_kernel_cannot_go_in(tmp_path, capsys):
+def test_packed_rows_keep_their_documents_apart_where_the_attention_kernel_cannot_go_in(gpt2_dir, capsys,
+                                                                                          monkeypatch):
     """Packed real data plans rows for the attention kernel (no mask: it reads the documents
-    from the position ids). Falcon's attention is refused by the kernel's probe, so the
-    rows must carry the dense [B, 1, T, T] mask after all: the same losses as the baseline's
-    packed rows (without the mask the documents would attend to each other)."""
-    transformers.AutoConfig.for_model("falcon", vocab_size=512, num_hidden_layers=2, num_attention_heads=4,
-                                      hidden_size=64).save_pretrained(tmp_path / "model")
-    argv = ["--model", str(tmp_path / "model"), "--random-init", "--batch-size", "2", "--seq-len", "96", "--steps", "2",
+    from the position ids). GPT-2's attention drops probabilities, which the kernel refuses,
+    so the rows must carry the dense [B, 1, T, T] mask after all (transformers 5 also splits
+    rows by their position ids where a model builds its mask with its masking utilities; a
+    model of its own code, Bloom, would not): every batch has it, and the losses are the
+    baseline's packed ones."""
+    masks = []
+    real = dataloader.block_causal_mask
+    monkeypatch.setattr(dataloader, "block_causal_mask", lambda *a: masks.append(1) or real(*a))
+    argv = ["--model", gpt2_dir, "--random-init", "--batch-size", "2", "--seq-len", "64", "--steps", "2",
             "--warmup-steps", "0", "--packing"]
     ours = finetune_optimized.main(argv)
-    assert "Custom attn:   left to PyTorch: FalconForCausalLM's attention" in capsys.readouterr().out
-    assert ours["kernels"]["attention"] is False and ours["kernels"]["rope"] is True
+    assert "Custom attn:   left to PyTorch: GPT2LMHeadModel's attention drops" in capsys.readouterr().out
+    assert ours["kernels"]["attention"] is False and ours["kernels"]["flce"] is True
+    assert len(masks) >= 3, "the batches carry no dense mask"  # the check of the model's forward, 2 batches
     base = finetune_baseline.main(argv)
     for step, (b, o) in enumerate(zip(base["losses"], ours["losses"]), start=1):
         assert abs(b - o) <= 1e-4, f"step {step}: baseline {b:.6f} vs optimized {o:.6f}"
@@ -690,6 +695,27 @@ def test_families_that_scale_their_logits_train_like_the_baseline(family, scalin
     base = finetune_baseline.main(argv)
     ours = finetune_optimized.main(argv + off)
     assert ours["kernels"]["flce"] and len(ours["losses"]) == len(base["losses"]) == 3
+    for step, (b, o) in enumerate(zip(base["losses"], ours["losses"]), start=1):
+        assert abs(b - o) <= 1e-4, f"step {step}: baseline {b:.6f} vs optimized {o:.6f}"
+
+
+def test_a_family_without_sdpa_trains_and_packing_it_cannot_take_is_refused_in_one_line(tmp_path):
+    """Bloom has no SDPA attention (transformers refuses to build it with "sdpa" asked by
+    name: the scripts let transformers choose) and builds ALiBi from a [B, T] mask, so the
+    dense [B, 1, T, T] mask of packed rows fails inside its forward: refused in one line
+    before training. Padded rows train, with the baseline's losses."""
+    transformers.AutoConfig.for_model("bloom", vocab_size=512, n_layer=2, n_head=4,
+                                      hidden_size=64).save_pretrained(tmp_path / "model")
+    argv = ["--model", str(tmp_path / "model"), "--random-init", "--batch-size", "2", "--seq-len", "64", "--steps",
+            "2", "--warmup-steps", "0"]
+    for script in (finetune_baseline, finetune_optimized):
+        with pytest.raises(SystemExit) as e:
+            script.main(argv + ["--packing"])
+        message = str(e.value.code)  # the error inside Bloom's code is transformers' own
+        assert message.startswith("error: --packing: BloomForCausalLM does not take the packed rows' [B, 1, T, T] "
+                                  "mask (") and message.endswith("); use --no-packing") and "\n" not in message
+    base, ours = finetune_baseline.main(argv + ["--no-packing"]), finetune_optimized.main(argv + ["--no-packing"])
+    assert ours["kernels"]["flce"] is True
     for step, (b, o) in enumerate(zip(base["losses"], ours["losses"]), start=1):
         assert abs(b - o) <= 1e-4, f"step {step}: baseline {b:.6f} vs optimized {o:.6f}"
 

@@ -37,6 +37,7 @@ import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GP
 
 import torch
 import torch.nn.functional as F
+from swap_common import error_line, evaluating
 
 from kernel_ft import files, flags, models, fsdp
 
@@ -584,6 +585,21 @@ def block_causal_mask(document, window=0, dtype=None):
     if dtype is None:
         return allowed
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def check_dense_mask(model, data):
+    """Packed rows with a dense mask need a model whose forward takes a ready [B, 1, T, T]
+    one; some build their own from a [B, T] mask (Bloom's ALiBi) and fail deep inside.
+    One row of two short examples, in eval mode without gradients, says so in one line."""
+    device = next(p.device for p in model.parameters())
+    ids = torch.tensor([[3, 4, 5, 6]], device=device)
+    mask = block_causal_mask(torch.tensor([[0, 0, 1, 1]]), data.mask_window, data.mask_dtype).to(device)
+    try:
+        with torch.no_grad(), evaluating(model):
+            model(input_ids=ids, attention_mask=mask, position_ids=torch.tensor([[0, 1, 0, 1]], device=device))
+    except Exception as e:  # noqa: BLE001 - the model's own code: said in one line
+        raise SystemExit(f"error: --packing: {type(model).__name__} does not take the packed rows' [B, 1, T, T] "
+                         f"mask ({error_line(e)}); use --no-packing") from None
 
 
 def loader(dataset, steps, args):

@@ -401,23 +401,6 @@ def mask_dtype(model):
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
-def check_dense_mask(model, data):
-    """Packed rows with a dense mask need a model whose forward takes a ready [B, 1, T, T]
-    one; some build their own from a [B, T] mask (Bloom's ALiBi) and fail deep inside.
-    One row of two short examples, in eval mode without gradients, says so in one line."""
-    from kernel_ft import dataloader
-
-    device = next(p.device for p in model.parameters())
-    ids = torch.tensor([[3, 4, 5, 6]], device=device)
-    mask = dataloader.block_causal_mask(torch.tensor([[0, 0, 1, 1]]), data.mask_window, data.mask_dtype)
-    try:
-        with torch.no_grad(), evaluating(model):
-            model(input_ids=ids, attention_mask=mask.to(device), position_ids=torch.tensor([[0, 1, 0, 1]], device=device))
-    except Exception as e:  # noqa: BLE001 - the model's own code: said in one line
-        raise SystemExit(f"error: --packing: {type(model).__name__} does not take the packed rows' [B, 1, T, T] "
-                         f"mask ({error_line(e)}); use --no-packing") from None
-
-
 def document_attention(args):
     """Whether batches leave the attention mask out (the attention kernel reads the
     documents from the position ids) instead of carrying a dense [B, 1, T, T] one: the

@@ -449,7 +449,7 @@ def test_packed_rows_keep_their_documents_apart_where_the_attention_kernel_canno
     real = dataloader.block_causal_mask
     monkeypatch.setattr(dataloader, "block_causal_mask", lambda *a: masks.append(1) or real(*a))
     argv = ["--model", gpt2_dir, "--random-init", "--batch-size", "2", "--seq-len", "64", "--steps", "2",
-            "--warmup-steps", "0", "--packing"]
+            "--warmup-steps", "0", "--packing", "--num-workers", "0"]  # batches built here, where the spy is
     ours = finetune_optimized.main(argv)
     assert "Custom attn:   left to PyTorch: GPT2LMHeadModel's attention drops" in capsys.readouterr().out
     assert ours["kernels"]["attention"] is False and ours["kernels"]["flce"] is True

@@ -359,15 +359,6 @@ def fuse_residuals(model):
     return len(todo)
 
 
-def refusal(model):
-    """Why ``fuse_residuals(model)`` would refuse, in one line, or None; changes nothing."""
-    try:
-        _layers_to_fuse(model)
-    except SwapMismatch as e:
-        return str(e)
-    return None
-
-
 def _layers_to_fuse(model):
     """The decoder layers of ``model`` to fuse (not fused yet), each class checked; or SwapMismatch."""
     layers = [m for m in text_modules(model) if type(m).__name__.endswith("DecoderLayer")]

@@ -214,7 +214,8 @@ def kernels_from_args(args):
     """{kernel name: on/off} from the --use-custom-* flags: True or False as given, None
     (finetune_optimized.py's defaults) for on where the kernel applies to the model."""
     kernels = {name: getattr(args, f"use_custom_{name}", False) for name in KERNELS}
-    if kernels["attention"] is None and not (getattr(args, "packing", False) and args.dataset != SYNTHETIC):
+    packed_real_data = getattr(args, "packing", False) and getattr(args, "dataset", None) != SYNTHETIC
+    if kernels["attention"] is None and not packed_real_data:
         kernels["attention"] = False  # left at its default: on with packed real data (and see run.assemble)
     if getattr(args, "use_custom_lora", False) is not False and getattr(args, "lora", False):
         kernels["lora"] = args.use_custom_lora  # reported for LoRA runs only (None: where it applies)

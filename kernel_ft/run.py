@@ -152,7 +152,8 @@ def assemble(args, model, data, switch_in, world, after_kernels=None):
         data.dense_mask = True
         data.mask_window = models.dense_mask_window(args, data, model.config, documents=False)
     if data is not None and data.dense_mask and getattr(args, "packing", False) and not world:
-        dataloader.check_dense_mask(model, data)  # (unsharded, so one process's: --fsdp's model may sit on the host)
+        # One process alone: under --fsdp the unsharded model may still be on the host.
+        dataloader.check_dense_mask(model, data)
     if after_kernels:
         after_kernels(model)
     if world and args.ddp:  # after the kernels: the swapped modules are what is replicated

@@ -116,10 +116,10 @@ def test_packed_row_under_eager_attention_equals_examples_one_by_one():
     assert models.mask_dtype(model) == torch.float32
     examples, spans = toy_examples(), [(0, 9), (9, 12), (21, 6)]
     alone = dataloader.StepBatches(examples, 1, 32, packing=False, seed=0, pad_id=0)
+    loss_one = loss_and_grads(model, training.hf_loss, alone.collate([[2]]))[0]
     for dtype, leaks in ((models.mask_dtype(model), False), (None, True)):
         packed = dataloader.StepBatches(examples, 1, 32, packing=True, seed=0, pad_id=0,
                                         mask_dtype=dtype).collate([[0, 1, 2]])
-        loss_one = loss_and_grads(model, training.hf_loss, alone.collate([[2]]))[0]
         loss_packed = loss_and_grads(model, training.hf_loss, only_example(packed, 2, spans))[0]
         assert (abs(loss_one - loss_packed) > 1e-3) == leaks, (dtype, loss_one, loss_packed)
 

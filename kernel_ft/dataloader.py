@@ -590,13 +590,15 @@ def block_causal_mask(document, window=0, dtype=None):
 def check_dense_mask(model, data):
     """Packed rows with a dense mask need a model whose forward takes a ready [B, 1, T, T]
     one; some build their own from a [B, T] mask (Bloom's ALiBi) and fail deep inside.
-    One row of two short examples, in eval mode without gradients, says so in one line."""
+    One row of two examples of 8 tokens (16: a multiple some FP8 casts require), in eval mode without
+    gradients, says so in one line."""
     device = next(p.device for p in model.parameters())
-    ids = torch.tensor([[3, 4, 5, 6]], device=device)
-    mask = block_causal_mask(torch.tensor([[0, 0, 1, 1]]), data.mask_window, data.mask_dtype).to(device)
+    ids = torch.zeros(1, 16, dtype=torch.long, device=device)  # token 0: in every vocabulary
+    document = torch.arange(16)[None] // 8
+    mask = block_causal_mask(document, data.mask_window, data.mask_dtype).to(device)
     try:
         with torch.no_grad(), evaluating(model):
-            model(input_ids=ids, attention_mask=mask, position_ids=torch.tensor([[0, 1, 0, 1]], device=device))
+            model(input_ids=ids, attention_mask=mask, position_ids=(torch.arange(16) % 8)[None].to(device))
     except Exception as e:  # noqa: BLE001 - the model's own code: said in one line
         raise SystemExit(f"error: --packing: {type(model).__name__} does not take the packed rows' [B, 1, T, T] "
                          f"mask ({error_line(e)}); use --no-packing") from None

@@ -33,7 +33,7 @@ import torch
 
 from kernel_ft import files, flags, models, ddp, fsdp, dataloader, checkpoints, reporting, training
 from kernel_ft import fp8_gather
-from kernel_ft.patching import KERNELS, LEFT_OUT, apply
+from kernel_ft.patching import APPLIED, KERNELS, LEFT_OUT, apply
 from adamw_kernel import TritonAdamW
 import attention_routing
 
@@ -82,7 +82,7 @@ def apply_kernels(model, kernels):
         if entry["status"] == LEFT_OUT:
             print(f"{LABELS[name]:<14} left to PyTorch: {entry['detail']}")
             continue
-        if entry["status"] == "applied" or (name == "projections" and kernels.get("projections")):
+        if entry["status"] == APPLIED or (name == "projections" and kernels.get("projections")):
             print(f"{LABELS[name]:<14} {entry['detail']}")
     if "attention" in report.applied and say_attention_choice not in attention_routing.CHOICE_LISTENERS:
         attention_routing.CHOICE_LISTENERS.append(say_attention_choice)  # rows of one document: what was measured
@@ -125,7 +125,7 @@ def load(args, world=None):
     if data is not None:  # the sliding window a dense mask must apply (the batches build it)
         data.dense_mask = not models.document_attention(args)
         data.mask_dtype = models.mask_dtype(model)
-        data.mask_window = models.dense_mask_window(args, data, model.config)
+        data.mask_window = models.dense_mask_window(args, data, model.config, documents=not data.dense_mask)
     if getattr(args, "eval_every", None) and data is not None and not data.held_out:
         raise SystemExit(f"error: --eval-every: {data.name} leaves no held-out example to evaluate on (its "
                          f"held-out split is {dataloader.EVAL_FRACTION:.0%} of the records); use a larger dataset "

@@ -130,11 +130,16 @@ def runs(tmp_path_factory):
     return {"base": base, "opt": opt, "base_spy": base_spy, "spy": spy, "dir": out}
 
 
+def assert_same_losses(base, ours):
+    """The baseline's and the optimized run's losses agree step by step, to 1e-4."""
+    for step, (b, o) in enumerate(zip(base, ours), start=1):
+        assert abs(b - o) <= 1e-4, f"step {step}: baseline {b:.6f} vs optimized {o:.6f}"
+
+
 def test_same_losses(runs):
     base, opt = runs["base"]["losses"], runs["opt"]["losses"]
     assert len(base) == len(opt) == 4
-    for step, (b, o) in enumerate(zip(base, opt), start=1):
-        assert abs(b - o) <= 1e-4, f"step {step}: baseline {b:.6f} vs optimized {o:.6f}"
+    assert_same_losses(base, opt)
 
 
 def test_gradient_checkpointing_keeps_the_losses(runs):
@@ -433,8 +438,7 @@ def test_kernels_left_at_their_defaults_go_in_where_they_apply(gpt2_dir, capsys)
         assert ours["kernels"][kernel] is False, kernel
     assert ours["kernels"]["flce"] is True and "Kernels:       flce, adamw\n" in out
     base = finetune_baseline.main(argv)
-    for step, (b, o) in enumerate(zip(base["losses"], ours["losses"]), start=1):
-        assert abs(b - o) <= 1e-4, f"step {step}: baseline {b:.6f} vs optimized {o:.6f}"
+    assert_same_losses(base["losses"], ours["losses"])
 
 
 def test_packed_rows_keep_their_documents_apart_where_the_attention_kernel_cannot_go_in(gpt2_dir, capsys,
@@ -455,8 +459,7 @@ def test_packed_rows_keep_their_documents_apart_where_the_attention_kernel_canno
     assert ours["kernels"]["attention"] is False and ours["kernels"]["flce"] is True
     assert len(masks) >= 3, "the batches carry no dense mask"  # the check of the model's forward, 2 batches
     base = finetune_baseline.main(argv)
-    for step, (b, o) in enumerate(zip(base["losses"], ours["losses"]), start=1):
-        assert abs(b - o) <= 1e-4, f"step {step}: baseline {b:.6f} vs optimized {o:.6f}"
+    assert_same_losses(base["losses"], ours["losses"])
 
 
 def test_missing_path_and_unknown_id():
@@ -695,8 +698,7 @@ def test_families_that_scale_their_logits_train_like_the_baseline(family, scalin
     base = finetune_baseline.main(argv)
     ours = finetune_optimized.main(argv + off)
     assert ours["kernels"]["flce"] and len(ours["losses"]) == len(base["losses"]) == 3
-    for step, (b, o) in enumerate(zip(base["losses"], ours["losses"]), start=1):
-        assert abs(b - o) <= 1e-4, f"step {step}: baseline {b:.6f} vs optimized {o:.6f}"
+    assert_same_losses(base["losses"], ours["losses"])
 
 
 def test_a_family_without_sdpa_trains_and_packing_it_cannot_take_is_refused_in_one_line(tmp_path):
@@ -716,8 +718,7 @@ def test_a_family_without_sdpa_trains_and_packing_it_cannot_take_is_refused_in_o
                                   "mask (") and message.endswith("); use --no-packing") and "\n" not in message
     base, ours = finetune_baseline.main(argv + ["--no-packing"]), finetune_optimized.main(argv + ["--no-packing"])
     assert ours["kernels"]["flce"] is True
-    for step, (b, o) in enumerate(zip(base["losses"], ours["losses"]), start=1):
-        assert abs(b - o) <= 1e-4, f"step {step}: baseline {b:.6f} vs optimized {o:.6f}"
+    assert_same_losses(base["losses"], ours["losses"])
 
 
 def test_a_rope_that_turns_other_pairs_is_refused(tmp_path, monkeypatch):
@@ -762,8 +763,7 @@ def test_partial_rotary_trains_like_the_baseline(tmp_path):
     base = finetune_baseline.main(argv)
     ours = finetune_optimized.main(argv + ["--no-use-custom-swiglu"])
     assert ours["kernels"]["rope"] and ours["kernels"]["rmsnorm"] and ours["kernels"]["flce"]
-    for step, (b, o) in enumerate(zip(base["losses"], ours["losses"]), start=1):
-        assert abs(b - o) <= 1e-4, f"step {step}: baseline {b:.6f} vs optimized {o:.6f}"
+    assert_same_losses(base["losses"], ours["losses"])
 
 
 def test_a_logit_transform_the_fused_loss_does_not_know_is_refused(tmp_path, monkeypatch):

@@ -65,10 +65,9 @@ from tools import export_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 TINY = ["--tiny", "--dataset", "synthetic", "--warmup-steps", "0", "--seq-len", "16"]
-# finetune_optimized.py's kernels on synthetic rows: every one but attention, which is on by
-# default with packed real data only (a synthetic row is one document: SDPA's own causal case).
-# What each kernel came to in a run with the defaults: the cross-entropy on logits is
-# superseded by the fused loss; synthetic rows keep SDPA in the interpreter.
+# What finetune_optimized.py's kernels come to on synthetic rows: every one but attention, which is
+# on by default with packed real data only (a synthetic row is one document: SDPA's own causal
+# case), and the cross-entropy on logits, which the fused loss supersedes.
 EVERY_KERNEL = {**dict.fromkeys(flags.KERNELS, True), "attention": False, "ce": False}
 
 

@@ -38,7 +38,7 @@ from adamw_kernel import TritonAdamW
 import attention_routing
 
 # How each report entry is labelled in a run's output (kernel_ft.apply says what happened).
-LABELS = {"fp8": "FP8 matmuls:", "rmsnorm": "Custom rmsnorm:", "residual": "Residual adds:",
+LABELS = {"fp8": "FP8 matmuls:", "rmsnorm": "Custom norm:", "residual": "Residual adds:",
           "swiglu": "Custom swiglu:", "flce": "Custom loss:",
           "ce": "Custom loss:", "rope": "Custom rope:", "attention": "Custom attn:", "lora": "Custom lora:",
           "projections": "Shared inputs:"}

@@ -154,6 +154,20 @@ def test_fast_launch_is_plain_triton_in_the_interpreter():
         torch.testing.assert_close(_rmsnorm_fwd_launch(x, w), rmsnorm_kernel.rmsnorm_reference(x, w))
 
 
+def test_every_launch_asks_for_fp_fusion():
+    """Fused multiply-adds are asked for at every launch (Triton 3.10 turns them off by default):
+    the plain path's wrapper adds the option, a launch's own setting wins."""
+    import rmsnorm_kernel
+    seen = []
+    kernel_common._with_launch_options(lambda *args, **kwargs: seen.append((args, kwargs)), 7, num_warps=4)
+    assert seen == [((7,), {"enable_fp_fusion": True, "num_warps": 4})]
+    kernel_common._with_launch_options(lambda *args, **kwargs: seen.append(kwargs), enable_fp_fusion=False)
+    assert seen[-1] == {"enable_fp_fusion": False}
+    launcher = rmsnorm_kernel._rmsnorm_fwd_kernel[(1,)]
+    if not kernel_common.FAST_LAUNCH:  # the interpreter: Triton's own launcher, wrapped
+        assert launcher.func is kernel_common._with_launch_options
+
+
 def _rmsnorm_fwd_launch(x, w, plain=False):
     """One launch of the RMSNorm forward kernel, through @fast_launch or (plain) Triton's own."""
     import rmsnorm_kernel
@@ -185,6 +199,7 @@ def test_fast_launch_reuses_exactly_what_triton_would():
         assert any(compiled is c for c in triton_cache.values())
     (key_a, a), (key_b, b) = kernel.compiled.items()
     assert a is not b and key_a[1] != key_b[1]
+    assert a.metadata.enable_fp_fusion and b.metadata.enable_fp_fusion  # LAUNCH_OPTIONS
 
 
 def test_fast_launch_steps_aside_for_launch_hooks():

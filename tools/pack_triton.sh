@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Pack a Triton release small enough to carry to a GPU machine whose image has another
+# Triton (a call carries 64 MiB in all; a Triton wheel is ~290 MB), to run the GPU
+# tests and benchmarks under today's release:
+#
+#   bash tools/pack_triton.sh triton-3.9.0-cp312-abi3-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl
+#     -> .triton/triton.tar.xz (41 MB for 3.9.0), which tools/device_env.sh unpacks in front
+#        of the machine's own Triton
+#
+# Kept: the Python package, the NVIDIA backend (its Python and the CUDA headers its
+# launcher is compiled against), libtriton.so stripped of its symbols (476 -> 192 MB).
+# Left out: the AMD backend, the profiler's and CUPTI's libraries, the MLIR headers and
+# plugins, and the CUDA binaries (ptxas, cuobjdump, nvdisasm): device_env.sh points the
+# carried Triton at the machine's own. The wheel's Python tag must match the machine's
+# Python (the GPU image's is 3.12).
+set -euo pipefail
+wheel=${1:?usage: bash tools/pack_triton.sh TRITON_WHEEL}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+unzip -q "$wheel" -d "$work" -x 'triton/backends/amd/*' 'triton/backends/nvidia/lib/cupti*' \
+  'triton/backends/nvidia/bin/*' 'triton/_C/libproton.so' 'triton/include/*' 'triton/plugins/*' 'triton/instrumentation/*'
+strip --strip-unneeded "$work/triton/_C/libtriton.so"
+mkdir -p .triton
+tar -cJf .triton/triton.tar.xz -C "$work" triton $(cd "$work" && ls -d triton-*.dist-info)
+ls -l .triton/triton.tar.xz

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Pack a Triton release small enough to carry to a GPU machine whose image has another
-# Triton (a call carries 64 MiB in all; a Triton wheel is ~290 MB), to run the GPU
-# tests and benchmarks under today's release:
+# Pack a Triton release small enough to copy to a GPU machine whose image has another
+# Triton and no package index (a Triton wheel is ~290 MB), to run the GPU tests and
+# benchmarks there under today's release:
 #
 #   bash tools/pack_triton.sh triton-3.9.0-cp312-abi3-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl
 #     -> .triton/triton.tar.xz (41 MB for 3.9.0), which tools/device_env.sh unpacks in front
@@ -11,7 +11,7 @@
 # launcher is compiled against), libtriton.so stripped of its symbols (476 -> 192 MB).
 # Left out: the AMD backend, the profiler's and CUPTI's libraries, the MLIR headers and
 # plugins, and the CUDA binaries (ptxas, cuobjdump, nvdisasm): device_env.sh points the
-# carried Triton at the machine's own. The wheel's Python tag must match the machine's
+# packed Triton at the machine's own. The wheel's Python tag must match the machine's
 # Python (the GPU image's is 3.12).
 set -euo pipefail
 wheel=${1:?usage: bash tools/pack_triton.sh TRITON_WHEEL}

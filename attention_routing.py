@@ -36,8 +36,8 @@ import torch
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from swap_common import (
-    SwapMismatch, decoder_of, error_line, gpu_clock, plain_causal_attention, probe_rounding, probing, CACHE_NAMES,
-    our_forward, text_config, text_config_key, text_modules, vocabulary_size, warn_once, wrap_forward,
+    SwapMismatch, additive_mask, decoder_of, error_line, gpu_clock, plain_causal_attention, probe_rounding, probing,
+    CACHE_NAMES, our_forward, text_config, text_config_key, text_modules, vocabulary_size, warn_once, wrap_forward,
 )
 from attention_kernel import document_starts, packed_attention, visible_keys
 
@@ -237,8 +237,7 @@ def check_same_attention(model, theirs_name):
     positions = torch.cat([torch.arange(n) for n in PROBE_LENGTHS])[None].to(weight.device)
     ids = _probe_ids(positions.shape[1], model, weight.device)[None]
     mask = visible_keys(document_starts(positions))[:, None]
-    additive = torch.zeros(mask.shape, dtype=weight.dtype, device=mask.device)  # eager adds its mask to the scores
-    additive.masked_fill_(~mask, torch.finfo(weight.dtype).min)
+    additive = additive_mask(mask, weight.dtype)  # eager adds its mask to the scores
 
     def logits(implementation, attention_mask):
         _set_attention(model, implementation)

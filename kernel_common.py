@@ -393,10 +393,9 @@ class fast_launch:  # noqa: N801 -- used as a decorator, like triton.jit
     def __getitem__(self, grid):
         if not FAST_LAUNCH or callable(grid):  # a grid computed from the arguments: Triton's path
             return functools.partial(_with_launch_options, self.fn[grid])
-        return functools.partial(self._launch, grid)
+        return functools.partial(_with_launch_options, functools.partial(self._launch, grid))
 
     def _launch(self, grid, *args, **kwargs):
-        kwargs = {**LAUNCH_OPTIONS, **kwargs}
         device = torch.cuda.current_device()  # as Triton: the current device, not the tensors'
         caches = self.fn.device_caches.get(device)  # filled by the first plain launch on it
         key = None

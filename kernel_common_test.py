@@ -156,16 +156,15 @@ def test_fast_launch_is_plain_triton_in_the_interpreter():
 
 def test_every_launch_asks_for_fp_fusion():
     """Fused multiply-adds are asked for at every launch (Triton 3.10 turns them off by default):
-    the plain path's wrapper adds the option, a launch's own setting wins."""
+    both paths of @fast_launch go through the wrapper that adds the option; a launch's own setting wins."""
     import rmsnorm_kernel
     seen = []
     kernel_common._with_launch_options(lambda *args, **kwargs: seen.append((args, kwargs)), 7, num_warps=4)
     assert seen == [((7,), {"enable_fp_fusion": True, "num_warps": 4})]
     kernel_common._with_launch_options(lambda *args, **kwargs: seen.append(kwargs), enable_fp_fusion=False)
     assert seen[-1] == {"enable_fp_fusion": False}
-    launcher = rmsnorm_kernel._rmsnorm_fwd_kernel[(1,)]
-    if not kernel_common.FAST_LAUNCH:  # the interpreter: Triton's own launcher, wrapped
-        assert launcher.func is kernel_common._with_launch_options
+    for grid in ((1,), lambda meta: (1,)):  # the fast path (GPU) or Triton's own (interpreter, a computed grid)
+        assert rmsnorm_kernel._rmsnorm_fwd_kernel[grid].func is kernel_common._with_launch_options
 
 
 def _rmsnorm_fwd_launch(x, w, plain=False):

@@ -11,7 +11,8 @@ the same questions of a model, and the answers live here, once:
 * Finding the parts: ``decoder_of`` (the decoder under the LM head), ``text_config``
   and ``text_modules`` (a multimodal model's text decoder, without its vision
   tower), ``vocabulary_size``, ``sliding_layers`` and ``plain_causal_attention``
-  (which masks the attention layers use, from the config alone).
+  (which masks the attention layers use, from the config alone); ``additive_mask``
+  (a bool mask in the form transformers' eager attention adds to the scores).
 * Replacing: ``swap_modules`` (modules), ``wrap_forward``, ``set_forward`` and
   ``InstanceForward`` (one module's forward, in a form that deep copies and
   ``torch.save`` keep, and that torch.compile compiles once for all layers);
@@ -142,6 +143,13 @@ def plain_causal_attention(config, seq_len):
     if window and seq_len > window and any(sliding):
         return False
     return not getattr(config, "attention_chunk_size", None) and getattr(config, "is_causal", True)
+
+
+def additive_mask(allowed, dtype):
+    """A bool attention mask (True: may attend) in transformers' additive form: 0 where
+    allowed, ``dtype``'s lowest value elsewhere. Its eager attention adds a ready 4-D mask to
+    the scores as it is, so a bool one would add 1 and 0 and hide nothing."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def error_line(e):

@@ -37,7 +37,7 @@ import kernel_common  # noqa: F401 - first: the Triton interpreter switch (no GP
 
 import torch
 import torch.nn.functional as F
-from swap_common import error_line, evaluating
+from swap_common import additive_mask, error_line, evaluating
 
 from kernel_ft import files, flags, models, fsdp
 
@@ -582,9 +582,7 @@ def block_causal_mask(document, window=0, dtype=None):
     if window:
         causal = causal.triu(-(window - 1))  # s >= t - window + 1
     allowed = (same & causal)[:, None]
-    if dtype is None:
-        return allowed
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return allowed if dtype is None else additive_mask(allowed, dtype)
 
 
 def check_dense_mask(model, data):

@@ -1,0 +1,258 @@
+"""A causal attention forward for Hopper written in Gluon, Triton's explicit dialect: the schedule of
+FlashAttention-3 spelled out, since Triton's own compiler does not reach it for this loop
+(results/attention/warp_specialize_sm90_cpu/).
+
+What the Triton kernel (attention_kernel.py) leaves to the compiler, this file writes by hand:
+
+- Warp specialization. One warp only issues TMA copies (Q once, then K and V tiles into a ring of
+  STAGES shared-memory buffers); the compute warps never wait on a global load. The two sides talk
+  through mbarriers: `ready[s]` completes when a copy has landed, `empty[s]` when the compute warps
+  are done reading the buffer and the loader may overwrite it.
+- Asynchronous tensor-core products (wgmma) overlapped with the softmax. Each key tile j costs two
+  products, S_j = Q K_j^T and O += P_j V_j, and an online softmax between them. The loop issues
+  S_j, then O += P_{j-1} V_{j-1}, and waits only for S_j: the softmax of tile j runs on the CUDA
+  cores while the tensor cores are still multiplying the previous tile's P V.
+- P stays in registers: the second product takes its left operand from registers (the layout the
+  first product's accumulator already has), so P never goes through shared memory.
+
+Scope of this probe: causal rows of one document or packed documents (no windows or soft-capping),
+bf16/fp16, head dim 64 or 128, GQA. It returns what attention_kernel.attention_forward returns:
+out [B, T, Hq, D] and the log-sum-exp in log2 units [B, Hq, T] float32.
+"""
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+# The TMA load's name: async_copy_global_to_shared in Triton 3.6, async_load from 3.9 on.
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                    q_x, q_t, q_c, kv_x, kv_c, lo_t, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    SPLIT: gl.constexpr):
+    # One warp, a few registers: it only computes coordinates and issues copies. A buffer is
+    # refilled once the compute warps have arrived on its `empty` barrier; a fresh mbarrier counts
+    # as having completed the phase before 0, so the first pass over the ring does not wait.
+    mbarrier.expect(q_bar, SPLIT * q_desc.block_type.nbytes)
+    for i in gl.static_range(SPLIT):  # the query tile, in one piece per compute partition
+        tma_load(q_desc, [q_x, q_t + i * q_desc.block_type.shape[1], q_c], q_bar, q_smem.index(i))
+    for j in range(n_tiles):
+        s = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(k_empty.index(s), phase ^ 1)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma_load(k_desc, [kv_x, (lo_t + j) * BLOCK_N, kv_c], k_ready.index(s), k_smem.index(s))
+        mbarrier.wait(v_empty.index(s), phase ^ 1)
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma_load(v_desc, [kv_x, (lo_t + j) * BLOCK_N, kv_c], v_ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, offs_m, starts, start_n, masked, qk_scale, BLOCK_N: gl.constexpr,
+                  s_layout: gl.constexpr):
+    # The online softmax of one tile of scores (log2 units: exp2 with the scale times log2 e).
+    if masked:  # a document's first tiles and the diagonal: some keys are not visible
+        offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] >= starts[:, None])
+        s = gl.where(visible, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    # A row that has seen no key yet (its document starts further on) keeps m = -inf;
+    # subtracting 0 instead gives exp2(-inf) = 0, not NaN.
+    m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s * qk_scale - m_sub[:, None])
+    alpha = gl.exp2(m_i - m_sub)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _compute_partition(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, DOC_START,
+                       b, h, bh, m0, T, HQ, lo_t, n_tiles, qk_scale,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                       DOCS: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    # The query rows [m0, m0 + BLOCK_M) against the key tiles [lo_t, lo_t + n_tiles).
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    if DOCS:  # packed rows: where each query's document starts
+        starts = gl.load(DOC_START + b * T + offs_m, mask=offs_m < T, other=0)
+        full_lo_t = gl.cdiv(gl.max(starts, 0), BLOCK_N)
+    else:
+        starts = gl.zeros([BLOCK_M], gl.int32, gl.SliceLayout(1, s_layout))
+        full_lo_t = 0
+    # Key tiles in [full_lo_t, full_hi_t) are visible whole to every row here: no mask there.
+    full_hi_t = (m0 + 1) // BLOCK_N
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.full([BLOCK_M], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    q = q_smem.reshape([BLOCK_M, D])  # the [1, BLOCK_M, D] copy as the product reads it
+
+    mbarrier.wait(q_bar, 0)
+    # Tile 0 alone: there is no earlier P V to overlap with.
+    mbarrier.wait(k_ready.index(0), 0)
+    s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, offs_m, starts, lo_t * BLOCK_N,
+                                       (lo_t < full_lo_t) | (lo_t >= full_hi_t), qk_scale, BLOCK_N, s_layout)
+    p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+
+    for j in range(1, n_tiles):
+        cur = j % STAGES
+        prev = (j - 1) % STAGES
+        # S_j = Q K_j^T, issued first ...
+        mbarrier.wait(k_ready.index(cur), (j // STAGES) & 1)
+        s = warpgroup_mma(q, k_smem.index(cur).reshape([BLOCK_N, D]).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        # ... then O += P_{j-1} V_{j-1}, left running while the softmax of tile j works.
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p, v_smem.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
+        # Products finish in order: at most one outstanding means S_j is done.
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        mbarrier.arrive(k_empty.index(cur), count=1)
+        t = lo_t + j
+        p_new, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, offs_m, starts, t * BLOCK_N,
+                                               (t < full_lo_t) | (t >= full_hi_t), qk_scale, BLOCK_N, s_layout)
+        # P_{j-1} is read by the product in flight: passed to the wait, it stays alive until then.
+        acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p = gl.convert_layout(p_new.to(q_smem.dtype), p_layout)
+
+    last = (n_tiles - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+    acc = warpgroup_mma(p, v_smem.index(last).reshape([BLOCK_N, D]), acc, is_async=True)
+    acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
+    mbarrier.arrive(v_empty.index(last), count=1)
+
+    # Every query sees itself, so l_i >= 1 on the rows that exist.
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    out = acc / l_o[:, None]
+    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    ptrs = O + ((b.to(gl.int64) * T + rows[:, None]) * HQ + h) * D + cols[None, :]
+    gl.store(ptrs, out.to(O.dtype.element_ty), mask=(rows < T)[:, None])
+    gl.store(LSE + bh.to(gl.int64) * T + offs_m, m_i + gl.log2(l_i), mask=offs_m < T)
+
+
+@gluon.jit
+def _attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE, DOC_START, T, HQ, GROUP, q_xb, q_xh, q_ch, kv_xb, kv_xh, kv_ch,
+                     qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                     DOCS: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr):
+    # SPLIT = 1: one compute partition of num_warps warps takes the BLOCK_M query rows (its warp
+    # groups move in step: each arrive on a barrier syncs the partition). SPLIT = 2: two partitions
+    # of num_warps each take half of them and run on their own, so one's softmax can overlap the
+    # other's products (FlashAttention-3's ping-pong, here left to the warp schedulers).
+    # Heaviest programs first: the last query tiles of a causal row read the most keys.
+    bh = gl.program_id(0)
+    pid_m = gl.num_programs(1) - 1 - gl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    kvh = h // GROUP
+    m0 = pid_m * BLOCK_M
+    m1 = gl.minimum(m0 + BLOCK_M, T) - 1
+    if DOCS:  # documents are contiguous: the first query's starts first
+        first_start = gl.load(DOC_START + b * T + m0)
+    else:
+        first_start = 0
+    lo_t = first_start // BLOCK_N  # the key tiles [lo_t, lo_t + n_tiles) hold every visible key
+    n_tiles = gl.cdiv(m1 + 1, BLOCK_N) - lo_t
+    HALF: gl.constexpr = BLOCK_M // SPLIT
+
+    # Each warp group of the compute partition takes 64 query rows; instr_shape is [m, n, k] of
+    # one wgmma: 16 rows per warp, the tile's full width, 16 along the reduction for 16-bit inputs.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, D, 16])
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [SPLIT] + q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=SPLIT)  # every compute partition frees a buffer
+        mbarrier.init(v_empty.index(i), count=SPLIT)
+
+    if SPLIT == 1:
+        gl.warp_specialize([
+            (_compute_partition, (q_smem.index(0), k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                                  DOC_START, b, h, bh, m0, T, HQ, lo_t, n_tiles, qk_scale,
+                                  HALF, BLOCK_N, D, STAGES, DOCS, s_layout, o_layout)),
+            (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                              v_empty, b * q_xb + h * q_xh, m0, h * q_ch, b * kv_xb + kvh * kv_xh, kvh * kv_ch,
+                              lo_t, n_tiles, BLOCK_N, STAGES, SPLIT)),
+        ], [1], [24])
+    else:
+        gl.warp_specialize([
+            (_compute_partition, (q_smem.index(0), k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                                  DOC_START, b, h, bh, m0, T, HQ, lo_t, n_tiles, qk_scale,
+                                  HALF, BLOCK_N, D, STAGES, DOCS, s_layout, o_layout)),
+            (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                              v_empty, b * q_xb + h * q_xh, m0, h * q_ch, b * kv_xb + kvh * kv_xh, kvh * kv_ch,
+                              lo_t, n_tiles, BLOCK_N, STAGES, SPLIT)),
+            (_compute_partition, (q_smem.index(1), k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                                  DOC_START, b, h, bh, m0 + HALF, T, HQ, lo_t, n_tiles, qk_scale,
+                                  HALF, BLOCK_N, D, STAGES, DOCS, s_layout, o_layout)),
+        ], [1, num_warps], [24, 240])
+
+
+def _rows_view(t):
+    """A rank-3 view [X, T, C] of a [B, H, T, D] tensor that TMA can read, and where head (b, h) sits
+    in it: x = b * xb + h * xh, columns from h * ch. Two layouts need no copy: HF's [B, T, H, D]
+    seen through a transpose (heads side by side in a row) and [B, H, T, D] with heads stacked."""
+    B, H, T, D = t.shape
+    sb, sh, st, sd = t.stride()
+    if sd == 1 and sh >= D and H * sh <= st and sb == T * st:  # HF: [B, T, H, D]
+        return t.as_strided((B, T, H * sh), (sb, st, 1)), 1, 0, sh
+    if sd == 1 and st >= D and sh >= T * st and sb == H * sh:  # [B, H, T, D], heads stacked
+        return t.as_strided((B * H, T, D), (sh, st, 1)), H, 1, 0
+    return _rows_view(t.contiguous())
+
+
+TILE = {64: (128, 128, 2), 128: (128, 128, 2)}  # head dim -> (BLOCK_M, BLOCK_N, STAGES)
+
+
+def attention_forward_hopper(q, k, v, scale, doc_start=None, block_n=None, stages=None, split=1, maxnreg=None):
+    """(out [B, T, Hq, D], lse [B, Hq, T] float32, log2 units) of causal attention; q [B, Hq, T, D],
+    k, v [B, Hkv, T, D] (any strides with a contiguous last dim); doc_start [B, T] int32 for packed
+    rows (attention_kernel.document_starts), None for one document per row."""
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    if D not in TILE or q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"attention_forward_hopper: head dim {D} / {q.dtype} not supported (64 or 128, 16-bit)")
+    block_m, bn, st = TILE[D]
+    block_n = block_n or bn
+    stages = stages or st
+    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q3, q_xb, q_xh, q_ch = _rows_view(q)
+    k3, k_xb, k_xh, k_ch = _rows_view(k)
+    v3, v_xb, v_xh, v_ch = _rows_view(v)
+    if (k_xb, k_xh, k_ch) != (v_xb, v_xh, v_ch):  # one set of coordinates serves both: one layout
+        k3, k_xb, k_xh, k_ch = _rows_view(k.contiguous())
+        v3, v_xb, v_xh, v_ch = _rows_view(v.contiguous())
+    half = block_m // split
+    q_layout = gl.NVMMASharedLayout.get_default_for([1, half, D], gdt)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([1, block_n, D], gdt)
+    q_desc = TensorDescriptor(q3, list(q3.shape), list(q3.stride()), [1, half, D], q_layout)
+    k_desc = TensorDescriptor(k3, list(k3.shape), list(k3.stride()), [1, block_n, D], kv_layout)
+    v_desc = TensorDescriptor(v3, list(v3.shape), list(v3.stride()), [1, block_n, D], kv_layout)
+    out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
+    extra = {} if maxnreg is None else {"maxnreg": maxnreg}
+    _attn_fwd_hopper[(B * Hq, triton.cdiv(T, block_m))](
+        q_desc, k_desc, v_desc, out, lse, out if doc_start is None else doc_start, T, Hq, Hq // Hkv, q_xb, q_xh, q_ch, k_xb, k_xh, k_ch,
+        scale * math.log2(math.e), BLOCK_M=block_m, BLOCK_N=block_n, D=D, STAGES=stages,
+        DOCS=doc_start is not None, SPLIT=split, num_warps=8 // split, **extra)
+    return out, lse

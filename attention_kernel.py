@@ -132,6 +132,11 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+try:  # the Hopper forward, in Gluon (a Triton without its experimental dialect: the kernels below only)
+    import attention_hopper_kernel
+except ImportError:
+    attention_hopper_kernel = None
+
 
 # --------------------------------------------------------------------------------
 # The reference: plain softmax attention, document by document
@@ -633,6 +638,18 @@ def _descriptor(t, rows, dp):
 MAX_HEAD_DIM = 256
 LOG2_E = math.log2(math.e)
 
+# On an H100 / H200 the forward can run attention_hopper_kernel.py (Gluon: warp-specialized, the
+# softmax overlapped with the products) where it applies: 16-bit, head dim 64 or 128, no window,
+# no soft cap, rows TMA can read. Off until it is measured on a GPU against this file's forward
+# (results/attention/gluon_forward/check_bench.py); the GPU test switches it on to check it.
+USE_HOPPER_FORWARD = False
+
+
+def _hopper_forward_ok(q, k, v, window, softcap):
+    return (USE_HOPPER_FORWARD and attention_hopper_kernel is not None and not INTERPRET and q.is_cuda
+            and torch.cuda.get_device_capability(q.device) == (9, 0)
+            and attention_hopper_kernel.supports(q, k, v) and not window and not softcap)
+
 
 def _check(q, k, v, doc_start, name="attention"):
     for what, t in (("q", q), ("k", k), ("v", v)):
@@ -698,6 +715,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_sta
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
+    if _hopper_forward_ok(q, k, v, window, softcap):
+        return attention_hopper_kernel.attention_forward_hopper(q, k, v, scale, doc_start, out=out, lse=lse)
     dp = max(16, next_power_of_2(D))
     tma = _tma_ok(q, k, v)
     block_m, block_n, warps, stages = _tiles("fwd", dp, q.dtype)

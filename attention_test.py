@@ -410,5 +410,39 @@ def test_gpu_bf16_long_rows():
     check_outputs(["out", "dq", "dk", "dv"], got, peer, truth)
 
 
+HOPPER_ROWS = {  # rows of document lengths, T, query heads, key/value heads, head dim, HF's [B, T, H, D] layout
+    "one document of 1,000, GQA 4": ([[1000]], 1000, 8, 2, 128, True),
+    "packed, rows ending mid-tile": ([[100, 300, 7, 500, 117], [1024]], 1100, 4, 2, 128, True),
+    "head dim 64, lengths of 1 to 5": ([[1, 5, 2, 3, 4] * 40], 600, 4, 4, 64, False),
+    "one token": ([[1]], 1, 2, 1, 128, True),
+    "two rows, GQA 8, head dim 64": ([[257], [128, 129]], 257, 8, 1, 64, True),
+}
+
+
+@pytest.mark.parametrize("case", list(HOPPER_ROWS))
+def test_hopper_forward_matches_truth_and_the_triton_forward(case, monkeypatch):
+    """On an H100 / H200, 16-bit rows of head dim 64 or 128 go through the Gluon forward
+    (attention_hopper_kernel.py); the Triton forward computes the same rows: both against float64."""
+    need_gpu()
+    if torch.cuda.get_device_capability() != (9, 0) or attention_kernel.attention_hopper_kernel is None:
+        pytest.skip("the Gluon forward runs on Hopper only")
+    rows, T, Hq, Hkv, D, hf = HOPPER_ROWS[case]
+    g = torch.Generator().manual_seed(5)
+    make = ((lambda h: torch.randn(len(rows), T, h, D, generator=g).transpose(1, 2)) if hf
+            else (lambda h: torch.randn(len(rows), h, T, D, generator=g)))
+    q, k, v = (make(h).cuda().bfloat16() for h in (Hq, Hkv, Hkv))
+    dout = torch.randn(len(rows), T, Hq, D, generator=g).cuda().bfloat16()
+    doc_start = document_starts(positions_of(rows, T)).cuda()
+    monkeypatch.setattr(attention_kernel, "USE_HOPPER_FORWARD", True)
+    assert attention_kernel._hopper_forward_ok(q, k, v, 0, 0.0)
+    for window, softcap, x in ((7, 0.0, q), (0, 2.0, q), (0, 0.0, q.float())):  # what stays with the Triton kernel
+        assert not attention_kernel._hopper_forward_ok(x, k, v, window, softcap)
+    gluon = run(q, k, v, doc_start, dout, ours())
+    monkeypatch.setattr(attention_kernel, "USE_HOPPER_FORWARD", False)
+    triton_forward = run(q, k, v, doc_start, dout, ours())
+    truth = run(q.double(), k.double(), v.double(), doc_start, dout.double(), reference())
+    check_outputs(["out", "dq", "dk", "dv"], gluon, triton_forward, truth, peer_name="the Triton forward")
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

@@ -1,4 +1,4 @@
-"""On a Hopper GPU: attention_gluon.py's forward checked against float64 attention (and against
+"""On a Hopper GPU: attention_hopper_kernel.py's forward checked against float64 attention (and against
 attention_kernel.attention_forward's own error on the same rows), then timed against ours and SDPA's
 choice (cuDNN) on one causal document of 8,192 and 16,384 tokens. Prints a table; --json PATH writes it."""
 import json, math, os, sys, time
@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
-import attention_gluon as ag
+import attention_hopper_kernel as ag
 import attention_kernel as ak
 
 torch.manual_seed(0)
@@ -102,6 +102,7 @@ for T, D in ((8192, 128), (16384, 128), (8192, 64)):
         runs[f"gluon BLOCK_N={bn} STAGES={st} SPLIT={sp}" + (f" maxnreg={mx}" if mx else "")] = (
             lambda bn=bn, st=st, sp=sp, mx=mx: ag.attention_forward_hopper(q, k, v, scale, block_n=bn, stages=st,
                                                                            split=sp, maxnreg=mx))
+    runs["gluon 128/2/SPLIT=1, doc_start given"] = lambda: ag.attention_forward_hopper(q, k, v, scale, ds)
     print(f"\none causal document, T={T}, {Hq}/{Hkv} heads of {D}, bf16, forward", flush=True)
     for name, fn in runs.items():
         try:

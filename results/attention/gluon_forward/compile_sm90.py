@@ -1,4 +1,4 @@
-"""Compile attention_gluon.py's kernel for sm_90 (H100) on a machine without a GPU: a stand-in driver names
+"""Compile attention_hopper_kernel.py's kernel for sm_90 (H100) on a machine without a GPU: a stand-in driver names
 the target, JITFunction.warmup runs the whole pipeline (ptxas included); nothing is launched.
 python compile_sm90.py [BLOCK_N,STAGES,SPLIT[,MAXNREG]] ..."""
 import sys, os, time, re, subprocess
@@ -13,8 +13,8 @@ class StandIn:
     def get_active_torch_device(self): return torch.device("cpu")
     def is_active(self): return True
 driver.set_active(StandIn())
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import attention_gluon as ag
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))  # the checkout
+import attention_hopper_kernel as ag
 from triton.experimental.gluon import language as gl
 
 B, Hq, Hkv, T = 1, 32, 8, 8192

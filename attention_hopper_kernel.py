@@ -1,23 +1,31 @@
-"""A causal attention forward for Hopper written in Gluon, Triton's explicit dialect: the schedule of
-FlashAttention-3 spelled out, since Triton's own compiler does not reach it for this loop
-(results/attention/warp_specialize_sm90_cpu/).
+"""
+Step 21, on Hopper -- the attention forward written in Gluon, Triton's explicit dialect, with the
+schedule of FlashAttention-3 spelled out, since Triton's own compiler does not reach it for this
+loop (NOTES.md, Step 21: `tl.range(warp_specialize=True)` is ignored or fails here).
 
-What the Triton kernel (attention_kernel.py) leaves to the compiler, this file writes by hand:
+attention_kernel.py leaves the schedule to the compiler; this file writes it by hand:
 
 - Warp specialization. One warp only issues TMA copies (Q once, then K and V tiles into a ring of
   STAGES shared-memory buffers); the compute warps never wait on a global load. The two sides talk
-  through mbarriers: `ready[s]` completes when a copy has landed, `empty[s]` when the compute warps
-  are done reading the buffer and the loader may overwrite it.
+  through mbarriers: `ready[s]` completes when a copy has landed (the copy itself counts the bytes
+  in), `empty[s]` when the compute warps are done reading the buffer and the loader may refill it.
 - Asynchronous tensor-core products (wgmma) overlapped with the softmax. Each key tile j costs two
   products, S_j = Q K_j^T and O += P_j V_j, and an online softmax between them. The loop issues
-  S_j, then O += P_{j-1} V_{j-1}, and waits only for S_j: the softmax of tile j runs on the CUDA
-  cores while the tensor cores are still multiplying the previous tile's P V.
-- P stays in registers: the second product takes its left operand from registers (the layout the
-  first product's accumulator already has), so P never goes through shared memory.
+  S_j, then O += P_{j-1} V_{j-1}, and waits only for S_j: the softmax of tile j (exp2 on the
+  special-function units, about half the time of the two products) runs while the tensor cores
+  are still multiplying the previous tile's P V.
+- P stays in registers: the second product takes its left operand from registers, in the layout
+  the first product's accumulator already has, so P never goes through shared memory.
+- Registers handed over: the loader warp gives its registers back (24 left), the compute warps take
+  them (240 each), which the two 128 x 128 float32 tiles (S and O) need.
 
-Scope of this probe: causal rows of one document or packed documents (no windows or soft-capping),
-bf16/fp16, head dim 64 or 128, GQA. It returns what attention_kernel.attention_forward returns:
-out [B, T, Hq, D] and the log-sum-exp in log2 units [B, Hq, T] float32.
+Memory traffic is flash attention's: Q read once, K and V once per query tile that sees them, O and
+the log-sum-exp written once. What it computes is attention_kernel.py's forward: causal rows of
+one document or packed documents (doc_start), GQA, 16-bit, head dim 64 or 128; it returns the same
+out [B, T, Hq, D] and log-sum-exp (log2 units) [B, Hq, T], which the Triton backward reads.
+attention_kernel.attention_forward sends it what it supports (supports(); no window, no soft cap)
+on an H100 / H200. There is no interpreter for Gluon: the CPU suite runs the Triton kernel, and
+results/attention/gluon_forward/compile_sm90.py compiles this one for sm_90 on a CPU.
 """
 import math
 
@@ -222,19 +230,36 @@ def _rows_view(t):
 
 
 TILE = {64: (128, 128, 2), 128: (128, 128, 2)}  # head dim -> (BLOCK_M, BLOCK_N, STAGES)
+SPLIT = 1  # compute partitions per program (see _attn_fwd_hopper)
 
 
-def attention_forward_hopper(q, k, v, scale, doc_start=None, block_n=None, stages=None, split=1, maxnreg=None):
+def supports(q, k, v):
+    """Whether this forward takes these [B, H, T, D] tensors: 16-bit, one dtype, head dim 64 or 128,
+    and what TMA needs of the views it reads (16-byte aligned start and row strides)."""
+    if q.shape[-1] not in TILE or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    for t in (q, k, v):
+        if t.dtype != q.dtype or t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if any(st <= 0 or st * t.element_size() % 16 for st in t.stride()[:-1]):
+            return False
+    return True
+
+
+def attention_forward_hopper(q, k, v, scale, doc_start=None, block_n=None, stages=None, split=None, maxnreg=None,
+                             out=None, lse=None):
     """(out [B, T, Hq, D], lse [B, Hq, T] float32, log2 units) of causal attention; q [B, Hq, T, D],
-    k, v [B, Hkv, T, D] (any strides with a contiguous last dim); doc_start [B, T] int32 for packed
-    rows (attention_kernel.document_starts), None for one document per row."""
+    k, v [B, Hkv, T, D] (supports()); doc_start [B, T] int32 for packed rows
+    (attention_kernel.document_starts), None for one document per row."""
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
-    if D not in TILE or q.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"attention_forward_hopper: head dim {D} / {q.dtype} not supported (64 or 128, 16-bit)")
+    if not supports(q, k, v):
+        raise ValueError(f"attention_forward_hopper: q {tuple(q.shape)} {q.dtype}: head dim 64 or 128, 16-bit, "
+                         f"16-byte aligned rows only")
     block_m, bn, st = TILE[D]
     block_n = block_n or bn
     stages = stages or st
+    split = split or SPLIT
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     q3, q_xb, q_xh, q_ch = _rows_view(q)
     k3, k_xb, k_xh, k_ch = _rows_view(k)
@@ -248,11 +273,14 @@ def attention_forward_hopper(q, k, v, scale, doc_start=None, block_n=None, stage
     q_desc = TensorDescriptor(q3, list(q3.shape), list(q3.stride()), [1, half, D], q_layout)
     k_desc = TensorDescriptor(k3, list(k3.shape), list(k3.stride()), [1, block_n, D], kv_layout)
     v_desc = TensorDescriptor(v3, list(v3.shape), list(v3.stride()), [1, block_n, D], kv_layout)
-    out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     extra = {} if maxnreg is None else {"maxnreg": maxnreg}
     _attn_fwd_hopper[(B * Hq, triton.cdiv(T, block_m))](
-        q_desc, k_desc, v_desc, out, lse, out if doc_start is None else doc_start, T, Hq, Hq // Hkv, q_xb, q_xh, q_ch, k_xb, k_xh, k_ch,
-        scale * math.log2(math.e), BLOCK_M=block_m, BLOCK_N=block_n, D=D, STAGES=stages,
-        DOCS=doc_start is not None, SPLIT=split, num_warps=8 // split, **extra)
+        q_desc, k_desc, v_desc, out, lse, out if doc_start is None else doc_start, T, Hq, Hq // Hkv,
+        q_xb, q_xh, q_ch, k_xb, k_xh, k_ch, scale * math.log2(math.e),
+        BLOCK_M=block_m, BLOCK_N=block_n, D=D, STAGES=stages, DOCS=doc_start is not None, SPLIT=split,
+        num_warps=8 // split, **extra)
     return out, lse

@@ -30,6 +30,10 @@ results/attention/gluon_forward/compile_sm90.py compiles this one for sm_90 on a
 import math
 
 import torch
+
+# First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
+from kernel_common import LAUNCH_OPTIONS  # what every launch asks of the compiler (fused multiply-adds)
+
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -277,7 +281,7 @@ def attention_forward_hopper(q, k, v, scale, doc_start=None, block_n=None, stage
         out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
-    extra = {} if maxnreg is None else {"maxnreg": maxnreg}
+    extra = dict(LAUNCH_OPTIONS) if maxnreg is None else dict(LAUNCH_OPTIONS, maxnreg=maxnreg)
     _attn_fwd_hopper[(B * Hq, triton.cdiv(T, block_m))](
         q_desc, k_desc, v_desc, out, lse, out if doc_start is None else doc_start, T, Hq, Hq // Hkv,
         q_xb, q_xh, q_ch, k_xb, k_xh, k_ch, scale * math.log2(math.e),

@@ -410,6 +410,33 @@ def test_gpu_bf16_long_rows():
     check_outputs(["out", "dq", "dk", "dv"], got, peer, truth)
 
 
+def test_hopper_forward_reads_each_head_where_it_is():
+    """The Gluon forward reads [B, H, T, D] tensors through rank-3 views [X, T, C] (what its TMA
+    descriptors describe), head (b, h) at x = b * xb + h * xh, columns from h * ch: HF's layout and
+    stacked heads without a copy, anything else copied first. Checked on the CPU, element by element."""
+    hopper = attention_kernel.attention_hopper_kernel
+    if hopper is None:
+        pytest.skip("this Triton has no Gluon")
+    g = torch.Generator().manual_seed(6)
+    B, H, T, D = 2, 3, 5, 16
+    layouts = {"HF": torch.randn(B, T, H, D, generator=g).transpose(1, 2),
+               "stacked": torch.randn(B, H, T, D, generator=g),
+               "every other token": torch.randn(B, H, 2 * T, D, generator=g)[:, :, ::2],
+               "heads padded in a row": torch.randn(B, T, H, 2 * D, generator=g)[..., :D].transpose(1, 2)}
+    for name, t in layouts.items():
+        view, xb, xh, ch = hopper._rows_view(t)
+        assert view.dim() == 3 and view.stride(-1) == 1, name
+        for b in range(B):
+            for h in range(H):
+                assert torch.equal(view[b * xb + h * xh, :, h * ch:h * ch + D], t[b, h]), (name, b, h)
+    x = torch.randn(1, 4, 8, 128, dtype=torch.bfloat16)
+    assert hopper.supports(x, x, x)
+    assert not hopper.supports(x.float(), x.float(), x.float())  # 16-bit only
+    assert not hopper.supports(x[..., :96], x[..., :96], x[..., :96])  # head dim 64 or 128
+    odd = torch.randn(4 * 8 * 128 + 1, dtype=torch.bfloat16)[1:].view(1, 4, 8, 128)
+    assert not hopper.supports(odd, x, x)  # starts 2 bytes past an aligned address
+
+
 HOPPER_ROWS = {  # rows of document lengths, T, query heads, key/value heads, head dim, HF's [B, T, H, D] layout
     "one document of 1,000, GQA 4": ([[1000]], 1000, 8, 2, 128, True),
     "packed, rows ending mid-tile": ([[100, 300, 7, 500, 117], [1024]], 1100, 4, 2, 128, True),

@@ -168,7 +168,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE, DOC_START, T, HQ, GROUP, q_
     kvh = h // GROUP
     m0 = pid_m * BLOCK_M
     m1 = gl.minimum(m0 + BLOCK_M, T) - 1
-    if DOCS:  # documents are contiguous: the first query's starts first
+    if DOCS:  # documents are contiguous: the tile's first query has the earliest document start
         first_start = gl.load(DOC_START + b * T + m0)
     else:
         first_start = 0

@@ -233,6 +233,25 @@ def _rows_view(t):
     return _rows_view(t.contiguous())
 
 
+def _kv_views(k, v):
+    """_rows_view of k and v with one set of coordinates for both (the kernels read a key tile
+    and its value tile at the same place): (k3, v3, (xb, xh, ch)); copied if their layouts differ."""
+    k3, *k_at = _rows_view(k)
+    v3, *v_at = _rows_view(v)
+    if k_at != v_at:
+        k3, *k_at = _rows_view(k.contiguous())
+        v3, *v_at = _rows_view(v.contiguous())
+    return k3, v3, tuple(k_at)
+
+
+def _descriptor(t3, rows, D):
+    """A TMA descriptor of a _rows_view for tiles of rows x D, in the shared-memory layout
+    (swizzled) the tensor cores read."""
+    dtype = gl.bfloat16 if t3.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([1, rows, D], dtype)
+    return TensorDescriptor(t3, list(t3.shape), list(t3.stride()), [1, rows, D], layout)
+
+
 TILE = {64: (128, 128, 2), 128: (128, 128, 2)}  # head dim -> (BLOCK_M, BLOCK_N, STAGES)
 SPLIT = 1  # compute partitions per program (see _attn_fwd_hopper)
 
@@ -264,26 +283,15 @@ def attention_forward_hopper(q, k, v, scale, doc_start=None, block_n=None, stage
     block_n = block_n or bn
     stages = stages or st
     split = split or SPLIT
-    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     q3, q_xb, q_xh, q_ch = _rows_view(q)
-    k3, k_xb, k_xh, k_ch = _rows_view(k)
-    v3, v_xb, v_xh, v_ch = _rows_view(v)
-    if (k_xb, k_xh, k_ch) != (v_xb, v_xh, v_ch):  # one set of coordinates serves both: one layout
-        k3, k_xb, k_xh, k_ch = _rows_view(k.contiguous())
-        v3, v_xb, v_xh, v_ch = _rows_view(v.contiguous())
-    half = block_m // split
-    q_layout = gl.NVMMASharedLayout.get_default_for([1, half, D], gdt)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([1, block_n, D], gdt)
-    q_desc = TensorDescriptor(q3, list(q3.shape), list(q3.stride()), [1, half, D], q_layout)
-    k_desc = TensorDescriptor(k3, list(k3.shape), list(k3.stride()), [1, block_n, D], kv_layout)
-    v_desc = TensorDescriptor(v3, list(v3.shape), list(v3.stride()), [1, block_n, D], kv_layout)
+    k3, v3, (k_xb, k_xh, k_ch) = _kv_views(k, v)
     if out is None:
         out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     extra = dict(LAUNCH_OPTIONS) if maxnreg is None else dict(LAUNCH_OPTIONS, maxnreg=maxnreg)
     _attn_fwd_hopper[(B * Hq, triton.cdiv(T, block_m))](
-        q_desc, k_desc, v_desc, out, lse, out if doc_start is None else doc_start, T, Hq, Hq // Hkv,
+        _descriptor(q3, block_m // split, D), _descriptor(k3, block_n, D), _descriptor(v3, block_n, D), out, lse, out if doc_start is None else doc_start, T, Hq, Hq // Hkv,
         q_xb, q_xh, q_ch, k_xb, k_xh, k_ch, scale * math.log2(math.e),
         BLOCK_M=block_m, BLOCK_N=block_n, D=D, STAGES=stages, DOCS=doc_start is not None, SPLIT=split,
         num_warps=8 // split, **extra)

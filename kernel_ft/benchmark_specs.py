@@ -308,13 +308,18 @@ def document_lengths(s):
     return lengths
 
 
+def row_document_starts(s):
+    """[batch, seq] int32: where each token's document starts, every row holding document_lengths(s)."""
+    positions = torch.cat([torch.arange(n) for n in document_lengths(s)]).expand(s["batch"], s["seq"])
+    return document_starts(positions.to(DEVICE))
+
+
 def attention_inputs(s):
     b, t, d = s["batch"], s["seq"], s["head_dim"]
     q = randn(b, t, s["heads"], d).transpose(1, 2).requires_grad_()  # HF's [B, H, T, D] views
     k = randn(b, t, s["kv_heads"], d).transpose(1, 2).requires_grad_()
     v = randn(b, t, s["kv_heads"], d).transpose(1, 2).requires_grad_()
-    positions = torch.cat([torch.arange(n) for n in document_lengths(s)]).expand(b, t).to(DEVICE)
-    return {"args": (q, k, v, document_starts(positions)), "wrt": (q, k, v),
+    return {"args": (q, k, v, row_document_starts(s)), "wrt": (q, k, v),
             "upstream": (randn(b, t, s["heads"], d),)}
 
 

@@ -26,12 +26,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))  # the checkout
 import attention_kernel as ak  # first: kernel_common's import rule
 from kernel_common import LAUNCH_OPTIONS
-from attention_hopper_kernel import _rows_view, tma_load  # the [B, H, T, D] views TMA reads, the load's name
+from attention_hopper_kernel import _descriptor, _kv_views, _rows_view, tma_load  # the forward's TMA views
 
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
@@ -180,21 +179,15 @@ def attention_backward_hopper(dout, q, k, v, out, lse, doc_start, scale, block_m
     ak._attn_bwd_delta_kernel[(triton.cdiv(T, 64), B * Hq)](
         out, dout, delta, dout.stride(0), dout.stride(1), dout.stride(2), T, Hq, D=D, DP=D, BLOCK_T=64)
     doc_end = ak.document_ends(doc_start)
-    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    k3, kv_xb, kv_xh, kv_ch = _rows_view(k)
-    v3, *v_coords = _rows_view(v)
-    if (kv_xb, kv_xh, kv_ch) != tuple(v_coords):
-        k3, kv_xb, kv_xh, kv_ch = _rows_view(k.contiguous())
-        v3, *_ = _rows_view(v.contiguous())
+    k3, v3, (kv_xb, kv_xh, kv_ch) = _kv_views(k, v)
     q3, q_xb, q_xh, q_ch = _rows_view(q)
     do3, do_xb, do_xh, do_ch = _rows_view(dout.transpose(1, 2))
-    desc = lambda t, r: TensorDescriptor(t, list(t.shape), list(t.stride()), [1, r, D],
-                                         gl.NVMMASharedLayout.get_default_for([1, r, D], gdt))
     dq = torch.zeros(B, Hq, T, D, dtype=torch.float32, device=q.device)
     dk = torch.empty(B, Hkv, T, D, dtype=q.dtype, device=q.device)
     dv = torch.empty(B, Hkv, T, D, dtype=q.dtype, device=q.device)
     _attn_bwd_hopper[(triton.cdiv(T, block_n), B * Hkv)](
-        desc(k3, block_n), desc(v3, block_n), desc(q3, block_m), desc(do3, block_m), lse, delta, doc_start, doc_end,
+        _descriptor(k3, block_n, D), _descriptor(v3, block_n, D), _descriptor(q3, block_m, D), _descriptor(do3, block_m, D),
+        lse, delta, doc_start, doc_end,
         dq, dk, dv, T, Hq, Hkv, kv_xb, kv_xh, kv_ch, q_xb, q_xh, q_ch, do_xb, do_xh, do_ch,
         scale * math.log2(math.e), scale, GROUP=Hq // Hkv, BLOCK_M=block_m, BLOCK_N=block_n, D=D, STAGES=stages,
         DOCS=docs, num_warps=8, **LAUNCH_OPTIONS)

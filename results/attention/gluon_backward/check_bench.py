@@ -18,17 +18,6 @@ record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "t
           "checks": [], "timings": []}
 
 
-def packed_starts(B, T, lo, hi):
-    rows = []
-    for _ in range(B):
-        pos, t = [], 0
-        while t < T:
-            n = min(int(torch.randint(lo, hi + 1, ())), T - t)
-            pos += list(range(n)); t += n
-        rows.append(pos)
-    return ak.document_starts(torch.tensor(rows, device=dev))
-
-
 def grads_truth(q, k, v, dout, ds, scale):
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     out = ak.attention_reference(q64, k64, v64, ds, scale).transpose(1, 2)
@@ -43,7 +32,7 @@ for B, Hq, Hkv, T, D, docs in cases:
     k = torch.randn(B, T, Hkv, D, device=dev, dtype=torch.bfloat16).transpose(1, 2)
     v = torch.randn(B, T, Hkv, D, device=dev, dtype=torch.bfloat16).transpose(1, 2)
     dout = torch.randn(B, T, Hq, D, device=dev, dtype=torch.bfloat16)
-    ds = torch.zeros(B, T, dtype=torch.int32, device=dev) if docs is None else packed_starts(B, T, *docs)
+    ds = bs.row_document_starts({"batch": B, "seq": T, "docs": docs or "one"})  # random lengths in docs
     scale = D ** -0.5
     out, lse = ak.attention_forward(q, k, v, ds, scale, 0, 0.0)
     truth = grads_truth(q, k, v, dout, ds, scale)

@@ -9,6 +9,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
 import attention_hopper_kernel as ag
 import attention_kernel as ak
+from kernel_ft import benchmark_specs as bs
 
 torch.manual_seed(0)
 dev = "cuda"
@@ -40,18 +41,6 @@ def truth(q, k, v, scale, ds):
 # --------------------------------------------------------------------------------------------
 # Correctness: layouts, GQA, lengths that are not multiples of a tile, batches, both head dims.
 # --------------------------------------------------------------------------------------------
-def packed_starts(B, T, lo, hi):
-    # Documents of random lengths in [lo, hi] filling each row (the last one cut at T).
-    rows_ = []
-    for _ in range(B):
-        pos, t = [], 0
-        while t < T:
-            n = min(int(torch.randint(lo, hi + 1, ())), T - t)
-            pos += list(range(n)); t += n
-        rows_.append(pos)
-    return ak.document_starts(torch.tensor(rows_, device=dev))
-
-
 cases = [(1, 4, 1, 128, 128, True, None), (2, 8, 2, 1000, 128, True, None), (2, 4, 4, 333, 64, False, None),
          (1, 8, 8, 2048, 64, True, None), (3, 6, 2, 517, 128, False, None), (1, 2, 1, 1, 128, True, None),
          (2, 4, 2, 4099, 128, True, None), (2, 4, 2, 1500, 128, True, (1, 300)), (1, 4, 1, 3000, 64, True, (200, 900)),
@@ -60,7 +49,7 @@ failures = 0
 for B, Hq, Hkv, T, D, hf, docs in cases:
     q, k, v = rows(B, Hq, Hkv, T, D, hf)
     scale = D ** -0.5
-    ds = torch.zeros(B, T, dtype=torch.int32, device=dev) if docs is None else packed_starts(B, T, *docs)
+    ds = bs.row_document_starts({"batch": B, "seq": T, "docs": docs or "one"})  # random lengths in docs
     ref, ref_lse = truth(q, k, v, scale, ds)
     for cfg in ((128, 2, 1), (128, 3, 1), (64, 2, 1), (128, 2, 2), (64, 2, 2)):
         try:
@@ -122,7 +111,6 @@ for T, D in ((8192, 128), (16384, 128), (8192, 64)):
             record["timings"].append({"T": T, "D": D, "run": "again " + name, "us": ms * 1e3, "tflops": flop / ms / 1e9})
 
 # Packed rows (the benchmark's): ours against the Gluon forward, forward only.
-from kernel_ft import benchmark_specs as bs
 for docs in ([40, 200], [512, 4096]):
     spec = {"tokens": 16384, "batch": 1, "seq": 16384, "heads": 32, "kv_heads": 8, "head_dim": 128, "docs": docs}
     q, k, v, ds = (t.detach() for t in bs.attention_inputs(spec)["args"])

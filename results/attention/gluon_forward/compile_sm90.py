@@ -1,22 +1,12 @@
 """Compile attention_hopper_kernel.py's kernel for sm_90 (H100) on a machine without a GPU: a stand-in driver names
 the target, JITFunction.warmup runs the whole pipeline (ptxas included); nothing is launched.
 python compile_sm90.py [BLOCK_N,STAGES,SPLIT[,MAXNREG]] ..."""
-import sys, os, time, re, subprocess
+import sys, os, time
 import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.runtime import driver
-
-class StandIn:
-    def get_current_target(self): return GPUTarget("cuda", 90, 32)
-    def get_current_device(self): return 0
-    def get_current_stream(self, device=None): return 0
-    def get_active_torch_device(self): return torch.device("cpu")
-    def is_active(self): return True
-driver.set_active(StandIn())
-torch.cuda.is_available = lambda: True  # kernel_common: a GPU, so no interpreter
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))  # the checkout
+import tools.sm90_offline as sm90
+sm90.stand_in()
 import attention_hopper_kernel as ag
-from triton.experimental.gluon import language as gl
 
 B, Hq, Hkv, T = 1, 32, 8, 8192
 for D in (128, 64):
@@ -28,20 +18,15 @@ for D in (128, 64):
         bn, stages, split = cfg[:3]
         maxnreg = cfg[3] if len(cfg) > 3 else None
         q3, qa, qb, qc = ag._rows_view(q); k3, ka, kb, kc = ag._rows_view(k)
-        lay = lambda r: gl.NVMMASharedLayout.get_default_for([1, r, D], gl.bfloat16)
-        desc = lambda t, r: ag.TensorDescriptor(t, list(t.shape), list(t.stride()), [1, r, D], lay(r))
         t0 = time.time()
         try:
             extra = {} if maxnreg is None else {"maxnreg": maxnreg}
-            c = ag._attn_fwd_hopper.warmup(desc(q3, 128 // split), desc(k3, bn), desc(k3, bn), out, lse, ds, T, Hq, Hq // Hkv,
-                                           qa, qb, qc, ka, kb, kc, 0.1, BLOCK_M=128, BLOCK_N=bn, D=D, STAGES=stages, DOCS=docs, SPLIT=split,
-                                           num_warps=8 // split, grid=(1,), **extra)
+            kd = ag._descriptor(k3, bn, D)
+            c = ag._attn_fwd_hopper.warmup(ag._descriptor(q3, 128 // split, D), kd, kd, out, lse, ds, T, Hq, Hq // Hkv,
+                                           qa, qb, qc, ka, kb, kc, 0.1, BLOCK_M=128, BLOCK_N=bn, D=D, STAGES=stages,
+                                           DOCS=docs, SPLIT=split, num_warps=8 // split, grid=(1,), **extra)
             ptx = c.asm["ptx"]
-            open("/tmp/k.cubin", "wb").write(c.asm["cubin"])
-            bin_dir = os.path.dirname(os.environ["TRITON_PTXAS_PATH"])
-            usage = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "--dump-resource-usage", "/tmp/k.cubin"],
-                                   capture_output=True, text=True).stdout
-            regs = " ".join(re.findall(r"REG:\d+|STACK:\d+|LOCAL:\d+", usage))
+            regs = sm90.resources(c)
             print(f"triton {triton.__version__} D={D} {cfg}: ok {time.time()-t0:.0f}s, wgmma {ptx.count('wgmma.mma_async')}, "
                   f"setmaxnreg {ptx.count('setmaxnreg')}, {regs}, shared {c.metadata.shared} B", flush=True)
             if os.environ.get("DUMP"):

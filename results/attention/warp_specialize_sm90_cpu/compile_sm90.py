@@ -3,18 +3,9 @@ Triton imported (ptxas included): python compile_sm90.py KERNEL_FILE BM,BN,WARPS
 attention_kernel.py, with or without warp_specialize.patch). A stand-in driver names the target; nothing is launched."""
 import sys, time, importlib.util, os
 import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.runtime import driver
-
-class Mock:
-    def get_current_target(self): return GPUTarget("cuda", 90, 32)
-    def get_current_device(self): return 0
-    def get_current_stream(self, device=None): return 0
-    def get_active_torch_device(self): return torch.device("cpu")
-    def is_active(self): return True
-driver.set_active(Mock())
-torch.cuda.is_available = lambda: True
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))  # the checkout
+import tools.sm90_offline as sm90
+sm90.stand_in()
 path = sys.argv[1]
 spec = importlib.util.spec_from_file_location("attn_variant", path)
 ak = importlib.util.module_from_spec(spec); spec.loader.exec_module(ak)

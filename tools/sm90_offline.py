@@ -1,0 +1,58 @@
+"""Compiling kernels for an H100 (sm_90) on a machine without a GPU.
+
+Triton compiles through its whole pipeline, ptxas included, for whatever target its
+active driver names; nothing is launched by ``JITFunction.warmup``. So a stand-in driver
+that names sm_90 is enough to see what a kernel becomes on Hopper (its IR, PTX, registers,
+shared memory) from a CPU machine:
+
+    import tools.sm90_offline as sm90
+    sm90.stand_in()                      # before the kernel modules are imported
+    compiled = kernel.warmup(*args, grid=(1,), **meta)
+    sm90.resources(compiled)             # 'REG:168 STACK:0 LOCAL:0' (cuobjdump's count)
+
+TRITON_PTXAS_PATH must name a ptxas (the one Triton's wheel ships, beside cuobjdump).
+Used by results/attention/*/compile_sm90.py.
+"""
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+
+class _StandInDriver:
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def is_active(self):
+        return True
+
+
+def stand_in():
+    """Make Triton compile for sm_90, and kernel_common see a GPU (so it does not switch
+    the interpreter on); call before importing the kernel modules."""
+    driver.set_active(_StandInDriver())
+    torch.cuda.is_available = lambda: True
+
+
+def resources(compiled):
+    """The registers, stack and local memory per thread of a compiled kernel, as cuobjdump
+    reads them from its cubin (spills show as stack or local bytes)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        cuobjdump = os.path.join(os.path.dirname(os.environ["TRITON_PTXAS_PATH"]), "cuobjdump")
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return " ".join(re.findall(r"REG:\d+|STACK:\d+|LOCAL:\d+", usage))

@@ -16,15 +16,22 @@ attention_kernel.py leaves the schedule to the compiler; this file writes it by 
   are still multiplying the previous tile's P V.
 - P stays in registers: the second product takes its left operand from registers, in the layout
   the first product's accumulator already has, so P never goes through shared memory.
+- Two compute partitions, one warp group each, 64 query rows each, sharing the loader's K and V
+  tiles: while one runs its softmax the other's products keep the tensor cores busy
+  (FlashAttention-3's ping-pong; here the warp schedulers interleave them).
 - Registers handed over: the loader warp gives its registers back (24 left), the compute warps take
-  them (240 each), which the two 128 x 128 float32 tiles (S and O) need.
+  them (240 each), which a warp group's two 64 x 128 float32 tiles (S and O) and P need.
 
 Memory traffic is flash attention's: Q read once, K and V once per query tile that sees them, O and
 the log-sum-exp written once. What it computes is attention_kernel.py's forward: causal rows of
 one document or packed documents (doc_start), GQA, 16-bit, head dim 64 or 128; it returns the same
 out [B, T, Hq, D] and log-sum-exp (log2 units) [B, Hq, T], which the Triton backward reads.
-attention_kernel.attention_forward sends it what it supports (supports(); no window, no soft cap)
-on an H100 / H200. There is no interpreter for Gluon: the CPU suite runs the Triton kernel, and
+attention_kernel.attention_forward sends it rows of one document that it supports (supports(); no
+window, no soft cap) on an H100 / H200: 17% faster than the Triton forward on the 8K document, level
+with cuDNN's (results/attention/gluon_h100/). Packed rows stay on the Triton forward: this one's
+128-row query tiles over documents of 40-200 tokens run 1.4x slower than its 64 x 64 tiles (on
+documents of 512-4,096 tokens it is 3% faster), and the launcher cannot see the lengths without
+a host sync. There is no interpreter for Gluon: the CPU suite runs the Triton kernel, and
 results/attention/gluon_forward/compile_sm90.py compiles this one for sm_90 on a CPU.
 """
 import math
@@ -47,12 +54,12 @@ tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                     q_x, q_t, q_c, kv_x, kv_c, lo_t, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    SPLIT: gl.constexpr):
+                    ):
     # One warp, a few registers: it only computes coordinates and issues copies. A buffer is
     # refilled once the compute warps have arrived on its `empty` barrier; a fresh mbarrier counts
     # as having completed the phase before 0, so the first pass over the ring does not wait.
-    mbarrier.expect(q_bar, SPLIT * q_desc.block_type.nbytes)
-    for i in gl.static_range(SPLIT):  # the query tile, in one piece per compute partition
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    for i in gl.static_range(2):  # the query tile, in one piece per compute partition
         tma_load(q_desc, [q_x, q_t + i * q_desc.block_type.shape[1], q_c], q_bar, q_smem.index(i))
     for j in range(n_tiles):
         s = j % STAGES
@@ -155,11 +162,12 @@ def _compute_partition(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
 @gluon.jit
 def _attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE, DOC_START, T, HQ, GROUP, q_xb, q_xh, q_ch, kv_xb, kv_xh, kv_ch,
                      qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                     DOCS: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr):
-    # SPLIT = 1: one compute partition of num_warps warps takes the BLOCK_M query rows (its warp
-    # groups move in step: each arrive on a barrier syncs the partition). SPLIT = 2: two partitions
-    # of num_warps each take half of them and run on their own, so one's softmax can overlap the
-    # other's products (FlashAttention-3's ping-pong, here left to the warp schedulers).
+                     DOCS: gl.constexpr, num_warps: gl.constexpr):
+    # Two compute partitions of num_warps (4) warps, one warp group each, take half of the BLOCK_M
+    # query rows and run on their own, so one's softmax can overlap the other's products
+    # (FlashAttention-3's ping-pong, here left to the warp schedulers). Measured against one
+    # partition of 8 warps on all 128 rows (whose two warp groups move in step: Gluon syncs a
+    # partition before each arrive on a barrier): 913 against 1,149 us on the 8K document, H100.
     # Heaviest programs first: the last query tiles of a causal row read the most keys.
     bh = gl.program_id(0)
     pid_m = gl.num_programs(1) - 1 - gl.program_id(1)
@@ -174,15 +182,15 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE, DOC_START, T, HQ, GROUP, q_
         first_start = 0
     lo_t = first_start // BLOCK_N  # the key tiles [lo_t, lo_t + n_tiles) hold every visible key
     n_tiles = gl.cdiv(m1 + 1, BLOCK_N) - lo_t
-    HALF: gl.constexpr = BLOCK_M // SPLIT
+    HALF: gl.constexpr = BLOCK_M // 2
 
-    # Each warp group of the compute partition takes 64 query rows; instr_shape is [m, n, k] of
-    # one wgmma: 16 rows per warp, the tile's full width, 16 along the reduction for 16-bit inputs.
+    # Each compute partition's warp group takes its 64 query rows; instr_shape is [m, n, k] of one
+    # wgmma: 16 rows per warp, the tile's full width, 16 along the reduction for 16-bit inputs.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, D, 16])
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [SPLIT] + q_desc.block_type.shape, q_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -194,30 +202,20 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE, DOC_START, T, HQ, GROUP, q_
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=SPLIT)  # every compute partition frees a buffer
-        mbarrier.init(v_empty.index(i), count=SPLIT)
+        mbarrier.init(k_empty.index(i), count=2)  # both compute partitions free a buffer
+        mbarrier.init(v_empty.index(i), count=2)
 
-    if SPLIT == 1:
-        gl.warp_specialize([
-            (_compute_partition, (q_smem.index(0), k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE,
-                                  DOC_START, b, h, bh, m0, T, HQ, lo_t, n_tiles, qk_scale,
-                                  HALF, BLOCK_N, D, STAGES, DOCS, s_layout, o_layout)),
-            (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                              v_empty, b * q_xb + h * q_xh, m0, h * q_ch, b * kv_xb + kvh * kv_xh, kvh * kv_ch,
-                              lo_t, n_tiles, BLOCK_N, STAGES, SPLIT)),
-        ], [1], [24])
-    else:
-        gl.warp_specialize([
-            (_compute_partition, (q_smem.index(0), k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE,
-                                  DOC_START, b, h, bh, m0, T, HQ, lo_t, n_tiles, qk_scale,
-                                  HALF, BLOCK_N, D, STAGES, DOCS, s_layout, o_layout)),
-            (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                              v_empty, b * q_xb + h * q_xh, m0, h * q_ch, b * kv_xb + kvh * kv_xh, kvh * kv_ch,
-                              lo_t, n_tiles, BLOCK_N, STAGES, SPLIT)),
-            (_compute_partition, (q_smem.index(1), k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE,
-                                  DOC_START, b, h, bh, m0 + HALF, T, HQ, lo_t, n_tiles, qk_scale,
-                                  HALF, BLOCK_N, D, STAGES, DOCS, s_layout, o_layout)),
-        ], [1, num_warps], [24, 240])
+    gl.warp_specialize([
+        (_compute_partition, (q_smem.index(0), k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                              DOC_START, b, h, bh, m0, T, HQ, lo_t, n_tiles, qk_scale,
+                              HALF, BLOCK_N, D, STAGES, DOCS, s_layout, o_layout)),
+        (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                           v_empty, b * q_xb + h * q_xh, m0, h * q_ch, b * kv_xb + kvh * kv_xh, kvh * kv_ch,
+                           lo_t, n_tiles, BLOCK_N, STAGES)),
+        (_compute_partition, (q_smem.index(1), k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                              DOC_START, b, h, bh, m0 + HALF, T, HQ, lo_t, n_tiles, qk_scale,
+                              HALF, BLOCK_N, D, STAGES, DOCS, s_layout, o_layout)),
+    ], [1, num_warps], [24, 240])
 
 
 def _rows_view(t):
@@ -252,8 +250,10 @@ def _descriptor(t3, rows, D):
     return TensorDescriptor(t3, list(t3.shape), list(t3.stride()), [1, rows, D], layout)
 
 
-TILE = {64: (128, 128, 2), 128: (128, 128, 2)}  # head dim -> (BLOCK_M, BLOCK_N, STAGES)
-SPLIT = 1  # compute partitions per program (see _attn_fwd_hopper)
+# head dim -> (BLOCK_M, BLOCK_N, STAGES), from results/attention/gluon_h100/gluon_forward.txt (H100):
+# 128 x 128 tiles ahead of 128 x 64 everywhere; a third stage of K and V buffers (224 KB of shared
+# memory in all at head dim 128) 3,615-3,702 us against 3,875 on the 16K document, level on 8K.
+TILE = {64: (128, 128, 2), 128: (128, 128, 3)}
 
 
 def supports(q, k, v):
@@ -269,8 +269,7 @@ def supports(q, k, v):
     return True
 
 
-def attention_forward_hopper(q, k, v, scale, doc_start=None, block_n=None, stages=None, split=None, maxnreg=None,
-                             out=None, lse=None):
+def attention_forward_hopper(q, k, v, scale, doc_start=None, block_n=None, stages=None, out=None, lse=None):
     """(out [B, T, Hq, D], lse [B, Hq, T] float32, log2 units) of causal attention; q [B, Hq, T, D],
     k, v [B, Hkv, T, D] (supports()); doc_start [B, T] int32 for packed rows
     (attention_kernel.document_starts), None for one document per row."""
@@ -282,17 +281,15 @@ def attention_forward_hopper(q, k, v, scale, doc_start=None, block_n=None, stage
     block_m, bn, st = TILE[D]
     block_n = block_n or bn
     stages = stages or st
-    split = split or SPLIT
     q3, q_xb, q_xh, q_ch = _rows_view(q)
     k3, v3, (k_xb, k_xh, k_ch) = _kv_views(k, v)
     if out is None:
         out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
-    extra = dict(LAUNCH_OPTIONS) if maxnreg is None else dict(LAUNCH_OPTIONS, maxnreg=maxnreg)
     _attn_fwd_hopper[(B * Hq, triton.cdiv(T, block_m))](
-        _descriptor(q3, block_m // split, D), _descriptor(k3, block_n, D), _descriptor(v3, block_n, D), out, lse, out if doc_start is None else doc_start, T, Hq, Hq // Hkv,
-        q_xb, q_xh, q_ch, k_xb, k_xh, k_ch, scale * math.log2(math.e),
-        BLOCK_M=block_m, BLOCK_N=block_n, D=D, STAGES=stages, DOCS=doc_start is not None, SPLIT=split,
-        num_warps=8 // split, **extra)
+        _descriptor(q3, block_m // 2, D), _descriptor(k3, block_n, D), _descriptor(v3, block_n, D), out, lse,
+        out if doc_start is None else doc_start, T, Hq, Hq // Hkv, q_xb, q_xh, q_ch, k_xb, k_xh, k_ch,
+        scale * math.log2(math.e), BLOCK_M=block_m, BLOCK_N=block_n, D=D, STAGES=stages,
+        DOCS=doc_start is not None, num_warps=4, **LAUNCH_OPTIONS)
     return out, lse

@@ -39,7 +39,7 @@ from swap_common import (
     SwapMismatch, additive_mask, decoder_of, error_line, gpu_clock, plain_causal_attention, probe_rounding, probing,
     CACHE_NAMES, our_forward, text_config, text_config_key, text_modules, vocabulary_size, warn_once, wrap_forward,
 )
-from attention_kernel import document_starts, packed_attention, visible_keys
+from attention_kernel import document_starts, one_document_rows, packed_attention, visible_keys
 
 
 # --------------------------------------------------------------------------------
@@ -68,6 +68,12 @@ NAME = "triton_packed"
 # Rows of one document that the measurement gives to theirs (plain_rows_to_theirs) carry
 # it too, with the model left at NAME: our function then calls theirs without a mask.
 ROUTED = "kernel_ft_routed_to"
+# A call without position ids that runs ours carries this keyword set to True: its rows hold one
+# document each, which our function passes on as attention_kernel.one_document_rows (a broadcast
+# zero the launcher reads without a host sync: such rows may take the Hopper forward). The model
+# still hands the layers position ids it made itself (0 to T - 1): those say the same, but only
+# by their values on the GPU.
+ONE_DOCUMENT = "kernel_ft_one_document"
 
 
 def attention_function(layer, name):
@@ -85,6 +91,7 @@ def attention_function(layer, name):
 def hf_packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The attention function transformers calls under NAME (sdpa_attention_forward's signature)."""
     theirs = kwargs.pop(ROUTED, None)
+    one_document = kwargs.pop(ONE_DOCUMENT, False)
     if theirs is not None:  # a recomputation of a routed call, or rows of one document measured faster there
         return attention_function(module, theirs)(module, query, key, value, attention_mask, scaling=scaling,
                                                   dropout=dropout, **kwargs)
@@ -107,8 +114,8 @@ def hf_packed_attention(module, query, key, value, attention_mask, scaling=None,
         dtype = torch.get_autocast_dtype(device)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     positions = kwargs.get("position_ids")
-    if positions is None:
-        doc_start = torch.zeros(B, T, dtype=torch.int32, device=query.device)
+    if positions is None or one_document:
+        doc_start = one_document_rows(B, T, query.device)
     else:
         doc_start = document_starts(positions.expand(B, T))
     return packed_attention(query, key, value, doc_start, scaling, kwargs.get("sliding_window"),
@@ -411,6 +418,8 @@ def decoder_forward_routed(decoder, *args, **kwargs):
             # (SDPA's causal flag). HF builds none under NAME, also inside a CUDA graph
             # capture, where it would build a dense one for SDPA (cuda_graphs.py).
             kwargs[ROUTED] = decoder._kernel_ft_theirs
+        elif decoder._kernel_ft_passes_keywords and arguments.get("position_ids") is None:
+            kwargs[ONE_DOCUMENT] = True
         return decoder._kernel_ft_attention_forward(*args, **kwargs)
     theirs = decoder._kernel_ft_theirs
     if decoder._kernel_ft_passes_keywords:  # down to the layers, for their recomputation (ROUTED above)

@@ -220,6 +220,32 @@ def test_packed_model_matches_the_dense_mask(model_type, extra):
         assert (grads[name] - want_grads[name]).abs().max().item() <= 1e-4 * scale, name
 
 
+def test_rows_without_position_ids_reach_the_kernel_as_one_document(monkeypatch):
+    """A call with no position ids holds one document per row: the decoder says so to every layer,
+    and the kernel gets one_document_rows (what lets the Hopper forward take them, no host sync);
+    packed rows get their documents' starts. Both as HF computes them (loss against the dense mask)."""
+    torch.manual_seed(0)
+    model = models.build_random(family_config("llama", {}), torch.device(DEVICE), torch.float32)
+    batch = packed_batch(model, [[9, 4, 13, 6], [20, 12]], 32)
+    plain = dict(batch, attention_mask=None, position_ids=None)
+    want = [loss_and_grads(model, training.hf_loss, b)[0] for b in (batch, plain)]
+    with contextlib.redirect_stdout(io.StringIO()):
+        apply_kernels(model, {"attention": True})
+    seen = []
+    original = attention_routing.packed_attention
+
+    def spy(q, k, v, doc_start, *args):
+        seen.append(attention_kernel._one_document(doc_start))
+        return original(q, k, v, doc_start, *args)
+
+    monkeypatch.setattr(attention_routing, "packed_attention", spy)
+    for b, loss_wanted, one in ((dict(batch, attention_mask=None), want[0], False), (plain, want[1], True)):
+        seen.clear()
+        loss = loss_and_grads(model, training.hf_loss, b)[0]
+        assert abs(loss.item() - loss_wanted.item()) <= 1e-4
+        assert seen and all(s == one for s in seen), (one, seen)
+
+
 def test_sliding_window_model_matches_hf():
     """A family with a sliding window shorter than the row (Mistral's config here): HF
     builds its own sliding mask for an unpacked row; ours applies the same window."""
@@ -439,17 +465,20 @@ def test_hopper_forward_reads_each_head_where_it_is():
 
 HOPPER_ROWS = {  # rows of document lengths, T, query heads, key/value heads, head dim, HF's [B, T, H, D] layout
     "one document of 1,000, GQA 4": ([[1000]], 1000, 8, 2, 128, True),
-    "packed, rows ending mid-tile": ([[100, 300, 7, 500, 117], [1024]], 1100, 4, 2, 128, True),
-    "head dim 64, lengths of 1 to 5": ([[1, 5, 2, 3, 4] * 40], 600, 4, 4, 64, False),
+    "two rows of one document, GQA 8, head dim 64": ([[257], [257]], 257, 8, 1, 64, True),
     "one token": ([[1]], 1, 2, 1, 128, True),
-    "two rows, GQA 8, head dim 64": ([[257], [128, 129]], 257, 8, 1, 64, True),
+    "stacked heads, a row ending mid-tile": ([[700]], 700, 4, 4, 128, False),
+    "packed, rows ending mid-tile": ([[100, 300, 7, 500, 117], [1024]], 1100, 4, 2, 128, True),
+    "packed, head dim 64, lengths of 1 to 5": ([[1, 5, 2, 3, 4] * 40], 600, 4, 4, 64, False),
 }
 
 
 @pytest.mark.parametrize("case", list(HOPPER_ROWS))
 def test_hopper_forward_matches_truth_and_the_triton_forward(case, monkeypatch):
-    """On an H100 / H200, 16-bit rows of head dim 64 or 128 go through the Gluon forward
-    (attention_hopper_kernel.py); the Triton forward computes the same rows: both against float64."""
+    """On an H100 / H200, 16-bit rows of one document (one_document_rows) of head dim 64 or 128 go
+    through the Gluon forward (attention_hopper_kernel.py): fwd+bwd against float64 and against the
+    same rows with the Triton forward. Packed rows stay with the Triton forward; the Gluon kernel's
+    own document path is checked on them directly, forward and log-sum-exp."""
     need_gpu()
     if torch.cuda.get_device_capability() != (9, 0) or attention_kernel.attention_hopper_kernel is None:
         pytest.skip("the Gluon forward runs on Hopper only")
@@ -458,17 +487,44 @@ def test_hopper_forward_matches_truth_and_the_triton_forward(case, monkeypatch):
     make = ((lambda h: torch.randn(len(rows), T, h, D, generator=g).transpose(1, 2)) if hf
             else (lambda h: torch.randn(len(rows), h, T, D, generator=g)))
     q, k, v = (make(h).cuda().bfloat16() for h in (Hq, Hkv, Hkv))
+    packed_starts = document_starts(positions_of(rows, T)).cuda()
+    scale = 1.0 / math.sqrt(D)
+    if any(len(lengths) > 1 for lengths in rows):
+        assert not attention_kernel._hopper_forward_ok(q, k, v, packed_starts, 0, 0.0)
+        out, lse = attention_kernel.attention_hopper_kernel.attention_forward_hopper(q, k, v, scale, packed_starts)
+        triton_out, triton_lse = attention_kernel.attention_forward(q, k, v, packed_starts, scale, 0, 0.0)
+        truth = attention_reference(q.double(), k.double(), v.double(), packed_starts, scale).transpose(1, 2)
+        check_outputs(["out"], [out], [triton_out], [truth], peer_name="the Triton forward")
+        torch.testing.assert_close(lse, triton_lse, rtol=0, atol=1e-4)  # both log2 units, float32 sums
+        return
+    doc_start = attention_kernel.one_document_rows(len(rows), T, q.device)
+    assert attention_kernel._hopper_forward_ok(q, k, v, doc_start, 0, 0.0)
+    # What stays with the Triton forward: the same rows given as packed ones, a window, a cap, float32.
+    assert not attention_kernel._hopper_forward_ok(q, k, v, packed_starts, 0, 0.0)
+    for window, softcap, x in ((7, 0.0, q), (0, 2.0, q), (0, 0.0, q.float())):
+        assert not attention_kernel._hopper_forward_ok(x, k, v, doc_start, window, softcap)
     dout = torch.randn(len(rows), T, Hq, D, generator=g).cuda().bfloat16()
-    doc_start = document_starts(positions_of(rows, T)).cuda()
-    monkeypatch.setattr(attention_kernel, "USE_HOPPER_FORWARD", True)
-    assert attention_kernel._hopper_forward_ok(q, k, v, 0, 0.0)
-    for window, softcap, x in ((7, 0.0, q), (0, 2.0, q), (0, 0.0, q.float())):  # what stays with the Triton kernel
-        assert not attention_kernel._hopper_forward_ok(x, k, v, window, softcap)
     gluon = run(q, k, v, doc_start, dout, ours())
     monkeypatch.setattr(attention_kernel, "USE_HOPPER_FORWARD", False)
     triton_forward = run(q, k, v, doc_start, dout, ours())
-    truth = run(q.double(), k.double(), v.double(), doc_start, dout.double(), reference())
+    truth = run(q.double(), k.double(), v.double(), packed_starts, dout.double(), reference())
     check_outputs(["out", "dq", "dk", "dv"], gluon, triton_forward, truth, peer_name="the Triton forward")
+
+
+def test_rows_of_one_document_as_a_broadcast_start():
+    """one_document_rows gives doc_start as one broadcast zero, which the launchers read as rows of
+    one document without a host sync; every kernel computes on it what it computes on the same
+    rows given by their position ids (the Triton kernels on a contiguous copy), fwd+bwd."""
+    B, T, H, D = 2, 37, 2, 16
+    one = attention_kernel.one_document_rows(B, T, DEVICE)
+    assert one.shape == (B, T) and one.dtype == torch.int32 and attention_kernel._one_document(one)
+    starts = document_starts(torch.arange(T).expand(B, T).to(DEVICE))
+    assert torch.equal(one, starts) and not attention_kernel._one_document(starts)
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(B, H, T, D, generator=g).to(DEVICE) for _ in range(3))
+    dout = torch.randn(B, T, H, D, generator=g).to(DEVICE)
+    for got, want in zip(run(q, k, v, one, dout, ours()), run(q, k, v, starts, dout, ours())):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 if __name__ == "__main__":

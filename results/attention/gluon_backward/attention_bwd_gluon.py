@@ -26,13 +26,19 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))  # the checkout
 import attention_kernel as ak  # first: kernel_common's import rule
 from kernel_common import LAUNCH_OPTIONS
-from attention_hopper_kernel import _descriptor, _kv_views, _rows_view, tma_load  # the forward's TMA views
+from attention_hopper_kernel import TensorDescriptor, _descriptor, _kv_views, _rows_view, tma_load  # the forward's TMA views
 
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+# How dQ_i's contribution of each key tile reaches the float32 dQ in global memory (DQ_MODE):
+# 0: relaxed vector atomics issued by the compute warps; 1: not at all (timing only: what the
+# atomics cost); 2: written to shared memory and added by one TMA reduction (cp.reduce.async.bulk,
+# FlashAttention-3's way: the copy engine does the adds), which Gluon offers from Triton 3.9 on.
+tma_atomic_add = getattr(tma, "async_atomic_add", None)
 
 
 @gluon.jit
@@ -53,10 +59,11 @@ def _bwd_load(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
 
 
 @gluon.jit
-def _bwd_compute(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty, LSE, DELTA, DOC_END, DQ, DK, DV,
-                 b, kvh, n0, T, HQ, HKV, i0, n_qt, n_iter, qk_scale, scale,
+def _bwd_compute(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready, empty, LSE, DELTA,
+                 DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ, HKV, i0, n_qt, n_iter, qk_scale, scale,
                  GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                 STAGES: gl.constexpr, DOCS: gl.constexpr, num_warps: gl.constexpr):
+                 STAGES: gl.constexpr, DOCS: gl.constexpr, DQ_MODE: gl.constexpr, DK_SMEM: gl.constexpr,
+                 num_warps: gl.constexpr):
     # [BLOCK_N, BLOCK_M] products (S^T, dP^T): keys along rows, 16 per warp; [BLOCK_N, D] accumulators
     # (dK, dV) the same way; dQ_i [BLOCK_M, D] splits D between the two warp groups.
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -108,16 +115,30 @@ def _bwd_compute(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty,
         dst = (pt * (dpt - delta[None, :])).to(dtype)
         ds_smem.store(dst)
         fence_async_shared()  # the generic-proxy store, before the products read it through the async proxy
-        dst16 = gl.convert_layout(dst, a_layout)
-        dk = warpgroup_mma(dst16, q, dk, is_async=True)
-        dq = warpgroup_mma(ds_smem.permute((1, 0)), k, dq_zero, use_acc=False, is_async=True)
-        # P^T and dS^T are read from registers by products in flight: passed to the wait, kept alive.
-        dv, dk, dq, pt16, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt16, dst16))
+        if DK_SMEM:  # dS^T for dK from shared memory too: 16 fewer registers live per thread
+            dk = warpgroup_mma(ds_smem, q, dk, is_async=True)
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k, dq_zero, use_acc=False, is_async=True)
+            dv, dk, dq, pt16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt16))
+        else:
+            dst16 = gl.convert_layout(dst, a_layout)
+            dk = warpgroup_mma(dst16, q, dk, is_async=True)
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k, dq_zero, use_acc=False, is_async=True)
+            # P^T and dS^T are read from registers by products in flight: passed to the wait, kept alive.
+            dv, dk, dq, pt16, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt16, dst16))
         mbarrier.arrive(empty.index(s), count=1)
-        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
-        gl.atomic_add(DQ + (row + rows[:, None]) * D + cols[None, :], dq * scale, mask=(rows < T)[:, None],
-                      sem="relaxed")
+        if DQ_MODE == 0:
+            rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+            cols = gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
+            gl.atomic_add(DQ + (row + rows[:, None]) * D + cols[None, :], dq * scale, mask=(rows < T)[:, None],
+                          sem="relaxed")
+        elif DQ_MODE == 2:
+            tma.store_wait(0)  # the previous tile's reduction has read the buffer
+            dq_smem.reshape([BLOCK_M, D]).store(dq * scale)
+            fence_async_shared()
+            tma_atomic_add(dq_desc, [b * HQ + h, m0, 0], dq_smem)  # rows past T are clipped by the copy
+
+    if DQ_MODE == 2:
+        tma.store_wait(0)
 
     rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))
@@ -127,12 +148,18 @@ def _bwd_compute(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty,
 
 
 @gluon.jit
-def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, LSE, DELTA, DOC_START, DOC_END, DQ, DK, DV, T, HQ, HKV,
-                     kv_xb, kv_xh, kv_ch, q_xb, q_xh, q_ch, do_xb, do_xh, do_ch, qk_scale, scale,
+def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_START, DOC_END, DQ, DK, DV, T, HQ,
+                     HKV, kv_xb, kv_xh, kv_ch, q_xb, q_xh, q_ch, do_xb, do_xh, do_ch, qk_scale, scale,
                      GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                     STAGES: gl.constexpr, DOCS: gl.constexpr, num_warps: gl.constexpr):
-    pid_n = gl.program_id(0)  # early key tiles see the most queries: they go first
-    bkv = gl.program_id(1)
+                     STAGES: gl.constexpr, DOCS: gl.constexpr, DQ_MODE: gl.constexpr, HEAVY_FIRST: gl.constexpr,
+                     DK_SMEM: gl.constexpr,
+                     num_warps: gl.constexpr):
+    if HEAVY_FIRST:  # the grid's first axis runs fastest: key tile 0 of every head first (the most queries)
+        bkv = gl.program_id(0)
+        pid_n = gl.program_id(1)
+    else:
+        pid_n = gl.program_id(0)
+        bkv = gl.program_id(1)
     b = bkv // HKV
     kvh = bkv % HKV
     n0 = pid_n * BLOCK_N
@@ -151,6 +178,10 @@ def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, LSE, DELTA, DOC_START, DOC
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], k_desc.dtype)
     ds_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_N, BLOCK_M], ds_layout)
+    if DQ_MODE == 2:
+        dq_smem = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
+    else:
+        dq_smem = ds_smem  # unused
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -160,9 +191,9 @@ def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, LSE, DELTA, DOC_START, DOC
         mbarrier.init(empty.index(i), count=1)
 
     gl.warp_specialize([
-        (_bwd_compute, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty, LSE, DELTA, DOC_END,
-                        DQ, DK, DV, b, kvh, n0, T, HQ, HKV, i0, n_qt, n_iter, qk_scale, scale,
-                        GROUP, BLOCK_M, BLOCK_N, D, STAGES, DOCS, num_warps)),
+        (_bwd_compute, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready, empty, LSE,
+                        DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ, HKV, i0, n_qt, n_iter, qk_scale, scale,
+                        GROUP, BLOCK_M, BLOCK_N, D, STAGES, DOCS, DQ_MODE, DK_SMEM, num_warps)),
         (_bwd_load, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
                      b * kv_xb + kvh * kv_xh, kvh * kv_ch, n0, q_xb, q_xh, q_ch, do_xb, do_xh, do_ch, b, kvh,
                      i0, n_qt, n_iter, GROUP, BLOCK_M, STAGES)),
@@ -170,7 +201,7 @@ def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, LSE, DELTA, DOC_START, DOC
 
 
 def attention_backward_hopper(dout, q, k, v, out, lse, doc_start, scale, block_m=64, block_n=128, stages=2,
-                              docs=True):
+                              docs=True, dq_mode=0, heavy_first=False, dk_smem=False):
     """(dq, dk, dv) of causal attention over packed documents, as attention_kernel.attention_backward;
     dout [B, T, Hq, D], q [B, Hq, T, D], k, v [B, Hkv, T, D], lse the forward's (log2 units)."""
     B, Hq, T, D = q.shape
@@ -185,10 +216,16 @@ def attention_backward_hopper(dout, q, k, v, out, lse, doc_start, scale, block_m
     dq = torch.zeros(B, Hq, T, D, dtype=torch.float32, device=q.device)
     dk = torch.empty(B, Hkv, T, D, dtype=q.dtype, device=q.device)
     dv = torch.empty(B, Hkv, T, D, dtype=q.dtype, device=q.device)
-    _attn_bwd_hopper[(triton.cdiv(T, block_n), B * Hkv)](
+    if dq_mode == 2 and tma_atomic_add is None:
+        raise RuntimeError(f"dq_mode 2 needs Gluon's TMA reduction (Triton 3.9 or newer), not {triton.__version__}")
+    dq3 = dq.view(B * Hq, T, D)
+    dq_desc = TensorDescriptor(dq3, list(dq3.shape), list(dq3.stride()), [1, block_m, D],
+                               gl.NVMMASharedLayout.get_default_for([1, block_m, D], gl.float32))
+    grid = (B * Hkv, triton.cdiv(T, block_n)) if heavy_first else (triton.cdiv(T, block_n), B * Hkv)
+    _attn_bwd_hopper[grid](
         _descriptor(k3, block_n, D), _descriptor(v3, block_n, D), _descriptor(q3, block_m, D), _descriptor(do3, block_m, D),
-        lse, delta, doc_start, doc_end,
+        dq_desc, lse, delta, doc_start, doc_end,
         dq, dk, dv, T, Hq, Hkv, kv_xb, kv_xh, kv_ch, q_xb, q_xh, q_ch, do_xb, do_xh, do_ch,
         scale * math.log2(math.e), scale, GROUP=Hq // Hkv, BLOCK_M=block_m, BLOCK_N=block_n, D=D, STAGES=stages,
-        DOCS=docs, num_warps=8, **LAUNCH_OPTIONS)
+        DOCS=docs, DQ_MODE=dq_mode, HEAVY_FIRST=heavy_first, DK_SMEM=dk_smem, num_warps=8, **LAUNCH_OPTIONS)
     return dq.to(q.dtype), dk, dv

@@ -51,10 +51,10 @@ for B, Hq, Hkv, T, D, hf, docs in cases:
     scale = D ** -0.5
     ds = bs.row_document_starts({"batch": B, "seq": T, "docs": docs or "one"})  # random lengths in docs
     ref, ref_lse = truth(q, k, v, scale, ds)
-    for cfg in ((128, 2, 1), (128, 3, 1), (64, 2, 1), (128, 2, 2), (64, 2, 2)):
+    for cfg in ((128, 2), (128, 3), (64, 2)):  # (BLOCK_N, STAGES)
         try:
             out, lse = ag.attention_forward_hopper(q, k, v, scale, None if docs is None else ds,
-                                                   block_n=cfg[0], stages=cfg[1], split=cfg[2])
+                                                   block_n=cfg[0], stages=cfg[1])
             torch.cuda.synchronize()
             err = (out.double() - ref).abs().max().item()
             lse_err = (lse.double() - ref_lse).abs().max().item()
@@ -86,12 +86,10 @@ for T, D in ((8192, 128), (16384, 128), (8192, 64)):
     flop = 4 * Hq * D * T * (T + 1) // 2
     runs = {"attention_kernel (Triton)": lambda: ak.attention_forward(q, k, v, ds, scale, 0, 0.0),
             "SDPA (PyTorch's choice)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)}
-    for bn, st, sp, mx in ((128, 2, 1, None), (128, 3, 1, None), (64, 2, 1, None), (128, 2, 2, None),
-                           (128, 3, 2, None), (64, 2, 2, None), (64, 3, 2, None), (128, 2, 2, 168)):
-        runs[f"gluon BLOCK_N={bn} STAGES={st} SPLIT={sp}" + (f" maxnreg={mx}" if mx else "")] = (
-            lambda bn=bn, st=st, sp=sp, mx=mx: ag.attention_forward_hopper(q, k, v, scale, block_n=bn, stages=st,
-                                                                           split=sp, maxnreg=mx))
-    runs["gluon 128/2/SPLIT=1, doc_start given"] = lambda: ag.attention_forward_hopper(q, k, v, scale, ds)
+    for bn, st in ((128, 2), (128, 3), (64, 2), (64, 3)):
+        runs[f"gluon BLOCK_N={bn} STAGES={st}"] = (
+            lambda bn=bn, st=st: ag.attention_forward_hopper(q, k, v, scale, block_n=bn, stages=st))
+    runs["gluon, doc_start given"] = lambda: ag.attention_forward_hopper(q, k, v, scale, ds)
     print(f"\none causal document, T={T}, {Hq}/{Hkv} heads of {D}, bf16, forward", flush=True)
     for name, fn in runs.items():
         try:
@@ -117,9 +115,8 @@ for docs in ([40, 200], [512, 4096]):
     flop = 4 * 32 * 128 * bs.visible_pairs(spec)
     print(f"\n16,384 tokens, documents of {docs[0]}-{docs[1]}, forward", flush=True)
     for name, fn in (("attention_kernel (Triton)", lambda: ak.attention_forward(q, k, v, ds, 128 ** -0.5, 0, 0.0)),
-                     ("gluon 128/2/SPLIT=1", lambda: ag.attention_forward_hopper(q, k, v, 128 ** -0.5, ds)),
-                     ("gluon 128/2/SPLIT=2", lambda: ag.attention_forward_hopper(q, k, v, 128 ** -0.5, ds, split=2)),
-                     ("gluon 64/2/SPLIT=2", lambda: ag.attention_forward_hopper(q, k, v, 128 ** -0.5, ds, 64, 2, 2))):
+                     ("gluon (its tiles)", lambda: ag.attention_forward_hopper(q, k, v, 128 ** -0.5, ds)),
+                     ("gluon BLOCK_N=64", lambda: ag.attention_forward_hopper(q, k, v, 128 ** -0.5, ds, 64, 2))):
         for rep in range(2):
             ms = bench(fn)
             print(f"  {name:<42} {ms * 1e3:8.1f} us {flop / ms / 1e9:6.0f} TFLOP/s", flush=True)

@@ -1,6 +1,6 @@
 """Compile attention_hopper_kernel.py's kernel for sm_90 (H100) on a machine without a GPU: a stand-in driver names
 the target, JITFunction.warmup runs the whole pipeline (ptxas included); nothing is launched.
-python compile_sm90.py [BLOCK_N,STAGES,SPLIT[,MAXNREG]] ..."""
+python compile_sm90.py [BLOCK_N,STAGES] ...   (DOCS=1 in the environment: packed rows)"""
 import sys, os, time
 import torch, triton
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))  # the checkout
@@ -14,17 +14,15 @@ for D in (128, 64):
     k = torch.empty(B, T, Hkv, D, dtype=torch.bfloat16).transpose(1, 2)
     out = torch.empty(B, T, Hq, D, dtype=torch.bfloat16); lse = torch.empty(B, Hq, T); ds = torch.empty(B, T, dtype=torch.int32)
     docs = bool(os.environ.get("DOCS"))
-    for cfg in [tuple(int(x) for x in c.split(",")) for c in (sys.argv[1:] or ["128,2,1"])]:
-        bn, stages, split = cfg[:3]
-        maxnreg = cfg[3] if len(cfg) > 3 else None
+    for cfg in [tuple(int(x) for x in c.split(",")) for c in (sys.argv[1:] or ["128,2"])]:
+        bn, stages = cfg
         q3, qa, qb, qc = ag._rows_view(q); k3, ka, kb, kc = ag._rows_view(k)
         t0 = time.time()
         try:
-            extra = {} if maxnreg is None else {"maxnreg": maxnreg}
             kd = ag._descriptor(k3, bn, D)
-            c = ag._attn_fwd_hopper.warmup(ag._descriptor(q3, 128 // split, D), kd, kd, out, lse, ds, T, Hq, Hq // Hkv,
+            c = ag._attn_fwd_hopper.warmup(ag._descriptor(q3, 64, D), kd, kd, out, lse, ds, T, Hq, Hq // Hkv,
                                            qa, qb, qc, ka, kb, kc, 0.1, BLOCK_M=128, BLOCK_N=bn, D=D, STAGES=stages,
-                                           DOCS=docs, SPLIT=split, num_warps=8 // split, grid=(1,), **extra)
+                                           DOCS=docs, num_warps=4, grid=(1,), **ag.LAUNCH_OPTIONS)
             ptx = c.asm["ptx"]
             regs = sm90.resources(c)
             print(f"triton {triton.__version__} D={D} {cfg}: ok {time.time()-t0:.0f}s, wgmma {ptx.count('wgmma.mma_async')}, "

@@ -27,7 +27,7 @@ the log-sum-exp written once. What it computes is attention_kernel.py's forward:
 one document or packed documents (doc_start), GQA, 16-bit, head dim 64 or 128; it returns the same
 out [B, T, Hq, D] and log-sum-exp (log2 units) [B, Hq, T], which the Triton backward reads.
 attention_kernel.attention_forward sends it rows of one document that it supports (supports(); no
-window, no soft cap) on an H100 / H200: 17% faster than the Triton forward on the 8K document, level
+window, no soft cap) on an H100 / H200: 18% less time than the Triton forward on the 8K document, level
 with cuDNN's (results/attention/gluon_h100/). Packed rows stay on the Triton forward: this one's
 128-row query tiles over documents of 40-200 tokens run 1.4x slower than its 64 x 64 tiles (on
 documents of 512-4,096 tokens it is 3% faster), and the launcher cannot see the lengths without

@@ -5,7 +5,7 @@ One program holds a tile of BLOCK_N keys of one key/value head, and walks every 
 sees it, for every query head of its GQA group:
 
     S^T  = K Q_i^T            P^T = exp2(S^T * scale log2 e - lse_i)     (masked where not visible)
-    dP^T = V dO_i^T           dS^T = P^T * (dP^T - delta_i)
+    dP^T = V dO_i^T           dS^T = P^T * (dP^T - delta_i)              (the subtractions inside the products)
     dV  += P^T dO_i           dK  += dS^T Q_i
     dQ_i += dS K              (dS^T through shared memory, added into a float32 dQ by relaxed atomics)
 
@@ -62,8 +62,7 @@ def _bwd_load(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
 def _bwd_compute(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready, empty, LSE, DELTA,
                  DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ, HKV, i0, n_qt, n_iter, qk_scale, scale,
                  GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                 STAGES: gl.constexpr, DOCS: gl.constexpr, DQ_MODE: gl.constexpr, DK_SMEM: gl.constexpr,
-                 num_warps: gl.constexpr):
+                 STAGES: gl.constexpr, DOCS: gl.constexpr, DQ_MODE: gl.constexpr, num_warps: gl.constexpr):
     # [BLOCK_N, BLOCK_M] products (S^T, dP^T): keys along rows, 16 per warp; [BLOCK_N, D] accumulators
     # (dK, dV) the same way; dQ_i [BLOCK_M, D] splits D between the two warp groups.
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -95,15 +94,18 @@ def _bwd_compute(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_
         m0 = (i0 + it % n_qt) * BLOCK_M
         offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
         row = (b * HQ + h).to(gl.int64) * T
-        lse = gl.load(LSE + row + offs_m, mask=offs_m < T, other=0.0)
-        delta = gl.load(DELTA + row + offs_m, mask=offs_m < T, other=0.0)
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         q = q_smem.index(s).reshape([BLOCK_M, D])
         do = do_smem.index(s).reshape([BLOCK_M, D])
-        st = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        dpt = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        # The products start from -lse_i / scale and -delta_i instead of zeros: what the softmax and
+        # dS subtract is already in, so the [BLOCK_M] vectors (16 registers each in this layout) are
+        # dead before the products run. Without it the compute warps spill (80-128 bytes of stack).
+        lse = gl.load(LSE + row + offs_m, mask=offs_m < T, other=0.0)
+        st = warpgroup_mma(k, q.permute((1, 0)), st_zero - (lse / qk_scale)[None, :], is_async=True)
+        delta = gl.load(DELTA + row + offs_m, mask=offs_m < T, other=0.0)
+        dpt = warpgroup_mma(v, do.permute((1, 0)), st_zero - delta[None, :], is_async=True)
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
-        pt = gl.exp2(st * qk_scale - lse[None, :])
+        pt = gl.exp2(st * qk_scale)
         # Some pair of the tile not visible: a key after a query (the diagonal), a query past the
         # first key's document or past the row's end (kend <= T).
         if (m0 < n0 + BLOCK_N - 1) | (m0 + BLOCK_M > first_end):
@@ -112,19 +114,14 @@ def _bwd_compute(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_
         pt16 = gl.convert_layout(pt.to(dtype), a_layout)
         dv = warpgroup_mma(pt16, do, dv, is_async=True)
         dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))  # in order: dP^T done, dV running
-        dst = (pt * (dpt - delta[None, :])).to(dtype)
+        dst = (pt * dpt).to(dtype)
         ds_smem.store(dst)
         fence_async_shared()  # the generic-proxy store, before the products read it through the async proxy
-        if DK_SMEM:  # dS^T for dK from shared memory too: 16 fewer registers live per thread
-            dk = warpgroup_mma(ds_smem, q, dk, is_async=True)
-            dq = warpgroup_mma(ds_smem.permute((1, 0)), k, dq_zero, use_acc=False, is_async=True)
-            dv, dk, dq, pt16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt16))
-        else:
-            dst16 = gl.convert_layout(dst, a_layout)
-            dk = warpgroup_mma(dst16, q, dk, is_async=True)
-            dq = warpgroup_mma(ds_smem.permute((1, 0)), k, dq_zero, use_acc=False, is_async=True)
-            # P^T and dS^T are read from registers by products in flight: passed to the wait, kept alive.
-            dv, dk, dq, pt16, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt16, dst16))
+        dst16 = gl.convert_layout(dst, a_layout)
+        dk = warpgroup_mma(dst16, q, dk, is_async=True)
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k, dq_zero, use_acc=False, is_async=True)
+        # P^T and dS^T are read from registers by products in flight: passed to the wait, kept alive.
+        dv, dk, dq, pt16, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt16, dst16))
         mbarrier.arrive(empty.index(s), count=1)
         if DQ_MODE == 0:
             rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
@@ -152,7 +149,6 @@ def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_S
                      HKV, kv_xb, kv_xh, kv_ch, q_xb, q_xh, q_ch, do_xb, do_xh, do_ch, qk_scale, scale,
                      GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                      STAGES: gl.constexpr, DOCS: gl.constexpr, DQ_MODE: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-                     DK_SMEM: gl.constexpr,
                      num_warps: gl.constexpr):
     if HEAVY_FIRST:  # the grid's first axis runs fastest: key tile 0 of every head first (the most queries)
         bkv = gl.program_id(0)
@@ -193,7 +189,7 @@ def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_S
     gl.warp_specialize([
         (_bwd_compute, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready, empty, LSE,
                         DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ, HKV, i0, n_qt, n_iter, qk_scale, scale,
-                        GROUP, BLOCK_M, BLOCK_N, D, STAGES, DOCS, DQ_MODE, DK_SMEM, num_warps)),
+                        GROUP, BLOCK_M, BLOCK_N, D, STAGES, DOCS, DQ_MODE, num_warps)),
         (_bwd_load, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
                      b * kv_xb + kvh * kv_xh, kvh * kv_ch, n0, q_xb, q_xh, q_ch, do_xb, do_xh, do_ch, b, kvh,
                      i0, n_qt, n_iter, GROUP, BLOCK_M, STAGES)),
@@ -201,7 +197,7 @@ def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_S
 
 
 def attention_backward_hopper(dout, q, k, v, out, lse, doc_start, scale, block_m=64, block_n=128, stages=2,
-                              docs=True, dq_mode=0, heavy_first=False, dk_smem=False):
+                              docs=True, dq_mode=0, heavy_first=False):
     """(dq, dk, dv) of causal attention over packed documents, as attention_kernel.attention_backward;
     dout [B, T, Hq, D], q [B, Hq, T, D], k, v [B, Hkv, T, D], lse the forward's (log2 units)."""
     B, Hq, T, D = q.shape
@@ -227,5 +223,5 @@ def attention_backward_hopper(dout, q, k, v, out, lse, doc_start, scale, block_m
         dq_desc, lse, delta, doc_start, doc_end,
         dq, dk, dv, T, Hq, Hkv, kv_xb, kv_xh, kv_ch, q_xb, q_xh, q_ch, do_xb, do_xh, do_ch,
         scale * math.log2(math.e), scale, GROUP=Hq // Hkv, BLOCK_M=block_m, BLOCK_N=block_n, D=D, STAGES=stages,
-        DOCS=docs, DQ_MODE=dq_mode, HEAVY_FIRST=heavy_first, DK_SMEM=dk_smem, num_warps=8, **LAUNCH_OPTIONS)
+        DOCS=docs, DQ_MODE=dq_mode, HEAVY_FIRST=heavy_first, num_warps=8, **LAUNCH_OPTIONS)
     return dq.to(q.dtype), dk, dv

@@ -1,6 +1,6 @@
 """Compile attention_bwd_gluon.py's kernel for sm_90 (H100) on a machine without a GPU (a stand-in driver names the
 target, JITFunction.warmup runs the whole pipeline, ptxas included; nothing is launched).
-python compile_sm90.py [BLOCK_M,BLOCK_N,STAGES[,DQ_MODE]] ...   (DOCS=1 / DK_SMEM=1 in the environment: packed rows / dK from shared memory)"""
+python compile_sm90.py [BLOCK_M,BLOCK_N,STAGES[,DQ_MODE]] ...   (DOCS=1 in the environment: packed rows)"""
 import sys, os, time
 import torch, triton
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))  # the checkout
@@ -28,10 +28,10 @@ for cfg in [tuple(int(x) for x in c.split(",")) for c in (sys.argv[1:] or ["64,1
         c = bg._attn_bwd_hopper.warmup(desc(k3, bn), desc(k3, bn), desc(q3, bm), desc(d3, bm), dq_desc, lse, delta, ds, ds,
                                        dq, dk, dk, T, Hq, Hkv, ka, kb, kc, qa, qb, qc, da, db, dc, 0.1, 0.1,
                                        GROUP=Hq // Hkv, BLOCK_M=bm, BLOCK_N=bn, D=D, STAGES=stages, DOCS=docs,
-                                       DQ_MODE=dq_mode, HEAVY_FIRST=True, DK_SMEM=bool(os.environ.get('DK_SMEM')),
+                                       DQ_MODE=dq_mode, HEAVY_FIRST=True,
                                        num_warps=8, grid=(1,), **bg.LAUNCH_OPTIONS)
         ptx = c.asm["ptx"]
-        print(f"triton {triton.__version__} D={D} docs={docs} dk_smem={bool(os.environ.get('DK_SMEM'))} {cfg}: ok {time.time()-t0:.0f}s, wgmma "
+        print(f"triton {triton.__version__} D={D} docs={docs} {cfg}: ok {time.time()-t0:.0f}s, wgmma "
               f"{ptx.count('wgmma.mma_async')}, atomic adds {ptx.count('atom.global') + ptx.count('red.global')}, TMA reductions {ptx.count('cp.reduce.async.bulk')}, setmaxnreg {ptx.count('setmaxnreg')}, "
               f"{sm90.resources(c)}, shared {c.metadata.shared} B",
               flush=True)

@@ -156,13 +156,15 @@ def document_starts(position_ids):
 
 def one_document_rows(B, T, device):
     """doc_start of B rows of T tokens that hold one document each: 0 everywhere, as one element
-    broadcast (strides 0). That form says so to the launchers without reading the tensor (a host
+    broadcast (stride 0 along the rows). That form says so to the launchers without reading the tensor (a host
     sync): only such rows may take the Hopper forward (see USE_HOPPER_FORWARD)."""
     return torch.zeros(1, 1, dtype=torch.int32, device=device).expand(B, T)
 
 
 def _one_document(doc_start):
-    return doc_start.stride() == (0, 0)  # one start for every token: token 0's, which is 0
+    # One start for every token of a row (stride 0 along it): token 0's, which is 0. (A dim of
+    # size 1 keeps its stride in a broadcast; a row of one token is one document anyway.)
+    return doc_start.shape[-1] == 1 or doc_start.stride(-1) == 0
 
 
 def document_ends(doc_start):

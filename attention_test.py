@@ -516,8 +516,10 @@ def test_rows_of_one_document_as_a_broadcast_start():
     one document without a host sync; every kernel computes on it what it computes on the same
     rows given by their position ids (the Triton kernels on a contiguous copy), fwd+bwd."""
     B, T, H, D = 2, 37, 2, 16
+    for b, t in ((B, T), (1, T), (1, 1), (3, 1)):  # a dim of size 1 keeps its stride in a broadcast
+        one = attention_kernel.one_document_rows(b, t, DEVICE)
+        assert one.shape == (b, t) and one.dtype == torch.int32 and attention_kernel._one_document(one)
     one = attention_kernel.one_document_rows(B, T, DEVICE)
-    assert one.shape == (B, T) and one.dtype == torch.int32 and attention_kernel._one_document(one)
     starts = document_starts(torch.arange(T).expand(B, T).to(DEVICE))
     assert torch.equal(one, starts) and not attention_kernel._one_document(starts)
     g = torch.Generator().manual_seed(9)

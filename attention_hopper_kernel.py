@@ -45,7 +45,8 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 # The TMA load's name: async_copy_global_to_shared in Triton 3.6, async_load from 3.9 on.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -245,7 +246,7 @@ def _kv_views(k, v):
 def _descriptor(t3, rows, D):
     """A TMA descriptor of a _rows_view for tiles of rows x D, in the shared-memory layout
     (swizzled) the tensor cores read."""
-    dtype = gl.bfloat16 if t3.dtype == torch.bfloat16 else gl.float16
+    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[t3.dtype]
     layout = gl.NVMMASharedLayout.get_default_for([1, rows, D], dtype)
     return TensorDescriptor(t3, list(t3.shape), list(t3.stride()), [1, rows, D], layout)
 
@@ -293,3 +294,215 @@ def attention_forward_hopper(q, k, v, scale, doc_start=None, block_n=None, stage
         scale * math.log2(math.e), BLOCK_M=block_m, BLOCK_N=block_n, D=D, STAGES=stages,
         DOCS=doc_start is not None, num_warps=4, **LAUNCH_OPTIONS)
     return out, lse
+
+
+# --------------------------------------------------------------------------------
+# The backward: five products per tile, dQ summed by the copy engine
+# --------------------------------------------------------------------------------
+# attention_kernel.py's backward runs two kernels, dK/dV and dQ, and each recomputes S and dP:
+# seven products where the gradients need five. Here one program holds a tile of BLOCK_N keys of
+# one key/value head and walks every query tile (BLOCK_M rows) that sees it, for each query head
+# of its GQA group:
+#
+#     S^T  = K Q_i^T     P^T  = exp2(S^T * scale log2 e - lse_i)      (masked where not visible)
+#     dP^T = V dO_i^T    dS^T = P^T * (dP^T - delta_i)
+#     dV  += P^T dO_i    dK  += dS^T Q_i    dQ_i += dS K
+#
+# dK and dV stay in registers to the end. dQ_i gets a contribution from every key tile that
+# sees it, so it is summed in a float32 buffer in global memory: 4.3 GB of additions on an 8K
+# document (each query row, one D-wide add per key tile). Relaxed atomics from the compute warps
+# cost 1.5 ms there (measured: results/attention/gluon_h100/suite_and_backward/); here the
+# partition writes dQ_i to shared memory and one TMA reduction (cp.reduce.async.bulk, Gluon's
+# tma.async_atomic_add from Triton 3.9 on) adds the whole tile while the warps go on, as
+# FlashAttention-3 does. Two such buffers: one is read by the copy engine while the next is written.
+#
+# Keys along the rows of S^T (the transposed orientation) make P^T and dS^T the left operands
+# of dV's and dK's products straight from registers; the price is that lse_i and delta_i lie
+# along columns (16 registers each per thread), so the products start from -lse_i / scale and
+# -delta_i instead of zeros and do the subtractions themselves: no vector stays live across them
+# (with them live the compute warps spilled 80-128 bytes).
+tma_reduce_add = getattr(tma, "async_atomic_add", None)  # Triton 3.9 or newer; None before
+TMA_REDUCE = tma_reduce_add is not None
+BWD_TILE = (64, 128, 2)  # (BLOCK_M queries, BLOCK_N keys, STAGES of Q / dO buffers)
+
+
+@gluon.jit
+def _bwd_load_partition(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
+                        kv_x, kv_c, n0, q_xb, q_xh, q_ch, do_xb, do_xh, do_ch, b, kvh, i0, n_qt, n_iter,
+                        GROUP: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    # K and V once; then Q_i and dO_i of every (query head, query tile) step into the ring.
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma_load(k_desc, [kv_x, n0, kv_c], kv_bar, k_smem)
+    tma_load(v_desc, [kv_x, n0, kv_c], kv_bar, v_smem)
+    for it in range(n_iter):
+        s = it % STAGES
+        h = kvh * GROUP + it // n_qt
+        m0 = (i0 + it % n_qt) * BLOCK_M
+        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma_load(q_desc, [b * q_xb + h * q_xh, m0, h * q_ch], ready.index(s), q_smem.index(s))
+        tma_load(do_desc, [b * do_xb + h * do_xh, m0, h * do_ch], ready.index(s), do_smem.index(s))
+
+
+@gluon.jit
+def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready, empty,
+                           LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ, HKV, i0, n_qt, n_iter, qk_scale,
+                           scale, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           D: gl.constexpr, STAGES: gl.constexpr, DOCS: gl.constexpr, DQ_TMA: gl.constexpr,
+                           num_warps: gl.constexpr):
+    # [BLOCK_N, BLOCK_M] products (S^T, dP^T) and [BLOCK_N, D] accumulators (dK, dV): keys along
+    # rows, 16 per warp; dQ_i [BLOCK_M, D] splits D between the two warp groups.
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, D, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
+                                                        instr_shape=[16, D // (num_warps // 4), 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    dtype: gl.constexpr = k_smem.dtype
+
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+    if DOCS:  # where each key's document ends (exclusive): the queries that see key n are [n, end[n])
+        kend = gl.load(DOC_END + b * T + offs_n, mask=offs_n < T, other=0)
+        first_end = gl.load(DOC_END + b * T + n0)
+    else:
+        kend = gl.full([BLOCK_N], 0, gl.int32, gl.SliceLayout(1, st_layout)) + T
+        first_end = T
+    dk = gl.zeros([BLOCK_N, D], gl.float32, kv_layout)
+    dv = gl.zeros([BLOCK_N, D], gl.float32, kv_layout)
+    st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+    dq_zero = gl.zeros([BLOCK_M, D], gl.float32, dq_layout)
+    k = k_smem.reshape([BLOCK_N, D])
+    v = v_smem.reshape([BLOCK_N, D])
+    mbarrier.wait(kv_bar, 0)
+    for it in range(n_iter):
+        s = it % STAGES
+        h = kvh * GROUP + it // n_qt
+        m0 = (i0 + it % n_qt) * BLOCK_M
+        offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+        row = (b * HQ + h).to(gl.int64) * T
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        q = q_smem.index(s).reshape([BLOCK_M, D])
+        do = do_smem.index(s).reshape([BLOCK_M, D])
+        lse = gl.load(LSE + row + offs_m, mask=offs_m < T, other=0.0)
+        st = warpgroup_mma(k, q.permute((1, 0)), st_zero - (lse / qk_scale)[None, :], is_async=True)
+        delta = gl.load(DELTA + row + offs_m, mask=offs_m < T, other=0.0)
+        dpt = warpgroup_mma(v, do.permute((1, 0)), st_zero - delta[None, :], is_async=True)
+        st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
+        pt = gl.exp2(st * qk_scale)
+        # Some pair of the tile not visible: a key after a query (the diagonal), a query past the
+        # first key's document or past the row's end (kend <= T).
+        if (m0 < n0 + BLOCK_N - 1) | (m0 + BLOCK_M > first_end):
+            visible = (offs_n[:, None] <= offs_m[None, :]) & (offs_m[None, :] < kend[:, None])
+            pt = gl.where(visible, pt, 0.0)
+        pt16 = gl.convert_layout(pt.to(dtype), a_layout)
+        dv = warpgroup_mma(pt16, do, dv, is_async=True)
+        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))  # in order: dP^T done, dV running
+        dst = (pt * dpt).to(dtype)
+        ds_smem.store(dst)  # dQ's product needs dS, i.e. dS^T transposed: read through shared memory
+        fence_async_shared()  # the generic-proxy store, before the products read it through the async proxy
+        dst16 = gl.convert_layout(dst, a_layout)
+        dk = warpgroup_mma(dst16, q, dk, is_async=True)
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k, dq_zero, use_acc=False, is_async=True)
+        # P^T and dS^T are read from registers by products in flight: passed to the wait, kept alive.
+        dv, dk, dq, pt16, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt16, dst16))
+        mbarrier.arrive(empty.index(s), count=1)
+        if DQ_TMA:
+            buf = dq_smem.index(it % 2)
+            tma.store_wait(1)  # the reduction issued from this buffer two tiles ago has read it
+            buf.reshape([BLOCK_M, D]).store(dq * scale)
+            fence_async_shared()
+            tma_reduce_add(dq_desc, [b * HQ + h, m0, 0], buf)  # rows past T: clipped by the copy
+        else:  # Triton before 3.9: fire-and-forget float32 atomics (slower, see above)
+            rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+            cols = gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
+            gl.atomic_add(DQ + (row + rows[:, None]) * D + cols[None, :], dq * scale, mask=(rows < T)[:, None],
+                          sem="relaxed")
+    if DQ_TMA:
+        tma.store_wait(0)  # the buffers are read before the program's shared memory goes
+
+    rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))
+    out = ((b * HKV + kvh).to(gl.int64) * T + rows[:, None]) * D + cols[None, :]
+    gl.store(DK + out, (dk * scale).to(dtype), mask=(rows < T)[:, None])
+    gl.store(DV + out, dv.to(dtype), mask=(rows < T)[:, None])
+
+
+@gluon.jit
+def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_END, DQ, DK, DV, T, HQ, HKV,
+                     kv_xb, kv_xh, kv_ch, q_xb, q_xh, q_ch, do_xb, do_xh, do_ch, qk_scale, scale,
+                     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                     STAGES: gl.constexpr, DOCS: gl.constexpr, DQ_TMA: gl.constexpr, num_warps: gl.constexpr):
+    # The grid's first axis runs fastest: key tile 0 of every head first, the tiles that see the
+    # most queries (measured: 4.04-4.10 ms against 4.69 the other way round on the 8K document).
+    bkv = gl.program_id(0)
+    pid_n = gl.program_id(1)
+    b = bkv // HKV
+    kvh = bkv % HKV
+    n0 = pid_n * BLOCK_N
+    n1 = gl.minimum(n0 + BLOCK_N, T) - 1
+    i0 = n0 // BLOCK_M  # the first query tile that sees a key of this tile
+    if DOCS:
+        q_end = gl.load(DOC_END + b * T + n1)  # the last key's document end: no later query sees the tile
+    else:
+        q_end = T
+    n_qt = gl.cdiv(q_end, BLOCK_M) - i0
+    n_iter = GROUP * n_qt
+
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], k_desc.dtype)
+    ds_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_N, BLOCK_M], ds_layout)
+    if DQ_TMA:
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    else:
+        dq_smem = ds_smem  # not used
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+
+    gl.warp_specialize([
+        (_bwd_compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready, empty,
+                                  LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ, HKV, i0, n_qt, n_iter,
+                                  qk_scale, scale, GROUP, BLOCK_M, BLOCK_N, D, STAGES, DOCS, DQ_TMA, num_warps)),
+        (_bwd_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready,
+                               empty, b * kv_xb + kvh * kv_xh, kvh * kv_ch, n0, q_xb, q_xh, q_ch, do_xb, do_xh,
+                               do_ch, b, kvh, i0, n_qt, n_iter, GROUP, BLOCK_M, STAGES)),
+    ], [1], [24])
+
+
+def attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale, dq_tma=None, block_m=None, block_n=None,
+                              stages=None):
+    """(dq, dk, dv) of causal attention, as attention_kernel.attention_backward: dout [B, T, Hq, D],
+    q [B, Hq, T, D], k, v [B, Hkv, T, D] (supports()), lse the forward's (log2 units), delta
+    [B, Hq, T] (sum_d dO O), doc_end [B, T] int32 (attention_kernel.document_ends) for packed rows,
+    None for one document per row. dq_tma: sum dQ by TMA reductions (default: where Triton has them)."""
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    if not supports(q, k, v):
+        raise ValueError(f"attention_backward_hopper: q {tuple(q.shape)} {q.dtype}: head dim 64 or 128, 16-bit, "
+                         f"16-byte aligned rows only")
+    dq_tma = TMA_REDUCE if dq_tma is None else dq_tma
+    if dq_tma and not TMA_REDUCE:
+        raise RuntimeError(f"attention_backward_hopper: TMA reductions need Triton 3.9 or newer, not {triton.__version__}")
+    bm, bn, st = BWD_TILE
+    block_m, block_n, stages = block_m or bm, block_n or bn, stages or st
+    k3, v3, (kv_xb, kv_xh, kv_ch) = _kv_views(k, v)
+    q3, q_xb, q_xh, q_ch = _rows_view(q)
+    do3, do_xb, do_xh, do_ch = _rows_view(dout.transpose(1, 2))
+    dq = torch.zeros(B, Hq, T, D, dtype=torch.float32, device=q.device)
+    dk = torch.empty(B, Hkv, T, D, dtype=q.dtype, device=q.device)
+    dv = torch.empty(B, Hkv, T, D, dtype=q.dtype, device=q.device)
+    _attn_bwd_hopper[(B * Hkv, triton.cdiv(T, block_n))](
+        _descriptor(k3, block_n, D), _descriptor(v3, block_n, D), _descriptor(q3, block_m, D),
+        _descriptor(do3, block_m, D), _descriptor(dq.view(B * Hq, T, D), block_m, D), lse, delta,
+        dq if doc_end is None else doc_end, dq, dk, dv, T, Hq, Hkv, kv_xb, kv_xh, kv_ch, q_xb, q_xh, q_ch,
+        do_xb, do_xh, do_ch, scale * math.log2(math.e), scale, GROUP=Hq // Hkv, BLOCK_M=block_m, BLOCK_N=block_n,
+        D=D, STAGES=stages, DOCS=doc_end is not None, DQ_TMA=dq_tma, num_warps=8, **LAUNCH_OPTIONS)
+    return dq.to(q.dtype), dk, dv

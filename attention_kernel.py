@@ -660,10 +660,26 @@ LOG2_E = math.log2(math.e)
 USE_HOPPER_FORWARD = True
 
 
+# The backward there too (five products per tile instead of seven, dQ summed by TMA reductions,
+# which Gluon has from Triton 3.9 on): off until measured against this file's backward.
+USE_HOPPER_BACKWARD = False
+
+
+def _hopper_ok(q, k, v, doc_start, window, softcap):
+    """Whether attention_hopper_kernel.py takes these rows: one document each, an H100 / H200,
+    what its kernels support (supports()), no window, no soft cap."""
+    return (attention_hopper_kernel is not None and not INTERPRET and q.is_cuda and _one_document(doc_start)
+            and torch.cuda.get_device_capability(q.device) == (9, 0) and attention_hopper_kernel.supports(q, k, v)
+            and not window and not softcap)
+
+
 def _hopper_forward_ok(q, k, v, doc_start, window, softcap):
-    return (USE_HOPPER_FORWARD and attention_hopper_kernel is not None and not INTERPRET and q.is_cuda
-            and _one_document(doc_start) and torch.cuda.get_device_capability(q.device) == (9, 0)
-            and attention_hopper_kernel.supports(q, k, v) and not window and not softcap)
+    return USE_HOPPER_FORWARD and _hopper_ok(q, k, v, doc_start, window, softcap)
+
+
+def _hopper_backward_ok(q, k, v, doc_start, window, softcap):
+    return (USE_HOPPER_BACKWARD and _hopper_ok(q, k, v, doc_start, window, softcap)
+            and attention_hopper_kernel.TMA_REDUCE)
 
 
 def _check(q, k, v, doc_start, name="attention"):
@@ -747,6 +763,18 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_sta
     return out, lse
 
 
+def backward_delta(out, dout):
+    """delta_i = sum_d dO_id O_id per row and head, [B, Hq, T] float32, which every backward reads
+    (out and dout [B, T, Hq, D])."""
+    B, T, Hq, D = out.shape
+    delta = torch.empty(B, Hq, T, dtype=torch.float32, device=out.device)
+    block_t = 16 if INTERPRET else 64
+    _attn_bwd_delta_kernel[(cdiv(T, block_t), B * Hq)](
+        out, dout, delta, dout.stride(0), dout.stride(1), dout.stride(2), T, Hq, D=D,
+        DP=max(16, next_power_of_2(D)), BLOCK_T=block_t)
+    return delta
+
+
 def _attention_backward_fake(dout, q, k, v, out, lse, doc_start, scale, window, softcap):
     # Contiguous, as the launcher makes them (empty_like would copy q's strides: HF's q is a transposed view).
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
@@ -766,12 +794,10 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if dq.numel() == 0:
         return dq, dk, dv
     dp = max(16, next_power_of_2(D))
+    delta = backward_delta(out, dout)
+    if _hopper_backward_ok(q, k, v, doc_start, window, softcap):
+        return attention_hopper_kernel.attention_backward_hopper(dout, q, k, v, lse, delta, None, scale)
     doc_start = doc_start.contiguous()
-    # delta_i = sum_d dO_id O_id, per row and head, [B, Hq, T] float32.
-    delta = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
-    block_t = 16 if INTERPRET else 64
-    _attn_bwd_delta_kernel[(cdiv(T, block_t), B * Hq)](
-        out, dout, delta, dout.stride(0), dout.stride(1), dout.stride(2), T, Hq, D=D, DP=dp, BLOCK_T=block_t)
     doc_end = document_ends(doc_start)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))

@@ -511,6 +511,39 @@ def test_hopper_forward_matches_truth_and_the_triton_forward(case, monkeypatch):
     check_outputs(["out", "dq", "dk", "dv"], gluon, triton_forward, truth, peer_name="the Triton forward")
 
 
+@pytest.mark.parametrize("case", list(HOPPER_ROWS))
+def test_hopper_backward_matches_truth_and_the_triton_backward(case, monkeypatch):
+    """On an H100 / H200: the Gluon backward (five products per tile) against float64 and against
+    the Triton backward on the same rows, dQ summed by relaxed atomics and, where Triton has them
+    (3.9 on), by TMA reductions; rows of one document reach it through attention_backward only
+    with USE_HOPPER_BACKWARD on and TMA reductions there."""
+    need_gpu()
+    hopper = attention_kernel.attention_hopper_kernel
+    if torch.cuda.get_device_capability() != (9, 0) or hopper is None:
+        pytest.skip("the Gluon backward runs on Hopper only")
+    rows, T, Hq, Hkv, D, hf = HOPPER_ROWS[case]
+    g = torch.Generator().manual_seed(7)
+    make = ((lambda h: torch.randn(len(rows), T, h, D, generator=g).transpose(1, 2)) if hf
+            else (lambda h: torch.randn(len(rows), h, T, D, generator=g)))
+    q, k, v = (make(h).cuda().bfloat16() for h in (Hq, Hkv, Hkv))
+    dout = torch.randn(len(rows), T, Hq, D, generator=g).cuda().bfloat16()
+    starts = document_starts(positions_of(rows, T)).cuda()
+    packed = any(len(lengths) > 1 for lengths in rows)
+    scale = 1.0 / math.sqrt(D)
+    out, lse = attention_kernel.attention_forward(q, k, v, starts, scale, 0, 0.0)
+    delta = attention_kernel.backward_delta(out, dout)
+    triton_grads = attention_kernel.attention_backward(dout, q, k, v, out, lse, starts, scale, 0, 0.0)
+    truth = run(q.double(), k.double(), v.double(), starts, dout.double(), reference())[1:]
+    for dq_tma in (False, True) if hopper.TMA_REDUCE else (False,):
+        got = hopper.attention_backward_hopper(dout, q, k, v, lse, delta, document_ends(starts) if packed else None,
+                                               scale, dq_tma=dq_tma)
+        check_outputs(["dq", "dk", "dv"], got, triton_grads, truth, peer_name="the Triton backward")
+    one = attention_kernel.one_document_rows(len(rows), T, q.device)
+    monkeypatch.setattr(attention_kernel, "USE_HOPPER_BACKWARD", True)
+    assert attention_kernel._hopper_backward_ok(q, k, v, one, 0, 0.0) == hopper.TMA_REDUCE
+    assert not attention_kernel._hopper_backward_ok(q, k, v, starts, 0, 0.0)
+
+
 def test_rows_of_one_document_as_a_broadcast_start():
     """one_document_rows gives doc_start as one broadcast zero, which the launchers read as rows of
     one document without a host sync; every kernel computes on it what it computes on the same

@@ -1,13 +1,13 @@
-"""On a Hopper GPU: attention_bwd_gluon.py's backward against float64 (and against attention_kernel's own
+"""On a Hopper GPU: attention_hopper_kernel.py's backward against float64 (and against attention_kernel's own
 backward on the same rows), then timed against it and cuDNN's backward on one causal document of 8,192
 tokens and on the two packed benchmark rows. Prints a table; --json PATH writes it."""
 import json, math, os, sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import attention_bwd_gluon as bg  # puts the checkout on the path, imports attention_kernel first
-import attention_kernel as ak
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))  # the checkout
+import attention_kernel as ak  # first: kernel_common's import rule
+from attention_hopper_kernel import attention_backward_hopper
 import triton
 from kernel_ft import benchmark_specs as bs
 
@@ -38,7 +38,8 @@ for B, Hq, Hkv, T, D, docs in cases:
     truth = grads_truth(q, k, v, dout, ds, scale)
     theirs = ak.attention_backward(dout, q, k, v, out, lse, ds, scale, 0, 0.0)
     try:
-        ours = bg.attention_backward_hopper(dout, q, k, v, out, lse, ds, scale)
+        ours = attention_backward_hopper(dout, q, k, v, lse, ak.backward_delta(out, dout),
+                                         None if docs is None else ak.document_ends(ds), scale)
         torch.cuda.synchronize()
     except Exception as e:
         print(f"  {type(e).__name__}: {str(e)[:400]}", flush=True)
@@ -64,8 +65,9 @@ for spec in rows:
     flop = 2.5 * 4 * 32 * 128 * bs.visible_pairs(spec)  # five products of 2 x pairs x D each
     runs = {"attention_kernel backward (Triton, 7 products)":
                 lambda: ak.attention_backward(dout, q, k, v, out, lse, ds, scale, 0, 0.0),
-            "gluon backward (5 products, dQ by atomics)":
-                lambda: bg.attention_backward_hopper(dout, q, k, v, out, lse, ds, scale)}
+            "gluon backward (5 products)":
+                lambda: attention_backward_hopper(dout, q, k, v, lse, ak.backward_delta(out, dout),
+                                                  None if spec["docs"] == "one" else ak.document_ends(ds), scale)}
     if spec["docs"] == "one":
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
         o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True)

@@ -1,14 +1,15 @@
-"""On a Hopper GPU: the Gluon backward's variants (attention_bwd_gluon.py's options), each checked against float64
-on three rows (unless it skips dQ: a timing-only variant) and timed on the 8K document and the long-document packed
-row beside the Triton backward and cuDNN's. Prints a table; --json PATH writes it.
-python sweep.py [--json PATH] NAME=opt:value,opt:value ...   e.g.  heavy=heavy_first:1  tma=heavy_first:1,dq_mode:2"""
+"""On a Hopper GPU: the Gluon backward (attention_hopper_kernel.attention_backward_hopper) with the options given,
+each variant checked against float64 on three rows and timed on the 8K document and the long-document packed row
+beside the Triton backward and cuDNN's. Prints a table; --json PATH writes it.
+python sweep.py [--json PATH] NAME=opt:value,opt:value ...   e.g.  atomics=dq_tma:0  tma3=dq_tma:1,stages:3
+(The variants measured on 2026-12-07 -- the probe's dq_mode and heavy_first -- are in git history.)"""
 import json, os, sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import attention_bwd_gluon as bg  # puts the checkout on the path, imports attention_kernel first
-import attention_kernel as ak
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))  # the checkout
+import attention_kernel as ak  # first: kernel_common's import rule
+from attention_hopper_kernel import attention_backward_hopper
 import triton
 from kernel_ft import benchmark_specs as bs
 
@@ -43,11 +44,10 @@ for B, Hq, Hkv, T, D, docs in [(2, 8, 2, 1000, 128, None), (2, 4, 2, 1500, 128, 
                                 (q64, k64, v64), dout.double())
     ref = [(a.double() - t).norm().item() / t.norm().item()
            for a, t in zip(ak.attention_backward(dout, q, k, v, out, lse, ds, scale, 0, 0.0), truth)]
+    delta, doc_end = ak.backward_delta(out, dout), None if docs is None else ak.document_ends(ds)
     for name, opts in variants.items():
-        if opts.get("dq_mode") == 1:
-            continue
         try:
-            got = bg.attention_backward_hopper(dout, q, k, v, out, lse, ds, scale, **opts)
+            got = attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale, **opts)
             errs = [(a.double() - t).norm().item() / t.norm().item() for a, t in zip(got, truth)]
         except Exception as e:
             print(f"  {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -69,8 +69,13 @@ for spec in [{"tokens": 8192, "batch": 1, "seq": 8192, "heads": 32, "kv_heads": 
     out, lse = ak.attention_forward(q, k, v, ds, scale, 0, 0.0)
     flop = 2.5 * 4 * 32 * 128 * bs.visible_pairs(spec)
     runs = {"Triton (7 products)": lambda: ak.attention_backward(dout, q, k, v, out, lse, ds, scale, 0, 0.0)}
+    doc_end = None if spec["docs"] == "one" else ak.document_ends(ds)
+
+    def gluon(o):  # as attention_kernel.attention_backward calls it: delta computed in the call
+        return lambda: attention_backward_hopper(dout, q, k, v, lse, ak.backward_delta(out, dout), doc_end, scale, **o)
+
     for name, opts in variants.items():
-        runs[name] = (lambda o: lambda: bg.attention_backward_hopper(dout, q, k, v, out, lse, ds, scale, **o))(opts)
+        runs[name] = gluon(opts)
     if spec["docs"] == "one":
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
         o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True)

@@ -27,12 +27,17 @@ the log-sum-exp written once. What it computes is attention_kernel.py's forward:
 one document or packed documents (doc_start), GQA, 16-bit, head dim 64 or 128; it returns the same
 out [B, T, Hq, D] and log-sum-exp (log2 units) [B, Hq, T], which the Triton backward reads.
 attention_kernel.attention_forward sends it rows of one document that it supports (supports(); no
-window, no soft cap) on an H100 / H200: 18% less time than the Triton forward on the 8K document, level
-with cuDNN's (results/attention/gluon_h100/). Packed rows stay on the Triton forward: this one's
-128-row query tiles over documents of 40-200 tokens run 1.4x slower than its 64 x 64 tiles (on
-documents of 512-4,096 tokens it is 3% faster), and the launcher cannot see the lengths without
-a host sync. There is no interpreter for Gluon: the CPU suite runs the Triton kernel, and
-results/attention/gluon_forward/compile_sm90.py compiles this one for sm_90 on a CPU.
+window, no soft cap) on an H100 / H200: 18% less time than the Triton forward on the 8K document,
+level with cuDNN's (results/attention/gluon_h100/). Packed rows stay on the Triton forward: this
+one's 128-row query tiles over documents of 40-200 tokens run 1.4x slower than its 64 x 64 tiles
+(on documents of 512-4,096 tokens it is 3% faster), and the launcher cannot see the lengths
+without a host sync.
+
+The backward, further down, is written the same way: five products per tile where the Triton
+kernels compute seven, dQ summed by the copy engine (TMA reductions, Triton 3.9 on).
+
+There is no interpreter for Gluon: the CPU suite runs the Triton kernels, and the compile_sm90.py
+scripts in results/attention/gluon_forward and gluon_backward compile these for sm_90 on a CPU.
 """
 import math
 
@@ -54,8 +59,7 @@ tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                    q_x, q_t, q_c, kv_x, kv_c, lo_t, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    ):
+                    q_x, q_t, q_c, kv_x, kv_c, lo_t, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     # One warp, a few registers: it only computes coordinates and issues copies. A buffer is
     # refilled once the compute warps have arrived on its `empty` barrier; a fresh mbarrier counts
     # as having completed the phase before 0, so the first pass over the ring does not wait.
@@ -490,7 +494,8 @@ def attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale, dq_tma=
                          f"16-byte aligned rows only")
     dq_tma = TMA_REDUCE if dq_tma is None else dq_tma
     if dq_tma and not TMA_REDUCE:
-        raise RuntimeError(f"attention_backward_hopper: TMA reductions need Triton 3.9 or newer, not {triton.__version__}")
+        raise RuntimeError(f"attention_backward_hopper: TMA reductions need Triton 3.9 or newer, "
+                           f"not {triton.__version__}")
     bm, bn, st = BWD_TILE
     block_m, block_n, stages = block_m or bm, block_n or bn, stages or st
     k3, v3, (kv_xb, kv_xh, kv_ch) = _kv_views(k, v)

@@ -156,8 +156,8 @@ def document_starts(position_ids):
 
 def one_document_rows(B, T, device):
     """doc_start of B rows of T tokens that hold one document each: 0 everywhere, as one element
-    broadcast (stride 0 along the rows). That form says so to the launchers without reading the tensor (a host
-    sync): only such rows may take the Hopper forward (see USE_HOPPER_FORWARD)."""
+    broadcast (stride 0 along the rows). That form says so to the launchers without reading the
+    tensor (a host sync): only such rows may take the Hopper kernels (see USE_HOPPER_FORWARD)."""
     return torch.zeros(1, 1, dtype=torch.int32, device=device).expand(B, T)
 
 

@@ -499,8 +499,9 @@ def test_hopper_forward_matches_truth_and_the_triton_forward(case, monkeypatch):
         return
     doc_start = attention_kernel.one_document_rows(len(rows), T, q.device)
     assert attention_kernel._hopper_forward_ok(q, k, v, doc_start, 0, 0.0)
-    # What stays with the Triton forward: the same rows given as packed ones, a window, a cap, float32.
-    assert not attention_kernel._hopper_forward_ok(q, k, v, packed_starts, 0, 0.0)
+    # What stays with the Triton forward: the same rows given as packed ones (one token is one document
+    # either way), a window, a cap, float32.
+    assert attention_kernel._hopper_forward_ok(q, k, v, packed_starts, 0, 0.0) == (T == 1)
     for window, softcap, x in ((7, 0.0, q), (0, 2.0, q), (0, 0.0, q.float())):
         assert not attention_kernel._hopper_forward_ok(x, k, v, doc_start, window, softcap)
     dout = torch.randn(len(rows), T, Hq, D, generator=g).cuda().bfloat16()
@@ -541,7 +542,7 @@ def test_hopper_backward_matches_truth_and_the_triton_backward(case, monkeypatch
     one = attention_kernel.one_document_rows(len(rows), T, q.device)
     monkeypatch.setattr(attention_kernel, "USE_HOPPER_BACKWARD", True)
     assert attention_kernel._hopper_backward_ok(q, k, v, one, 0, 0.0) == hopper.TMA_REDUCE
-    assert not attention_kernel._hopper_backward_ok(q, k, v, starts, 0, 0.0)
+    assert attention_kernel._hopper_backward_ok(q, k, v, starts, 0, 0.0) == (T == 1 and hopper.TMA_REDUCE)
 
 
 def test_rows_of_one_document_as_a_broadcast_start():

@@ -34,7 +34,7 @@ one's 128-row query tiles over documents of 40-200 tokens run 1.4x slower than i
 without a host sync.
 
 The backward, further down, is written the same way: five products per tile where the Triton
-kernels compute seven, dQ summed by the copy engine (TMA reductions, Triton 3.9 on).
+kernels compute seven, dQ summed by the copy engine (TMA reductions, Triton 3.8 on).
 
 There is no interpreter for Gluon: the CPU suite runs the Triton kernels, and the compile_sm90.py
 scripts in results/attention/gluon_forward and gluon_backward compile these for sm_90 on a CPU.
@@ -53,7 +53,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-# The TMA load's name: async_copy_global_to_shared in Triton 3.6, async_load from 3.9 on.
+# The TMA load's name: async_copy_global_to_shared in Triton 3.6, async_load from 3.8 on.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
@@ -317,7 +317,7 @@ def attention_forward_hopper(q, k, v, scale, doc_start=None, block_n=None, stage
 # document (each query row, one D-wide add per key tile). Relaxed atomics from the compute warps
 # cost 1.5 ms there (measured: results/attention/gluon_h100/suite_and_backward/); here the
 # partition writes dQ_i to shared memory and one TMA reduction (cp.reduce.async.bulk, Gluon's
-# tma.async_atomic_add from Triton 3.9 on) adds the whole tile while the warps go on, as
+# tma.async_atomic_add from Triton 3.8 on) adds the whole tile while the warps go on, as
 # FlashAttention-3 does. Two such buffers: one is read by the copy engine while the next is written.
 #
 # Keys along the rows of S^T (the transposed orientation) make P^T and dS^T the left operands
@@ -325,7 +325,7 @@ def attention_forward_hopper(q, k, v, scale, doc_start=None, block_n=None, stage
 # along columns (16 registers each per thread), so the products start from -lse_i / scale and
 # -delta_i instead of zeros and do the subtractions themselves: no vector stays live across them
 # (with them live the compute warps spilled 80-128 bytes).
-tma_reduce_add = getattr(tma, "async_atomic_add", None)  # Triton 3.9 or newer; None before
+tma_reduce_add = getattr(tma, "async_atomic_add", None)  # Triton 3.8 or newer; None before
 TMA_REDUCE = tma_reduce_add is not None
 BWD_TILE = (64, 128, 2)  # (BLOCK_M queries, BLOCK_N keys, STAGES of Q / dO buffers)
 
@@ -417,7 +417,7 @@ def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq
             buf.reshape([BLOCK_M, D]).store(dq * scale)
             fence_async_shared()
             tma_reduce_add(dq_desc, [b * HQ + h, m0, 0], buf)  # rows past T: clipped by the copy
-        else:  # Triton before 3.9: fire-and-forget float32 atomics (slower, see above)
+        else:  # Triton before 3.8: fire-and-forget float32 atomics (slower, see above)
             rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
             cols = gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
             gl.atomic_add(DQ + (row + rows[:, None]) * D + cols[None, :], dq * scale, mask=(rows < T)[:, None],
@@ -494,7 +494,7 @@ def attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale, dq_tma=
                          f"16-byte aligned rows only")
     dq_tma = TMA_REDUCE if dq_tma is None else dq_tma
     if dq_tma and not TMA_REDUCE:
-        raise RuntimeError(f"attention_backward_hopper: TMA reductions need Triton 3.9 or newer, "
+        raise RuntimeError(f"attention_backward_hopper: TMA reductions need Triton 3.8 or newer, "
                            f"not {triton.__version__}")
     bm, bn, st = BWD_TILE
     block_m, block_n, stages = block_m or bm, block_n or bn, stages or st

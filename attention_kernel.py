@@ -661,7 +661,7 @@ USE_HOPPER_FORWARD = True
 
 
 # The backward there too (five products per tile instead of seven, dQ summed by TMA reductions,
-# which Gluon has from Triton 3.9 on): off until measured against this file's backward.
+# which Gluon has from Triton 3.8 on): off until measured against this file's backward.
 USE_HOPPER_BACKWARD = False
 
 

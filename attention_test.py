@@ -516,7 +516,7 @@ def test_hopper_forward_matches_truth_and_the_triton_forward(case, monkeypatch):
 def test_hopper_backward_matches_truth_and_the_triton_backward(case, monkeypatch):
     """On an H100 / H200: the Gluon backward (five products per tile) against float64 and against
     the Triton backward on the same rows, dQ summed by relaxed atomics and, where Triton has them
-    (3.9 on), by TMA reductions; rows of one document reach it through attention_backward only
+    (3.8 on), by TMA reductions; rows of one document reach it through attention_backward only
     with USE_HOPPER_BACKWARD on and TMA reductions there."""
     need_gpu()
     hopper = attention_kernel.attention_hopper_kernel

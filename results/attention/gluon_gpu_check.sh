@@ -2,7 +2,7 @@
 # The GPU checks of the Gluon attention kernels, in one call on an H100 / H200 (about 8 minutes):
 #   bash results/attention/gluon_gpu_check.sh OUTDIR
 # Under the machine's Triton: the forward (attention_hopper_kernel.py) against float64 and timed against the Triton
-# forward and cuDNN, the backward the same way (dQ by atomics before Triton 3.9), attention_test.py's Hopper tests.
+# forward and cuDNN, the backward the same way (dQ by atomics before Triton 3.8), attention_test.py's Hopper tests.
 # Then, if .triton/ holds a packed Triton 3.9 (tools/pack_triton.sh), the backward with TMA reductions against
 # atomics (sweep.py) and the Hopper tests again under it.
 set -u

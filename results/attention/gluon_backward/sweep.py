@@ -1,6 +1,6 @@
 """On a Hopper GPU: the Gluon backward (attention_hopper_kernel.attention_backward_hopper) with the options given,
-each variant checked against float64 on three rows and timed on the 8K document and the long-document packed row
-beside the Triton backward and cuDNN's. Prints a table; --json PATH writes it.
+each variant checked against float64 on three rows and timed on the 8K document and the two packed rows (documents
+of 512-4,096 and of 40-200 tokens) beside the Triton backward and cuDNN's. Prints a table; --json PATH writes it.
 python sweep.py [--json PATH] NAME=opt:value,opt:value ...   e.g.  atomics=dq_tma:0  tma3=dq_tma:1,stages:3
 (The variants measured on 2026-12-07 -- the probe's dq_mode and heavy_first -- are in git history.)"""
 import json, os, sys
@@ -61,7 +61,9 @@ for B, Hq, Hkv, T, D, docs in [(2, 8, 2, 1000, 128, None), (2, 4, 2, 1500, 128, 
 
 for spec in [{"tokens": 8192, "batch": 1, "seq": 8192, "heads": 32, "kv_heads": 8, "head_dim": 128, "docs": "one"},
              {"tokens": 16384, "batch": 1, "seq": 16384, "heads": 32, "kv_heads": 8, "head_dim": 128,
-              "docs": [512, 4096]}]:
+              "docs": [512, 4096]},
+             {"tokens": 16384, "batch": 1, "seq": 16384, "heads": 32, "kv_heads": 8, "head_dim": 128,
+              "docs": [40, 200]}]:
     inputs = bs.attention_inputs(spec)
     q, k, v, ds = (t.detach() for t in inputs["args"])
     dout = inputs["upstream"][0]

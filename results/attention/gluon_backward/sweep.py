@@ -1,7 +1,7 @@
 """On a Hopper GPU: the Gluon backward (attention_hopper_kernel.attention_backward_hopper) with the options given,
 each variant checked against float64 on three rows and timed on the 8K document and the two packed rows (documents
 of 512-4,096 and of 40-200 tokens) beside the Triton backward and cuDNN's. Prints a table; --json PATH writes it.
-python sweep.py [--json PATH] NAME=opt:value,opt:value ...   e.g.  atomics=dq_tma:0  tma3=dq_tma:1,stages:3
+python sweep.py [--json PATH] NAME=opt:value,opt:value ...   e.g.  atomics=dq_tma:0  tma=dq_tma:1  atomics3=dq_tma:0,stages:3
 (The variants measured on 2026-12-07 -- the probe's dq_mode and heavy_first -- are in git history.)"""
 import json, os, sys
 import torch

@@ -24,7 +24,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # The kernel modules come first: without a GPU, kernel_common (which they import first)
 # switches on Triton's interpreter, and that must precede `import triton`.
-from attention_kernel import attention_reference, document_starts, packed_attention, visible_keys
+from attention_kernel import (attention_reference, document_starts, one_document_rows, packed_attention,
+                              visible_keys)
 from kernel_ft.benchmark_peers import (PlaybookCrossEntropy, cut_cross_entropy, flex_document_attention, liger_cross_entropy,
                              liger_flce, liger_rmsnorm, liger_rope, liger_swiglu, playbook_rmsnorm)
 from cross_entropy_kernel import cross_entropy, cross_entropy_reference
@@ -309,7 +310,10 @@ def document_lengths(s):
 
 
 def row_document_starts(s):
-    """[batch, seq] int32: where each token's document starts, every row holding document_lengths(s)."""
+    """[batch, seq] int32: where each token's document starts, every row holding document_lengths(s);
+    rows of one document as the decoder hands them to the kernel (one_document_rows)."""
+    if s["docs"] == "one":
+        return one_document_rows(s["batch"], s["seq"], DEVICE)
     positions = torch.cat([torch.arange(n) for n in document_lengths(s)]).expand(s["batch"], s["seq"])
     return document_starts(positions.to(DEVICE))
 

@@ -36,7 +36,7 @@ for B, Hq, Hkv, T, D, docs in cases:
     scale = D ** -0.5
     out, lse = ak.attention_forward(q, k, v, ds, scale, 0, 0.0)
     truth = grads_truth(q, k, v, dout, ds, scale)
-    theirs = ak.attention_backward(dout, q, k, v, out, lse, ds, scale, 0, 0.0)
+    theirs = ak.attention_backward(dout, q, k, v, out, lse, ds.contiguous(), scale, 0, 0.0)  # the Triton one
     try:
         ours = attention_backward_hopper(dout, q, k, v, lse, ak.backward_delta(out, dout),
                                          None if docs is None else ak.document_ends(ds), scale)
@@ -64,7 +64,7 @@ for spec in rows:
     out, lse = ak.attention_forward(q, k, v, ds, scale, 0, 0.0)
     flop = 2.5 * 4 * 32 * 128 * bs.visible_pairs(spec)  # five products of 2 x pairs x D each
     runs = {"attention_kernel backward (Triton, 7 products)":
-                lambda: ak.attention_backward(dout, q, k, v, out, lse, ds, scale, 0, 0.0),
+                lambda: ak.attention_backward(dout, q, k, v, out, lse, ds.contiguous(), scale, 0, 0.0),
             "gluon backward (5 products)":
                 lambda: attention_backward_hopper(dout, q, k, v, lse, ak.backward_delta(out, dout),
                                                   None if spec["docs"] == "one" else ak.document_ends(ds), scale)}

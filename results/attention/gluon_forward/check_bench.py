@@ -61,7 +61,7 @@ for B, Hq, Hkv, T, D, hf, docs in cases:
         except Exception as e:
             err = lse_err = float("nan")
             print(f"  {type(e).__name__}: {str(e)[:300]}")
-        ours, ours_lse = ak.attention_forward(q, k, v, ds, scale, 0, 0.0)
+        ours, ours_lse = ak.attention_forward(q, k, v, ds.contiguous(), scale, 0, 0.0)  # the Triton forward
         ours_err = (ours.double() - ref).abs().max().item()
         ok = err <= 2 * ours_err + 1e-3 and lse_err <= 1e-3
         failures += not ok

@@ -319,6 +319,9 @@ def attention_forward_hopper(q, k, v, scale, doc_start=None, block_n=None, stage
 # partition writes dQ_i to shared memory and one TMA reduction (cp.reduce.async.bulk, Gluon's
 # tma.async_atomic_add from Triton 3.8 on) adds the whole tile while the warps go on, as
 # FlashAttention-3 does. Two such buffers: one is read by the copy engine while the next is written.
+# (That path has not run on a GPU yet: attention_kernel.USE_HOPPER_BACKWARD is off until it is measured.)
+# The rest of the traffic: K and V read once per program, Q_i, dO_i, lse_i and delta_i once per key
+# tile that sees them, dK and dV written once.
 #
 # Keys along the rows of S^T (the transposed orientation) make P^T and dS^T the left operands
 # of dV's and dK's products straight from registers; the price is that lse_i and delta_i lie

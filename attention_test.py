@@ -473,21 +473,27 @@ HOPPER_ROWS = {  # rows of document lengths, T, query heads, key/value heads, he
 }
 
 
+def hopper_inputs(case, seed):
+    """The Hopper kernels' test rows of HOPPER_ROWS[case] on an H100 / H200 (skipped elsewhere):
+    (rows, T, Hq, D, q, k, v in bf16, their document starts, the generator for more)."""
+    need_gpu()
+    if torch.cuda.get_device_capability() != (9, 0) or attention_kernel.attention_hopper_kernel is None:
+        pytest.skip("the Gluon kernels run on Hopper only")
+    rows, T, Hq, Hkv, D, hf = HOPPER_ROWS[case]
+    g = torch.Generator().manual_seed(seed)
+    make = ((lambda h: torch.randn(len(rows), T, h, D, generator=g).transpose(1, 2)) if hf
+            else (lambda h: torch.randn(len(rows), h, T, D, generator=g)))
+    q, k, v = (make(h).cuda().bfloat16() for h in (Hq, Hkv, Hkv))
+    return rows, T, Hq, D, q, k, v, document_starts(positions_of(rows, T)).cuda(), g
+
+
 @pytest.mark.parametrize("case", list(HOPPER_ROWS))
 def test_hopper_forward_matches_truth_and_the_triton_forward(case, monkeypatch):
     """On an H100 / H200, 16-bit rows of one document (one_document_rows) of head dim 64 or 128 go
     through the Gluon forward (attention_hopper_kernel.py): fwd+bwd against float64 and against the
     same rows with the Triton forward. Packed rows stay with the Triton forward; the Gluon kernel's
     own document path is checked on them directly, forward and log-sum-exp."""
-    need_gpu()
-    if torch.cuda.get_device_capability() != (9, 0) or attention_kernel.attention_hopper_kernel is None:
-        pytest.skip("the Gluon forward runs on Hopper only")
-    rows, T, Hq, Hkv, D, hf = HOPPER_ROWS[case]
-    g = torch.Generator().manual_seed(5)
-    make = ((lambda h: torch.randn(len(rows), T, h, D, generator=g).transpose(1, 2)) if hf
-            else (lambda h: torch.randn(len(rows), h, T, D, generator=g)))
-    q, k, v = (make(h).cuda().bfloat16() for h in (Hq, Hkv, Hkv))
-    packed_starts = document_starts(positions_of(rows, T)).cuda()
+    rows, T, Hq, D, q, k, v, packed_starts, g = hopper_inputs(case, seed=5)
     scale = 1.0 / math.sqrt(D)
     if any(len(lengths) > 1 for lengths in rows):
         assert not attention_kernel._hopper_forward_ok(q, k, v, packed_starts, 0, 0.0)
@@ -518,17 +524,9 @@ def test_hopper_backward_matches_truth_and_the_triton_backward(case, monkeypatch
     the Triton backward on the same rows, dQ summed by relaxed atomics and, where Triton has them
     (3.8 on), by TMA reductions; rows of one document reach it through attention_backward only
     with USE_HOPPER_BACKWARD on and TMA reductions there."""
-    need_gpu()
+    rows, T, Hq, D, q, k, v, starts, g = hopper_inputs(case, seed=7)
     hopper = attention_kernel.attention_hopper_kernel
-    if torch.cuda.get_device_capability() != (9, 0) or hopper is None:
-        pytest.skip("the Gluon backward runs on Hopper only")
-    rows, T, Hq, Hkv, D, hf = HOPPER_ROWS[case]
-    g = torch.Generator().manual_seed(7)
-    make = ((lambda h: torch.randn(len(rows), T, h, D, generator=g).transpose(1, 2)) if hf
-            else (lambda h: torch.randn(len(rows), h, T, D, generator=g)))
-    q, k, v = (make(h).cuda().bfloat16() for h in (Hq, Hkv, Hkv))
     dout = torch.randn(len(rows), T, Hq, D, generator=g).cuda().bfloat16()
-    starts = document_starts(positions_of(rows, T)).cuda()
     packed = any(len(lengths) > 1 for lengths in rows)
     scale = 1.0 / math.sqrt(D)
     out, lse = attention_kernel.attention_forward(q, k, v, starts, scale, 0, 0.0)

@@ -13,7 +13,7 @@ packed=0; if [ -d .triton ]; then mv .triton .triton_off; packed=1; fi
   timeout 130 python3 results/attention/gluon_forward/check_bench.py --json $R/machine_triton/gluon_forward.json \
     > $R/machine_triton/gluon_forward.txt 2>&1
   echo "forward rc=$? $(( $(date +%s) - t0 ))s"
-  timeout 80 python3 results/attention/gluon_backward/check_bench.py --json $R/machine_triton/gluon_backward.json \
+  timeout 80 python3 results/attention/gluon_backward/sweep.py --json $R/machine_triton/gluon_backward.json gluon= \
     > $R/machine_triton/gluon_backward.txt 2>&1
   echo "backward rc=$? $(( $(date +%s) - t0 ))s"
   timeout 120 python3 -m pytest -q -p no:cacheprovider -n 4 attention_test.py -k "hopper or one_document" \

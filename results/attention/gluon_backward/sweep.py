@@ -1,7 +1,7 @@
 """On a Hopper GPU: the Gluon backward (attention_hopper_kernel.attention_backward_hopper) with the options given,
-each variant checked against float64 on three rows and timed on the 8K document and the two packed rows (documents
+each variant checked against float64 on six rows and timed on the 8K document and the two packed rows (documents
 of 512-4,096 and of 40-200 tokens) beside the Triton backward and cuDNN's. Prints a table; --json PATH writes it.
-python sweep.py [--json PATH] NAME=opt:value,opt:value ...   e.g.  atomics=dq_tma:0  tma=dq_tma:1  atomics3=dq_tma:0,stages:3
+python sweep.py [--json PATH] NAME=opt:value,opt:value ...   e.g.  gluon=  atomics=dq_tma:0  tma=dq_tma:1
 (The variants measured on 2026-12-07 -- the probe's dq_mode and heavy_first -- are in git history.)"""
 import json, os, sys
 import torch
@@ -29,7 +29,9 @@ print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.
 record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
           "checks": [], "timings": []}
 failures = 0
-for B, Hq, Hkv, T, D, docs in [(2, 8, 2, 1000, 128, None), (2, 4, 2, 1500, 128, (1, 300)),
+# Layouts of GQA, lengths that end inside a tile, one document or packed ones of random lengths in docs.
+for B, Hq, Hkv, T, D, docs in [(1, 4, 1, 256, 128, None), (2, 8, 2, 1000, 128, None), (1, 4, 4, 333, 128, None),
+                               (2, 4, 2, 1500, 128, (1, 300)), (1, 2, 1, 700, 128, (1, 5)),
                                (1, 8, 2, 2048, 128, (200, 900))]:
     torch.manual_seed(0)
     q = torch.randn(B, T, Hq, D, device=dev, dtype=torch.bfloat16).transpose(1, 2)

@@ -58,6 +58,16 @@ tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
 @gluon.jit
+def _barriers(N: gl.constexpr, count: gl.constexpr):
+    # N mbarriers in shared memory, each completing a phase after `count` arrivals (plus, once
+    # mbarrier.expect has armed it, the bytes of the copies that name it).
+    bars = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(N):
+        mbarrier.init(bars.index(i), count=count)
+    return bars
+
+
+@gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                     q_x, q_t, q_c, kv_x, kv_c, lo_t, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     # One warp, a few registers: it only computes coordinates and issues copies. A buffer is
@@ -198,17 +208,11 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE, DOC_START, T, HQ, GROUP, q_
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # both compute partitions free a buffer
-        mbarrier.init(v_empty.index(i), count=2)
+    q_bar = _barriers(1, 1).index(0)
+    k_ready = _barriers(STAGES, 1)
+    v_ready = _barriers(STAGES, 1)
+    k_empty = _barriers(STAGES, 2)  # both compute partitions free a buffer
+    v_empty = _barriers(STAGES, 2)
 
     gl.warp_specialize([
         (_compute_partition, (q_smem.index(0), k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE,
@@ -466,13 +470,9 @@ def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_E
         dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
     else:
         dq_smem = ds_smem  # not used
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    kv_bar = _barriers(1, 1).index(0)
+    ready = _barriers(STAGES, 1)
+    empty = _barriers(STAGES, 1)
 
     gl.warp_specialize([
         (_bwd_compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready, empty,

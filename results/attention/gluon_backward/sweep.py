@@ -1,7 +1,7 @@
 """On a Hopper GPU: the Gluon backward (attention_hopper_kernel.attention_backward_hopper) with the options given,
 each variant checked against float64 on six rows and timed on the 8K document and the two packed rows (documents
 of 512-4,096 and of 40-200 tokens) beside the Triton backward and cuDNN's. Prints a table; --json PATH writes it.
-python sweep.py [--json PATH] NAME=opt:value,opt:value ...   e.g.  gluon=  atomics=dq_tma:0  tma=dq_tma:1
+python sweep.py [--json PATH] NAME=opt:value,opt:value ...   e.g.  gluon=  atomics=dq_tma:0  writer=dq_tma:1,dq_writer:1
 (The variants measured on 2026-12-07 -- the probe's dq_mode and heavy_first -- are in git history.)"""
 import json, os, sys
 import torch
@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))  # the checkout
 import attention_kernel as ak  # first: kernel_common's import rule
+ak.USE_HOPPER_BACKWARD = False  # ak.attention_backward: the Triton backward, the peer here
 from attention_hopper_kernel import attention_backward_hopper
 import triton
 from kernel_ft import benchmark_specs as bs
@@ -72,7 +73,7 @@ for spec in [{"tokens": 8192, "batch": 1, "seq": 8192, "heads": 32, "kv_heads": 
     scale = 128 ** -0.5
     out, lse = ak.attention_forward(q, k, v, ds, scale, 0, 0.0)
     flop = 2.5 * 4 * 32 * 128 * bs.visible_pairs(spec)
-    runs = {"Triton (7 products)":  # a contiguous doc_start: the Triton backward whatever USE_HOPPER_BACKWARD says
+    runs = {"Triton (7 products)":
             lambda: ak.attention_backward(dout, q, k, v, out, lse, ds.contiguous(), scale, 0, 0.0)}
     doc_end = None if spec["docs"] == "one" else ak.document_ends(ds)
 

@@ -326,7 +326,7 @@ def attention_forward_hopper(q, k, v, scale, doc_start=None, block_n=None, stage
 # Measured on an H100 (results/attention/gluon_h100/backward_tma/): 3.26-3.34 ms on the 8K document
 # against 4.03 with the atomics and 3.73-3.83 for the Triton backward (cuDNN 2.80-2.91). With
 # dq_writer a third partition, one warp, issues the reductions and waits for them, so the compute
-# warps only store the tile and arrive on a barrier.
+# warps only store the tile and arrive on a barrier (compiled for sm_90, not yet run on a GPU: off).
 # The rest of the traffic: K and V read once per program, Q_i, dO_i, lse_i and delta_i once per key
 # tile that sees them, dK and dV written once.
 #
@@ -360,19 +360,18 @@ def _bwd_load_partition(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem,
 
 @gluon.jit
 def _bwd_dq_partition(dq_desc, dq_smem, dq_full, dq_free, b, kvh, i0, n_qt, n_iter, HQ, GROUP: gl.constexpr,
-                      BLOCK_M: gl.constexpr, DQ_WRITER: gl.constexpr):
+                      BLOCK_M: gl.constexpr):
     # One warp hands each dQ_i tile to the copy engine: it waits until the compute warps have
     # written the tile to shared memory, issues the TMA reduction, and frees the buffer once the
     # copy has read it -- so the compute warps never wait on the copy themselves.
-    if DQ_WRITER:
-        for it in range(n_iter):
-            s = it % 2
-            h = kvh * GROUP + it // n_qt
-            m0 = (i0 + it % n_qt) * BLOCK_M
-            mbarrier.wait(dq_full.index(s), (it // 2) & 1)
-            tma_reduce_add(dq_desc, [b * HQ + h, m0, 0], dq_smem.index(s))  # rows past T: clipped by the copy
-            tma.store_wait(0)
-            mbarrier.arrive(dq_free.index(s), count=1)
+    for it in range(n_iter):
+        s = it % 2
+        h = kvh * GROUP + it // n_qt
+        m0 = (i0 + it % n_qt) * BLOCK_M
+        mbarrier.wait(dq_full.index(s), (it // 2) & 1)
+        tma_reduce_add(dq_desc, [b * HQ + h, m0, 0], dq_smem.index(s))  # rows past T: clipped by the copy
+        tma.store_wait(0)
+        mbarrier.arrive(dq_free.index(s), count=1)
 
 
 @gluon.jit
@@ -507,21 +506,33 @@ def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_E
     dq_full = _barriers(2, 1)
     dq_free = _barriers(2, 1)
 
-    gl.warp_specialize([
-        (_bwd_compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready, empty,
-                                  dq_full, dq_free, LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ, HKV, i0, n_qt,
-                                  n_iter, qk_scale, scale, GROUP, BLOCK_M, BLOCK_N, D, STAGES, DOCS, DQ_TMA,
-                                  DQ_WRITER, num_warps)),
-        (_bwd_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready,
-                               empty, b * kv_xb + kvh * kv_xh, kvh * kv_ch, n0, q_xb, q_xh, q_ch, do_xb, do_xh,
-                               do_ch, b, kvh, i0, n_qt, n_iter, GROUP, BLOCK_M, STAGES)),
-        (_bwd_dq_partition, (dq_desc, dq_smem, dq_full, dq_free, b, kvh, i0, n_qt, n_iter, HQ, GROUP, BLOCK_M,
-                             DQ_WRITER)),
-    ], [1, 1], [24, 24])
+    # The loader warp; with DQ_WRITER also the warp that issues dQ's reductions (constexpr: each
+    # variant launches only the partitions it has).
+    if DQ_WRITER:
+        gl.warp_specialize([
+            (_bwd_compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready, empty,
+                                      dq_full, dq_free, LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ, HKV, i0, n_qt,
+                                      n_iter, qk_scale, scale, GROUP, BLOCK_M, BLOCK_N, D, STAGES, DOCS, DQ_TMA,
+                                      DQ_WRITER, num_warps)),
+            (_bwd_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready,
+                                   empty, b * kv_xb + kvh * kv_xh, kvh * kv_ch, n0, q_xb, q_xh, q_ch, do_xb, do_xh,
+                                   do_ch, b, kvh, i0, n_qt, n_iter, GROUP, BLOCK_M, STAGES)),
+            (_bwd_dq_partition, (dq_desc, dq_smem, dq_full, dq_free, b, kvh, i0, n_qt, n_iter, HQ, GROUP, BLOCK_M)),
+        ], [1, 1], [24, 24])
+    else:
+        gl.warp_specialize([
+            (_bwd_compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready, empty,
+                                      dq_full, dq_free, LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ, HKV, i0, n_qt,
+                                      n_iter, qk_scale, scale, GROUP, BLOCK_M, BLOCK_N, D, STAGES, DOCS, DQ_TMA,
+                                      DQ_WRITER, num_warps)),
+            (_bwd_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready,
+                                   empty, b * kv_xb + kvh * kv_xh, kvh * kv_ch, n0, q_xb, q_xh, q_ch, do_xb, do_xh,
+                                   do_ch, b, kvh, i0, n_qt, n_iter, GROUP, BLOCK_M, STAGES)),
+        ], [1], [24])
 
 
 def attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale, dq_tma=None, block_m=None, block_n=None,
-                              stages=None, dq_writer=True):
+                              stages=None, dq_writer=False):
     """(dq, dk, dv) of causal attention, as attention_kernel.attention_backward: dout [B, T, Hq, D],
     q [B, Hq, T, D], k, v [B, Hkv, T, D] (supports()), lse the forward's (log2 units), delta
     [B, Hq, T] (sum_d dO O), doc_end [B, T] int32 (attention_kernel.document_ends) for packed rows,

@@ -375,11 +375,22 @@ def _bwd_dq_partition(dq_desc, dq_smem, dq_full, dq_free, b, kvh, i0, n_qt, n_it
 
 
 @gluon.jit
+def _bwd_row_stats(LSE, DELTA, b, kvh, i0, n_qt, it, n_iter, T, HQ, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+                   layout: gl.constexpr):
+    # lse_i and delta_i of step `it` (query head, query tile); zeros past the row or the last step.
+    h = kvh * GROUP + it // n_qt
+    offs_m = (i0 + it % n_qt) * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
+    row = (b * HQ + h).to(gl.int64) * T
+    ok = (offs_m < T) & (it < n_iter)
+    return gl.load(LSE + row + offs_m, mask=ok, other=0.0), gl.load(DELTA + row + offs_m, mask=ok, other=0.0)
+
+
+@gluon.jit
 def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready, empty,
                            dq_full, dq_free, LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ, HKV, i0, n_qt, n_iter, qk_scale,
                            scale, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            D: gl.constexpr, STAGES: gl.constexpr, DOCS: gl.constexpr, DQ_TMA: gl.constexpr,
-                           DQ_WRITER: gl.constexpr, num_warps: gl.constexpr):
+                           DQ_WRITER: gl.constexpr, PREFETCH: gl.constexpr, num_warps: gl.constexpr):
     # [BLOCK_N, BLOCK_M] products (S^T, dP^T) and [BLOCK_N, D] accumulators (dK, dV): keys along
     # rows, 16 per warp; dQ_i [BLOCK_M, D] splits D between the two warp groups.
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -405,6 +416,9 @@ def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq
     k = k_smem.reshape([BLOCK_N, D])
     v = v_smem.reshape([BLOCK_N, D])
     mbarrier.wait(kv_bar, 0)
+    if PREFETCH:  # the first step's lse and delta; later ones are loaded a step ahead (below)
+        lse_next, delta_next = _bwd_row_stats(LSE, DELTA, b, kvh, i0, n_qt, 0, n_iter, T, HQ, GROUP, BLOCK_M,
+                                              gl.SliceLayout(0, st_layout))
     for it in range(n_iter):
         s = it % STAGES
         h = kvh * GROUP + it // n_qt
@@ -414,9 +428,16 @@ def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         q = q_smem.index(s).reshape([BLOCK_M, D])
         do = do_smem.index(s).reshape([BLOCK_M, D])
-        lse = gl.load(LSE + row + offs_m, mask=offs_m < T, other=0.0)
+        # The first product starts from -lse_i: loaded here, the product waits for the load (an L2
+        # round trip every step); with PREFETCH it was loaded during the previous step's tail.
+        if PREFETCH:
+            lse = lse_next
+            delta = delta_next
+        else:
+            lse = gl.load(LSE + row + offs_m, mask=offs_m < T, other=0.0)
         st = warpgroup_mma(k, q.permute((1, 0)), st_zero - (lse / qk_scale)[None, :], is_async=True)
-        delta = gl.load(DELTA + row + offs_m, mask=offs_m < T, other=0.0)
+        if not PREFETCH:
+            delta = gl.load(DELTA + row + offs_m, mask=offs_m < T, other=0.0)
         dpt = warpgroup_mma(v, do.permute((1, 0)), st_zero - delta[None, :], is_async=True)
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
         pt = gl.exp2(st * qk_scale)
@@ -436,6 +457,9 @@ def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq
         dq = warpgroup_mma(ds_smem.permute((1, 0)), k, dq_zero, use_acc=False, is_async=True)
         # P^T and dS^T are read from registers by products in flight: passed to the wait, kept alive.
         dv, dk, dq, pt16, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt16, dst16))
+        if PREFETCH:  # the products are done, so the two vectors live only through dQ's hand-off
+            lse_next, delta_next = _bwd_row_stats(LSE, DELTA, b, kvh, i0, n_qt, it + 1, n_iter, T, HQ, GROUP,
+                                                  BLOCK_M, gl.SliceLayout(0, st_layout))
         if DQ_WRITER:  # to shared memory; the writer warp issues the reduction
             buf = dq_smem.index(it % 2)
             mbarrier.wait(dq_free.index(it % 2), ((it // 2) & 1) ^ 1)
@@ -473,7 +497,7 @@ def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_E
                      kv_xb, kv_xh, kv_ch, q_xb, q_xh, q_ch, do_xb, do_xh, do_ch, qk_scale, scale,
                      GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                      STAGES: gl.constexpr, DOCS: gl.constexpr, DQ_TMA: gl.constexpr, DQ_WRITER: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     PREFETCH: gl.constexpr, num_warps: gl.constexpr):
     # The grid's first axis runs fastest: key tile 0 of every head first, the tiles that see the
     # most queries (measured: 4.04-4.10 ms against 4.69 the other way round on the 8K document).
     bkv = gl.program_id(0)
@@ -513,7 +537,7 @@ def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_E
             (_bwd_compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready, empty,
                                       dq_full, dq_free, LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ, HKV, i0, n_qt,
                                       n_iter, qk_scale, scale, GROUP, BLOCK_M, BLOCK_N, D, STAGES, DOCS, DQ_TMA,
-                                      DQ_WRITER, num_warps)),
+                                      DQ_WRITER, PREFETCH, num_warps)),
             (_bwd_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready,
                                    empty, b * kv_xb + kvh * kv_xh, kvh * kv_ch, n0, q_xb, q_xh, q_ch, do_xb, do_xh,
                                    do_ch, b, kvh, i0, n_qt, n_iter, GROUP, BLOCK_M, STAGES)),
@@ -524,7 +548,7 @@ def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_E
             (_bwd_compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready, empty,
                                       dq_full, dq_free, LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ, HKV, i0, n_qt,
                                       n_iter, qk_scale, scale, GROUP, BLOCK_M, BLOCK_N, D, STAGES, DOCS, DQ_TMA,
-                                      DQ_WRITER, num_warps)),
+                                      DQ_WRITER, PREFETCH, num_warps)),
             (_bwd_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready,
                                    empty, b * kv_xb + kvh * kv_xh, kvh * kv_ch, n0, q_xb, q_xh, q_ch, do_xb, do_xh,
                                    do_ch, b, kvh, i0, n_qt, n_iter, GROUP, BLOCK_M, STAGES)),
@@ -532,11 +556,13 @@ def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_E
 
 
 def attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale, dq_tma=None, block_m=None, block_n=None,
-                              stages=None, dq_writer=False):
+                              stages=None, dq_writer=False, prefetch=False):
     """(dq, dk, dv) of causal attention, as attention_kernel.attention_backward: dout [B, T, Hq, D],
     q [B, Hq, T, D], k, v [B, Hkv, T, D] (supports()), lse the forward's (log2 units), delta
     [B, Hq, T] (sum_d dO O), doc_end [B, T] int32 (attention_kernel.document_ends) for packed rows,
-    None for one document per row. dq_tma: sum dQ by TMA reductions (default: where Triton has them)."""
+    None for one document per row. dq_tma: sum dQ by TMA reductions (default: where Triton has them);
+    dq_writer: a warp of its own issues them; prefetch: each step's lse and delta loaded a step ahead
+    (the last two compiled for sm_90, not yet timed)."""
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     if not supports(q, k, v):
@@ -559,6 +585,6 @@ def attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale, dq_tma=
         _descriptor(do3, block_m, D), _descriptor(dq.view(B * Hq, T, D), block_m, D), lse, delta,
         dq if doc_end is None else doc_end, dq, dk, dv, T, Hq, Hkv, kv_xb, kv_xh, kv_ch, q_xb, q_xh, q_ch,
         do_xb, do_xh, do_ch, scale * math.log2(math.e), scale, GROUP=Hq // Hkv, BLOCK_M=block_m, BLOCK_N=block_n,
-        D=D, STAGES=stages, DOCS=doc_end is not None, DQ_TMA=dq_tma, DQ_WRITER=bool(dq_writer and dq_tma), num_warps=8,
-        **LAUNCH_OPTIONS)
+        D=D, STAGES=stages, DOCS=doc_end is not None, DQ_TMA=dq_tma, DQ_WRITER=bool(dq_writer and dq_tma),
+        PREFETCH=bool(prefetch), num_warps=8, **LAUNCH_OPTIONS)
     return dq.to(q.dtype), dk, dv

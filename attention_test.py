@@ -522,7 +522,8 @@ def test_hopper_forward_matches_truth_and_the_triton_forward(case, monkeypatch):
 def test_hopper_backward_matches_truth_and_the_triton_backward(case, monkeypatch):
     """On an H100 / H200: the Gluon backward (five products per tile) against float64 and against
     the Triton backward on the same rows, dQ summed by relaxed atomics and, where Triton has them
-    (3.8 on), by TMA reductions from the compute warps or from a writer warp; attention_backward
+    (3.8 on), by TMA reductions from the compute warps or from a writer warp, lse and delta loaded a
+    step ahead or not; attention_backward
     takes it, packed rows included, only where TMA reductions exist."""
     rows, T, Hq, D, q, k, v, starts, g = hopper_inputs(case, seed=7)
     hopper = attention_kernel.attention_hopper_kernel
@@ -536,7 +537,7 @@ def test_hopper_backward_matches_truth_and_the_triton_backward(case, monkeypatch
     truth = run(q.double(), k.double(), v.double(), starts, dout.double(), reference())[1:]
     modes = [{"dq_tma": False}]
     if hopper.TMA_REDUCE:
-        modes += [{"dq_tma": True, "dq_writer": False}, {"dq_tma": True, "dq_writer": True}]
+        modes += [{"dq_tma": True}, {"dq_tma": True, "dq_writer": True}, {"dq_tma": True, "prefetch": True}]
     for opts in modes:
         got = hopper.attention_backward_hopper(dout, q, k, v, lse, delta, document_ends(starts) if packed else None,
                                                scale, **opts)

@@ -660,28 +660,32 @@ LOG2_E = math.log2(math.e)
 USE_HOPPER_FORWARD = True
 
 
-# The backward there too, on every row it supports, packed ones included (five products per tile
-# instead of seven; dQ summed by TMA reductions, which Gluon has from Triton 3.8 on; before that
-# its float32 atomics make it slower than this file's backward, so it stays here). H100, Triton 3.9
-# (results/attention/gluon_h100/backward_tma/): the 8K document 3.26-3.34 ms against this file's
-# 3.73-3.83, documents of 512-4,096 tokens 2.54-2.63 against 2.80-2.85, of 40-200 0.82 against 0.87.
+# The backward there too (five products per tile instead of seven; dQ summed by TMA reductions,
+# which Gluon has from Triton 3.8 on: before that its float32 atomics make it slower than this
+# file's backward). H100, Triton 3.9 (results/attention/gluon_h100/backward_tma/): the 8K document
+# 3.26-3.34 ms against this file's 3.73-3.83. Rows of one document only, like the forward: on packed
+# rows it is faster too (documents of 512-4,096 tokens 2.54-2.63 ms against 2.80-2.85, of 40-200
+# 0.82 against 0.87) but its float32 dQ buffer (4 bytes per element of q: 268 MB at 16K tokens of 32
+# heads of 128) on top of the 343 MB measured there would put attention's extra memory on a packed
+# row at about 1.3x FlexAttention's 474 MB, from 0.72x (computed, not measured).
 USE_HOPPER_BACKWARD = True
 
 
-def _hopper_ok(q, k, v, window, softcap):
-    """Whether attention_hopper_kernel.py's kernels take these rows: an H100 / H200, what they
-    support (supports()), no window, no soft cap."""
-    return (attention_hopper_kernel is not None and not INTERPRET and q.is_cuda
+def _hopper_ok(q, k, v, doc_start, window, softcap):
+    """Whether attention_hopper_kernel.py takes these rows: one document each, an H100 / H200,
+    what its kernels support (supports()), no window, no soft cap."""
+    return (attention_hopper_kernel is not None and not INTERPRET and q.is_cuda and _one_document(doc_start)
             and torch.cuda.get_device_capability(q.device) == (9, 0) and attention_hopper_kernel.supports(q, k, v)
             and not window and not softcap)
 
 
 def _hopper_forward_ok(q, k, v, doc_start, window, softcap):
-    return USE_HOPPER_FORWARD and _one_document(doc_start) and _hopper_ok(q, k, v, window, softcap)
+    return USE_HOPPER_FORWARD and _hopper_ok(q, k, v, doc_start, window, softcap)
 
 
-def _hopper_backward_ok(q, k, v, window, softcap):
-    return USE_HOPPER_BACKWARD and attention_hopper_kernel.TMA_REDUCE and _hopper_ok(q, k, v, window, softcap)
+def _hopper_backward_ok(q, k, v, doc_start, window, softcap):
+    return (USE_HOPPER_BACKWARD and attention_hopper_kernel is not None and attention_hopper_kernel.TMA_REDUCE
+            and _hopper_ok(q, k, v, doc_start, window, softcap))
 
 
 def _check(q, k, v, doc_start, name="attention"):
@@ -790,6 +794,9 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
+    if q.numel() and _hopper_backward_ok(q, k, v, doc_start, window, softcap):
+        delta = backward_delta(out, dout)
+        return attention_hopper_kernel.attention_backward_hopper(dout, q, k, v, lse, delta, None, scale)
     dq = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
     dk = torch.empty(B, Hkv, T, D, dtype=k.dtype, device=k.device)
     dv = torch.empty(B, Hkv, T, D, dtype=v.dtype, device=v.device)
@@ -797,9 +804,6 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         return dq, dk, dv
     dp = max(16, next_power_of_2(D))
     delta = backward_delta(out, dout)
-    if _hopper_backward_ok(q, k, v, window, softcap):
-        doc_end = None if _one_document(doc_start) else document_ends(doc_start.contiguous())
-        return attention_hopper_kernel.attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale)
     doc_start = doc_start.contiguous()
     doc_end = document_ends(doc_start)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

@@ -523,8 +523,8 @@ def test_hopper_backward_matches_truth_and_the_triton_backward(case, monkeypatch
     """On an H100 / H200: the Gluon backward (five products per tile) against float64 and against
     the Triton backward on the same rows, dQ summed by relaxed atomics and, where Triton has them
     (3.8 on), by TMA reductions from the compute warps or from a writer warp, lse and delta loaded a
-    step ahead or not; attention_backward
-    takes it, packed rows included, only where TMA reductions exist."""
+    step ahead or not; attention_backward takes it on rows of one document where TMA reductions
+    exist."""
     rows, T, Hq, D, q, k, v, starts, g = hopper_inputs(case, seed=7)
     hopper = attention_kernel.attention_hopper_kernel
     dout = torch.randn(len(rows), T, Hq, D, generator=g).cuda().bfloat16()
@@ -543,12 +543,14 @@ def test_hopper_backward_matches_truth_and_the_triton_backward(case, monkeypatch
                                                scale, **opts)
         check_outputs(["dq", "dk", "dv"], got, triton_grads, truth, peer_name="the Triton backward")
     monkeypatch.setattr(attention_kernel, "USE_HOPPER_BACKWARD", True)
-    assert attention_kernel._hopper_backward_ok(q, k, v, 0, 0.0) == hopper.TMA_REDUCE
+    one = attention_kernel.one_document_rows(len(rows), T, q.device)
+    assert attention_kernel._hopper_backward_ok(q, k, v, one, 0, 0.0) == hopper.TMA_REDUCE
+    assert attention_kernel._hopper_backward_ok(q, k, v, starts, 0, 0.0) == (T == 1 and hopper.TMA_REDUCE)
     for window, softcap, x in ((7, 0.0, q), (0, 2.0, q), (0, 0.0, q.float())):
-        assert not attention_kernel._hopper_backward_ok(x, k, v, window, softcap)
-    rows_given = starts if packed else attention_kernel.one_document_rows(len(rows), T, q.device)
-    routed = attention_kernel.attention_backward(dout, q, k, v, out, lse, rows_given, scale, 0, 0.0)
-    check_outputs(["dq", "dk", "dv"], routed, triton_grads, truth, peer_name="the Triton backward")
+        assert not attention_kernel._hopper_backward_ok(x, k, v, one, window, softcap)
+    if not packed:  # the routed call, as autograd makes it
+        routed = attention_kernel.attention_backward(dout, q, k, v, out, lse, one, scale, 0, 0.0)
+        check_outputs(["dq", "dk", "dv"], routed, triton_grads, truth, peer_name="the Triton backward")
 
 
 def test_rows_of_one_document_as_a_broadcast_start():

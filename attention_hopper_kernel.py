@@ -387,8 +387,8 @@ def _bwd_row_stats(LSE, DELTA, b, kvh, i0, n_qt, it, n_iter, T, HQ, GROUP: gl.co
 
 @gluon.jit
 def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready, empty,
-                           dq_full, dq_free, LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ, HKV, i0, n_qt, n_iter, qk_scale,
-                           scale, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           dq_full, dq_free, LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ, HKV, i0, n_qt,
+                           n_iter, qk_scale, scale, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            D: gl.constexpr, STAGES: gl.constexpr, DOCS: gl.constexpr, DQ_TMA: gl.constexpr,
                            DQ_WRITER: gl.constexpr, PREFETCH: gl.constexpr, num_warps: gl.constexpr):
     # [BLOCK_N, BLOCK_M] products (S^T, dP^T) and [BLOCK_N, D] accumulators (dK, dV): keys along
@@ -469,19 +469,17 @@ def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq
             mbarrier.arrive(dq_full.index(it % 2), count=1)
         else:
             mbarrier.arrive(empty.index(s), count=1)
-        if DQ_WRITER:
-            pass
-        elif DQ_TMA:
-            buf = dq_smem.index(it % 2)
-            tma.store_wait(1)  # the reduction issued from this buffer two tiles ago has read it
-            buf.reshape([BLOCK_M, D]).store(dq * scale)
-            fence_async_shared()
-            tma_reduce_add(dq_desc, [b * HQ + h, m0, 0], buf)  # rows past T: clipped by the copy
-        else:  # Triton before 3.8: fire-and-forget float32 atomics (slower, see above)
-            rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-            cols = gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
-            gl.atomic_add(DQ + (row + rows[:, None]) * D + cols[None, :], dq * scale, mask=(rows < T)[:, None],
-                          sem="relaxed")
+            if DQ_TMA:
+                buf = dq_smem.index(it % 2)
+                tma.store_wait(1)  # the reduction issued from this buffer two tiles ago has read it
+                buf.reshape([BLOCK_M, D]).store(dq * scale)
+                fence_async_shared()
+                tma_reduce_add(dq_desc, [b * HQ + h, m0, 0], buf)  # rows past T: clipped by the copy
+            else:  # Triton before 3.8: fire-and-forget float32 atomics (slower, see above)
+                rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+                cols = gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
+                gl.atomic_add(DQ + (row + rows[:, None]) * D + cols[None, :], dq * scale,
+                              mask=(rows < T)[:, None], sem="relaxed")
     if DQ_TMA and not DQ_WRITER:
         tma.store_wait(0)  # the buffers are read before the program's shared memory goes
 
@@ -530,14 +528,15 @@ def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_E
     dq_full = _barriers(2, 1)
     dq_free = _barriers(2, 1)
 
-    # The loader warp; with DQ_WRITER also the warp that issues dQ's reductions (constexpr: each
-    # variant launches only the partitions it has).
+    # The loader warp; with DQ_WRITER also the warp that issues dQ's reductions. (Two lists because
+    # each variant launches only the partitions it has: a tuple of partitions cannot be a variable in
+    # a Gluon kernel. One goes once the writer is timed against the reductions from the compute warps.)
     if DQ_WRITER:
         gl.warp_specialize([
-            (_bwd_compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready, empty,
-                                      dq_full, dq_free, LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ, HKV, i0, n_qt,
-                                      n_iter, qk_scale, scale, GROUP, BLOCK_M, BLOCK_N, D, STAGES, DOCS, DQ_TMA,
-                                      DQ_WRITER, PREFETCH, num_warps)),
+            (_bwd_compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready,
+                                      empty, dq_full, dq_free, LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ,
+                                      HKV, i0, n_qt, n_iter, qk_scale, scale, GROUP, BLOCK_M, BLOCK_N, D, STAGES,
+                                      DOCS, DQ_TMA, DQ_WRITER, PREFETCH, num_warps)),
             (_bwd_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready,
                                    empty, b * kv_xb + kvh * kv_xh, kvh * kv_ch, n0, q_xb, q_xh, q_ch, do_xb, do_xh,
                                    do_ch, b, kvh, i0, n_qt, n_iter, GROUP, BLOCK_M, STAGES)),
@@ -545,10 +544,10 @@ def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_E
         ], [1, 1], [24, 24])
     else:
         gl.warp_specialize([
-            (_bwd_compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready, empty,
-                                      dq_full, dq_free, LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ, HKV, i0, n_qt,
-                                      n_iter, qk_scale, scale, GROUP, BLOCK_M, BLOCK_N, D, STAGES, DOCS, DQ_TMA,
-                                      DQ_WRITER, PREFETCH, num_warps)),
+            (_bwd_compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready,
+                                      empty, dq_full, dq_free, LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ,
+                                      HKV, i0, n_qt, n_iter, qk_scale, scale, GROUP, BLOCK_M, BLOCK_N, D, STAGES,
+                                      DOCS, DQ_TMA, DQ_WRITER, PREFETCH, num_warps)),
             (_bwd_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready,
                                    empty, b * kv_xb + kvh * kv_xh, kvh * kv_ch, n0, q_xb, q_xh, q_ch, do_xb, do_xh,
                                    do_ch, b, kvh, i0, n_qt, n_iter, GROUP, BLOCK_M, STAGES)),

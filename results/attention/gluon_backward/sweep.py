@@ -1,7 +1,7 @@
 """On a Hopper GPU: the Gluon backward (attention_hopper_kernel.attention_backward_hopper) with the options given,
 each variant checked against float64 on six rows and timed on the 8K document and the two packed rows (documents
 of 512-4,096 and of 40-200 tokens) beside the Triton backward and cuDNN's. Prints a table; --json PATH writes it.
-python sweep.py [--json PATH] NAME=opt:value,opt:value ...   e.g.  gluon=  atomics=dq_tma:0  writer=dq_tma:1,dq_writer:1
+python sweep.py [--quick] [--json PATH] NAME=opt:value,opt:value ...   e.g.  gluon=  atomics=dq_tma:0  writer=dq_tma:1,dq_writer:1
 (The variants measured on 2026-12-07 -- the probe's dq_mode and heavy_first -- are in git history.)"""
 import json, os, sys
 import torch
@@ -15,6 +15,9 @@ import triton
 from kernel_ft import benchmark_specs as bs
 
 args = sys.argv[1:]
+quick = "--quick" in args  # the 8K document only, one round
+if quick:
+    args.remove("--quick")
 out_json = None
 if "--json" in args:
     i = args.index("--json")
@@ -66,7 +69,7 @@ for spec in [{"tokens": 8192, "batch": 1, "seq": 8192, "heads": 32, "kv_heads": 
              {"tokens": 16384, "batch": 1, "seq": 16384, "heads": 32, "kv_heads": 8, "head_dim": 128,
               "docs": [512, 4096]},
              {"tokens": 16384, "batch": 1, "seq": 16384, "heads": 32, "kv_heads": 8, "head_dim": 128,
-              "docs": [40, 200]}]:
+              "docs": [40, 200]}][:1 if quick else 3]:
     inputs = bs.attention_inputs(spec)
     q, k, v, ds = (t.detach() for t in inputs["args"])
     dout = inputs["upstream"][0]
@@ -87,7 +90,7 @@ for spec in [{"tokens": 8192, "batch": 1, "seq": 8192, "heads": 32, "kv_heads": 
         o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True)
         runs["SDPA (cuDNN)"] = lambda: torch.autograd.grad(o, (qq, kk, vv), dout.transpose(1, 2), retain_graph=True)
     print(f"\nT={spec['seq']} documents {spec['docs']}, backward", flush=True)
-    for rep in range(2):
+    for rep in range(1 if quick else 2):
         for name, fn in runs.items():
             try:
                 ms = triton.testing.do_bench(fn, warmup=10, rep=80)

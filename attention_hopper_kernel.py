@@ -341,6 +341,13 @@ BWD_TILE = (64, 128, 2)  # (BLOCK_M queries, BLOCK_N keys, STAGES of Q / dO buff
 
 
 @gluon.jit
+def _bwd_step(it, kvh, i0, n_qt, GROUP: gl.constexpr, BLOCK_M: gl.constexpr):
+    # Step `it` of a program's walk: (query head, first row of the query tile). Every query head of
+    # the key/value head's group in turn, each over the query tiles i0 .. i0 + n_qt - 1.
+    return kvh * GROUP + it // n_qt, (i0 + it % n_qt) * BLOCK_M
+
+
+@gluon.jit
 def _bwd_load_partition(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
                         kv_x, kv_c, n0, q_xb, q_xh, q_ch, do_xb, do_xh, do_ch, b, kvh, i0, n_qt, n_iter,
                         GROUP: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
@@ -350,8 +357,7 @@ def _bwd_load_partition(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem,
     tma_load(v_desc, [kv_x, n0, kv_c], kv_bar, v_smem)
     for it in range(n_iter):
         s = it % STAGES
-        h = kvh * GROUP + it // n_qt
-        m0 = (i0 + it % n_qt) * BLOCK_M
+        h, m0 = _bwd_step(it, kvh, i0, n_qt, GROUP, BLOCK_M)
         mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma_load(q_desc, [b * q_xb + h * q_xh, m0, h * q_ch], ready.index(s), q_smem.index(s))
@@ -366,8 +372,7 @@ def _bwd_dq_partition(dq_desc, dq_smem, dq_full, dq_free, b, kvh, i0, n_qt, n_it
     # copy has read it -- so the compute warps never wait on the copy themselves.
     for it in range(n_iter):
         s = it % 2
-        h = kvh * GROUP + it // n_qt
-        m0 = (i0 + it % n_qt) * BLOCK_M
+        h, m0 = _bwd_step(it, kvh, i0, n_qt, GROUP, BLOCK_M)
         mbarrier.wait(dq_full.index(s), (it // 2) & 1)
         tma_reduce_add(dq_desc, [b * HQ + h, m0, 0], dq_smem.index(s))  # rows past T: clipped by the copy
         tma.store_wait(0)
@@ -378,8 +383,8 @@ def _bwd_dq_partition(dq_desc, dq_smem, dq_full, dq_free, b, kvh, i0, n_qt, n_it
 def _bwd_row_stats(LSE, DELTA, b, kvh, i0, n_qt, it, n_iter, T, HQ, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
                    layout: gl.constexpr):
     # lse_i and delta_i of step `it` (query head, query tile); zeros past the row or the last step.
-    h = kvh * GROUP + it // n_qt
-    offs_m = (i0 + it % n_qt) * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
+    h, m0 = _bwd_step(it, kvh, i0, n_qt, GROUP, BLOCK_M)
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=layout)
     row = (b * HQ + h).to(gl.int64) * T
     ok = (offs_m < T) & (it < n_iter)
     return gl.load(LSE + row + offs_m, mask=ok, other=0.0), gl.load(DELTA + row + offs_m, mask=ok, other=0.0)
@@ -421,8 +426,7 @@ def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq
                                               gl.SliceLayout(0, st_layout))
     for it in range(n_iter):
         s = it % STAGES
-        h = kvh * GROUP + it // n_qt
-        m0 = (i0 + it % n_qt) * BLOCK_M
+        h, m0 = _bwd_step(it, kvh, i0, n_qt, GROUP, BLOCK_M)
         offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
         row = (b * HQ + h).to(gl.int64) * T
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)

@@ -794,16 +794,15 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
-    if q.numel() and _hopper_backward_ok(q, k, v, doc_start, window, softcap):
-        delta = backward_delta(out, dout)
+    if q.numel() == 0:
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    delta = backward_delta(out, dout)
+    if _hopper_backward_ok(q, k, v, doc_start, window, softcap):
         return attention_hopper_kernel.attention_backward_hopper(dout, q, k, v, lse, delta, None, scale)
     dq = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
     dk = torch.empty(B, Hkv, T, D, dtype=k.dtype, device=k.device)
     dv = torch.empty(B, Hkv, T, D, dtype=v.dtype, device=v.device)
-    if dq.numel() == 0:
-        return dq, dk, dv
     dp = max(16, next_power_of_2(D))
-    delta = backward_delta(out, dout)
     doc_start = doc_start.contiguous()
     doc_end = document_ends(doc_start)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

@@ -395,7 +395,8 @@ def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq
                            dq_full, dq_free, LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ, HKV, i0, n_qt,
                            n_iter, qk_scale, scale, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            D: gl.constexpr, STAGES: gl.constexpr, DOCS: gl.constexpr, DQ_TMA: gl.constexpr,
-                           DQ_WRITER: gl.constexpr, PREFETCH: gl.constexpr, num_warps: gl.constexpr):
+                           DQ_WRITER: gl.constexpr, PREFETCH: gl.constexpr, DQ_FIRST: gl.constexpr,
+                           num_warps: gl.constexpr):
     # [BLOCK_N, BLOCK_M] products (S^T, dP^T) and [BLOCK_N, D] accumulators (dK, dV): keys along
     # rows, 16 per warp; dQ_i [BLOCK_M, D] splits D between the two warp groups.
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -457,10 +458,16 @@ def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq
         ds_smem.store(dst)  # dQ's product needs dS, i.e. dS^T transposed: read through shared memory
         fence_async_shared()  # the generic-proxy store, before the products read it through the async proxy
         dst16 = gl.convert_layout(dst, a_layout)
-        dk = warpgroup_mma(dst16, q, dk, is_async=True)
-        dq = warpgroup_mma(ds_smem.permute((1, 0)), k, dq_zero, use_acc=False, is_async=True)
-        # P^T and dS^T are read from registers by products in flight: passed to the wait, kept alive.
-        dv, dk, dq, pt16, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt16, dst16))
+        # P^T and dS^T are read from registers by products in flight: passed to the waits, kept alive.
+        if DQ_FIRST:  # dQ_i's product first: its hand-off below runs while dK's product does
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k, dq_zero, use_acc=False, is_async=True)
+            dk = warpgroup_mma(dst16, q, dk, is_async=True)
+            dv, dq, pt16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, pt16))
+        else:
+            dk = warpgroup_mma(dst16, q, dk, is_async=True)
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k, dq_zero, use_acc=False, is_async=True)
+            dv, dk, dq, pt16, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt16, dst16))
+            mbarrier.arrive(empty.index(s), count=1)  # Q_i and dO_i read: the loader may refill the slot
         if PREFETCH:  # the products are done, so the two vectors live only through dQ's hand-off
             lse_next, delta_next = _bwd_row_stats(LSE, DELTA, b, kvh, i0, n_qt, it + 1, n_iter, T, HQ, GROUP,
                                                   BLOCK_M, gl.SliceLayout(0, st_layout))
@@ -469,10 +476,8 @@ def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq
             mbarrier.wait(dq_free.index(it % 2), ((it // 2) & 1) ^ 1)
             buf.reshape([BLOCK_M, D]).store(dq * scale)
             fence_async_shared()
-            mbarrier.arrive(empty.index(s), count=1)
             mbarrier.arrive(dq_full.index(it % 2), count=1)
         else:
-            mbarrier.arrive(empty.index(s), count=1)
             if DQ_TMA:
                 buf = dq_smem.index(it % 2)
                 tma.store_wait(1)  # the reduction issued from this buffer two tiles ago has read it
@@ -484,6 +489,9 @@ def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq
                 cols = gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
                 gl.atomic_add(DQ + (row + rows[:, None]) * D + cols[None, :], dq * scale,
                               mask=(rows < T)[:, None], sem="relaxed")
+        if DQ_FIRST:
+            dk, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dst16))
+            mbarrier.arrive(empty.index(s), count=1)
     if DQ_TMA and not DQ_WRITER:
         tma.store_wait(0)  # the buffers are read before the program's shared memory goes
 
@@ -499,7 +507,7 @@ def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_E
                      kv_xb, kv_xh, kv_ch, q_xb, q_xh, q_ch, do_xb, do_xh, do_ch, qk_scale, scale,
                      GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                      STAGES: gl.constexpr, DOCS: gl.constexpr, DQ_TMA: gl.constexpr, DQ_WRITER: gl.constexpr,
-                     PREFETCH: gl.constexpr, num_warps: gl.constexpr):
+                     PREFETCH: gl.constexpr, DQ_FIRST: gl.constexpr, num_warps: gl.constexpr):
     # The grid's first axis runs fastest: key tile 0 of every head first, the tiles that see the
     # most queries (measured: 4.04-4.10 ms against 4.69 the other way round on the 8K document).
     bkv = gl.program_id(0)
@@ -540,7 +548,7 @@ def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_E
             (_bwd_compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready,
                                       empty, dq_full, dq_free, LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ,
                                       HKV, i0, n_qt, n_iter, qk_scale, scale, GROUP, BLOCK_M, BLOCK_N, D, STAGES,
-                                      DOCS, DQ_TMA, DQ_WRITER, PREFETCH, num_warps)),
+                                      DOCS, DQ_TMA, DQ_WRITER, PREFETCH, DQ_FIRST, num_warps)),
             (_bwd_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready,
                                    empty, b * kv_xb + kvh * kv_xh, kvh * kv_ch, n0, q_xb, q_xh, q_ch, do_xb, do_xh,
                                    do_ch, b, kvh, i0, n_qt, n_iter, GROUP, BLOCK_M, STAGES)),
@@ -551,7 +559,7 @@ def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_E
             (_bwd_compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready,
                                       empty, dq_full, dq_free, LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ,
                                       HKV, i0, n_qt, n_iter, qk_scale, scale, GROUP, BLOCK_M, BLOCK_N, D, STAGES,
-                                      DOCS, DQ_TMA, DQ_WRITER, PREFETCH, num_warps)),
+                                      DOCS, DQ_TMA, DQ_WRITER, PREFETCH, DQ_FIRST, num_warps)),
             (_bwd_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready,
                                    empty, b * kv_xb + kvh * kv_xh, kvh * kv_ch, n0, q_xb, q_xh, q_ch, do_xb, do_xh,
                                    do_ch, b, kvh, i0, n_qt, n_iter, GROUP, BLOCK_M, STAGES)),
@@ -559,7 +567,7 @@ def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_E
 
 
 def attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale, dq_tma=None, block_m=None, block_n=None,
-                              stages=None, dq_writer=False, prefetch=False):
+                              stages=None, dq_writer=False, prefetch=False, dq_first=False):
     """(dq, dk, dv) of causal attention, as attention_kernel.attention_backward: dout [B, T, Hq, D],
     q [B, Hq, T, D], k, v [B, Hkv, T, D] (supports()), lse the forward's (log2 units), delta
     [B, Hq, T] (sum_d dO O), doc_end [B, T] int32 (attention_kernel.document_ends) for packed rows,
@@ -589,5 +597,5 @@ def attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale, dq_tma=
         dq if doc_end is None else doc_end, dq, dk, dv, T, Hq, Hkv, kv_xb, kv_xh, kv_ch, q_xb, q_xh, q_ch,
         do_xb, do_xh, do_ch, scale * math.log2(math.e), scale, GROUP=Hq // Hkv, BLOCK_M=block_m, BLOCK_N=block_n,
         D=D, STAGES=stages, DOCS=doc_end is not None, DQ_TMA=dq_tma, DQ_WRITER=bool(dq_writer and dq_tma),
-        PREFETCH=bool(prefetch), num_warps=8, **LAUNCH_OPTIONS)
+        PREFETCH=bool(prefetch), DQ_FIRST=bool(dq_first), num_warps=8, **LAUNCH_OPTIONS)
     return dq.to(q.dtype), dk, dv

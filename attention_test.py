@@ -523,8 +523,8 @@ def test_hopper_backward_matches_truth_and_the_triton_backward(case, monkeypatch
     """On an H100 / H200: the Gluon backward (five products per tile) against float64 and against
     the Triton backward on the same rows, dQ summed by relaxed atomics and, where Triton has them
     (3.8 on), by TMA reductions from the compute warps or from a writer warp, lse and delta loaded a
-    step ahead or not, dQ's product before dK's or after; attention_backward takes it on rows of
-    one document where TMA reductions exist."""
+    step ahead or not, dQ's product before dK's or after, query tiles walked from the diagonal or
+    from the end; attention_backward takes it on rows of one document where TMA reductions exist."""
     rows, T, Hq, D, q, k, v, starts, g = hopper_inputs(case, seed=7)
     hopper = attention_kernel.attention_hopper_kernel
     dout = torch.randn(len(rows), T, Hq, D, generator=g).cuda().bfloat16()
@@ -538,8 +538,9 @@ def test_hopper_backward_matches_truth_and_the_triton_backward(case, monkeypatch
     modes = [{"dq_tma": False}]
     if hopper.TMA_REDUCE:
         modes += [{"dq_tma": True}, {"dq_tma": True, "dq_writer": True}, {"dq_tma": True, "prefetch": True},
-                  {"dq_tma": True, "dq_first": True}, {"dq_tma": True, "dq_writer": True, "dq_first": True}]
-    modes += [{"dq_tma": False, "dq_first": True}]
+                  {"dq_tma": True, "dq_first": True}, {"dq_tma": True, "from_end": True},
+                  {"dq_tma": True, "dq_writer": True, "prefetch": True, "dq_first": True, "from_end": True}]
+    modes += [{"dq_tma": False, "dq_first": True, "from_end": True}]
     for opts in modes:
         got = hopper.attention_backward_hopper(dout, q, k, v, lse, delta, document_ends(starts) if packed else None,
                                                scale, **opts)

@@ -17,12 +17,12 @@ if [ -d .triton ]; then
       end=dq_tma:1,from_end:1 end_first=dq_tma:1,dq_first:1,from_end:1 \
       end_writer_first=dq_tma:1,dq_writer:1,dq_first:1,from_end:1 end_all=dq_tma:1,dq_writer:1,prefetch:1,dq_first:1,from_end:1 \
       > $R/packed_triton/sweep.txt 2>&1; el sweep $?
+    timeout 100 python3 benchmark_kernels.py --kernel attention --json $R/packed_triton/bench_attention.json \
+      > $R/packed_triton/bench_attention.txt 2>&1; el bench $?
     timeout 90 ncu --clock-control none -k regex:"attn_bwd_hopper|cudnn|sdpa|fort" --launch-count 8 --section SpeedOfLight \
       --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --metrics \
       dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
       python3 results/attention/gluon_backward/ncu_bwd.py inline=dq_tma:1 end=dq_tma:1,from_end:1 > $R/packed_triton/ncu_bwd.txt 2>&1; el ncu $?
-    timeout 100 python3 benchmark_kernels.py --kernel attention --json $R/packed_triton/bench_attention.json \
-      > $R/packed_triton/bench_attention.txt 2>&1; el bench $?
     timeout 90 python3 -m pytest -q -p no:cacheprovider -n 4 attention_test.py -k "hopper or one_document" \
       > $R/packed_triton/attention_test.txt 2>&1; el "hopper tests $(tail -1 $R/packed_triton/attention_test.txt)" $?
   ) | tee -a $R/times.txt

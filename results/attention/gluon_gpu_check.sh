@@ -12,7 +12,7 @@ t0=$(date +%s)
 el() { echo "$1 rc=$2 $(( $(date +%s) - t0 ))s"; }
 if [ -d .triton ]; then
   ( source tools/device_env.sh $R/packed_triton >/dev/null
-    timeout 250 python3 results/attention/gluon_backward/sweep.py --json $R/packed_triton/sweep.json inline=dq_tma:1 \
+    timeout 250 python3 results/attention/gluon_backward/sweep.py --quick --json $R/packed_triton/sweep.json inline=dq_tma:1 \
       first=dq_tma:1,dq_first:1 end=dq_tma:1,from_end:1 end_first=dq_tma:1,dq_first:1,from_end:1 \
       end_writer_first=dq_tma:1,dq_writer:1,dq_first:1,from_end:1 end_all=dq_tma:1,dq_writer:1,prefetch:1,dq_first:1,from_end:1 \
       > $R/packed_triton/sweep.txt 2>&1; el sweep $?

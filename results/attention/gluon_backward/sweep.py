@@ -1,7 +1,7 @@
 """On a Hopper GPU: the Gluon backward (attention_hopper_kernel.attention_backward_hopper) with the options given,
 each variant checked against float64 on six rows and timed on the 8K document and the two packed rows (documents
 of 512-4,096 and of 40-200 tokens) beside the Triton backward and cuDNN's. Prints a table; --json PATH writes it.
-python sweep.py [--quick] [--json PATH] NAME=opt:value,opt:value ...   e.g.  gluon=  atomics=dq_tma:0  writer=dq_tma:1,dq_writer:1
+python sweep.py [--quick] [--timings-only] [--json PATH] NAME=opt:value,opt:value ...   e.g.  gluon=  atomics=dq_tma:0  writer=dq_tma:1,dq_writer:1
 (The variants measured on 2026-12-07 -- the probe's dq_mode and heavy_first -- are in git history.)"""
 import json, os, sys
 import torch
@@ -18,6 +18,9 @@ args = sys.argv[1:]
 quick = "--quick" in args  # three rows checked; the 8K document timed, one round
 if quick:
     args.remove("--quick")
+timings_only = "--timings-only" in args  # no checks and no Triton backward: the 8K timings in the least time
+if timings_only:
+    args.remove("--timings-only")
 out_json = None
 if "--json" in args:
     i = args.index("--json")
@@ -36,7 +39,7 @@ failures = 0
 # Layouts of GQA, lengths that end inside a tile, one document or packed ones of random lengths in docs.
 rows = [(1, 4, 1, 256, 128, None), (2, 8, 2, 1000, 128, None), (1, 4, 4, 333, 128, None),
         (2, 4, 2, 1500, 128, (1, 300)), (1, 2, 1, 700, 128, (1, 5)), (1, 8, 2, 2048, 128, (200, 900))]
-for B, Hq, Hkv, T, D, docs in rows[1:4] if quick else rows:
+for B, Hq, Hkv, T, D, docs in [] if timings_only else rows[1:4] if quick else rows:
     torch.manual_seed(0)
     q = torch.randn(B, T, Hq, D, device=dev, dtype=torch.bfloat16).transpose(1, 2)
     k = torch.randn(B, T, Hkv, D, device=dev, dtype=torch.bfloat16).transpose(1, 2)
@@ -76,8 +79,8 @@ for spec in [{"tokens": 8192, "batch": 1, "seq": 8192, "heads": 32, "kv_heads": 
     scale = 128 ** -0.5
     out, lse = ak.attention_forward(q, k, v, ds, scale, 0, 0.0)
     flop = 2.5 * 4 * 32 * 128 * bs.visible_pairs(spec)
-    runs = {"Triton (7 products)":
-            lambda: ak.attention_backward(dout, q, k, v, out, lse, ds.contiguous(), scale, 0, 0.0)}
+    runs = {} if timings_only else {"Triton (7 products)":
+                                    lambda: ak.attention_backward(dout, q, k, v, out, lse, ds.contiguous(), scale, 0, 0.0)}
     doc_end = None if spec["docs"] == "one" else ak.document_ends(ds)
 
     def gluon(o):  # as attention_kernel.attention_backward calls it: delta computed in the call

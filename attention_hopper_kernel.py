@@ -581,8 +581,9 @@ def attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale, dq_tma=
     q [B, Hq, T, D], k, v [B, Hkv, T, D] (supports()), lse the forward's (log2 units), delta
     [B, Hq, T] (sum_d dO O), doc_end [B, T] int32 (attention_kernel.document_ends) for packed rows,
     None for one document per row. dq_tma: sum dQ by TMA reductions (default: where Triton has them);
-    dq_writer: a warp of its own issues them; prefetch: each step's lse and delta loaded a step ahead
-    (the last two compiled for sm_90, not yet timed)."""
+    dq_writer: a warp of its own issues them; prefetch: each step's lse and delta loaded a step ahead;
+    dq_first: dQ_i's product before dK's, its hand-off during dK's; from_end: the query tiles walked
+    from the last one down (these four compiled for sm_90, not yet timed)."""
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     if not supports(q, k, v):

@@ -343,11 +343,11 @@ BWD_TILE = (64, 128, 2)  # (BLOCK_M queries, BLOCK_N keys, STAGES of Q / dO buff
 @gluon.jit
 def _bwd_step(it, kvh, i0, n_qt, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, FROM_END: gl.constexpr):
     # Step `it` of a program's walk: (query head, first row of the query tile). Every query head of
-    # the key/value head's group in turn, each over the query tiles i0 .. i0 + n_qt - 1; FROM_END:
-    # the query tiles from the last one down to i0, every query head of the group at each. Then the
-    # programs running side by side (key tiles of one head, started together) read the same Q_i and
-    # dO_i and add to the same dQ_i at about the same time, as the forward's programs read the same
-    # K and V tiles: one read from memory, the others from L2.
+    # the key/value head's group in turn, each over the query tiles i0 .. i0 + n_qt - 1 (the next key
+    # tile's program reads each Q_i two steps earlier: L2 keeps it in between). FROM_END (a variant,
+    # not yet timed): the query tiles from the last one down to i0, every query head of the group at
+    # each, so that programs started together read the same Q_i and dO_i and add into the same dQ_i
+    # in step; programs started later are out of step. Which order L2 prefers: NOTES, Step 21.
     if FROM_END:
         return kvh * GROUP + it % GROUP, (i0 + n_qt - 1 - it // GROUP) * BLOCK_M
     else:

@@ -1,6 +1,7 @@
 """On a Hopper GPU: the Gluon backward (attention_hopper_kernel.attention_backward_hopper) with the options given,
 each variant checked against float64 on six rows and timed on the 8K document and the two packed rows (documents
 of 512-4,096 and of 40-200 tokens) beside the Triton backward and cuDNN's. Prints a table; --json PATH writes it.
+--quick: three rows checked, the 8K document timed once; --timings-only: the 8K timings alone (no checks, no Triton).
 python sweep.py [--quick] [--timings-only] [--json PATH] NAME=opt:value,opt:value ...   e.g.  gluon=  atomics=dq_tma:0  writer=dq_tma:1,dq_writer:1
 (The variants measured on 2026-12-07 -- the probe's dq_mode and heavy_first -- are in git history.)"""
 import json, os, sys

@@ -684,8 +684,8 @@ def _hopper_forward_ok(q, k, v, doc_start, window, softcap):
 
 
 def _hopper_backward_ok(q, k, v, doc_start, window, softcap):
-    return (USE_HOPPER_BACKWARD and attention_hopper_kernel is not None and attention_hopper_kernel.TMA_REDUCE
-            and _hopper_ok(q, k, v, doc_start, window, softcap))
+    return (USE_HOPPER_BACKWARD and _hopper_ok(q, k, v, doc_start, window, softcap)
+            and attention_hopper_kernel.TMA_REDUCE)
 
 
 def _check(q, k, v, doc_start, name="attention"):

@@ -324,9 +324,17 @@ def attention_forward_hopper(q, k, v, scale, doc_start=None, block_n=None, stage
 # tma.async_atomic_add from Triton 3.8 on) adds the whole tile while the warps go on, as
 # FlashAttention-3 does. Two such buffers: one is read by the copy engine while the next is written.
 # Measured on an H100 (results/attention/gluon_h100/backward_tma/): 3.26-3.34 ms on the 8K document
-# against 4.03 with the atomics and 3.73-3.83 for the Triton backward (cuDNN 2.80-2.91). With
-# dq_writer a third partition, one warp, issues the reductions and waits for them, so the compute
-# warps only store the tile and arrive on a barrier (compiled for sm_90, not yet run on a GPU: off).
+# against 4.03 with the atomics and 3.73-3.83 for the Triton backward (cuDNN 2.80-2.91).
+# Two orderings inside a step then bought 10% more (results/attention/gluon_backward/, H100, 8K
+# document: 2.96-2.98 ms against 3.27-3.36, 461 TFLOP/s from 423; cuDNN 2.80-3.20 in the same runs):
+# * dQ_i's product is issued before dK's and waited for alone, so its hand-off (the store to shared
+#   memory and the reduction) runs while dK's product does (3.13-3.20 ms alone);
+# * lse_i and delta_i of the next step are loaded once this step's products are done, so the first
+#   product of a step never waits on an L2 round trip for them.
+# Tried and dropped there: a writer warp of its own issuing the reductions (no faster: 2.91-3.03 ms
+# with both orderings), and walking the query tiles from the last one down with every head of the
+# group at each (slower, 3.41 ms alone; Nsight Compute: 1.94 GB read and 1.04 GB written to DRAM
+# against 1.20 and 0.62 for the walk below).
 # The rest of the traffic: K and V read once per program, Q_i, dO_i, lse_i and delta_i once per key
 # tile that sees them, dK and dV written once.
 #
@@ -341,30 +349,24 @@ BWD_TILE = (64, 128, 2)  # (BLOCK_M queries, BLOCK_N keys, STAGES of Q / dO buff
 
 
 @gluon.jit
-def _bwd_step(it, kvh, i0, n_qt, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, FROM_END: gl.constexpr):
+def _bwd_step(it, kvh, i0, n_qt, GROUP: gl.constexpr, BLOCK_M: gl.constexpr):
     # Step `it` of a program's walk: (query head, first row of the query tile). Every query head of
     # the key/value head's group in turn, each over the query tiles i0 .. i0 + n_qt - 1 (the next key
-    # tile's program reads each Q_i two steps earlier: L2 keeps it in between). FROM_END (a variant,
-    # not yet timed): the query tiles from the last one down to i0, every query head of the group at
-    # each, so that programs started together read the same Q_i and dO_i and add into the same dQ_i
-    # in step; programs started later are out of step. Which order L2 prefers: NOTES, Step 21.
-    if FROM_END:
-        return kvh * GROUP + it % GROUP, (i0 + n_qt - 1 - it // GROUP) * BLOCK_M
-    else:
-        return kvh * GROUP + it // n_qt, (i0 + it % n_qt) * BLOCK_M
+    # tile's program reads each Q_i two steps earlier: L2 keeps it in between).
+    return kvh * GROUP + it // n_qt, (i0 + it % n_qt) * BLOCK_M
 
 
 @gluon.jit
 def _bwd_load_partition(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
                         kv_x, kv_c, n0, q_xb, q_xh, q_ch, do_xb, do_xh, do_ch, b, kvh, i0, n_qt, n_iter,
-                        GROUP: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, FROM_END: gl.constexpr):
+                        GROUP: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     # K and V once; then Q_i and dO_i of every (query head, query tile) step into the ring.
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma_load(k_desc, [kv_x, n0, kv_c], kv_bar, k_smem)
     tma_load(v_desc, [kv_x, n0, kv_c], kv_bar, v_smem)
     for it in range(n_iter):
         s = it % STAGES
-        h, m0 = _bwd_step(it, kvh, i0, n_qt, GROUP, BLOCK_M, FROM_END)
+        h, m0 = _bwd_step(it, kvh, i0, n_qt, GROUP, BLOCK_M)
         mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma_load(q_desc, [b * q_xb + h * q_xh, m0, h * q_ch], ready.index(s), q_smem.index(s))
@@ -372,25 +374,10 @@ def _bwd_load_partition(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem,
 
 
 @gluon.jit
-def _bwd_dq_partition(dq_desc, dq_smem, dq_full, dq_free, b, kvh, i0, n_qt, n_iter, HQ, GROUP: gl.constexpr,
-                      BLOCK_M: gl.constexpr, FROM_END: gl.constexpr):
-    # One warp hands each dQ_i tile to the copy engine: it waits until the compute warps have
-    # written the tile to shared memory, issues the TMA reduction, and frees the buffer once the
-    # copy has read it -- so the compute warps never wait on the copy themselves.
-    for it in range(n_iter):
-        s = it % 2
-        h, m0 = _bwd_step(it, kvh, i0, n_qt, GROUP, BLOCK_M, FROM_END)
-        mbarrier.wait(dq_full.index(s), (it // 2) & 1)
-        tma_reduce_add(dq_desc, [b * HQ + h, m0, 0], dq_smem.index(s))  # rows past T: clipped by the copy
-        tma.store_wait(0)
-        mbarrier.arrive(dq_free.index(s), count=1)
-
-
-@gluon.jit
 def _bwd_row_stats(LSE, DELTA, b, kvh, i0, n_qt, it, n_iter, T, HQ, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
-                   layout: gl.constexpr, FROM_END: gl.constexpr):
+                   layout: gl.constexpr):
     # lse_i and delta_i of step `it` (query head, query tile); zeros past the row or the last step.
-    h, m0 = _bwd_step(it, kvh, i0, n_qt, GROUP, BLOCK_M, FROM_END)
+    h, m0 = _bwd_step(it, kvh, i0, n_qt, GROUP, BLOCK_M)
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=layout)
     row = (b * HQ + h).to(gl.int64) * T
     ok = (offs_m < T) & (it < n_iter)
@@ -399,11 +386,9 @@ def _bwd_row_stats(LSE, DELTA, b, kvh, i0, n_qt, it, n_iter, T, HQ, GROUP: gl.co
 
 @gluon.jit
 def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready, empty,
-                           dq_full, dq_free, LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ, HKV, i0, n_qt,
-                           n_iter, qk_scale, scale, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           D: gl.constexpr, STAGES: gl.constexpr, DOCS: gl.constexpr, DQ_TMA: gl.constexpr,
-                           DQ_WRITER: gl.constexpr, PREFETCH: gl.constexpr, DQ_FIRST: gl.constexpr,
-                           FROM_END: gl.constexpr, num_warps: gl.constexpr):
+                           LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ, HKV, i0, n_qt, n_iter, qk_scale,
+                           scale, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                           STAGES: gl.constexpr, DOCS: gl.constexpr, DQ_TMA: gl.constexpr, num_warps: gl.constexpr):
     # [BLOCK_N, BLOCK_M] products (S^T, dP^T) and [BLOCK_N, D] accumulators (dK, dV): keys along
     # rows, 16 per warp; dQ_i [BLOCK_M, D] splits D between the two warp groups.
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -429,27 +414,20 @@ def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq
     k = k_smem.reshape([BLOCK_N, D])
     v = v_smem.reshape([BLOCK_N, D])
     mbarrier.wait(kv_bar, 0)
-    if PREFETCH:  # the first step's lse and delta; later ones are loaded a step ahead (below)
-        lse_next, delta_next = _bwd_row_stats(LSE, DELTA, b, kvh, i0, n_qt, 0, n_iter, T, HQ, GROUP, BLOCK_M,
-                                              gl.SliceLayout(0, st_layout), FROM_END)
+    # The first step's lse and delta; later ones are loaded a step ahead (below).
+    lse, delta = _bwd_row_stats(LSE, DELTA, b, kvh, i0, n_qt, 0, n_iter, T, HQ, GROUP, BLOCK_M,
+                                gl.SliceLayout(0, st_layout))
     for it in range(n_iter):
         s = it % STAGES
-        h, m0 = _bwd_step(it, kvh, i0, n_qt, GROUP, BLOCK_M, FROM_END)
+        h, m0 = _bwd_step(it, kvh, i0, n_qt, GROUP, BLOCK_M)
         offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
         row = (b * HQ + h).to(gl.int64) * T
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         q = q_smem.index(s).reshape([BLOCK_M, D])
         do = do_smem.index(s).reshape([BLOCK_M, D])
-        # The first product starts from -lse_i: loaded here, the product waits for the load (an L2
-        # round trip every step); with PREFETCH it was loaded during the previous step's tail.
-        if PREFETCH:
-            lse = lse_next
-            delta = delta_next
-        else:
-            lse = gl.load(LSE + row + offs_m, mask=offs_m < T, other=0.0)
+        # The first product starts from -lse_i, loaded during the previous step's tail: loaded
+        # here, the product would wait for an L2 round trip every step.
         st = warpgroup_mma(k, q.permute((1, 0)), st_zero - (lse / qk_scale)[None, :], is_async=True)
-        if not PREFETCH:
-            delta = gl.load(DELTA + row + offs_m, mask=offs_m < T, other=0.0)
         dpt = warpgroup_mma(v, do.permute((1, 0)), st_zero - delta[None, :], is_async=True)
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
         pt = gl.exp2(st * qk_scale)
@@ -466,40 +444,27 @@ def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq
         fence_async_shared()  # the generic-proxy store, before the products read it through the async proxy
         dst16 = gl.convert_layout(dst, a_layout)
         # P^T and dS^T are read from registers by products in flight: passed to the waits, kept alive.
-        if DQ_FIRST:  # dQ_i's product first: its hand-off below runs while dK's product does
-            dq = warpgroup_mma(ds_smem.permute((1, 0)), k, dq_zero, use_acc=False, is_async=True)
-            dk = warpgroup_mma(dst16, q, dk, is_async=True)
-            dv, dq, pt16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, pt16))
-        else:
-            dk = warpgroup_mma(dst16, q, dk, is_async=True)
-            dq = warpgroup_mma(ds_smem.permute((1, 0)), k, dq_zero, use_acc=False, is_async=True)
-            dv, dk, dq, pt16, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt16, dst16))
-            mbarrier.arrive(empty.index(s), count=1)  # Q_i and dO_i read: the loader may refill the slot
-        if PREFETCH:  # the products are done, so the two vectors live only through dQ's hand-off
-            lse_next, delta_next = _bwd_row_stats(LSE, DELTA, b, kvh, i0, n_qt, it + 1, n_iter, T, HQ, GROUP,
-                                                  BLOCK_M, gl.SliceLayout(0, st_layout), FROM_END)
-        if DQ_WRITER:  # to shared memory; the writer warp issues the reduction
+        # dQ_i's product before dK's, waited for alone: its hand-off below runs while dK's product does.
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k, dq_zero, use_acc=False, is_async=True)
+        dk = warpgroup_mma(dst16, q, dk, is_async=True)
+        dv, dq, pt16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, pt16))
+        # The next step's lse and delta: loaded now, they live only through dQ's hand-off.
+        lse, delta = _bwd_row_stats(LSE, DELTA, b, kvh, i0, n_qt, it + 1, n_iter, T, HQ, GROUP, BLOCK_M,
+                                    gl.SliceLayout(0, st_layout))
+        if DQ_TMA:
             buf = dq_smem.index(it % 2)
-            mbarrier.wait(dq_free.index(it % 2), ((it // 2) & 1) ^ 1)
+            tma.store_wait(1)  # the reduction issued from this buffer two tiles ago has read it
             buf.reshape([BLOCK_M, D]).store(dq * scale)
             fence_async_shared()
-            mbarrier.arrive(dq_full.index(it % 2), count=1)
-        else:
-            if DQ_TMA:
-                buf = dq_smem.index(it % 2)
-                tma.store_wait(1)  # the reduction issued from this buffer two tiles ago has read it
-                buf.reshape([BLOCK_M, D]).store(dq * scale)
-                fence_async_shared()
-                tma_reduce_add(dq_desc, [b * HQ + h, m0, 0], buf)  # rows past T: clipped by the copy
-            else:  # Triton before 3.8: fire-and-forget float32 atomics (slower, see above)
-                rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-                cols = gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
-                gl.atomic_add(DQ + (row + rows[:, None]) * D + cols[None, :], dq * scale,
-                              mask=(rows < T)[:, None], sem="relaxed")
-        if DQ_FIRST:
-            dk, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dst16))
-            mbarrier.arrive(empty.index(s), count=1)
-    if DQ_TMA and not DQ_WRITER:
+            tma_reduce_add(dq_desc, [b * HQ + h, m0, 0], buf)  # rows past T: clipped by the copy
+        else:  # Triton before 3.8: fire-and-forget float32 atomics (slower, see above)
+            rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+            cols = gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
+            gl.atomic_add(DQ + (row + rows[:, None]) * D + cols[None, :], dq * scale,
+                          mask=(rows < T)[:, None], sem="relaxed")
+        dk, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dst16))
+        mbarrier.arrive(empty.index(s), count=1)  # Q_i and dO_i read: the loader may refill the slot
+    if DQ_TMA:
         tma.store_wait(0)  # the buffers are read before the program's shared memory goes
 
     rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
@@ -513,9 +478,7 @@ def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq
 def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_END, DQ, DK, DV, T, HQ, HKV,
                      kv_xb, kv_xh, kv_ch, q_xb, q_xh, q_ch, do_xb, do_xh, do_ch, qk_scale, scale,
                      GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                     STAGES: gl.constexpr, DOCS: gl.constexpr, DQ_TMA: gl.constexpr, DQ_WRITER: gl.constexpr,
-                     PREFETCH: gl.constexpr, DQ_FIRST: gl.constexpr, FROM_END: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     STAGES: gl.constexpr, DOCS: gl.constexpr, DQ_TMA: gl.constexpr, num_warps: gl.constexpr):
     # The grid's first axis runs fastest: key tile 0 of every head first, the tiles that see the
     # most queries (measured: 4.04-4.10 ms against 4.69 the other way round on the 8K document).
     bkv = gl.program_id(0)
@@ -545,45 +508,25 @@ def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_E
     kv_bar = _barriers(1, 1).index(0)
     ready = _barriers(STAGES, 1)
     empty = _barriers(STAGES, 1)
-    dq_full = _barriers(2, 1)
-    dq_free = _barriers(2, 1)
 
-    # The loader warp; with DQ_WRITER also the warp that issues dQ's reductions. (Two lists because
-    # each variant launches only the partitions it has: a tuple of partitions cannot be a variable in
-    # a Gluon kernel. One goes once the writer is timed against the reductions from the compute warps.)
-    if DQ_WRITER:
-        gl.warp_specialize([
-            (_bwd_compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready,
-                                      empty, dq_full, dq_free, LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ,
-                                      HKV, i0, n_qt, n_iter, qk_scale, scale, GROUP, BLOCK_M, BLOCK_N, D, STAGES,
-                                      DOCS, DQ_TMA, DQ_WRITER, PREFETCH, DQ_FIRST, FROM_END, num_warps)),
-            (_bwd_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready,
-                                   empty, b * kv_xb + kvh * kv_xh, kvh * kv_ch, n0, q_xb, q_xh, q_ch, do_xb, do_xh,
-                                   do_ch, b, kvh, i0, n_qt, n_iter, GROUP, BLOCK_M, STAGES, FROM_END)),
-            (_bwd_dq_partition, (dq_desc, dq_smem, dq_full, dq_free, b, kvh, i0, n_qt, n_iter, HQ, GROUP, BLOCK_M,
-                                  FROM_END)),
-        ], [1, 1], [24, 24])
-    else:
-        gl.warp_specialize([
-            (_bwd_compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready,
-                                      empty, dq_full, dq_free, LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ,
-                                      HKV, i0, n_qt, n_iter, qk_scale, scale, GROUP, BLOCK_M, BLOCK_N, D, STAGES,
-                                      DOCS, DQ_TMA, DQ_WRITER, PREFETCH, DQ_FIRST, FROM_END, num_warps)),
-            (_bwd_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready,
-                                   empty, b * kv_xb + kvh * kv_xh, kvh * kv_ch, n0, q_xb, q_xh, q_ch, do_xb, do_xh,
-                                   do_ch, b, kvh, i0, n_qt, n_iter, GROUP, BLOCK_M, STAGES, FROM_END)),
-        ], [1], [24])
+    # The compute warps (num_warps) and the loader warp.
+    gl.warp_specialize([
+        (_bwd_compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready, empty,
+                                  LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ, HKV, i0, n_qt, n_iter,
+                                  qk_scale, scale, GROUP, BLOCK_M, BLOCK_N, D, STAGES, DOCS, DQ_TMA, num_warps)),
+        (_bwd_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready,
+                               empty, b * kv_xb + kvh * kv_xh, kvh * kv_ch, n0, q_xb, q_xh, q_ch, do_xb, do_xh,
+                               do_ch, b, kvh, i0, n_qt, n_iter, GROUP, BLOCK_M, STAGES)),
+    ], [1], [24])
 
 
 def attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale, dq_tma=None, block_m=None, block_n=None,
-                              stages=None, dq_writer=False, prefetch=False, dq_first=False, from_end=False):
+                              stages=None):
     """(dq, dk, dv) of causal attention, as attention_kernel.attention_backward: dout [B, T, Hq, D],
     q [B, Hq, T, D], k, v [B, Hkv, T, D] (supports()), lse the forward's (log2 units), delta
     [B, Hq, T] (sum_d dO O), doc_end [B, T] int32 (attention_kernel.document_ends) for packed rows,
-    None for one document per row. dq_tma: sum dQ by TMA reductions (default: where Triton has them);
-    dq_writer: a warp of its own issues them; prefetch: each step's lse and delta loaded a step ahead;
-    dq_first: dQ_i's product before dK's, its hand-off during dK's; from_end: the query tiles walked
-    from the last one down (these four compiled for sm_90, not yet timed)."""
+    None for one document per row. dq_tma: sum dQ by TMA reductions (default: where Triton has them)
+    or by float32 atomics."""
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     if not supports(q, k, v):
@@ -606,7 +549,5 @@ def attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale, dq_tma=
         _descriptor(do3, block_m, D), _descriptor(dq.view(B * Hq, T, D), block_m, D), lse, delta,
         dq if doc_end is None else doc_end, dq, dk, dv, T, Hq, Hkv, kv_xb, kv_xh, kv_ch, q_xb, q_xh, q_ch,
         do_xb, do_xh, do_ch, scale * math.log2(math.e), scale, GROUP=Hq // Hkv, BLOCK_M=block_m, BLOCK_N=block_n,
-        D=D, STAGES=stages, DOCS=doc_end is not None, DQ_TMA=dq_tma, DQ_WRITER=bool(dq_writer and dq_tma),
-        PREFETCH=bool(prefetch), DQ_FIRST=bool(dq_first),
-        FROM_END=bool(from_end), num_warps=8, **LAUNCH_OPTIONS)
+        D=D, STAGES=stages, DOCS=doc_end is not None, DQ_TMA=bool(dq_tma), num_warps=8, **LAUNCH_OPTIONS)
     return dq.to(q.dtype), dk, dv

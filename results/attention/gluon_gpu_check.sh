@@ -12,17 +12,22 @@ t0=$(date +%s)
 el() { echo "$1 rc=$2 $(( $(date +%s) - t0 ))s"; }
 if [ -d .triton ]; then
   ( source tools/device_env.sh $R/packed_triton >/dev/null
-    timeout 250 python3 results/attention/gluon_backward/sweep.py --quick --json $R/packed_triton/sweep.json inline=dq_tma:1 \
-      first=dq_tma:1,dq_first:1 end=dq_tma:1,from_end:1 end_first=dq_tma:1,dq_first:1,from_end:1 \
-      end_writer_first=dq_tma:1,dq_writer:1,dq_first:1,from_end:1 end_all=dq_tma:1,dq_writer:1,prefetch:1,dq_first:1,from_end:1 \
-      > $R/packed_triton/sweep.txt 2>&1; el sweep $?
+    timeout 200 python3 results/attention/gluon_backward/sweep.py --json $R/packed_triton/sweep.json default= \
+      atomics=dq_tma:0 > $R/packed_triton/sweep.txt 2>&1; el sweep $?
     timeout 100 python3 benchmark_kernels.py --kernel attention --json $R/packed_triton/bench_attention.json \
       > $R/packed_triton/bench_attention.txt 2>&1; el bench $?
     timeout 90 ncu --clock-control none -k regex:"attn_bwd_hopper|cudnn|sdpa|fort" --launch-count 8 --section SpeedOfLight \
       --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --metrics \
       dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
-      python3 results/attention/gluon_backward/ncu_bwd.py inline=dq_tma:1 end=dq_tma:1,from_end:1 > $R/packed_triton/ncu_bwd.txt 2>&1; el ncu $?
+      python3 results/attention/gluon_backward/ncu_bwd.py default= > $R/packed_triton/ncu_bwd.txt 2>&1; el ncu $?
     timeout 90 python3 -m pytest -q -p no:cacheprovider -n 4 attention_test.py -k "hopper or one_document" \
-      > $R/packed_triton/attention_test.txt 2>&1; el "hopper tests $(tail -1 $R/packed_triton/attention_test.txt)" $?
-  ) | tee -a $R/times.txt
+      > $R/packed_triton/attention_test.txt 2>&1; rc=$?; el "hopper tests $(tail -1 $R/packed_triton/attention_test.txt)" $rc
+    for a in ours sdpa; do
+      timeout 100 python3 finetune_optimized.py --random-init --dataset synthetic --lora --batch-size 1 --steps 8 \
+        --seq-len 16384 $([ $a = sdpa ] && echo --no-use-custom-attention) --json /tmp/lora_16k_$a.json \
+        > /tmp/lora_16k_$a.txt 2>&1; rc=$?
+      el "lora_16k_$a $(grep -h 'measured fwd+bwd\|Real tokens\|Peak' /tmp/lora_16k_$a.txt | tr -s ' ' | tr '\n' ' ')" $rc
+      cat /tmp/lora_16k_$a.txt >> $R/packed_triton/lora_16k.txt
+    done
+  ) 2>&1 | tee /tmp/gluon_gpu_check_times.txt
 fi

@@ -1,9 +1,12 @@
 """On a Hopper GPU: the Gluon backward (attention_hopper_kernel.attention_backward_hopper) with the options given,
 each variant checked against float64 on six rows and timed on the 8K document and the two packed rows (documents
 of 512-4,096 and of 40-200 tokens) beside the Triton backward and cuDNN's. Prints a table; --json PATH writes it.
---quick: three rows checked, the 8K document timed once; --timings-only: the 8K timings alone (no checks, no Triton).
-python sweep.py [--quick] [--timings-only] [--json PATH] NAME=opt:value,opt:value ...   e.g.  gluon=  atomics=dq_tma:0  writer=dq_tma:1,dq_writer:1
-(The variants measured on 2026-12-07 -- the probe's dq_mode and heavy_first -- are in git history.)"""
+--quick: three rows checked, the 8K document timed once; --timings-only: no checks and no Triton backward, the 8K
+and 16K documents timed; --rounds N: timings repeated N times (default 2, 1 with --quick).
+python sweep.py [--quick] [--timings-only] [--rounds N] [--json PATH] NAME=opt:value,opt:value ...
+  e.g.  default=  atomics=dq_tma:0  tile=block_n:64
+(The variants measured on 2026-12-07 -- the probe's dq_mode and heavy_first, the kernel's dq_writer, prefetch, dq_first
+and from_end -- are in git history; the last four's timings in ../gluon_h100/backward_options/.)"""
 import json, os, sys
 import torch
 import torch.nn.functional as F
@@ -22,6 +25,11 @@ if quick:
 timings_only = "--timings-only" in args  # no checks and no Triton backward: the 8K timings in the least time
 if timings_only:
     args.remove("--timings-only")
+rounds = 1 if quick else 2
+if "--rounds" in args:
+    i = args.index("--rounds")
+    rounds = int(args[i + 1])
+    del args[i:i + 2]
 out_json = None
 if "--json" in args:
     i = args.index("--json")
@@ -73,7 +81,9 @@ for spec in [{"tokens": 8192, "batch": 1, "seq": 8192, "heads": 32, "kv_heads": 
              {"tokens": 16384, "batch": 1, "seq": 16384, "heads": 32, "kv_heads": 8, "head_dim": 128,
               "docs": [512, 4096]},
              {"tokens": 16384, "batch": 1, "seq": 16384, "heads": 32, "kv_heads": 8, "head_dim": 128,
-              "docs": [40, 200]}][:1 if quick else 3]:
+              "docs": [40, 200]},
+             {"tokens": 16384, "batch": 1, "seq": 16384, "heads": 32, "kv_heads": 8, "head_dim": 128, "docs": "one"}
+             ][::3 if timings_only else 1][:1 if quick and not timings_only else 4]:
     inputs = bs.attention_inputs(spec)
     q, k, v, ds = (t.detach() for t in inputs["args"])
     dout = inputs["upstream"][0]
@@ -94,7 +104,7 @@ for spec in [{"tokens": 8192, "batch": 1, "seq": 8192, "heads": 32, "kv_heads": 
         o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True)
         runs["SDPA (cuDNN)"] = lambda: torch.autograd.grad(o, (qq, kk, vv), dout.transpose(1, 2), retain_graph=True)
     print(f"\nT={spec['seq']} documents {spec['docs']}, backward", flush=True)
-    for rep in range(1 if quick else 2):
+    for rep in range(rounds):
         for name, fn in runs.items():
             try:
                 ms = triton.testing.do_bench(fn, warmup=10, rep=80)

@@ -44,7 +44,7 @@ import math
 import torch
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
-from kernel_common import LAUNCH_OPTIONS  # what every launch asks of the compiler (fused multiply-adds)
+from kernel_common import LAUNCH_OPTIONS, num_sms  # what every launch asks of the compiler (fused multiply-adds)
 
 import triton
 from triton.experimental import gluon
@@ -338,6 +338,15 @@ def attention_forward_hopper(q, k, v, scale, doc_start=None, block_n=None, stage
 # The rest of the traffic: K and V read once per program, Q_i, dO_i, lse_i and delta_i once per key
 # tile that sees them, dK and dV written once.
 #
+# Q_i, dO_i and dQ_i are met again by every key tile before i, so what L2 keeps between two programs
+# decides how much of them comes from memory: 8.7 GB of tile traffic on the 8K document, where they
+# hold 0.27 GB. With the key/value heads interleaved (all key tiles 0 first, then all tiles 1, ...),
+# the programs running side by side walk eight heads' queries at once: Nsight Compute counts 1.85 GB
+# read and 1.02 GB written to memory (results/attention/gluon_h100/backward_options/), as an LRU
+# model of a 50 MB L2 predicts (1.79 and 0.87, results/attention/gluon_backward/l2_model.py). The
+# model says that taking the heads in groups that fill one wave of programs (two heads of 64 key
+# tiles on 132 SMs) needs 0.27 and 0.11: each query tile is then read about once.
+#
 # Keys along the rows of S^T (the transposed orientation) make P^T and dS^T the left operands
 # of dV's and dK's products straight from registers; the price is that lse_i and delta_i lie
 # along columns (16 registers each per thread), so the products start from -lse_i / scale and
@@ -478,11 +487,19 @@ def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq
 def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_END, DQ, DK, DV, T, HQ, HKV,
                      kv_xb, kv_xh, kv_ch, q_xb, q_xh, q_ch, do_xb, do_xh, do_ch, qk_scale, scale,
                      GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                     STAGES: gl.constexpr, DOCS: gl.constexpr, DQ_TMA: gl.constexpr, num_warps: gl.constexpr):
-    # The grid's first axis runs fastest: key tile 0 of every head first, the tiles that see the
-    # most queries (measured: 4.04-4.10 ms against 4.69 the other way round on the 8K document).
-    bkv = gl.program_id(0)
-    pid_n = gl.program_id(1)
+                     KV_GROUP, STAGES: gl.constexpr, DOCS: gl.constexpr, DQ_TMA: gl.constexpr,
+                     num_warps: gl.constexpr):
+    # Which (row, key/value head) and key tile: programs start in the order of their ids, so the
+    # order decides what runs side by side. Groups of KV_GROUP key/value heads one after the other;
+    # inside a group key tile 0 of each head first (the tiles that see the most queries: measured
+    # 4.04-4.10 ms against 4.69 lightest first on the 8K document), then key tile 1, ... See below.
+    pid = gl.program_id(0)
+    n_kt = gl.cdiv(T, BLOCK_N)
+    first = pid // (KV_GROUP * n_kt) * KV_GROUP  # the group's first (row, key/value head)
+    size = gl.minimum(KV_GROUP, gl.num_programs(0) // n_kt - first)  # the last group may be smaller
+    rest = pid - first * n_kt
+    pid_n = rest // size
+    bkv = first + rest % size
     b = bkv // HKV
     kvh = bkv % HKV
     n0 = pid_n * BLOCK_N
@@ -521,12 +538,13 @@ def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_E
 
 
 def attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale, dq_tma=None, block_m=None, block_n=None,
-                              stages=None):
+                              stages=None, kv_group=None):
     """(dq, dk, dv) of causal attention, as attention_kernel.attention_backward: dout [B, T, Hq, D],
     q [B, Hq, T, D], k, v [B, Hkv, T, D] (supports()), lse the forward's (log2 units), delta
     [B, Hq, T] (sum_d dO O), doc_end [B, T] int32 (attention_kernel.document_ends) for packed rows,
     None for one document per row. dq_tma: sum dQ by TMA reductions (default: where Triton has them)
-    or by float32 atomics."""
+    or by float32 atomics. kv_group: how many (row, key/value head) pairs run side by side (default: as
+    many as one wave of programs holds all the key tiles of; B * Hkv: every pair, key tile by key tile)."""
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     if not supports(q, k, v):
@@ -544,10 +562,12 @@ def attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale, dq_tma=
     dq = torch.zeros(B, Hq, T, D, dtype=torch.float32, device=q.device)
     dk = torch.empty(B, Hkv, T, D, dtype=q.dtype, device=q.device)
     dv = torch.empty(B, Hkv, T, D, dtype=q.dtype, device=q.device)
-    _attn_bwd_hopper[(B * Hkv, triton.cdiv(T, block_n))](
+    n_kt = triton.cdiv(T, block_n)
+    kv_group = kv_group or max(1, num_sms(q.device) // n_kt)
+    _attn_bwd_hopper[(B * Hkv * n_kt, )](
         _descriptor(k3, block_n, D), _descriptor(v3, block_n, D), _descriptor(q3, block_m, D),
         _descriptor(do3, block_m, D), _descriptor(dq.view(B * Hq, T, D), block_m, D), lse, delta,
         dq if doc_end is None else doc_end, dq, dk, dv, T, Hq, Hkv, kv_xb, kv_xh, kv_ch, q_xb, q_xh, q_ch,
         do_xb, do_xh, do_ch, scale * math.log2(math.e), scale, GROUP=Hq // Hkv, BLOCK_M=block_m, BLOCK_N=block_n,
-        D=D, STAGES=stages, DOCS=doc_end is not None, DQ_TMA=bool(dq_tma), num_warps=8, **LAUNCH_OPTIONS)
+        D=D, KV_GROUP=min(kv_group, B * Hkv), STAGES=stages, DOCS=doc_end is not None, DQ_TMA=bool(dq_tma), num_warps=8, **LAUNCH_OPTIONS)
     return dq.to(q.dtype), dk, dv

@@ -522,9 +522,8 @@ def test_hopper_forward_matches_truth_and_the_triton_forward(case, monkeypatch):
 def test_hopper_backward_matches_truth_and_the_triton_backward(case, monkeypatch):
     """On an H100 / H200: the Gluon backward (five products per tile) against float64 and against
     the Triton backward on the same rows, dQ summed by relaxed atomics and, where Triton has them
-    (3.8 on), by TMA reductions from the compute warps or from a writer warp, lse and delta loaded a
-    step ahead or not, dQ's product before dK's or after, query tiles walked from the diagonal or
-    from the end; attention_backward takes it on rows of one document where TMA reductions exist."""
+    (3.8 on), by TMA reductions, its programs in groups of key/value heads of several sizes;
+    attention_backward takes it on rows of one document where TMA reductions exist."""
     rows, T, Hq, D, q, k, v, starts, g = hopper_inputs(case, seed=7)
     hopper = attention_kernel.attention_hopper_kernel
     dout = torch.randn(len(rows), T, Hq, D, generator=g).cuda().bfloat16()
@@ -535,7 +534,11 @@ def test_hopper_backward_matches_truth_and_the_triton_backward(case, monkeypatch
     monkeypatch.setattr(attention_kernel, "USE_HOPPER_BACKWARD", False)
     triton_grads = attention_kernel.attention_backward(dout, q, k, v, out, lse, starts, scale, 0, 0.0)
     truth = run(q.double(), k.double(), v.double(), starts, dout.double(), reference())[1:]
-    modes = [{"dq_tma": False}] + ([{"dq_tma": True}] if hopper.TMA_REDUCE else [])
+    # kv_group: the default, one (row, key/value head) pair at a time, three (a last group smaller), all of them
+    modes = [{"dq_tma": False}, {"dq_tma": False, "kv_group": 3}]
+    if hopper.TMA_REDUCE:
+        modes += [{"dq_tma": True}, {"dq_tma": True, "kv_group": 1}, {"dq_tma": True, "kv_group": 3},
+                  {"dq_tma": True, "kv_group": len(rows) * k.shape[1]}]
     for opts in modes:
         got = hopper.attention_backward_hopper(dout, q, k, v, lse, delta, document_ends(starts) if packed else None,
                                                scale, **opts)

@@ -24,7 +24,7 @@ for cfg in [tuple(int(x) for x in c.split(",")) for c in (sys.argv[1:] or ["64,1
         c = ah._attn_bwd_hopper.warmup(desc(k3, bn), desc(k3, bn), desc(q3, bm), desc(d3, bm),
                                        desc(dq.view(B * Hq, T, D), bm), lse, delta, ends, dq, dk, dk, T, Hq, Hkv,
                                        ka, kb, kc, qa, qb, qc, da, db, dc, 0.1, 0.1, GROUP=Hq // Hkv, BLOCK_M=bm,
-                                       BLOCK_N=bn, D=D, STAGES=stages, DOCS=docs, DQ_TMA=bool(dq_tma), num_warps=8,
+                                       BLOCK_N=bn, D=D, KV_GROUP=2, STAGES=stages, DOCS=docs, DQ_TMA=bool(dq_tma), num_warps=8,
                                        grid=(1,), **ah.LAUNCH_OPTIONS)
         ptx = c.asm["ptx"]
         print(f"triton {triton.__version__} D={D} docs={docs} {cfg}: ok {time.time()-t0:.0f}s, wgmma "

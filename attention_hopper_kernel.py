@@ -342,10 +342,13 @@ def attention_forward_hopper(q, k, v, scale, doc_start=None, block_n=None, stage
 # decides how much of them comes from memory: 8.7 GB of tile traffic on the 8K document, where they
 # hold 0.27 GB. With the key/value heads interleaved (all key tiles 0 first, then all tiles 1, ...),
 # the programs running side by side walk eight heads' queries at once: Nsight Compute counts 1.85 GB
-# read and 1.02 GB written to memory (results/attention/gluon_h100/backward_options/), as an LRU
-# model of a 50 MB L2 predicts (1.79 and 0.87, results/attention/gluon_backward/l2_model.py). The
-# model says that taking the heads in groups that fill one wave of programs (two heads of 64 key
-# tiles on 132 SMs) needs 0.27 and 0.11: each query tile is then read about once.
+# read and 1.02 GB written to memory, as an LRU model of a 50 MB L2 predicts (1.79 and 0.87,
+# results/attention/gluon_backward/l2_model.py). The model says that taking the heads in groups that
+# fill one wave of programs (two heads of 64 key tiles on 132 SMs) needs 0.27 and 0.11: each query
+# tile read about once, at a load balance within 1% of the ideal (one head at a time: 24% longer).
+# Measured on an H100 (results/attention/gluon_h100/backward_order/): 1.39 and 0.84 GB (the real L2
+# keeps less than the model's), 8K document 2.81-2.98 ms against 2.92-3.00 interleaved, 16K
+# 11.01-11.06 against 11.46-11.61; one head at a time on 8K 3.24-3.28, as the model's balance says.
 #
 # Keys along the rows of S^T (the transposed orientation) make P^T and dS^T the left operands
 # of dV's and dK's products straight from registers; the price is that lse_i and delta_i lie

@@ -1,24 +1,27 @@
 """A model, not a measurement: how many bytes of the Gluon backward's Q_i, dO_i and dQ_i tiles an L2 of a given size
-would have to fetch from (and write back to) memory on the 8K document (32 query / 8 key-value heads, head dim 128),
-for the two walks of attention_hopper_kernel._bwd_step. 132 programs at a time, taken in the grid's order (key/value
-head fastest, key tile 0 first), every program one step per time unit; the L2 an LRU cache of whole tiles.
-python l2_model.py     (CPU, about a minute)"""
+would have to fetch from (and write back to) memory on one causal document (32 query / 8 key-value heads, head dim
+128), for the orders its programs can start in (attention_hopper_kernel._attn_bwd_hopper's KV_GROUP): key/value
+heads in groups of G, inside a group key tile 0 of each head first, then key tile 1, ...; G = 8 is every head
+interleaved. 132 programs at a time, started in that order, every program one step per time unit, its steps as
+_bwd_step gives them (each query head of the group in turn over the query tiles from the diagonal); the L2 an LRU
+cache of whole tiles. Also the time units the walk takes (load balance: the ideal is the steps / 132).
+python l2_model.py [T] > l2_model.txt     (CPU, about a minute per line)"""
+import sys
 from collections import OrderedDict
 
-T, BM, BN, HKV, G, SMS, D = 8192, 64, 128, 8, 4, 132, 128
-QT = T // BM
+T = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
+BM, BN, HKV, GQA, SMS, D = 64, 128, 8, 4, 132, 128
+QT, KT = T // BM, T // BN
 
 
-def walk(kvh, j, from_end):  # (query head, query tile) of every step, as _bwd_step gives them
+def walk(kvh, j):  # (query head, query tile) of every step of the program of key tile j, as _bwd_step gives them
     i0 = j * BN // BM
     n_qt = QT - i0
-    if from_end:
-        return [(kvh * G + it % G, i0 + n_qt - 1 - it // G) for it in range(G * n_qt)]
-    return [(kvh * G + it // n_qt, i0 + it % n_qt) for it in range(G * n_qt)]
+    return [(kvh * GQA + it // n_qt, i0 + it % n_qt) for it in range(GQA * n_qt)]
 
 
-def model(from_end, l2_mb):
-    grid = [(kvh, j) for j in range(T // BN) for kvh in range(HKV)]
+def model(group, l2_mb):
+    order = [(g + k, j) for g in range(0, HKV, group) for j in range(KT) for k in range(min(group, HKV - g))]
     cache, size, cap = OrderedDict(), 0, l2_mb * 2 ** 20
     fetched = written = touched = 0
 
@@ -36,14 +39,14 @@ def model(from_end, l2_mb):
             size -= b
             written += b if d else 0
 
-    running, nxt, steps = [None] * SMS, 0, 0
+    running, nxt, units = [None] * SMS, 0, 0
     while True:
         busy = False
         for s in range(SMS):
             if running[s] is None or running[s][1] == len(running[s][0]):
                 running[s] = None
-                if nxt < len(grid):
-                    running[s] = [walk(*grid[nxt], from_end), 0]
+                if nxt < len(order):
+                    running[s] = [walk(*order[nxt]), 0]
                     nxt += 1
                 else:
                     continue
@@ -56,14 +59,15 @@ def model(from_end, l2_mb):
             busy = True
         if not busy:
             break
-        steps += 1
-    return steps, touched / 1e9, fetched / 1e9, written / 1e9
+        units += 1
+    return units, touched / 1e9, fetched / 1e9, written / 1e9
 
 
 if __name__ == "__main__":
-    print("walk                     L2      tile bytes  fetched  written back   (GB)")
-    for from_end in (False, True):
-        for mb in (25, 50):
-            steps, touched, fetched, written = model(from_end, mb)
-            name = "from the end, heads inner" if from_end else "from the diagonal, heads outer"
-            print(f"{name:<30} {mb} MB  {touched:8.2f}  {fetched:8.2f}  {written:8.2f}")
+    steps = HKV * GQA * sum(QT - j * BN // BM for j in range(KT))
+    print(f"T={T}: {steps} steps, ideally {steps / SMS:.0f} time units on {SMS} SMs; Q, dO and dQ hold "
+          f"{HKV * GQA * T * D * 8 / 1e9:.2f} GB")
+    print("heads in groups of   L2     time units  tile bytes  fetched  written back   (GB)")
+    for group, mb in ((8, 50), (4, 50), (2, 50), (1, 50), (8, 40), (2, 40), (1, 40)):
+        units, touched, fetched, written = model(group, mb)
+        print(f"{group:>18}   {mb} MB  {units:10d}  {touched:10.2f}  {fetched:7.2f}  {written:8.2f}", flush=True)

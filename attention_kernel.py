@@ -662,11 +662,11 @@ USE_HOPPER_FORWARD = True
 
 # The backward there too (five products per tile instead of seven; dQ summed by TMA reductions,
 # which Gluon has from Triton 3.8 on: before that its float32 atomics make it slower than this
-# file's backward). H100, Triton 3.9 (results/attention/gluon_h100/backward_tma/): the 8K document
-# 3.26-3.34 ms against this file's 3.73-3.83. Rows of one document only, like the forward: on packed
-# rows it is faster too (documents of 512-4,096 tokens 2.54-2.63 ms against 2.80-2.85, of 40-200
-# 0.82 against 0.87) but its float32 dQ buffer (4 bytes per element of q: 268 MB at 16K tokens of 32
-# heads of 128) on top of the 343 MB measured there would put attention's extra memory on a packed
+# file's backward). H100, Triton 3.9 (results/attention/gluon_h100/backward_order/): the 8K document
+# 3.00-3.04 ms against this file's 3.67-3.78 (cuDNN 2.82-2.90). Rows of one document only, like the
+# forward: on packed rows it is faster too (documents of 512-4,096 tokens 2.29-2.35 ms against
+# 2.83-2.92, of 40-200 0.78 against 0.87) but its float32 dQ buffer (4 bytes per element of q: 268 MB
+# at 16K tokens of 32 heads of 128) on top of the 343 MB measured there would put attention's extra memory on a packed
 # row at about 1.3x FlexAttention's 474 MB, from 0.72x (computed, not measured).
 USE_HOPPER_BACKWARD = True
 

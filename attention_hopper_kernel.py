@@ -44,7 +44,7 @@ import math
 import torch
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
-from kernel_common import LAUNCH_OPTIONS, num_sms  # what every launch asks of the compiler (fused multiply-adds)
+from kernel_common import LAUNCH_OPTIONS, num_sms  # what every launch asks (fused multiply-adds); SMs per GPU
 
 import triton
 from triton.experimental import gluon
@@ -325,7 +325,7 @@ def attention_forward_hopper(q, k, v, scale, doc_start=None, block_n=None, stage
 # FlashAttention-3 does. Two such buffers: one is read by the copy engine while the next is written.
 # Measured on an H100 (results/attention/gluon_h100/backward_tma/): 3.26-3.34 ms on the 8K document
 # against 4.03 with the atomics and 3.73-3.83 for the Triton backward (cuDNN 2.80-2.91).
-# Two orderings inside a step then bought 10% more (results/attention/gluon_backward/, H100, 8K
+# Two orderings inside a step then bought 10% more (results/attention/gluon_h100/backward_options/, 8K
 # document: 2.96-2.98 ms against 3.27-3.36, 461 TFLOP/s from 423; cuDNN 2.80-3.20 in the same runs):
 # * dQ_i's product is issued before dK's and waited for alone, so its hand-off (the store to shared
 #   memory and the reduction) runs while dK's product does (3.13-3.20 ms alone);
@@ -495,7 +495,8 @@ def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_E
     # Which (row, key/value head) and key tile: programs start in the order of their ids, so the
     # order decides what runs side by side. Groups of KV_GROUP key/value heads one after the other;
     # inside a group key tile 0 of each head first (the tiles that see the most queries: measured
-    # 4.04-4.10 ms against 4.69 lightest first on the 8K document), then key tile 1, ... See below.
+    # 4.04-4.10 ms against 4.69 lightest first on the 8K document), then key tile 1, ... (Why groups:
+    # the notes above BWD_TILE.)
     pid = gl.program_id(0)
     n_kt = gl.cdiv(T, BLOCK_N)
     first = pid // (KV_GROUP * n_kt) * KV_GROUP  # the group's first (row, key/value head)

@@ -1,29 +1,30 @@
 #!/bin/bash
-# The GPU checks of the Gluon attention kernels, in one call on an H100 / H200 (at most 9 minutes):
+# The GPU checks of the Gluon attention kernels, in one call on an H100 / H200 (at most 10 minutes):
 #   bash results/attention/gluon_gpu_check.sh OUTDIR
-# Needs .triton/ with a packed Triton 3.8 or newer (tools/pack_triton.sh). Under it: the backward's variants (TMA
-# reductions from the compute warps or a writer warp; lse and delta loaded a step ahead or not; dQ's product before
-# dK's or after; query tiles walked up from the diagonal or down from the end) against float64 and timed beside the Triton backward and cuDNN (sweep.py); one launch of the default
-# and of cuDNN's backward read by Nsight Compute (ncu_bwd.py); benchmark_kernels.py --kernel attention; and
-# attention_test.py's Hopper tests.
+# Needs .triton/ with a packed Triton 3.8 or newer (tools/pack_triton.sh). Under it: the backward (dQ by TMA
+# reductions, the default, and by atomics) against float64 on six rows and timed beside the Triton backward and cuDNN's
+# on four (sweep.py); one launch of it and of cuDNN's backward read by Nsight Compute (ncu_bwd.py);
+# benchmark_kernels.py --kernel attention; attention_test.py's Hopper tests (compiling them takes most of their time);
+# 8B LoRA on one 16,384-token document, the default command (which measures both attentions and takes the faster)
+# against --no-use-custom-attention.
 set -u
 R=${1:?OUTDIR}
 t0=$(date +%s)
 el() { echo "$1 rc=$2 $(( $(date +%s) - t0 ))s"; }
 if [ -d .triton ]; then
   ( source tools/device_env.sh $R/packed_triton >/dev/null
-    timeout 200 python3 results/attention/gluon_backward/sweep.py --json $R/packed_triton/sweep.json default= \
+    timeout 150 python3 results/attention/gluon_backward/sweep.py --json $R/packed_triton/sweep.json default= \
       atomics=dq_tma:0 > $R/packed_triton/sweep.txt 2>&1; el sweep $?
     timeout 100 python3 benchmark_kernels.py --kernel attention --json $R/packed_triton/bench_attention.json \
       > $R/packed_triton/bench_attention.txt 2>&1; el bench $?
-    timeout 90 ncu --clock-control none -k regex:"attn_bwd_hopper|cudnn|sdpa|fort" --launch-count 8 --section SpeedOfLight \
+    timeout 60 ncu --clock-control none -k regex:"attn_bwd_hopper|cudnn|sdpa|fort" --launch-count 8 --section SpeedOfLight \
       --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --metrics \
       dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
       python3 results/attention/gluon_backward/ncu_bwd.py default= > $R/packed_triton/ncu_bwd.txt 2>&1; el ncu $?
-    timeout 90 python3 -m pytest -q -p no:cacheprovider -n 4 attention_test.py -k "hopper or one_document" \
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -n 6 attention_test.py -k "hopper or one_document" \
       > $R/packed_triton/attention_test.txt 2>&1; rc=$?; el "hopper tests $(tail -1 $R/packed_triton/attention_test.txt)" $rc
     for a in ours sdpa; do
-      timeout 100 python3 finetune_optimized.py --random-init --dataset synthetic --lora --batch-size 1 --steps 8 \
+      timeout 70 python3 finetune_optimized.py --random-init --dataset synthetic --lora --batch-size 1 --steps 8 \
         --seq-len 16384 $([ $a = sdpa ] && echo --no-use-custom-attention) --json /tmp/lora_16k_$a.json \
         > /tmp/lora_16k_$a.txt 2>&1; rc=$?
       el "lora_16k_$a $(grep -h 'measured fwd+bwd\|Real tokens\|Peak' /tmp/lora_16k_$a.txt | tr -s ' ' | tr '\n' ' ')" $rc

@@ -1,10 +1,10 @@
 """On a Hopper GPU: the Gluon backward (attention_hopper_kernel.attention_backward_hopper) with the options given,
-each variant checked against float64 on six rows and timed on the 8K document and the two packed rows (documents
-of 512-4,096 and of 40-200 tokens) beside the Triton backward and cuDNN's. Prints a table; --json PATH writes it.
+each variant checked against float64 on six rows and timed on the 8K document, two packed rows (documents of
+512-4,096 and of 40-200 tokens) and the 16K document beside the Triton backward and cuDNN's. Prints a table; --json PATH writes it.
 --quick: three rows checked, the 8K document timed once; --timings-only: no checks and no Triton backward, the 8K
 and 16K documents timed; --rounds N: timings repeated N times (default 2, 1 with --quick).
 python sweep.py [--quick] [--timings-only] [--rounds N] [--json PATH] NAME=opt:value,opt:value ...
-  e.g.  default=  atomics=dq_tma:0  tile=block_n:64
+  e.g.  default=  atomics=dq_tma:0  interleaved=kv_group:1024
 (The variants measured on 2026-12-07 -- the probe's dq_mode and heavy_first, the kernel's dq_writer, prefetch, dq_first
 and from_end -- are in git history; the last four's timings in ../gluon_h100/backward_options/.)"""
 import json, os, sys

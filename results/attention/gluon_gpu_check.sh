@@ -18,7 +18,7 @@ if [ -d .triton ]; then
     timeout 100 python3 benchmark_kernels.py --kernel attention --json $R/packed_triton/bench_attention.json \
       > $R/packed_triton/bench_attention.txt 2>&1; el bench $?
     timeout 60 ncu --clock-control none -k regex:"attn_bwd_hopper|cudnn|sdpa|fort" --launch-count 8 --section SpeedOfLight \
-      --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --metrics \
+      --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats --metrics \
       dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
       python3 results/attention/gluon_backward/ncu_bwd.py default= > $R/packed_triton/ncu_bwd.txt 2>&1; el ncu $?
     timeout 150 python3 -m pytest -q -p no:cacheprovider -n 6 attention_test.py -k "hopper or one_document" \

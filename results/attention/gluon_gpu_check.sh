@@ -3,7 +3,8 @@
 #   bash results/attention/gluon_gpu_check.sh OUTDIR
 # Needs .triton/ with a packed Triton 3.8 or newer (tools/pack_triton.sh). Under it: the backward (dQ by TMA
 # reductions, the default, and by atomics) against float64 on six rows and timed beside the Triton backward and cuDNN's
-# on four (sweep.py); one launch of it and of cuDNN's backward read by Nsight Compute (ncu_bwd.py);
+# on four (sweep.py); one launch of it and of cuDNN's backward read by Nsight Compute (ncu_bwd.py: memory, pipes,
+# warp stall reasons);
 # benchmark_kernels.py --kernel attention; attention_test.py's Hopper tests (compiling them takes most of their time);
 # 8B LoRA on one 16,384-token document, the default command (which measures both attentions and takes the faster)
 # against --no-use-custom-attention.

@@ -666,15 +666,21 @@ USE_HOPPER_FORWARD = True
 # 3.00-3.04 ms against this file's 3.67-3.78 (cuDNN 2.82-2.90). Rows of one document only, like the
 # forward: on packed rows it is faster too (documents of 512-4,096 tokens 2.29-2.35 ms against
 # 2.83-2.92, of 40-200 0.78 against 0.87) but its float32 dQ buffer (4 bytes per element of q: 268 MB
-# at 16K tokens of 32 heads of 128) on top of the 343 MB measured there would put attention's extra memory on a packed
-# row at about 1.3x FlexAttention's 474 MB, from 0.72x (computed, not measured).
+# at 16K tokens of 32 heads of 128) on top of the 343 MB measured there would put attention's extra
+# memory on a packed row at about 1.3x FlexAttention's 474 MB, from 0.72x (computed, not measured).
 USE_HOPPER_BACKWARD = True
+# Packed rows in two launches that split each GQA group's query heads (head_chunks=2): dQ's buffer
+# then holds half of them, 2 bytes per element of q (134 MB there: about Flex's 474 MB in all), at
+# the price of K and V read twice and dK, dV written and read back once more. Compiled for sm_90,
+# not yet timed: off.
+USE_HOPPER_BACKWARD_PACKED = False
 
 
-def _hopper_ok(q, k, v, doc_start, window, softcap):
-    """Whether attention_hopper_kernel.py takes these rows: one document each, an H100 / H200,
-    what its kernels support (supports()), no window, no soft cap."""
-    return (attention_hopper_kernel is not None and not INTERPRET and q.is_cuda and _one_document(doc_start)
+def _hopper_ok(q, k, v, doc_start, window, softcap, packed=False):
+    """Whether attention_hopper_kernel.py takes these rows: one document each (or packed ones too),
+    an H100 / H200, what its kernels support (supports()), no window, no soft cap."""
+    return (attention_hopper_kernel is not None and not INTERPRET and q.is_cuda
+            and (packed or _one_document(doc_start))
             and torch.cuda.get_device_capability(q.device) == (9, 0) and attention_hopper_kernel.supports(q, k, v)
             and not window and not softcap)
 
@@ -686,6 +692,12 @@ def _hopper_forward_ok(q, k, v, doc_start, window, softcap):
 def _hopper_backward_ok(q, k, v, doc_start, window, softcap):
     return (USE_HOPPER_BACKWARD and _hopper_ok(q, k, v, doc_start, window, softcap)
             and attention_hopper_kernel.TMA_REDUCE)
+
+
+def _hopper_packed_backward_ok(q, k, v, doc_start, window, softcap):
+    """Packed rows for the Gluon backward in two launches: a GQA group of an even count of query heads."""
+    return (USE_HOPPER_BACKWARD_PACKED and (q.shape[1] // k.shape[1]) % 2 == 0
+            and _hopper_ok(q, k, v, doc_start, window, softcap, packed=True) and attention_hopper_kernel.TMA_REDUCE)
 
 
 def _check(q, k, v, doc_start, name="attention"):
@@ -799,6 +811,10 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     delta = backward_delta(out, dout)
     if _hopper_backward_ok(q, k, v, doc_start, window, softcap):
         return attention_hopper_kernel.attention_backward_hopper(dout, q, k, v, lse, delta, None, scale)
+    if _hopper_packed_backward_ok(q, k, v, doc_start, window, softcap):
+        return attention_hopper_kernel.attention_backward_hopper(dout, q, k, v, lse, delta,
+                                                                 document_ends(doc_start.contiguous()), scale,
+                                                                 head_chunks=2)
     dq = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
     dk = torch.empty(B, Hkv, T, D, dtype=k.dtype, device=k.device)
     dv = torch.empty(B, Hkv, T, D, dtype=v.dtype, device=v.device)

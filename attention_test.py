@@ -522,8 +522,9 @@ def test_hopper_forward_matches_truth_and_the_triton_forward(case, monkeypatch):
 def test_hopper_backward_matches_truth_and_the_triton_backward(case, monkeypatch):
     """On an H100 / H200: the Gluon backward (five products per tile) against float64 and against
     the Triton backward on the same rows, dQ summed by relaxed atomics and, where Triton has them
-    (3.8 on), by TMA reductions, its programs in groups of key/value heads of several sizes;
-    attention_backward takes it on rows of one document where TMA reductions exist."""
+    (3.8 on), by TMA reductions, its programs in groups of key/value heads of several sizes, a GQA
+    group's query heads in one launch or split over several; attention_backward takes it on rows of
+    one document where TMA reductions exist, and on packed rows behind USE_HOPPER_BACKWARD_PACKED."""
     rows, T, Hq, D, q, k, v, starts, g = hopper_inputs(case, seed=7)
     hopper = attention_kernel.attention_hopper_kernel
     dout = torch.randn(len(rows), T, Hq, D, generator=g).cuda().bfloat16()
@@ -534,15 +535,22 @@ def test_hopper_backward_matches_truth_and_the_triton_backward(case, monkeypatch
     monkeypatch.setattr(attention_kernel, "USE_HOPPER_BACKWARD", False)
     triton_grads = attention_kernel.attention_backward(dout, q, k, v, out, lse, starts, scale, 0, 0.0)
     truth = run(q.double(), k.double(), v.double(), starts, dout.double(), reference())[1:]
-    # kv_group: the default, one (row, key/value head) pair at a time, three (a last group smaller), all of them
+    # kv_group: the default, one (row, key/value head) pair at a time, three (a last group smaller), all of them;
+    # head_chunks: the GQA group's query heads split over launches, two or one per launch
+    group = Hq // k.shape[1]
+    chunks = [c for c in (2, group) if c > 1 and group % c == 0][:2 if group > 2 else 1]
     modes = [{"dq_tma": False}, {"dq_tma": False, "kv_group": 3}]
+    modes += [{"dq_tma": False, "head_chunks": c} for c in chunks]
     if hopper.TMA_REDUCE:
         modes += [{"dq_tma": True}, {"dq_tma": True, "kv_group": 1}, {"dq_tma": True, "kv_group": 3},
                   {"dq_tma": True, "kv_group": len(rows) * k.shape[1]}]
+        modes += [{"dq_tma": True, "head_chunks": c} for c in chunks]
     for opts in modes:
         got = hopper.attention_backward_hopper(dout, q, k, v, lse, delta, document_ends(starts) if packed else None,
                                                scale, **opts)
         check_outputs(["dq", "dk", "dv"], got, triton_grads, truth, peer_name="the Triton backward")
+    with pytest.raises(ValueError, match="head_chunks"):
+        hopper.attention_backward_hopper(dout, q, k, v, lse, delta, None, scale, head_chunks=group + 1)
     monkeypatch.setattr(attention_kernel, "USE_HOPPER_BACKWARD", True)
     one = attention_kernel.one_document_rows(len(rows), T, q.device)
     assert attention_kernel._hopper_backward_ok(q, k, v, one, 0, 0.0) == hopper.TMA_REDUCE
@@ -551,6 +559,12 @@ def test_hopper_backward_matches_truth_and_the_triton_backward(case, monkeypatch
         assert not attention_kernel._hopper_backward_ok(x, k, v, one, window, softcap)
     if not packed:  # the routed call, as autograd makes it
         routed = attention_kernel.attention_backward(dout, q, k, v, out, lse, one, scale, 0, 0.0)
+        check_outputs(["dq", "dk", "dv"], routed, triton_grads, truth, peer_name="the Triton backward")
+    monkeypatch.setattr(attention_kernel, "USE_HOPPER_BACKWARD_PACKED", True)  # packed rows in two launches
+    takes = attention_kernel._hopper_packed_backward_ok(q, k, v, starts, 0, 0.0)
+    assert takes == (group % 2 == 0 and hopper.TMA_REDUCE)
+    if takes:
+        routed = attention_kernel.attention_backward(dout, q, k, v, out, lse, starts, scale, 0, 0.0)
         check_outputs(["dq", "dk", "dv"], routed, triton_grads, truth, peer_name="the Triton backward")
 
 

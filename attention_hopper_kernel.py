@@ -589,7 +589,7 @@ def attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale, dq_tma=
     dq = torch.zeros(B * Hkv * nh, T, D, dtype=torch.float32, device=q.device)  # one chunk's heads
     dk = torch.empty(B, Hkv, T, D, dtype=q.dtype, device=q.device)
     dv = torch.empty(B, Hkv, T, D, dtype=q.dtype, device=q.device)
-    dq_out = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device) if head_chunks > 1 else None
+    dq_out = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
     n_kt = triton.cdiv(T, block_n)
     kv_group = kv_group or max(1, num_sms(q.device) // n_kt)
     descriptors = (_descriptor(k3, block_n, D), _descriptor(v3, block_n, D), _descriptor(q3, block_m, D),
@@ -603,7 +603,5 @@ def attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale, dq_tma=
             BLOCK_M=block_m, BLOCK_N=block_n, D=D, KV_GROUP=min(kv_group, B * Hkv), H_LO=c * nh, NH=nh,
             STAGES=stages, DOCS=doc_end is not None, DQ_TMA=bool(dq_tma), ACC_INIT=c > 0, num_warps=8,
             **LAUNCH_OPTIONS)
-        if dq_out is None:
-            return dq.view(B, Hq, T, D).to(q.dtype), dk, dv
-        dq_out.view(B, Hkv, group, T, D)[:, :, c * nh:(c + 1) * nh] = dq.view(B, Hkv, nh, T, D)
+        dq_out.view(B, Hkv, group, T, D)[:, :, c * nh:(c + 1) * nh] = dq.view(B, Hkv, nh, T, D)  # cast to q's dtype
     return dq_out, dk, dv

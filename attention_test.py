@@ -538,7 +538,7 @@ def test_hopper_backward_matches_truth_and_the_triton_backward(case, monkeypatch
     # kv_group: the default, one (row, key/value head) pair at a time, three (a last group smaller), all of them;
     # head_chunks: the GQA group's query heads split over launches, two or one per launch
     group = Hq // k.shape[1]
-    chunks = [c for c in (2, group) if c > 1 and group % c == 0][:2 if group > 2 else 1]
+    chunks = sorted({c for c in (2, group) if c > 1 and group % c == 0})
     modes = [{"dq_tma": False}, {"dq_tma": False, "kv_group": 3}]
     modes += [{"dq_tma": False, "head_chunks": c} for c in chunks]
     if hopper.TMA_REDUCE:

@@ -44,9 +44,10 @@ import math
 import torch
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
-from kernel_common import LAUNCH_OPTIONS, num_sms  # what every launch asks (fused multiply-adds); SMs per GPU
+from kernel_common import LAUNCH_OPTIONS, fast_launch, num_sms  # what every launch asks (fused multiply-adds)
 
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -361,25 +362,24 @@ BWD_TILE = (64, 128, 2)  # (BLOCK_M queries, BLOCK_N keys, STAGES of Q / dO buff
 
 
 @gluon.jit
-def _bwd_step(it, h0, i0, n_qt, BLOCK_M: gl.constexpr):
-    # Step `it` of a program's walk: (query head, first row of the query tile). Every query head it
-    # takes (h0, h0 + 1, ...: the key/value head's group, or part of it) in turn, each over the query
-    # tiles i0 .. i0 + n_qt - 1 (the next key tile's program reads each Q_i two steps earlier: L2
-    # keeps it in between).
-    return h0 + it // n_qt, (i0 + it % n_qt) * BLOCK_M
+def _bwd_step(it, kvh, i0, n_qt, GROUP: gl.constexpr, BLOCK_M: gl.constexpr):
+    # Step `it` of a program's walk: (query head, first row of the query tile). Every query head of
+    # the key/value head's group in turn, each over the query tiles i0 .. i0 + n_qt - 1 (the next key
+    # tile's program reads each Q_i two steps earlier: L2 keeps it in between).
+    return kvh * GROUP + it // n_qt, (i0 + it % n_qt) * BLOCK_M
 
 
 @gluon.jit
 def _bwd_load_partition(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
-                        kv_x, kv_c, n0, q_xb, q_xh, q_ch, do_xb, do_xh, do_ch, b, h0, i0, n_qt, n_iter,
-                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+                        kv_x, kv_c, n0, q_xb, q_xh, q_ch, do_xb, do_xh, do_ch, b, kvh, i0, n_qt, n_iter,
+                        GROUP: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     # K and V once; then Q_i and dO_i of every (query head, query tile) step into the ring.
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma_load(k_desc, [kv_x, n0, kv_c], kv_bar, k_smem)
     tma_load(v_desc, [kv_x, n0, kv_c], kv_bar, v_smem)
     for it in range(n_iter):
         s = it % STAGES
-        h, m0 = _bwd_step(it, h0, i0, n_qt, BLOCK_M)
+        h, m0 = _bwd_step(it, kvh, i0, n_qt, GROUP, BLOCK_M)
         mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma_load(q_desc, [b * q_xb + h * q_xh, m0, h * q_ch], ready.index(s), q_smem.index(s))
@@ -387,9 +387,10 @@ def _bwd_load_partition(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem,
 
 
 @gluon.jit
-def _bwd_row_stats(LSE, DELTA, b, h0, i0, n_qt, it, n_iter, T, HQ, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+def _bwd_row_stats(LSE, DELTA, b, kvh, i0, n_qt, it, n_iter, T, HQ, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+                   layout: gl.constexpr):
     # lse_i and delta_i of step `it` (query head, query tile); zeros past the row or the last step.
-    h, m0 = _bwd_step(it, h0, i0, n_qt, BLOCK_M)
+    h, m0 = _bwd_step(it, kvh, i0, n_qt, GROUP, BLOCK_M)
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=layout)
     row = (b * HQ + h).to(gl.int64) * T
     ok = (offs_m < T) & (it < n_iter)
@@ -398,10 +399,9 @@ def _bwd_row_stats(LSE, DELTA, b, h0, i0, n_qt, it, n_iter, T, HQ, BLOCK_M: gl.c
 
 @gluon.jit
 def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready, empty,
-                           LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, h0, dq_r0, n0, T, HQ, HKV, i0, n_qt, n_iter,
-                           qk_scale, scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                           STAGES: gl.constexpr, DOCS: gl.constexpr, DQ_TMA: gl.constexpr, ACC_INIT: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ, HKV, i0, n_qt, n_iter, qk_scale,
+                           scale, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                           STAGES: gl.constexpr, DOCS: gl.constexpr, DQ_TMA: gl.constexpr, num_warps: gl.constexpr):
     # [BLOCK_N, BLOCK_M] products (S^T, dP^T) and [BLOCK_N, D] accumulators (dK, dV): keys along
     # rows, 16 per warp; dQ_i [BLOCK_M, D] splits D between the two warp groups.
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -420,25 +420,21 @@ def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq
     else:
         kend = gl.full([BLOCK_N], 0, gl.int32, gl.SliceLayout(1, st_layout)) + T
         first_end = T
-    if ACC_INIT:  # an earlier launch summed the group's other query heads: go on from its dK, dV
-        out, keep = _kv_rows(b, kvh, n0, T, HKV, BLOCK_N, D, kv_layout)
-        dk = gl.load(DK + out, mask=keep, other=0.0).to(gl.float32) / scale
-        dv = gl.load(DV + out, mask=keep, other=0.0).to(gl.float32)
-    else:
-        dk = gl.zeros([BLOCK_N, D], gl.float32, kv_layout)
-        dv = gl.zeros([BLOCK_N, D], gl.float32, kv_layout)
+    dk = gl.zeros([BLOCK_N, D], gl.float32, kv_layout)
+    dv = gl.zeros([BLOCK_N, D], gl.float32, kv_layout)
     st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
     dq_zero = gl.zeros([BLOCK_M, D], gl.float32, dq_layout)
     k = k_smem.reshape([BLOCK_N, D])
     v = v_smem.reshape([BLOCK_N, D])
     mbarrier.wait(kv_bar, 0)
     # The first step's lse and delta; later ones are loaded a step ahead (below).
-    lse, delta = _bwd_row_stats(LSE, DELTA, b, h0, i0, n_qt, 0, n_iter, T, HQ, BLOCK_M, gl.SliceLayout(0, st_layout))
+    lse, delta = _bwd_row_stats(LSE, DELTA, b, kvh, i0, n_qt, 0, n_iter, T, HQ, GROUP, BLOCK_M,
+                                gl.SliceLayout(0, st_layout))
     for it in range(n_iter):
         s = it % STAGES
-        h, m0 = _bwd_step(it, h0, i0, n_qt, BLOCK_M)
+        h, m0 = _bwd_step(it, kvh, i0, n_qt, GROUP, BLOCK_M)
         offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
-        dq_row = dq_r0 + h - h0  # this head's rows in the dQ buffer
+        row = (b * HQ + h).to(gl.int64) * T
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         q = q_smem.index(s).reshape([BLOCK_M, D])
         do = do_smem.index(s).reshape([BLOCK_M, D])
@@ -466,43 +462,37 @@ def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq
         dk = warpgroup_mma(dst16, q, dk, is_async=True)
         dv, dq, pt16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, pt16))
         # The next step's lse and delta: loaded now, they live only through dQ's hand-off.
-        lse, delta = _bwd_row_stats(LSE, DELTA, b, h0, i0, n_qt, it + 1, n_iter, T, HQ, BLOCK_M,
+        lse, delta = _bwd_row_stats(LSE, DELTA, b, kvh, i0, n_qt, it + 1, n_iter, T, HQ, GROUP, BLOCK_M,
                                     gl.SliceLayout(0, st_layout))
         if DQ_TMA:
             buf = dq_smem.index(it % 2)
             tma.store_wait(1)  # the reduction issued from this buffer two tiles ago has read it
             buf.reshape([BLOCK_M, D]).store(dq * scale)
             fence_async_shared()
-            tma_reduce_add(dq_desc, [dq_row, m0, 0], buf)  # rows past T: clipped by the copy
+            tma_reduce_add(dq_desc, [b * HQ + h, m0, 0], buf)  # rows past T: clipped by the copy
         else:  # Triton before 3.8: fire-and-forget float32 atomics (slower, see above)
             rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
             cols = gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
-            gl.atomic_add(DQ + (dq_row.to(gl.int64) * T + rows[:, None]) * D + cols[None, :], dq * scale,
+            gl.atomic_add(DQ + (row + rows[:, None]) * D + cols[None, :], dq * scale,
                           mask=(rows < T)[:, None], sem="relaxed")
         dk, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dst16))
         mbarrier.arrive(empty.index(s), count=1)  # Q_i and dO_i read: the loader may refill the slot
     if DQ_TMA:
         tma.store_wait(0)  # the buffers are read before the program's shared memory goes
 
-    out, keep = _kv_rows(b, kvh, n0, T, HKV, BLOCK_N, D, kv_layout)
-    gl.store(DK + out, (dk * scale).to(dtype), mask=keep)
-    gl.store(DV + out, dv.to(dtype), mask=keep)
-
-
-@gluon.jit
-def _kv_rows(b, kvh, n0, T, HKV, BLOCK_N: gl.constexpr, D: gl.constexpr, layout: gl.constexpr):
-    # Where the program's BLOCK_N keys sit in dK and dV ([B, Hkv, T, D]), and which are inside the row.
-    rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    return ((b * HKV + kvh).to(gl.int64) * T + rows[:, None]) * D + cols[None, :], (rows < T)[:, None]
+    rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))
+    out = ((b * HKV + kvh).to(gl.int64) * T + rows[:, None]) * D + cols[None, :]
+    gl.store(DK + out, (dk * scale).to(dtype), mask=(rows < T)[:, None])
+    gl.store(DV + out, dv.to(dtype), mask=(rows < T)[:, None])
 
 
 @gluon.jit
 def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_END, DQ, DK, DV, T, HQ, HKV,
                      kv_xb, kv_xh, kv_ch, q_xb, q_xh, q_ch, do_xb, do_xh, do_ch, qk_scale, scale,
                      GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                     KV_GROUP, H_LO: gl.constexpr, NH: gl.constexpr, STAGES: gl.constexpr, DOCS: gl.constexpr,
-                     DQ_TMA: gl.constexpr, ACC_INIT: gl.constexpr, num_warps: gl.constexpr):
+                     KV_GROUP, STAGES: gl.constexpr, DOCS: gl.constexpr, DQ_TMA: gl.constexpr,
+                     num_warps: gl.constexpr):
     # Which (row, key/value head) and key tile: programs start in the order of their ids, so the
     # order decides what runs side by side. Groups of KV_GROUP key/value heads one after the other;
     # inside a group key tile 0 of each head first (the tiles that see the most queries: measured
@@ -525,10 +515,7 @@ def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_E
     else:
         q_end = T
     n_qt = gl.cdiv(q_end, BLOCK_M) - i0
-    # The query heads this launch takes: NH of the group's GROUP from the group's H_LO-th (all of
-    # them unless attention_backward_hopper splits the group to bound dQ's float32 buffer).
-    h0 = kvh * GROUP + H_LO
-    n_iter = NH * n_qt
+    n_iter = GROUP * n_qt
 
     k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
@@ -547,26 +534,66 @@ def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_E
     # The compute warps (num_warps) and the loader warp.
     gl.warp_specialize([
         (_bwd_compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready, empty,
-                                  LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, h0, bkv * NH, n0, T, HQ, HKV, i0, n_qt,
-                                  n_iter, qk_scale, scale, BLOCK_M, BLOCK_N, D, STAGES, DOCS, DQ_TMA, ACC_INIT,
-                                  num_warps)),
+                                  LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ, HKV, i0, n_qt, n_iter,
+                                  qk_scale, scale, GROUP, BLOCK_M, BLOCK_N, D, STAGES, DOCS, DQ_TMA, num_warps)),
         (_bwd_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready,
                                empty, b * kv_xb + kvh * kv_xh, kvh * kv_ch, n0, q_xb, q_xh, q_ch, do_xb, do_xh,
-                               do_ch, b, h0, i0, n_qt, n_iter, BLOCK_M, STAGES)),
+                               do_ch, b, kvh, i0, n_qt, n_iter, GROUP, BLOCK_M, STAGES)),
     ], [1], [24])
 
 
+# dQ's float32 buffer is 4 bytes per element of q, and dQ in q's dtype 2 more: 402 MB at 16K tokens of
+# 32 heads of 128, where FlexAttention's whole backward takes 474 MB beyond its inputs. The cast can
+# write into the buffer itself: row r's 16-bit copy fits in the first half of row r's float32 bytes,
+# so a program that holds whole rows reads them all, waits at a barrier until every thread of it
+# has, and writes them back in place. dQ is then a strided view (rows 2 x D apart) of the buffer,
+# and q's dtype costs nothing more. Kernels downstream that take strides read it as it is (our RoPE
+# backward, PyTorch's elementwise ops); only a consumer that needs a contiguous tensor copies it.
+# Measured on an H100 (results/attention/gluon_h100/dq_in_place/): attention's extra memory in fwd+bwd
+# on the 8K document 238 MB from 305 (cuDNN's 439), on a packed 16K row 476 MB (FlexAttention's 474)
+# where a cast into a tensor of its own would need 610; the backward's time unchanged (2.85-2.89 ms
+# against 2.79-2.92 on the 8K document, 2.52 against 2.49-2.53 on documents of 512-4,096 tokens).
+@fast_launch
+@triton.jit
+def _dq_cast_in_place(DQ, DQ_OUT, n_rows, D: tl.constexpr, BLOCK_R: tl.constexpr):
+    # DQ: float32 rows of D; DQ_OUT: the same memory seen in q's dtype, rows of 2 * D of it.
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, D)
+    keep = rows[:, None] < n_rows
+    rows64 = rows.to(tl.int64)[:, None]
+    x = tl.load(DQ + rows64 * D + cols[None, :], mask=keep)
+    # Every thread has read its part of these rows before any thread writes over them: a CTA barrier
+    # orders the loads before it against the stores after it (no program reads another's rows).
+    tl.debug_barrier()
+    tl.store(DQ_OUT + rows64 * (2 * D) + cols[None, :], x.to(DQ_OUT.dtype.element_ty), mask=keep)
+
+
+def cast_in_place(buffer, dtype):
+    """buffer float32 [..., D] (contiguous) -> the same values in ``dtype`` (16-bit) as a view of
+    buffer's own memory: [..., D] with rows 2 * D apart. buffer's float32 values are gone."""
+    D = buffer.shape[-1]
+    if (buffer.dtype != torch.float32 or not buffer.is_contiguous() or torch.finfo(dtype).bits != 16
+            or D & (D - 1)):
+        raise ValueError(f"cast_in_place: a contiguous float32 buffer of rows of a power of 2 to a 16-bit dtype, "
+                         f"not {buffer.dtype} {tuple(buffer.shape)} (contiguous: {buffer.is_contiguous()}) to {dtype}")
+    out = buffer.view(dtype)[..., :D]
+    n_rows = buffer.numel() // D
+    block_r = max(1, 4096 // D)
+    _dq_cast_in_place[(triton.cdiv(n_rows, block_r), )](buffer, out, n_rows, D=D, BLOCK_R=block_r,
+                                                        num_warps=4)
+    return out
+
+
 def attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale, dq_tma=None, block_m=None, block_n=None,
-                              stages=None, kv_group=None, head_chunks=1):
+                              stages=None, kv_group=None, dq_in_place=False):
     """(dq, dk, dv) of causal attention, as attention_kernel.attention_backward: dout [B, T, Hq, D],
     q [B, Hq, T, D], k, v [B, Hkv, T, D] (supports()), lse the forward's (log2 units), delta
     [B, Hq, T] (sum_d dO O), doc_end [B, T] int32 (attention_kernel.document_ends) for packed rows,
     None for one document per row. dq_tma: sum dQ by TMA reductions (default: where Triton has them)
     or by float32 atomics. kv_group: how many (row, key/value head) pairs run side by side (default: as
     many as one wave of programs holds all the key tiles of; B * Hkv: every pair, key tile by key tile).
-    head_chunks: launches that split each GQA group's query heads between them (a divisor of the
-    group), so dQ's float32 buffer holds 1 / head_chunks of q; each later launch goes on from the dK
-    and dV the earlier one wrote (in q's dtype: one more rounding of their partial sums)."""
+    dq_in_place: dq is cast into its float32 buffer and returned as a strided view of it (cast_in_place),
+    not as a tensor of its own."""
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     if not supports(q, k, v):
@@ -581,27 +608,18 @@ def attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale, dq_tma=
     k3, v3, (kv_xb, kv_xh, kv_ch) = _kv_views(k, v)
     q3, q_xb, q_xh, q_ch = _rows_view(q)
     do3, do_xb, do_xh, do_ch = _rows_view(dout.transpose(1, 2))
-    group = Hq // Hkv
-    if not isinstance(head_chunks, int) or head_chunks < 1 or group % head_chunks:
-        raise ValueError(f"attention_backward_hopper: head_chunks={head_chunks!r} must divide the {group} query "
-                         f"heads of a GQA group")
-    nh = group // head_chunks
-    dq = torch.zeros(B * Hkv * nh, T, D, dtype=torch.float32, device=q.device)  # one chunk's heads
+    dq = torch.zeros(B, Hq, T, D, dtype=torch.float32, device=q.device)
     dk = torch.empty(B, Hkv, T, D, dtype=q.dtype, device=q.device)
     dv = torch.empty(B, Hkv, T, D, dtype=q.dtype, device=q.device)
-    dq_out = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
     n_kt = triton.cdiv(T, block_n)
     kv_group = kv_group or max(1, num_sms(q.device) // n_kt)
-    descriptors = (_descriptor(k3, block_n, D), _descriptor(v3, block_n, D), _descriptor(q3, block_m, D),
-                   _descriptor(do3, block_m, D), _descriptor(dq, block_m, D))
-    for c in range(head_chunks):
-        if c:
-            dq.zero_()
-        _attn_bwd_hopper[(B * Hkv * n_kt, )](
-            *descriptors, lse, delta, dq if doc_end is None else doc_end, dq, dk, dv, T, Hq, Hkv, kv_xb, kv_xh,
-            kv_ch, q_xb, q_xh, q_ch, do_xb, do_xh, do_ch, scale * math.log2(math.e), scale, GROUP=group,
-            BLOCK_M=block_m, BLOCK_N=block_n, D=D, KV_GROUP=min(kv_group, B * Hkv), H_LO=c * nh, NH=nh,
-            STAGES=stages, DOCS=doc_end is not None, DQ_TMA=bool(dq_tma), ACC_INIT=c > 0, num_warps=8,
-            **LAUNCH_OPTIONS)
-        dq_out.view(B, Hkv, group, T, D)[:, :, c * nh:(c + 1) * nh] = dq.view(B, Hkv, nh, T, D)  # cast to q's dtype
-    return dq_out, dk, dv
+    _attn_bwd_hopper[(B * Hkv * n_kt, )](
+        _descriptor(k3, block_n, D), _descriptor(v3, block_n, D), _descriptor(q3, block_m, D),
+        _descriptor(do3, block_m, D), _descriptor(dq.view(B * Hq, T, D), block_m, D), lse, delta,
+        dq if doc_end is None else doc_end, dq, dk, dv, T, Hq, Hkv, kv_xb, kv_xh, kv_ch, q_xb, q_xh, q_ch,
+        do_xb, do_xh, do_ch, scale * math.log2(math.e), scale, GROUP=Hq // Hkv, BLOCK_M=block_m, BLOCK_N=block_n,
+        D=D, KV_GROUP=min(kv_group, B * Hkv), STAGES=stages, DOCS=doc_end is not None, DQ_TMA=bool(dq_tma),
+        num_warps=8, **LAUNCH_OPTIONS)
+    if dq_in_place:
+        return cast_in_place(dq, q.dtype).view(B, Hq, T, D), dk, dv
+    return dq.to(q.dtype), dk, dv

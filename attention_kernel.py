@@ -125,7 +125,7 @@ import torch
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
     IN_INTERPRETER, INTERPRET, SUPPORTED_DTYPES, cast_to, cdiv, check_kernel_device, exp, fast_launch,
-    first_order_only, kernel_op, log, next_power_of_2, tanh,
+    first_order_only, kernel_op, log, next_power_of_2, tanh, traced,
 )
 
 import triton
@@ -663,17 +663,15 @@ USE_HOPPER_FORWARD = True
 # The backward there too (five products per tile instead of seven; dQ summed by TMA reductions,
 # which Gluon has from Triton 3.8 on: before that its float32 atomics make it slower than this
 # file's backward). H100, Triton 3.9 (results/attention/gluon_h100/backward_order/): the 8K document
-# 3.00-3.04 ms against this file's 3.67-3.78 (cuDNN 2.82-2.90). Rows of one document only, like the
-# forward: on packed rows it is faster too (documents of 512-4,096 tokens 2.29-2.35 ms against
-# 2.83-2.92, of 40-200 0.78 against 0.87) but its float32 dQ buffer (4 bytes per element of q: 268 MB
-# at 16K tokens of 32 heads of 128) on top of the 343 MB measured there would put attention's extra
-# memory on a packed row at about 1.3x FlexAttention's 474 MB, from 0.72x (computed, not measured).
+# 3.00-3.04 ms against this file's 3.67-3.78 (cuDNN 2.82-2.90).
 USE_HOPPER_BACKWARD = True
-# Packed rows in two launches that split each GQA group's query heads (head_chunks=2): dQ's buffer
-# then holds half of them, 2 bytes per element of q (134 MB there: about Flex's 474 MB in all), at
-# the price of K and V read twice and dK, dV written and read back once more. Compiled for sm_90,
-# not yet timed: off.
-USE_HOPPER_BACKWARD_PACKED = False
+# Packed rows too, where the caller lets dQ be a view of its float32 buffer (attention_backward's
+# dq_view: eager autograd, not a traced graph). Measured on an H100 (results/attention/gluon_h100/
+# dq_in_place/): documents of 512-4,096 tokens 2.49-2.53 ms against this file's 2.79-2.90, of 40-200
+# 0.78 against 0.87; attention's extra memory on those 16K rows 476 MB against 343 here (FlexAttention's
+# 474: dQ cast in place keeps the buffer within it; a dQ of its own would make it about 610, computed). A traced
+# backward keeps this file's kernels on packed rows, and their 343 MB.
+USE_HOPPER_BACKWARD_PACKED = True
 
 
 def _hopper_ok(q, k, v, doc_start, window, softcap, packed=False):
@@ -695,9 +693,9 @@ def _hopper_backward_ok(q, k, v, doc_start, window, softcap):
 
 
 def _hopper_packed_backward_ok(q, k, v, doc_start, window, softcap):
-    """Packed rows for the Gluon backward in two launches: a GQA group of an even count of query heads."""
-    return (USE_HOPPER_BACKWARD_PACKED and (q.shape[1] // k.shape[1]) % 2 == 0
-            and _hopper_ok(q, k, v, doc_start, window, softcap, packed=True) and attention_hopper_kernel.TMA_REDUCE)
+    """Packed rows for the Gluon backward (when its dq may be cast in place: attention_backward)."""
+    return (USE_HOPPER_BACKWARD_PACKED and _hopper_ok(q, k, v, doc_start, window, softcap, packed=True)
+            and attention_hopper_kernel.TMA_REDUCE)
 
 
 def _check(q, k, v, doc_start, name="attention"):
@@ -793,16 +791,19 @@ def backward_delta(out, dout):
     return delta
 
 
-def _attention_backward_fake(dout, q, k, v, out, lse, doc_start, scale, window, softcap):
+def _attention_backward_fake(dout, q, k, v, out, lse, doc_start, scale, window, softcap, dq_view=False):
     # Contiguous, as the launcher makes them (empty_like would copy q's strides: HF's q is a transposed view).
+    # Traced calls never pass dq_view (_attention_grads), so this is the layout they get.
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 @kernel_op("attention_backward", fake=_attention_backward_fake)
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, doc_start: torch.Tensor, scale: float, window: int,
-                       softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) in q's, k's, v's shapes (contiguous) from dout [B, T, Hq, D]."""
+                       softcap: float, dq_view: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in q's, k's, v's shapes (contiguous) from dout [B, T, Hq, D]. dq_view: dq may be
+    the Gluon backward's strided view of its float32 buffer (attention_hopper_kernel.cast_in_place),
+    which saves its own 2 bytes per element; only then do packed rows take that backward."""
     q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
@@ -810,11 +811,12 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     delta = backward_delta(out, dout)
     if _hopper_backward_ok(q, k, v, doc_start, window, softcap):
-        return attention_hopper_kernel.attention_backward_hopper(dout, q, k, v, lse, delta, None, scale)
-    if _hopper_packed_backward_ok(q, k, v, doc_start, window, softcap):
+        return attention_hopper_kernel.attention_backward_hopper(dout, q, k, v, lse, delta, None, scale,
+                                                                 dq_in_place=dq_view)
+    if dq_view and _hopper_packed_backward_ok(q, k, v, doc_start, window, softcap):
         return attention_hopper_kernel.attention_backward_hopper(dout, q, k, v, lse, delta,
                                                                  document_ends(doc_start.contiguous()), scale,
-                                                                 head_chunks=2)
+                                                                 dq_in_place=True)
     dq = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
     dk = torch.empty(B, Hkv, T, D, dtype=k.dtype, device=k.device)
     dv = torch.empty(B, Hkv, T, D, dtype=v.dtype, device=v.device)
@@ -858,7 +860,10 @@ def _attention_save(ctx, inputs, output):
 
 def _attention_grads(ctx, dout, _dlse):
     q, k, v, out, lse, doc_start = ctx.saved_tensors
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, doc_start, ctx.scale, ctx.window, ctx.softcap)
+    # A strided dq only in eager mode: a traced backward gets the fake's layout, contiguous.
+    dq_view = not (torch.compiler.is_compiling() or traced(dout))
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, doc_start, ctx.scale, ctx.window, ctx.softcap,
+                                    dq_view)
     return dq, dk, dv, None, None, None, None
 
 

@@ -220,6 +220,34 @@ def test_packed_model_matches_the_dense_mask(model_type, extra):
         assert (grads[name] - want_grads[name]).abs().max().item() <= 1e-4 * scale, name
 
 
+@pytest.mark.parametrize("model_type, extra", [("llama", {}), ("qwen3", {}), ("phi3", {"pad_token_id": 0})])
+def test_strided_dq_flows_through_the_patched_model(model_type, extra, monkeypatch):
+    """On a Hopper GPU the backward may return dq as a strided view of its float32 buffer (rows 2 x D
+    apart, attention_hopper_kernel.cast_in_place). Given that layout here (the same values), every
+    kernel the gradient meets next in a patched model (RoPE's backward, a q norm, the projections)
+    takes it: the same loss and gradients, bit for bit, as with a contiguous dq."""
+    torch.manual_seed(0)
+    model = models.build_random(family_config(model_type, extra), torch.device(DEVICE), torch.float32)
+    batch = dict(packed_batch(model, [[9, 4, 13, 6], [20, 12]], 32), attention_mask=None)
+    with contextlib.redirect_stdout(io.StringIO()):
+        apply_kernels(model, {name: True for name in ("attention", "rope", "rmsnorm", "swiglu")})
+    want_loss, want_grads = loss_and_grads(model, training.hf_loss, batch)
+    original, views = attention_kernel.attention_backward, []
+
+    def strided_dq(*args):
+        dq, dk, dv = original(*args)
+        view = dq.new_empty(*dq.shape[:-1], 2 * dq.shape[-1])[..., :dq.shape[-1]].copy_(dq)
+        views.append(view)
+        return view, dk, dv
+
+    monkeypatch.setattr(attention_kernel, "attention_backward", strided_dq)
+    loss, grads = loss_and_grads(model, training.hf_loss, batch)
+    assert len(views) == model.config.num_hidden_layers and not views[0].is_contiguous()
+    assert torch.equal(loss, want_loss) and grads.keys() == want_grads.keys()
+    for name in grads:
+        assert torch.equal(grads[name], want_grads[name]), name
+
+
 def test_rows_without_position_ids_reach_the_kernel_as_one_document(monkeypatch):
     """A call with no position ids holds one document per row: the decoder says so to every layer,
     and the kernel gets one_document_rows (what lets the Hopper forward take them, no host sync);
@@ -473,6 +501,34 @@ HOPPER_ROWS = {  # rows of document lengths, T, query heads, key/value heads, he
 }
 
 
+def test_dq_cast_in_place():
+    """cast_in_place turns a float32 buffer of rows into 16-bit values inside its own memory, each row's
+    copy in the first half of its bytes: every value as torch casts it (the interpreter's bfloat16 cast
+    drops the low bits instead of rounding), rows of several programs, the last one part full. Enough rows
+    on a GPU that programs run side by side (a program writing another's rows would show here)."""
+    hopper = attention_kernel.attention_hopper_kernel
+    if hopper is None:
+        pytest.skip("no Gluon in this Triton")
+    g = torch.Generator().manual_seed(3)
+    rows = 7 if attention_kernel.INTERPRET else 40_000
+    for D, dtype in ((128, torch.bfloat16), (64, torch.float16), (128, torch.float16)):
+        buffer = (torch.randn(5, rows, D, generator=g) * 100).to(DEVICE)
+        values = buffer.clone()
+        got = hopper.cast_in_place(buffer, dtype)
+        assert got.shape == buffer.shape and got.dtype == dtype and got.stride() == (rows * 2 * D, 2 * D, 1)
+        assert got.data_ptr() == buffer.data_ptr()
+        if dtype == torch.bfloat16 and attention_kernel.INTERPRET:
+            want = (values.view(torch.int32) & -65536).view(torch.float32).to(dtype)
+        else:
+            want = values.to(dtype)
+        assert torch.equal(got, want)
+    for buffer, dtype in ((torch.zeros(4, 128, dtype=torch.float16), torch.bfloat16),
+                          (torch.zeros(128, 4).t(), torch.bfloat16), (torch.zeros(4, 96), torch.bfloat16),
+                          (torch.zeros(4, 128), torch.float32)):
+        with pytest.raises(ValueError, match="cast_in_place"):
+            hopper.cast_in_place(buffer.to(DEVICE), dtype)
+
+
 def hopper_inputs(case, seed):
     """The Hopper kernels' test rows of HOPPER_ROWS[case] on an H100 / H200 (skipped elsewhere):
     (rows, T, Hq, D, q, k, v in bf16, their document starts, the generator for more)."""
@@ -522,9 +578,9 @@ def test_hopper_forward_matches_truth_and_the_triton_forward(case, monkeypatch):
 def test_hopper_backward_matches_truth_and_the_triton_backward(case, monkeypatch):
     """On an H100 / H200: the Gluon backward (five products per tile) against float64 and against
     the Triton backward on the same rows, dQ summed by relaxed atomics and, where Triton has them
-    (3.8 on), by TMA reductions, its programs in groups of key/value heads of several sizes, a GQA
-    group's query heads in one launch or split over several; attention_backward takes it on rows of
-    one document where TMA reductions exist, and on packed rows behind USE_HOPPER_BACKWARD_PACKED."""
+    (3.8 on), by TMA reductions, its programs in groups of key/value heads of several sizes, dQ cast
+    in place or not; attention_backward takes it on rows of one document where TMA reductions exist,
+    and on packed rows behind USE_HOPPER_BACKWARD_PACKED where dQ may be a view."""
     rows, T, Hq, D, q, k, v, starts, g = hopper_inputs(case, seed=7)
     hopper = attention_kernel.attention_hopper_kernel
     dout = torch.randn(len(rows), T, Hq, D, generator=g).cuda().bfloat16()
@@ -536,36 +592,35 @@ def test_hopper_backward_matches_truth_and_the_triton_backward(case, monkeypatch
     triton_grads = attention_kernel.attention_backward(dout, q, k, v, out, lse, starts, scale, 0, 0.0)
     truth = run(q.double(), k.double(), v.double(), starts, dout.double(), reference())[1:]
     # kv_group: the default, one (row, key/value head) pair at a time, three (a last group smaller), all of them;
-    # head_chunks: the GQA group's query heads split over launches, two or one per launch
-    group = Hq // k.shape[1]
-    chunks = sorted({c for c in (2, group) if c > 1 and group % c == 0})
-    modes = [{"dq_tma": False}, {"dq_tma": False, "kv_group": 3}]
-    modes += [{"dq_tma": False, "head_chunks": c} for c in chunks]
+    # dq cast into its float32 buffer (a strided view) or into a tensor of its own
+    modes = [{"dq_tma": False}, {"dq_tma": False, "kv_group": 3}, {"dq_tma": False, "dq_in_place": True}]
     if hopper.TMA_REDUCE:
         modes += [{"dq_tma": True}, {"dq_tma": True, "kv_group": 1}, {"dq_tma": True, "kv_group": 3},
-                  {"dq_tma": True, "kv_group": len(rows) * k.shape[1]}]
-        modes += [{"dq_tma": True, "head_chunks": c} for c in chunks]
+                  {"dq_tma": True, "kv_group": len(rows) * k.shape[1]}, {"dq_tma": True, "dq_in_place": True}]
     for opts in modes:
         got = hopper.attention_backward_hopper(dout, q, k, v, lse, delta, document_ends(starts) if packed else None,
                                                scale, **opts)
         check_outputs(["dq", "dk", "dv"], got, triton_grads, truth, peer_name="the Triton backward")
-    with pytest.raises(ValueError, match="head_chunks"):
-        hopper.attention_backward_hopper(dout, q, k, v, lse, delta, None, scale, head_chunks=group + 1)
+        assert got[0].is_contiguous() != opts.get("dq_in_place", False)
     monkeypatch.setattr(attention_kernel, "USE_HOPPER_BACKWARD", True)
     one = attention_kernel.one_document_rows(len(rows), T, q.device)
     assert attention_kernel._hopper_backward_ok(q, k, v, one, 0, 0.0) == hopper.TMA_REDUCE
     assert attention_kernel._hopper_backward_ok(q, k, v, starts, 0, 0.0) == (T == 1 and hopper.TMA_REDUCE)
     for window, softcap, x in ((7, 0.0, q), (0, 2.0, q), (0, 0.0, q.float())):
         assert not attention_kernel._hopper_backward_ok(x, k, v, one, window, softcap)
-    if not packed:  # the routed call, as autograd makes it
-        routed = attention_kernel.attention_backward(dout, q, k, v, out, lse, one, scale, 0, 0.0)
-        check_outputs(["dq", "dk", "dv"], routed, triton_grads, truth, peer_name="the Triton backward")
-    monkeypatch.setattr(attention_kernel, "USE_HOPPER_BACKWARD_PACKED", True)  # packed rows in two launches
+    if not packed:  # the routed call, as autograd makes it in eager mode (dq a view) and traced (dq contiguous)
+        for dq_view in (True, False):
+            routed = attention_kernel.attention_backward(dout, q, k, v, out, lse, one, scale, 0, 0.0, dq_view)
+            check_outputs(["dq", "dk", "dv"], routed, triton_grads, truth, peer_name="the Triton backward")
+            assert routed[0].is_contiguous() == (not dq_view or not hopper.TMA_REDUCE)
+    monkeypatch.setattr(attention_kernel, "USE_HOPPER_BACKWARD_PACKED", True)  # packed rows, dq cast in place
     takes = attention_kernel._hopper_packed_backward_ok(q, k, v, starts, 0, 0.0)
-    assert takes == (group % 2 == 0 and hopper.TMA_REDUCE)
+    assert takes == hopper.TMA_REDUCE
     if takes:
-        routed = attention_kernel.attention_backward(dout, q, k, v, out, lse, starts, scale, 0, 0.0)
-        check_outputs(["dq", "dk", "dv"], routed, triton_grads, truth, peer_name="the Triton backward")
+        for dq_view in (True, False):  # without the view: the Triton backward (dQ's two buffers: memory)
+            routed = attention_kernel.attention_backward(dout, q, k, v, out, lse, starts, scale, 0, 0.0, dq_view)
+            check_outputs(["dq", "dk", "dv"], routed, triton_grads, truth, peer_name="the Triton backward")
+            assert routed[0].is_contiguous() != dq_view
 
 
 def test_rows_of_one_document_as_a_broadcast_start():

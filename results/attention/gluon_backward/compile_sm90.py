@@ -1,7 +1,6 @@
 """Compile attention_hopper_kernel.py's backward for sm_90 (H100) on a machine without a GPU (a stand-in driver names
 the target, JITFunction.warmup runs the whole pipeline, ptxas included; nothing is launched).
-python compile_sm90.py [BLOCK_M,BLOCK_N,STAGES,DQ_TMA[,HEAD_CHUNKS]] ...   (HEAD_CHUNKS > 1: its last launch;
-DOCS=1 in the environment: packed rows; HEAD_DIM=64)"""
+python compile_sm90.py [BLOCK_M,BLOCK_N,STAGES,DQ_TMA] ...   (DOCS=1 in the environment: packed rows; HEAD_DIM=64)"""
 import sys, os, time
 import torch, triton
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))  # the checkout
@@ -17,8 +16,7 @@ dout = torch.empty(B, T, Hq, D, dtype=torch.bfloat16)
 lse = torch.empty(B, Hq, T); delta = torch.empty(B, Hq, T); ends = torch.empty(B, T, dtype=torch.int32)
 dq = torch.empty(B, Hq, T, D); dk = torch.empty(B, Hkv, T, D, dtype=torch.bfloat16)
 for cfg in [tuple(int(x) for x in c.split(",")) for c in (sys.argv[1:] or ["64,128,2,1"])]:
-    bm, bn, stages, dq_tma, chunks = (cfg + (1, ))[:5]
-    nh = Hq // Hkv // chunks
+    bm, bn, stages, dq_tma = cfg
     k3, ka, kb, kc = ah._rows_view(k); q3, qa, qb, qc = ah._rows_view(q); d3, da, db, dc = ah._rows_view(dout.transpose(1, 2))
     desc = lambda t, r: ah._descriptor(t, r, D)
     t0 = time.time()
@@ -26,8 +24,7 @@ for cfg in [tuple(int(x) for x in c.split(",")) for c in (sys.argv[1:] or ["64,1
         c = ah._attn_bwd_hopper.warmup(desc(k3, bn), desc(k3, bn), desc(q3, bm), desc(d3, bm),
                                        desc(dq.view(B * Hq, T, D), bm), lse, delta, ends, dq, dk, dk, T, Hq, Hkv,
                                        ka, kb, kc, qa, qb, qc, da, db, dc, 0.1, 0.1, GROUP=Hq // Hkv, BLOCK_M=bm,
-                                       BLOCK_N=bn, D=D, KV_GROUP=2, H_LO=nh * (chunks - 1), NH=nh,
-                                       ACC_INIT=chunks > 1, STAGES=stages, DOCS=docs, DQ_TMA=bool(dq_tma), num_warps=8,
+                                       BLOCK_N=bn, D=D, KV_GROUP=2, STAGES=stages, DOCS=docs, DQ_TMA=bool(dq_tma), num_warps=8,
                                        grid=(1,), **ah.LAUNCH_OPTIONS)
         ptx = c.asm["ptx"]
         print(f"triton {triton.__version__} D={D} docs={docs} {cfg}: ok {time.time()-t0:.0f}s, wgmma "

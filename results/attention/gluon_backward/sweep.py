@@ -5,7 +5,7 @@ PATH writes it.
 --quick: three rows checked, the 8K document timed once; --timings-only: no checks and no Triton backward, the 8K
 and 16K documents timed; --rounds N: timings repeated N times (default 2, 1 with --quick).
 python sweep.py [--quick] [--timings-only] [--rounds N] [--json PATH] NAME=opt:value,opt:value ...
-  e.g.  default=  atomics=dq_tma:0  interleaved=kv_group:1024  halves=head_chunks:2
+  e.g.  default=  atomics=dq_tma:0  interleaved=kv_group:1024  inplace=dq_in_place:1
 (The variants measured on 2026-12-07 -- the probe's dq_mode and heavy_first, the kernel's dq_writer, prefetch, dq_first
 and from_end -- are in git history; the last four's timings in ../gluon_h100/backward_options/.)"""
 import json, os, sys
@@ -65,10 +65,6 @@ for B, Hq, Hkv, T, D, docs in [] if timings_only else rows[1:4] if quick else ro
            for a, t in zip(ak.attention_backward(dout, q, k, v, out, lse, ds.contiguous(), scale, 0, 0.0), truth)]
     delta, doc_end = ak.backward_delta(out, dout), None if docs is None else ak.document_ends(ds)
     for name, opts in variants.items():
-        if (Hq // Hkv) % opts.get("head_chunks", 1):
-            print(f"{name:<12} B={B} Hq={Hq} Hkv={Hkv} T={T} docs={docs}: head_chunks does not divide the group, "
-                  f"not run", flush=True)
-            continue
         try:
             got = attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale, **opts)
             errs = [(a.double() - t).norm().item() / t.norm().item() for a, t in zip(got, truth)]

@@ -1,0 +1,138 @@
+"""Where an eager fwd+bwd of the attention kernel spends its host time (GPU only).
+
+benchmark_kernels.py --kernel attention times the 16,384-token row of 133 short documents at 1.28-1.52 ms
+eager against 1.06 ms replayed from a CUDA graph (H100, results/attention/gluon_h100/dq_in_place/): the GPU
+waits for Python. This measures, on each row of benchmark_kernels' attention rows, in one process:
+  * GPU time: the fwd+bwd replayed from a CUDA graph (what the GPU needs);
+  * eager time: the same call from Python, CUDA events around it;
+  * host time: the time Python takes to queue one call (perf_counter, the GPU kept busy beforehand);
+  * the Python functions that host time goes to (cProfile over 50 calls, the top 25 by own time);
+and the same with the Gluon backward launched through kernel_common.fast_launch (Triton's binder, the
+compiled kernel's launcher called directly) instead of Triton's full launch path: a trial done here only.
+
+Usage (from the checkout, on an H100 / H200 with Triton 3.8+ for the Gluon backward):
+    python results/attention/host_time.py [--json PATH]
+"""
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the checkout
+import attention_kernel  # noqa: E402  (first: kernel_common's import rule)
+from attention_kernel import packed_attention  # noqa: E402
+from kernel_common import fast_launch  # noqa: E402
+from kernel_ft import benchmark_specs as bs  # noqa: E402
+
+CALLS = 50
+
+
+def rows():
+    """The rows benchmark_kernels.py times (its "full" shapes)."""
+    return bs.ATTENTION.shapes["full"]
+
+
+def fwd_bwd(inputs):
+    q, k, v, starts = inputs["args"]
+    upstream = inputs["upstream"][0].to(q.dtype)
+
+    def call():
+        out = packed_attention(q, k, v, starts)
+        return torch.autograd.grad(out, (q, k, v), upstream)
+    return call
+
+
+def gpu_ms(call):
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+        with torch.cuda.graph(graph, stream=stream):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 20
+
+
+def eager_ms(call):
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def host_ms(call):
+    # Python's time to queue one call, with the GPU busy on a long sleep so no launch ever waits for it.
+    times = []
+    for _ in range(20):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU cycles
+        t0 = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2]
+
+
+def top_functions(call, n=25):
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(CALLS):
+        call()
+    profile.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(n)
+    return text.getvalue()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the timings here")
+    args = parser.parse_args(argv)
+    hopper = attention_kernel.attention_hopper_kernel
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | "
+          f"triton {__import__('triton').__version__}")
+    plain_launch = hopper._attn_bwd_hopper if hopper else None
+    record = []
+    for launch in ("Triton's launch", "fast_launch") if hopper else ("Triton's launch", ):
+        if hopper:
+            hopper._attn_bwd_hopper = plain_launch if launch == "Triton's launch" else fast_launch(plain_launch)
+        for spec in rows():
+            call = fwd_bwd(bs.attention_inputs(spec))
+            row = {"row": f"{spec['seq']:,} tokens, documents {spec['docs']}", "gluon backward": launch,
+                   "gpu_ms": gpu_ms(call), "eager_ms": eager_ms(call), "host_ms": host_ms(call)}
+            record.append(row)
+            print(f"{row['row']:<40} {launch:<16} GPU (graph) {row['gpu_ms']:.3f} ms  eager {row['eager_ms']:.3f} "
+                  f"ms  host {row['host_ms']:.3f} ms", flush=True)
+            if spec["docs"] == [40, 200]:
+                print(top_functions(call))
+    if hopper:
+        hopper._attn_bwd_hopper = plain_launch
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

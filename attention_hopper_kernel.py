@@ -25,7 +25,7 @@ attention_kernel.py leaves the schedule to the compiler; this file writes it by 
 Memory traffic is flash attention's: Q read once, K and V once per query tile that sees them, O and
 the log-sum-exp written once. What it computes is attention_kernel.py's forward: causal rows of
 one document or packed documents (doc_start), GQA, 16-bit, head dim 64 or 128; it returns the same
-out [B, T, Hq, D] and log-sum-exp (log2 units) [B, Hq, T], which the Triton backward reads.
+out [B, T, Hq, D] and log-sum-exp (log2 units) [B, Hq, T], which either backward reads.
 attention_kernel.attention_forward sends it rows of one document that it supports (supports(); no
 window, no soft cap) on an H100 / H200: 18% less time than the Triton forward on the 8K document,
 level with cuDNN's (results/attention/gluon_h100/). Packed rows stay on the Triton forward: this
@@ -34,11 +34,14 @@ one's 128-row query tiles over documents of 40-200 tokens run 1.4x slower than i
 without a host sync.
 
 The backward, further down, is written the same way: five products per tile where the Triton
-kernels compute seven, dQ summed by the copy engine (TMA reductions, Triton 3.8 on).
+kernels compute seven, dQ summed by the copy engine (TMA reductions, Triton 3.8 on) in a float32
+buffer that dQ's 16-bit values are then written into, in place. It takes rows of one document and
+packed ones.
 
 There is no interpreter for Gluon: the CPU suite runs the Triton kernels, and the compile_sm90.py
 scripts in results/attention/gluon_forward and gluon_backward compile these for sm_90 on a CPU.
 """
+import functools
 import math
 
 import torch
@@ -252,12 +255,18 @@ def _kv_views(k, v):
     return k3, v3, tuple(k_at)
 
 
+@functools.lru_cache(maxsize=None)
+def _tile_layout(rows, D, dtype):
+    # Kept per tile shape: working the layout out costs ~10 us of Python, the descriptor ~2; a fwd+bwd
+    # makes eight descriptors (measured on a CPU core; the host time of short rows' eager steps).
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for([1, rows, D], gl_dtype)
+
+
 def _descriptor(t3, rows, D):
     """A TMA descriptor of a _rows_view for tiles of rows x D, in the shared-memory layout
     (swizzled) the tensor cores read."""
-    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[t3.dtype]
-    layout = gl.NVMMASharedLayout.get_default_for([1, rows, D], dtype)
-    return TensorDescriptor(t3, list(t3.shape), list(t3.stride()), [1, rows, D], layout)
+    return TensorDescriptor(t3, list(t3.shape), list(t3.stride()), [1, rows, D], _tile_layout(rows, D, t3.dtype))
 
 
 # head dim -> (BLOCK_M, BLOCK_N, STAGES), from results/attention/gluon_h100/gluon_forward.txt (H100):

@@ -560,7 +560,7 @@ def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_E
 # backward, PyTorch's elementwise ops); only a consumer that needs a contiguous tensor copies it.
 # Measured on an H100 (results/attention/gluon_h100/dq_in_place/): attention's extra memory in fwd+bwd
 # on the 8K document 238 MB from 305 (cuDNN's 439), on a packed 16K row 476 MB (FlexAttention's 474)
-# where a cast into a tensor of its own would need 610; the backward's time unchanged (2.85-2.89 ms
+# where a cast into a tensor of its own would need about 610 (computed); the backward's time unchanged (2.85-2.89 ms
 # against 2.79-2.92 on the 8K document, 2.52 against 2.49-2.53 on documents of 512-4,096 tokens).
 @fast_launch
 @triton.jit
@@ -630,5 +630,5 @@ def attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale, dq_tma=
         D=D, KV_GROUP=min(kv_group, B * Hkv), STAGES=stages, DOCS=doc_end is not None, DQ_TMA=bool(dq_tma),
         num_warps=8, **LAUNCH_OPTIONS)
     if dq_in_place:
-        return cast_in_place(dq, q.dtype).view(B, Hq, T, D), dk, dv
+        return cast_in_place(dq, q.dtype), dk, dv
     return dq.to(q.dtype), dk, dv

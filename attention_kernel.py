@@ -669,8 +669,8 @@ USE_HOPPER_BACKWARD = True
 # dq_view: eager autograd, not a traced graph). Measured on an H100 (results/attention/gluon_h100/
 # dq_in_place/): documents of 512-4,096 tokens 2.49-2.53 ms against this file's 2.79-2.90, of 40-200
 # 0.78 against 0.87; attention's extra memory on those 16K rows 476 MB against 343 here (FlexAttention's
-# 474: dQ cast in place keeps the buffer within it; a dQ of its own would make it about 610, computed). A traced
-# backward keeps this file's kernels on packed rows, and their 343 MB.
+# 474: dQ cast in place keeps the buffer within it; a dQ of its own would make it about 610, computed).
+# A traced backward keeps this file's kernels on packed rows, and their 343 MB.
 USE_HOPPER_BACKWARD_PACKED = True
 
 
@@ -687,14 +687,10 @@ def _hopper_forward_ok(q, k, v, doc_start, window, softcap):
     return USE_HOPPER_FORWARD and _hopper_ok(q, k, v, doc_start, window, softcap)
 
 
-def _hopper_backward_ok(q, k, v, doc_start, window, softcap):
-    return (USE_HOPPER_BACKWARD and _hopper_ok(q, k, v, doc_start, window, softcap)
-            and attention_hopper_kernel.TMA_REDUCE)
-
-
-def _hopper_packed_backward_ok(q, k, v, doc_start, window, softcap):
-    """Packed rows for the Gluon backward (when its dq may be cast in place: attention_backward)."""
-    return (USE_HOPPER_BACKWARD_PACKED and _hopper_ok(q, k, v, doc_start, window, softcap, packed=True)
+def _hopper_backward_ok(q, k, v, doc_start, window, softcap, dq_view=False):
+    """Rows of one document; packed rows too where dq may be a view of its buffer (attention_backward)."""
+    packed = dq_view and USE_HOPPER_BACKWARD_PACKED
+    return (USE_HOPPER_BACKWARD and _hopper_ok(q, k, v, doc_start, window, softcap, packed=packed)
             and attention_hopper_kernel.TMA_REDUCE)
 
 
@@ -810,13 +806,10 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if q.numel() == 0:
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     delta = backward_delta(out, dout)
-    if _hopper_backward_ok(q, k, v, doc_start, window, softcap):
-        return attention_hopper_kernel.attention_backward_hopper(dout, q, k, v, lse, delta, None, scale,
+    if _hopper_backward_ok(q, k, v, doc_start, window, softcap, dq_view):
+        doc_end = None if _one_document(doc_start) else document_ends(doc_start.contiguous())
+        return attention_hopper_kernel.attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale,
                                                                  dq_in_place=dq_view)
-    if dq_view and _hopper_packed_backward_ok(q, k, v, doc_start, window, softcap):
-        return attention_hopper_kernel.attention_backward_hopper(dout, q, k, v, lse, delta,
-                                                                 document_ends(doc_start.contiguous()), scale,
-                                                                 dq_in_place=True)
     dq = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
     dk = torch.empty(B, Hkv, T, D, dtype=k.dtype, device=k.device)
     dv = torch.empty(B, Hkv, T, D, dtype=v.dtype, device=v.device)

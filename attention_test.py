@@ -614,7 +614,7 @@ def test_hopper_backward_matches_truth_and_the_triton_backward(case, monkeypatch
             check_outputs(["dq", "dk", "dv"], routed, triton_grads, truth, peer_name="the Triton backward")
             assert routed[0].is_contiguous() == (not dq_view or not hopper.TMA_REDUCE)
     monkeypatch.setattr(attention_kernel, "USE_HOPPER_BACKWARD_PACKED", True)  # packed rows, dq cast in place
-    takes = attention_kernel._hopper_packed_backward_ok(q, k, v, starts, 0, 0.0)
+    takes = attention_kernel._hopper_backward_ok(q, k, v, starts, 0, 0.0, dq_view=True)
     assert takes == hopper.TMA_REDUCE
     if takes:
         for dq_view in (True, False):  # without the view: the Triton backward (dQ's two buffers: memory)

@@ -3,8 +3,8 @@
 benchmark_kernels.py --kernel attention times the 16,384-token row of 133 short documents at 1.28-1.52 ms
 eager against 1.06 ms replayed from a CUDA graph (H100, results/attention/gluon_h100/dq_in_place/): the GPU
 waits for Python. This measures, on each row of benchmark_kernels' attention rows, in one process:
-  * GPU time: the fwd+bwd replayed from a CUDA graph (what the GPU needs);
-  * eager time: the same call from Python, CUDA events around it;
+  * GPU time: the fwd+bwd replayed from a CUDA graph (what the GPU needs), as benchmark_kernels times it;
+  * eager time: the same call from Python, as benchmark_kernels times it;
   * host time: the time Python takes to queue one call (perf_counter, the GPU kept busy beforehand);
   * the Python functions that host time goes to (cProfile over 50 calls, the top 25 by own time);
 and the same with the Gluon backward launched through kernel_common.fast_launch (Triton's binder, the
@@ -26,60 +26,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the checkout
 import attention_kernel  # noqa: E402  (first: kernel_common's import rule)
-from attention_kernel import packed_attention  # noqa: E402
+from benchmark_kernels import BENCH_MS, make_calls  # noqa: E402
 from kernel_common import fast_launch  # noqa: E402
-from kernel_ft import benchmark_specs as bs  # noqa: E402
+from kernel_ft.benchmark_specs import ATTENTION, bench  # noqa: E402
 
 CALLS = 50
-
-
-def rows():
-    """The rows benchmark_kernels.py times (its "full" shapes)."""
-    return bs.ATTENTION.shapes["full"]
-
-
-def fwd_bwd(inputs):
-    q, k, v, starts = inputs["args"]
-    upstream = inputs["upstream"][0].to(q.dtype)
-
-    def call():
-        out = packed_attention(q, k, v, starts)
-        return torch.autograd.grad(out, (q, k, v), upstream)
-    return call
-
-
-def gpu_ms(call):
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-        with torch.cuda.graph(graph, stream=stream):
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 20
-
-
-def eager_ms(call):
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def host_ms(call):
@@ -118,10 +69,12 @@ def main(argv=None):
     for launch in ("Triton's launch", "fast_launch") if hopper else ("Triton's launch", ):
         if hopper:
             hopper._attn_bwd_hopper = plain_launch if launch == "Triton's launch" else fast_launch(plain_launch)
-        for spec in rows():
-            call = fwd_bwd(bs.attention_inputs(spec))
+        for spec in ATTENTION.shapes["full"]:  # the rows benchmark_kernels.py times
+            _, call = make_calls(ATTENTION, "ours (Triton)", spec, seed=0)
+            call()  # compiled, outside every timing
             row = {"row": f"{spec['seq']:,} tokens, documents {spec['docs']}", "gluon backward": launch,
-                   "gpu_ms": gpu_ms(call), "eager_ms": eager_ms(call), "host_ms": host_ms(call)}
+                   "gpu_ms": bench(call, BENCH_MS["full"], graph=True), "eager_ms": bench(call, BENCH_MS["full"]),
+                   "host_ms": host_ms(call)}
             record.append(row)
             print(f"{row['row']:<40} {launch:<16} GPU (graph) {row['gpu_ms']:.3f} ms  eager {row['eager_ms']:.3f} "
                   f"ms  host {row['host_ms']:.3f} ms", flush=True)

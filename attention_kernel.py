@@ -125,7 +125,7 @@ import torch
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
     IN_INTERPRETER, INTERPRET, SUPPORTED_DTYPES, cast_to, cdiv, check_kernel_device, exp, fast_launch,
-    first_order_only, kernel_op, log, next_power_of_2, tanh, traced,
+    first_order_only, kernel_op, log, next_power_of_2, once_per_tensor, tanh, traced,
 )
 
 import triton
@@ -175,6 +175,14 @@ def document_ends(doc_start):
     begins = torch.where(doc_start == t, t, T)  # a document begins where a token is its own start
     after = torch.cat([begins[..., 1:], torch.full_like(begins[..., :1], T)], dim=-1)
     return torch.flip(torch.cummin(torch.flip(after, [-1]), dim=-1).values, [-1]).to(torch.int32)
+
+
+# Every layer of a step reads the same position ids: the starts and ends above are made once a
+# step in eager calls (kernel_common.once_per_tensor), not once a layer. What that buys: the two
+# are 8 and 10 small PyTorch kernels (79 dispatcher calls, counted by torch.profiler on a CPU),
+# which every layer's forward and backward would otherwise launch again.
+document_starts_once = once_per_tensor(document_starts)
+document_ends_once = once_per_tensor(document_ends)
 
 
 def visible_keys(doc_start, window=0):
@@ -807,7 +815,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     delta = backward_delta(out, dout)
     if _hopper_backward_ok(q, k, v, doc_start, window, softcap, dq_view):
-        doc_end = None if _one_document(doc_start) else document_ends(doc_start.contiguous())
+        doc_end = None if _one_document(doc_start) else document_ends_once(doc_start.contiguous())
         return attention_hopper_kernel.attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale,
                                                                  dq_in_place=dq_view)
     dq = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
@@ -815,7 +823,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     dv = torch.empty(B, Hkv, T, D, dtype=v.dtype, device=v.device)
     dp = max(16, next_power_of_2(D))
     doc_start = doc_start.contiguous()
-    doc_end = document_ends(doc_start)
+    doc_end = document_ends_once(doc_start)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
     common = dict(D=D, DP=dp, DOT_PRECISION=_precision(q.dtype), PRECISE=q.dtype == torch.float32,

@@ -39,7 +39,7 @@ from swap_common import (
     SwapMismatch, additive_mask, decoder_of, error_line, gpu_clock, plain_causal_attention, probe_rounding, probing,
     CACHE_NAMES, our_forward, text_config, text_config_key, text_modules, vocabulary_size, warn_once, wrap_forward,
 )
-from attention_kernel import document_starts, one_document_rows, packed_attention, visible_keys
+from attention_kernel import document_starts, document_starts_once, one_document_rows, packed_attention, visible_keys
 
 
 # --------------------------------------------------------------------------------
@@ -117,7 +117,7 @@ def hf_packed_attention(module, query, key, value, attention_mask, scaling=None,
     if positions is None or one_document:
         doc_start = one_document_rows(B, T, query.device)
     else:
-        doc_start = document_starts(positions.expand(B, T))
+        doc_start = document_starts_once(positions.expand(B, T))  # once a step, not once a layer
     return packed_attention(query, key, value, doc_start, scaling, kwargs.get("sliding_window"),
                             kwargs.get("softcap")), None
 

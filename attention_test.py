@@ -220,6 +220,25 @@ def test_packed_model_matches_the_dense_mask(model_type, extra):
         assert (grads[name] - want_grads[name]).abs().max().item() <= 1e-4 * scale, name
 
 
+def test_document_bounds_are_made_once_a_step():
+    """Every layer reads the step's position ids: their document starts (one cummax) and ends (one
+    cummin) are made once a step in an eager step, not once a layer; the next batch's anew. (The
+    dense-mask test above checks that the layers given those bounds compute the right gradients.)"""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = models.build_random(family_config("llama", {}), torch.device(DEVICE), torch.float32)
+    assert model.config.num_hidden_layers >= 2
+    with contextlib.redirect_stdout(io.StringIO()):
+        apply_kernels(model, {"attention": True})
+    for rows in ([[9, 4, 13, 6], [20, 12]], [[3, 29], [16, 16]]):
+        batch = dict(packed_batch(model, rows, 32), attention_mask=None)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            loss_and_grads(model, training.hf_loss, batch)
+        names = [event.name for event in prof.events()]
+        assert names.count("aten::_cummax_helper") == 1 and names.count("aten::_cummin_helper") == 1, rows
+
+
 @pytest.mark.parametrize("model_type, extra", [("llama", {}), ("qwen3", {}), ("phi3", {"pad_token_id": 0})])
 def test_strided_dq_flows_through_the_patched_model(model_type, extra, monkeypatch):
     """On a Hopper GPU the backward may return dq as a strided view of its float32 buffer (rows 2 x D

@@ -7,8 +7,10 @@ waits for Python. This measures, on each row of benchmark_kernels' attention row
   * eager time: the same call from Python, as benchmark_kernels times it;
   * host time: the time Python takes to queue one call (perf_counter, the GPU kept busy beforehand);
   * the Python functions that host time goes to (cProfile over 50 calls, the top 25 by own time);
-and the same with the Gluon backward launched through kernel_common.fast_launch (Triton's binder, the
-compiled kernel's launcher called directly) instead of Triton's full launch path: a trial done here only.
+and the same for two trials done here only: the document ends made on every call (as before they were
+made once per doc_start: attention_kernel.document_ends_once), and the Gluon backward launched through
+kernel_common.fast_launch (Triton's binder, the compiled kernel's launcher called directly) instead of
+Triton's full launch path.
 
 Usage (from the checkout, on an H100 / H200 with Triton 3.8+ for the Gluon backward):
     python results/attention/host_time.py [--json PATH]
@@ -65,23 +67,28 @@ def main(argv=None):
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"triton {__import__('triton').__version__}")
     plain_launch = hopper._attn_bwd_hopper if hopper else None
-    record = []
-    for launch in ("Triton's launch", "fast_launch") if hopper else ("Triton's launch", ):
+    once = attention_kernel.document_ends_once
+
+    def trial(name):
+        attention_kernel.document_ends_once = attention_kernel.document_ends if name == "ends each call" else once
         if hopper:
-            hopper._attn_bwd_hopper = plain_launch if launch == "Triton's launch" else fast_launch(plain_launch)
+            hopper._attn_bwd_hopper = fast_launch(plain_launch) if name == "fast_launch" else plain_launch
+
+    record = []
+    for name in ("as it is", "ends each call") + (("fast_launch", ) if hopper else ()):
+        trial(name)
         for spec in ATTENTION.shapes["full"]:  # the rows benchmark_kernels.py times
             _, call = make_calls(ATTENTION, "ours (Triton)", spec, seed=0)
             call()  # compiled, outside every timing
-            row = {"row": f"{spec['seq']:,} tokens, documents {spec['docs']}", "gluon backward": launch,
+            row = {"row": f"{spec['seq']:,} tokens, documents {spec['docs']}", "trial": name,
                    "gpu_ms": bench(call, BENCH_MS["full"], graph=True), "eager_ms": bench(call, BENCH_MS["full"]),
                    "host_ms": host_ms(call)}
             record.append(row)
-            print(f"{row['row']:<40} {launch:<16} GPU (graph) {row['gpu_ms']:.3f} ms  eager {row['eager_ms']:.3f} "
+            print(f"{row['row']:<40} {name:<15} GPU (graph) {row['gpu_ms']:.3f} ms  eager {row['eager_ms']:.3f} "
                   f"ms  host {row['host_ms']:.3f} ms", flush=True)
-            if spec["docs"] == [40, 200]:
+            if spec["docs"] == [40, 200] and name == "as it is":
                 print(top_functions(call))
-    if hopper:
-        hopper._attn_bwd_hopper = plain_launch
+    trial("as it is")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)

@@ -119,13 +119,14 @@ Nothing runs on import. See attention_test.py for the checks.
 """
 
 import math
+from typing import Optional
 
 import torch
 
 # First: it switches on the Triton interpreter when there is no GPU (kernel_common.py).
 from kernel_common import (
     IN_INTERPRETER, INTERPRET, SUPPORTED_DTYPES, cast_to, cdiv, check_kernel_device, exp, fast_launch,
-    first_order_only, kernel_op, log, next_power_of_2, once_per_tensor, tanh, traced,
+    first_order_only, kernel_op, log, next_power_of_2, tanh, traced,
 )
 
 import triton
@@ -175,14 +176,6 @@ def document_ends(doc_start):
     begins = torch.where(doc_start == t, t, T)  # a document begins where a token is its own start
     after = torch.cat([begins[..., 1:], torch.full_like(begins[..., :1], T)], dim=-1)
     return torch.flip(torch.cummin(torch.flip(after, [-1]), dim=-1).values, [-1]).to(torch.int32)
-
-
-# Every layer of a step reads the same position ids: the starts and ends above are made once a
-# step in eager calls (kernel_common.once_per_tensor), not once a layer. What that buys: the two
-# are 8 and 10 small PyTorch kernels (79 dispatcher calls, counted by torch.profiler on a CPU),
-# which every layer's forward and backward would otherwise launch again.
-document_starts_once = once_per_tensor(document_starts)
-document_ends_once = once_per_tensor(document_ends)
 
 
 def visible_keys(doc_start, window=0):
@@ -702,7 +695,7 @@ def _hopper_backward_ok(q, k, v, doc_start, window, softcap, dq_view=False):
             and attention_hopper_kernel.TMA_REDUCE)
 
 
-def _check(q, k, v, doc_start, name="attention"):
+def _check(q, k, v, doc_start, doc_end=None, name="attention"):
     for what, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name}: {what} must be a [B, H, T, D] tensor, got "
@@ -723,7 +716,12 @@ def _check(q, k, v, doc_start, name="attention"):
         what = f"{doc_start.dtype} {tuple(doc_start.shape)}" if isinstance(doc_start, torch.Tensor) else "none"
         raise ValueError(f"{name}: doc_start must be an int32 [B, T] = [{B}, {T}] tensor (document_starts), "
                          f"got {what}")
-    check_kernel_device(q, k, v, doc_start)
+    if doc_end is not None and (not isinstance(doc_end, torch.Tensor) or tuple(doc_end.shape) != (B, T)
+                                or doc_end.dtype != torch.int32):
+        what = f"{doc_end.dtype} {tuple(doc_end.shape)}" if isinstance(doc_end, torch.Tensor) else type(doc_end).__name__
+        raise ValueError(f"{name}: doc_end must be None or an int32 [B, T] = [{B}, {T}] tensor (document_ends), "
+                         f"got {what}")
+    check_kernel_device(q, k, v, doc_start, *([] if doc_end is None else [doc_end]))
 
 
 def _last_dim_contiguous(t):
@@ -749,15 +747,17 @@ def _score_args(scale, softcap, dtype):
 # --------------------------------------------------------------------------------
 # The launchers, registered as operators (kernel_common.kernel_op)
 # --------------------------------------------------------------------------------
-def _attention_forward_fake(q, k, v, doc_start, scale, window, softcap):
+def _attention_forward_fake(q, k, v, doc_start, scale, window, softcap, doc_end=None):
     B, Hq, T, D = q.shape
     return q.new_empty(B, T, Hq, D), q.new_empty(B, Hq, T, dtype=torch.float32)
 
 
 @kernel_op("attention_forward", fake=_attention_forward_fake)
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_start: torch.Tensor,
-                      scale: float, window: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, T, Hq, D], lse [B, Hq, T] float32) of q [B, Hq, T, D], k, v [B, Hkv, T, D]."""
+                      scale: float, window: int, softcap: float, doc_end: Optional[torch.Tensor] = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, T, Hq, D], lse [B, Hq, T] float32) of q [B, Hq, T, D], k, v [B, Hkv, T, D].
+    doc_end is not read here: an input of the operator only so that its backward gets it."""
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
@@ -795,7 +795,8 @@ def backward_delta(out, dout):
     return delta
 
 
-def _attention_backward_fake(dout, q, k, v, out, lse, doc_start, scale, window, softcap, dq_view=False):
+def _attention_backward_fake(dout, q, k, v, out, lse, doc_start, scale, window, softcap, dq_view=False,
+                             doc_end=None):
     # Contiguous, as the launcher makes them (empty_like would copy q's strides: HF's q is a transposed view).
     # Traced calls never pass dq_view (_attention_grads), so this is the layout they get.
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
@@ -804,10 +805,12 @@ def _attention_backward_fake(dout, q, k, v, out, lse, doc_start, scale, window, 
 @kernel_op("attention_backward", fake=_attention_backward_fake)
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, doc_start: torch.Tensor, scale: float, window: int,
-                       softcap: float, dq_view: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       softcap: float, dq_view: bool = False, doc_end: Optional[torch.Tensor] = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in q's, k's, v's shapes (contiguous) from dout [B, T, Hq, D]. dq_view: dq may be
     the Gluon backward's strided view of its float32 buffer (attention_hopper_kernel.cast_in_place),
-    which saves its own 2 bytes per element; only then do packed rows take that backward."""
+    which saves its own 2 bytes per element; only then do packed rows take that backward. doc_end:
+    document_ends(doc_start) where the caller made it already (made here otherwise)."""
     q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
@@ -815,7 +818,10 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     delta = backward_delta(out, dout)
     if _hopper_backward_ok(q, k, v, doc_start, window, softcap, dq_view):
-        doc_end = None if _one_document(doc_start) else document_ends_once(doc_start.contiguous())
+        if _one_document(doc_start):
+            doc_end = None
+        elif doc_end is None:
+            doc_end = document_ends(doc_start.contiguous())
         return attention_hopper_kernel.attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale,
                                                                  dq_in_place=dq_view)
     dq = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
@@ -823,7 +829,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     dv = torch.empty(B, Hkv, T, D, dtype=v.dtype, device=v.device)
     dp = max(16, next_power_of_2(D))
     doc_start = doc_start.contiguous()
-    doc_end = document_ends_once(doc_start)
+    doc_end = document_ends(doc_start) if doc_end is None else doc_end.contiguous()
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
     common = dict(D=D, DP=dp, DOT_PRECISION=_precision(q.dtype), PRECISE=q.dtype == torch.float32,
@@ -852,27 +858,27 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 # Autograd
 # --------------------------------------------------------------------------------
 def _attention_save(ctx, inputs, output):
-    q, k, v, doc_start, scale, window, softcap = inputs
+    q, k, v, doc_start, scale, window, softcap, doc_end = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, doc_start)
+    ctx.save_for_backward(q, k, v, out, lse, doc_start, doc_end)
     ctx.scale, ctx.window, ctx.softcap = scale, window, softcap
     ctx.mark_non_differentiable(lse)
 
 
 def _attention_grads(ctx, dout, _dlse):
-    q, k, v, out, lse, doc_start = ctx.saved_tensors
+    q, k, v, out, lse, doc_start, doc_end = ctx.saved_tensors
     # A strided dq only in eager mode: a traced backward gets the fake's layout, contiguous.
     dq_view = not (torch.compiler.is_compiling() or traced(dout))
     dq, dk, dv = attention_backward(dout, q, k, v, out, lse, doc_start, ctx.scale, ctx.window, ctx.softcap,
-                                    dq_view)
-    return dq, dk, dv, None, None, None, None
+                                    dq_view, doc_end)
+    return dq, dk, dv, None, None, None, None, None
 
 
 class TritonAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, doc_start, scale, window, softcap):
-        output = attention_forward(q, k, v, doc_start, scale, window, softcap)
-        _attention_save(ctx, (q, k, v, doc_start, scale, window, softcap), output)
+    def forward(ctx, q, k, v, doc_start, scale, window, softcap, doc_end):
+        output = attention_forward(q, k, v, doc_start, scale, window, softcap, doc_end)
+        _attention_save(ctx, (q, k, v, doc_start, scale, window, softcap, doc_end), output)
         return output
 
     @staticmethod
@@ -885,14 +891,16 @@ attention_forward.op.register_autograd(first_order_only("attention")(_attention_
                                        setup_context=_attention_save)
 
 
-def packed_attention(q, k, v, doc_start, scale=None, window=None, softcap=None):
+def packed_attention(q, k, v, doc_start, scale=None, window=None, softcap=None, doc_end=None):
     """Causal attention inside documents: q [B, Hq, T, D], k, v [B, Hkv, T, D]
     (bf16/fp16/fp32), doc_start [B, T] int32 (document_starts of the position ids).
     Returns [B, T, Hq, D] (HF's attention output layout). Differentiable in q, k
     and v. ``scale``: 1/sqrt(D) by default. ``window``: HF's sliding window (keys
     fewer than ``window`` positions back), None or 0 for none. ``softcap``: Gemma-2's
-    cap on the scores (cap tanh(scores / cap)), None or 0 for none."""
-    _check(q, k, v, doc_start)
+    cap on the scores (cap tanh(scores / cap)), None or 0 for none. ``doc_end``:
+    document_ends(doc_start) [B, T] int32, which the backward reads, where the caller
+    keeps it for every layer (None: the backward makes it)."""
+    _check(q, k, v, doc_start, doc_end)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     window = int(window or 0)
     if window < 0:
@@ -901,5 +909,5 @@ def packed_attention(q, k, v, doc_start, scale=None, window=None, softcap=None):
     if not softcap >= 0.0 or math.isinf(softcap):
         raise ValueError(f"attention: softcap must be a finite number >= 0 (0: none), got {softcap}")
     if torch.compiler.is_compiling():
-        return attention_forward.op(q, k, v, doc_start, scale, window, softcap)[0]
-    return TritonAttentionFunction.apply(q, k, v, doc_start, scale, window, softcap)[0]
+        return attention_forward.op(q, k, v, doc_start, scale, window, softcap, doc_end)[0]
+    return TritonAttentionFunction.apply(q, k, v, doc_start, scale, window, softcap, doc_end)[0]

@@ -39,7 +39,7 @@ from swap_common import (
     SwapMismatch, additive_mask, decoder_of, error_line, gpu_clock, plain_causal_attention, probe_rounding, probing,
     CACHE_NAMES, our_forward, text_config, text_config_key, text_modules, vocabulary_size, warn_once, wrap_forward,
 )
-from attention_kernel import document_starts, document_starts_once, one_document_rows, packed_attention, visible_keys
+from attention_kernel import document_ends, document_starts, one_document_rows, packed_attention, visible_keys
 
 
 # --------------------------------------------------------------------------------
@@ -74,6 +74,15 @@ ROUTED = "kernel_ft_routed_to"
 # still hands the layers position ids it made itself (0 to T - 1): those say the same, but only
 # by their values on the GPU.
 ONE_DOCUMENT = "kernel_ft_one_document"
+# A packed call (position ids, no mask) carries this keyword: a dict, empty at first, the same
+# one for every layer of the call. The first layer leaves the documents' starts and ends there
+# (document_starts, document_ends: a few small kernels each, two scans along the row) and the
+# others read them: made once a call, not once a layer, also inside a CUDA graph capture (the
+# dict is made in the captured call). What it buys: 18 kernels a layer in forward and backward;
+# on the 16K benchmark row of 133 documents (benchmark_kernels.py), 1.27 -> 1.02 ms eager fwd+bwd
+# on an H100 (results/attention/gluon_h100/bounds_once/). Under torch.compile each layer makes
+# its own (the compiler sees them as part of its graph).
+DOCUMENTS = "kernel_ft_documents"
 
 
 def attention_function(layer, name):
@@ -92,6 +101,7 @@ def hf_packed_attention(module, query, key, value, attention_mask, scaling=None,
     """The attention function transformers calls under NAME (sdpa_attention_forward's signature)."""
     theirs = kwargs.pop(ROUTED, None)
     one_document = kwargs.pop(ONE_DOCUMENT, False)
+    documents = kwargs.pop(DOCUMENTS, None)
     if theirs is not None:  # a recomputation of a routed call, or rows of one document measured faster there
         return attention_function(module, theirs)(module, query, key, value, attention_mask, scaling=scaling,
                                                   dropout=dropout, **kwargs)
@@ -115,11 +125,24 @@ def hf_packed_attention(module, query, key, value, attention_mask, scaling=None,
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     positions = kwargs.get("position_ids")
     if positions is None or one_document:
-        doc_start = one_document_rows(B, T, query.device)
+        doc_start, doc_end = one_document_rows(B, T, query.device), None
     else:
-        doc_start = document_starts_once(positions.expand(B, T))  # once a step, not once a layer
+        doc_start, doc_end = _document_bounds(positions.expand(B, T), documents)
     return packed_attention(query, key, value, doc_start, scaling, kwargs.get("sliding_window"),
-                            kwargs.get("softcap")), None
+                            kwargs.get("softcap"), doc_end), None
+
+
+def _document_bounds(positions, documents):
+    """(document starts, ends or None) of [B, T] position ids. ``documents``: the call's dict
+    (DOCUMENTS), kept there for the next layers while their positions are these."""
+    if documents is None or torch.compiler.is_compiling():
+        return document_starts(positions), None  # the backward makes the ends
+    key = (positions.data_ptr(), tuple(positions.shape), positions.stride(), positions._version)
+    kept = documents.get("bounds")
+    if kept is None or kept[0] != key:
+        starts = document_starts(positions)
+        kept = documents["bounds"] = (key, starts, document_ends(starts))
+    return kept[1], kept[2]
 
 
 # A family's attention may do more than softmax(scale q k^T) v (soft-capped scores,
@@ -420,6 +443,8 @@ def decoder_forward_routed(decoder, *args, **kwargs):
             kwargs[ROUTED] = decoder._kernel_ft_theirs
         elif decoder._kernel_ft_passes_keywords and arguments.get("position_ids") is None:
             kwargs[ONE_DOCUMENT] = True
+        elif decoder._kernel_ft_passes_keywords:
+            kwargs[DOCUMENTS] = {}
         return decoder._kernel_ft_attention_forward(*args, **kwargs)
     theirs = decoder._kernel_ft_theirs
     if decoder._kernel_ft_passes_keywords:  # down to the layers, for their recomputation (ROUTED above)

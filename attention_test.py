@@ -173,6 +173,10 @@ def test_bad_inputs():
         packed_attention(q, k.double().float().half(), k.half(), starts)
     with pytest.raises(ValueError, match="doc_start must be an int32"):
         packed_attention(q, k, k, starts.long())
+    with pytest.raises(ValueError, match="doc_end must be None or an int32"):
+        packed_attention(q, k, k, starts, doc_end=document_ends(starts).long())
+    with pytest.raises(ValueError, match="doc_end must be None or an int32 \\[B, T\\] = \\[1, 8\\]"):
+        packed_attention(q, k, k, starts, doc_end=document_ends(starts)[:, :4])
     with pytest.raises(ValueError, match="head dim 300"):
         packed_attention(torch.randn(1, 1, 2, 300), torch.randn(1, 1, 2, 300), torch.randn(1, 1, 2, 300),
                          torch.zeros(1, 2, dtype=torch.int32))
@@ -466,6 +470,15 @@ def test_inside_torch_compile():
     doc_start = document_starts(positions_of([[10, 14]], 24)).to(DEVICE)
     compiled = torch.compile(packed_attention, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(q, k, v, doc_start), packed_attention(q, k, v, doc_start), rtol=0, atol=0)
+    # The document ends a caller made (the decoder, once for its layers) reach the traced backward:
+    # the same gradients as the ends the backward makes itself, eager and traced.
+    dout = torch.randn(1, 24, 2, 16, generator=g).to(DEVICE)
+    want = run(q, k, v, doc_start, dout, packed_attention)
+    ends = document_ends(doc_start)
+    for fn in (packed_attention, compiled):
+        got = run(q, k, v, doc_start, dout, lambda *a: fn(*a, doc_end=ends))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_gpu_bf16_long_rows():

@@ -474,34 +474,6 @@ def nothing(like):
     return like.new_empty(0)
 
 
-def once_per_tensor(fn):
-    """fn(t) for a tensor t, its last result reused while t's elements stay the same tensor,
-    unchanged (extent_key below: the same storage, place, shape, strides and version).
-
-    What it buys: some inputs are one tensor for every layer of a step (a packed row's position
-    ids, the document starts made from them), so what is made from them is made once a step, not
-    once a layer. Eager calls only: a tracer (torch.compile) computes it in its graph, and so does
-    a CUDA graph being captured (a result made outside it would be read by every replay, which
-    would never remake it from the inputs copied in)."""
-    last = {}
-
-    @functools.wraps(fn)
-    def wrapper(t):
-        key = extent_key(t)
-        if (key is None or torch.compiler.is_compiling() or traced(t)
-                or (t.is_cuda and torch.cuda.is_current_stream_capturing())):
-            return fn(t)
-        key = (key, tuple(t.shape), t.stride())
-        hit = last.get("result")
-        if hit is not None and hit[0] == key:
-            return hit[1]
-        last["result"] = (key, fn(t))
-        return last["result"][1]
-
-    wrapper.forget = last.clear
-    return wrapper
-
-
 # --------------------------------------------------------------------------------
 # FP8 producers: the amax of an output, handed to the cast that reads it (Step 22)
 # --------------------------------------------------------------------------------

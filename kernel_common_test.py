@@ -93,33 +93,6 @@ def test_as_rows_copies_only_a_non_contiguous_last_dim():
     assert torch.equal(rows, sliced.reshape(-1, 3))
 
 
-def test_once_per_tensor_reuses_a_result_only_for_the_same_unchanged_tensor():
-    calls = []
-
-    def count(t):
-        calls.append(t)
-        return t * 2
-
-    once = kernel_common.once_per_tensor(count)
-    x = torch.arange(6).reshape(2, 3)
-    first = once(x)
-    assert once(x) is first and once(x.view(2, 3)) is first and len(calls) == 1  # a view of the same elements
-    assert torch.equal(once(x[:1]), x[:1] * 2) and len(calls) == 2  # other elements
-    assert once(x.expand(2, 2, 3)).shape == (2, 2, 3) and len(calls) == 3  # another shape
-    assert torch.equal(once(x.clone()), first) and len(calls) == 4  # equal values, another tensor
-    y = torch.arange(6).reshape(2, 3)
-    assert once(y) is not first and len(calls) == 5
-    y.add_(1)  # written in place: its version moves
-    assert torch.equal(once(y), (torch.arange(6).reshape(2, 3) + 1) * 2) and len(calls) == 6
-    with torch.inference_mode():  # no version counter to trust: always computed
-        z = torch.arange(3)
-        once(z), once(z)
-    assert len(calls) == 8
-    once.forget()
-    once(y)
-    assert len(calls) == 9
-
-
 def test_check_kernel_device_errors(monkeypatch):
     on_cpu = torch.empty(3)
     with pytest.raises(ValueError, match="same device"):

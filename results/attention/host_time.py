@@ -7,10 +7,10 @@ waits for Python. This measures, on each row of benchmark_kernels' attention row
   * eager time: the same call from Python, as benchmark_kernels times it;
   * host time: the time Python takes to queue one call (perf_counter, the GPU kept busy beforehand);
   * the Python functions that host time goes to (cProfile over 50 calls, the top 25 by own time);
-and the same for two trials done here only: the document ends made on every call (as before they were
-made once per doc_start: attention_kernel.document_ends_once), and the Gluon backward launched through
-kernel_common.fast_launch (Triton's binder, the compiled kernel's launcher called directly) instead of
-Triton's full launch path.
+and the same for two trials done here only: the document ends made by every call's backward (as
+before the decoder made them once for all its layers: attention_routing.DOCUMENTS), and the Gluon
+backward launched through kernel_common.fast_launch (Triton's binder, the compiled kernel's launcher
+called directly) instead of Triton's full launch path.
 
 Usage (from the checkout, on an H100 / H200 with Triton 3.8+ for the Gluon backward):
     python results/attention/host_time.py [--json PATH]
@@ -67,10 +67,11 @@ def main(argv=None):
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"triton {__import__('triton').__version__}")
     plain_launch = hopper._attn_bwd_hopper if hopper else None
-    once = attention_kernel.document_ends_once
+    ours = ATTENTION.providers["ours (Triton)"]
 
     def trial(name):
-        attention_kernel.document_ends_once = attention_kernel.document_ends if name == "ends each call" else once
+        ATTENTION.providers["ours (Triton)"] = ((lambda: attention_kernel.packed_attention)
+                                               if name == "ends each call" else ours)
         if hopper:
             hopper._attn_bwd_hopper = fast_launch(plain_launch) if name == "fast_launch" else plain_launch
 

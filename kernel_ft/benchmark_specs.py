@@ -366,6 +366,7 @@ def attention_truth(q, k, v, doc_start):
 SDPA_PINNED = {"PyTorch SDPA, flash only": SDPBackend.FLASH_ATTENTION,
                "PyTorch SDPA, cuDNN only": SDPBackend.CUDNN_ATTENTION}
 
+
 def ours_document_attention():
     """op(q, k, v, doc_start) -> [B, T, Hq, D]: packed_attention with the document ends its
     backward reads made on the first call for that doc_start and reused, as the decoder makes

@@ -802,6 +802,11 @@ def _attention_backward_fake(dout, q, k, v, out, lse, doc_start, scale, window, 
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+def _ends_as_rows(doc_start, doc_end):
+    """doc_end as the kernels read it, [B, T] contiguous (b * T + t): the caller's, or made here."""
+    return document_ends(doc_start.contiguous()) if doc_end is None else doc_end.contiguous()
+
+
 @kernel_op("attention_backward", fake=_attention_backward_fake)
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, doc_start: torch.Tensor, scale: float, window: int,
@@ -818,18 +823,15 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     delta = backward_delta(out, dout)
     if _hopper_backward_ok(q, k, v, doc_start, window, softcap, dq_view):
-        if _one_document(doc_start):
-            doc_end = None
-        elif doc_end is None:
-            doc_end = document_ends(doc_start.contiguous())
+        doc_end = None if _one_document(doc_start) else _ends_as_rows(doc_start, doc_end)
         return attention_hopper_kernel.attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale,
                                                                  dq_in_place=dq_view)
     dq = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
     dk = torch.empty(B, Hkv, T, D, dtype=k.dtype, device=k.device)
     dv = torch.empty(B, Hkv, T, D, dtype=v.dtype, device=v.device)
     dp = max(16, next_power_of_2(D))
+    doc_end = _ends_as_rows(doc_start, doc_end)
     doc_start = doc_start.contiguous()
-    doc_end = document_ends(doc_start) if doc_end is None else doc_end.contiguous()
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
     common = dict(D=D, DP=dp, DOT_PRECISION=_precision(q.dtype), PRECISE=q.dtype == torch.float32,

@@ -649,10 +649,14 @@ def test_hopper_backward_matches_truth_and_the_triton_backward(case, monkeypatch
     takes = attention_kernel._hopper_backward_ok(q, k, v, starts, 0, 0.0, dq_view=True)
     assert takes == hopper.TMA_REDUCE
     if takes:
+        ends = document_ends(starts)
+        strided_ends = torch.stack([ends, ends], dim=-1)[..., 0]  # the same values, every other int32
         for dq_view in (True, False):  # without the view: the Triton backward (dQ's two buffers: memory)
-            routed = attention_kernel.attention_backward(dout, q, k, v, out, lse, starts, scale, 0, 0.0, dq_view)
-            check_outputs(["dq", "dk", "dv"], routed, triton_grads, truth, peer_name="the Triton backward")
-            assert routed[0].is_contiguous() != dq_view
+            for doc_end in (None, strided_ends):  # made by the backward, or the caller's in any layout
+                routed = attention_kernel.attention_backward(dout, q, k, v, out, lse, starts, scale, 0, 0.0,
+                                                             dq_view, doc_end)
+                check_outputs(["dq", "dk", "dv"], routed, triton_grads, truth, peer_name="the Triton backward")
+                assert routed[0].is_contiguous() != dq_view
 
 
 def test_rows_of_one_document_as_a_broadcast_start():

@@ -712,16 +712,16 @@ def _check(q, k, v, doc_start, doc_end=None, name="attention"):
         raise TypeError(f"{name}: q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not 1 <= D <= MAX_HEAD_DIM:
         raise ValueError(f"{name}: head dim {D} is not supported (1 to {MAX_HEAD_DIM})")
-    if not isinstance(doc_start, torch.Tensor) or tuple(doc_start.shape) != (B, T) or doc_start.dtype != torch.int32:
-        what = f"{doc_start.dtype} {tuple(doc_start.shape)}" if isinstance(doc_start, torch.Tensor) else "none"
-        raise ValueError(f"{name}: doc_start must be an int32 [B, T] = [{B}, {T}] tensor (document_starts), "
-                         f"got {what}")
-    if doc_end is not None and (not isinstance(doc_end, torch.Tensor) or tuple(doc_end.shape) != (B, T)
-                                or doc_end.dtype != torch.int32):
-        what = f"{doc_end.dtype} {tuple(doc_end.shape)}" if isinstance(doc_end, torch.Tensor) else type(doc_end).__name__
-        raise ValueError(f"{name}: doc_end must be None or an int32 [B, T] = [{B}, {T}] tensor (document_ends), "
-                         f"got {what}")
-    check_kernel_device(q, k, v, doc_start, *([] if doc_end is None else [doc_end]))
+    bounds = [("doc_start", doc_start, "an", "document_starts")]
+    if doc_end is not None:
+        bounds.append(("doc_end", doc_end, "None or an", "document_ends"))
+    for what, t, allowed, made_by in bounds:
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (B, T) or t.dtype != torch.int32:
+            got = (f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor)
+                   else "none" if t is None else type(t).__name__)
+            raise ValueError(f"{name}: {what} must be {allowed} int32 [B, T] = [{B}, {T}] tensor ({made_by}), "
+                             f"got {got}")
+    check_kernel_device(q, k, v, *(t for _, t, _, _ in bounds))
 
 
 def _last_dim_contiguous(t):

@@ -1,8 +1,9 @@
 """Where an eager fwd+bwd of the attention kernel spends its host time (GPU only).
 
 benchmark_kernels.py --kernel attention times the 16,384-token row of 133 short documents at 1.28-1.52 ms
-eager against 1.06 ms replayed from a CUDA graph (H100, results/attention/gluon_h100/dq_in_place/): the GPU
-waits for Python. This measures, on each row of benchmark_kernels' attention rows, in one process:
+eager against 1.06 ms replayed from a CUDA graph (H100, results/attention/gluon_h100/dq_in_place/), which
+looked like the GPU waiting for Python (its run, results/attention/gluon_h100/bounds_once/, found the document
+ends instead). This measures, on each row of benchmark_kernels' attention rows, in one process:
   * GPU time: the fwd+bwd replayed from a CUDA graph (what the GPU needs), as benchmark_kernels times it;
   * eager time: the same call from Python, as benchmark_kernels times it;
   * host time: the time Python takes to queue one call (perf_counter, the GPU kept busy beforehand);

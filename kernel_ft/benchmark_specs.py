@@ -26,8 +26,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 # switches on Triton's interpreter, and that must precede `import triton`.
 from attention_kernel import (attention_reference, document_ends, document_starts, one_document_rows,
                               packed_attention, visible_keys)
-from kernel_ft.benchmark_peers import (PlaybookCrossEntropy, cut_cross_entropy, flex_document_attention, liger_cross_entropy,
-                             liger_flce, liger_rmsnorm, liger_rope, liger_swiglu, playbook_rmsnorm)
+from kernel_ft.benchmark_peers import (PlaybookCrossEntropy, compiled, cut_cross_entropy, flex_document_attention,
+                                      liger_cross_entropy, liger_flce, liger_rmsnorm, liger_rope, liger_swiglu,
+                                      playbook_rmsnorm)
 from cross_entropy_kernel import cross_entropy, cross_entropy_reference
 from linear_cross_entropy_kernel import fused_linear_cross_entropy, linear_cross_entropy_reference
 from rmsnorm_kernel import rmsnorm, rmsnorm_reference
@@ -44,14 +45,6 @@ BYTES = torch.finfo(DTYPE).bits // 8  # 2: every tensor the formulas count is bf
 EPS = 1e-6
 NA_CPU = "n/a (CPU)"
 NA_MASK = "n/a (mask)"  # a provider that runs without a mask only (one document per row)
-
-
-def compiled(fn):
-    """torch.compile of ``fn``, built afresh for every shape (dynamic=False: one static graph per
-    shape, and the compile time printed under the table is that shape's). On CPU, backend
-    "aot_eager" (traced and differentiated, no C++ toolchain needed)."""
-    torch._dynamo.reset()
-    return torch.compile(fn, dynamic=False, backend="inductor" if ON_GPU else "aot_eager")
 
 
 def loss64(logits_of_rows, targets, rows=1024):

@@ -16,23 +16,6 @@ and derived numbers; the plot tool redraws from a JSON, this run's or the commit
 results/bench_h100.json; a second run may replace the JSON and figure of the first.
 """
 
-def test_compiled_peers_are_built_static_and_afresh_for_each_shape(monkeypatch):
-    """Every compiled peer, FlexAttention too, is compiled afresh (dynamo reset) and with static
-    shapes each time a shape's row builds it (benchmark_peers.compiled). Without that, torch.compile
-    compiles the second shape it meets again with dynamic shapes: slower code than a training run of
-    fixed shapes gets (FlexAttention's 16K rows ~25% slower on an H100, results/attention/flex_static/)."""
-    builds, resets = [], []
-    monkeypatch.setattr(torch, "compile", lambda fn, **options: builds.append(options) or fn)
-    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(True))
-    compiled_peers = [(name, make) for spec in specs.KERNELS.values() for name, make in spec.providers.items()
-                      if "compile" in name]
-    assert "FlexAttention (compiled)" in dict(compiled_peers) and len(compiled_peers) >= 6
-    for _, make in compiled_peers:
-        make()
-    assert len(builds) == len(compiled_peers) == len(resets)
-    assert all(options.get("dynamic") is False for options in builds), builds
-
-
 if __name__ == "__main__":
     # `python tests/benchmark_test.py`: pytest runs this file. Its imports below need the
     # repository root on the path, which the root's conftest.py gives pytest.
@@ -193,6 +176,23 @@ def test_playbook_design_peers_are_right():
     got = bp.PlaybookCrossEntropy.apply(logits, targets)
     torch.testing.assert_close(got, ref)
     torch.testing.assert_close(torch.autograd.grad(2 * got, logits), torch.autograd.grad(2 * ref, logits))
+
+
+def test_compiled_peers_are_built_static_and_afresh_for_each_shape(monkeypatch):
+    """Every compiled peer, FlexAttention too, is compiled afresh (dynamo reset) and with static
+    shapes each time a shape's row builds it (benchmark_peers.compiled). Without that, torch.compile
+    compiles the second shape it meets again with dynamic shapes: slower code than a training run of
+    fixed shapes gets (FlexAttention's 16K rows ~25% slower on an H100, results/attention/flex_static/)."""
+    builds, resets = [], []
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: builds.append(options) or fn)
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(True))
+    compiled_peers = [(name, make) for spec in specs.KERNELS.values() for name, make in spec.providers.items()
+                      if "compile" in name]
+    assert "FlexAttention (compiled)" in dict(compiled_peers) and len(compiled_peers) >= 6
+    for _, make in compiled_peers:
+        make()
+    assert len(builds) == len(compiled_peers) == len(resets)
+    assert all(options.get("dynamic") is False for options in builds), builds
 
 
 def test_error_measures_against_the_truth():

@@ -3,7 +3,8 @@
 # on six rows, timed on the 8K / packed / 16K rows beside the Triton backward and cuDNN; then, with the faster one
 # as the default in this copy, benchmark_kernels attention.
 set -u
-R=$OUT/k1; # run from the checkout with defer_dk.patch applied; mkdir -p $R; t0=$(date +%s)
+# Run from the checkout with defer_dk.patch applied.
+R=$OUT/k1; mkdir -p $R; t0=$(date +%s)
 el() { echo "$1 rc=$2 $(( $(date +%s) - t0 ))s" | tee -a $R/times.txt; }
 source tools/device_env.sh $R >/dev/null
 timeout 240 python3 results/attention/gluon_backward/sweep.py --rounds 3 --json $R/sweep.json \

@@ -2,7 +2,7 @@
 # Re-measure what README.md and results/ report, on a CUDA machine, in one go.
 #
 #   bash tools/gpu_verify.sh [OUTDIR] [WHAT...]
-#     WHAT: tests bench e2e compile profile maxseq graphs families attention fp8 fp8e2e fp8loss fp8producers
+#     WHAT: tests bench e2e compile profile maxseq graphs families attention longcontext fp8 fp8e2e fp8loss fp8producers
 #           remake inbackward fsdp gpus residual
 #           trainer trainer-full trainer-small
 #           (default: tests bench e2e)
@@ -111,6 +111,24 @@ for what in $WHAT; do
           python3 finetune_optimized.py --random-init --lora --batch-size "$1" --seq-len "$2" --steps 16 --log-every 4 \
             --$attn --json "$OUTDIR/lora8b_$1x$2_$attn.json" 2>&1 | tee "$OUTDIR/lora8b_$1x$2_$attn.log" | tail -8
         done
+      done ;;
+    longcontext)
+      # Step 21 on one long document per row: 8B LoRA r16, synthetic rows of 1 x 16,384 and 1 x 32,768 tokens, the
+      # default (plain rows take the faster of ours and SDPA, measured per shape: its Attention line says which)
+      # against --no-use-custom-attention (SDPA's default backend); then the longest LoRA row at batch 1 both ways.
+      # 32,768 needs more than an 80 GB card (an H200 trains it).
+      for seq in 16384 32768; do
+        for attn in default no-use-custom-attention; do
+          extra=""; [ $attn = default ] || extra="--$attn"
+          python3 finetune_optimized.py --random-init --dataset synthetic --lora --batch-size 1 --seq-len $seq --steps 6 \
+            --log-every 2 $extra --json "$OUTDIR/lora8b_1x${seq}_$attn.json" 2>&1 \
+            | tee "$OUTDIR/lora8b_1x${seq}_$attn.log" | grep -a "Attention:\|Real tokens\|Peak memory\|^error:"
+        done
+      done
+      for attn in default no-use-custom-attention; do
+        extra=""; [ $attn = default ] || extra="--$attn"
+        python3 tools/max_seq_len.py --random-init --all-kernels --lora $extra --step 8192 --resolution 1024 \
+          --json "$OUTDIR/maxseq_lora_$attn.json" 2>&1 | tee "$OUTDIR/maxseq_lora_$attn.log" | tail -2
       done ;;
     fp8)
       # Step 22: the GPU tests, the benchmark (torchao as the peer when its wheel is in .whl/), and the
@@ -274,7 +292,8 @@ for what in $WHAT; do
           common="--model Qwen/Qwen2.5-1.5B --random-init --lora --lr 2e-4 --batch-size 4 --seq-len 512 --steps 40"
           row kernels; row liger --liger; row plain --no-kernels ;;
       esac ;;
-    *) echo "unknown step: $what (tests bench e2e compile profile maxseq graphs families attention fp8 fp8e2e fp8loss fp8producers"\
+    *) echo "unknown step: $what (tests bench e2e compile profile maxseq graphs families attention longcontext fp8 fp8e2e"\
+         "fp8loss fp8producers"\
          "remake inbackward fsdp gpus residual trainer trainer-full trainer-small)"; exit 2 ;;
   esac
 done

@@ -15,16 +15,24 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 # A Triton packed by tools/pack_triton.sh (today's release, say), in front of the machine's
 # own; the CUDA binaries stay the machine's: ptxas, and from Triton 3.9 on also the one it
-# names ptxas-blackwell, which it calls for Hopper too.
+# names ptxas-blackwell, which it calls for Hopper too -- unless the pack kept its own
+# ptxas-blackwell (--with-ptxas): then Hopper code is assembled as a pip install of it would.
 if [ -f .triton/triton.tar.xz ]; then
   bin=$(python3 -c 'import os, triton; print(os.path.dirname(triton.__file__))')/backends/nvidia/bin
   mkdir -p /tmp/triton_packed && tar -xJf .triton/triton.tar.xz -C /tmp/triton_packed
   export PYTHONPATH=/tmp/triton_packed${PYTHONPATH:+:$PYTHONPATH}
   export TRITON_BACKENDS_IN_TREE=1  # the machine's Triton's metadata names backends the packed one lacks
   export TRITON_PTXAS_PATH=$bin/ptxas
-  if [ -x "$bin/ptxas-blackwell" ]; then export TRITON_PTXAS_BLACKWELL_PATH=$bin/ptxas-blackwell; fi
+  if [ -x /tmp/triton_packed/triton/backends/nvidia/bin/ptxas-blackwell ]; then
+    export TRITON_PTXAS_BLACKWELL_PATH=/tmp/triton_packed/triton/backends/nvidia/bin/ptxas-blackwell
+  elif [ -x "$bin/ptxas-blackwell" ]; then
+    export TRITON_PTXAS_BLACKWELL_PATH=$bin/ptxas-blackwell
+  fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  if [ -n "${TRITON_PTXAS_BLACKWELL_PATH:-}" ]; then
+    echo "ptxas-blackwell $TRITON_PTXAS_BLACKWELL_PATH: $("$TRITON_PTXAS_BLACKWELL_PATH" --version | tail -1)"
+  fi
   git rev-parse --short HEAD 2>/dev/null; date -u +%F; } | tee "$1/env.txt"

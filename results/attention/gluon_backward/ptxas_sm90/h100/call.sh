@@ -1,8 +1,8 @@
 #!/bin/bash
 # On an H100 (Triton 3.8+ carried), from the checkout with ptxas_sm90.patch applied: the Gluon backward with the
 # two changes found offline (probe.txt), each alone and both, checked against float64 and timed beside the Triton
-# backward and cuDNN; then the fastest made the default in this copy, benchmark_kernels attention and the Hopper
-# tests run with it. Records the machine's ptxas versions (device_env.sh points Triton at them).
+# backward and cuDNN; then the fastest made the default in this copy and the Hopper tests run with it (../call.sh
+# without its benchmark_kernels step, for the device time left). Records the machine's ptxas versions.
 set -u
 R=$OUT/ptxas_sm90; mkdir -p $R; t0=$(date +%s)
 el() { echo "$1 rc=$2 $(( $(date +%s) - t0 ))s" | tee -a $R/times.txt; }

@@ -9,6 +9,7 @@ shared memory) from a CPU machine:
     sm90.stand_in()                      # before the kernel modules are imported
     compiled = kernel.warmup(*args, grid=(1,), **meta)
     sm90.resources(compiled)             # 'REG:168 STACK:0 LOCAL:0' (cuobjdump's count)
+    log, spill, regs = sm90.reassemble(compiled, "--regAllocOptLevel=2")   # ptxas's own report
 
 TRITON_PTXAS_PATH must name a ptxas (the one Triton's wheel ships, beside cuobjdump).
 Used by results/attention/*/compile_sm90.py.
@@ -56,3 +57,27 @@ def resources(compiled):
         cuobjdump = os.path.join(os.path.dirname(os.environ["TRITON_PTXAS_PATH"]), "cuobjdump")
         usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     return " ".join(re.findall(r"REG:\d+|STACK:\d+|LOCAL:\d+", usage))
+
+
+def ptxas():
+    """The ptxas Triton assembles Hopper code with: the one it names ptxas-blackwell from Triton 3.9
+    on, ptxas before."""
+    return os.environ.get("TRITON_PTXAS_BLACKWELL_PATH") or os.environ["TRITON_PTXAS_PATH"]
+
+
+def ptxas_version():
+    return subprocess.run([ptxas(), "--version"], capture_output=True, text=True).stdout.split("\n")[-2]
+
+
+def reassemble(compiled, *flags):
+    """A compiled kernel's PTX assembled again for sm_90a by ptxas() with -lineinfo -v and ``flags``
+    (Triton 3.8+ itself passes --regAllocOptLevel=2), to read ptxas's report, which Triton keeps to
+    itself: (log, spill store bytes, registers), each number None where the log has none."""
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(f"{tmp}/k.ptx", "w") as f:
+            f.write(compiled.asm["ptx"])
+        log = subprocess.run([ptxas(), "-lineinfo", "-v", *flags, "--gpu-name=sm_90a", f"{tmp}/k.ptx",
+                              "-o", f"{tmp}/k.cubin"], capture_output=True, text=True).stderr
+    spill = re.search(r"(\d+) bytes spill stores", log)
+    regs = re.search(r"Used (\d+) registers", log)
+    return log, spill and int(spill.group(1)), regs and int(regs.group(1))

@@ -6,7 +6,7 @@ A stand-in driver (tools/sm90_offline.py) and stand-ins for the CUDA queries the
 turned into Triton's warm-up (compile, no launch), so the outputs are never computed.
 python triton_kernels.py > triton_kernels_<triton version>.txt   (TRITON_PTXAS_PATH, and from Triton 3.9 on
 TRITON_PTXAS_BLACKWELL_PATH: the wheel's binaries)"""
-import os, sys, re, subprocess, tempfile
+import os, sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", ".."))  # the checkout
 import tools.sm90_offline as sm90
 sm90.stand_in()
@@ -40,15 +40,12 @@ ds = (torch.arange(T) - pos).to(torch.int32).view(1, T)
 scale = D ** -0.5
 out, lse = ak.attention_forward(q, k, v, ds, scale, 0, 0.0)
 ak.attention_backward(torch.zeros(B, T, Hq, D, dtype=torch.bfloat16), q, k, v, out, lse, ds, scale, 0, 0.0)
-ptxas = os.environ.get("TRITON_PTXAS_BLACKWELL_PATH") or os.environ["TRITON_PTXAS_PATH"]
-print(subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout.split("\n")[-2],
+print(sm90.ptxas_version(),
       "| level 2: the flag Triton 3.8+ passes; default: ptxas's own allocation (Triton 3.6 passes no flag)")
 for name, c in compiled:
-    with tempfile.TemporaryDirectory() as tmp:
-        open(f"{tmp}/k.ptx", "w").write(c.asm["ptx"])
-        res = []
-        for extra in ([], ["--regAllocOptLevel=4"]):
-            log = subprocess.run([ptxas, "-lineinfo", "-v", "--regAllocOptLevel=2", *extra, f"--gpu-name=sm_90a", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"], capture_output=True, text=True).stderr
-            m = re.search(r"(\d+) bytes spill stores", log); r = re.search(r"Used (\d+) registers", log)
-            res.append(f"spill {m.group(1) if m else '?'} B regs {r.group(1) if r else '?'}{' C7517' if 'C7517' in log else ''}")
+    res = []
+    for extra in ([], ["--regAllocOptLevel=4"]):
+        log, spill, regs = sm90.reassemble(c, "--regAllocOptLevel=2", *extra)
+        res.append(f"spill {'?' if spill is None else spill} B regs {'?' if regs is None else regs}"
+                   f"{' C7517' if 'C7517' in log else ''}")
     print(f"{name:<28} warps {c.metadata.num_warps} stages {c.metadata.num_stages}: level 2: {res[0]}; default: {res[1]}")

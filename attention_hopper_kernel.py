@@ -54,11 +54,27 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.experimental.gluon.language._core import builtin as gl_builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 # The TMA load's name: async_copy_global_to_shared in Triton 3.6, async_load from 3.8 on.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@gl_builtin
+def warpgroup_mma_wait_own(num_outstanding=0, deps=None, _semantic=None):
+    # warpgroup_mma_wait, marked as a wait for the issuing warp group's own products only. In a
+    # partition of two warp groups (8 warps) each group's wait covers its own products, so Triton's
+    # shared-memory analysis makes all 256 threads meet at a barrier after every wait, in case a store
+    # follows into a tile the other group's product still reads. The op's warpGroupLocal attribute
+    # (Triton 3.9) drops that barrier, and the caller vouches for the stores: in the backward below the
+    # tiles the products read (dS^T, Q_i, dO_i) are rewritten only after the barrier that comes before
+    # the step releases Q_i and dO_i's slot, which stays.
+    results = warpgroup_mma_wait(num_outstanding, deps, _semantic=_semantic)
+    first = results if len(deps) == 1 else results[0]
+    first.handle.set_attr("warpGroupLocal", _semantic.builder.get_unit_attr())
+    return results
 
 
 @gluon.jit
@@ -359,15 +375,35 @@ def attention_forward_hopper(q, k, v, scale, doc_start=None, block_n=None, stage
 # Measured on an H100 (results/attention/gluon_h100/backward_order/): 1.39 and 0.84 GB (the real L2
 # keeps less than the model's), 8K document 2.81-2.98 ms against 2.92-3.00 interleaved, 16K
 # 11.01-11.06 against 11.46-11.61; one head at a time on 8K 3.24-3.28, as the model's balance says.
+# Packed rows are another matter: a key tile sees only the query tiles of its own document, so there
+# is little for L2 to keep between key tiles, and interleaving every head is what pays (H100, a 16K row
+# of 8 key/value heads, with the two settings below): documents of 512-4,096 tokens 2,329 us against
+# 2,542 in groups of one head (2,458 in twos, 2,435 in fours), of 40-200 777 against 784.
 #
 # Keys along the rows of S^T (the transposed orientation) make P^T and dS^T the left operands
 # of dV's and dK's products straight from registers; the price is that lse_i and delta_i lie
 # along columns (16 registers each per thread), so the products start from -lse_i / scale and
 # -delta_i instead of zeros and do the subtractions themselves: no vector stays live across them
 # (with them live the compute warps spilled 80-128 bytes).
+#
+# Two settings the compiler would otherwise choose, each measured on an H100 with Triton 3.9 and the ptxas
+# it ships (13.4), backward alone, median of three rounds (results/attention/gluon_backward/own_waits/):
+# * The waits are the warp group's own (warpgroup_mma_wait_own above): of the seven barriers of all 256
+#   compute threads a step had, the three after the tensor-core waits go; the four the step needs stay
+#   (dS^T stored before dQ's product reads it, dQ's buffer free and stored before its reduction, Q_i and
+#   dO_i read before their slot is released). The groups then drift apart between hand-offs:
+#   documents of 512-4,096 tokens 2,871 -> 2,801 us, of 40-200 840 -> 830; one 8K document level.
+# * ptxas allocates registers its own way. Triton 3.8+ asks ptxas for --regAllocOptLevel=2 (its
+#   workaround for a ptxas 13 bug), with which this loop spills 60 bytes a thread (68 on packed rows;
+#   compiled offline: results/attention/gluon_backward/ptxas_sm90/); ptxas's default spills none.
+#   With both: 8K document 2,744-2,914 us against 2,988-3,518 (cuDNN 2,764-2,849 in the same call),
+#   documents of 512-4,096 2,521 against 2,869, of 40-200 784 against 840. Under an older ptxas (12.9)
+#   the option leaves the code as it was: that one does not spill with either.
 tma_reduce_add = getattr(tma, "async_atomic_add", None)  # Triton 3.8 or newer; None before
 TMA_REDUCE = tma_reduce_add is not None
 BWD_TILE = (64, 128, 2)  # (BLOCK_M queries, BLOCK_N keys, STAGES of Q / dO buffers)
+# Given last, ptxas's own default allocation wins over Triton's flag; a user's TRITON_PTXAS_OPTIONS are kept.
+BWD_PTXAS_OPTIONS = " ".join(filter(None, [triton.knobs.nvidia.ptxas_options, "--regAllocOptLevel=4"]))
 
 
 @gluon.jit
@@ -451,7 +487,7 @@ def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq
         # here, the product would wait for an L2 round trip every step.
         st = warpgroup_mma(k, q.permute((1, 0)), st_zero - (lse / qk_scale)[None, :], is_async=True)
         dpt = warpgroup_mma(v, do.permute((1, 0)), st_zero - delta[None, :], is_async=True)
-        st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
+        st = warpgroup_mma_wait_own(1, (st, ))
         pt = gl.exp2(st * qk_scale)
         # Some pair of the tile not visible: a key after a query (the diagonal), a query past the
         # first key's document or past the row's end (kend <= T).
@@ -460,7 +496,7 @@ def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq
             pt = gl.where(visible, pt, 0.0)
         pt16 = gl.convert_layout(pt.to(dtype), a_layout)
         dv = warpgroup_mma(pt16, do, dv, is_async=True)
-        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))  # in order: dP^T done, dV running
+        dpt = warpgroup_mma_wait_own(1, (dpt, ))  # in order: dP^T done, dV running
         dst = (pt * dpt).to(dtype)
         ds_smem.store(dst)  # dQ's product needs dS, i.e. dS^T transposed: read through shared memory
         fence_async_shared()  # the generic-proxy store, before the products read it through the async proxy
@@ -469,7 +505,7 @@ def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq
         # dQ_i's product before dK's, waited for alone: its hand-off below runs while dK's product does.
         dq = warpgroup_mma(ds_smem.permute((1, 0)), k, dq_zero, use_acc=False, is_async=True)
         dk = warpgroup_mma(dst16, q, dk, is_async=True)
-        dv, dq, pt16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, pt16))
+        dv, dq, pt16 = warpgroup_mma_wait_own(1, (dv, dq, pt16))
         # The next step's lse and delta: loaded now, they live only through dQ's hand-off.
         lse, delta = _bwd_row_stats(LSE, DELTA, b, kvh, i0, n_qt, it + 1, n_iter, T, HQ, GROUP, BLOCK_M,
                                     gl.SliceLayout(0, st_layout))
@@ -484,7 +520,7 @@ def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq
             cols = gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
             gl.atomic_add(DQ + (row + rows[:, None]) * D + cols[None, :], dq * scale,
                           mask=(rows < T)[:, None], sem="relaxed")
-        dk, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dst16))
+        dk, dst16 = warpgroup_mma_wait_own(0, (dk, dst16))
         mbarrier.arrive(empty.index(s), count=1)  # Q_i and dO_i read: the loader may refill the slot
     if DQ_TMA:
         tma.store_wait(0)  # the buffers are read before the program's shared memory goes
@@ -600,7 +636,8 @@ def attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale, dq_tma=
     [B, Hq, T] (sum_d dO O), doc_end [B, T] int32 (attention_kernel.document_ends) for packed rows,
     None for one document per row. dq_tma: sum dQ by TMA reductions (default: where Triton has them)
     or by float32 atomics. kv_group: how many (row, key/value head) pairs run side by side (default: as
-    many as one wave of programs holds all the key tiles of; B * Hkv: every pair, key tile by key tile).
+    many as one wave of programs holds all the key tiles of on rows of one document; B * Hkv, every pair key tile
+    by key tile, on packed rows).
     dq_in_place: dq is cast into its float32 buffer and returned as a strided view of it (cast_in_place),
     not as a tensor of its own."""
     B, Hq, T, D = q.shape
@@ -621,14 +658,14 @@ def attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale, dq_tma=
     dk = torch.empty(B, Hkv, T, D, dtype=q.dtype, device=q.device)
     dv = torch.empty(B, Hkv, T, D, dtype=q.dtype, device=q.device)
     n_kt = triton.cdiv(T, block_n)
-    kv_group = kv_group or max(1, num_sms(q.device) // n_kt)
+    kv_group = kv_group or (B * Hkv if doc_end is not None else max(1, num_sms(q.device) // n_kt))
     _attn_bwd_hopper[(B * Hkv * n_kt, )](
         _descriptor(k3, block_n, D), _descriptor(v3, block_n, D), _descriptor(q3, block_m, D),
         _descriptor(do3, block_m, D), _descriptor(dq.view(B * Hq, T, D), block_m, D), lse, delta,
         dq if doc_end is None else doc_end, dq, dk, dv, T, Hq, Hkv, kv_xb, kv_xh, kv_ch, q_xb, q_xh, q_ch,
         do_xb, do_xh, do_ch, scale * math.log2(math.e), scale, GROUP=Hq // Hkv, BLOCK_M=block_m, BLOCK_N=block_n,
         D=D, KV_GROUP=min(kv_group, B * Hkv), STAGES=stages, DOCS=doc_end is not None, DQ_TMA=bool(dq_tma),
-        num_warps=8, **LAUNCH_OPTIONS)
+        num_warps=8, ptx_options=BWD_PTXAS_OPTIONS, **LAUNCH_OPTIONS)
     if dq_in_place:
         return cast_in_place(dq, q.dtype), dk, dv
     return dq.to(q.dtype), dk, dv

@@ -19,7 +19,8 @@ fi
 # ptxas-blackwell (--with-ptxas): then Hopper code is assembled as a pip install of it would.
 if [ -f .triton/triton.tar.xz ]; then
   bin=$(python3 -c 'import os, triton; print(os.path.dirname(triton.__file__))')/backends/nvidia/bin
-  mkdir -p /tmp/triton_packed && tar -xJf .triton/triton.tar.xz -C /tmp/triton_packed
+  # Afresh: a machine kept warm between calls still holds the last call's unpacking (its ptxas-blackwell too).
+  rm -rf /tmp/triton_packed && mkdir -p /tmp/triton_packed && tar -xJf .triton/triton.tar.xz -C /tmp/triton_packed
   export PYTHONPATH=/tmp/triton_packed${PYTHONPATH:+:$PYTHONPATH}
   export TRITON_BACKENDS_IN_TREE=1  # the machine's Triton's metadata names backends the packed one lacks
   export TRITON_PTXAS_PATH=$bin/ptxas

@@ -1131,11 +1131,11 @@ def test_on_a_gpu_rows_of_one_document_are_measured_and_keep_the_models_loss(mon
     assert rel_err(grads, want_grads) < 5e-2, rel_err(grads, want_grads)
 
 
-def test_the_measurement_times_both_attentions_on_rows_of_the_shape():
+def test_the_measurement_times_both_attentions_on_rows_of_the_shape(monkeypatch):
     """time_plain_rows itself, with a host clock on the CPU: after a first call each,
     ours and theirs run fwd+bwd in turn, ``repeats`` timed calls each, on rows of the
-    key's shape through the layer (its scaling, heads and causality), out of the sight of
-    the caller's saved-tensor hooks."""
+    key's shape through the layer (its scaling, heads and causality) and in its layout,
+    out of the sight of the caller's saved-tensor hooks."""
     import time
 
     model = tiny_model("Llama")
@@ -1150,12 +1150,22 @@ def test_the_measurement_times_both_attentions_on_rows_of_the_shape():
         clocked.append(1)
         return (time.perf_counter() - start) * 1e3
 
+    # The rows in the layout the layer's projections give: [B, h, T, D] views of [B, T, h, D].
+    layouts = []
+    ours = attention_routing.hf_packed_attention
+
+    def recorded(module, q, k, v, *args, **kwargs):
+        layouts.append([t.transpose(1, 2).is_contiguous() for t in (q, k, v)])
+        return ours(module, q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(attention_routing, "hf_packed_attention", recorded)
     # It runs inside the user's forward: saved-tensor hooks around that (offloading, a
     # memory count) see none of its tensors.
     (ours_ms, theirs_ms), kept = saved_bytes(lambda: attention_routing.time_plain_rows(layer, key, repeats=3,
                                                                                       clock=clock))
     assert len(clocked) == 6 and ours_ms > 0 and theirs_ms > 0
     assert kept == 0
+    assert layouts == [[True] * 3] * 4, layouts
 
 
 @pytest.mark.parametrize("label", TESTED)

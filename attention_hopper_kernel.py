@@ -397,8 +397,9 @@ def attention_forward_hopper(q, k, v, scale, doc_start=None, block_n=None, stage
 #   workaround for a ptxas 13 bug), with which this loop spills 60 bytes a thread (68 on packed rows;
 #   compiled offline: results/attention/gluon_backward/ptxas_sm90/); ptxas's default spills none.
 #   With both: 8K document 2,744-2,914 us against 2,988-3,518 (cuDNN 2,764-2,849 in the same call),
-#   documents of 512-4,096 2,521 against 2,869, of 40-200 784 against 840. Under an older ptxas (12.9)
-#   the option leaves the code as it was: that one does not spill with either.
+#   documents of 512-4,096 2,521 against 2,869, of 40-200 784 against 840. Most of what the option buys
+#   is what 13.4's spills cost: ptxas 12.9, which spills with neither, ran the kernel as it was at
+#   2,873-3,442 and 2,539-2,628 (results/attention/gluon_backward/ptxas_sm90/), the same code either way.
 tma_reduce_add = getattr(tma, "async_atomic_add", None)  # Triton 3.8 or newer; None before
 TMA_REDUCE = tma_reduce_add is not None
 BWD_TILE = (64, 128, 2)  # (BLOCK_M queries, BLOCK_N keys, STAGES of Q / dO buffers)

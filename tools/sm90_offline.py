@@ -10,6 +10,7 @@ shared memory) from a CPU machine:
     compiled = kernel.warmup(*args, grid=(1,), **meta)
     sm90.resources(compiled)             # 'REG:168 STACK:0 LOCAL:0' (cuobjdump's count)
     log, spill, regs = sm90.reassemble(compiled, "--regAllocOptLevel=2")   # ptxas's own report
+    sm90.partition_barriers(compiled)    # ['455', ...]: the source line of each 256-thread barrier
 
 TRITON_PTXAS_PATH must name a ptxas (the one Triton's wheel ships, beside cuobjdump).
 Used by results/attention/*/compile_sm90.py.
@@ -81,3 +82,16 @@ def reassemble(compiled, *flags):
     spill = re.search(r"(\d+) bytes spill stores", log)
     regs = re.search(r"Used (\d+) registers", log)
     return log, spill and int(spill.group(1)), regs and int(regs.group(1))
+
+
+def partition_barriers(compiled, threads=256):
+    """The source line (of the kernel's own file) of every barrier of ``threads`` threads with id 0 in a compiled
+    kernel's PTX (`bar.sync 0, 256`: all the compute warps of an 8-warp partition meeting), in PTX order."""
+    lines, loc = [], None
+    for line in compiled.asm["ptx"].split("\n"):
+        m = re.search(r"\.loc\s+1 (\d+) ", line)
+        if m:
+            loc = m.group(1)
+        if re.search(rf"\bbar\.sync\s+0, {threads}|barrier\.sync\s+0, {threads}", line):
+            lines.append(loc)
+    return lines

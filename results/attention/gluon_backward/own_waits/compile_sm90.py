@@ -4,7 +4,6 @@ all 256 compute threads in its PTX (`bar.sync 0, 256`: seven a step and one afte
 warp group's own) and the registers, stack and local memory per thread.
 python compile_sm90.py > compile_sm90.txt     (TRITON_PTXAS_PATH / TRITON_PTXAS_BLACKWELL_PATH: the wheel's binaries)"""
 import os
-import re
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ptxas_sm90"))
@@ -17,5 +16,5 @@ import triton  # noqa: E402
 print(f"triton {triton.__version__}; {sm90.ptxas_version()}; ptx_options {ah.BWD_PTXAS_OPTIONS!r}")
 for docs in (False, True):
     c = compile_backward(docs=docs, DQ_TMA=True, ptx_options=ah.BWD_PTXAS_OPTIONS)
-    barriers = len(re.findall(r"bar\.sync\s+0, 256|barrier\.sync(\.aligned)?\s+0, 256", c.asm["ptx"]))
+    barriers = len(sm90.partition_barriers(c))
     print(f"packed rows {docs!s:<5}: {barriers} barriers of the compute partition; {sm90.resources(c)}", flush=True)

@@ -2,19 +2,12 @@
 line of every `bar.sync 0, 256` in the PTX, for dQ by TMA reductions and by atomics; and, for the first, the LLVM IR
 around each barrier. Compiled for sm_90 without a GPU (tools/sm90_offline.py).
 python barriers.py > barriers.txt"""
-import re
-
 from probe import compile_backward  # this folder's: the backward compiled as its launcher launches it
+import tools.sm90_offline as sm90
 
 for tma in (True, False):
     c = compile_backward(DQ_TMA=tma)
-    ptx = c.asm["ptx"]
-    locs = []
-    loc = None
-    for line in ptx.split("\n"):
-        m = re.search(r"\.loc\s+1 (\d+) ", line)
-        if m: loc = m.group(1)
-        if re.search(r"\bbar\.sync\s+0, 256|barrier\.sync\s+0, 256", line): locs.append(loc)
+    locs = sm90.partition_barriers(c)
     print("DQ_TMA", tma, "partition barriers at source lines", locs)
     if tma:
         llir = c.asm["llir"]

@@ -204,6 +204,9 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE, DOC_START, T, HQ, GROUP, q_
     # partition of 8 warps on all 128 rows (whose two warp groups move in step: Gluon syncs a
     # partition before each arrive on a barrier): 913 against 1,149 us on the 8K document, H100.
     # Heaviest programs first: the last query tiles of a causal row read the most keys.
+    # Tried and dropped: a persistent grid (a program per SM walking query tiles, the next tile's Q and first K
+    # loaded while the last one ends): 8K document 938-945 us against 945-949, 16K 3,738-3,748 against 3,638-3,736,
+    # head dim 64 651-667 against 659-660 (H100, results/attention/persistent_and_layout_h100/).
     bh = gl.program_id(0)
     pid_m = gl.num_programs(1) - 1 - gl.program_id(1)
     b = bh // HQ
@@ -247,13 +250,20 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE, DOC_START, T, HQ, GROUP, q_
     ], [1, num_warps], [24, 240])
 
 
+def _hf_layout(t):
+    """Whether a [B, H, T, D] tensor is HF's [B, T, H, D] seen through a transpose (heads side by side in a row)."""
+    B, H, T, D = t.shape
+    sb, sh, st, sd = t.stride()
+    return sd == 1 and sh >= D and H * sh <= st and sb == T * st
+
+
 def _rows_view(t):
     """A rank-3 view [X, T, C] of a [B, H, T, D] tensor that TMA can read, and where head (b, h) sits
     in it: x = b * xb + h * xh, columns from h * ch. Two layouts need no copy: HF's [B, T, H, D]
     seen through a transpose (heads side by side in a row) and [B, H, T, D] with heads stacked."""
     B, H, T, D = t.shape
     sb, sh, st, sd = t.stride()
-    if sd == 1 and sh >= D and H * sh <= st and sb == T * st:  # HF: [B, T, H, D]
+    if _hf_layout(t):
         return t.as_strided((B, T, H * sh), (sb, st, 1)), 1, 0, sh
     if sd == 1 and st >= D and sh >= T * st and sb == H * sh:  # [B, H, T, D], heads stacked
         return t.as_strided((B * H, T, D), (sh, st, 1)), H, 1, 0
@@ -433,6 +443,17 @@ def _bwd_load_partition(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem,
 
 
 @gluon.jit
+def _grad_at(b, h, H, D: gl.constexpr, HF: gl.constexpr):
+    # Where head h of row b sits in a gradient buffer [B, H, T, D] seen as rows: (x, first column, row width).
+    # HF: the buffer is [B, T, H, D] (the layers' own layout: every head side by side in a row);
+    # otherwise [B, H, T, D], heads stacked.
+    if HF:
+        return b, h * D, H * D
+    else:
+        return b * H + h, 0, D
+
+
+@gluon.jit
 def _bwd_row_stats(LSE, DELTA, b, kvh, i0, n_qt, it, n_iter, T, HQ, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
                    layout: gl.constexpr):
     # lse_i and delta_i of step `it` (query head, query tile); zeros past the row or the last step.
@@ -447,7 +468,8 @@ def _bwd_row_stats(LSE, DELTA, b, kvh, i0, n_qt, it, n_iter, T, HQ, GROUP: gl.co
 def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready, empty,
                            LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ, HKV, i0, n_qt, n_iter, qk_scale,
                            scale, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                           STAGES: gl.constexpr, DOCS: gl.constexpr, DQ_TMA: gl.constexpr, num_warps: gl.constexpr):
+                           STAGES: gl.constexpr, DOCS: gl.constexpr, DQ_TMA: gl.constexpr,
+                           GRADS_HF: gl.constexpr, num_warps: gl.constexpr):
     # [BLOCK_N, BLOCK_M] products (S^T, dP^T) and [BLOCK_N, D] accumulators (dK, dV): keys along
     # rows, 16 per warp; dQ_i [BLOCK_M, D] splits D between the two warp groups.
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -480,7 +502,6 @@ def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq
         s = it % STAGES
         h, m0 = _bwd_step(it, kvh, i0, n_qt, GROUP, BLOCK_M)
         offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
-        row = (b * HQ + h).to(gl.int64) * T
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         q = q_smem.index(s).reshape([BLOCK_M, D])
         do = do_smem.index(s).reshape([BLOCK_M, D])
@@ -515,11 +536,13 @@ def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq
             tma.store_wait(1)  # the reduction issued from this buffer two tiles ago has read it
             buf.reshape([BLOCK_M, D]).store(dq * scale)
             fence_async_shared()
-            tma_reduce_add(dq_desc, [b * HQ + h, m0, 0], buf)  # rows past T: clipped by the copy
+            dq_x, dq_c, dq_w = _grad_at(b, h, HQ, D, GRADS_HF)
+            tma_reduce_add(dq_desc, [dq_x, m0, dq_c], buf)  # rows past T: clipped by the copy
         else:  # Triton before 3.8: fire-and-forget float32 atomics (slower, see above)
+            dq_x, dq_c, dq_w = _grad_at(b, h, HQ, D, GRADS_HF)
             rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-            cols = gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
-            gl.atomic_add(DQ + (row + rows[:, None]) * D + cols[None, :], dq * scale,
+            cols = dq_c + gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
+            gl.atomic_add(DQ + (dq_x.to(gl.int64) * T + rows[:, None]) * dq_w + cols[None, :], dq * scale,
                           mask=(rows < T)[:, None], sem="relaxed")
         dk, dst16 = warpgroup_mma_wait_own(0, (dk, dst16))
         mbarrier.arrive(empty.index(s), count=1)  # Q_i and dO_i read: the loader may refill the slot
@@ -528,7 +551,8 @@ def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq
 
     rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))
-    out = ((b * HKV + kvh).to(gl.int64) * T + rows[:, None]) * D + cols[None, :]
+    kv_x, kv_c, kv_w = _grad_at(b, kvh, HKV, D, GRADS_HF)
+    out = (kv_x.to(gl.int64) * T + rows[:, None]) * kv_w + kv_c + cols[None, :]
     gl.store(DK + out, (dk * scale).to(dtype), mask=(rows < T)[:, None])
     gl.store(DV + out, dv.to(dtype), mask=(rows < T)[:, None])
 
@@ -538,7 +562,7 @@ def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_E
                      kv_xb, kv_xh, kv_ch, q_xb, q_xh, q_ch, do_xb, do_xh, do_ch, qk_scale, scale,
                      GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                      KV_GROUP, STAGES: gl.constexpr, DOCS: gl.constexpr, DQ_TMA: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     GRADS_HF: gl.constexpr, num_warps: gl.constexpr):
     # Which (row, key/value head) and key tile: programs start in the order of their ids, so the
     # order decides what runs side by side. Groups of KV_GROUP key/value heads one after the other;
     # inside a group key tile 0 of each head first (the tiles that see the most queries: measured
@@ -581,7 +605,8 @@ def _attn_bwd_hopper(k_desc, v_desc, q_desc, do_desc, dq_desc, LSE, DELTA, DOC_E
     gl.warp_specialize([
         (_bwd_compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_desc, kv_bar, ready, empty,
                                   LSE, DELTA, DOC_END, DQ, DK, DV, b, kvh, n0, T, HQ, HKV, i0, n_qt, n_iter,
-                                  qk_scale, scale, GROUP, BLOCK_M, BLOCK_N, D, STAGES, DOCS, DQ_TMA, num_warps)),
+                                  qk_scale, scale, GROUP, BLOCK_M, BLOCK_N, D, STAGES, DOCS, DQ_TMA, GRADS_HF,
+                                  num_warps)),
         (_bwd_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready,
                                empty, b * kv_xb + kvh * kv_xh, kvh * kv_ch, n0, q_xb, q_xh, q_ch, do_xb, do_xh,
                                do_ch, b, kvh, i0, n_qt, n_iter, GROUP, BLOCK_M, STAGES)),
@@ -630,8 +655,26 @@ def cast_in_place(buffer, dtype):
     return out
 
 
+# Where the gradients go. A decoder layer hands attention q, k and v as transposed views of its projections'
+# [B, T, H, D] outputs, and its backward takes their gradients back through the transpose and a reshape to
+# [B, T, H * D]: a gradient laid out [B, H, T, D] is copied there, one read and one write per layer. Our RoPE
+# backward writes dQ and dK in the layout of q and k before it whatever it reads, but dV goes straight back
+# (34 MB at 16,384 tokens of 8 key/value heads of 128), and so do dQ and dK through a model's own rotary code
+# (PyTorch's elementwise ops keep their input's layout). Written in the inputs' layout (rows of every head
+# side by side: only where the kernel puts a head's tile changes, _grad_at), the reshape is a view. Traced
+# calls keep contiguous gradients: the layout their fake kernel promises. The backward alone is as fast either way
+# (H100, three rounds in one call, results/attention/persistent_and_layout_h100/: 8K document 2,762-3,224 us against
+# 2,713-3,283, 16K 10,977-11,075 against 10,973-11,519, documents of 512-4,096 2,177-2,270 against 2,221-2,433).
+def _grad_rows(B, H, T, D, dtype, device, hf, zeros=False):
+    """A [B, H, T, D] gradient buffer: a transposed view of a contiguous [B, T, H, D] (hf), or contiguous."""
+    make = torch.zeros if zeros else torch.empty
+    if hf:
+        return make(B, T, H, D, dtype=dtype, device=device).transpose(1, 2)
+    return make(B, H, T, D, dtype=dtype, device=device)
+
+
 def attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale, dq_tma=None, block_m=None, block_n=None,
-                              stages=None, kv_group=None, dq_in_place=False):
+                              stages=None, kv_group=None, dq_in_place=False, grads_like_inputs=False):
     """(dq, dk, dv) of causal attention, as attention_kernel.attention_backward: dout [B, T, Hq, D],
     q [B, Hq, T, D], k, v [B, Hkv, T, D] (supports()), lse the forward's (log2 units), delta
     [B, Hq, T] (sum_d dO O), doc_end [B, T] int32 (attention_kernel.document_ends) for packed rows,
@@ -640,7 +683,9 @@ def attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale, dq_tma=
     many as one wave of programs holds all the key tiles of on rows of one document; B * Hkv, every pair key tile
     by key tile, on packed rows).
     dq_in_place: dq is cast into its float32 buffer and returned as a strided view of it (cast_in_place),
-    not as a tensor of its own."""
+    not as a tensor of its own. grads_like_inputs: where q, k and v are all transposed views of HF's
+    [B, T, H, D] (what decoder layers hand attention), dq, dk and dv are too, so that the layers' own
+    backward (the transpose, then a reshape to [B, T, H * D]) copies none of them; contiguous otherwise."""
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     if not supports(q, k, v):
@@ -655,18 +700,20 @@ def attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale, dq_tma=
     k3, v3, (kv_xb, kv_xh, kv_ch) = _kv_views(k, v)
     q3, q_xb, q_xh, q_ch = _rows_view(q)
     do3, do_xb, do_xh, do_ch = _rows_view(dout.transpose(1, 2))
-    dq = torch.zeros(B, Hq, T, D, dtype=torch.float32, device=q.device)
-    dk = torch.empty(B, Hkv, T, D, dtype=q.dtype, device=q.device)
-    dv = torch.empty(B, Hkv, T, D, dtype=q.dtype, device=q.device)
+    hf = grads_like_inputs and all(_hf_layout(t) for t in (q, k, v))
+    dq = _grad_rows(B, Hq, T, D, torch.float32, q.device, hf, zeros=True)
+    dk = _grad_rows(B, Hkv, T, D, q.dtype, q.device, hf)
+    dv = _grad_rows(B, Hkv, T, D, q.dtype, q.device, hf)
+    dq3 = _rows_view(dq)[0]
     n_kt = triton.cdiv(T, block_n)
     kv_group = kv_group or (B * Hkv if doc_end is not None else max(1, num_sms(q.device) // n_kt))
     _attn_bwd_hopper[(B * Hkv * n_kt, )](
         _descriptor(k3, block_n, D), _descriptor(v3, block_n, D), _descriptor(q3, block_m, D),
-        _descriptor(do3, block_m, D), _descriptor(dq.view(B * Hq, T, D), block_m, D), lse, delta,
+        _descriptor(do3, block_m, D), _descriptor(dq3, block_m, D), lse, delta,
         dq if doc_end is None else doc_end, dq, dk, dv, T, Hq, Hkv, kv_xb, kv_xh, kv_ch, q_xb, q_xh, q_ch,
         do_xb, do_xh, do_ch, scale * math.log2(math.e), scale, GROUP=Hq // Hkv, BLOCK_M=block_m, BLOCK_N=block_n,
         D=D, KV_GROUP=min(kv_group, B * Hkv), STAGES=stages, DOCS=doc_end is not None, DQ_TMA=bool(dq_tma),
-        num_warps=8, ptx_options=BWD_PTXAS_OPTIONS, **LAUNCH_OPTIONS)
-    if dq_in_place:
-        return cast_in_place(dq, q.dtype), dk, dv
+        GRADS_HF=hf, num_warps=8, ptx_options=BWD_PTXAS_OPTIONS, **LAUNCH_OPTIONS)
+    if dq_in_place:  # the buffer itself, contiguous in its own layout, then seen as [B, Hq, T, D] again
+        return (cast_in_place(dq.transpose(1, 2), q.dtype).transpose(1, 2) if hf else cast_in_place(dq, q.dtype)), dk, dv
     return dq.to(q.dtype), dk, dv

@@ -814,7 +814,9 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in q's, k's, v's shapes (contiguous) from dout [B, T, Hq, D]. dq_view: dq may be
     the Gluon backward's strided view of its float32 buffer (attention_hopper_kernel.cast_in_place),
-    which saves its own 2 bytes per element; only then do packed rows take that backward. doc_end:
+    which saves its own 2 bytes per element, and the Gluon backward's gradients come in the inputs'
+    layout where that is HF's (grads_like_inputs: no copies in the layers' backward); only then do
+    packed rows take that backward. doc_end:
     document_ends(doc_start) where the caller made it already (made here otherwise)."""
     q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
     B, Hq, T, D = q.shape
@@ -825,7 +827,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if _hopper_backward_ok(q, k, v, doc_start, window, softcap, dq_view):
         doc_end = None if _one_document(doc_start) else _ends_as_rows(doc_start, doc_end)
         return attention_hopper_kernel.attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale,
-                                                                 dq_in_place=dq_view)
+                                                                 dq_in_place=dq_view, grads_like_inputs=dq_view)
     dq = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
     dk = torch.empty(B, Hkv, T, D, dtype=k.dtype, device=k.device)
     dv = torch.empty(B, Hkv, T, D, dtype=v.dtype, device=v.device)

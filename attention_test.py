@@ -611,8 +611,10 @@ def test_hopper_backward_matches_truth_and_the_triton_backward(case, monkeypatch
     """On an H100 / H200: the Gluon backward (five products per tile) against float64 and against
     the Triton backward on the same rows, dQ summed by relaxed atomics and, where Triton has them
     (3.8 on), by TMA reductions, its programs in groups of key/value heads of several sizes, dQ cast
-    in place or not; attention_backward takes it on rows of one document where TMA reductions exist,
-    and on packed rows behind USE_HOPPER_BACKWARD_PACKED where dQ may be a view."""
+    in place or not, the gradients in the inputs' layout (grads_like_inputs: a transposed view of HF's
+    [B, T, H, D] where q, k and v are such views) or contiguous; attention_backward takes it on rows of
+    one document where TMA reductions exist, and on packed rows behind USE_HOPPER_BACKWARD_PACKED where
+    dQ may be a view (and then asks for the inputs' layout)."""
     rows, T, Hq, D, q, k, v, starts, g = hopper_inputs(case, seed=7)
     hopper = attention_kernel.attention_hopper_kernel
     dout = torch.randn(len(rows), T, Hq, D, generator=g).cuda().bfloat16()
@@ -624,16 +626,27 @@ def test_hopper_backward_matches_truth_and_the_triton_backward(case, monkeypatch
     triton_grads = attention_kernel.attention_backward(dout, q, k, v, out, lse, starts, scale, 0, 0.0)
     truth = run(q.double(), k.double(), v.double(), starts, dout.double(), reference())[1:]
     # kv_group: the default, one (row, key/value head) pair at a time, three (a last group smaller), all of them;
-    # dq cast into its float32 buffer (a strided view) or into a tensor of its own
-    modes = [{"dq_tma": False}, {"dq_tma": False, "kv_group": 3}, {"dq_tma": False, "dq_in_place": True}]
+    # dq cast into its float32 buffer (a strided view) or into a tensor of its own; the gradients in the inputs' layout
+    like = {"grads_like_inputs": True}
+    modes = [{"dq_tma": False}, {"dq_tma": False, "kv_group": 3}, {"dq_tma": False, "dq_in_place": True},
+             {"dq_tma": False, **like}]
     if hopper.TMA_REDUCE:
         modes += [{"dq_tma": True}, {"dq_tma": True, "kv_group": 1}, {"dq_tma": True, "kv_group": 3},
-                  {"dq_tma": True, "kv_group": len(rows) * k.shape[1]}, {"dq_tma": True, "dq_in_place": True}]
+                  {"dq_tma": True, "kv_group": len(rows) * k.shape[1]}, {"dq_tma": True, "dq_in_place": True},
+                  {"dq_tma": True, **like}, {"dq_tma": True, "dq_in_place": True, **like}]
+    hf = HOPPER_ROWS[case][-1]
     for opts in modes:
         got = hopper.attention_backward_hopper(dout, q, k, v, lse, delta, document_ends(starts) if packed else None,
                                                scale, **opts)
         check_outputs(["dq", "dk", "dv"], got, triton_grads, truth, peer_name="the Triton backward")
-        assert got[0].is_contiguous() != opts.get("dq_in_place", False)
+        for grad, x in zip(got, (q, k, v)):
+            if grad is got[0] and opts.get("dq_in_place"):
+                assert not grad.is_contiguous()  # a view of its float32 buffer
+                continue
+            if hf and opts.get("grads_like_inputs"):
+                assert grad.stride() == x.stride()  # the layers' backward reshapes it without a copy
+            else:
+                assert grad.is_contiguous()
     monkeypatch.setattr(attention_kernel, "USE_HOPPER_BACKWARD", True)
     one = attention_kernel.one_document_rows(len(rows), T, q.device)
     assert attention_kernel._hopper_backward_ok(q, k, v, one, 0, 0.0) == hopper.TMA_REDUCE
@@ -645,6 +658,8 @@ def test_hopper_backward_matches_truth_and_the_triton_backward(case, monkeypatch
             routed = attention_kernel.attention_backward(dout, q, k, v, out, lse, one, scale, 0, 0.0, dq_view)
             check_outputs(["dq", "dk", "dv"], routed, triton_grads, truth, peer_name="the Triton backward")
             assert routed[0].is_contiguous() == (not dq_view or not hopper.TMA_REDUCE)
+            for grad, x in zip(routed[1:], (k, v)):  # in the inputs' layout in eager mode
+                assert grad.stride() == x.stride() if dq_view and hopper.TMA_REDUCE else grad.is_contiguous()
     monkeypatch.setattr(attention_kernel, "USE_HOPPER_BACKWARD_PACKED", True)  # packed rows, dq cast in place
     takes = attention_kernel._hopper_backward_ok(q, k, v, starts, 0, 0.0, dq_view=True)
     assert takes == hopper.TMA_REDUCE

@@ -1,6 +1,7 @@
 """Compile attention_hopper_kernel.py's backward for sm_90 (H100) on a machine without a GPU (a stand-in driver names
 the target, JITFunction.warmup runs the whole pipeline, ptxas included; nothing is launched).
-python compile_sm90.py [BLOCK_M,BLOCK_N,STAGES,DQ_TMA] ...   (DOCS=1 in the environment: packed rows; HEAD_DIM=64)"""
+python compile_sm90.py [BLOCK_M,BLOCK_N,STAGES,DQ_TMA] ...   (DOCS=1 in the environment: packed rows; HEAD_DIM=64;
+GRADS_HF=1: the gradients in HF's layout)"""
 import sys, os, time
 import torch, triton
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))  # the checkout
@@ -10,6 +11,7 @@ import attention_hopper_kernel as ah
 
 B, Hq, Hkv, T, D = 1, 32, 8, 8192, int(os.environ.get("HEAD_DIM", 128))
 docs = bool(os.environ.get("DOCS"))
+hf = bool(os.environ.get("GRADS_HF"))  # gradients in HF's [B, T, H, D] layout
 q = torch.empty(B, T, Hq, D, dtype=torch.bfloat16).transpose(1, 2)
 k = torch.empty(B, T, Hkv, D, dtype=torch.bfloat16).transpose(1, 2)
 dout = torch.empty(B, T, Hq, D, dtype=torch.bfloat16)
@@ -24,7 +26,8 @@ for cfg in [tuple(int(x) for x in c.split(",")) for c in (sys.argv[1:] or ["64,1
         c = ah._attn_bwd_hopper.warmup(desc(k3, bn), desc(k3, bn), desc(q3, bm), desc(d3, bm),
                                        desc(dq.view(B * Hq, T, D), bm), lse, delta, ends, dq, dk, dk, T, Hq, Hkv,
                                        ka, kb, kc, qa, qb, qc, da, db, dc, 0.1, 0.1, GROUP=Hq // Hkv, BLOCK_M=bm,
-                                       BLOCK_N=bn, D=D, KV_GROUP=2, STAGES=stages, DOCS=docs, DQ_TMA=bool(dq_tma), num_warps=8,
+                                       BLOCK_N=bn, D=D, KV_GROUP=2, STAGES=stages, DOCS=docs, DQ_TMA=bool(dq_tma),
+                                       GRADS_HF=hf, num_warps=8,
                                        grid=(1,), **ah.LAUNCH_OPTIONS)
         ptx = c.asm["ptx"]
         print(f"triton {triton.__version__} D={D} docs={docs} {cfg}: ok {time.time()-t0:.0f}s, wgmma "

@@ -37,7 +37,7 @@ def compile_backward(D=128, docs=False, ptx_options=None, **meta):
         ah._descriptor(k3, 128, D), ah._descriptor(k3, 128, D), ah._descriptor(q3, 64, D),
         ah._descriptor(d3, 64, D), ah._descriptor(dq.view(B * Hq, T, D), 64, D), lse, delta, ends, dq, dk, dk,
         T, Hq, Hkv, ka, kb, kc, qa, qb, qc, da, db, dc, 0.1, 0.1, GROUP=Hq // Hkv, BLOCK_M=64, BLOCK_N=128,
-        D=D, KV_GROUP=2, STAGES=2, DOCS=docs, num_warps=8, grid=(1,), **ah.LAUNCH_OPTIONS, **meta,
+        D=D, KV_GROUP=2, STAGES=2, DOCS=docs, num_warps=8, grid=(1,), **ah.LAUNCH_OPTIONS, **{"GRADS_HF": False, **meta},
         **({"ptx_options": ptx_options} if ptx_options else {}))
 
 

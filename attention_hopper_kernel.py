@@ -531,15 +531,14 @@ def _bwd_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq
         # The next step's lse and delta: loaded now, they live only through dQ's hand-off.
         lse, delta = _bwd_row_stats(LSE, DELTA, b, kvh, i0, n_qt, it + 1, n_iter, T, HQ, GROUP, BLOCK_M,
                                     gl.SliceLayout(0, st_layout))
+        dq_x, dq_c, dq_w = _grad_at(b, h, HQ, D, GRADS_HF)
         if DQ_TMA:
             buf = dq_smem.index(it % 2)
             tma.store_wait(1)  # the reduction issued from this buffer two tiles ago has read it
             buf.reshape([BLOCK_M, D]).store(dq * scale)
             fence_async_shared()
-            dq_x, dq_c, dq_w = _grad_at(b, h, HQ, D, GRADS_HF)
             tma_reduce_add(dq_desc, [dq_x, m0, dq_c], buf)  # rows past T: clipped by the copy
         else:  # Triton before 3.8: fire-and-forget float32 atomics (slower, see above)
-            dq_x, dq_c, dq_w = _grad_at(b, h, HQ, D, GRADS_HF)
             rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
             cols = dq_c + gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
             gl.atomic_add(DQ + (dq_x.to(gl.int64) * T + rows[:, None]) * dq_w + cols[None, :], dq * scale,
@@ -714,6 +713,7 @@ def attention_backward_hopper(dout, q, k, v, lse, delta, doc_end, scale, dq_tma=
         do_xb, do_xh, do_ch, scale * math.log2(math.e), scale, GROUP=Hq // Hkv, BLOCK_M=block_m, BLOCK_N=block_n,
         D=D, KV_GROUP=min(kv_group, B * Hkv), STAGES=stages, DOCS=doc_end is not None, DQ_TMA=bool(dq_tma),
         GRADS_HF=hf, num_warps=8, ptx_options=BWD_PTXAS_OPTIONS, **LAUNCH_OPTIONS)
-    if dq_in_place:  # the buffer itself, contiguous in its own layout, then seen as [B, Hq, T, D] again
-        return (cast_in_place(dq.transpose(1, 2), q.dtype).transpose(1, 2) if hf else cast_in_place(dq, q.dtype)), dk, dv
+    if dq_in_place:  # cast within the buffer, seen in its own (contiguous) layout, then as [B, Hq, T, D] again
+        dq = cast_in_place(dq.transpose(1, 2), q.dtype).transpose(1, 2) if hf else cast_in_place(dq, q.dtype)
+        return dq, dk, dv
     return dq.to(q.dtype), dk, dv

@@ -812,7 +812,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        lse: torch.Tensor, doc_start: torch.Tensor, scale: float, window: int,
                        softcap: float, dq_view: bool = False, doc_end: Optional[torch.Tensor] = None,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) in q's, k's, v's shapes (contiguous) from dout [B, T, Hq, D]. dq_view: dq may be
+    """(dq, dk, dv) in q's, k's, v's shapes (contiguous unless dq_view) from dout [B, T, Hq, D]. dq_view: dq may be
     the Gluon backward's strided view of its float32 buffer (attention_hopper_kernel.cast_in_place),
     which saves its own 2 bytes per element, and the Gluon backward's gradients come in the inputs'
     layout where that is HF's (grads_like_inputs: no copies in the layers' backward); only then do

@@ -22,7 +22,9 @@ import triton
 
 def compile_backward(D=128, docs=False, ptx_options=None, **meta):
     """_attn_bwd_hopper compiled for sm_90 (nothing launched) as attention_backward_hopper launches it on an 8K row of
-    32 / 8 heads (BWD_TILE, two key/value heads side by side); meta: its other constexprs (DQ_TMA, DISTINCT_ACC)."""
+    32 / 8 heads (BWD_TILE, two key/value heads side by side); meta: its other constexprs (DQ_TMA, DISTINCT_ACC;
+    GRADS_HF, False unless given)."""
+    meta = {"GRADS_HF": False, **meta}
     B, Hq, Hkv, T = 1, 32, 8, 8192
     q = torch.empty(B, T, Hq, D, dtype=torch.bfloat16).transpose(1, 2)
     k = torch.empty(B, T, Hkv, D, dtype=torch.bfloat16).transpose(1, 2)
@@ -37,7 +39,7 @@ def compile_backward(D=128, docs=False, ptx_options=None, **meta):
         ah._descriptor(k3, 128, D), ah._descriptor(k3, 128, D), ah._descriptor(q3, 64, D),
         ah._descriptor(d3, 64, D), ah._descriptor(dq.view(B * Hq, T, D), 64, D), lse, delta, ends, dq, dk, dk,
         T, Hq, Hkv, ka, kb, kc, qa, qb, qc, da, db, dc, 0.1, 0.1, GROUP=Hq // Hkv, BLOCK_M=64, BLOCK_N=128,
-        D=D, KV_GROUP=2, STAGES=2, DOCS=docs, num_warps=8, grid=(1,), **ah.LAUNCH_OPTIONS, **{"GRADS_HF": False, **meta},
+        D=D, KV_GROUP=2, STAGES=2, DOCS=docs, num_warps=8, grid=(1,), **ah.LAUNCH_OPTIONS, **meta,
         **({"ptx_options": ptx_options} if ptx_options else {}))
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Ran with persistent.patch applied: the forward's persistent grid as a launcher option (not kept: no faster).
+# Ran with persistent.patch and check_bench.patch applied: the forward's persistent grid as a launcher option (not
+# kept: no faster) and its rows in check_bench.
 # H100, one call: (1) the Gluon forward, one program per query tile against the persistent grid (check_bench);
 # (2) the faster made the default in this copy; (3) benchmark_kernels attention; (4) the Hopper tests (the backward's
 # gradients in the inputs' layout among them); between (1) and (3) the backward alone with its gradients in the
@@ -9,7 +10,7 @@ source tools/device_env.sh $O >/dev/null
 t0=$SECONDS
 el() { echo "$1 rc=$2 $((SECONDS-t0))s" | tee -a $O/times.txt; }
 pack() { (cd $OUT && tar czf all.tgz all); }
-timeout 170 python3 results/attention/persistent_and_layout_h100/check_bench.py --json $O/check_bench.json > $O/check_bench.txt 2>&1
+timeout 170 python3 results/attention/gluon_forward/check_bench.py --json $O/check_bench.json > $O/check_bench.txt 2>&1
 el check_bench $?
 grep -E "correctness|FAIL|again" $O/check_bench.txt | tail -40; grep -A5 "^16,384 tokens" $O/check_bench.txt
 python3 - $O/check_bench.json <<'PY' | tee -a $O/times.txt
